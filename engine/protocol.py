@@ -1,0 +1,118 @@
+"""The messages between the server process and the engine worker process.
+
+Plain dataclasses, pickled over a multiprocessing pipe. Nothing else lives here: the server never
+imports jax, so this module (and engine.chat) is all it shares with the worker.
+
+Server -> worker: Submit, Cancel, Shutdown.
+Worker -> server: Loading (progress while weights load and programs compile), Ready (the model
+facts), Step (new tokens of one request, and its end), Fault (the worker is about to die), Stats.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Sampling:
+    """Per-request sampling. Defaults are the spec's: greedy, every filter off."""
+    temperature: float = 0.0        # 0 = greedy
+    top_p: float = 1.0              # (0, 1]
+    top_k: int = 0                  # 0 = off
+    min_p: float = 0.0              # [0, 1)
+    seed: int | None = None         # None = a random seed chosen by the worker
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    frequency_penalty: float = 0.0   # [-2, 2]
+    presence_penalty: float = 0.0    # [-2, 2]
+
+
+# ---- server -> worker -------------------------------------------------------------------------
+
+@dataclass
+class Submit:
+    rid: str                      # request id, unique per server process
+    prompt: list[int]             # prompt token ids (already rendered by engine.chat)
+    max_tokens: int               # most new tokens; the worker also stops at the end of --ctx
+    sampling: Sampling = field(default_factory=Sampling)
+    stop_ids: list[int] = field(default_factory=list)  # token ids that end the row (eos, <|im_end|>)
+    submitted_at: float = 0.0     # time.time() when the server handed it over (for queue_ms)
+
+
+@dataclass
+class Cancel:
+    rid: str                      # the worker frees the row and answers with Step(finish="abort")
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# ---- worker -> server -------------------------------------------------------------------------
+
+@dataclass
+class Loading:
+    phase: str                    # "weights", "compile", "demo-model", ...
+    done: int = 0
+    total: int = 0
+
+
+@dataclass
+class ModelFacts:
+    """What the worker loaded; the server's /v1/models and /health read it."""
+    id: str
+    family: str                   # "qwen2", "qwen3", "qwen3_moe", "qwen3_next"
+    weights: str                  # the weights folder or file loaded
+    gb: float                     # weights in device memory, GB
+    bpw: float                    # bits per weight of the weights file
+    max_model_len: int            # --ctx
+    slots: int                    # --slots
+    prefix_cache: bool
+    cache_ram_mib: int
+    vocab_size: int
+    device: str                   # "cpu", "gpu", "tpu"
+    dtype: str                    # compute dtype
+    compile_s: float = 0.0        # start-up compile time
+    cache_namespace: str | None = None
+    routed_experts: dict | None = None
+
+
+@dataclass
+class Ready:
+    facts: ModelFacts
+    pid: int = 0
+
+
+@dataclass
+class Step:
+    """New tokens of one request. The last Step of a request has finish set."""
+    rid: str
+    tokens: list[int]
+    finish: str | None = None     # "stop" (a stop id, not included in tokens), "length", "abort", "error"
+    prompt_tokens: int = 0        # set on the first Step of a request
+    cached_tokens: int = 0        # prompt tokens served from a slot or the host cache (first Step)
+    error: str | None = None      # finish == "error": what failed
+    # timings in ms, set on the last Step: queue_ms, prompt_ms (run start -> first token),
+    # predicted_ms (first -> last token)
+    timings: dict | None = None
+
+
+@dataclass
+class Stats:
+    """Sent by the worker after each scheduling round that changed something (cheap to read)."""
+    live_rows: int
+    waiting: int
+    kv_used_tokens: int           # tokens held in slots
+    kv_capacity_tokens: int       # slots * ctx
+    compiles_after_ready: int
+    host_cache_bytes: int = 0
+    snapshot_bytes: int = 0
+    host_cache_cap_bytes: int = 0
+    host_cache_evictions: int = 0
+    prefix_queries: int = 0       # prompt tokens looked up (cumulative)
+    prefix_hits: int = 0          # prompt tokens served from a cache (cumulative)
+
+
+@dataclass
+class Fault:
+    """The worker hit an error it cannot recover from and is about to exit."""
+    message: str
