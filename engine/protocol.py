@@ -62,6 +62,8 @@ class ModelFacts:
     id: str
     family: str                   # "qwen2", "qwen3", "qwen3_moe", "qwen3_next"
     weights: str                  # the weights folder or file loaded
+    folder: str                   # the HF folder: the server loads tokenizer.json from here
+    chat_format: str              # "qwen3" | "qwen2.5": which template engine.chat renders
     gb: float                     # weights in device memory, GB
     bpw: float                    # bits per weight of the weights file
     max_model_len: int            # --ctx
