@@ -89,6 +89,90 @@ class Meta:
 
 # ---- common fields (sampling, max tokens, stop) -------------------------------------------------
 
+def bad_field(name: str, why: str) -> ApiError:
+    return ApiError(400, f"{name}: {why}", param=name)
+
+
+def _number(body: dict, name: str, default: float, lo: float | None = None, hi: float | None = None,
+            lo_open: bool = False, hi_open: bool = False) -> float:
+    """A JSON number field with its range; bools are not numbers here."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_field(name, f"must be a number, got {type(value).__name__}")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise bad_field(name, f"must be {'>' if lo_open else '>='} {lo}, got {value}")
+    if hi is not None and (value >= hi if hi_open else value > hi):
+        raise bad_field(name, f"must be {'<' if hi_open else '<='} {hi}, got {value}")
+    return float(value)
+
+
+def _integer(body: dict, name: str, lo: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_field(name, f"must be an integer, got {type(value).__name__}")
+    if lo is not None and value < lo:
+        raise bad_field(name, f"must be >= {lo}, got {value}")
+    return value
+
+
+def _boolean(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_field(name, f"must be true or false, got {type(value).__name__}")
+    return value
+
+
+def parse_common(body: dict, job: Job, max_tokens_names: tuple[str, ...] = ("max_tokens",)) -> Job:
+    """The fields every generation API shares: sampling, max tokens, stop strings, stream, n.
+
+    max_tokens_names lists the API's names for the token limit, weakest first: a later one wins
+    (Chat: max_tokens then max_completion_tokens). None of them set = up to the end of the context.
+    """
+    s = job.sampling
+    s.temperature = _number(body, "temperature", 0.0, 0.0, 4.0)
+    s.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    s.top_k = _integer(body, "top_k", 0) or 0
+    s.min_p = _number(body, "min_p", 0.0, 0.0, 1.0, hi_open=True)
+    s.seed = _integer(body, "seed")
+    s.repetition_penalty = _number(body, "repetition_penalty", 1.0, 0.0, lo_open=True)
+    s.frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    s.presence_penalty = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    n = _integer(body, "n")
+    if n is not None and n != 1:
+        raise bad_field("n", f"must be 1, got {n}")
+    for name in max_tokens_names:
+        value = _integer(body, name, 1)
+        if value is not None:
+            job.max_tokens = value
+    stop = body.get("stop")
+    if stop is None:
+        stop = body.get("stop_sequences")
+        field_name = "stop_sequences"
+    else:
+        field_name = "stop"
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
+            raise bad_field(field_name, "must be a string or a list of non-empty strings")
+        job.stop = list(stop)
+    job.stream = _boolean(body, "stream")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_field("model", "must be a string")
+    job.model = model
+    key = body.get("prompt_cache_key")
+    if isinstance(key, str):
+        job.session = key
+    return job
+
+
 # ---- OpenAI Chat Completions ---------------------------------------------------------------------
 
 # ---- OpenAI Completions --------------------------------------------------------------------------
