@@ -11,11 +11,15 @@ The server process never imports jax: the engine worker (engine/worker.py) owns 
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import queue
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from engine import chat
+from engine import chat, protocol
 from engine.chat import Job
 
 
@@ -199,6 +203,218 @@ class ApiFormat:
 # =================================================================================================
 # Engine bridge: the worker process, its messages, supervision
 # =================================================================================================
+
+# The worker is started with multiprocessing's "spawn" so it never inherits the server's event loop,
+# sockets or threads. Its entry point is named as "module:function" and imported only in the child:
+# pickling a function reference would import its module here, and the real worker imports jax.
+WORKER_ENTRY = "engine.worker:main"
+# A worker that dies again and again is restarted after 1, 2, 4 ... s, at most this long, so a broken
+# device or model does not spin the CPU; the server itself never exits because its worker did.
+RESTART_BACKOFF_MAX_S = 30.0
+# A worker whose batch makes no progress for this long is treated as stuck and replaced. The longest
+# legitimate silence is one prefill chunk on a slow CPU, which the worker bounds to a few seconds.
+STUCK_WORKER_S = 120.0
+
+
+def _worker_trampoline(entry: str, conn, args) -> None:
+    """Runs in the child process: import the worker's module there, and run it."""
+    import importlib
+    module, _, func = entry.partition(":")
+    getattr(importlib.import_module(module), func)(conn, args)
+
+
+class WorkerDied(Exception):
+    """The worker process went away while a request was in it."""
+
+
+class Bridge:
+    """The only owner of the worker process: starts it, sends it Submit/Cancel, routes its Steps to the
+    request that waits for them, notices when it dies or hangs, and starts a new one.
+
+    Threads: a reader thread blocks on the pipe and hands each message to the event loop with
+    call_soon_threadsafe; a writer thread sends, so a worker busy with a long prefill never blocks the
+    event loop. Everything else runs on the event loop.
+    """
+
+    def __init__(self, worker_args, entry: str = WORKER_ENTRY, log=print):
+        self.worker_args = worker_args
+        self.entry = entry
+        self.log = log
+        self.status = "loading"          # "loading" until Ready, and again while a new worker starts
+        self.facts = None                # protocol.ModelFacts once ready
+        self.pid: int | None = None
+        self.restarts = 0
+        self.loading: tuple[str, int, int] | None = None   # (phase, done, total) for progress
+        self.stats = None                # last protocol.Stats
+        self.compiles_after_ready_before = 0   # summed over earlier worker processes
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._proc = None
+        self._conn = None
+        self._outbox: "queue.Queue" = queue.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self._failures = 0               # consecutive deaths before a Ready, for the backoff
+        self._generation = 0             # which worker process a message came from
+        self._last_progress = time.monotonic()
+        self.on_ready: list[Callable[[], None]] = []
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the first worker; call from the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        threading.Thread(target=self._writer, name="bridge-writer", daemon=True).start()
+        self._spawn()
+        self._loop.create_task(self._watchdog())
+
+    def _spawn(self) -> None:
+        import multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker_trampoline, args=(self.entry, child, self.worker_args),
+                           name="mashbox-worker", daemon=True)
+        proc.start()
+        child.close()
+        self._generation += 1
+        self._proc, self._conn, self.pid = proc, parent, proc.pid
+        self._last_progress = time.monotonic()
+        threading.Thread(target=self._reader, args=(parent, self._generation),
+                         name="bridge-reader", daemon=True).start()
+
+    def stop(self) -> None:
+        """Ask the worker to exit, then make sure it did."""
+        self._stopping = True
+        proc = self._proc
+        if proc is None:
+            return
+        try:
+            self._conn.send(protocol.Shutdown())
+        except (OSError, EOFError, BrokenPipeError):
+            pass
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(2)
+
+    # ---- threads -----------------------------------------------------------------------------------
+
+    def _reader(self, conn, generation: int) -> None:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            except Exception as e:  # an unpicklable message: the worker is broken
+                self._call(self._on_death, generation, f"bad message from worker: {e!r}")
+                return
+            self._call(self._on_message, generation, msg)
+        self._call(self._on_death, generation, "worker pipe closed")
+
+    def _writer(self) -> None:
+        while True:
+            conn, msg = self._outbox.get()
+            try:
+                conn.send(msg)
+            except (OSError, EOFError, BrokenPipeError):
+                pass  # the reader notices the death and answers the requests
+
+    def _call(self, fn, *args) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:
+                pass  # loop closed during shutdown
+
+    # ---- messages from the worker (event loop) ---------------------------------------------------
+
+    def _on_message(self, generation: int, msg) -> None:
+        if generation != self._generation:
+            return  # a message from a worker that was already replaced
+        self._last_progress = time.monotonic()
+        if isinstance(msg, protocol.Step):
+            q = self._streams.get(msg.rid)
+            if q is not None:
+                q.put_nowait(msg)
+                if msg.finish is not None:
+                    self._streams.pop(msg.rid, None)
+        elif isinstance(msg, protocol.Stats):
+            self.stats = msg
+        elif isinstance(msg, protocol.Loading):
+            self.loading = (msg.phase, msg.done, msg.total)
+        elif isinstance(msg, protocol.Ready):
+            self.facts = msg.facts
+            if msg.pid:
+                self.pid = msg.pid
+            self.status = "ok"
+            self.loading = None
+            self._failures = 0
+            for fn in self.on_ready:
+                fn()
+        elif isinstance(msg, protocol.Fault):
+            self.log(f"worker fault: {msg.message}")
+
+    def _on_death(self, generation: int, why: str) -> None:
+        if generation != self._generation or self._stopping:
+            return
+        self._generation += 1  # ignore anything else the dead worker's threads deliver
+        code = self._proc.exitcode if self._proc is not None else None
+        if self._proc is not None and code is None:
+            self._proc.kill()
+        self.log(f"worker {self.pid} died ({why}, exit code {code}); starting a new one")
+        if self.stats is not None:
+            self.compiles_after_ready_before += self.stats.compiles_after_ready
+        self.stats = None
+        self.status = "loading"
+        streams, self._streams = self._streams, {}
+        for q in streams.values():
+            q.put_nowait(WorkerDied(why))
+        self._failures += 1
+        self.restarts += 1
+        delay = min(RESTART_BACKOFF_MAX_S, 2.0 ** (self._failures - 1)) if self._failures > 1 else 0.0
+        if delay:
+            self.log(f"worker failed {self._failures} times in a row; next start in {delay:.0f} s")
+        self._loop.call_later(delay, self._respawn)
+
+    def _respawn(self) -> None:
+        if not self._stopping:
+            self._spawn()
+
+    async def _watchdog(self) -> None:
+        """A worker with requests in it that sends nothing for STUCK_WORKER_S is stuck: replace it."""
+        while not self._stopping:
+            await asyncio.sleep(min(5.0, STUCK_WORKER_S / 4))
+            if (self.status == "ok" and self._streams
+                    and time.monotonic() - self._last_progress > STUCK_WORKER_S):
+                gen = self._generation
+                if self._proc is not None:
+                    self._proc.kill()
+                self._on_death(gen, f"no progress for {STUCK_WORKER_S:.0f} s")
+
+    # ---- requests ----------------------------------------------------------------------------------
+
+    def submit(self, submit: "protocol.Submit") -> asyncio.Queue:
+        """Hand a request to the worker. Its Steps (and a WorkerDied, if the worker dies) arrive on the
+        returned queue; the last Step has finish set."""
+        q: asyncio.Queue = asyncio.Queue()
+        if self.status != "ok":
+            q.put_nowait(WorkerDied("worker not ready"))
+            return q
+        self._streams[submit.rid] = q
+        if not self._streams or len(self._streams) == 1:
+            self._last_progress = time.monotonic()  # the stuck clock starts when work arrives
+        self._outbox.put((self._conn, submit))
+        return q
+
+    def cancel(self, rid: str) -> None:
+        if self._streams.pop(rid, None) is not None and self.status == "ok":
+            self._outbox.put((self._conn, protocol.Cancel(rid)))
+
+    @property
+    def compiles_after_ready(self) -> int | None:
+        if self.stats is None:
+            return None if self.status != "ok" else self.compiles_after_ready_before
+        return self.compiles_after_ready_before + self.stats.compiles_after_ready
 
 
 # =================================================================================================
