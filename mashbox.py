@@ -80,6 +80,7 @@ class Meta:
     id: str                       # the response id (chatcmpl-..., cmpl-..., msg_..., resp_...)
     created: int                  # unix time
     model: str                    # the model name to answer with
+    prompt_tokens: int = 0        # prompt length after the template (known before generation starts)
 
 
 # Encoder interface (one class per API):
@@ -415,6 +416,156 @@ class Bridge:
         if self.stats is None:
             return None if self.status != "ok" else self.compiles_after_ready_before
         return self.compiles_after_ready_before + self.stats.compiles_after_ready
+
+
+# =================================================================================================
+# Generation: one request through the template, the engine, the output parser and its API's encoder
+# =================================================================================================
+
+# Anthropic and Responses clients run watchdogs on silent streams; a frame this often while a long
+# prompt is prefilled (a 15k-token Claude Code prompt takes about a minute on a CPU) keeps them calm.
+KEEPALIVE_S = 5.0
+# The spec's retry rule: a request whose client has received no output is sent again once.
+RETRIES_AFTER_FAULT = 1
+
+
+def _timings(step_timings: dict | None, usage: chat.Usage) -> dict:
+    """llama-server's timings block (ChatTimings) from what the worker measured."""
+    t = step_timings or {}
+    prompt_n = usage.prompt_tokens - usage.cached_tokens
+    prompt_ms = float(t.get("prompt_ms", 0.0))
+    predicted_ms = float(t.get("predicted_ms", 0.0))
+    n = usage.completion_tokens
+    return {
+        "prompt_n": prompt_n,
+        "prompt_ms": round(prompt_ms, 3),
+        "prompt_per_second": round(prompt_n / (prompt_ms / 1000), 3) if prompt_ms > 0 else None,
+        "predicted_n": n,
+        "predicted_ms": round(predicted_ms, 3),
+        "predicted_per_second": round((n - 1) / (predicted_ms / 1000), 3) if predicted_ms > 0 and n > 1 else None,
+        "cache_n": usage.cached_tokens,
+        "queue_ms": round(float(t.get("queue_ms", 0.0)), 3),
+    }
+
+
+async def _next_step(q: asyncio.Queue, gone: asyncio.Event, timeout: float):
+    """The next Step (or WorkerDied) for a request; None on timeout; raises ClientGone if the client left."""
+    if gone.is_set():
+        raise ClientGone()
+    get = asyncio.ensure_future(q.get())
+    left = asyncio.ensure_future(gone.wait())
+    try:
+        done, _ = await asyncio.wait({get, left}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        if not get.done():
+            get.cancel()
+    if get in done:
+        return get.result()
+    if left in done:
+        raise ClientGone()
+    return None
+
+
+@dataclass
+class Outcome:
+    """What the request log line and the metrics need to know about a finished request."""
+    status: int = 200
+    finish: str = ""
+    usage: chat.Usage | None = None
+    timings: dict | None = None
+    first_token_at: float | None = None
+    retried: bool = False
+
+
+async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list[int],
+                         outcome: Outcome) -> None:
+    """Generate for one parsed, rendered, admitted request and write its answer (JSON or SSE).
+
+    Owns the retry rule: if the worker dies before the client has received any output, the request is
+    sent again once from the start; after output was sent, the stream ends with the API's error event.
+    """
+    facts = app.bridge.facts
+    room = facts.max_model_len - len(prompt)
+    max_tokens = room if job.max_tokens is None else min(job.max_tokens, room)
+    rid = new_id({"chat": "chatcmpl-", "completions": "cmpl-", "messages": "msg_",
+                  "responses": "resp_"}[fmt.name])
+    answer_model = (job.model or facts.id) if fmt.name in ("messages", "responses") else facts.id
+    meta = Meta(id=rid, created=int(time.time()), model=answer_model, prompt_tokens=len(prompt))
+    tok = app.tokenizer
+    gone = out.gone
+    if job.stream:
+        await out.start_stream()
+        enc = fmt.encoder(job, meta)
+        for frame in enc.start():
+            await out.event(frame)
+    for attempt in range(RETRIES_AFTER_FAULT + 1):
+        enc_attempt = fmt.encoder(job, meta) if not job.stream else enc
+        parser = chat.OutputParser(tok, job, facts.chat_format)
+        sub_id = rid if attempt == 0 else f"{rid}-retry{attempt}"
+        q = app.bridge.submit(protocol.Submit(
+            rid=sub_id, prompt=prompt, max_tokens=max_tokens, sampling=job.sampling,
+            stop_ids=list(tok.stop_ids), submitted_at=time.time()))
+        usage = chat.Usage(prompt_tokens=len(prompt))
+        sent_output = False
+        try:
+            while True:
+                step = await _next_step(q, gone, KEEPALIVE_S)
+                if step is None:
+                    if job.stream:
+                        await out.event(enc_attempt.keepalive())
+                    continue
+                if isinstance(step, WorkerDied) or step.finish == "error":
+                    why = str(step) if isinstance(step, WorkerDied) else (step.error or "device error")
+                    raise WorkerDied(why)
+                if step.prompt_tokens:
+                    usage.prompt_tokens, usage.cached_tokens = step.prompt_tokens, step.cached_tokens
+                if step.tokens and outcome.first_token_at is None:
+                    outcome.first_token_at = time.monotonic()
+                usage.completion_tokens += len(step.tokens)
+                events = parser.feed(step.tokens)
+                finish = step.finish
+                if parser.stop_hit and finish is None:
+                    app.bridge.cancel(sub_id)   # a stop string ended the text: free the slot now
+                    finish = "stop"
+                if finish is not None:
+                    outcome.timings = _timings(step.timings, usage)
+                    events += parser.finish(finish, usage, outcome.timings)
+                for ev in events:
+                    frames = enc_attempt.feed(ev)
+                    if isinstance(ev, chat.Done):
+                        outcome.finish, outcome.usage = ev.finish_reason, ev.usage
+                    if job.stream and frames:
+                        if not isinstance(ev, chat.Done):
+                            sent_output = True
+                        for frame in frames:
+                            await out.event(frame)
+                if finish is not None:
+                    break
+        except WorkerDied as died:
+            app.bridge.cancel(sub_id)
+            if not sent_output and attempt < RETRIES_AFTER_FAULT:
+                outcome.retried = True
+                app.log(f"{rid}: worker fault ({died}); retrying once from the start")
+                await app.wait_ready()
+                continue
+            err = ApiError(500, f"the request failed on the device: {died}", type="server_error")
+            outcome.status, outcome.finish = 500, "error"
+            if job.stream:
+                for frame in enc_attempt.error(err):
+                    await out.event(frame)
+                await out.end_stream()
+                return
+            raise err
+        except BaseException:
+            app.bridge.cancel(sub_id)   # client gone, stalled or server stopping: free the slot at once
+            outcome.finish = outcome.finish or "abort"
+            raise
+        if job.stream:
+            await out.end_stream()
+        else:
+            await out.json(200, enc_attempt.body())
+        return
 
 
 # =================================================================================================
