@@ -16,6 +16,7 @@ import json
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -67,6 +68,95 @@ def sse(data: Any, event: str | None = None) -> bytes:
 # =================================================================================================
 # Admission: per-tenant and global waiting queues
 # =================================================================================================
+
+# The spec's limits: one tenant may have this many requests waiting for a slot, and the server this
+# many in all. Past either the request is refused at once (429 / 529 with Retry-After) instead of
+# queueing for minutes behind work the client will have given up on.
+MAX_WAITING_PER_TENANT = 32
+MAX_WAITING_TOTAL = 256
+# What a refused client is told to wait: roughly one short answer's time on a busy server.
+RETRY_AFTER_BUSY_S = 2
+# While the model loads or its worker restarts: loading takes tens of seconds, so poll gently.
+RETRY_AFTER_LOADING_S = 5
+
+
+class Rejected(Exception):
+    """Admission refused a request; reason is a metrics label ("tenant_queue_full", "queue_full")."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Admission:
+    """Requests wait here for a slot. The engine is never given more requests than it has slots, so the
+    order in which this queue lets them in is the order they run: when a slot frees, waiting tenants
+    take turns (round robin over tenants, first come first served within a tenant), so one tenant's
+    flood cannot starve another's single request.
+    """
+
+    def __init__(self, slots: int, per_tenant: int = MAX_WAITING_PER_TENANT,
+                 total: int = MAX_WAITING_TOTAL):
+        self.slots = slots
+        self.per_tenant = per_tenant
+        self.total = total
+        self.running = 0
+        self._waiting: dict[str, "deque[asyncio.Future]"] = {}
+        self._turns: "deque[str]" = deque()   # tenants with waiters, in round-robin order
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(q) for q in self._waiting.values())
+
+    def enter(self, tenant: str) -> "asyncio.Future | None":
+        """Take a slot now (returns None) or a place in the queue (a future that resolves when the slot
+        is yours). Raises Rejected when the tenant's or the server's queue is full."""
+        if self.running < self.slots and not self._turns:
+            self.running += 1
+            return None
+        queue_ = self._waiting.get(tenant)
+        if queue_ is not None and len(queue_) >= self.per_tenant:
+            raise Rejected("tenant_queue_full")
+        if self.waiting >= self.total:
+            raise Rejected("queue_full")
+        if queue_ is None:
+            queue_ = self._waiting[tenant] = deque()
+            self._turns.append(tenant)
+        fut = asyncio.get_running_loop().create_future()
+        queue_.append(fut)
+        return fut
+
+    def leave_queue(self, tenant: str, fut: "asyncio.Future") -> None:
+        """A waiter gave up (its client left): drop it, or hand back the slot it was just given."""
+        queue_ = self._waiting.get(tenant)
+        if queue_ is not None and fut in queue_:
+            queue_.remove(fut)
+            if not queue_:
+                del self._waiting[tenant]
+                self._turns.remove(tenant)
+        elif fut.done() and not fut.cancelled():
+            self.release()
+
+    def release(self) -> None:
+        """A running request ended: give its slot to the next tenant in turn."""
+        self.running -= 1
+        while self._turns and self.running < self.slots:
+            tenant = self._turns.popleft()
+            queue_ = self._waiting[tenant]
+            fut = queue_.popleft()
+            if queue_:
+                self._turns.append(tenant)   # back of the line: the other tenants go first
+            else:
+                del self._waiting[tenant]
+            if not fut.done():
+                self.running += 1
+                fut.set_result(None)
+
+    def resize(self, slots: int) -> None:
+        """The worker reported its slot count (at start and after a restart)."""
+        self.slots = slots
+        self.running += 1
+        self.release()
 
 
 # =================================================================================================
