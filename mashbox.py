@@ -290,6 +290,155 @@ class ApiFormat:
 # Metrics: Prometheus text
 # =================================================================================================
 
+# Names and meanings follow vLLM's (vllm:num_requests_waiting -> mashbox:num_requests_waiting), so a
+# router or dashboard built for vLLM reads these after a prefix change. Bucket boundaries are vLLM's.
+METRIC_PREFIX = "mashbox:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def _label_value(v: str) -> str:
+    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(labels: dict) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{_label_value(v)}"' for k, v in labels.items()) + "}"
+
+
+def _num(v: float) -> str:
+    if v == float("inf"):
+        return "+Inf"
+    return repr(float(v)) if isinstance(v, float) and not v.is_integer() else str(int(v)) if float(v).is_integer() else repr(v)
+
+
+class Metric:
+    """One metric family: counter, gauge or histogram, with optional label sets. Values live here and
+    are only ever changed on the event loop, so rendering never waits on anything."""
+
+    def __init__(self, name: str, kind: str, help: str, buckets: tuple[float, ...] = ()):
+        self.name, self.kind, self.help, self.buckets = METRIC_PREFIX + name, kind, help, buckets
+        self.values: dict[tuple, float] = {}          # counter / gauge: labels -> value
+        self.hist: dict[tuple, list] = {}             # histogram: labels -> [bucket counts, sum, count]
+
+    def inc(self, amount: float = 1.0, **labels) -> None:
+        key = tuple(sorted(labels.items()))
+        self.values[key] = self.values.get(key, 0.0) + amount
+
+    def set(self, value: float, **labels) -> None:
+        self.values[tuple(sorted(labels.items()))] = value
+
+    def observe(self, value: float, **labels) -> None:
+        key = tuple(sorted(labels.items()))
+        h = self.hist.setdefault(key, [[0] * len(self.buckets), 0.0, 0])
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                h[0][i] += 1
+        h[1] += value
+        h[2] += 1
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+        if self.kind == "histogram":
+            for key, (counts, total, count) in sorted(self.hist.items()):
+                labels = dict(key)
+                for bound, c in zip(self.buckets, counts):
+                    lines.append(f"{self.name}_bucket{_labels({**labels, 'le': _num(bound)})} {c}")
+                lines.append(f"{self.name}_bucket{_labels({**labels, 'le': '+Inf'})} {count}")
+                lines.append(f"{self.name}_sum{_labels(labels)} {_num(total)}")
+                lines.append(f"{self.name}_count{_labels(labels)} {count}")
+        else:
+            for key, value in sorted(self.values.items()):
+                lines.append(f"{self.name}{_labels(dict(key))} {_num(value)}")
+        return lines
+
+
+class Metrics:
+    """Every metric the server exports. No label ever names a user, a key, a tenant or a session."""
+
+    FINISH_REASONS = ("stop", "length", "tool_calls", "abort", "error")
+
+    def __init__(self):
+        m = self.m = {}
+
+        def add(name, kind, help, buckets=()):
+            m[name] = Metric(name, kind, help, buckets)
+            return m[name]
+
+        add("num_requests_running", "gauge", "Requests in the engine now.")
+        add("num_requests_waiting", "gauge", "Requests waiting for a slot.")
+        add("kv_cache_usage_perc", "gauge", "Fraction of the slots' KV cache holding tokens (0-1).")
+        add("cache_config_info", "gauge", "The cache layout: one slot holds one whole context.")
+        success = add("request_success_total", "counter", "Requests answered, by finish reason.")
+        for reason in self.FINISH_REASONS:
+            success.inc(0, finished_reason=reason)
+        add("prompt_tokens_total", "counter", "Prompt tokens of answered requests.").inc(0)
+        add("generation_tokens_total", "counter", "Tokens generated.").inc(0)
+        add("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix caches.").inc(0)
+        add("prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix caches.").inc(0)
+        add("num_preemptions_total", "counter", "Requests preempted (never: a slot is never taken back).").inc(0)
+        add("worker_restarts_total", "counter", "Times the worker was started again after a fault.").inc(0)
+        add("compiles_after_ready_total", "counter", "Programs compiled after the server reported ready.").inc(0)
+        rejections = add("admission_rejections_total", "counter", "Requests refused by admission, by reason.")
+        for reason in ("tenant_queue_full", "queue_full", "loading"):
+            rejections.inc(0, reason=reason)
+        add("time_to_first_token_seconds", "histogram", "Time to the first new token.", TTFT_BUCKETS)
+        add("request_queue_time_seconds", "histogram", "Time waiting for a slot.", LATENCY_BUCKETS)
+        add("e2e_request_latency_seconds", "histogram", "Time from request to its last byte.", LATENCY_BUCKETS)
+        add("request_time_per_output_token_seconds", "histogram", "Time per new token after the first.",
+            TPOT_BUCKETS)
+
+    def __getitem__(self, name: str) -> Metric:
+        return self.m[name]
+
+    def request_done(self, finish: str, usage: "chat.Usage | None", queue_s: float, e2e_s: float,
+                     ttft_s: float | None, decode_s: float | None) -> None:
+        """Account one finished generation request (from the pipeline, once per client request)."""
+        self.m["request_success_total"].inc(finished_reason=finish if finish in self.FINISH_REASONS else "stop")
+        if usage is not None:
+            self.m["prompt_tokens_total"].inc(usage.prompt_tokens)
+            self.m["generation_tokens_total"].inc(usage.completion_tokens)
+            if usage.completion_tokens > 1 and decode_s is not None:
+                self.m["request_time_per_output_token_seconds"].observe(
+                    decode_s / (usage.completion_tokens - 1))
+        self.m["request_queue_time_seconds"].observe(queue_s)
+        self.m["e2e_request_latency_seconds"].observe(e2e_s)
+        if ttft_s is not None:
+            self.m["time_to_first_token_seconds"].observe(ttft_s)
+
+    def render(self, bridge: "Bridge | None", admission: "Admission | None") -> str:
+        """The exposition (text format 0.0.4). Gauges are read from state the event loop already has."""
+        stats = bridge.stats if bridge is not None else None
+        facts = bridge.facts if bridge is not None else None
+        running = admission.running if admission is not None else (stats.live_rows if stats else 0)
+        self.m["num_requests_running"].set(running)
+        self.m["num_requests_waiting"].set(admission.waiting if admission is not None else 0)
+        if stats is not None and stats.kv_capacity_tokens:
+            self.m["kv_cache_usage_perc"].set(stats.kv_used_tokens / stats.kv_capacity_tokens)
+        else:
+            self.m["kv_cache_usage_perc"].set(0)
+        if facts is not None:
+            info = self.m["cache_config_info"]
+            info.values.clear()
+            info.set(1, block_size=facts.max_model_len, num_gpu_blocks=facts.slots,
+                     enable_prefix_caching=str(facts.prefix_cache).lower(),
+                     cache_ram_mib=facts.cache_ram_mib)
+        if stats is not None:
+            self.m["prefix_cache_queries_total"].set(stats.prefix_queries)
+            self.m["prefix_cache_hits_total"].set(stats.prefix_hits)
+        if bridge is not None:
+            self.m["worker_restarts_total"].set(bridge.restarts)
+            self.m["compiles_after_ready_total"].set(bridge.compiles_after_ready or 0)
+        lines = []
+        for metric in self.m.values():
+            lines += metric.render()
+        return "\n".join(lines) + "\n"
+
 
 # =================================================================================================
 # Engine bridge: the worker process, its messages, supervision
