@@ -12,8 +12,10 @@ The server process never imports jax: the engine worker (engine/worker.py) owns 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import queue
+import secrets
 import threading
 import time
 from collections import deque
@@ -63,6 +65,144 @@ def sse(data: Any, event: str | None = None) -> bytes:
 # =================================================================================================
 # Security: keys, tenants, Origin/Host, content type
 # =================================================================================================
+
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+# Everything is one tenant when no keys are configured.
+DEFAULT_TENANT = "default"
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class KeyFileError(Exception):
+    pass
+
+
+class Keys:
+    """API keys and the tenant each belongs to.
+
+    Key file format, one key a line: `KEY` or `KEY TENANT`; `#` starts a comment; blank lines are
+    ignored. Keys that name the same tenant share its queue; a key without a name is a tenant of its
+    own. MASHBOX_API_KEY adds one key, its own tenant. A key is never logged or exported: tenants of
+    unnamed keys are named after their line ("key-line-3"), not their text.
+    """
+
+    def __init__(self, pairs: list[tuple[bytes, str]]):
+        self._pairs = pairs
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._pairs)
+
+    @classmethod
+    def load(cls, path: str | None, env_key: str | None) -> "Keys":
+        pairs: list[tuple[bytes, str]] = []
+        if path:
+            with open(path, encoding="utf-8") as f:
+                for number, raw in enumerate(f, 1):
+                    line = raw.split("#", 1)[0].strip()
+                    if not line:
+                        continue
+                    fields = line.split()
+                    if len(fields) > 2:
+                        raise KeyFileError(f"{path}:{number}: expected 'KEY' or 'KEY TENANT', got {len(fields)} fields")
+                    key = fields[0]
+                    if not key.isprintable() or len(key) < 8:
+                        raise KeyFileError(f"{path}:{number}: a key must be at least 8 printable characters")
+                    pairs.append((key.encode(), fields[1] if len(fields) == 2 else f"key-line-{number}"))
+        if env_key:
+            pairs.append((env_key.encode(), "key-env"))
+        return cls(pairs)
+
+    def tenant_for(self, key: str | None) -> str | None:
+        """The key's tenant, or None. Compares against every key in constant time per key, with no early
+        exit, so the time taken says nothing about which key or how much of one matched."""
+        if key is None:
+            return None
+        given = key.encode()
+        found = None
+        for known, tenant in self._pairs:
+            if hmac.compare_digest(known, given) and found is None:
+                found = tenant
+        return found
+
+
+def request_key(req) -> str | None:
+    """The key a request carries: `Authorization: Bearer KEY` or `x-api-key: KEY` (never the query)."""
+    auth = req.header("authorization")
+    if auth and auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return req.header("x-api-key")
+
+
+def _host_name(value: str) -> str:
+    """The host part of a Host header or of an Origin's authority, lowercased, brackets kept for IPv6."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[: value.find("]") + 1] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+class Guard:
+    """Who may ask: keys (401), browser protection (403: other origins, DNS rebinding), content type (415).
+
+    Node clients send `sec-fetch-mode: cors` and Claude Code `anthropic-dangerous-direct-browser-access`
+    without an Origin: those are not browser requests from another origin, and pass.
+    """
+
+    def __init__(self, keys: Keys, bind_host: str, allowed_hosts: tuple[str, ...] = ()):
+        self.keys = keys
+        names = {n.lower() for n in LOOPBACK_NAMES} | {"[::1]"} | {h.lower() for h in allowed_hosts}
+        names.add(bind_host.lower() if ":" not in bind_host else f"[{bind_host.lower()}]")
+        self.allowed_hosts = names
+        # Bound to every address: clients reach it by any of the machine's addresses, which the server
+        # cannot list; IP literals are then accepted (no DNS name is involved, so no rebinding).
+        self.any_address = bind_host in ("0.0.0.0", "::", "")
+
+    def _host_ok(self, host: str) -> bool:
+        name = _host_name(host)
+        if name in self.allowed_hosts:
+            return True
+        if self.any_address:
+            import ipaddress
+            try:
+                ipaddress.ip_address(name.strip("[]"))
+                return True
+            except ValueError:
+                return False
+        return False
+
+    def check(self, req, needs_key: bool) -> str:
+        """Raise ApiError(401/403/415) or return the request's tenant."""
+        host = req.header("host")
+        if host is not None and not self._host_ok(host):
+            raise ApiError(403, "this server does not answer to the host name in the Host header",
+                           type="permission_error")
+        origin = req.header("origin")
+        if origin is not None:
+            scheme, _, authority = origin.partition("://")
+            if scheme not in ("http", "https") or host is None or authority.lower() != host.strip().lower():
+                raise ApiError(403, "requests from web pages of another origin are refused",
+                               type="permission_error")
+        tenant = DEFAULT_TENANT
+        if self.keys.enabled and needs_key:
+            tenant = self.keys.tenant_for(request_key(req))
+            if tenant is None:
+                raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)",
+                               type="authentication_error")
+        if req.method == "POST":
+            ctype = (req.header("content-type") or "").split(";", 1)[0].strip().lower()
+            if ctype != "application/json":
+                raise ApiError(415, "the request body must be Content-Type: application/json",
+                               type="invalid_request_error")
+        return tenant
 
 
 # =================================================================================================
@@ -171,6 +311,11 @@ class Meta:
     created: int                  # unix time
     model: str                    # the model name to answer with
     prompt_tokens: int = 0        # prompt length after the template (known before generation starts)
+
+
+def new_id(prefix: str) -> str:
+    """A response or tool-call id: the API's prefix and 24 random hex digits (96 bits never repeat)."""
+    return prefix + secrets.token_hex(12)
 
 
 # Encoder interface (one class per API):
@@ -312,9 +457,10 @@ def _labels(labels: dict) -> str:
 
 
 def _num(v: float) -> str:
+    v = float(v)
     if v == float("inf"):
         return "+Inf"
-    return repr(float(v)) if isinstance(v, float) and not v.is_integer() else str(int(v)) if float(v).is_integer() else repr(v)
+    return str(int(v)) if v.is_integer() else repr(v)
 
 
 class Metric:
