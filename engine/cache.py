@@ -1,0 +1,119 @@
+"""The KV slot pool the model owns, and the few moves the runtime makes on it.
+
+The cache is a list with one dict per layer; for an attention layer:
+    "k": [slots, kv_heads, ctx, head_dim]
+    "v": [slots, kv_heads, head_dim, ctx]    stored TRANSPOSED: the attention-times-V product then
+                                             runs on XLA:CPU's fast dot (measured much faster)
+A slot holds one sequence: position p of that sequence lives at index p along ctx. What a slot
+holds past its sequence's length is garbage that the forward never reads (its mask stops at each
+query's own position).
+
+Helpers that change the cache are jitted with the cache donated, so XLA updates it in place
+instead of writing a fresh copy of the whole pool.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from engine.config import ModelConfig
+
+# Host copies (read_slot/write_slot) move a power-of-two bucket of positions, so the number of
+# compiled programs grows with log2(ctx), not with every length; below this they share one bucket.
+MIN_HOST_BUCKET = 64
+
+
+def init_cache(cfg: ModelConfig, slots: int, ctx: int, dtype) -> list[dict]:
+    """An empty pool of `slots` sequences of up to `ctx` tokens each."""
+    if slots < 1 or ctx < 1:
+        raise ValueError(f"init_cache needs slots >= 1 and ctx >= 1, got slots={slots} ctx={ctx}")
+    cache = []
+    for kind in cfg.layer_kinds:
+        if kind != "attention":
+            raise ValueError(f"layer kind {kind!r} has no cache layout")
+        cache.append({
+            "k": jnp.zeros((slots, cfg.num_kv_heads, ctx, cfg.head_dim), dtype),
+            "v": jnp.zeros((slots, cfg.num_kv_heads, cfg.head_dim, ctx), dtype),
+        })
+    return cache
+
+
+def cache_dims(cache) -> tuple[int, int]:
+    """(slots, ctx) of a pool."""
+    slots, _, ctx, _ = cache[0]["k"].shape
+    return slots, ctx
+
+
+def cache_bytes(cache) -> int:
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(cache))
+
+
+@partial(jax.jit, donate_argnames=("cache",))
+def copy_prefix(cache, src_slot, dst_slot, n):
+    """Copy positions [0, n) of `src_slot` into `dst_slot` (prefix reuse across slots).
+    All three are traced ints: one compiled program serves every slot pair and length."""
+    out = []
+    for layer in cache:
+        new = {}
+        for name, arr in layer.items():
+            seq_axis = 2 if name == "k" else 3      # where ctx lives once the slot axis is gone
+            src = lax.dynamic_index_in_dim(arr, src_slot, 0, keepdims=False)
+            dst = lax.dynamic_index_in_dim(arr, dst_slot, 0, keepdims=False)
+            pos = lax.broadcasted_iota(jnp.int32, src.shape, seq_axis - 1)
+            new[name] = lax.dynamic_update_index_in_dim(arr, jnp.where(pos < n, src, dst), dst_slot, 0)
+        out.append(new)
+    return out
+
+
+def _host_bucket(n: int, ctx: int) -> int:
+    bucket = MIN_HOST_BUCKET
+    while bucket < n:
+        bucket *= 2
+    return min(bucket, ctx)
+
+
+@partial(jax.jit, static_argnames=("length",))
+def _read(cache, slot, *, length):
+    return [{"k": lax.dynamic_index_in_dim(layer["k"], slot, 0, keepdims=False)[:, :length, :],
+             "v": lax.dynamic_index_in_dim(layer["v"], slot, 0, keepdims=False)[:, :, :length]}
+            for layer in cache]
+
+
+def read_slot(cache, slot: int, n: int) -> list[dict]:
+    """Positions [0, n) of one slot as host numpy arrays, per layer {"k": [kv, n, d], "v": [kv, d, n]}
+    (the cache's own layout, so write_slot puts them back without reshuffling)."""
+    slots, ctx = cache_dims(cache)
+    if not 0 <= slot < slots or not 0 <= n <= ctx:
+        raise ValueError(f"read_slot: slot {slot} / length {n} outside the pool ({slots} x {ctx})")
+    arrays = jax.device_get(_read(cache, jnp.int32(slot), length=_host_bucket(n, ctx)))
+    return [{"k": np.ascontiguousarray(layer["k"][:, :n, :]),
+             "v": np.ascontiguousarray(layer["v"][:, :, :n])} for layer in arrays]
+
+
+@partial(jax.jit, donate_argnames=("cache",))
+def _write(cache, slot, arrays):
+    out = []
+    for layer, new in zip(cache, arrays):
+        out.append({name: lax.dynamic_update_slice(
+            arr, new[name][None].astype(arr.dtype), (slot, 0, 0, 0)) for name, arr in layer.items()})
+    return out
+
+
+def write_slot(cache, slot: int, arrays: list[dict]):
+    """Put what read_slot returned (any length n <= ctx) at positions [0, n) of `slot`; returns the
+    new cache (the old one is donated). Positions from n up to the next bucket are overwritten with
+    zeros, which is harmless: nothing past a slot's length is ever read."""
+    slots, ctx = cache_dims(cache)
+    if len(arrays) != len(cache):
+        raise ValueError(f"write_slot: {len(arrays)} layers given, the cache has {len(cache)}")
+    n = arrays[0]["k"].shape[1]
+    if not 0 <= slot < slots or not 0 <= n <= ctx:
+        raise ValueError(f"write_slot: slot {slot} / length {n} outside the pool ({slots} x {ctx})")
+    bucket = _host_bucket(n, ctx)
+    padded = [{"k": np.pad(layer["k"], ((0, 0), (0, bucket - n), (0, 0))),
+               "v": np.pad(layer["v"], ((0, 0), (0, 0), (0, bucket - n)))} for layer in arrays]
+    return _write(cache, jnp.int32(slot), padded)

@@ -1,0 +1,196 @@
+"""A Hugging Face config.json -> ModelConfig, the static shape of the model.
+
+ModelConfig is frozen and hashable because the jitted forward takes it as a static argument: two
+equal configs share compiled programs. Every key is read here, once, with the default Hugging Face
+uses when the key is absent, so the model code never looks at raw JSON.
+
+The kind of each layer is decided in ONE place, `_layer_kinds`; a new kind of layer (mixture of
+experts, linear attention) is one more name there and one more branch in engine.model.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+# Families whose every layer is full attention followed by a dense SwiGLU MLP.
+DENSE_FAMILIES = ("qwen2", "qwen3")
+
+# Hugging Face defaults for keys a config.json may leave out (Qwen2Config / Qwen3Config).
+DEFAULT_ROPE_THETA = 10000.0
+DEFAULT_RMS_NORM_EPS = 1e-6
+# YaRN's rotation bounds, from the YaRN paper (the values every Qwen checkpoint relies on).
+DEFAULT_YARN_BETA_FAST = 32.0
+DEFAULT_YARN_BETA_SLOW = 1.0
+
+
+class ConfigError(ValueError):
+    """config.json cannot be served: the message names the key."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str                  # "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int                   # query heads
+    num_kv_heads: int                # key/value heads (grouped-query attention)
+    head_dim: int                    # explicit in Qwen3 (not always hidden/heads); derived in Qwen2
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    qkv_bias: bool                   # Qwen2: q/k/v projections carry a bias
+    qk_norm: bool                    # Qwen3: RMSNorm over each query and key head before RoPE
+    max_position_embeddings: int
+    layer_kinds: tuple[str, ...]     # one per layer: "attention" (full attention + dense MLP)
+    # RoPE scaling: "default" or "yarn"; the rest matter only for "yarn".
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_original_max_positions: int = 0
+    rope_attention_factor: float | None = None   # None = YaRN's 0.1 * ln(factor) + 1
+    rope_beta_fast: float = DEFAULT_YARN_BETA_FAST
+    rope_beta_slow: float = DEFAULT_YARN_BETA_SLOW
+    rope_truncate: bool = True
+    eos_token_ids: tuple[int, ...] = ()
+    source_dtype: str = "bfloat16"   # the dtype the checkpoint was saved in
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def load_config(folder: str) -> ModelConfig:
+    """Read `folder`/config.json (a Hugging Face model folder) into a ModelConfig."""
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"no config.json in {folder}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: dict) -> ModelConfig:
+    """The key-by-key reading of a config.json object (split out so tests can feed dicts)."""
+    # Multimodal or nested checkpoints keep the language model's keys under text_config.
+    if isinstance(raw.get("text_config"), dict):
+        raw = {**raw, **raw["text_config"]}
+    model_type = raw.get("model_type")
+    if model_type not in DENSE_FAMILIES:
+        raise ConfigError(f"config.json model_type {model_type!r} is not supported "
+                          f"(supported: {', '.join(DENSE_FAMILIES)})")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"config.json hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+    if raw.get("use_sliding_window", False):
+        raise ConfigError("config.json use_sliding_window=true is not supported")
+
+    hidden = _int(raw, "hidden_size")
+    heads = _int(raw, "num_attention_heads")
+    kv_heads = _int(raw, "num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise ConfigError(f"config.json num_attention_heads ({heads}) must be a multiple of "
+                          f"num_key_value_heads ({kv_heads})")
+    # Qwen3 states head_dim (0.6B: 16 heads x 128 > hidden 1024); Qwen2 derives it.
+    if raw.get("head_dim") is not None:
+        head_dim = _int(raw, "head_dim")
+    elif hidden % heads:
+        raise ConfigError(f"config.json hidden_size ({hidden}) is not a multiple of "
+                          f"num_attention_heads ({heads}) and head_dim is absent")
+    else:
+        head_dim = hidden // heads
+    if head_dim % 2:
+        raise ConfigError(f"config.json head_dim ({head_dim}) must be even for rotary embeddings")
+
+    num_layers = _int(raw, "num_hidden_layers")
+    rope = _rope(raw)
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=_int(raw, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_int(raw, "intermediate_size"),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=_float(raw, "rms_norm_eps", DEFAULT_RMS_NORM_EPS),
+        rope_theta=rope.pop("rope_theta"),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases (its config has no key for it); Qwen3 reads attention_bias.
+        qkv_bias=True if model_type == "qwen2" else bool(raw.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+        max_position_embeddings=_int(raw, "max_position_embeddings", 32768),
+        layer_kinds=_layer_kinds(raw, model_type, num_layers),
+        eos_token_ids=tuple(int(i) for i in eos_ids),
+        source_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+        **rope,
+    )
+
+
+def _layer_kinds(raw: dict, model_type: str, num_layers: int) -> tuple[str, ...]:
+    """What each layer is. The one place a new layer kind gets decided."""
+    types = raw.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers:
+            raise ConfigError(f"config.json layer_types has {len(types)} entries, "
+                              f"num_hidden_layers is {num_layers}")
+        unknown = sorted(set(types) - {"full_attention"})
+        if unknown:
+            raise ConfigError(f"config.json layer_types {unknown} are not supported")
+    return ("attention",) * num_layers
+
+
+def _rope(raw: dict) -> dict:
+    """RoPE keys, from either the classic layout (rope_theta + rope_scaling) or the newer
+    rope_parameters dict; returns ModelConfig fields."""
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    out = {"rope_theta": float(theta), "rope_type": kind}
+    if kind == "default":
+        return out
+    if kind != "yarn":
+        raise ConfigError(f"config.json rope type {kind!r} is not supported (default, yarn)")
+    original = params.get("original_max_position_embeddings")
+    if original is None:
+        raise ConfigError("config.json yarn rope scaling needs original_max_position_embeddings")
+    factor = params.get("factor")
+    if factor is None:
+        factor = _int(raw, "max_position_embeddings") / original
+    out.update(
+        rope_factor=float(factor),
+        rope_original_max_positions=int(original),
+        rope_attention_factor=(None if params.get("attention_factor") is None
+                               else float(params["attention_factor"])),
+        rope_beta_fast=float(params.get("beta_fast") or DEFAULT_YARN_BETA_FAST),
+        rope_beta_slow=float(params.get("beta_slow") or DEFAULT_YARN_BETA_SLOW),
+        rope_truncate=bool(params.get("truncate", True)),
+    )
+    return out
+
+
+def _int(raw: dict, key: str, default: int | None = None) -> int:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"config.json {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _float(raw: dict, key: str, default: float) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"config.json {key} must be a positive number, got {value!r}")
+    return float(value)

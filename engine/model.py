@@ -1,0 +1,174 @@
+"""The forward pass of Qwen2/Qwen3 dense models: one pure function, no globals.
+
+    forward(params, cache, tokens, slots, starts, lengths, *, cfg, attn_len, all_logits=False)
+        -> (logits, cache)
+
+One function serves both phases of generation:
+    prefill  a chunk of one prompt:   tokens [1, T] (T a bucket), lengths = [real tokens in the chunk]
+    decode   one token for each slot: tokens [B, 1], lengths 1 for live rows and 0 for idle ones
+Row b writes its keys/values at positions starts[b] .. starts[b]+lengths[b]-1 of cache slot
+slots[b] and attends to everything before them in that slot. Padded tokens (t >= lengths[b]) write
+nothing, so an idle row (lengths 0) leaves the cache exactly as it was.
+
+attn_len (static) is how much of each slot attention reads: a bucket >= max(starts + lengths).
+Reading only that much, never the whole ctx, keeps decode cost proportional to the live context.
+
+Numerics: the residual stream, norms, RoPE and softmax are float32; matrix products take the
+weights in their own dtype and accumulate in float32 (bfloat16 weights on accelerators).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from engine.config import ModelConfig
+
+F32 = jnp.float32
+
+
+def dtype_for(platform: str):
+    """Weights and cache dtype for a JAX platform ("cpu", "gpu", "tpu", ...). XLA:CPU runs bfloat16
+    matrix-vector products about 20x slower than float32 at one row, so the CPU computes in float32."""
+    return jnp.float32 if platform == "cpu" else jnp.bfloat16
+
+
+# ---- building blocks ---------------------------------------------------------------------------
+
+def _matmul(x, w):
+    """x [..., in] @ w [in, out] in the weights' dtype, accumulated in float32."""
+    return lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (0,)), ((), ())),
+                           preferred_element_type=F32)
+
+
+def _rms_norm(x, weight, eps):
+    x = x.astype(F32)
+    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight.astype(F32)
+
+
+def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [head_dim/2] and the factor cos/sin are scaled by (1 unless YaRN).
+    Computed with numpy from the static config, so they are constants in the compiled program."""
+    dim = cfg.head_dim
+    exponents = np.arange(0, dim, 2, dtype=np.float64) / dim
+    inv_freq = 1.0 / cfg.rope_theta ** exponents
+    if cfg.rope_type == "default":
+        return inv_freq.astype(np.float32), 1.0
+    # YaRN: keep high-frequency dimensions as trained, interpolate low-frequency ones by `factor`,
+    # with a linear ramp between the dimensions that turn beta_fast and beta_slow times over the
+    # original context.
+    factor = cfg.rope_factor
+
+    def dim_for(rotations):
+        return (dim * np.log(cfg.rope_original_max_positions / (rotations * 2 * np.pi))
+                / (2 * np.log(cfg.rope_theta)))
+
+    low, high = dim_for(cfg.rope_beta_fast), dim_for(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+        low, high = np.floor(low), np.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    keep = 1 - ramp                       # 1 = extrapolate (unchanged), 0 = interpolate
+    inv_freq = inv_freq / factor * (1 - keep) + inv_freq * keep
+    attention = cfg.rope_attention_factor
+    if attention is None:
+        attention = 0.1 * np.log(factor) + 1.0 if factor > 1 else 1.0
+    return inv_freq.astype(np.float32), float(attention)
+
+
+def _rope(x, positions, inv_freq, scale):
+    """Rotate x [B, T, H, D] by each token's position [B, T] (halves layout, as Qwen checkpoints)."""
+    angles = positions.astype(F32)[:, :, None, None] * inv_freq          # [B, T, 1, D/2]
+    cos, sin = jnp.cos(angles) * scale, jnp.sin(angles) * scale
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+# ---- layers ------------------------------------------------------------------------------------
+
+def _attention(layer, kv, x, slots, positions, valid, *, cfg: ModelConfig, attn_len: int):
+    """Full causal attention over the slot's cache. x [B, T, hidden] float32 (already normed).
+    Returns (output [B, T, hidden], the layer's updated cache)."""
+    b, t, _ = x.shape
+    heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qkv = _matmul(x, layer["qkv"])
+    if cfg.qkv_bias:
+        qkv = qkv + layer["qkv_bias"].astype(F32)
+    q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+    q = q.reshape(b, t, heads, d)
+    k = k.reshape(b, t, kv_heads, d)
+    v = v.reshape(b, t, kv_heads, d)
+    if cfg.qk_norm:
+        q = _rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+        k = _rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+    inv_freq, scale = rope_frequencies(cfg)
+    q = _rope(q, positions, inv_freq, scale)
+    k = _rope(k, positions, inv_freq, scale)
+
+    # Write the new keys/values. Padded tokens aim past the end of the slot and are dropped, so
+    # idle rows and chunk padding never touch the cache.
+    ctx = kv["k"].shape[2]
+    where = jnp.where(valid, positions, ctx)                               # [B, T]
+    rows = slots[:, None]
+    cache_k = kv["k"].at[rows, :, where, :].set(k.astype(kv["k"].dtype), mode="drop")
+    cache_v = kv["v"].at[rows, :, :, where].set(v.astype(kv["v"].dtype), mode="drop")
+
+    # Read back the first attn_len positions of each row's slot (now including this chunk).
+    keys = cache_k[slots, :, :attn_len, :]                                 # [B, KV, S, D]
+    values = cache_v[slots, :, :, :attn_len]                               # [B, KV, D, S]
+    group = heads // kv_heads
+    q = q.reshape(b, t, kv_heads, group, d).transpose(0, 2, 3, 1, 4)      # [B, KV, G, T, D]
+    scores = jnp.einsum("bkgtd,bksd->bkgts", q.astype(keys.dtype), keys,
+                        preferred_element_type=F32) * (1.0 / np.sqrt(d))
+    # Causal within the chunk and over the cached prefix: query at position p sees keys 0..p.
+    key_pos = jnp.arange(attn_len, dtype=jnp.int32)
+    mask = key_pos[None, None, :] <= positions[:, :, None]                 # [B, T, S]
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bkds->bkgtd", probs.astype(values.dtype), values,
+                     preferred_element_type=F32)                           # [B, KV, G, T, D]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.q_size)
+    return _matmul(out, layer["o"]), {"k": cache_k, "v": cache_v}
+
+
+def _mlp(layer, x, cfg: ModelConfig):
+    gate, up = jnp.split(_matmul(x, layer["gate_up"]), 2, axis=-1)
+    return _matmul(jax.nn.silu(gate) * up, layer["down"])
+
+
+# ---- the model ---------------------------------------------------------------------------------
+
+def forward(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig, attn_len: int,
+            all_logits: bool = False):
+    """See the module docstring. tokens int32 [B, T]; slots, starts, lengths int32 [B].
+    Returns float32 logits [B, vocab] at each row's last valid token ([B, T, vocab] with
+    all_logits), and the updated cache."""
+    b, t = tokens.shape
+    steps = jnp.arange(t, dtype=jnp.int32)
+    positions = starts[:, None] + steps[None, :]                           # [B, T]
+    valid = steps[None, :] < lengths[:, None]                              # [B, T]
+    x = params["embed"][tokens].astype(F32)                                # [B, T, hidden]
+    new_cache = []
+    # A Python loop, not lax.scan: XLA:CPU runs the unrolled layers 2-4x faster.
+    for kind, layer, kv in zip(cfg.layer_kinds, params["layers"], cache):
+        if kind != "attention":
+            raise ValueError(f"layer kind {kind!r} is not implemented")
+        h, kv = _attention(layer, kv, _rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps),
+                           slots, positions, valid, cfg=cfg, attn_len=attn_len)
+        x = x + h
+        x = x + _mlp(layer, _rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps), cfg)
+        new_cache.append(kv)
+    if not all_logits:
+        last = jnp.maximum(lengths - 1, 0)                                 # idle rows: any row
+        x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]      # [B, hidden]
+    x = _rms_norm(x, params["norm"], cfg.rms_norm_eps)
+    return _matmul(x, params["lm_head"]), new_cache
+
+
+jit_forward = jax.jit(forward, donate_argnames=("cache",),
+                      static_argnames=("cfg", "attn_len", "all_logits"))

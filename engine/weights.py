@@ -1,0 +1,138 @@
+"""safetensors files -> the weights pytree engine.model reads. Names, dtypes and layout; no math.
+
+The pytree (all jax arrays in the compute dtype):
+    {"embed":   [vocab, hidden]                    token embedding table (a row gather)
+     "lm_head": [hidden, vocab]                    always its own contiguous array, also when tied
+     "norm":    [hidden]                           final RMSNorm
+     "layers":  [ per layer, a dict:
+        "attn_norm": [hidden], "mlp_norm": [hidden],
+        "qkv":  [hidden, q + 2 kv]                 q, k, v projections side by side (one matmul)
+        "qkv_bias": [q + 2 kv]                     Qwen2 only
+        "q_norm", "k_norm": [head_dim]             Qwen3 only
+        "o":    [q, hidden]
+        "gate_up": [hidden, 2 * intermediate]      gate and up side by side (one matmul)
+        "down": [intermediate, hidden] ]}
+Matrices are stored [in, out] so every projection is `x @ W`. Layers stay a Python list (not one
+stacked array): the forward loops over them in Python, which XLA:CPU runs 2-4x faster than lax.scan.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy before safetensors reads bf16 files)
+import numpy as np
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class WeightsError(ValueError):
+    """The checkpoint does not match its config: the message names the tensor."""
+
+
+def tensor_files(folder: str) -> dict[str, str]:
+    """Tensor name -> the safetensors file holding it (sharded via the index, or one file)."""
+    index = os.path.join(folder, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise WeightsError(f"{index} has no weight_map")
+        return {name: os.path.join(folder, file) for name, file in weight_map.items()}
+    files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if not files:
+        raise WeightsError(f"no .safetensors files in {folder}")
+    where = {}
+    for file in files:
+        with safe_open(os.path.join(folder, file), framework="numpy") as f:
+            for name in f.keys():
+                where[name] = os.path.join(folder, file)
+    return where
+
+
+class _Reader:
+    """Reads named tensors, keeping each file open once, checking shapes against the config."""
+
+    def __init__(self, folder: str):
+        self.where = tensor_files(folder)
+        self.open: dict[str, object] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.where:
+            raise WeightsError(f"tensor {name} is missing from the checkpoint")
+        file = self.where[name]
+        if file not in self.open:
+            self.open[file] = safe_open(file, framework="numpy")
+        array = self.open[file].get_tensor(name)
+        if tuple(array.shape) != shape:
+            raise WeightsError(f"tensor {name} has shape {tuple(array.shape)}, config expects {shape}")
+        return array
+
+
+def load_weights(folder: str, cfg: ModelConfig, dtype) -> dict:
+    """Load a Hugging Face Qwen2/Qwen3 checkpoint as the pytree above, in `dtype` (a jnp dtype)."""
+    import jax.numpy as jnp
+
+    dtype = np.dtype(dtype)
+    r = _Reader(folder)
+    h, q, kv, f = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+
+    def put(array: np.ndarray):
+        return jnp.asarray(np.ascontiguousarray(array.astype(dtype, copy=False)))
+
+    def matrix(name: str, out_dim: int, in_dim: int) -> np.ndarray:
+        # Hugging Face stores nn.Linear weights as [out, in]; the model multiplies x @ [in, out].
+        return r.get(name, (out_dim, in_dim)).T
+
+    layers = []
+    for i, kind in enumerate(cfg.layer_kinds):
+        if kind != "attention":
+            raise WeightsError(f"layer {i} kind {kind!r} has no weight layout")
+        p = f"model.layers.{i}."
+        layer = {
+            "attn_norm": put(r.get(p + "input_layernorm.weight", (h,))),
+            "mlp_norm": put(r.get(p + "post_attention_layernorm.weight", (h,))),
+            "qkv": put(np.concatenate([matrix(p + "self_attn.q_proj.weight", q, h),
+                                       matrix(p + "self_attn.k_proj.weight", kv, h),
+                                       matrix(p + "self_attn.v_proj.weight", kv, h)], axis=1)),
+            "o": put(matrix(p + "self_attn.o_proj.weight", h, q)),
+            "gate_up": put(np.concatenate([matrix(p + "mlp.gate_proj.weight", f, h),
+                                           matrix(p + "mlp.up_proj.weight", f, h)], axis=1)),
+            "down": put(matrix(p + "mlp.down_proj.weight", h, f)),
+        }
+        if cfg.qkv_bias:
+            layer["qkv_bias"] = put(np.concatenate([r.get(p + "self_attn.q_proj.bias", (q,)),
+                                                    r.get(p + "self_attn.k_proj.bias", (kv,)),
+                                                    r.get(p + "self_attn.v_proj.bias", (kv,))]))
+        if cfg.qk_norm:
+            layer["q_norm"] = put(r.get(p + "self_attn.q_norm.weight", (cfg.head_dim,)))
+            layer["k_norm"] = put(r.get(p + "self_attn.k_norm.weight", (cfg.head_dim,)))
+        layers.append(layer)
+
+    embed = r.get("model.embed_tokens.weight", (cfg.vocab_size, h))
+    # A tied head still gets its own contiguous [hidden, vocab] copy: reading the table transposed
+    # makes XLA convert the whole table on every step.
+    if cfg.tie_word_embeddings:
+        lm_head = embed.T
+    else:
+        lm_head = matrix("lm_head.weight", cfg.vocab_size, h)
+    return {
+        "embed": put(embed),
+        "lm_head": put(lm_head),
+        "norm": put(r.get("model.norm.weight", (h,))),
+        "layers": layers,
+    }
+
+
+def weights_bytes(params) -> int:
+    """Bytes the weights occupy on the device (for the model facts)."""
+    import jax
+
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
