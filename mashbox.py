@@ -415,6 +415,297 @@ def parse_common(body: dict, job: Job, max_tokens_names: tuple[str, ...] = ("max
 
 # ---- OpenAI Chat Completions ---------------------------------------------------------------------
 
+# Chat roles as the template sees them: developer is the newer name of system, function the legacy
+# name of tool.
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+              "tool": "tool", "function": "tool"}
+# Content parts this text-only model cannot read; refused by name so the client learns why.
+MEDIA_PARTS = ("image_url", "input_audio", "file")
+# reasoning_effort values that ask for no thinking; every other value turns it on.
+NO_THINKING_EFFORTS = ("none", "minimal")
+# Chat has no "abort" or "error" finish: an aborted answer's client is gone anyway, and an error ends
+# the stream through error().
+CHAT_FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "abort": "stop"}
+# An SSE comment: OpenAI clients skip it, and it keeps proxies and idle timers from closing the stream.
+OPENAI_KEEPALIVE = b": keep-alive\n\n"
+
+_KIND_NAMES = {str: "a string", bool: "true or false", dict: "an object", list: "a list"}
+
+
+def _typed(obj: dict, key: str, kind: type, field: str, default: Any = None) -> Any:
+    """obj[key] if it has the JSON type kind, default when absent or null, else a 400 naming field."""
+    value = obj.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, kind):
+        raise bad_field(field, f"must be {_KIND_NAMES[kind]}, got {type(value).__name__}")
+    return value
+
+
+def _content_text(content: Any, field: str, text_kinds: tuple[str, ...] = ("text",)) -> str:
+    """Message content as one string: a string, null, or a list of text parts joined by newlines.
+
+    A part {"type": K, K: "..."} is read for each K in text_kinds ("text"; assistants also "refusal").
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_field(field, f"must be a string, a list of text parts or null, got {type(content).__name__}")
+    texts = []
+    for j, part in enumerate(content):
+        where = f"{field}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in MEDIA_PARTS:
+            raise bad_field(where, f"{kind} parts are not supported: this model reads text only")
+        if kind not in text_kinds:
+            raise bad_field(where, f'must be a text part {{"type": "text", "text": ...}}, got type {kind!r}')
+        texts.append(_typed(part, kind, str, f"{where}.{kind}", ""))
+    return "\n".join(texts)
+
+
+def _chat_history_calls(calls: Any, field: str) -> list[chat.ToolCall]:
+    """An assistant message's earlier tool_calls; arguments stay the JSON text the client sent."""
+    out = []
+    for j, call in enumerate(_typed({"c": calls}, "c", list, field, [])):
+        where = f"{field}[{j}]"
+        if not isinstance(call, dict):
+            raise bad_field(where, "must be an object {id, type, function: {name, arguments}}")
+        if call.get("type", "function") != "function":
+            raise bad_field(f"{where}.type", f"must be function, got {call.get('type')!r}")
+        fn = _typed(call, "function", dict, f"{where}.function")
+        name = fn.get("name") if fn else None
+        if not isinstance(name, str) or not name:
+            raise bad_field(f"{where}.function.name", "must be a non-empty string")
+        args = fn.get("arguments")
+        if isinstance(args, dict):      # some clients send the object itself
+            args = json.dumps(args, ensure_ascii=False)
+        elif args is not None and not isinstance(args, str):
+            raise bad_field(f"{where}.function.arguments", "must be a JSON string")
+        call_id = _typed(call, "id", str, f"{where}.id") or new_id("call_")
+        out.append(chat.ToolCall(id=call_id, name=name, arguments=args or "{}"))
+    return out
+
+
+def _chat_messages(messages: Any) -> list[chat.Message]:
+    if not isinstance(messages, list) or not messages:
+        raise bad_field("messages", "must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in CHAT_ROLES:
+            raise bad_field(f"{where}.role", f"each message must be an object whose role is one of "
+                                             f"{', '.join(CHAT_ROLES)}; got {role!r}")
+        msg = chat.Message(role=CHAT_ROLES[role])
+        if msg.role == "assistant":
+            msg.content = _content_text(m.get("content"), f"{where}.content", ("text", "refusal"))
+            msg.reasoning = _typed(m, "reasoning_content", str, f"{where}.reasoning_content") or None
+            msg.tool_calls = _chat_history_calls(m.get("tool_calls"), f"{where}.tool_calls")
+        else:
+            msg.content = _content_text(m.get("content"), f"{where}.content")
+        if msg.role == "tool":
+            msg.tool_call_id = _typed(m, "tool_call_id", str, f"{where}.tool_call_id")
+            msg.name = _typed(m, "name", str, f"{where}.name")
+        out.append(msg)
+    return out
+
+
+def _chat_tools(tools: Any) -> list[chat.Tool]:
+    out: list[chat.Tool] = []
+    for i, t in enumerate(_typed({"t": tools}, "t", list, "tools", [])):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise bad_field(where, 'must be an object {"type": "function", "function": {...}}')
+        if t.get("type", "function") != "function":
+            raise bad_field(f"{where}.type", f"only function tools are supported, got {t.get('type')!r}")
+        fn = _typed(t, "function", dict, f"{where}.function")
+        name = fn.get("name") if fn else None
+        if not isinstance(name, str) or not name:
+            raise bad_field(f"{where}.function.name", "must be a non-empty string")
+        if any(tool.name == name for tool in out):
+            raise bad_field(f"{where}.function.name", f"{name!r} names two tools")
+        tool = chat.Tool(name=name, description=_typed(fn, "description", str, f"{where}.function.description", ""))
+        tool.parameters = _typed(fn, "parameters", dict, f"{where}.function.parameters", tool.parameters)
+        out.append(tool)    # "strict" is accepted: the arguments are the model's own JSON either way
+    return out
+
+
+def _chat_tool_choice(choice: Any, tools: list[chat.Tool]) -> str | dict:
+    how = 'must be auto, none, required or {"type": "function", "function": {"name": NAME}}'
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise bad_field("tool_choice", f"{how}, got {choice!r}")
+        if choice == "required" and not tools:
+            raise bad_field("tool_choice", "required needs at least one tool in tools")
+        return choice
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if choice.get("type") != "function" if isinstance(choice, dict) else True:
+        raise bad_field("tool_choice", how)
+    if not isinstance(name, str):
+        raise bad_field("tool_choice", how)
+    if all(tool.name != name for tool in tools):
+        raise bad_field("tool_choice", f"names the tool {name!r}, which is not in tools")
+    return {"name": name}
+
+
+def _chat_thinking(body: dict) -> tuple[bool, bool]:
+    """(thinking, preserve_thinking). An explicit enable_thinking wins over reasoning_effort."""
+    kwargs = _typed(body, "chat_template_kwargs", dict, "chat_template_kwargs", {})
+    enable = _typed(kwargs, "enable_thinking", bool, "chat_template_kwargs.enable_thinking")
+    if enable is None:
+        enable = _typed(body, "enable_thinking", bool, "enable_thinking")
+    effort = _typed(body, "reasoning_effort", str, "reasoning_effort")
+    if enable is None:
+        enable = effort is not None and effort not in NO_THINKING_EFFORTS
+    preserve = _typed(kwargs, "preserve_thinking", bool, "chat_template_kwargs.preserve_thinking", False)
+    return enable, preserve
+
+
+def parse_chat(body: dict) -> Job:
+    """A Chat Completions request -> Job (400 naming the field for anything this server cannot do)."""
+    job = parse_common(body, Job(), ("max_tokens", "max_completion_tokens"))
+    if body.get("logprobs"):
+        raise bad_field("logprobs", "log probabilities are not supported")
+    if body.get("top_logprobs") is not None:
+        raise bad_field("top_logprobs", "log probabilities are not supported")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise bad_field("response_format", 'only {"type": "text"} is supported; structured output '
+                                           "(json_object, json_schema) is not")
+    job.messages = _chat_messages(body.get("messages"))
+    job.tools = _chat_tools(body.get("tools"))
+    job.tool_choice = _chat_tool_choice(body.get("tool_choice"), job.tools)
+    job.thinking, job.preserve_thinking = _chat_thinking(body)
+    options = _typed(body, "stream_options", dict, "stream_options", {})
+    job.include_usage = _typed(options, "include_usage", bool, "stream_options.include_usage", False)
+    return job   # merge, store, user, metadata, parallel_tool_calls and unknown fields are ignored
+
+
+def _fingerprint(job: Job) -> dict:
+    """system_fingerprint "seed-<seed>" names the seed that sampled the answer, so a client can
+    reproduce it; empty when the request gave none (the worker then draws its own)."""
+    seed = job.sampling.seed
+    return {} if seed is None else {"system_fingerprint": f"seed-{seed}"}
+
+
+def _openai_head(job: Job, meta: Meta, obj: str) -> dict:
+    return {"id": meta.id, "object": obj, "created": meta.created, "model": meta.model,
+            **_fingerprint(job)}
+
+
+def _openai_usage(usage: chat.Usage, cached: bool) -> dict:
+    out = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+           "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+    if cached:
+        out["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
+    return out
+
+
+def _openai_stream_error(err: ApiError, meta: Meta) -> list[bytes]:
+    """The spec's error event of a started OpenAI stream: the error body with the response id as
+    request_id, then the [DONE] every OpenAI client waits for."""
+    body = openai_error_body(err)
+    body["error"]["request_id"] = meta.id
+    return [sse(body), sse("[DONE]")]
+
+
+def _failed(done: chat.Done) -> ApiError:
+    return ApiError(500, f"the request failed on the device: {done.error or 'unknown error'}",
+                    type="server_error")
+
+
+class ChatEncoder:
+    """Neutral events -> chat.completion.chunk frames, and the chat.completion body."""
+
+    def __init__(self, job: Job, meta: Meta):
+        self.job, self.meta = job, meta
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: dict[int, dict] = {}      # index -> {"id", "type", "function": {name, arguments}}
+        self.done: chat.Done | None = None
+
+    def _chunk(self, delta: dict | None, finish: str | None = None, **extra: Any) -> bytes:
+        """One chunk; delta None makes the usage chunk, whose choices are empty."""
+        choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+        return sse({**_openai_head(self.job, self.meta, "chat.completion.chunk"), "choices": choices,
+                    **extra})
+
+    def start(self) -> list[bytes]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def keepalive(self) -> bytes:
+        return OPENAI_KEEPALIVE
+
+    def feed(self, ev: Any) -> list[bytes]:
+        if isinstance(ev, chat.TextDelta) and ev.text:
+            self.content.append(ev.text)
+            return [self._chunk({"content": ev.text})]
+        if isinstance(ev, chat.ReasoningDelta) and ev.text:
+            self.reasoning.append(ev.text)
+            return [self._chunk({"reasoning_content": ev.text})]
+        if isinstance(ev, chat.ToolCallStart):
+            self.calls[ev.index] = {"id": ev.id, "type": "function",
+                                    "function": {"name": ev.name, "arguments": ""}}
+            return [self._chunk({"tool_calls": [{"index": ev.index, **json.loads(
+                json.dumps(self.calls[ev.index]))}]})]
+        if isinstance(ev, chat.ToolCallArgs):
+            return self._arguments(ev.index, ev.delta)
+        if isinstance(ev, chat.ToolCallEnd):
+            # The deltas normally add up to the whole text; stream whatever is missing (all of "{}"
+            # for a call without arguments) so a streaming client ends with the same arguments.
+            sent = self.calls[ev.index]["function"]["arguments"]
+            self.calls[ev.index]["function"]["arguments"] = ev.arguments
+            rest = ev.arguments[len(sent):] if ev.arguments.startswith(sent) else ""
+            return [self._chunk({"tool_calls": [{"index": ev.index, "function": {"arguments": rest}}]})] \
+                if rest else []
+        if isinstance(ev, chat.Done):
+            return self._finish(ev)
+        return []
+
+    def _arguments(self, index: int, piece: str) -> list[bytes]:
+        if not piece:
+            return []
+        self.calls[index]["function"]["arguments"] += piece
+        return [self._chunk({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})]
+
+    def _finish(self, done: chat.Done) -> list[bytes]:
+        self.done = done
+        if done.finish_reason == "error":
+            return self.error(_failed(done))
+        timings = {"timings": done.timings} if done.timings else {}
+        frames = [self._chunk({}, CHAT_FINISH.get(done.finish_reason, "stop"), **timings)]
+        if self.job.include_usage:
+            frames.append(self._chunk(None, usage=_openai_usage(done.usage, True), **timings))
+        return frames + [sse("[DONE]")]
+
+    def body(self) -> dict:
+        """The chat.completion; raises the ApiError of an answer that ended in an error."""
+        done = self.done or chat.Done("abort")
+        if done.finish_reason == "error":
+            raise _failed(done)
+        text = "".join(self.content)
+        calls = [self.calls[i] for i in sorted(self.calls)]
+        message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
+        if calls:
+            message["tool_calls"] = calls
+        out = {**_openai_head(self.job, self.meta, "chat.completion"),
+               "choices": [{"index": 0, "message": message,
+                            "finish_reason": CHAT_FINISH.get(done.finish_reason, "stop")}],
+               "usage": _openai_usage(done.usage, True)}
+        if done.timings:
+            out["timings"] = done.timings
+        return out
+
+    def error(self, err: ApiError) -> list[bytes]:
+        return _openai_stream_error(err, self.meta)
+
 # ---- OpenAI Completions --------------------------------------------------------------------------
 
 # ---- Anthropic Messages --------------------------------------------------------------------------
@@ -951,6 +1242,125 @@ async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list
         else:
             await out.json(200, enc_attempt.body())
         return
+
+
+def json_body(req) -> dict:
+    """The request body as a JSON object, or a 400 that says what is wrong with it."""
+    try:
+        body = json.loads(req.body)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ApiError(400, f"body: not valid JSON ({e})")
+    if not isinstance(body, dict):
+        raise ApiError(400, f"body: must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def not_ready_error(fmt_anthropic: bool) -> ApiError:
+    """503 (OpenAI) / 529 overloaded (Anthropic) while the model loads or its worker restarts."""
+    headers = (("Retry-After", str(RETRY_AFTER_LOADING_S)),)
+    if fmt_anthropic:
+        return ApiError(529, "the model is loading; retry shortly", type="overloaded_error",
+                        headers=headers + (("x-should-retry", "true"),))
+    return ApiError(503, "the model is loading; retry shortly", type="unavailable", headers=headers)
+
+
+def rejected_error(fmt_anthropic: bool, reason: str) -> ApiError:
+    why = ("too many of your requests are waiting for a slot" if reason == "tenant_queue_full"
+           else "the server's queue is full")
+    headers = (("Retry-After", str(RETRY_AFTER_BUSY_S)),)
+    if fmt_anthropic:
+        return ApiError(529, why, type="overloaded_error", headers=headers)
+    return ApiError(429, why, type="rate_limit_exceeded", headers=headers)
+
+
+async def render_prompt(app, job: Job) -> list[int]:
+    """The one template, off the event loop (a 50 KB agent prompt takes milliseconds to tokenize)."""
+    if not app.bridge.facts or app.tokenizer is None:
+        raise not_ready_error(False)
+    return await asyncio.to_thread(chat.render, job, app.tokenizer, app.bridge.facts.chat_format)
+
+
+def check_model(app, name: str | None) -> None:
+    """404 model_not_found for a request naming ANOTHER model this installation knows (models.json).
+    Foreign names (gpt-5.5, claude-*) are what agents send whatever they talk to: they are answered by
+    the one model served, as the recorded clients require."""
+    if name and name != app.bridge.facts.id and name in app.other_model_ids:
+        raise ApiError(404, f"model: '{name}' is not served here; this server runs '{app.bridge.facts.id}'",
+                       code="model_not_found", param="model")
+
+
+async def handle_generation(app, req, out, fmt: "ApiFormat", tenant: str) -> None:
+    """One POST to a generation route: parse, check, render, admit, generate, log, count."""
+    t0 = time.monotonic()
+    outcome = Outcome()
+    job = None
+    prompt: list[int] = []
+    queue_s = 0.0
+    try:
+        job = fmt.parse(json_body(req))
+        job.session = job.session or req.header("x-session-id")
+        if app.bridge.status != "ok":
+            raise not_ready_error(fmt.anthropic)
+        check_model(app, job.model)
+        prompt = await render_prompt(app, job)
+        ctx = app.bridge.facts.max_model_len
+        if len(prompt) >= ctx:
+            raise ApiError(400, f"messages: the prompt is {len(prompt)} tokens, and the context holds "
+                                f"{ctx} (with room for at least one new token)", param="messages")
+        try:
+            ticket = app.admission.enter(tenant)
+        except Rejected as r:
+            app.metrics["admission_rejections_total"].inc(reason=r.reason)
+            raise rejected_error(fmt.anthropic, r.reason)
+        if ticket is not None:
+            try:
+                await _wait_admitted(ticket, out.gone)
+            except BaseException:
+                app.admission.leave_queue(tenant, ticket)
+                raise
+        queue_s = time.monotonic() - t0
+        try:
+            await run_generation(app, req, out, fmt, job, prompt, outcome)
+        finally:
+            app.admission.release()
+    except ApiError as e:
+        outcome.status, outcome.finish = e.status, outcome.finish or "error"
+        raise
+    except ClientGone:
+        outcome.status, outcome.finish = 499, "abort"   # 499: nginx's "client closed request"
+        raise
+    finally:
+        e2e = time.monotonic() - t0
+        if job is not None and outcome.usage is not None or outcome.finish in ("abort", "error") and prompt:
+            ttft = outcome.first_token_at - t0 if outcome.first_token_at else None
+            decode = (time.monotonic() - outcome.first_token_at) if outcome.first_token_at else None
+            app.metrics.request_done(outcome.finish or "stop", outcome.usage, queue_s, e2e, ttft, decode)
+        u = outcome.usage
+        app.log(f"{req.method} {req.path} {outcome.status} finish={outcome.finish or '-'} "
+                f"prompt={u.prompt_tokens if u else len(prompt)} cached={u.cached_tokens if u else 0} "
+                f"generated={u.completion_tokens if u else 0} queue_ms={queue_s * 1000:.0f} "
+                f"total_ms={e2e * 1000:.0f}" + (f" retried=1" if outcome.retried else "")
+                + (f" session={job.session}" if job is not None and job.session else ""))
+
+
+async def _wait_admitted(ticket: asyncio.Future, gone: asyncio.Event) -> None:
+    """Wait for a slot, or raise ClientGone if the client leaves first (its place is given up)."""
+    left = asyncio.ensure_future(gone.wait())
+    try:
+        done, _ = await asyncio.wait({ticket, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+    if ticket not in done:
+        raise ClientGone()
+
+
+async def handle_count_tokens(app, req, out, fmt: "ApiFormat") -> None:
+    """Anthropic count_tokens: exactly the prompt the Messages route would prefill. Never queued."""
+    if app.bridge.status != "ok":
+        raise not_ready_error(True)
+    job = fmt.parse(json_body(req))
+    prompt = await render_prompt(app, job)
+    await out.json(200, {"input_tokens": len(prompt)})
 
 
 # =================================================================================================
