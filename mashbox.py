@@ -432,14 +432,17 @@ OPENAI_KEEPALIVE = b": keep-alive\n\n"
 _KIND_NAMES = {str: "a string", bool: "true or false", dict: "an object", list: "a list"}
 
 
-def _typed(obj: dict, key: str, kind: type, field: str, default: Any = None) -> Any:
-    """obj[key] if it has the JSON type kind, default when absent or null, else a 400 naming field."""
-    value = obj.get(key)
+def _as(value: Any, kind: type, field: str, default: Any = None) -> Any:
+    """value if it has the JSON type kind, default when absent or null, else a 400 naming field."""
     if value is None:
         return default
     if not isinstance(value, kind):
         raise bad_field(field, f"must be {_KIND_NAMES[kind]}, got {type(value).__name__}")
     return value
+
+
+def _typed(obj: dict, key: str, kind: type, field: str, default: Any = None) -> Any:
+    return _as(obj.get(key), kind, field, default)
 
 
 def _content_text(content: Any, field: str, text_kinds: tuple[str, ...] = ("text",)) -> str:
@@ -468,7 +471,7 @@ def _content_text(content: Any, field: str, text_kinds: tuple[str, ...] = ("text
 def _chat_history_calls(calls: Any, field: str) -> list[chat.ToolCall]:
     """An assistant message's earlier tool_calls; arguments stay the JSON text the client sent."""
     out = []
-    for j, call in enumerate(_typed({"c": calls}, "c", list, field, [])):
+    for j, call in enumerate(_as(calls, list, field, [])):
         where = f"{field}[{j}]"
         if not isinstance(call, dict):
             raise bad_field(where, "must be an object {id, type, function: {name, arguments}}")
@@ -514,7 +517,7 @@ def _chat_messages(messages: Any) -> list[chat.Message]:
 
 def _chat_tools(tools: Any) -> list[chat.Tool]:
     out: list[chat.Tool] = []
-    for i, t in enumerate(_typed({"t": tools}, "t", list, "tools", [])):
+    for i, t in enumerate(_as(tools, list, "tools", [])):
         where = f"tools[{i}]"
         if not isinstance(t, dict):
             raise bad_field(where, 'must be an object {"type": "function", "function": {...}}')
@@ -544,9 +547,7 @@ def _chat_tool_choice(choice: Any, tools: list[chat.Tool]) -> str | dict:
         return choice
     fn = choice.get("function") if isinstance(choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
-    if choice.get("type") != "function" if isinstance(choice, dict) else True:
-        raise bad_field("tool_choice", how)
-    if not isinstance(name, str):
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
         raise bad_field("tool_choice", how)
     if all(tool.name != name for tool in tools):
         raise bad_field("tool_choice", f"names the tool {name!r}, which is not in tools")
@@ -651,8 +652,8 @@ class ChatEncoder:
         if isinstance(ev, chat.ToolCallStart):
             self.calls[ev.index] = {"id": ev.id, "type": "function",
                                     "function": {"name": ev.name, "arguments": ""}}
-            return [self._chunk({"tool_calls": [{"index": ev.index, **json.loads(
-                json.dumps(self.calls[ev.index]))}]})]
+            return [self._chunk({"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
+                                                 "function": {"name": ev.name, "arguments": ""}}]})]
         if isinstance(ev, chat.ToolCallArgs):
             return self._arguments(ev.index, ev.delta)
         if isinstance(ev, chat.ToolCallEnd):
@@ -1152,6 +1153,7 @@ class Outcome:
     timings: dict | None = None
     first_token_at: float | None = None
     retried: bool = False
+    admitted: bool = False
 
 
 async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list[int],
@@ -1319,6 +1321,7 @@ async def handle_generation(app, req, out, fmt: "ApiFormat", tenant: str) -> Non
                 app.admission.leave_queue(tenant, ticket)
                 raise
         queue_s = time.monotonic() - t0
+        outcome.admitted = True
         try:
             await run_generation(app, req, out, fmt, job, prompt, outcome)
         finally:
@@ -1331,7 +1334,7 @@ async def handle_generation(app, req, out, fmt: "ApiFormat", tenant: str) -> Non
         raise
     finally:
         e2e = time.monotonic() - t0
-        if job is not None and outcome.usage is not None or outcome.finish in ("abort", "error") and prompt:
+        if outcome.admitted:   # requests refused before they ran are counted by their rejection
             ttft = outcome.first_token_at - t0 if outcome.first_token_at else None
             decode = (time.monotonic() - outcome.first_token_at) if outcome.first_token_at else None
             app.metrics.request_done(outcome.finish or "stop", outcome.usage, queue_s, e2e, ttft, decode)
