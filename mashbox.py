@@ -709,6 +709,74 @@ class ChatEncoder:
 
 # ---- OpenAI Completions --------------------------------------------------------------------------
 
+# Completions has only these two finishes; a raw prompt has no tools, and an aborted client is gone.
+COMPLETION_FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
+
+
+def parse_completion(body: dict) -> Job:
+    """A Completions request -> Job with the raw prompt (no chat template)."""
+    job = parse_common(body, Job(), ("max_tokens", "max_completion_tokens"))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise bad_field("prompt", "must be a string or a list of one string (token arrays and several "
+                                  "prompts are not supported)")
+    if not prompt:
+        raise bad_field("prompt", "must not be empty: there is nothing to continue")
+    job.prompt = prompt
+    if body.get("logprobs") is not None:
+        raise bad_field("logprobs", "log probabilities are not supported")
+    if body.get("echo"):
+        raise bad_field("echo", "echoing the prompt is not supported")
+    if body.get("suffix"):
+        raise bad_field("suffix", "a suffix (fill in the middle) is not supported")
+    if body.get("best_of") not in (None, 1):
+        raise bad_field("best_of", f"must be 1, got {body.get('best_of')!r}")
+    return job
+
+
+class CompletionEncoder:
+    """Neutral events -> text_completion frames (the stream has no usage), and the body."""
+
+    def __init__(self, job: Job, meta: Meta):
+        self.job, self.meta = job, meta
+        self.text: list[str] = []
+        self.done: chat.Done | None = None
+
+    def _completion(self, text: str, finish: str | None) -> dict:
+        return {**_openai_head(self.job, self.meta, "text_completion"),
+                "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+
+    def start(self) -> list[bytes]:
+        return []
+
+    def keepalive(self) -> bytes:
+        return OPENAI_KEEPALIVE
+
+    def feed(self, ev: Any) -> list[bytes]:
+        if isinstance(ev, chat.TextDelta) and ev.text:
+            self.text.append(ev.text)
+            return [sse(self._completion(ev.text, None))]
+        if isinstance(ev, chat.Done):
+            self.done = ev
+            if ev.finish_reason == "error":
+                return self.error(_failed(ev))
+            return [sse(self._completion("", COMPLETION_FINISH.get(ev.finish_reason, "stop"))),
+                    sse("[DONE]")]
+        return []   # a raw prompt is plain text: no reasoning or tool calls are parsed out of it
+
+    def body(self) -> dict:
+        """The text_completion; raises the ApiError of an answer that ended in an error."""
+        done = self.done or chat.Done("abort")
+        if done.finish_reason == "error":
+            raise _failed(done)
+        return {**self._completion("".join(self.text), COMPLETION_FINISH.get(done.finish_reason, "stop")),
+                "usage": _openai_usage(done.usage, False)}
+
+    def error(self, err: ApiError) -> list[bytes]:
+        return _openai_stream_error(err, self.meta)
+
 # ---- Anthropic Messages --------------------------------------------------------------------------
 
 # ---- OpenAI Responses ----------------------------------------------------------------------------
