@@ -779,6 +779,456 @@ class CompletionEncoder:
 
 # ---- Anthropic Messages --------------------------------------------------------------------------
 
+# Claude Code's first system block, `x-anthropic-billing-header: cc_version=...; cch=...;`, changes on
+# every request: kept in the prompt, it would make every turn miss the prefix cache from token one.
+BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
+# The signature of the thinking blocks we send. Clients echo thinking blocks back with it; any
+# signature is accepted on input (there is nothing to verify: the thinking is plain text here).
+THINKING_SIGNATURE = "mashbox-local"
+# Put before the text of a tool result the client marked is_error, so the model knows the call failed.
+TOOL_ERROR_PREFIX = "Error: "
+# Block types that carry media: the model reads text only.
+MEDIA_BLOCK_TYPES = frozenset({"image", "document", "audio", "file", "container_upload"})
+# Tool types the client runs itself; every other type is a server tool (web search, code execution,
+# bash_..., text_editor_...), which this server does not run.
+CLIENT_TOOL_TYPES = (None, "custom")
+# tool_choice.type -> Job.tool_choice ("tool" names one tool and is handled apart).
+TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+# Job finish reason -> stop_reason. An aborted answer is never sent, an error ends with an error event.
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
+
+
+def _block_type(block: Any, where: str) -> str:
+    """The type of one content block; media blocks are refused here, for every role."""
+    if not isinstance(block, dict):
+        raise bad_field(where, "must be a content block object")
+    kind = block.get("type")
+    if not isinstance(kind, str):
+        raise bad_field(f"{where}.type", "must be a string")
+    if kind in MEDIA_BLOCK_TYPES:
+        raise bad_field(f"{where}.type", f"{kind} blocks are not supported: the model reads text only")
+    return kind
+
+
+def _block_str(block: dict, key: str, where: str, required: bool = True) -> str:
+    value = block.get(key)
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str):
+        raise bad_field(f"{where}.{key}", "must be a string")
+    return value
+
+
+def _texts(value: Any, where: str) -> list[str]:
+    """A string, or a list of text blocks (system prompts, system messages): the texts in order."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list):
+        raise bad_field(where, "must be a string or a list of text blocks")
+    texts = []
+    for j, block in enumerate(value):
+        at = f"{where}[{j}]"
+        if _block_type(block, at) != "text":
+            raise bad_field(f"{at}.type", "must be text")
+        texts.append(_block_str(block, "text", at))
+    return texts
+
+
+def _messages_tools(value: Any) -> tuple[list[chat.Tool], dict[str, chat.Tool]]:
+    """`tools` -> (tools shown up front, deferred tools by name).
+
+    A tool with defer_loading is left out of the up-front list: Claude Code adds such tools to `tools`
+    once a tool search found them, and listing them up front would change the start of the prompt
+    (and lose the prefix cache) at that moment. The model learns a deferred tool where a tool_result
+    references it (see _tool_reference)."""
+    if value is None:
+        return [], {}
+    if not isinstance(value, list):
+        raise bad_field("tools", "must be a list of tools")
+    shown: list[chat.Tool] = []
+    deferred: dict[str, chat.Tool] = {}
+    for i, spec in enumerate(value):
+        at = f"tools[{i}]"
+        if not isinstance(spec, dict):
+            raise bad_field(at, "must be an object")
+        kind = spec.get("type")
+        if kind not in CLIENT_TOOL_TYPES:
+            raise bad_field(f"{at}.type", f"server tool {kind!r} is not supported: only client tools "
+                                          "(type custom or absent)")
+        name = spec.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_field(f"{at}.name", "must be a non-empty string")
+        if name in deferred or any(t.name == name for t in shown):
+            raise bad_field(f"{at}.name", f"{name!r} names two tools")
+        description = spec.get("description")
+        if description is not None and not isinstance(description, str):
+            raise bad_field(f"{at}.description", "must be a string")
+        schema = spec.get("input_schema", {"type": "object", "properties": {}})
+        if not isinstance(schema, dict):
+            raise bad_field(f"{at}.input_schema", "must be a JSON Schema object")
+        # `$schema` names the JSON Schema dialect: nothing the model needs, tokens in every prompt.
+        tool = chat.Tool(name, description or "", {k: v for k, v in schema.items() if k != "$schema"})
+        defer = spec.get("defer_loading", False)
+        if not isinstance(defer, bool):
+            raise bad_field(f"{at}.defer_loading", "must be true or false")
+        if defer:
+            deferred[name] = tool
+        else:
+            shown.append(tool)
+    return shown, deferred
+
+
+def _tool_definition(tool: chat.Tool) -> str:
+    """A tool as one JSON line, the way Qwen chat templates list the tools in the system prompt."""
+    return json.dumps({"type": "function", "function": {
+        "name": tool.name, "description": tool.description, "parameters": tool.parameters}},
+        ensure_ascii=False)
+
+
+def _tool_reference(block: dict, where: str, deferred: dict[str, chat.Tool]) -> str:
+    """A tool_reference (a tool search's answer): the tool's name, or its whole definition when it is a
+    deferred tool, which the model has not seen anywhere else."""
+    name = _block_str(block, "tool_name", where)
+    tool = deferred.get(name)
+    return _tool_definition(tool) if tool else name
+
+
+def _tool_result(block: dict, where: str, call_names: dict[str, str],
+                 deferred: dict[str, chat.Tool]) -> chat.Message:
+    call_id = _block_str(block, "tool_use_id", where)
+    content = block.get("content")
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        parts = []
+        for k, part in enumerate(content):
+            at = f"{where}.content[{k}]"
+            kind = _block_type(part, at)
+            if kind == "text":
+                parts.append(_block_str(part, "text", at))
+            elif kind == "tool_reference":
+                parts.append(_tool_reference(part, at, deferred))
+            else:
+                raise bad_field(f"{at}.type", "must be text or tool_reference")
+        text = "\n".join(parts)
+    else:
+        raise bad_field(f"{where}.content", "must be a string or a list of content blocks")
+    is_error = block.get("is_error", False)
+    if not isinstance(is_error, bool):
+        raise bad_field(f"{where}.is_error", "must be true or false")
+    if is_error:
+        text = TOOL_ERROR_PREFIX + text
+    return chat.Message("tool", text, tool_call_id=call_id, name=call_names.get(call_id))
+
+
+def _user_turn(content: Any, where: str, call_names: dict[str, str],
+               deferred: dict[str, chat.Tool]) -> list[chat.Message]:
+    """A user message: each tool_result becomes a tool message, the text blocks between them user
+    messages, in the order they came."""
+    if isinstance(content, str):
+        return [chat.Message("user", content)]
+    if not isinstance(content, list):
+        raise bad_field(where, "must be a string or a list of content blocks")
+    out: list[chat.Message] = []
+    texts: list[str] = []
+    for j, block in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = _block_type(block, at)
+        if kind == "text":
+            texts.append(_block_str(block, "text", at))
+        elif kind == "tool_result":
+            if texts:
+                out.append(chat.Message("user", "\n".join(texts)))
+                texts = []
+            out.append(_tool_result(block, at, call_names, deferred))
+        else:
+            raise bad_field(f"{at}.type", f"{kind!r} is not a user block (text, tool_result)")
+    if texts or not out:
+        out.append(chat.Message("user", "\n".join(texts)))
+    return out
+
+
+def _assistant_turn(content: Any, where: str, call_names: dict[str, str]) -> chat.Message:
+    """An assistant message: text, thinking (-> reasoning) and tool_use blocks become one message."""
+    msg = chat.Message("assistant")
+    if isinstance(content, str):
+        msg.content = content
+        return msg
+    if not isinstance(content, list):
+        raise bad_field(where, "must be a string or a list of content blocks")
+    texts, thoughts = [], []
+    for j, block in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = _block_type(block, at)
+        if kind == "text":
+            texts.append(_block_str(block, "text", at))
+        elif kind == "thinking":
+            thoughts.append(_block_str(block, "thinking", at))
+        elif kind == "redacted_thinking":
+            continue      # another server's encrypted thinking: nothing the model could read
+        elif kind == "tool_use":
+            call_id = _block_str(block, "id", at)
+            name = _block_str(block, "name", at)
+            args = block.get("input", {})
+            if not isinstance(args, dict):
+                raise bad_field(f"{at}.input", "must be an object")
+            call_names[call_id] = name
+            msg.tool_calls.append(chat.ToolCall(call_id, name, json.dumps(args, ensure_ascii=False)))
+        else:
+            raise bad_field(f"{at}.type", f"{kind!r} is not an assistant block "
+                                          "(text, thinking, redacted_thinking, tool_use)")
+    msg.content = "\n".join(texts)
+    msg.reasoning = "\n".join(thoughts) if thoughts else None
+    return msg
+
+
+def _conversation(value: Any, deferred: dict[str, chat.Tool]) -> list[chat.Message]:
+    """`messages` -> Messages. A system or developer message stays where it stands (Claude Code sends
+    one after the first user message; moving it would change what the model reads)."""
+    if not isinstance(value, list) or not value:
+        raise bad_field("messages", "must be a non-empty list of messages")
+    out: list[chat.Message] = []
+    call_names: dict[str, str] = {}     # tool_use id -> tool name, to name the tool results
+    for i, item in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(item, dict):
+            raise bad_field(where, "must be an object")
+        role, content = item.get("role"), item.get("content")
+        if role == "user":
+            out += _user_turn(content, f"{where}.content", call_names, deferred)
+        elif role == "assistant":
+            out.append(_assistant_turn(content, f"{where}.content", call_names))
+        elif role in ("system", "developer"):
+            out.append(chat.Message("system", "\n".join(_texts(content, f"{where}.content"))))
+        else:
+            raise bad_field(f"{where}.role", "must be user, assistant, system or developer")
+    return out
+
+
+def _messages_tool_choice(value: Any, job: Job, deferred: dict[str, chat.Tool]) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise bad_field("tool_choice", "must be an object")
+    kind = value.get("type")
+    if kind == "tool":
+        name = value.get("name")
+        if not isinstance(name, str):
+            raise bad_field("tool_choice.name", "must be a string")
+        if name in deferred:
+            job.tools.append(deferred[name])     # the model must see the tool it is made to call
+        elif not any(t.name == name for t in job.tools):
+            raise bad_field("tool_choice.name", f"no tool named {name!r} in tools")
+        job.tool_choice = {"name": name}
+    elif kind in TOOL_CHOICES:
+        job.tool_choice = TOOL_CHOICES[kind]
+        if kind == "any" and not job.tools:
+            raise bad_field("tool_choice.type", "any needs at least one tool in tools")
+    else:
+        raise bad_field("tool_choice.type", "must be auto, any, tool or none")
+
+
+def _messages_thinking(value: Any) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, dict):
+        raise bad_field("thinking", "must be an object")
+    kind = value.get("type")
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise bad_field("thinking.type", "must be enabled, adaptive or disabled")
+    budget = value.get("budget_tokens")       # accepted and ignored: the model ends its own thinking
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
+        raise bad_field("thinking.budget_tokens", "must be an integer")
+    return kind != "disabled"
+
+
+def _keeps_all_thinking(value: Any) -> bool:
+    """context_management asks to keep every earlier thinking block (Claude Code: clear_thinking with
+    keep "all"). Keeping it in the prompt also keeps earlier turns unchanged for the prefix cache."""
+    edits = value.get("edits") if isinstance(value, dict) else None
+    return isinstance(edits, list) and any(
+        isinstance(e, dict) and str(e.get("type", "")).startswith("clear_thinking") and e.get("keep") == "all"
+        for e in edits)
+
+
+def parse_messages(body: dict) -> Job:
+    """A Messages (or count_tokens) request -> Job. Fields not named here (metadata, safeguards,
+    service_tier, container, mcp_servers, cache_control on any block...) are accepted and ignored."""
+    job = parse_common(body, Job(), ("max_tokens", "max_completion_tokens"))
+    job.tools, deferred = _messages_tools(body.get("tools"))
+    _messages_tool_choice(body.get("tool_choice"), job, deferred)
+    job.thinking = _messages_thinking(body.get("thinking"))
+    job.preserve_thinking = _keeps_all_thinking(body.get("context_management"))
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise bad_field("output_config", "must be an object")
+    if config and config.get("format") is not None:
+        raise bad_field("output_config.format", "structured output is not supported")
+    system = body.get("system")
+    messages: list[chat.Message] = []
+    if system is not None:
+        texts = [t for t in _texts(system, "system") if not t.startswith(BILLING_HEADER_PREFIX)]
+        if texts:
+            messages.append(chat.Message("system", "\n".join(texts)))
+    job.messages = messages + _conversation(body.get("messages"), deferred)
+    return job
+
+
+# count_tokens takes everything Messages takes (max_tokens is optional in both): the count is the
+# rendered prompt of the same Job, so the two can never disagree.
+parse_count_tokens = parse_messages
+
+
+def _tool_input(arguments: str) -> dict:
+    """tool_use.input from the arguments' JSON text; {} when it is not a JSON object."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _toolu_id(call_id: str) -> str:
+    """Anthropic's tool-use ids start with toolu_; the output parser's start with call_."""
+    return call_id if call_id.startswith("toolu_") else "toolu_" + call_id.removeprefix("call_")
+
+
+class MessagesEncoder:
+    """Neutral events -> an Anthropic Message (body) or its stream: message_start, ping, per block
+    content_block_start / content_block_delta / content_block_stop, message_delta, message_stop."""
+
+    def __init__(self, job: Job, meta: Meta):
+        self.meta = meta
+        self.content: list[dict] = []        # the body's blocks so far
+        self.open: int | None = None         # index of the block being streamed, if any
+        self.tool_blocks: dict[int, int] = {}    # tool call index -> its block's index
+        self.args_sent: dict[int, str] = {}      # block index -> arguments text streamed so far
+        self.stop_reason: str | None = None
+        self.stop_sequence: str | None = None
+        self.usage = self._usage(chat.Usage(prompt_tokens=meta.prompt_tokens))
+        self.ended = False
+
+    @staticmethod
+    def _usage(u: chat.Usage) -> dict:
+        return {"input_tokens": u.prompt_tokens - u.cached_tokens, "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": u.cached_tokens, "output_tokens": u.completion_tokens}
+
+    def _message(self, content: list[dict]) -> dict:
+        return {"id": self.meta.id, "type": "message", "role": "assistant", "model": self.meta.model,
+                "content": content, "stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence,
+                "usage": self.usage}
+
+    @staticmethod
+    def _event(kind: str, **fields) -> bytes:
+        return sse({"type": kind, **fields}, kind)
+
+    def start(self) -> list[bytes]:
+        return [self._event("message_start", message=self._message([])), self.keepalive()]
+
+    def keepalive(self) -> bytes:
+        return self._event("ping")
+
+    def body(self) -> dict:
+        return self._message(self.content)
+
+    def error(self, err: ApiError) -> list[bytes]:
+        if self.ended:
+            return []
+        self.ended = True
+        return [sse({**anthropic_error_body(err), "request_id": self.meta.id}, "error")]
+
+    def feed(self, ev) -> list[bytes]:
+        if self.ended:
+            return []
+        if isinstance(ev, chat.TextDelta):
+            return self._delta("text", ev.text)
+        if isinstance(ev, chat.ReasoningDelta):
+            return self._delta("thinking", ev.text)
+        if isinstance(ev, chat.ToolCallStart):
+            frames = self._close()
+            self.tool_blocks[ev.index] = len(self.content)
+            self.args_sent[len(self.content)] = ""
+            block = {"type": "tool_use", "id": _toolu_id(ev.id), "name": ev.name, "input": {}}
+            return frames + self._open(block, dict(block))
+        if isinstance(ev, chat.ToolCallArgs):
+            at = self.tool_blocks.get(ev.index)
+            if at is None or at != self.open or not ev.delta:
+                return []
+            self.args_sent[at] += ev.delta
+            return [self._json_delta(at, ev.delta)]
+        if isinstance(ev, chat.ToolCallEnd):
+            return self._end_tool(ev)
+        if isinstance(ev, chat.Done):
+            return self._done(ev)
+        return []
+
+    def _open(self, body_block: dict, start_block: dict) -> list[bytes]:
+        self.open = len(self.content)
+        self.content.append(body_block)
+        return [self._event("content_block_start", index=self.open, content_block=start_block)]
+
+    def _close(self) -> list[bytes]:
+        """Ends the open block; a thinking block gets its signature first."""
+        if self.open is None:
+            return []
+        at, self.open = self.open, None
+        frames = []
+        if self.content[at]["type"] == "thinking":
+            frames.append(self._event("content_block_delta", index=at,
+                                      delta={"type": "signature_delta", "signature": THINKING_SIGNATURE}))
+        return frames + [self._event("content_block_stop", index=at)]
+
+    def _delta(self, kind: str, text: str) -> list[bytes]:
+        """A piece of text or thinking: continues the open block of that kind, or opens one."""
+        if not text:
+            return []
+        frames = []
+        if self.open is None or self.content[self.open]["type"] != kind:
+            frames = self._close()
+            if kind == "text":
+                frames += self._open({"type": "text", "text": ""}, {"type": "text", "text": ""})
+            else:
+                frames += self._open({"type": "thinking", "thinking": "", "signature": THINKING_SIGNATURE},
+                                     {"type": "thinking", "thinking": "", "signature": ""})
+        self.content[self.open][kind] += text
+        delta = {"type": "text_delta", "text": text} if kind == "text" else \
+            {"type": "thinking_delta", "thinking": text}
+        return frames + [self._event("content_block_delta", index=self.open, delta=delta)]
+
+    def _json_delta(self, at: int, piece: str) -> bytes:
+        return self._event("content_block_delta", index=at,
+                           delta={"type": "input_json_delta", "partial_json": piece})
+
+    def _end_tool(self, ev: chat.ToolCallEnd) -> list[bytes]:
+        at = self.tool_blocks.get(ev.index)
+        if at is None:
+            return []
+        self.content[at]["input"] = _tool_input(ev.arguments)
+        if at != self.open:
+            return []
+        # Whatever of the arguments was not streamed yet goes out before the block ends: a client
+        # builds `input` from the deltas alone.
+        sent = self.args_sent[at]
+        rest = ev.arguments[len(sent):] if ev.arguments.startswith(sent) else ""
+        frames = [self._json_delta(at, rest)] if rest else []
+        return frames + self._close()
+
+    def _done(self, ev: chat.Done) -> list[bytes]:
+        frames = self._close()
+        if ev.finish_reason == "error":
+            return frames + self.error(ApiError(500, ev.error or "generation failed", type="api_error"))
+        self.ended = True
+        self.stop_sequence = ev.stop_sequence
+        self.stop_reason = "stop_sequence" if ev.stop_sequence else STOP_REASONS.get(ev.finish_reason, "end_turn")
+        self.usage = self._usage(ev.usage)
+        return frames + [
+            self._event("message_delta", delta={"stop_reason": self.stop_reason,
+                                                "stop_sequence": self.stop_sequence}, usage=self.usage),
+            self._event("message_stop")]
+
+
 # ---- OpenAI Responses ----------------------------------------------------------------------------
 
 
@@ -944,6 +1394,56 @@ class Metrics:
         for metric in self.m.values():
             lines += metric.render()
         return "\n".join(lines) + "\n"
+
+
+def cache_namespace(facts, tokenizer_path: str) -> str:
+    """What cached prompt states are valid for: model, weights, tokenizer, chat template and cache
+    policy. Two servers with the same id can share saved states; anything else must not."""
+    import hashlib
+    h = hashlib.sha256()
+    for part in (facts.id, facts.family, facts.weights, facts.chat_format, facts.dtype,
+                 f"ctx={facts.max_model_len}", f"prefix={facts.prefix_cache}"):
+        h.update(part.encode() + b"\0")
+    try:
+        with open(tokenizer_path, "rb") as f:
+            h.update(hashlib.sha256(f.read()).digest())
+    except OSError:
+        h.update(b"no-tokenizer")
+    return "mbx-" + h.hexdigest()[:16]
+
+
+def health_document(bridge: "Bridge", admission: "Admission | None", namespace: str | None) -> dict:
+    """Every field of the spec's Health, with real values where the feature exists and the spec's
+    null/0 where it does not."""
+    stats = bridge.stats
+    ready = bridge.status == "ok"
+    host_bytes = stats.host_cache_bytes if stats else 0
+    snap_bytes = stats.snapshot_bytes if stats else 0
+    doc = {
+        "status": bridge.status,
+        "live_rows": (admission.running if admission is not None else stats.live_rows if stats else 0)
+        if ready else None,
+        "waiting": admission.waiting if admission is not None else 0,
+        "cache_bytes": host_bytes + snap_bytes,
+        "host_cache_bytes": host_bytes,
+        "snapshot_bytes": snap_bytes,
+        "host_cache_cap_bytes": stats.host_cache_cap_bytes if stats else
+        (bridge.facts.cache_ram_mib << 20 if bridge.facts else 0),
+        "host_cache_evictions": stats.host_cache_evictions if stats else 0,
+        "cache_namespace": namespace if ready else None,
+        "deployment_id": None,
+        "component_set_sha": None,
+        "certification": "not_certified",
+        "compiles_after_ready": bridge.compiles_after_ready if ready else None,
+        "routed_experts": bridge.facts.routed_experts if bridge.facts else None,
+        "worker_restarts": bridge.restarts,
+    }
+    if bridge.pid is not None:
+        doc["worker_pid"] = bridge.pid
+    if not ready and bridge.loading is not None:
+        phase, done, total = bridge.loading
+        doc["loading"] = {"phase": phase, "done": done, "total": total}
+    return doc
 
 
 # =================================================================================================
