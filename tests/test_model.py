@@ -1,0 +1,330 @@
+"""The model against transformers, and the cache moves the runtime relies on.
+
+Reference logits come from transformers in float32 (tests/fixtures/make_tiny.py); these tests only
+read the committed files, so they need neither torch nor the network.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from engine.cache import copy_prefix, init_cache, read_slot, write_slot
+from engine.config import ConfigError, config_from_dict, load_config
+from engine.model import dtype_for, jit_forward
+from engine.weights import WeightsError, load_weights
+
+TINY = os.path.join(os.path.dirname(__file__), "fixtures", "tiny")
+MODELS = ["qwen3", "qwen3-tied", "qwen2"]
+# float32 against float32 transformers: only summation order differs (measured ~1.5e-5 at most).
+PARITY_ATOL = 1e-4
+# The same model run in differently shaped batches or chunks: reduction order may change a little.
+SHAPE_ATOL = 1e-5
+SLOTS, CTX = 4, 64
+
+
+def _load(name: str, dtype=jnp.float32):
+    folder = os.path.join(TINY, name)
+    cfg = load_config(folder)
+    return cfg, load_weights(folder, cfg, dtype), load_file(os.path.join(folder, "reference.safetensors"))
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def tiny(request):
+    return _load(request.param)
+
+
+def _i32(*values):
+    return jnp.asarray(values, jnp.int32)
+
+
+def _run(params, cache, cfg, tokens, slots, starts, lengths, attn_len=CTX, all_logits=False):
+    tokens = jnp.asarray(np.asarray(tokens, np.int32).reshape(len(slots), -1))
+    return jit_forward(params, cache, tokens, _i32(*slots), _i32(*starts), _i32(*lengths),
+                       cfg=cfg, attn_len=attn_len, all_logits=all_logits)
+
+
+def _snapshot(cache):
+    return [{k: np.asarray(v) for k, v in layer.items()} for layer in cache]
+
+
+# ---- parity with transformers ------------------------------------------------------------------
+
+def test_logits_match_transformers(tiny):
+    """Guards against any numerical difference from the reference (norms, RoPE, GQA, biases, head)."""
+    cfg, params, ref = tiny
+    tokens = ref["tokens"]
+    logits, _ = _run(params, init_cache(cfg, SLOTS, CTX, jnp.float32), cfg, tokens, [2], [0],
+                     [len(tokens)], all_logits=True)
+    np.testing.assert_allclose(np.asarray(logits[0]), ref["logits"], atol=PARITY_ATOL, rtol=0)
+
+
+def test_last_token_logits_are_the_last_valid_row_not_the_padding(tiny):
+    """Guards against returning logits of a padded position when a chunk is not full."""
+    cfg, params, ref = tiny
+    tokens = np.zeros(32, np.int32)
+    tokens[:21] = ref["tokens"][:21]
+    logits, _ = _run(params, init_cache(cfg, SLOTS, CTX, jnp.float32), cfg, tokens, [0], [0], [21])
+    np.testing.assert_allclose(np.asarray(logits[0]), ref["logits"][20], atol=PARITY_ATOL, rtol=0)
+
+
+def test_chunked_prefill_then_decode_equals_one_full_pass(tiny):
+    """Guards against cache writes/reads at the wrong position across chunks and decode steps."""
+    cfg, params, ref = tiny
+    tokens, n = ref["tokens"], len(ref["tokens"])
+    cache = init_cache(cfg, SLOTS, CTX, jnp.float32)
+    got = []
+    # Prefill 30 tokens as chunks of a 16-token bucket (the second chunk half padded), then decode.
+    for start, length in [(0, 16), (16, 14)]:
+        chunk = np.zeros(16, np.int32)
+        chunk[:length] = tokens[start:start + length]
+        logits, cache = _run(params, cache, cfg, chunk, [1], [start], [length], all_logits=True)
+        got.extend(np.asarray(logits[0, :length]))
+    for pos in range(30, n):
+        logits, cache = _run(params, cache, cfg, tokens[pos:pos + 1], [1], [pos], [1], attn_len=n)
+        got.append(np.asarray(logits[0]))
+    np.testing.assert_allclose(np.stack(got), ref["logits"], atol=PARITY_ATOL, rtol=0)
+
+
+# ---- batching and idle rows --------------------------------------------------------------------
+
+def _prefilled(cfg, params, ref, prefixes: dict[int, int]):
+    """A cache whose slot s holds the first prefixes[s] reference tokens."""
+    cache = init_cache(cfg, SLOTS, CTX, jnp.float32)
+    for slot, n in prefixes.items():
+        _, cache = _run(params, cache, cfg, ref["tokens"][:n], [slot], [0], [n])
+    return cache
+
+
+def test_batch_of_rows_equals_each_row_alone(tiny):
+    """Guards against rows of one decode batch leaking into each other (slots, starts, masks)."""
+    cfg, params, ref = tiny
+    tokens = ref["tokens"]
+    prefixes = {0: 5, 2: 17, 3: 9}
+    batch_cache = _prefilled(cfg, params, ref, prefixes)
+    rows = [(3, 9), (0, 5), (2, 17)]          # (slot, start), not in slot order
+    next_tokens = [tokens[start] for _, start in rows]
+    batch_logits, batch_cache = _run(params, batch_cache, cfg, next_tokens, [s for s, _ in rows],
+                                     [p for _, p in rows], [1, 1, 1], attn_len=32)
+    for i, (slot, start) in enumerate(rows):
+        alone = _prefilled(cfg, params, ref, {slot: start})
+        logits, alone = _run(params, alone, cfg, [tokens[start]], [slot], [start], [1], attn_len=32)
+        np.testing.assert_allclose(np.asarray(batch_logits[i]), np.asarray(logits[0]),
+                                   atol=SHAPE_ATOL, rtol=0)
+        np.testing.assert_allclose(np.asarray(batch_logits[i]), ref["logits"][start],
+                                   atol=PARITY_ATOL, rtol=0)
+        for got, want in zip(batch_cache, alone):
+            np.testing.assert_allclose(np.asarray(got["k"][slot, :, :start + 1]),
+                                       np.asarray(want["k"][slot, :, :start + 1]), atol=SHAPE_ATOL)
+            np.testing.assert_allclose(np.asarray(got["v"][slot, :, :, :start + 1]),
+                                       np.asarray(want["v"][slot, :, :, :start + 1]), atol=SHAPE_ATOL)
+
+
+def test_idle_rows_and_padding_leave_the_cache_untouched(tiny):
+    """Guards against idle decode rows (lengths=0) or chunk padding overwriting a live slot."""
+    cfg, params, ref = tiny
+    tokens = ref["tokens"]
+    cache = _prefilled(cfg, params, ref, {0: 12, 1: 20})
+    before = _snapshot(cache)
+    # Row 0 decodes slot 0; rows 1 and 2 are idle and point at live slot 1 (at its end and at 0).
+    _, cache = _run(params, cache, cfg, [tokens[12], 7, 9], [0, 1, 1], [12, 20, 0], [1, 0, 0],
+                    attn_len=32)
+    # A prefill chunk of 3 real tokens padded to 8 must write positions 12..14 of slot 0 only.
+    _, cache = _run(params, cache, cfg, list(tokens[13:16]) + [5] * 5, [0], [13], [3], attn_len=32)
+    after = _snapshot(cache)
+    for old, new in zip(before, after):
+        for name, seq_axis in (("k", 2), ("v", 3)):
+            np.testing.assert_array_equal(new[name][1], old[name][1])     # the idle rows' slot
+            np.testing.assert_array_equal(new[name][2:], old[name][2:])   # slots nobody used
+            changed = np.any(new[name][0] != old[name][0], axis=tuple(
+                a for a in range(3) if a != seq_axis - 1))
+            assert list(np.nonzero(changed)[0]) == [12, 13, 14, 15]
+
+
+# ---- cache moves -------------------------------------------------------------------------------
+
+def test_copy_prefix_copies_only_the_first_n_positions(tiny):
+    """Guards against prefix reuse copying too much, too little, or into the wrong slot."""
+    cfg, params, ref = tiny
+    cache = _prefilled(cfg, params, ref, {0: 20, 3: 30})
+    before = _snapshot(cache)
+    cache = copy_prefix(cache, _i32(3)[0], _i32(1)[0], _i32(10)[0])
+    after = _snapshot(cache)
+    for old, new in zip(before, after):
+        np.testing.assert_array_equal(new["k"][1, :, :10], old["k"][3, :, :10])
+        np.testing.assert_array_equal(new["v"][1, :, :, :10], old["v"][3, :, :, :10])
+        np.testing.assert_array_equal(new["k"][1, :, 10:], old["k"][1, :, 10:])
+        np.testing.assert_array_equal(new["v"][1, :, :, 10:], old["v"][1, :, :, 10:])
+        for slot in (0, 2, 3):
+            np.testing.assert_array_equal(new["k"][slot], old["k"][slot])
+            np.testing.assert_array_equal(new["v"][slot], old["v"][slot])
+
+
+def test_copied_prefix_continues_like_the_original(tiny):
+    """Guards against a reused prefix producing different next-token logits than a fresh prefill."""
+    cfg, params, ref = tiny
+    tokens = ref["tokens"]
+    cache = copy_prefix(_prefilled(cfg, params, ref, {2: 25}), 2, 0, 11)
+    logits, _ = _run(params, cache, cfg, tokens[11:19], [0], [11], [8], attn_len=32)
+    np.testing.assert_allclose(np.asarray(logits[0]), ref["logits"][18], atol=PARITY_ATOL, rtol=0)
+
+
+def test_read_slot_then_write_slot_restores_the_sequence(tiny):
+    """Guards against host copies of a slot losing positions or landing transposed."""
+    cfg, params, ref = tiny
+    tokens = ref["tokens"]
+    cache = _prefilled(cfg, params, ref, {1: 23})
+    saved = read_slot(cache, 1, 23)
+    assert saved[0]["k"].shape == (cfg.num_kv_heads, 23, cfg.head_dim)
+    assert saved[0]["v"].shape == (cfg.num_kv_heads, cfg.head_dim, 23)
+    other = _prefilled(cfg, params, ref, {3: 40})          # slot 3 holds something else
+    other = write_slot(other, 3, saved)
+    np.testing.assert_array_equal(read_slot(other, 3, 23)[1]["v"], saved[1]["v"])
+    logits, _ = _run(params, other, cfg, tokens[23:24], [3], [23], [1], attn_len=32)
+    np.testing.assert_allclose(np.asarray(logits[0]), ref["logits"][23], atol=PARITY_ATOL, rtol=0)
+
+
+def test_slot_helpers_refuse_out_of_range_slots_and_lengths():
+    """Guards against a bad slot index silently clamping onto another slot's data."""
+    cfg = load_config(os.path.join(TINY, "qwen2"))
+    cache = init_cache(cfg, SLOTS, CTX, jnp.float32)
+    with pytest.raises(ValueError, match="slot"):
+        read_slot(cache, SLOTS, 4)
+    with pytest.raises(ValueError, match="length"):
+        read_slot(cache, 0, CTX + 1)
+
+
+# ---- loading -----------------------------------------------------------------------------------
+
+def _reshard(src: str, dst: str, shards: int) -> None:
+    """Write src's tensors as `shards` files plus model.safetensors.index.json, like big checkpoints."""
+    shutil.copy(os.path.join(src, "config.json"), dst)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[i::shards]}
+        save_file(part, os.path.join(dst, file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in part})
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_sharded_checkpoint_loads_the_same_weights(name, tmp_path):
+    """Guards against tensors lost or mixed up when a checkpoint is split over several files."""
+    cfg, params, _ = _load(name)
+    _reshard(os.path.join(TINY, name), str(tmp_path), shards=3)
+    sharded = load_weights(str(tmp_path), load_config(str(tmp_path)), jnp.float32)
+    for got, want in zip(jax.tree_util.tree_leaves(sharded), jax.tree_util.tree_leaves(params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_tied_embedding_gets_its_own_transposed_head():
+    """Guards against the LM head reading the embedding table transposed on every step."""
+    cfg, params, _ = _load("qwen3-tied")
+    assert cfg.tie_word_embeddings
+    assert params["lm_head"].shape == (cfg.hidden_size, cfg.vocab_size)
+    np.testing.assert_array_equal(np.asarray(params["lm_head"]), np.asarray(params["embed"]).T)
+
+
+def test_bfloat16_weights_give_close_logits():
+    """Guards against the accelerator path (bf16 weights, f32 accumulation) breaking or drifting."""
+    cfg, params, ref = _load("qwen3", jnp.bfloat16)
+    assert params["layers"][0]["qkv"].dtype == jnp.bfloat16
+    tokens = ref["tokens"]
+    logits, _ = _run(params, init_cache(cfg, 2, CTX, jnp.bfloat16), cfg, tokens, [0], [0],
+                     [len(tokens)], all_logits=True)
+    assert logits.dtype == jnp.float32
+    # bf16 keeps ~3 significant digits; the float32 logits spread over about +-6.
+    np.testing.assert_allclose(np.asarray(logits[0]), ref["logits"], atol=0.25, rtol=0)
+    assert (np.argmax(logits[0], -1) == np.argmax(ref["logits"], -1)).mean() > 0.9
+
+
+def test_missing_or_misshapen_tensor_is_named(tmp_path):
+    """Guards against a broken checkpoint failing with a bare KeyError or a shape crash in jit."""
+    src = os.path.join(TINY, "qwen2")
+    cfg = load_config(src)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    shutil.copy(os.path.join(src, "config.json"), tmp_path)
+    missing = dict(tensors)
+    del missing["model.layers.1.self_attn.k_proj.bias"]
+    save_file(missing, os.path.join(tmp_path, "model.safetensors"))
+    with pytest.raises(WeightsError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias"):
+        load_weights(str(tmp_path), cfg, jnp.float32)
+    wrong = dict(tensors)
+    wrong["model.norm.weight"] = np.ones(cfg.hidden_size + 1, np.float32)
+    save_file(wrong, os.path.join(tmp_path, "model.safetensors"))
+    with pytest.raises(WeightsError, match=r"model\.norm\.weight"):
+        load_weights(str(tmp_path), cfg, jnp.float32)
+
+
+# ---- config ------------------------------------------------------------------------------------
+
+QWEN3_0_6B = {   # the keys of Qwen/Qwen3-0.6B's config.json (facts of the published checkpoint)
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
+    "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936,
+}
+
+
+def test_qwen3_config_reads_explicit_head_dim_and_flags():
+    """Guards against deriving head_dim as hidden/heads for Qwen3 (1024/16=64, the truth is 128)."""
+    cfg = config_from_dict(QWEN3_0_6B)
+    assert (cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.num_layers) == (128, 16, 8, 28)
+    assert cfg.qk_norm and not cfg.qkv_bias and cfg.tie_word_embeddings
+    assert cfg.rope_theta == 1e6 and cfg.rope_type == "default"
+    assert cfg.layer_kinds == ("attention",) * 28
+    assert cfg.eos_token_ids == (151645,)
+    hash(cfg)     # a static jit argument must be hashable
+
+
+def test_qwen2_config_derives_head_dim_and_has_biases():
+    """Guards against Qwen2 losing its q/k/v biases (its config.json has no key for them)."""
+    raw = dict(QWEN3_0_6B, model_type="qwen2", hidden_size=896, num_attention_heads=14,
+               num_key_value_heads=2)
+    del raw["head_dim"], raw["attention_bias"]
+    cfg = config_from_dict(raw)
+    assert cfg.head_dim == 64 and cfg.qkv_bias and not cfg.qk_norm
+
+
+def test_new_style_rope_parameters_read_like_the_classic_keys():
+    """Guards against configs saved by newer transformers (rope_parameters) losing rope_theta/YaRN."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    classic = dict(QWEN3_0_6B, rope_scaling=yarn)
+    new = dict(QWEN3_0_6B, rope_parameters={**yarn, "rope_theta": 1000000})
+    del new["rope_theta"], new["rope_scaling"]
+    assert config_from_dict(classic) == config_from_dict(new)
+    assert config_from_dict(new).rope_factor == 4.0
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"model_type": "llama"}, "model_type"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads"),
+    ({"hidden_size": "1024"}, "hidden_size"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope type"),
+    ({"use_sliding_window": True}, "use_sliding_window"),
+    ({"layer_types": ["full_attention"] * 27}, "layer_types"),
+])
+def test_unsupported_or_broken_config_names_the_key(change, key):
+    """Guards against a bad config.json surfacing as a crash deep inside the model."""
+    with pytest.raises(ConfigError, match=key):
+        config_from_dict(dict(QWEN3_0_6B, **change))
+
+
+def test_compute_dtype_is_float32_on_cpu_and_bfloat16_elsewhere():
+    """Guards against bf16 on CPU, where one-row matrix-vector products run ~20x slower."""
+    assert dtype_for("cpu") == jnp.float32
+    assert dtype_for("gpu") == jnp.bfloat16 and dtype_for("tpu") == jnp.bfloat16
