@@ -478,7 +478,9 @@ def _chat_history_calls(calls: Any, field: str) -> list[chat.ToolCall]:
         if call.get("type", "function") != "function":
             raise bad_field(f"{where}.type", f"must be function, got {call.get('type')!r}")
         fn = _typed(call, "function", dict, f"{where}.function")
-        name = fn.get("name") if fn else None
+        if fn is None:
+            raise bad_field(f"{where}.function", "required: an object {name, arguments}")
+        name = fn.get("name")
         if not isinstance(name, str) or not name:
             raise bad_field(f"{where}.function.name", "must be a non-empty string")
         args = fn.get("arguments")
@@ -524,7 +526,9 @@ def _chat_tools(tools: Any) -> list[chat.Tool]:
         if t.get("type", "function") != "function":
             raise bad_field(f"{where}.type", f"only function tools are supported, got {t.get('type')!r}")
         fn = _typed(t, "function", dict, f"{where}.function")
-        name = fn.get("name") if fn else None
+        if fn is None:
+            raise bad_field(f"{where}.function", "required: an object {name, description, parameters}")
+        name = fn.get("name")
         if not isinstance(name, str) or not name:
             raise bad_field(f"{where}.function.name", "must be a non-empty string")
         if any(tool.name == name for tool in out):
