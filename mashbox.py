@@ -1235,6 +1235,602 @@ class MessagesEncoder:
 
 # ---- OpenAI Responses ----------------------------------------------------------------------------
 
+# Codex is the client that matters here: it sends its system prompt as developer messages, an id and a
+# status on every item, namespace and custom (grammar) tools next to hosted ones, and its reasoning
+# items back with reasoning_text. Nothing is stored between requests: each one carries its history.
+
+# The tool kinds the client runs. Every other type (web_search, file_search, code_interpreter, mcp,
+# tool_search, ...) is run by the provider, which this server is not: such tools are left out of what
+# the model sees instead of refused, since Codex lists web_search and tool_search in every request.
+RESPONSES_CLIENT_TOOLS = ("function", "custom", "namespace")
+# History items of those hosted tools: they never ran here, and the model has nothing to read in them.
+RESPONSES_HOSTED_ITEMS = frozenset({
+    "web_search_call", "file_search_call", "code_interpreter_call", "image_generation_call",
+    "computer_call", "computer_call_output", "mcp_list_tools", "mcp_call", "mcp_approval_request",
+    "mcp_approval_response", "tool_search_call", "tool_search_output"})
+# Text parts, by the key that holds their text. Media parts are refused: the model reads text only.
+RESPONSES_TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
+RESPONSES_MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+# Fields that point at state stored by a provider; this server keeps none, so it cannot honour them.
+RESPONSES_STATEFUL = ("previous_response_id", "conversation", "prompt")
+# The tool name the model calls for a local_shell_call history item (its arguments are the action).
+LOCAL_SHELL_TOOL = "local_shell"
+
+
+@dataclass
+class ResponsesJob(Job):
+    """A Job plus what a Response echoes back and how the client names its tools."""
+    tools_echo: list | None = None            # the request's tools, as sent
+    tool_choice_echo: Any = "auto"            # the request's tool_choice, as sent
+    parallel_tool_calls: bool = False
+    client_names: dict | None = None          # name the model sees -> the client's tool name
+
+
+def _custom_tool_parameters() -> dict:
+    """A custom (freeform) tool is shown to the model as a function of one string, its raw input."""
+    return {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
+
+
+def _responses_tool(t: dict, where: str, seen: str, namespace: str | None) -> chat.Tool:
+    description = _typed(t, "description", str, f"{where}.description", "")
+    if t.get("type", "function") == "function":
+        params = _typed(t, "parameters", dict, f"{where}.parameters", None)
+        tool = chat.Tool(name=seen, description=description, namespace=namespace)
+        if params is not None:
+            tool.parameters = params
+        return tool     # "strict" is accepted: the arguments are the model's own JSON either way
+    fmt = _typed(t, "format", dict, f"{where}.format", {"type": "text"})
+    if fmt.get("type") == "grammar":
+        syntax = _typed(fmt, "syntax", str, f"{where}.format.syntax", "")
+        definition = _typed(fmt, "definition", str, f"{where}.format.definition", "")
+        rule = (f"The string argument `input` is the raw text itself, written in this {syntax} "
+                f"grammar:\n{definition}")
+        description = f"{description}\n\n{rule}" if description else rule
+    elif fmt.get("type") != "text":
+        raise bad_field(f"{where}.format", 'must be {"type": "text"} or {"type": "grammar", "syntax", '
+                                           f'"definition"}}, got type {fmt.get("type")!r}')
+    return chat.Tool(name=seen, description=description, parameters=_custom_tool_parameters(),
+                     kind="custom", namespace=namespace)
+
+
+def _responses_tools(tools: Any) -> tuple[list[chat.Tool], dict]:
+    """(the tools the model sees, {(namespace, client name): name the model sees}).
+
+    A namespace's function is shown under its plain name when no other tool has that name: the model
+    was trained on plain names, they cost fewer tokens, and the response gives the namespace back in
+    its own field. A name that two tools share is shown as "namespace__name", the MCP convention.
+    """
+    found = []     # (where, namespace, tool object)
+    for i, t in enumerate(_as(tools, list, "tools", [])):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or not isinstance(t.get("type"), str):
+            raise bad_field(where, 'must be an object with a type ("function", "custom", "namespace", ...)')
+        if t["type"] == "namespace":
+            ns = _tool_name(t, where)
+            for j, inner in enumerate(_typed(t, "tools", list, f"{where}.tools", [])):
+                if not isinstance(inner, dict) or inner.get("type", "function") not in ("function", "custom"):
+                    raise bad_field(f"{where}.tools[{j}]", "a namespace holds function and custom tools")
+                found.append((f"{where}.tools[{j}]", ns, inner))
+        elif t["type"] in RESPONSES_CLIENT_TOOLS:
+            found.append((where, None, t))
+    counts: dict[str, int] = {}
+    for where, _, t in found:
+        counts[_tool_name(t, where)] = counts.get(t["name"], 0) + 1
+    out, seen_names = [], {}
+    for where, ns, t in found:
+        seen = t["name"] if ns is None or counts[t["name"]] == 1 else f"{ns}__{t['name']}"
+        if seen in seen_names.values():
+            raise bad_field(f"{where}.name", f"{t['name']!r} names two tools")
+        seen_names[(ns, t["name"])] = seen
+        out.append(_responses_tool(t, where, seen, ns))
+    return out, seen_names
+
+
+def _tool_name(t: dict, where: str) -> str:
+    name = t.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad_field(f"{where}.name", "must be a non-empty string")
+    return name
+
+
+def _responses_tool_choice(choice: Any, job: Job, seen_names: dict) -> str | dict:
+    how = ('must be auto, none, required, {"type": "function", "name": NAME} or '
+           '{"type": "allowed_tools", "mode": ..., "tools": [...]}')
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise bad_field("tool_choice", f"{how}, got {choice!r}")
+        if choice == "required" and not job.tools:
+            raise bad_field("tool_choice", "required needs at least one function or custom tool in tools")
+        return choice
+    if not isinstance(choice, dict):
+        raise bad_field("tool_choice", how)
+    kind = choice.get("type")
+    if kind in ("function", "custom"):
+        fn = choice.get("function")
+        name = choice.get("name") or (fn.get("name") if isinstance(fn, dict) else None)
+        matches = _named_tools(seen_names, name, choice.get("namespace"))
+        if len(matches) != 1:
+            raise bad_field("tool_choice", f"names the tool {name!r}, which is not one tool in tools")
+        return {"name": matches[0]}
+    if kind == "allowed_tools":
+        mode = choice.get("mode", "auto")
+        if mode not in ("auto", "required"):
+            raise bad_field("tool_choice.mode", f"must be auto or required, got {mode!r}")
+        allowed = set()
+        for j, entry in enumerate(_typed(choice, "tools", list, "tool_choice.tools", [])):
+            if isinstance(entry, dict) and entry.get("type") in ("function", "custom"):
+                allowed.update(_named_tools(seen_names, entry.get("name"), entry.get("namespace")))
+        job.tools = [t for t in job.tools if t.name in allowed]   # hosted entries name nothing here
+        if mode == "required" and not job.tools:
+            raise bad_field("tool_choice.tools", "required needs at least one function or custom tool")
+        return mode
+    raise bad_field("tool_choice.type", f"{kind!r} is not available here: only function and custom "
+                                        "tools run on this server")
+
+
+def _named_tools(seen_names: dict, name: Any, namespace: Any) -> list[str]:
+    """The names the model sees for the client's tool `name` (within `namespace` when given)."""
+    return [seen for (ns, n), seen in seen_names.items()
+            if n == name and (namespace is None or ns == namespace)]
+
+
+def _responses_text(content: Any, where: str) -> str:
+    """Message content or tool output as one string: a string, or text parts joined by newlines."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_field(where, f"must be a string or a list of text parts, got {type(content).__name__}")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in RESPONSES_MEDIA_PARTS:
+            raise bad_field(f"{where}[{j}]", f"{kind} parts are not supported: this model reads text only")
+        if kind not in RESPONSES_TEXT_PARTS:
+            raise bad_field(f"{where}[{j}]", f'must be a text part {{"type": "input_text", "text": ...}}, '
+                                             f"got type {kind!r}")
+        key = RESPONSES_TEXT_PARTS[kind]
+        texts.append(_typed(part, key, str, f"{where}[{j}].{key}", ""))
+    return "\n".join(texts)
+
+
+def _required_str(item: dict, key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise bad_field(f"{where}.{key}", "must be a non-empty string")
+    return value
+
+
+class _ResponsesHistory:
+    """Input items -> Messages.
+
+    The items of one assistant turn (reasoning, then text, then calls, as the model produced them)
+    become ONE assistant Message, so that the prompt shows the model exactly what it generated and the
+    next request's prompt extends the last one token for token (a prefix-cache hit).
+    """
+    REASONING, TEXT, CALLS = 0, 1, 2
+
+    def __init__(self, seen_names: dict):
+        self.seen_names = seen_names
+        self.messages: list[chat.Message] = []
+        self.turn: chat.Message | None = None    # the assistant Message this turn's items join
+        self.stage = -1
+        self.call_names: dict[str, str] = {}     # call_id -> the name the model called
+
+    def assistant(self, stage: int) -> chat.Message:
+        """The assistant Message for an item of `stage`: the open one if the item can follow what it
+        holds (reasoning < text < calls; calls may repeat), else a new one."""
+        if self.turn is None or stage < self.stage or (stage == self.stage != self.CALLS):
+            self.turn = chat.Message(role="assistant")
+            self.messages.append(self.turn)
+        self.stage = stage
+        return self.turn
+
+    def seen(self, namespace: str | None, name: str) -> str:
+        """The name the model sees for a client's tool (its own name if tools no longer list it)."""
+        return self.seen_names.get((namespace, name)) or name
+
+    def add(self, msg: chat.Message) -> None:
+        self.messages.append(msg)
+        self.turn = None
+
+    def call(self, call_id: str, name: str, arguments: str) -> None:
+        self.assistant(self.CALLS).tool_calls.append(chat.ToolCall(id=call_id, name=name, arguments=arguments))
+        self.call_names[call_id] = name
+
+    def output(self, call_id: str, content: str) -> None:
+        self.add(chat.Message(role="tool", content=content, tool_call_id=call_id,
+                              name=self.call_names.get(call_id)))
+
+    def item(self, item: Any, where: str) -> None:
+        if not isinstance(item, dict):
+            raise bad_field(where, "must be an object (a message or another input item)")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            self.message(item, where)
+        elif kind == "reasoning":
+            parts = _typed(item, "content", list, f"{where}.content", [])
+            text = "\n".join(p["text"] for p in parts if isinstance(p, dict)
+                             and p.get("type") in ("reasoning_text", "text") and isinstance(p.get("text"), str))
+            if text:        # a reasoning item with only a summary or encrypted content shows nothing
+                self.assistant(self.REASONING).reasoning = text
+        elif kind == "function_call":
+            args = item.get("arguments")
+            if isinstance(args, dict):      # some clients send the object itself
+                args = json.dumps(args, ensure_ascii=False)
+            elif args is not None and not isinstance(args, str):
+                raise bad_field(f"{where}.arguments", "must be a JSON string")
+            name = _required_str(item, "name", where)
+            ns = _typed(item, "namespace", str, f"{where}.namespace")
+            self.call(_required_str(item, "call_id", where), self.seen(ns, name), args or "{}")
+        elif kind == "custom_tool_call":
+            raw = _typed(item, "input", str, f"{where}.input", "")
+            name = _required_str(item, "name", where)
+            ns = _typed(item, "namespace", str, f"{where}.namespace")
+            self.call(_required_str(item, "call_id", where), self.seen(ns, name),
+                      json.dumps({"input": raw}, ensure_ascii=False))
+        elif kind == "local_shell_call":
+            action = _typed(item, "action", dict, f"{where}.action", {})
+            call_id = item.get("call_id") or _required_str(item, "id", where)
+            self.call(call_id, LOCAL_SHELL_TOOL, json.dumps(action, ensure_ascii=False))
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            self.output(_required_str(item, "call_id", where),
+                        _responses_text(item.get("output", ""), f"{where}.output"))
+        elif kind == "local_shell_call_output":
+            call_id = item.get("call_id") or _required_str(item, "id", where)
+            self.output(call_id, _responses_text(item.get("output", ""), f"{where}.output"))
+        elif kind == "item_reference":
+            raise bad_field(f"{where}.type", "item_reference needs stored items and this server stores "
+                                             "none: send the item itself")
+        elif kind not in RESPONSES_HOSTED_ITEMS:
+            raise bad_field(f"{where}.type", f"unknown input item type {kind!r}")
+
+    def message(self, item: dict, where: str) -> None:
+        role = item.get("role")
+        if role not in ("system", "developer", "user", "assistant"):
+            raise bad_field(f"{where}.role", f"must be system, developer, user or assistant, got {role!r}")
+        text = _responses_text(item.get("content"), f"{where}.content")
+        if role == "assistant":
+            self.assistant(self.TEXT).content = text
+        else:   # developer is the newer name of system; both stay where they stand
+            self.add(chat.Message(role="user" if role == "user" else "system", content=text))
+
+
+def parse_responses(body: dict) -> Job:
+    """A Responses request -> Job (400 naming the field for anything this server cannot do)."""
+    job = parse_common(body, ResponsesJob(), ("max_tokens", "max_completion_tokens", "max_output_tokens"))
+    for name in RESPONSES_STATEFUL:
+        if body.get(name) is not None:
+            raise bad_field(name, "this server stores no responses, conversations or prompts: "
+                                  "send the whole conversation in input")
+    if _typed(body, "background", bool, "background", False):
+        raise bad_field("background", "background responses need stored state, which this server "
+                                      "does not keep: leave background false")
+    if body.get("top_logprobs") is not None:
+        raise bad_field("top_logprobs", "log probabilities are not supported")
+    for entry in _typed(body, "include", list, "include", []):
+        if not isinstance(entry, str):
+            raise bad_field("include", "must be a list of strings")
+        if "logprobs" in entry:
+            raise bad_field("include", f"{entry!r}: log probabilities are not supported")
+    text = _typed(body, "text", dict, "text", {})
+    fmt = text.get("format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise bad_field("text.format", 'only {"type": "text"} is supported; structured output '
+                                       "(json_object, json_schema) is not")
+    job.tools, seen_names = _responses_tools(body.get("tools"))
+    job.client_names = {seen: name for (_, name), seen in seen_names.items()}
+    job.tools_echo = body.get("tools") or []
+    job.tool_choice_echo = body.get("tool_choice") or "auto"
+    job.tool_choice = _responses_tool_choice(body.get("tool_choice"), job, seen_names)
+    job.parallel_tool_calls = _typed(body, "parallel_tool_calls", bool, "parallel_tool_calls", False)
+    reasoning = _typed(body, "reasoning", dict, "reasoning", {})
+    effort = _typed(reasoning, "effort", str, "reasoning.effort")
+    job.thinking = effort is not None and effort not in NO_THINKING_EFFORTS
+    # The client decides which reasoning the model sees again: every reasoning item it sends back is
+    # kept in the prompt, which also keeps the prompt of the next turn an extension of this one.
+    job.preserve_thinking = True
+    history = _ResponsesHistory(seen_names)
+    instructions = _typed(body, "instructions", str, "instructions")
+    if instructions:
+        history.add(chat.Message(role="system", content=instructions))
+    items = body.get("input")
+    if isinstance(items, str):
+        history.add(chat.Message(role="user", content=items))
+    elif isinstance(items, list) and items:
+        for i, item in enumerate(items):
+            history.item(item, f"input[{i}]")
+    else:
+        raise bad_field("input", "must be a string or a non-empty list of items")
+    job.messages = history.messages
+    return job   # store, client_metadata, metadata, user, service_tier, truncation... are ignored
+
+
+def _json_string_start(buf: str) -> int | None:
+    """Where the string value starts in arguments text that begins `{"input": "`: its index, None
+    while buf may still become that, -1 once it cannot."""
+    i = 0
+    for token in ("{", '"input"', ":", '"'):
+        while i < len(buf) and buf[i] in " \t\r\n":
+            i += 1
+        piece = buf[i:i + len(token)]
+        if piece != token:
+            return None if i + len(piece) == len(buf) and token.startswith(piece) else -1
+        i += len(token)
+    return i
+
+
+class _CustomInput:
+    """Streams the raw input of a custom tool call out of the model's arguments text
+    `{"input": "..."}` as it grows, decoding JSON escapes; an escape cut in two waits for its end.
+    Any other shape streams nothing: the whole arguments decide the input at the end."""
+
+    def __init__(self):
+        self.buf = ""
+        self.pos: int | None = None   # where the undecoded rest of the string starts in buf
+        self.closed = False           # the string ended, or the text has another shape
+
+    def feed(self, delta: str) -> str:
+        self.buf += delta
+        if self.closed:
+            return ""
+        if self.pos is None:
+            start = _json_string_start(self.buf)
+            if start is None or start < 0:
+                self.closed = start is not None
+                return ""
+            self.pos = start
+        s, j = self.buf, self.pos
+        while j < len(s):
+            if s[j] == '"':
+                self.closed = True    # the closing quote: the input is complete
+                break
+            size = 1
+            if s[j] == "\\":
+                size = 2
+                if s[j + 1:j + 2] == "u":
+                    size = 6
+                    if 0xD800 <= _hex(s[j + 2:j + 6]) < 0xDC00:
+                        size = 12     # a high surrogate: decode it with its low half, never alone
+            if j + size > len(s):
+                break
+            j += size
+        piece, self.pos = s[self.pos:j], j
+        try:
+            return json.JSONDecoder(strict=False).decode(f'"{piece}"')
+        except ValueError:
+            self.closed = True
+            return ""
+
+
+def _hex(text: str) -> int:
+    try:
+        return int(text, 16)
+    except ValueError:
+        return -1
+
+
+def _custom_input(arguments: str) -> str:
+    """The raw input of a custom tool call from the model's whole arguments text."""
+    try:
+        value = json.JSONDecoder(strict=False).decode(arguments)
+    except ValueError:
+        return arguments      # not JSON: the model wrote the raw input itself
+    if isinstance(value, dict) and isinstance(value.get("input"), str):
+        return value["input"]
+    if isinstance(value, dict) and len(value) == 1 and isinstance(next(iter(value.values())), str):
+        return next(iter(value.values()))
+    return value if isinstance(value, str) else arguments
+
+
+def _responses_usage(u: chat.Usage) -> dict:
+    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+            "output_tokens": u.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
+            "total_tokens": u.prompt_tokens + u.completion_tokens}
+
+
+class ResponsesEncoder:
+    """Neutral events -> Responses stream events, and the Response object.
+
+    Every output item is announced (response.output_item.added), filled by its deltas and closed
+    (response.output_item.done: Codex records nothing without it); response.completed (or
+    .incomplete, or error + response.failed) comes last. Items keep one id and output_index from
+    their first event to the final response.
+    """
+
+    def __init__(self, job: Job, meta: Meta):
+        self.job, self.meta = job, meta
+        self.seq = 0
+        self.output: list[dict] = []
+        self.open: dict | None = None             # the message or reasoning item receiving text
+        self.calls: dict[int, dict] = {}          # ToolCallStart.index -> its open call item
+        self.inputs: dict[int, _CustomInput] = {}  # custom calls: the raw input being decoded
+        self.spaces = ""           # whitespace waiting for text: an answer of blanks makes no item
+        self.status = "in_progress"
+        self.usage: dict | None = None
+        self.incomplete: dict | None = None
+        self.failure: dict | None = None
+        self.tools = {t.name: t for t in job.tools}
+        self.client_names = getattr(job, "client_names", None) or {}
+
+    # ---- frames ----
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        self.seq += 1
+        return sse({"type": kind, "sequence_number": self.seq, **fields}, event=kind)
+
+    def _response(self) -> dict:
+        job = self.job
+        return {"id": self.meta.id, "object": "response", "created_at": self.meta.created,
+                "status": self.status, "model": self.meta.model, "output": self.output,
+                "parallel_tool_calls": getattr(job, "parallel_tool_calls", False),
+                "tool_choice": getattr(job, "tool_choice_echo", job.tool_choice),
+                "tools": getattr(job, "tools_echo", None) or [],
+                "usage": self.usage, "incomplete_details": self.incomplete, "error": self.failure}
+
+    def start(self) -> list[bytes]:
+        return [self._event("response.created", response=self._response()),
+                self._event("response.in_progress", response=self._response())]
+
+    def keepalive(self) -> bytes:
+        return OPENAI_KEEPALIVE
+
+    def _where(self, item: dict) -> dict:
+        return {"item_id": item["id"], "output_index": self.output.index(item)}
+
+    def _add(self, item: dict) -> bytes:
+        self.output.append(item)
+        return self._event("response.output_item.added", output_index=len(self.output) - 1, item=item)
+
+    # ---- events ----
+
+    def feed(self, ev: Any) -> list[bytes]:
+        if self.status != "in_progress":
+            return []       # the response already ended
+        if isinstance(ev, chat.TextDelta) and ev.text:
+            if self.open is None or self.open["type"] != "message":
+                if not ev.text.strip():
+                    self.spaces += ev.text
+                    return []
+                text, self.spaces = self.spaces + ev.text, ""
+                return self._text("message", text)
+            return self._text("message", ev.text)
+        if isinstance(ev, chat.ReasoningDelta) and ev.text:
+            self.spaces = ""
+            return self._text("reasoning", ev.text)
+        if isinstance(ev, chat.ToolCallStart):
+            return self._call_start(ev)
+        if isinstance(ev, chat.ToolCallArgs) and ev.delta and ev.index in self.calls:
+            return self._call_args(ev.index, ev.delta)
+        if isinstance(ev, chat.ToolCallEnd) and ev.index in self.calls:
+            return self._call_end(ev.index, ev.arguments, "completed")
+        if isinstance(ev, chat.Done):
+            return self._done(ev)
+        return []
+
+    def _text(self, kind: str, delta: str) -> list[bytes]:
+        frames = []
+        if self.open is None or self.open["type"] != kind:
+            frames += self._close_text("completed")
+            part = {"type": "output_text", "text": "", "annotations": []} if kind == "message" \
+                else {"type": "reasoning_text", "text": ""}
+            if kind == "message":
+                item = {"id": new_id("msg_"), "type": "message", "status": "in_progress",
+                        "role": "assistant", "content": []}
+            else:
+                item = {"id": new_id("rs_"), "type": "reasoning", "status": "in_progress",
+                        "summary": [], "content": []}
+            frames.append(self._add(item))
+            item["content"].append(part)
+            frames.append(self._event("response.content_part.added", **self._where(item),
+                                      content_index=0, part=part))
+            self.open = item
+        item = self.open
+        item["content"][0]["text"] += delta
+        if kind == "message":
+            frames.append(self._event("response.output_text.delta", **self._where(item), content_index=0,
+                                      delta=delta, logprobs=[]))
+        else:
+            frames.append(self._event("response.reasoning_text.delta", **self._where(item),
+                                      content_index=0, delta=delta))
+        return frames
+
+    def _close_text(self, status: str) -> list[bytes]:
+        """Close the open message or reasoning item: its .done events, then output_item.done."""
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        part = item["content"][0]
+        item["status"] = status
+        done = "response.output_text.done" if item["type"] == "message" else "response.reasoning_text.done"
+        extra = {"logprobs": []} if item["type"] == "message" else {}
+        return [self._event(done, **self._where(item), content_index=0, text=part["text"], **extra),
+                self._event("response.content_part.done", **self._where(item), content_index=0, part=part),
+                self._event("response.output_item.done", output_index=self.output.index(item), item=item)]
+
+    def _call_start(self, ev: chat.ToolCallStart) -> list[bytes]:
+        frames = self._close_text("completed")
+        self.spaces = ""
+        tool = self.tools.get(ev.name)
+        name = self.client_names.get(ev.name, ev.name)
+        if tool is not None and tool.kind == "custom":
+            item = {"id": new_id("ctc_"), "type": "custom_tool_call", "status": "in_progress",
+                    "call_id": ev.id, "name": name, "input": ""}
+            self.inputs[ev.index] = _CustomInput()
+        else:
+            item = {"id": new_id("fc_"), "type": "function_call", "status": "in_progress",
+                    "call_id": ev.id, "name": name, "arguments": ""}
+        if tool is not None and tool.namespace:
+            item["namespace"] = tool.namespace
+        self.calls[ev.index] = item
+        return frames + [self._add(item)]
+
+    def _call_args(self, index: int, delta: str) -> list[bytes]:
+        item = self.calls[index]
+        if item["type"] == "function_call":
+            item["arguments"] += delta
+            return [self._event("response.function_call_arguments.delta", **self._where(item), delta=delta)]
+        piece = self.inputs[index].feed(delta)
+        if not piece:
+            return []
+        item["input"] += piece
+        return [self._event("response.custom_tool_call_input.delta", **self._where(item), delta=piece)]
+
+    def _call_end(self, index: int, arguments: str | None, status: str) -> list[bytes]:
+        """Close a call: the whole arguments (None: keep what streamed), then output_item.done."""
+        item = self.calls.pop(index)
+        item["status"] = status
+        if item["type"] == "function_call":
+            item["arguments"] = arguments = item["arguments"] if arguments is None else arguments
+            frames = [self._event("response.function_call_arguments.done", **self._where(item),
+                                  name=item["name"], arguments=arguments)]
+        else:
+            # The streamed input is normally all of it; send what is missing (or, if the text had a
+            # shape the stream could not follow, all of it) before the whole input.
+            sent = item["input"]
+            whole = sent if arguments is None else _custom_input(arguments)
+            rest = whole[len(sent):] if whole.startswith(sent) else ""
+            frames = [self._event("response.custom_tool_call_input.delta", **self._where(item), delta=rest)] \
+                if rest else []
+            item["input"] = whole
+            frames.append(self._event("response.custom_tool_call_input.done", **self._where(item),
+                                      input=whole))
+        return frames + [self._event("response.output_item.done", output_index=self.output.index(item),
+                                     item=item)]
+
+    def _done(self, done: chat.Done) -> list[bytes]:
+        if done.finish_reason == "error":
+            return self.error(_failed(done))
+        # Cut off by max_output_tokens: the items still open at the end are incomplete.
+        cut = done.finish_reason == "length"
+        status = "incomplete" if cut else "completed"
+        frames = self._close_text(status)
+        for index in sorted(self.calls):
+            frames += self._call_end(index, None, status)
+        self.usage = _responses_usage(done.usage)
+        self.status = status     # an aborted answer's client is gone: completed is as good as any
+        if cut:
+            self.incomplete = {"reason": "max_output_tokens"}
+        return frames + [self._event(f"response.{status}", response=self._response())]
+
+    def body(self) -> dict:
+        """The Response; raises the ApiError of an answer that ended in an error."""
+        if self.status == "failed":
+            raise ApiError(500, self.failure["message"], type="server_error", code=self.failure["code"])
+        return self._response()
+
+    def error(self, err: ApiError) -> list[bytes]:
+        """End a started stream: the error event (with the response id as request_id), then
+        response.failed with the response as it stood."""
+        code = err.code or err.type
+        self.status = "failed"
+        self.failure = {"code": code, "message": err.message}
+        return [self._event("error", code=code, message=err.message, param=err.param,
+                            request_id=self.meta.id),
+                self._event("response.failed", response=self._response())]
+
 
 @dataclass(frozen=True)
 class ApiFormat:
