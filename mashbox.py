@@ -500,7 +500,7 @@ def _chat_messages(messages: Any) -> list[chat.Message]:
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         role = m.get("role") if isinstance(m, dict) else None
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise bad_field(f"{where}.role", f"each message must be an object whose role is one of "
                                              f"{', '.join(CHAT_ROLES)}; got {role!r}")
         msg = chat.Message(role=CHAT_ROLES[role])
@@ -512,7 +512,8 @@ def _chat_messages(messages: Any) -> list[chat.Message]:
             msg.content = _content_text(m.get("content"), f"{where}.content")
         if msg.role == "tool":
             msg.tool_call_id = _typed(m, "tool_call_id", str, f"{where}.tool_call_id")
-            msg.name = _typed(m, "name", str, f"{where}.name")
+            name = m.get("name")     # the spec accepts and ignores name; a string is kept as a hint
+            msg.name = name if isinstance(name, str) else None
         out.append(msg)
     return out
 
@@ -1073,9 +1074,9 @@ def parse_messages(body: dict) -> Job:
     system = body.get("system")
     messages: list[chat.Message] = []
     if system is not None:
-        texts = [t for t in _texts(system, "system") if not t.startswith(BILLING_HEADER_PREFIX)]
-        if texts:
-            messages.append(chat.Message("system", "\n".join(texts)))
+        text = "\n".join(t for t in _texts(system, "system") if not t.startswith(BILLING_HEADER_PREFIX))
+        if text:
+            messages.append(chat.Message("system", text))
     job.messages = messages + _conversation(body.get("messages"), deferred)
     return job
 

@@ -159,7 +159,7 @@ def test_legacy_function_message_is_a_tool_result():
 
 
 @pytest.mark.parametrize("message", ["hi", None, {"content": "x"}, {"role": "robot", "content": "x"},
-                                     {"role": 3}])
+                                     {"role": 3}, {"role": ["user"]}])
 def test_a_message_without_a_valid_role_names_its_role(message):
     """Guards against a KeyError (500) on a message that is not an object with a known role."""
     refused(parse_chat, {"messages": [USER, message]}, "messages[1].role")
