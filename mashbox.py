@@ -11,15 +11,24 @@ The server process never imports jax: the engine worker (engine/worker.py) owns 
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
+import email.utils
 import hmac
+import http
 import json
+import logging
 import queue
+import re
 import secrets
+import signal
+import sys
 import threading
 import time
+import urllib.parse
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from engine import chat, protocol
@@ -44,6 +53,78 @@ class ApiError(Exception):
         self.code = code
         self.param = param
         self.headers = headers
+
+
+class ClientGone(Exception):
+    """The client disconnected, or read nothing for STALL_TIMEOUT_S: stop working for it."""
+
+
+def openai_error_body(err: ApiError) -> dict:
+    """The OpenAI error shape, used by every route except /v1/messages*."""
+    kind = err.type if err.type not in _ANTHROPIC_ONLY_TYPES else _openai_type(err.status)
+    return {"error": {"message": err.message, "type": kind, "code": err.code, "param": err.param}}
+
+
+def anthropic_error_body(err: ApiError) -> dict:
+    """The Anthropic error shape (/v1/messages*). Anthropic clients read the type, which follows the
+    status there (a 404 is not_found_error, a 529 overloaded_error), so it is derived from the status."""
+    kind = _ANTHROPIC_TYPE_BY_STATUS.get(err.status) or ("api_error" if err.status >= 500
+                                                         else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+# Anthropic's error types by status, as its API and SDKs use them.
+_ANTHROPIC_TYPE_BY_STATUS = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+    503: "overloaded_error", 529: "overloaded_error",
+}
+_ANTHROPIC_ONLY_TYPES = {"not_found_error", "request_too_large", "rate_limit_error", "api_error",
+                         "overloaded_error"}
+
+
+def _openai_type(status: int) -> str:
+    if status in (503, 529):
+        return "unavailable"
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+# ---- HTTP limits: far above what a real client sends, and a bound on what a hostile one costs ----
+
+# RFC 9112 s3 asks servers to accept request lines of at least 8000 octets and to answer a longer
+# request-target than they will parse with 414 (URI Too Long). Every path here is short.
+MAX_REQUEST_LINE = 8 * 1024
+# The whole head: request line and header lines. Agents send about 20 headers (2-3 KB); long cookies or
+# tokens fit too. Beyond it, or beyond MAX_HEADERS lines, 431 (RFC 6585).
+MAX_HEAD_BYTES = 64 * 1024
+MAX_HEADERS = 100
+# Request bodies: Claude Code sends 50-250 KB and a whole 128k-token context is about 0.5 MB of text;
+# 32 MiB leaves room for base64 attachments while bounding what one request makes the server hold.
+MAX_BODY_BYTES = 32 * 1024 * 1024
+# A chunk-size line with its extensions (nobody sends extensions; the size is at most 16 hex digits).
+MAX_CHUNK_LINE = 1024
+
+# ---- connection timeouts, seconds (ConnLimits carries them, so tests can shorten them) ----
+
+# The whole head must arrive this soon after the connection opens or the first byte of a later
+# request arrives: a client trickling header bytes (slowloris) cannot hold a connection.
+HEADER_TIMEOUT_S = 10.0
+# A request body that stops arriving for this long is abandoned with 408.
+BODY_TIMEOUT_S = 30.0
+# An idle keep-alive connection is closed after this long: longer than clients keep idle connections
+# in their pools (about 5 s for Node and httpx), so a client never sends on a connection being closed.
+KEEPALIVE_TIMEOUT_S = 75.0
+# A client that reads nothing for this long while its answer waits to be written is cut off.
+STALL_TIMEOUT_S = 30.0
+# Open connections at most; each costs a task and buffers. Beyond it a new connection gets 503.
+MAX_CONNECTIONS = 1024
+# Bytes read ahead (pipelined requests) while a handler runs; reading pauses beyond it.
+READ_AHEAD_BYTES = 1024 * 1024
+# After an error that ends a connection, unread input is drained this long before closing, so the
+# client's TCP stack does not reset the connection and drop the error response unread.
+LINGER_S = 2.0
+# Seconds a client refused for MAX_CONNECTIONS is told to wait (Retry-After).
+RETRY_AFTER_CONNECTIONS_S = 1
 
 
 # =================================================================================================
