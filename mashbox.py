@@ -137,10 +137,594 @@ def sse(data: Any, event: str | None = None) -> bytes:
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {text}\n\n".encode()
 
+# Token characters (RFC 9110 s5.6.2): methods and header names are made of these.
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
+_VERSION = re.compile(rb"HTTP/([0-9])\.([0-9])\Z")
+# A request-target is visible ASCII; a header value has no control characters but tab (RFC 9110 s5.5).
+_TARGET = re.compile(rb"[\x21-\x7e]+\Z")
+_BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;.*)?\Z")
+
+
+@dataclass
+class Request:
+    """One parsed HTTP request. Header names are lowercase; values are as sent (latin-1 text)."""
+    method: str
+    target: str                              # as sent: "/v1/messages?beta=true"
+    path: str                                # "/v1/messages" (not percent-decoded)
+    query: dict[str, str]
+    headers: list[tuple[str, str]]
+    body: bytes = b""
+    version: str = "HTTP/1.1"
+    keep_alive: bool = True                  # whether the connection may carry another request
+    params: dict[str, str] = field(default_factory=dict)   # path parameters, set by the router
+    tenant: str | None = None                # set by the security check
+
+    def header(self, name: str, default: str | None = None) -> str | None:
+        """The first value of a header, by lowercase name."""
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return default
+
+
+def _bad(message: str, status: int = 400) -> ApiError:
+    return ApiError(status, message, type="invalid_request_error")
+
+
+class RequestReader:
+    """Incremental request parser with no I/O: feed() bytes as they arrive, call next() until it returns
+    None (more bytes needed). Raises ApiError (400/408/413/414/431/501/505) for a request that must be
+    refused; the connection is then answered and closed, since its framing can no longer be trusted.
+
+    Bodies: Content-Length or chunked. Pipelined requests come out one by one, in order.
+    """
+
+    def __init__(self, max_body: int = MAX_BODY_BYTES):
+        self.max_body = max_body
+        self._buf = bytearray()
+        self._scan = 0                       # where the search for the head's end resumes
+        self._req: Request | None = None     # head parsed, body still arriving
+        self._length = 0                     # Content-Length mode: body bytes expected
+        self._chunked: _ChunkedBody | None = None
+        self._continue = False               # the client waits for "100 Continue" before its body
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+    @property
+    def state(self) -> str:
+        """"idle" (nothing of a next request yet), "head" or "body"."""
+        if self._req is not None:
+            return "body"
+        return "head" if self._buf.strip(b"\r\n") else "idle"
+
+    def take_continue(self) -> bool:
+        """True once when the client sent `Expect: 100-continue` and waits for an interim answer."""
+        wanted, self._continue = self._continue, False
+        return wanted
+
+    def next(self) -> Request | None:
+        if self._req is None:
+            req = self._read_head()
+            if req is None:
+                return None
+            self._req = req
+        req = self._req
+        if self._chunked is not None:
+            body = self._chunked.read(self._buf)
+            if body is None:
+                return None
+            req.body, self._chunked = body, None
+        else:
+            if len(self._buf) < self._length:
+                return None
+            req.body = bytes(self._buf[:self._length])
+            del self._buf[:self._length]
+        self._req, self._continue = None, False
+        return req
+
+    def _read_head(self) -> Request | None:
+        # RFC 9112 s2.2: empty lines before a request line are ignored (some clients send one after a body).
+        while self._buf.startswith(b"\r\n"):
+            del self._buf[:2]
+        end = self._buf.find(b"\r\n\r\n", self._scan)
+        if end < 0:
+            self._scan = max(0, len(self._buf) - 3)
+            self._check_partial_head()
+            return None
+        if end + 4 > MAX_HEAD_BYTES:
+            raise _bad(f"request head larger than {MAX_HEAD_BYTES} bytes", 431)
+        head = bytes(self._buf[:end])
+        del self._buf[:end + 4]
+        self._scan = 0
+        return self._parse_head(head)
+
+    def _check_partial_head(self) -> None:
+        """Refuse at once what can never become a valid head, instead of waiting for the timeout."""
+        line_end = self._buf.find(b"\n")
+        if line_end < 0:
+            if len(self._buf) > MAX_REQUEST_LINE:
+                raise _bad(f"request line longer than {MAX_REQUEST_LINE} bytes", 414)
+        elif line_end == 0 or self._buf[line_end - 1] != 0x0D:
+            raise _bad("request lines must end with CRLF")
+        elif line_end > MAX_REQUEST_LINE:
+            raise _bad(f"request line longer than {MAX_REQUEST_LINE} bytes", 414)
+        if len(self._buf) > MAX_HEAD_BYTES:
+            raise _bad(f"request head larger than {MAX_HEAD_BYTES} bytes", 431)
+
+    def _parse_head(self, head: bytes) -> Request:
+        request_line, _, rest = head.partition(b"\r\n")
+        if len(request_line) > MAX_REQUEST_LINE:
+            raise _bad(f"request line longer than {MAX_REQUEST_LINE} bytes", 414)
+        parts = request_line.split(b" ")
+        if len(parts) != 3:
+            raise _bad("malformed request line (expected: METHOD TARGET HTTP/1.1)")
+        method, target, version = parts
+        if not _TOKEN.match(method):
+            raise _bad("malformed request line: bad method")
+        if not _TARGET.match(target):
+            raise _bad("malformed request line: bad request target")
+        v = _VERSION.match(version)
+        if v is None:
+            raise _bad("malformed request line: bad HTTP version")
+        if v.group(1) != b"1":
+            raise _bad(f"HTTP version {version.decode()} is not supported; use HTTP/1.1", 505)
+        headers = _parse_header_lines(rest) if rest else []
+        req = Request(method=method.decode(), target=target.decode(), path="", query={},
+                      headers=headers, version=version.decode())
+        req.path, req.query = _split_target(req.target)
+        self._frame(req)
+        return req
+
+    def _frame(self, req: Request) -> None:
+        """Decide how the body is delimited and whether the connection stays open (RFC 9112 s6, s9.3)."""
+        http10 = req.version == "HTTP/1.0"
+        hosts = [v for k, v in req.headers if k == "host"]
+        if not http10 and len(hosts) != 1:
+            raise _bad("an HTTP/1.1 request needs exactly one Host header")
+        tokens = {t.strip().lower() for k, v in req.headers if k == "connection" for t in v.split(",")}
+        req.keep_alive = not http10 and "close" not in tokens
+        lengths = [v for k, v in req.headers if k == "content-length"]
+        codings = [t.strip().lower() for k, v in req.headers if k == "transfer-encoding"
+                   for t in v.split(",")]
+        if codings:
+            if http10:
+                raise _bad("Transfer-Encoding is not allowed in an HTTP/1.0 request")
+            if lengths:
+                raise _bad("a request must not have both Content-Length and Transfer-Encoding")
+            if codings[-1] != "chunked" or "chunked" in codings[:-1]:
+                if "chunked" in codings:
+                    raise _bad("chunked must be the last transfer coding, once")
+                raise _bad(f"Transfer-Encoding {', '.join(codings)} is not supported (only chunked)", 501)
+            if len(codings) > 1:
+                raise _bad(f"Transfer-Encoding {', '.join(codings)} is not supported (only chunked)", 501)
+            self._chunked = _ChunkedBody(self.max_body)
+        elif lengths:
+            if len(lengths) > 1:
+                raise _bad("more than one Content-Length header")
+            value = lengths[0]
+            if not value.isdigit() or not value.isascii() or len(value) > 19:
+                raise _bad(f"Content-Length: not a valid length: {value[:40]!r}")
+            self._length = int(value)
+            if self._length > self.max_body:
+                raise _bad(f"request body of {self._length} bytes is larger than the limit of "
+                           f"{self.max_body} bytes", 413)
+        else:
+            self._length = 0   # RFC 9112 s6.3: a request with neither has no body
+        has_body = self._chunked is not None or self._length > 0
+        expect = (req.header("expect") or "").lower()
+        self._continue = has_body and not http10 and expect == "100-continue"
+
+
+def _parse_header_lines(block: bytes) -> list[tuple[str, str]]:
+    lines = block.split(b"\r\n")
+    if len(lines) > MAX_HEADERS:
+        raise _bad(f"more than {MAX_HEADERS} header lines", 431)
+    headers = []
+    for line in lines:
+        name, colon, value = line.partition(b":")
+        if not colon or not _TOKEN.match(name):
+            # Also refuses obsolete line folding (a line starting with a space), as RFC 9112 s5.2 allows.
+            raise _bad(f"malformed header line: {line[:60]!r}")
+        value = value.strip(b" \t")
+        if _BAD_VALUE.search(value):
+            raise _bad(f"header {name.decode()}: control characters in its value")
+        headers.append((name.decode("ascii").lower(), value.decode("latin-1")))
+    return headers
+
+
+def _split_target(target: str) -> tuple[str, dict[str, str]]:
+    """path and query of a request-target: origin form (/path?q), absolute form, or * (OPTIONS)."""
+    if target == "*":
+        return "*", {}
+    if not target.startswith("/"):
+        parts = urllib.parse.urlsplit(target)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise _bad(f"malformed request target {target[:60]!r}")
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    path, _, query = target.partition("?")
+    return path, dict(urllib.parse.parse_qsl(query, keep_blank_values=True))
+
+
+class _ChunkedBody:
+    """Decoder of a chunked body (RFC 9112 s7.1), resumable at any byte boundary."""
+
+    def __init__(self, max_body: int):
+        self.max_body = max_body
+        self.body = bytearray()
+        self.left = 0                        # bytes of the current chunk still to read
+        self.stage = "size"                  # size -> data -> crlf -> size ... -> trailer
+
+    def read(self, buf: bytearray) -> bytes | None:
+        """Consume from buf; the whole body once its end was read, else None."""
+        while True:
+            if self.stage == "size":
+                end = buf.find(b"\r\n")
+                if end < 0:
+                    if len(buf) > MAX_CHUNK_LINE:
+                        raise _bad(f"chunk size line longer than {MAX_CHUNK_LINE} bytes")
+                    return None
+                m = _CHUNK_SIZE.match(bytes(buf[:end]))
+                if m is None:
+                    raise _bad(f"malformed chunk size line: {bytes(buf[:min(end, 40)])!r}")
+                del buf[:end + 2]
+                self.left = int(m.group(1), 16)
+                if len(self.body) + self.left > self.max_body:
+                    raise _bad(f"request body larger than the limit of {self.max_body} bytes", 413)
+                self.stage = "data" if self.left else "trailer"
+            elif self.stage == "data":
+                if not buf:
+                    return None
+                take = min(self.left, len(buf))
+                self.body += buf[:take]
+                del buf[:take]
+                self.left -= take
+                if self.left:
+                    return None
+                self.stage = "crlf"
+            elif self.stage == "crlf":
+                if len(buf) < 2:
+                    return None
+                if buf[:2] != b"\r\n":
+                    raise _bad("chunk data not followed by CRLF")
+                del buf[:2]
+                self.stage = "size"
+            else:  # trailer fields are read and dropped: nothing here uses them
+                if buf.startswith(b"\r\n"):
+                    del buf[:2]
+                    return bytes(self.body)
+                end = buf.find(b"\r\n\r\n")
+                if end < 0:
+                    if len(buf) > MAX_HEAD_BYTES:
+                        raise _bad(f"chunked trailer larger than {MAX_HEAD_BYTES} bytes", 431)
+                    return None
+                _parse_header_lines(bytes(buf[:end]))
+                del buf[:end + 4]
+                return bytes(self.body)
+
+
+# ---- serializing ---------------------------------------------------------------------------------
+
+# Reason phrases; 529 is Anthropic's "overloaded", which the stdlib does not know.
+_REASONS = {s.value: s.phrase for s in http.HTTPStatus} | {529: "Overloaded"}
+SERVER_NAME = "mashbox"
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+LAST_CHUNK = b"0\r\n\r\n"
+_date_cache: list = [0, ""]
+
+
+def http_date() -> str:
+    """The Date header's value (RFC 9110 s5.6.7), formatted once per second."""
+    now = int(time.time())
+    if _date_cache[0] != now:
+        _date_cache[:] = [now, email.utils.formatdate(now, usegmt=True)]
+    return _date_cache[1]
+
+
+def response_head(status: int, headers: Any = (), keep_alive: bool = True) -> bytes:
+    """Status line and headers, ending with the empty line. Adds Date, Server and, when the connection
+    is to close, Connection: close. A header value with a line break is a bug, and refused."""
+    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}", f"Date: {http_date()}",
+             f"Server: {SERVER_NAME}"]
+    for name, value in headers:
+        value = str(value)
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            raise ValueError(f"line break in response header {name!r}")
+        lines.append(f"{name}: {value}")
+    if not keep_alive:
+        lines.append("Connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def response_bytes(status: int, body: bytes, content_type: str, headers: Any = (),
+                   keep_alive: bool = True, head_only: bool = False) -> bytes:
+    """A whole response with a Content-Length body (HEAD: the same head, no body)."""
+    fields = [("Content-Type", content_type), ("Content-Length", str(len(body))), *headers]
+    head = response_head(status, fields, keep_alive)
+    return head if head_only else head + body
+
+
+def stream_head(status: int = 200, headers: Any = (), keep_alive: bool = True,
+                chunked: bool = True) -> bytes:
+    """The head of a server-sent-events stream. HTTP/1.0 clients get the stream unframed, ended by
+    closing the connection (they do not know chunked)."""
+    fields = [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"), *headers]
+    if chunked:
+        fields.append(("Transfer-Encoding", "chunked"))
+    return response_head(status, fields, keep_alive)
+
+
+def chunk(data: bytes) -> bytes:
+    """One chunk of a chunked body. Empty data gives no bytes: an empty chunk would end the body."""
+    return b"%x\r\n%s\r\n" % (len(data), data) if data else b""
+
 
 # =================================================================================================
 # Connection loop (asyncio): every await and every socket of the server is here
 # =================================================================================================
+
+log = logging.getLogger("mashbox")
+
+# Bytes asked of the socket per read.
+READ_SIZE = 64 * 1024
+
+
+@dataclass
+class ConnLimits:
+    """The connection loop's timeouts and bounds; tests shorten them."""
+    header_s: float = HEADER_TIMEOUT_S
+    body_s: float = BODY_TIMEOUT_S
+    keepalive_s: float = KEEPALIVE_TIMEOUT_S
+    stall_s: float = STALL_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
+    linger_s: float = LINGER_S
+
+
+class Responder:
+    """How a route handler answers one request: a whole response (json / send), or a stream
+    (start_stream, then event per SSE frame, then end_stream). Every write waits for the socket to drain,
+    so a slow client slows its own stream and nothing else; a client that reads nothing for the stall
+    timeout is cut off and ClientGone raised. HEAD gets the same status and headers, and no body.
+
+    gone is set as soon as the client disconnects (the connection reads ahead while handlers run).
+    """
+
+    def __init__(self, conn: "Connection", req: Request):
+        self.app = conn.app
+        self.gone: asyncio.Event = conn.gone
+        self.started = False          # something was sent: the status can no longer change
+        self.finished = False         # the whole response was sent
+        self.keep_alive = req.keep_alive
+        self._conn = conn
+        self._head_only = req.method == "HEAD"
+        self._chunked = req.version != "HTTP/1.0"
+        self._streaming = False
+
+    async def send(self, status: int, body: bytes, content_type: str, headers: Any = ()) -> None:
+        self._start()
+        await self._conn.write(response_bytes(status, body, content_type, headers, self.keep_alive,
+                                              self._head_only))
+        self.finished = True
+
+    async def json(self, status: int, obj: Any, headers: Any = ()) -> None:
+        body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+        await self.send(status, body, "application/json", headers)
+
+    async def start_stream(self, headers: Any = (), status: int = 200) -> None:
+        self._start()
+        self._streaming = True
+        if not self._chunked:
+            self.keep_alive = False   # an unframed stream ends when the connection does
+        await self._conn.write(stream_head(status, headers, self.keep_alive, self._chunked))
+
+    async def event(self, frame: bytes) -> None:
+        """Write one SSE frame and wait until the socket takes it."""
+        if not self._streaming or self.finished:
+            raise RuntimeError("event() outside an open stream")
+        if self._head_only:
+            if self.gone.is_set():
+                raise ClientGone()
+            return
+        if frame:
+            await self._conn.write(chunk(frame) if self._chunked else frame)
+
+    async def end_stream(self) -> None:
+        if not self._streaming:
+            raise RuntimeError("end_stream() without start_stream()")
+        if self.finished:
+            return
+        self.finished = True
+        if self._chunked and not self._head_only:
+            await self._conn.write(LAST_CHUNK)
+
+    def _start(self) -> None:
+        if self.started:
+            raise RuntimeError("a response was already started for this request")
+        self.started = True
+
+
+class Connection:
+    """One client connection: reads requests (ahead of the handlers, so a disconnect is seen at once
+    and pipelined requests wait in order), answers each through the route table, enforces the timeouts."""
+
+    def __init__(self, app: "App", reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.app = app
+        self.limits: ConnLimits = app.limits
+        self.reader, self.writer = reader, writer
+        self.transport = writer.transport
+        self.parser = RequestReader()
+        self.gone = asyncio.Event()          # the client closed its side or the socket broke
+        self.eof = False
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()         # new bytes, or EOF
+        self._resume = asyncio.Event()       # cleared while reading ahead is paused
+        self._resume.set()
+        self._busy = False                   # a handler runs
+        self._discard = False                # after a refused request: read and drop what comes
+        self._head_t0: float | None = self._loop.time()   # the first head is due within header_s
+        self._idle_since = self._loop.time()
+        self._last_data = self._loop.time()
+
+    async def run(self) -> None:
+        pump = asyncio.create_task(self._pump())
+        try:
+            while True:
+                try:
+                    req = await self._next_request()
+                except ApiError as err:
+                    await self._refuse(err)
+                    break
+                if req is None or not await self._answer(req):
+                    break
+        except ClientGone:
+            pass
+        finally:
+            pump.cancel()
+            self.transport.close()
+
+    def close(self) -> None:
+        """Server shutdown: drop the connection now."""
+        self.transport.abort()
+
+    # ---- reading ---------------------------------------------------------------------------------
+
+    async def _pump(self) -> None:
+        """Read the socket into the parser as bytes arrive; at EOF set gone."""
+        try:
+            while True:
+                if self._busy and self.parser.buffered > READ_AHEAD_BYTES:
+                    self._resume.clear()
+                    await self._resume.wait()
+                    continue
+                data = await self.reader.read(READ_SIZE)
+                if not data:
+                    break
+                if not self._discard:
+                    self.parser.feed(data)
+                self._last_data = self._loop.time()
+                self._wake.set()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            self.eof = True
+            self.gone.set()
+            self._wake.set()
+
+    async def _next_request(self) -> Request | None:
+        """The next whole request; None when the connection should close quietly (EOF, idle).
+        Raises ApiError for a request to refuse, 408 when a head or body arrives too slowly."""
+        while True:
+            self._wake.clear()
+            req = self.parser.next()
+            if req is not None:
+                self._head_t0 = None
+                return req
+            if self.parser.take_continue():
+                await self.write(CONTINUE)
+            if self.eof:
+                return None   # the client left; a partial request leaves with it
+            now = self._loop.time()
+            state = self.parser.state
+            if state == "body":
+                left = self._last_data + self.limits.body_s - now
+            elif state == "head" or self._head_t0 is not None:
+                if self._head_t0 is None:
+                    self._head_t0 = now
+                left = self._head_t0 + self.limits.header_s - now
+            else:
+                left = self._idle_since + self.limits.keepalive_s - now
+            if left <= 0:
+                if state == "idle":
+                    return None
+                raise ApiError(408, f"the request {state} did not arrive in time")
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    # ---- answering -------------------------------------------------------------------------------
+
+    async def _answer(self, req: Request) -> bool:
+        """Run the request's route; False when the connection must close afterwards."""
+        out = Responder(self, req)
+        errors = self.app.router.errors_for(req.path)
+        self._busy = True
+        try:
+            route = self.app.router.match(req)
+            errors = route.errors
+            guard = self.app.guard
+            req.tenant = guard.check(req, route.needs_key) if guard is not None else DEFAULT_TENANT
+            await route.handler(req, out)
+            if not out.started:
+                raise RuntimeError(f"{req.method} {route.pattern}: the handler sent no response")
+            if not out.finished:
+                await out.end_stream()
+        except ClientGone:
+            return False
+        except ApiError as err:
+            return await self._fail(out, err, errors)
+        except Exception:
+            log.exception("%s %s failed", req.method, req.path)
+            return await self._fail(out, ApiError(500, "internal server error", type="server_error"),
+                                    errors)
+        finally:
+            self._busy = False
+            self._resume.set()
+            self._idle_since = self._loop.time()
+        return out.keep_alive and not self.transport.is_closing()
+
+    async def _fail(self, out: Responder, err: ApiError, errors: Callable[[ApiError], dict]) -> bool:
+        if out.started:
+            # Too late for a status. A stream cut without its last chunk tells the client it broke.
+            return out.finished and out.keep_alive
+        try:
+            await out.json(err.status, errors(err), err.headers)
+        except ClientGone:
+            return False
+        return out.keep_alive
+
+    async def _refuse(self, err: ApiError) -> None:
+        """Answer a request that could not be read, then close: its framing can no longer be trusted.
+        The client may still be sending (a too-large body): half-close and drain a moment first."""
+        self._discard = True
+        body = json.dumps(openai_error_body(err)).encode()
+        try:
+            await self.write(response_bytes(err.status, body, "application/json", err.headers,
+                                            keep_alive=False))
+        except ClientGone:
+            return
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        try:
+            await asyncio.wait_for(self.gone.wait(), self.limits.linger_s)
+        except asyncio.TimeoutError:
+            pass
+
+    # ---- writing ---------------------------------------------------------------------------------
+
+    async def write(self, data: bytes) -> None:
+        """Write and wait while the socket's buffer is full: at most stall_s, then the client is cut."""
+        if self.transport.is_closing():
+            self.gone.set()
+            raise ClientGone()
+        self.writer.write(data)
+        if self.transport.get_write_buffer_size() <= self.transport.get_write_buffer_limits()[1]:
+            return
+        try:
+            await asyncio.wait_for(self.writer.drain(), self.limits.stall_s)
+        except asyncio.TimeoutError:
+            log.info("client read nothing for %.0f s; closing its connection", self.limits.stall_s)
+            self.transport.abort()
+            self.gone.set()
+            raise ClientGone() from None
+        except (ConnectionError, OSError):
+            self.gone.set()
+            raise ClientGone() from None
 
 
 # =================================================================================================
