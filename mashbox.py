@@ -2507,6 +2507,12 @@ class ApiFormat:
     anthropic: bool = False                # error statuses: 529 instead of 429/503
 
 
+# Every wire format by name; the routes table points at these.
+API_FORMATS: dict[str, ApiFormat] = {
+    "messages": ApiFormat("messages", parse_messages, MessagesEncoder, anthropic_error_body, anthropic=True),
+}
+
+
 # =================================================================================================
 # Metrics: Prometheus text
 # =================================================================================================
