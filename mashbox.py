@@ -2509,6 +2509,8 @@ class ApiFormat:
 
 # Every wire format by name; the routes table points at these.
 API_FORMATS: dict[str, ApiFormat] = {
+    "chat": ApiFormat("chat", parse_chat, ChatEncoder, openai_error_body),
+    "completions": ApiFormat("completions", parse_completion, CompletionEncoder, openai_error_body),
     "messages": ApiFormat("messages", parse_messages, MessagesEncoder, anthropic_error_body, anthropic=True),
 }
 
