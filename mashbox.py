@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import email.utils
 import hmac
 import http
 import json
 import logging
+import os
 import queue
 import re
 import secrets
@@ -29,7 +31,7 @@ import urllib.parse
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from engine import chat, protocol
 from engine.chat import Job
@@ -3212,7 +3214,408 @@ async def handle_count_tokens(app, req, out, fmt: "ApiFormat") -> None:
 # Routes
 # =================================================================================================
 
+Handler = Callable[[Request, Responder], Awaitable[None]]
+
+
+def _needs_key(pattern: str) -> bool:
+    """The spec: with keys configured, /v1 routes, /metrics and /openapi.json need one; /health and /
+    stay open for probes."""
+    return pattern.startswith("/v1/") or pattern in ("/metrics", "/openapi.json")
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    pattern: str                               # "/v1/models/{model}"; {name} matches the rest of the path
+    handler: Handler                           # async (req, out) -> None; the server state is out.app
+    errors: Callable[[ApiError], dict]         # the route's error shape: openai_ or anthropic_error_body
+    needs_key: bool
+
+
+class Router:
+    """(method, path pattern) -> Route. Unknown path: 404; known path, other method: 405 with Allow.
+    HEAD is answered by the GET route (the Responder drops the body)."""
+
+    def __init__(self) -> None:
+        self._exact: dict[str, dict[str, Route]] = {}
+        self._patterns: list[tuple[re.Pattern, dict[str, Route]]] = []
+
+    def add(self, method: str, pattern: str, handler: Handler,
+            errors: Callable[[ApiError], dict] = openai_error_body) -> None:
+        route = Route(method, pattern, handler, errors, _needs_key(pattern))
+        if "{" in pattern:
+            regex = re.compile(re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>.+)", re.escape(pattern)) + r"\Z")
+            methods = next((m for r, m in self._patterns if r.pattern == regex.pattern), None)
+            if methods is None:
+                methods = {}
+                self._patterns.append((regex, methods))
+        else:
+            methods = self._exact.setdefault(pattern, {})
+        if method in methods:
+            raise ValueError(f"route {method} {pattern} is registered twice")
+        methods[method] = route
+
+    def _lookup(self, path: str) -> tuple[dict[str, Route] | None, dict[str, str]]:
+        methods = self._exact.get(path)
+        if methods is not None:
+            return methods, {}
+        for regex, methods in self._patterns:
+            m = regex.match(path)
+            if m:
+                return methods, {k: urllib.parse.unquote(v) for k, v in m.groupdict().items()}
+        return None, {}
+
+    def match(self, req: Request) -> Route:
+        """The request's route (its path parameters set on req.params), or ApiError 404/405."""
+        methods, params = self._lookup(req.path)
+        if methods is None:
+            raise ApiError(404, f"no such route: {req.method} {req.path}", code="not_found")
+        route = methods.get(req.method) or (methods.get("GET") if req.method == "HEAD" else None)
+        if route is None:
+            allowed = sorted(set(methods) | ({"HEAD"} if "GET" in methods else set()))
+            raise ApiError(405, f"method {req.method} is not allowed on {req.path} (allowed: "
+                                f"{', '.join(allowed)})", code="method_not_allowed",
+                           headers=(("Allow", ", ".join(allowed)),))
+        req.params = params
+        return route
+
+    def errors_for(self, path: str) -> Callable[[ApiError], dict]:
+        """The error shape for a path whose request did not reach a route (405 on an Anthropic path)."""
+        methods, _ = self._lookup(path)
+        return next(iter(methods.values())).errors if methods else openai_error_body
+
+
+# ---- the simple routes ---------------------------------------------------------------------------
+
+async def route_health(req: Request, out: Responder) -> None:
+    app = out.app
+    await out.json(200 if app.ready else 503, app.health())
+
+
+def model_card(app: "App") -> dict:
+    """The spec's Model. Before the worker is ready only the id and the --ctx asked for are known."""
+    facts = app.facts
+    if facts is None:
+        return {"id": app.model_id, "object": "model", "owned_by": OWNED_BY, "created": 0,
+                "max_model_len": app.config.ctx or 0}
+    return {"id": facts.id, "object": "model", "owned_by": OWNED_BY, "created": 0,
+            "max_model_len": facts.max_model_len, "weights": facts.weights, "gb": facts.gb,
+            "bpw": facts.bpw, "prefix_cache": facts.prefix_cache, "slots": facts.slots,
+            "cache_ram_mib": facts.cache_ram_mib}
+
+
+async def route_models(req: Request, out: Responder) -> None:
+    await out.json(200, {"object": "list", "data": [model_card(out.app)]})
+
+
+async def route_model(req: Request, out: Responder) -> None:
+    app, wanted = out.app, req.params["model"]
+    if wanted != app.model_id:
+        raise ApiError(404, f"model: '{wanted}' is not served here; this server runs '{app.model_id}'",
+                       code="model_not_found", param="model")
+    await out.json(200, model_card(app))
+
+
+async def route_openapi(req: Request, out: Responder) -> None:
+    await out.send(200, out.app.openapi_bytes(), "application/json")
+
+
+async def route_metrics(req: Request, out: Responder) -> None:
+    app = out.app
+    text = app.metrics.render(app.bridge, app.admission)
+    await out.send(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
+
+
+# ---- the generation routes -----------------------------------------------------------------------
+
+# path -> the API format (App.formats) that parses its body and encodes its answer. count_tokens reads a
+# Messages body and answers without generating.
+API_ROUTES = (
+    ("/v1/chat/completions", "chat"),
+    ("/v1/completions", "completions"),
+    ("/v1/messages", "messages"),
+    ("/v1/responses", "responses"),
+)
+COUNT_TOKENS_ROUTE = ("/v1/messages/count_tokens", "messages")
+
+
+def api_route(fmt_name: str, count_tokens: bool = False) -> Handler:
+    """The handler of a generation route: its API format's parse and encoder, through the engine."""
+    async def handler(req: Request, out: Responder) -> None:
+        app = out.app
+        fmt = app.formats[fmt_name]
+        if count_tokens:
+            await handle_count_tokens(app, req, out, fmt)
+        else:
+            await handle_generation(app, req, out, fmt, req.tenant or DEFAULT_TENANT)
+    return handler
+
+
+def build_routes(app: "App") -> Router:
+    """The route table. A generation route exists when its API format is given to the App."""
+    router = Router()
+    for path in ("/v1/health", "/health", "/"):
+        router.add("GET", path, route_health)
+    router.add("GET", "/v1/models", route_models)
+    router.add("GET", "/v1/models/{model}", route_model)
+    router.add("GET", "/openapi.json", route_openapi)
+    if app.metrics is not None:
+        router.add("GET", "/metrics", route_metrics)
+    for path, name in API_ROUTES:
+        if name in app.formats:
+            router.add("POST", path, api_route(name), app.formats[name].error_body)
+    path, name = COUNT_TOKENS_ROUTE
+    if name in app.formats:
+        router.add("POST", path, api_route(name, count_tokens=True), app.formats[name].error_body)
+    return router
+
+
+# ---- the served description ----------------------------------------------------------------------
+
+# The project's copy of the spec, served at /openapi.json. Its examples name this model id, which the
+# server replaces with the id it runs.
+OPENAPI_FILE = Path(__file__).resolve().parent / "openapi.json"
+SPEC_EXAMPLE_MODEL = "qwen3-8-27b"
+OWNED_BY = "mashbox-labs"
+
+
+def openapi_document(model_id: str, base_url: str | None = None) -> bytes:
+    """The spec with the running model's id in its examples (and this server's URL, when given)."""
+    doc = json.loads(OPENAPI_FILE.read_text(encoding="utf-8"))
+
+    def swap(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: swap(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [swap(v) for v in node]
+        return model_id if node == SPEC_EXAMPLE_MODEL and model_id else node
+
+    doc = swap(doc)
+    if base_url:
+        doc["servers"] = [{"url": base_url, "description": "this server"}]
+    return json.dumps(doc, ensure_ascii=False, indent=1).encode()
+
+
+# ---- the server state ----------------------------------------------------------------------------
+
+class App:
+    """The server's state: its configuration, the route table, the engine bridge and what the routes
+    share (guard, admission, metrics, tokenizer). Handlers reach it as out.app.
+
+    The bridge is read through three members: ready, facts and health().
+    """
+
+    def __init__(self, config: "Config", bridge: "Bridge | None" = None,
+                 formats: dict[str, ApiFormat] | None = None, limits: ConnLimits | None = None,
+                 guard: Guard | None = None, admission: Admission | None = None,
+                 metrics: Metrics | None = None):
+        self.config = config
+        # A bridge that is never started stays "loading": the server answers 503 until one is.
+        self.bridge = bridge if bridge is not None else Bridge(worker_args=None)
+        self.formats = formats or {}
+        self.limits = limits or ConnLimits()
+        self.guard, self.admission, self.metrics = guard, admission, metrics
+        self.tokenizer = None                  # engine.chat's tokenizer, loaded when the model is ready
+        self.other_model_ids: set[str] = set()   # models.json ids this server does not run
+        self.namespace: str | None = None
+        self.router = build_routes(self)
+        self.port: int | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._connections: set[Connection] = set()
+        self._ready_waiters: list[asyncio.Event] = []
+        self._openapi: tuple[str, bytes] | None = None
+        self.bridge.on_ready.append(self._on_ready)
+
+    # ---- what the routes read --------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.bridge.status == "ok"
+
+    @property
+    def facts(self) -> "protocol.ModelFacts | None":
+        return self.bridge.facts
+
+    @property
+    def model_id(self) -> str:
+        facts = self.bridge.facts
+        return facts.id if facts is not None else (self.config.model or "")
+
+    def health(self) -> dict:
+        return health_document(self.bridge, self.admission, self.namespace)
+
+    def openapi_bytes(self) -> bytes:
+        """The served spec, built once per model id."""
+        if self._openapi is None or self._openapi[0] != self.model_id:
+            self._openapi = (self.model_id, openapi_document(self.model_id, self.url))
+        return self._openapi[1]
+
+    @property
+    def url(self) -> str | None:
+        if self.port is None:
+            return None
+        host = self.config.host
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    def log(self, message: str) -> None:
+        log.info("%s", message)
+
+    async def wait_ready(self) -> None:
+        """Return once the model is ready (again, after a worker restart)."""
+        while not self.ready:
+            event = asyncio.Event()
+            self._ready_waiters.append(event)
+            await event.wait()
+
+    def _on_ready(self) -> None:
+        facts = self.bridge.facts
+        self.namespace = cache_namespace(facts, str(Path(facts.folder) / "tokenizer.json"))
+        if self.admission is not None:
+            self.admission.resize(facts.slots)
+        waiters, self._ready_waiters = self._ready_waiters, []
+        for event in waiters:
+            event.set()
+
+    # ---- serving ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind and accept connections (port 0: any free port, then self.port says which)."""
+        self._server = await asyncio.start_server(self._on_connect, self.config.host, self.config.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._connections):
+            conn.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._connections) >= self.limits.max_connections:
+            err = ApiError(503, f"too many open connections (at most {self.limits.max_connections})",
+                           type="unavailable",
+                           headers=(("Retry-After", str(RETRY_AFTER_CONNECTIONS_S)),))
+            writer.write(response_bytes(503, json.dumps(openai_error_body(err)).encode(),
+                                        "application/json", err.headers, keep_alive=False))
+            writer.close()
+            return
+        conn = Connection(self, reader, writer)
+        self._connections.add(conn)
+        try:
+            await conn.run()
+        except Exception:
+            log.exception("connection failed")
+        finally:
+            self._connections.discard(conn)
+
 
 # =================================================================================================
 # CLI
 # =================================================================================================
+
+@dataclass
+class Config:
+    """What `mashbox run` was asked for. None = the model's default from models.json."""
+    model: str | None = None
+    weights: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    slots: int | None = None
+    ctx: int | None = None
+    cache_ram_mib: int | None = None
+    api_key_file: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
+    log_prompts: bool = False
+
+
+def _at_least(low: int, what: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{what} must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _port(text: str) -> int:
+    value = _at_least(0, "--port")(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"--port must be <= 65535, got {value}")
+    return value
+
+
+def arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mashbox", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="serve one model over HTTP")
+    run.add_argument("model", nargs="?", default=None,
+                     help="a model id from models.json, or a Hugging Face folder (default: models.json's default)")
+    run.add_argument("--weights", metavar="PATH", help="the weights folder (overrides models.json)")
+    run.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    run.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0 = any free port)")
+    run.add_argument("--slots", type=_at_least(1, "--slots"), help="requests decoded together")
+    run.add_argument("--ctx", type=_at_least(16, "--ctx"), help="tokens of context per slot")
+    run.add_argument("--cache-ram", dest="cache_ram_mib", metavar="MIB", type=_at_least(0, "--cache-ram"),
+                     help="host memory for saved prompt states, MiB (0 = off)")
+    run.add_argument("--api-key-file", metavar="PATH",
+                     help="API keys, one a line: KEY or KEY TENANT (also MASHBOX_API_KEY)")
+    run.add_argument("--allowed-host", dest="allowed_hosts", metavar="NAME", action="extend", nargs="+",
+                     default=[], help="host names the server answers to besides its own address")
+    run.add_argument("--log-prompts", action="store_true", help="log each request's prompt text")
+    return parser
+
+
+def config_from_args(argv: list[str] | None) -> Config:
+    args = arg_parser().parse_args(argv)
+    return Config(model=args.model, weights=args.weights, host=args.host, port=args.port,
+                  slots=args.slots, ctx=args.ctx, cache_ram_mib=args.cache_ram_mib,
+                  api_key_file=args.api_key_file, allowed_hosts=tuple(args.allowed_hosts),
+                  log_prompts=args.log_prompts)
+
+
+async def serve(app: App, stop: asyncio.Event | None = None) -> None:
+    """Listen, start the engine, and serve until stop is set (or SIGINT/SIGTERM)."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass   # not the main thread, or a platform without signals
+    await app.start()
+    log.info("listening on %s", app.url)
+    if app.bridge.worker_args is not None:
+        app.bridge.start()
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down")
+        await app.close()
+        app.bridge.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    config = config_from_args(argv)
+    try:
+        keys = Keys.load(config.api_key_file, os.environ.get("MASHBOX_API_KEY"))
+    except (OSError, KeyFileError) as e:
+        print(f"mashbox: --api-key-file: {e}", file=sys.stderr)
+        return 2
+    if not keys.enabled and not is_loopback(config.host):
+        print(f"mashbox: --host {config.host} is not loopback: give keys with --api-key-file or "
+              "MASHBOX_API_KEY", file=sys.stderr)
+        return 2
+    app = App(config, bridge=Bridge(worker_args=dataclasses.asdict(config)),
+              guard=Guard(keys, config.host, config.allowed_hosts),
+              admission=Admission(slots=config.slots or 1), metrics=Metrics())
+    asyncio.run(serve(app))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
