@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from engine import chat, protocol
+from engine import chat, protocol, registry
 from engine.chat import Job
 
 
@@ -3412,7 +3412,7 @@ class App:
         self.config = config
         # A bridge that is never started stays "loading": the server answers 503 until one is.
         self.bridge = bridge if bridge is not None else Bridge(worker_args=None)
-        self.formats = formats or {}
+        self.formats = API_FORMATS if formats is None else formats
         self.limits = limits or ConnLimits()
         self.guard, self.admission, self.metrics = guard, admission, metrics
         self.tokenizer = None                  # engine.chat's tokenizer, loaded when the model is ready
@@ -3602,17 +3602,23 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     config = config_from_args(argv)
     try:
+        spec = registry.resolve(config.model, config.weights)
         keys = Keys.load(config.api_key_file, os.environ.get("MASHBOX_API_KEY"))
+    except registry.RegistryError as e:
+        print(f"mashbox: MODEL: {e}", file=sys.stderr)
+        return 2
     except (OSError, KeyFileError) as e:
         print(f"mashbox: --api-key-file: {e}", file=sys.stderr)
         return 2
+    config.model = spec.id
     if not keys.enabled and not is_loopback(config.host):
         print(f"mashbox: --host {config.host} is not loopback: give keys with --api-key-file or "
               "MASHBOX_API_KEY", file=sys.stderr)
         return 2
     app = App(config, bridge=Bridge(worker_args=dataclasses.asdict(config)),
               guard=Guard(keys, config.host, config.allowed_hosts),
-              admission=Admission(slots=config.slots or 1), metrics=Metrics())
+              admission=Admission(slots=config.slots or spec.slots), metrics=Metrics())
+    app.other_model_ids = set(registry.known_ids()) - {spec.id}
     asyncio.run(serve(app))
     return 0
 
