@@ -9,6 +9,11 @@ or thinking handling is made here once for all four APIs.
 """
 from __future__ import annotations
 
+import codecs
+import json
+import os
+import re
+import secrets
 from dataclasses import dataclass, field
 
 from engine.protocol import Sampling
@@ -106,3 +111,759 @@ class Done:
     stop_sequence: str | None = None   # the stop string that ended the text, if one did
     timings: dict | None = None        # ChatTimings fields
     error: str | None = None
+
+
+# ---- the tokenizer --------------------------------------------------------------------------------
+
+# Token strings that end an answer in every Qwen chat model; the worker stops a row on any of them.
+STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE writes each byte as one printable character: printable Latin-1 bytes as
+    themselves, every other byte as the next code point from 256 on. This maps a character back."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
+    alphabet, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            alphabet[chr(b)] = b
+        else:
+            alphabet[chr(256 + shifted)] = b
+            shifted += 1
+    return alphabet
+
+
+class Tokenizer:
+    """The model's tokenizer.json (through the `tokenizers` package) and what the server needs of it:
+    the ids that end an answer, and each token's raw bytes for streaming detokenization."""
+
+    def __init__(self, inner, eos_token: str | None = None):
+        self._tok = inner
+        self.vocab_size: int = inner.get_vocab_size(with_added_tokens=True)
+        self.stop_ids: list[int] = []
+        for name in (*STOP_TOKENS, eos_token):
+            token_id = self.id_of(name) if name else None
+            if token_id is not None and token_id not in self.stop_ids:
+                self.stop_ids.append(token_id)
+        self._bytes: list[bytes] | None = None     # built on first use (151k entries, ~0.2 s)
+
+    @classmethod
+    def from_folder(cls, folder: str) -> "Tokenizer":
+        """A Hugging Face model folder: tokenizer.json, and tokenizer_config.json for the eos token."""
+        from tokenizers import Tokenizer as HFTokenizer
+        path = os.path.join(folder, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{folder}: no tokenizer.json")
+        config: dict = {}
+        config_path = os.path.join(folder, "tokenizer_config.json")
+        if os.path.isfile(config_path):
+            with open(config_path, encoding="utf-8") as f:
+                config = json.load(f)
+        eos = config.get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        return cls(HFTokenizer.from_file(path), eos if isinstance(eos, str) else None)
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> ids; special tokens written in the text (<|im_start|>, <think>) become their ids."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def id_of(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for; a token may end inside a UTF-8 character. Ids past the
+        tokenizer's vocabulary (the model's embedding is padded) stand for nothing."""
+        if self._bytes is None:
+            self._bytes = self._byte_table()
+        return self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""
+
+    def _byte_table(self) -> list[bytes]:
+        from tokenizers import decoders
+        table = [b""] * self.vocab_size
+        added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+        byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
+        alphabet = _byte_level_alphabet()
+        for token, i in self._tok.get_vocab(with_added_tokens=True).items():
+            if i >= len(table):
+                continue
+            if i in added:
+                table[i] = added[i].encode()
+            elif byte_level:
+                table[i] = bytes(alphabet.get(c, 0x3F) for c in token)
+            else:   # not byte-level: whole characters only (no Qwen tokenizer takes this path)
+                table[i] = self._tok.decode([i]).encode()
+        return table
+
+
+# ---- chat templates (hand-written; token for token what the models' official templates render) -----
+
+CHAT_FORMATS = ("qwen3", "qwen2.5")
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+# Thinking off (Qwen3): the answer starts with an empty thought, as the model was trained to see it.
+EMPTY_THOUGHT = "<think>\n\n</think>\n\n"
+# The start of a Hermes-style call, as the templates write calls in history; tool_choice forces it.
+CALL_HEAD = '<tool_call>\n{"name": "'
+QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+TOOLS_INTRO = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+               "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+TOOLS_OUTRO = ("\n</tools>\n\nFor each function call, return a json object with function name and "
+               "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+               '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def tojson(value) -> str:
+    """JSON exactly as the templates' `tojson` writes it: ", " and ": " separators, key order kept,
+    non-ASCII characters as themselves."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def arguments_text(value) -> str:
+    """A call's arguments as JSON text: a string is already JSON text, an object is serialized as the
+    template would. API parsers use this so history renders the same whichever way a client sent it."""
+    return value if isinstance(value, str) else tojson(value)
+
+
+def _tool_json(tool: Tool) -> str:
+    function = {"name": tool.name}
+    if tool.description:
+        function["description"] = tool.description
+    function["parameters"] = tool.parameters
+    return tojson({"type": "function", "function": function})
+
+
+def offered_tools(job: Job) -> list[Tool]:
+    """The tools written into the prompt: none when tool_choice is "none"."""
+    return [] if job.tool_choice == "none" else job.tools
+
+
+def _forced_call(job: Job) -> str:
+    if not job.tools or job.tool_choice in ("auto", "none"):
+        return ""
+    if isinstance(job.tool_choice, dict):
+        return f'{CALL_HEAD}{job.tool_choice["name"]}", "arguments": '
+    return CALL_HEAD     # "required": the model picks the name
+
+
+def answer_prefix(job: Job, fmt: str) -> str:
+    """The start of the answer that the prompt itself writes after `<|im_start|>assistant\\n`: the
+    empty thought when thinking is off (Qwen3), the opening of a call that tool_choice forces. The
+    OutputParser reads it first, so it starts in the state the model continues from. A forced call
+    skips thinking: the model cannot think once the call has begun."""
+    if job.prompt is not None:
+        return ""
+    forced = _forced_call(job)
+    thought = EMPTY_THOUGHT if fmt == "qwen3" and (forced or not job.thinking) else ""
+    return thought + forced
+
+
+def _is_tool_response(text: str) -> bool:
+    return text.startswith("<tool_response>") and text.endswith("</tool_response>")
+
+
+def _call_text(call: ToolCall, arguments: str) -> str:
+    return f'{CALL_HEAD}{call.name}", "arguments": {arguments}}}\n{CALL_CLOSE}'
+
+
+def _tool_results(messages: list[Message], i: int) -> str:
+    """A tool result; consecutive results share one user turn."""
+    head = f"{IM_START}user" if i == 0 or messages[i - 1].role != "tool" else ""
+    last = i == len(messages) - 1 or messages[i + 1].role != "tool"
+    return f"{head}\n<tool_response>\n{messages[i].content}\n</tool_response>" + (f"{IM_END}\n" if last else "")
+
+
+def _system_and_tools(messages: list[Message], tools: list[Tool], default_system: str | None) -> str:
+    """The opening system turn: the first system message (or the default), then the tools block."""
+    first = messages[0].content if messages and messages[0].role == "system" else None
+    if tools:
+        system = first if first is not None else default_system
+        head = f"{system}\n\n" if system is not None else ""
+        listing = "".join("\n" + _tool_json(t) for t in tools)
+        return f"{IM_START}system\n{head}{TOOLS_INTRO}{listing}{TOOLS_OUTRO}{IM_END}\n"
+    system = first if first is not None else default_system
+    return f"{IM_START}system\n{system}{IM_END}\n" if system is not None else ""
+
+
+def _split_thought(message: Message) -> tuple[str, str]:
+    """(reasoning, content) of an assistant turn: its reasoning field, or a <think> block written
+    into its content."""
+    content = message.content
+    if message.reasoning is not None:
+        return message.reasoning, content
+    if THINK_CLOSE in content:
+        before, after = content.split(THINK_CLOSE)[0], content.split(THINK_CLOSE)[-1]
+        return before.rstrip("\n").split(THINK_OPEN)[-1].lstrip("\n"), after.lstrip("\n")
+    return "", content
+
+
+def _qwen3_turns(messages: list[Message], tools: list[Tool], preserve_thinking: bool) -> str:
+    out = [_system_and_tools(messages, tools, None)]
+    # Earlier reasoning is kept only after the last real user query (the current tool-use loop).
+    last_query = len(messages) - 1
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].role == "user" and not _is_tool_response(messages[i].content):
+            last_query = i
+            break
+    for i, m in enumerate(messages):
+        if m.role == "user" or (m.role == "system" and i > 0):
+            out.append(f"{IM_START}{m.role}\n{m.content}{IM_END}\n")
+        elif m.role == "assistant":
+            reasoning, content = _split_thought(m)
+            keep = (i > last_query or preserve_thinking) and (i == len(messages) - 1 or reasoning)
+            if keep:
+                out.append(f"{IM_START}assistant\n{THINK_OPEN}\n{reasoning.strip(chr(10))}\n"
+                           f"{THINK_CLOSE}\n\n{content.lstrip(chr(10))}")
+            else:
+                out.append(f"{IM_START}assistant\n{content}")
+            for k, call in enumerate(m.tool_calls):
+                out.append("\n" if k or content else "")
+                out.append(_call_text(call, call.arguments))
+            out.append(f"{IM_END}\n")
+        elif m.role == "tool":
+            out.append(_tool_results(messages, i))
+    return "".join(out)
+
+
+def _qwen25_arguments(text: str) -> str:
+    """Qwen2.5's template serializes arguments with tojson, so JSON text is read back into a value
+    first (as servers do before rendering); text that is not JSON is written as a JSON string."""
+    try:
+        return tojson(json.loads(text))
+    except ValueError:
+        return tojson(text)
+
+
+def _qwen25_turns(messages: list[Message], tools: list[Tool]) -> str:
+    out = [_system_and_tools(messages, tools, QWEN25_DEFAULT_SYSTEM)]
+    for i, m in enumerate(messages):
+        if m.role == "user" or (m.role == "system" and i > 0) or (m.role == "assistant" and not m.tool_calls):
+            out.append(f"{IM_START}{m.role}\n{m.content}{IM_END}\n")
+        elif m.role == "assistant":
+            out.append(f"{IM_START}assistant" + (f"\n{m.content}" if m.content else ""))
+            for call in m.tool_calls:
+                out.append("\n" + _call_text(call, _qwen25_arguments(call.arguments)))
+            out.append(f"{IM_END}\n")
+        elif m.role == "tool":
+            out.append(_tool_results(messages, i))
+    return "".join(out)
+
+
+def _normalized(messages: list[Message]) -> list[Message]:
+    """Roles as the templates know them: developer instructions are system instructions."""
+    return [Message(**{**m.__dict__, "role": "system"}) if m.role == "developer" else m for m in messages]
+
+
+def render_text(job: Job, fmt: str) -> str:
+    """The prompt as text: the conversation in the model's chat format, then the opening of the
+    assistant's answer. Completions (job.prompt set) use the prompt as it is."""
+    if job.prompt is not None:
+        return job.prompt
+    messages, tools = _normalized(job.messages), offered_tools(job)
+    if fmt == "qwen3":
+        turns = _qwen3_turns(messages, tools, job.preserve_thinking)
+    elif fmt == "qwen2.5":
+        turns = _qwen25_turns(messages, tools)
+    else:
+        raise ValueError(f"unknown chat format {fmt!r}; known: {', '.join(CHAT_FORMATS)}")
+    return f"{turns}{IM_START}assistant\n{answer_prefix(job, fmt)}"
+
+
+def render(job: Job, tok: Tokenizer, fmt: str) -> list[int]:
+    """Job -> prompt ids: the one rendering every API and count_tokens use."""
+    return tok.encode(render_text(job, fmt))
+
+
+# ---- streaming detokenizer -------------------------------------------------------------------------
+
+class StreamDecoder:
+    """Token ids -> text, one token at a time; bytes of a UTF-8 character split across tokens wait
+    for the rest of the character."""
+
+    def __init__(self, tok: Tokenizer):
+        self._tok = tok
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_id: int) -> str:
+        return self._utf8.decode(self._tok.token_bytes(token_id))
+
+    def flush(self) -> str:
+        """The end of the output: an unfinished character becomes U+FFFD."""
+        return self._utf8.decode(b"", final=True)
+
+
+# ---- output parser: generated text -> neutral events -----------------------------------------------
+
+_TEXT, _THINK, _CALL, _STOPPED = "text", "think", "call", "stopped"
+_WHITESPACE = " \t\r\n"
+# Hermes calls: the name is read as soon as its string closes, then the arguments value streams.
+_HERMES_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_HERMES_ARGS_KEY = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+_HERMES_ARGS_KEYS = (',"arguments":', ',"parameters":')
+# XML calls (Qwen3-Coder and later): <function=NAME> <parameter=P>value</parameter> </function>
+_XML_FUNCTION = re.compile(r"\s*<function=([^>\n]*)>")
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]*)>")
+_XML_VALUE_ENDS = ("</parameter>", "<parameter=", "</function>", CALL_CLOSE)
+# A <function= tag longer than this is not a tag: the call is text.
+MAX_XML_TAG = 256
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of text that is a proper beginning of marker (it may complete)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+def _strict_json(text: str):
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def _param_type(tool: Tool | None, name: str) -> str:
+    """A parameter's JSON schema type; "string" when the schema does not say."""
+    props = tool.parameters.get("properties") if tool and isinstance(tool.parameters, dict) else None
+    spec = props.get(name) if isinstance(props, dict) else None
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), None)
+    return kind if isinstance(kind, str) else "string"
+
+
+def _param_json(raw: str, kind: str) -> str:
+    """An XML parameter's text as JSON of its schema type; a string when it does not parse as one."""
+    if kind != "string":
+        text = raw.strip()
+        if kind == "boolean" and text.lower() in ("true", "false"):
+            text = text.lower()
+        try:
+            return tojson(_strict_json(text))
+        except ValueError:
+            pass
+    return tojson(raw)
+
+
+class _CallReader:
+    """One <tool_call> body -> tool call events. It reads the body as it grows (the parser's buffer
+    holds all of it) and keeps its position; advance() answers "more" (wait for text), "done" (the
+    call ended; `used` characters of the body are consumed) or "text" (not a call: deliver as text)."""
+
+    def __init__(self, parser: "OutputParser"):
+        self.p = parser
+        self.phase = "detect"
+        self.pos = 0              # read position in the body
+        self.used = 0
+        self.index: int | None = None
+        self.name = ""
+        self.args: list[str] = []
+        # Hermes arguments scanning
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.scan = 0
+        # XML parameters
+        self.param: str | None = None
+        self.param_kind = "string"
+        self.value_start = 0
+        self.value_sent = 0
+        self.value_fresh = False  # the newline right after <parameter=...> is not yet decided
+
+    # -- events --
+    def start(self, name: str) -> None:
+        self.index, self.name = self.p._ncalls, name
+        self.p._ncalls += 1
+        self.p._out.append(ToolCallStart(self.index, "call_" + secrets.token_hex(12), name))
+
+    def send(self, delta: str) -> None:
+        if delta:
+            self.args.append(delta)
+            self.p._out.append(ToolCallArgs(self.index, delta))
+
+    def end(self) -> None:
+        if not self.args:
+            self.send("{}")
+        self.p._out.append(ToolCallEnd(self.index, "".join(self.args)))
+        self.phase = "tail"
+
+    # -- reading --
+    def advance(self, body: str, final: bool) -> str:
+        while True:
+            before = (self.phase, self.pos)
+            status = getattr(self, "_" + self.phase)(body, final)
+            if status is not None:
+                return status
+            if (self.phase, self.pos) == before:
+                return "more"
+
+    def _detect(self, body: str, final: bool) -> str | None:
+        head = body.lstrip()
+        if head.startswith("{"):
+            self.phase = "hermes_name"
+            return None
+        if head.startswith("<function="):
+            self.phase = "xml_function"
+            return None
+        if final or (head and not "<function=".startswith(head)):
+            return "text"
+        return "more"
+
+    def _finish_whole(self, body: str, stop: int) -> str:
+        """Read a whole Hermes body at once (keys in another order, or the closing tag already here)."""
+        try:
+            call = _strict_json(body[:stop].strip())
+        except ValueError:
+            call = None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            if self.index is None:
+                return "text"
+            call = {}
+        if self.index is None:
+            self.start(call["name"])
+        value = call.get("arguments", call.get("parameters"))
+        if not self.args and value is not None:
+            self.send(arguments_text(value))
+        self.end()
+        return self._tail(body, True)
+
+    def _hermes_name(self, body: str, final: bool) -> str | None:
+        close = body.find(CALL_CLOSE)
+        match = _HERMES_NAME.match(body)
+        if match and (close < 0 or match.end() <= close):
+            self.start(json.loads(f'"{match.group(1)}"'))
+            self.pos, self.phase = match.end(), "hermes_key"
+            return None
+        if close >= 0 or final:
+            return self._finish_whole(body, close if close >= 0 else len(body))
+        return "more"
+
+    def _hermes_key(self, body: str, final: bool) -> str | None:
+        rest = body[self.pos:]
+        match = _HERMES_ARGS_KEY.match(rest)
+        if match:
+            self.pos += match.end()
+            self.phase = "hermes_args"
+            return None
+        compact = "".join(rest.split())
+        if compact.startswith("}"):        # {"name": ...} with no arguments
+            self.end()
+            return None
+        if not final and any(key.startswith(compact) for key in _HERMES_ARGS_KEYS):
+            return "more"
+        close = body.find(CALL_CLOSE, self.pos)
+        if close >= 0 or final:
+            return self._finish_whole(body, close if close >= 0 else len(body))
+        return "more"
+
+    def _hermes_args(self, body: str, final: bool) -> str | None:
+        """Stream the raw JSON text of the arguments object until its closing brace."""
+        if self.scan == 0:             # the value has not begun yet
+            rest = body[self.pos:]
+            head = rest.lstrip()
+            if not head:
+                return self._finish_whole(body, len(body)) if final else "more"
+            if head[0] not in "{[":     # a string or other value: read the whole body instead
+                close = body.find(CALL_CLOSE, self.pos)
+                if close < 0 and not final:
+                    return "more"
+                return self._finish_whole(body, close if close >= 0 else len(body))
+            self.pos = self.scan = self.pos + len(rest) - len(head)
+        i, n = self.scan, len(body)
+        complete = False
+        while i < n:
+            ch = body[i]
+            i += 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    complete = True
+                    break
+            elif ch == "<":             # markup outside a string: the JSON was cut off
+                i -= 1
+                complete = True
+                break
+        self.send(body[self.scan:i])
+        self.scan = i
+        if complete or final:
+            self.pos = i
+            self.end()
+            return None
+        return "more"
+
+    def _xml_function(self, body: str, final: bool) -> str | None:
+        match = _XML_FUNCTION.match(body)
+        if match:
+            self.start(match.group(1).strip())
+            self.pos, self.phase = match.end(), "xml_params"
+            return None
+        if final or len(body) > MAX_XML_TAG or "\n" in body.lstrip():
+            return "text"
+        return "more"
+
+    def _xml_params(self, body: str, final: bool) -> str | None:
+        rest = body[self.pos:]
+        head = rest.lstrip()
+        skipped = len(rest) - len(head)
+        match = _XML_PARAMETER.match(head)
+        if match:
+            self._begin_value(match.group(1).strip(), self.pos + skipped + match.end())
+            return None
+        for tag in ("</function>", CALL_CLOSE):
+            if head.startswith(tag):
+                self.send("}" if self.args else "")
+                self.end()
+                self.pos += skipped + (len(tag) if tag != CALL_CLOSE else 0)
+                return None
+        if final:
+            self.send("}" if self.args else "")
+            self.end()
+            return None
+        incomplete_tag = head.startswith("<parameter=") or any(
+            tag.startswith(head) for tag in ("<parameter=", "</function>", CALL_CLOSE))
+        if incomplete_tag and len(head) < MAX_XML_TAG:
+            return "more"
+        nxt = head.find("<", 1)          # stray text between parameters: skip it
+        self.pos += skipped + (nxt if nxt > 0 else len(head))
+        return None
+
+    def _begin_value(self, name: str, start: int) -> None:
+        self.param, self.param_kind = name, _param_type(self.p._tools.get(self.name), name)
+        self.value_start = self.value_sent = start
+        self.value_fresh = True
+        self.pos, self.phase = start, "xml_value"
+        self.send(("{" if not self.args else ", ") + tojson(name) + ": ")
+        if self.param_kind == "string":
+            self.send('"')
+
+    def _xml_value(self, body: str, final: bool) -> str | None:
+        if self.value_fresh:
+            if self.pos >= len(body) and not final:
+                return "more"
+            if body.startswith("\n", self.pos):      # the newline after the tag is layout
+                self.value_start = self.value_sent = self.pos = self.pos + 1
+            self.value_fresh = False
+        # No end tag can begin inside what was already sent (a partial one is always held back).
+        ends = [(body.find(t, self.value_sent), t) for t in _XML_VALUE_ENDS]
+        ends = [(i, t) for i, t in ends if i >= 0]
+        if ends or final:
+            stop, tag = min(ends) if ends else (len(body), "")
+            raw = body[self.value_start:stop]
+            raw = raw[:-1] if raw.endswith("\n") else raw        # and so is the one before the end
+            if self.param_kind == "string":
+                self.send(tojson(raw[self.value_sent - self.value_start:])[1:-1] + '"')
+            else:
+                self.send(_param_json(raw, self.param_kind))
+            self.pos = stop + (len(tag) if tag == "</parameter>" else 0)
+            self.phase = "xml_params"
+            return None
+        if self.param_kind == "string":
+            # Send what cannot be the start of an end tag, keeping one newline that may be layout.
+            hold = max(_partial_suffix(body, t) for t in _XML_VALUE_ENDS)
+            safe = len(body) - hold
+            if safe > self.value_sent and body[safe - 1] == "\n":
+                safe -= 1
+            if safe > self.value_sent:
+                self.send(tojson(body[self.value_sent:safe])[1:-1])
+                self.value_sent = safe
+        return "more"
+
+    def _tail(self, body: str, final: bool) -> str | None:
+        """After the call's value: skip to </tool_call>."""
+        close = body.find(CALL_CLOSE, self.pos)
+        if close >= 0:
+            self.used = close + len(CALL_CLOSE)
+            return "done"
+        if final:
+            self.used = len(body)
+            return "done"
+        return "more"
+
+
+class OutputParser:
+    """Generated token ids -> neutral events (TextDelta, ReasoningDelta, ToolCallStart/Args/End, Done).
+
+    Streaming: feed() returns the events the new tokens complete; text that could still turn into
+    markup (a partial <tool_call>, </think>) or a stop string waits for the next tokens. finish() ends
+    the answer: held-back text is flushed, an open call is closed, Done comes last.
+    The answer reads as the templates render it back, so history re-renders as the model wrote it:
+    reasoning without the newlines around it, text without newlines after </think> or whitespace
+    before a call. Stop strings apply to the text (not to reasoning or arguments).
+    """
+
+    def __init__(self, tok: Tokenizer, job: Job, fmt: str):
+        self._decoder = StreamDecoder(tok)
+        raw = job.prompt is not None                    # Completions: plain text, no markup
+        self._calls_on = not raw and bool(offered_tools(job))
+        self._tools = {t.name: t for t in job.tools}
+        self._stops = [s for s in job.stop if s]
+        self.stop_hit: str | None = None
+        self._mode = _TEXT
+        self._buf = ""                                  # text not yet turned into events
+        self._at_start = not raw                        # <think> opens reasoning only before any text
+        self._strip = "" if raw else "\n"               # characters dropped where the text begins
+        self._dropped = ""                              # whitespace dropped before <tool_call>
+        self._call: _CallReader | None = None
+        self._ncalls = 0
+        self._reasoning_tokens = 0
+        self._out: list = []
+        # The prompt already wrote the answer's start (empty thought, forced call): read it silently,
+        # keeping only the start of a forced call.
+        self._consume(answer_prefix(job, fmt), final=False)
+        self._out = [e for e in self._out if isinstance(e, (ToolCallStart, ToolCallArgs))]
+
+    # -- public --
+    def feed(self, token_ids: list[int]) -> list:
+        for token_id in token_ids:
+            before = self._mode
+            self._consume(self._decoder.feed(token_id), final=False)
+            if _THINK in (before, self._mode):
+                self._reasoning_tokens += 1
+        return self._take()
+
+    def finish(self, finish_reason: str, usage: Usage | None = None, timings: dict | None = None,
+               error: str | None = None) -> list:
+        """The last events: flushed text, closed calls, then Done. usage comes from the caller;
+        reasoning_tokens is counted here."""
+        self._consume(self._decoder.flush(), final=True)
+        usage = usage if usage is not None else Usage()
+        usage.reasoning_tokens = self._reasoning_tokens
+        if self.stop_hit is not None:
+            finish_reason = "stop"
+        elif finish_reason == "stop" and self._ncalls:
+            finish_reason = "tool_calls"
+        return self._take() + [Done(finish_reason, usage, self.stop_hit, timings, error)]
+
+    # -- internals --
+    def _take(self) -> list:
+        """The pending events, consecutive deltas of one kind merged."""
+        merged: list = []
+        for ev in self._out:
+            last = merged[-1] if merged else None
+            if isinstance(ev, (TextDelta, ReasoningDelta)) and type(last) is type(ev):
+                last.text += ev.text
+            elif isinstance(ev, ToolCallArgs) and isinstance(last, ToolCallArgs) and last.index == ev.index:
+                last.delta += ev.delta
+            else:
+                merged.append(ev)
+        self._out = []
+        return merged
+
+    def _consume(self, text: str, final: bool) -> None:
+        self._buf += text
+        while True:
+            if self._mode == _TEXT:
+                moved = self._advance_text(final)
+            elif self._mode == _THINK:
+                moved = self._advance_think(final)
+            elif self._mode == _CALL:
+                moved = self._advance_call(final)
+            else:
+                self._buf, moved = "", False
+            if not moved:
+                return
+
+    def _text(self, text: str) -> None:
+        if text:
+            self._out.append(TextDelta(text))
+            self._at_start = False
+
+    def _advance_text(self, final: bool) -> bool:
+        buf = self._buf
+        if self._strip:
+            buf = buf.lstrip(self._strip)
+            if buf:
+                self._strip = ""
+        found = [(buf.find(s), 0, s) for s in self._stops]
+        if self._calls_on:
+            found.append((buf.find(CALL_OPEN), 1, CALL_OPEN))
+        if self._at_start:
+            i = buf.find(THINK_OPEN)
+            if i >= 0 and not buf[:i].strip():
+                found.append((i, 1, THINK_OPEN))
+        found = [f for f in found if f[0] >= 0]
+        if found:
+            i, _, what = min(found)
+            if what == CALL_OPEN:
+                before = buf[:i].rstrip()
+                self._text(before)
+                self._dropped = buf[len(before):i]
+                self._buf, self._mode = buf[i + len(CALL_OPEN):], _CALL
+                self._call = _CallReader(self)
+                self._at_start = False
+            elif what == THINK_OPEN:
+                self._buf, self._mode, self._at_start = buf[i + len(THINK_OPEN):], _THINK, False
+                self._strip = "\n"
+            else:
+                self._text(buf[:i])
+                self.stop_hit, self._buf, self._mode = what, "", _STOPPED
+                return False
+            return True
+        if final:
+            self._text(buf)
+            self._buf = ""
+            return False
+        markers = [*self._stops]
+        markers += [CALL_OPEN] if self._calls_on else []
+        markers += [THINK_OPEN] if self._at_start else []
+        hold = max((_partial_suffix(buf, m) for m in markers), default=0)
+        keep = len(buf) - hold
+        if self._calls_on:              # trailing whitespace is dropped if a call follows
+            keep = len(buf[:keep].rstrip())
+        if self._at_start and not buf[:keep].strip():
+            keep = 0
+        self._text(buf[:keep])
+        self._buf = buf[keep:]
+        return False
+
+    def _reasoning(self, text: str) -> None:
+        if text:
+            self._out.append(ReasoningDelta(text))
+
+    def _advance_think(self, final: bool) -> bool:
+        buf = self._buf
+        if self._strip:
+            buf = buf.lstrip(self._strip)
+            if buf:
+                self._strip = ""
+        i = buf.find(THINK_CLOSE)
+        if i >= 0:
+            self._reasoning(buf[:i].rstrip("\n"))
+            self._buf, self._mode, self._strip = buf[i + len(THINK_CLOSE):], _TEXT, "\n"
+            return True
+        if final:
+            self._reasoning(buf.rstrip("\n"))
+            self._buf = ""
+            return False
+        keep = len(buf) - _partial_suffix(buf, THINK_CLOSE)
+        keep = len(buf[:keep].rstrip("\n"))       # newlines just before </think> are layout
+        self._reasoning(buf[:keep])
+        self._buf = buf[keep:]
+        return False
+
+    def _advance_call(self, final: bool) -> bool:
+        status = self._call.advance(self._buf, final)
+        if status == "more":
+            return False
+        if status == "text":                     # not a call after all: it is text
+            self._text(self._dropped + CALL_OPEN)
+        else:
+            self._buf = self._buf[self._call.used:]
+            self._strip = _WHITESPACE
+        self._mode, self._call = _TEXT, None
+        return True
