@@ -1980,7 +1980,8 @@ def _responses_tools(tools: Any) -> tuple[list[chat.Tool], dict]:
             found.append((where, None, t))
     counts: dict[str, int] = {}
     for where, _, t in found:
-        counts[_tool_name(t, where)] = counts.get(t["name"], 0) + 1
+        name = _tool_name(t, where)
+        counts[name] = counts.get(name, 0) + 1
     out, seen_names = [], {}
     for where, ns, t in found:
         seen = t["name"] if ns is None or counts[t["name"]] == 1 else f"{ns}__{t['name']}"
@@ -2327,13 +2328,18 @@ class ResponsesEncoder:
         return sse({"type": kind, "sequence_number": self.seq, **fields}, event=kind)
 
     def _response(self) -> dict:
+        """The Response as it stands; incomplete_details and error appear only when they apply."""
         job = self.job
-        return {"id": self.meta.id, "object": "response", "created_at": self.meta.created,
-                "status": self.status, "model": self.meta.model, "output": self.output,
-                "parallel_tool_calls": getattr(job, "parallel_tool_calls", False),
-                "tool_choice": getattr(job, "tool_choice_echo", job.tool_choice),
-                "tools": getattr(job, "tools_echo", None) or [],
-                "usage": self.usage, "incomplete_details": self.incomplete, "error": self.failure}
+        out = {"id": self.meta.id, "object": "response", "created_at": self.meta.created,
+               "status": self.status, "model": self.meta.model, "output": self.output,
+               "parallel_tool_calls": getattr(job, "parallel_tool_calls", False),
+               "tool_choice": getattr(job, "tool_choice_echo", job.tool_choice),
+               "tools": getattr(job, "tools_echo", None) or [], "usage": self.usage}
+        if self.incomplete:
+            out["incomplete_details"] = self.incomplete
+        if self.failure:
+            out["error"] = self.failure
+        return out
 
     def start(self) -> list[bytes]:
         return [self._event("response.created", response=self._response()),
