@@ -612,3 +612,34 @@ def test_each_claude_code_turn_starts_with_the_previous_prompt():
             assert len(second) > len(first)
             pairs += 1
     assert pairs >= 5
+
+
+def test_streamed_answer_echoed_back_renders_as_the_model_wrote_it():
+    """Guards against the next turn re-rendering the model's own answer differently (thinking, text,
+    tool call), which would throw away the cached tokens of that answer on every Claude Code turn."""
+    tok = qwen3_tokenizer()
+    request = body(system="Be brief.", thinking={"type": "adaptive", "display": "omitted"}, tools=[TOOL],
+                   context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+                   messages=[{"role": "user", "content": "List the files."}])
+    job = parse_messages(request)
+    prompt = chat.render_text(job, "qwen3")
+    answer = ('<think>\nThe user wants ls — run it.\n</think>\n\nI will list them.\n<tool_call>\n'
+              '{"name": "Bash", "arguments": {"command": "ls -la ü"}}\n</tool_call>')
+    parser = chat.OutputParser(tok, job, "qwen3")
+    enc = MessagesEncoder(job, META)
+    frames = enc.start()
+    for token in tok.encode(answer):          # one token per step, as the engine streams
+        for ev in parser.feed([token]):
+            frames += enc.feed(ev)
+    for ev in parser.finish("stop", chat.Usage(40, 0, 30, 0)):
+        frames += enc.feed(ev)
+    final, _ = sdk_final_message(frames)
+    assert [b["type"] for b in final["content"]] == ["thinking", "text", "tool_use"]
+    assert final["stop_reason"] == "tool_use"
+    # Claude Code's next request: the answer's blocks as they came, then the tool's result.
+    tool_use = final["content"][2]
+    request["messages"] += [
+        {"role": "assistant", "content": final["content"]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use["id"], "content": "a"}]}]
+    again = chat.render_text(parse_messages(request), "qwen3")
+    assert again.startswith(prompt + answer + "<|im_end|>")
