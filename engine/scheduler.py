@@ -1,0 +1,292 @@
+"""Which requests run in the next device call, and what their new tokens mean. Pure Python: no
+arrays, no clock, no device; the worker turns a Plan into model calls and feeds the tokens back.
+
+Each round is at most one prefill chunk (of the one request whose prompt is being read) and one
+decode step of every slot whose request is generating, so a new request joins the running batch at
+the very next device call. A slot holds one whole sequence; when its request ends, the slot keeps
+those tokens, and a later prompt that starts the same way reuses them instead of running them again.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine import prefix
+from engine.protocol import Sampling
+
+# ---- the buckets: every shape a device call can have comes from here ---------------------------
+
+# Prefill chunk lengths (tokens per call). A few sizes, 4x apart: each (chunk, attention length) pair
+# is a compiled program, and padding waste stays bounded (see chunk_for).
+PREFILL_CHUNKS = (32, 128, 512)
+# The shortest attention length: below it, reading a little more cache costs less than another program.
+MIN_ATTENTION = 128
+
+
+@dataclass(frozen=True)
+class Buckets:
+    chunks: tuple[int, ...]       # prefill chunk lengths, ascending
+    attention: tuple[int, ...]    # attention lengths, ascending, the last one == ctx
+
+    @classmethod
+    def for_ctx(cls, ctx: int, chunks: tuple[int, ...] = PREFILL_CHUNKS) -> "Buckets":
+        """Powers of two from MIN_ATTENTION up to ctx (ctx itself last), and the chunk sizes that
+        are not longer than ctx (at least the smallest one)."""
+        attention, n = [], MIN_ATTENTION
+        while n < ctx:
+            attention.append(n)
+            n *= 2
+        attention.append(ctx)
+        usable = tuple(sorted(c for c in chunks if c <= ctx)) or (min(chunks),)
+        return cls(usable, tuple(attention))
+
+    def attention_for(self, n: int) -> int:
+        """The shortest attention length that reads positions [0, n)."""
+        return next(a for a in self.attention if a >= n)
+
+    def chunk_for(self, remaining: int) -> int:
+        """Chunk length for a prompt with `remaining` tokens still to run: the smallest chunk that
+        holds them all when at most half of it is padding, else the largest chunk that is filled
+        (one call more costs one more read of the weights; a padded token costs its compute)."""
+        for c in self.chunks:
+            if c >= remaining:
+                if c <= 2 * remaining or c == self.chunks[0]:
+                    return c
+                break
+        return max([c for c in self.chunks if c <= remaining] or [self.chunks[0]])
+
+    def min_fill(self, chunk: int) -> int:
+        """The fewest real tokens chunk_for ever puts in `chunk` (so which attention lengths a chunk
+        can meet, and which programs the warm-up must compile)."""
+        return 1 if chunk == self.chunks[0] else (chunk + 1) // 2
+
+
+# ---- requests and slots --------------------------------------------------------------------------
+
+@dataclass
+class Request:
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling
+    stop_ids: frozenset[int]
+    seed: int = 0                 # the seed actually used (the worker picks one when none is given)
+    slot: int | None = None
+    done: int = 0                 # prompt tokens in the slot's cache (reused + prefilled)
+    cached: int = 0               # prompt tokens reused from a cached sequence
+    output: list[int] = field(default_factory=list)
+    finish: str | None = None
+    first_sent: bool = False      # its first Step (with prompt_tokens) went out
+    times: dict = field(default_factory=dict)   # the worker's clock: arrived, started, first, last
+
+    @property
+    def prefilling(self) -> bool:
+        return self.done < len(self.prompt)
+
+
+@dataclass
+class Slot:
+    index: int
+    tokens: list[int] = field(default_factory=list)   # the sequence whose K/V the slot holds
+    request: Request | None = None
+    last_used: int = 0
+
+
+# ---- what the worker runs --------------------------------------------------------------------------
+
+@dataclass
+class Prefill:
+    request: Request
+    start: int                    # position of the chunk's first token (tokens already in the slot)
+    tokens: list[int]             # the chunk's real tokens (the worker pads them to `chunk`)
+    chunk: int
+    attn_len: int
+
+    @property
+    def last(self) -> bool:
+        """This chunk ends the prompt: its logits give the first new token."""
+        return self.start + len(self.tokens) == len(self.request.prompt)
+
+
+@dataclass
+class Decode:
+    rows: list[Request]           # requests generating; each row feeds its last token
+    attn_len: int
+
+
+@dataclass
+class Plan:
+    copies: list[tuple[int, int, int]] = field(default_factory=list)  # (src slot, dst slot, tokens)
+    started: list[Request] = field(default_factory=list)             # requests new in a slot
+    prefill: Prefill | None = None
+    decode: Decode | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not (self.copies or self.started or self.prefill or self.decode)
+
+
+@dataclass
+class Emit:
+    """New tokens of one request after a round, and its end if it ended."""
+    request: Request
+    tokens: list[int]
+    finish: str | None = None
+
+
+# ---- the scheduler -----------------------------------------------------------------------------------
+
+class Scheduler:
+    def __init__(self, slots: int, ctx: int, vocab_size: int, buckets: Buckets | None = None,
+                 prefix_cache: bool = True):
+        self.ctx = ctx
+        self.vocab_size = vocab_size
+        self.buckets = buckets or Buckets.for_ctx(ctx)
+        self.prefix_cache = prefix_cache
+        self.slots = [Slot(i) for i in range(slots)]
+        self.waiting: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}    # every request not yet finished
+        self.tick = 0
+        self.prefix_queries = 0                   # prompt tokens looked up (cumulative)
+        self.prefix_hits = 0                      # prompt tokens served from a slot (cumulative)
+
+    # -- intake ---------------------------------------------------------------------------------
+
+    def check(self, rid: str, prompt: list[int], max_tokens: int) -> str | None:
+        """Why a request cannot run (a message naming the field), or None."""
+        if rid in self.requests:
+            return f"rid: request {rid!r} is already running"
+        if not prompt:
+            return "prompt: is empty"
+        if len(prompt) >= self.ctx:
+            return (f"prompt: {len(prompt)} tokens do not fit the context of {self.ctx} tokens "
+                    f"(at most {self.ctx - 1}, leaving room for one new token)")
+        bad = next((t for t in prompt if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
+        if bad is not None:
+            return f"prompt: token id {bad!r} is outside the vocabulary [0, {self.vocab_size})"
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            return f"max_tokens: must be >= 1, got {max_tokens!r}"
+        return None
+
+    def add(self, request: Request) -> None:
+        """Queue a request that passed check()."""
+        self.requests[request.rid] = request
+        self.waiting.append(request)
+
+    def cancel(self, rid: str) -> Request | None:
+        """End a request now; its slot is free for the next round. None if it is not running."""
+        request = self.requests.get(rid)
+        if request is None:
+            return None
+        self._finish(request, "abort")
+        return request
+
+    # -- one round ------------------------------------------------------------------------------
+
+    def schedule(self) -> Plan:
+        plan = Plan()
+        decoding = [s.request for s in self.slots if s.request and not s.request.prefilling]
+        if decoding:
+            longest = max(len(self.slots[r.slot].tokens) for r in decoding) + 1
+            plan.decode = Decode(decoding, self.buckets.attention_for(longest))
+        reading = next((s.request for s in self.slots if s.request and s.request.prefilling), None)
+        if reading is None and self.waiting:
+            reading = self._assign(plan)
+        if reading is not None:
+            start = reading.done
+            chunk = self.buckets.chunk_for(len(reading.prompt) - start)
+            tokens = reading.prompt[start:start + chunk]
+            plan.prefill = Prefill(reading, start, tokens, chunk,
+                                   self.buckets.attention_for(start + len(tokens)))
+        return plan
+
+    def _assign(self, plan: Plan) -> Request | None:
+        """Give the oldest waiting request a free slot, reusing the longest cached start of its
+        prompt: a free slot that holds it is taken as is; one held by a running request is copied
+        into the least recently used free slot. (A host-memory cache lookup joins the candidates
+        here; its hit would be written into the chosen slot the same way as a copy.)"""
+        free = [s for s in self.slots if s.request is None]
+        if not free:
+            return None
+        request = self.waiting.popleft()
+        self.tick += 1
+        slot, reuse, source = min(free, key=lambda s: s.last_used), 0, None
+        if self.prefix_cache:
+            key, reuse = prefix.best_match(
+                [(s.index, s.tokens, s.last_used) for s in self.slots], request.prompt)
+            if key is not None:
+                if self.slots[key].request is None:
+                    slot = self.slots[key]
+                else:
+                    # the running request's slot is never rewritten below what it already holds
+                    source = key
+        slot.tokens = slot.tokens[:reuse] if source is None else list(request.prompt[:reuse])
+        if source is not None:
+            plan.copies.append((source, slot.index, reuse))
+        slot.request, slot.last_used = request, self.tick
+        request.slot, request.done, request.cached = slot.index, reuse, reuse
+        self.prefix_queries += len(request.prompt)
+        self.prefix_hits += reuse
+        plan.started.append(request)
+        return request
+
+    # -- results ----------------------------------------------------------------------------------
+
+    def prefilled(self, work: Prefill, token: int | None) -> list[Emit]:
+        """The chunk ran; `token` is the first new token when it was the prompt's last chunk."""
+        request = work.request
+        if request.finish is not None:          # cancelled while the chunk ran
+            return []
+        self.slots[request.slot].tokens.extend(work.tokens)
+        request.done += len(work.tokens)
+        if not work.last:
+            return []
+        return [self._take(request, token)]
+
+    def decoded(self, work: Decode, tokens: list[int]) -> list[Emit]:
+        """The decode step ran; tokens[i] is the new token of work.rows[i]."""
+        emits = []
+        for request, token in zip(work.rows, tokens):
+            if request.finish is not None:
+                continue
+            self.slots[request.slot].tokens.append(request.output[-1])
+            emits.append(self._take(request, token))
+        return emits
+
+    def _take(self, request: Request, token: int) -> Emit:
+        """A new token for a request: a stop id ends it (the id is not output), else it is output and
+        max_tokens or a full context (prompt + output == ctx) end it with "length"."""
+        if token in request.stop_ids:
+            self._finish(request, "stop")
+            return Emit(request, [], "stop")
+        request.output.append(token)
+        if len(request.output) >= request.max_tokens or \
+                len(request.prompt) + len(request.output) >= self.ctx:
+            self._finish(request, "length")
+            return Emit(request, [token], "length")
+        return Emit(request, [token])
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finish = reason
+        self.requests.pop(request.rid, None)
+        if request.slot is None:
+            self.waiting.remove(request)
+            return
+        slot = self.slots[request.slot]
+        slot.request = None
+        self.tick += 1
+        slot.last_used = self.tick
+
+    # -- numbers ------------------------------------------------------------------------------------
+
+    @property
+    def live(self) -> int:
+        return sum(1 for s in self.slots if s.request is not None)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting) or self.live > 0
+
+    def kv_used_tokens(self) -> int:
+        """Tokens held for running requests (finished slots' tokens are kept only as a cache)."""
+        return sum(len(s.tokens) for s in self.slots if s.request is not None)

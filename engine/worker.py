@@ -1,0 +1,359 @@
+"""The engine worker: the process that owns the device.
+
+    start_worker(args) -> (process, connection)     what the server's bridge calls
+    main(conn, args)                                the process body: pipe <-> Engine
+    Engine(args)                                    the same engine in-process, no pipe (tests, bench)
+
+Engine.step() is one round: schedule -> run the model (one prefill chunk, one decode step of every
+live slot) -> sample -> postprocess -> Steps. Every program a request can run is compiled before
+Ready (warm-up), so a compile after Ready is a bug; they are counted and reported in Stats.
+
+MASHBOX_FAULT makes the process exit abruptly at a chosen point, for tests of the server's recovery:
+"warmup", "prefill", "first-token", or "decode:N" (at the N-th decode step). Off unless set.
+"""
+from __future__ import annotations
+
+import os
+
+# One BLAS thread: the host does small bookkeeping between device calls, and a BLAS pool would
+# compete with XLA's own threads for the cores. Set before numpy is first imported in this process.
+for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_name, "1")
+
+import multiprocessing
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from engine import sampler
+from engine.cache import copy_prefix, init_cache
+from engine.config import load_config
+from engine.model import dtype_for, jit_forward
+from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Ready, Shutdown, Stats, Step,
+                             Submit)
+from engine.scheduler import PREFILL_CHUNKS, Buckets, Decode, Prefill, Request, Scheduler
+from engine.weights import load_weights, weights_bytes
+
+# Where compiled programs are kept between runs: a compile per shape costs seconds on CPU.
+DEFAULT_COMPILE_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "mashbox", "jax")
+# Programs faster to compile than this are not worth a file in the persistent cache.
+COMPILE_CACHE_MIN_SECONDS = 0.5
+# Exit status of an injected fault (MASHBOX_FAULT): distinct from a crash's usual 1.
+FAULT_EXIT_CODE = 70
+# While busy, Stats go out at most this often unless the number of rows or waiting requests changed.
+STATS_INTERVAL_S = 1.0
+# Bits per weight by checkpoint dtype, for the model facts when the weights file does not say.
+DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
+
+
+@dataclass
+class WorkerArgs:
+    model_id: str
+    weights_folder: str                   # the Hugging Face folder (config.json, safetensors)
+    slots: int = 4
+    ctx: int = 4096
+    cache_ram_mib: int = 0                # host memory for saved prompt states (not used yet)
+    prefix_cache: bool = True
+    chat_format: str | None = None        # "qwen3" | "qwen2.5"; None: from the model family
+    weights_file: str | None = None       # what the facts name as loaded (e.g. the GGUF); None: folder
+    bpw: float | None = None              # bits per weight of that file; None: the checkpoint dtype
+    dtype: str | None = None              # "float32" | "bfloat16"; None: by platform
+    prefill_chunks: tuple[int, ...] = PREFILL_CHUNKS
+    compile_cache: str | None = DEFAULT_COMPILE_CACHE   # None: off
+    cache_namespace: str | None = None
+    extra: dict = field(default_factory=dict)           # facts other engines may add
+
+
+# ---- fault injection ---------------------------------------------------------------------------
+
+class _Faults:
+    """MASHBOX_FAULT, read once: at(point) exits the process when that point is the one named."""
+
+    def __init__(self, spec: str):
+        name, _, count = spec.partition(":")
+        self.point = name.strip()
+        self.count = int(count) if count.strip().isdigit() else 1
+        self.seen = 0
+
+    def at(self, point: str) -> None:
+        if point != self.point:
+            return
+        self.seen += 1
+        if self.seen >= self.count:
+            os._exit(FAULT_EXIT_CODE)
+
+
+# ---- compile counting --------------------------------------------------------------------------
+
+_compiles = 0
+
+
+def _count_compile(event: str, *_args, **_kwargs) -> None:
+    global _compiles
+    if event == "/jax/core/compile/backend_compile_duration":
+        _compiles += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+def compiles_so_far() -> int:
+    """Programs compiled (or loaded from the persistent cache) in this process so far."""
+    return _compiles
+
+
+# ---- the engine --------------------------------------------------------------------------------
+
+class Engine:
+    """The model, its cache and the scheduler, driven one round at a time. Not thread-safe."""
+
+    def __init__(self, args: WorkerArgs, progress=None):
+        progress = progress or (lambda phase, done, total: None)
+        self.args = args
+        self.faults = _Faults(os.environ.get("MASHBOX_FAULT", ""))
+        if args.compile_cache:
+            os.makedirs(args.compile_cache, exist_ok=True)
+            jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", COMPILE_CACHE_MIN_SECONDS)
+        platform = jax.default_backend()
+        self.cfg = cfg = load_config(args.weights_folder)
+        self.dtype = np.dtype(args.dtype) if args.dtype else np.dtype(dtype_for(platform))
+        progress("weights", 0, 1)
+        self.params = load_weights(args.weights_folder, cfg, self.dtype)
+        progress("weights", 1, 1)
+        self.cache = init_cache(cfg, args.slots, args.ctx, self.dtype)
+        self.state = sampler.init_state(args.slots, cfg.vocab_size)
+        self.buckets = Buckets.for_ctx(args.ctx, tuple(args.prefill_chunks))
+        self.scheduler = Scheduler(args.slots, args.ctx, cfg.vocab_size, self.buckets, args.prefix_cache)
+        self.decode_steps = 0
+        t0 = time.time()
+        self._warm_up(progress)
+        compile_s = time.time() - t0
+        self.ready_compiles = compiles_so_far()
+        family = cfg.model_type
+        self.facts = ModelFacts(
+            id=args.model_id, family=family,
+            weights=args.weights_file or args.weights_folder, folder=args.weights_folder,
+            chat_format=args.chat_format or ("qwen3" if family.startswith("qwen3") else "qwen2.5"),
+            gb=round(weights_bytes(self.params) / 1e9, 3),
+            bpw=args.bpw or DTYPE_BITS.get(cfg.source_dtype, 16),
+            max_model_len=args.ctx, slots=args.slots, prefix_cache=args.prefix_cache,
+            cache_ram_mib=args.cache_ram_mib, vocab_size=cfg.vocab_size, device=platform,
+            dtype=self.dtype.name, compile_s=round(compile_s, 2),
+            cache_namespace=args.cache_namespace)
+
+    # -- start-up ---------------------------------------------------------------------------------
+
+    def programs(self) -> list[tuple[str, int, int]]:
+        """Every model program a request can run: ("prefill", chunk, attn) and ("decode", 1, attn)."""
+        out = [("prefill", c, a) for c in self.buckets.chunks for a in self.buckets.attention
+               if a >= self.buckets.attention_for(self.buckets.min_fill(c))]
+        return out + [("decode", 1, a) for a in self.buckets.attention]
+
+    def _warm_up(self, progress) -> None:
+        """Run every program once on idle rows (lengths 0 leave the cache untouched). The sampler is
+        fed logits from the model's own programs: jit keys on where its inputs live, so logits made
+        on the host would compile a different program than the one requests run."""
+        programs = self.programs()
+        slots = self.args.slots
+        total = len(programs) + 1
+        logits = {}
+        for i, (kind, t, attn) in enumerate(programs):
+            self.faults.at("warmup")
+            progress("compile", i, total)
+            rows = 1 if kind == "prefill" else slots
+            logits[rows], self.cache = jit_forward(
+                self.params, self.cache, np.zeros((rows, t), np.int32),
+                np.arange(rows, dtype=np.int32), np.zeros(rows, np.int32), np.zeros(rows, np.int32),
+                cfg=self.cfg, attn_len=attn)
+        for rows, every in ((1, False), (slots, True)):
+            params = sampler.row_params([(sampler.Sampling(), 0, 0)] * rows)
+            for flags in sampler.FLAG_COMBINATIONS:
+                tokens, self.state = sampler.sample(
+                    self.state, logits[rows], np.arange(rows, dtype=np.int32), np.zeros(rows, bool),
+                    params, every_slot=every, **flags)
+        self.state = sampler.start_row(self.state, np.int32(0), np.zeros(self.cfg.vocab_size, bool))
+        self.cache = copy_prefix(self.cache, np.int32(0), np.int32(0), np.int32(0))
+        jax.block_until_ready((tokens, self.cache, self.state))
+        progress("compile", total, total)
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return self.scheduler.busy
+
+    def submit(self, msg: Submit) -> list[Step]:
+        """Queue a request; a bad one is answered at once with finish="error"."""
+        now = time.time()
+        error = self.scheduler.check(msg.rid, msg.prompt, msg.max_tokens)
+        if error is not None:
+            return [Step(msg.rid, [], finish="error", prompt_tokens=len(msg.prompt), error=error,
+                         timings={"queue_ms": 0.0, "prompt_ms": 0.0, "predicted_ms": 0.0})]
+        s = msg.sampling
+        seed = s.seed if s.seed is not None else secrets.randbits(63)
+        request = Request(msg.rid, list(msg.prompt), msg.max_tokens, s, frozenset(msg.stop_ids), seed)
+        request.times["arrived"] = msg.submitted_at or now
+        self.scheduler.add(request)
+        return []
+
+    def cancel(self, rid: str) -> list[Step]:
+        request = self.scheduler.cancel(rid)
+        return [] if request is None else [self._step(request, [], "abort")]
+
+    # -- one round --------------------------------------------------------------------------------
+
+    def step(self) -> list[Step]:
+        """One scheduling round and its device calls; the Steps of every request that moved."""
+        plan = self.scheduler.schedule()
+        now = time.time()
+        for request in plan.started:
+            request.times["started"] = now
+            if sampler.batch_flags([request.sampling])["penalties"]:
+                seen = np.zeros(self.cfg.vocab_size, bool)
+                seen[request.prompt] = True
+                self.state = sampler.start_row(self.state, np.int32(request.slot), seen)
+        for src, dst, n in plan.copies:
+            self.cache = copy_prefix(self.cache, np.int32(src), np.int32(dst), np.int32(n))
+        emits = []
+        if plan.decode is not None:
+            emits += self.scheduler.decoded(plan.decode, self._decode(plan.decode))
+        if plan.prefill is not None:
+            emits += self.scheduler.prefilled(plan.prefill, self._prefill(plan.prefill))
+        now = time.time()
+        steps = []
+        for e in emits:
+            e.request.times.setdefault("first", now)
+            e.request.times["last"] = now
+            steps.append(self._step(e.request, e.tokens, e.finish))
+        return steps
+
+    def _prefill(self, work: Prefill) -> int | None:
+        """Run one prompt chunk (one row); the first new token if the chunk ends the prompt."""
+        self.faults.at("prefill")
+        request = work.request
+        tokens = np.zeros((1, work.chunk), np.int32)
+        tokens[0, :len(work.tokens)] = work.tokens
+        slots = np.array([request.slot], np.int32)
+        logits, self.cache = jit_forward(
+            self.params, self.cache, tokens, slots, np.array([work.start], np.int32),
+            np.array([len(work.tokens)], np.int32), cfg=self.cfg, attn_len=work.attn_len)
+        if not work.last:
+            return None
+        params = sampler.row_params([(request.sampling, request.seed, 0)])
+        token, self.state = sampler.sample(self.state, logits, slots, np.ones(1, bool), params,
+                                           every_slot=False, **sampler.batch_flags([request.sampling]))
+        return int(np.asarray(token)[0])
+
+    def _decode(self, work: Decode) -> list[int]:
+        """One token for every generating slot: a fixed batch of all slots, idle rows masked, so the
+        program never changes with the number of live requests."""
+        self.decode_steps += 1
+        self.faults.at("decode")
+        n = self.args.slots
+        tokens = np.zeros((n, 1), np.int32)
+        starts = np.zeros(n, np.int32)
+        lengths = np.zeros(n, np.int32)
+        rows = [(sampler.Sampling(), 0, 0)] * n
+        for r in work.rows:
+            tokens[r.slot, 0] = r.output[-1]
+            starts[r.slot] = len(self.scheduler.slots[r.slot].tokens)
+            lengths[r.slot] = 1
+            rows[r.slot] = (r.sampling, r.seed, len(r.output))
+        slots = np.arange(n, dtype=np.int32)
+        logits, self.cache = jit_forward(self.params, self.cache, tokens, slots, starts, lengths,
+                                         cfg=self.cfg, attn_len=work.attn_len)
+        drawn, self.state = sampler.sample(
+            self.state, logits, slots, lengths > 0, sampler.row_params(rows), every_slot=True,
+            **sampler.batch_flags([r.sampling for r in work.rows]))
+        drawn = np.asarray(drawn)
+        return [int(drawn[r.slot]) for r in work.rows]
+
+    def _step(self, request: Request, tokens: list[int], finish: str | None) -> Step:
+        step = Step(request.rid, tokens, finish)
+        if not request.first_sent:
+            if tokens:
+                self.faults.at("first-token")
+            request.first_sent = True
+            step.prompt_tokens, step.cached_tokens = len(request.prompt), request.cached
+        if finish is not None:
+            t = request.times
+            now = time.time()
+            started = t.get("started", now)
+            first = t.get("first", now)
+            step.timings = {
+                "queue_ms": round(max(0.0, started - t["arrived"]) * 1000, 3),
+                "prompt_ms": round(max(0.0, first - started) * 1000, 3),
+                "predicted_ms": round(max(0.0, t.get("last", first) - first) * 1000, 3),
+            }
+        return step
+
+    # -- numbers ----------------------------------------------------------------------------------
+
+    def compiles_after_ready(self) -> int:
+        return compiles_so_far() - self.ready_compiles
+
+    def stats(self) -> Stats:
+        s = self.scheduler
+        return Stats(live_rows=s.live, waiting=len(s.waiting), kv_used_tokens=s.kv_used_tokens(),
+                     kv_capacity_tokens=self.args.slots * self.args.ctx,
+                     compiles_after_ready=self.compiles_after_ready(),
+                     prefix_queries=s.prefix_queries, prefix_hits=s.prefix_hits)
+
+
+# ---- the process -------------------------------------------------------------------------------
+
+def _inbox(conn, block: bool) -> list:
+    """Every message waiting on the pipe; waits for the first one when `block`."""
+    messages = []
+    if block:
+        messages.append(conn.recv())
+    while conn.poll():
+        messages.append(conn.recv())
+    return messages
+
+
+def main(conn, args: WorkerArgs) -> None:
+    """The worker process: load and compile, send Ready, then serve the pipe until Shutdown or
+    until the server's end of the pipe closes. An error it cannot recover from is sent as Fault."""
+    try:
+        engine = Engine(args, progress=lambda phase, done, total: conn.send(Loading(phase, done, total)))
+        conn.send(Ready(engine.facts, os.getpid()))
+        last_stats, last_shape = 0.0, None
+        while True:
+            for msg in _inbox(conn, block=not engine.busy):
+                if isinstance(msg, Shutdown):
+                    return
+                replies = engine.submit(msg) if isinstance(msg, Submit) else \
+                    engine.cancel(msg.rid) if isinstance(msg, Cancel) else []
+                for reply in replies:
+                    conn.send(reply)
+            if engine.busy:
+                for step in engine.step():
+                    conn.send(step)
+            stats = engine.stats()
+            shape = (stats.live_rows, stats.waiting, stats.compiles_after_ready)
+            if shape != last_shape or (engine.busy and time.time() - last_stats >= STATS_INTERVAL_S):
+                conn.send(stats)
+                last_stats, last_shape = time.time(), shape
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        return                                  # the server is gone: nothing to tell
+    except BaseException as e:                  # noqa: BLE001 - any failure ends the worker
+        try:
+            conn.send(Fault(f"{type(e).__name__}: {e}"))
+        finally:
+            raise
+
+
+def start_worker(args: WorkerArgs):
+    """Start the worker process (spawned: a fresh interpreter, never a fork of the server's threads).
+    Returns (process, connection); the connection speaks engine.protocol."""
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    process = context.Process(target=main, args=(theirs, args), name="mashbox-worker", daemon=True)
+    process.start()
+    theirs.close()
+    return process, ours
