@@ -643,3 +643,33 @@ def test_streamed_answer_echoed_back_renders_as_the_model_wrote_it():
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use["id"], "content": "a"}]}]
     again = chat.render_text(parse_messages(request), "qwen3")
     assert again.startswith(prompt + answer + "<|im_end|>")
+
+
+# ---- against the spec ---------------------------------------------------------------------------
+
+def spec_validator(schema_name: str):
+    """A validator for one of the project spec's component schemas (openapi.json at the root)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    referencing = pytest.importorskip("referencing")
+    spec = json.loads((Path(__file__).resolve().parent.parent / "openapi.json").read_text())
+    resource = referencing.Resource.from_contents(spec, default_specification=referencing.jsonschema.DRAFT202012)
+    registry = referencing.Registry().with_resource("urn:spec", resource)
+    return jsonschema.Draft202012Validator({"$ref": f"urn:spec#/components/schemas/{schema_name}"},
+                                           registry=registry)
+
+
+def test_stream_events_and_body_match_the_spec_schemas():
+    """Guards against an event or body that the spec (and so a client generated from it) rejects."""
+    event_schema, body_schema = spec_validator("MessageStreamEvent"), spec_validator("Message")
+    for finish, stop in (("tool_calls", None), ("length", None), ("stop", "END")):
+        frames, enc = run(events_of("Hm.", "Hi", [("Bash", '{"command": "ls"}')], finish, stop))
+        for f in frames:
+            name, data = f.decode().split("\n", 1)
+            event = json.loads(data.removeprefix("data: "))
+            assert name == f"event: {event['type']}"
+            event_schema.validate(event)
+        body_schema.validate(enc.body())
+    error = MessagesEncoder(chat.Job(), META).error(ApiError(500, "boom"))
+    error_event = json.loads(error[0].decode().split("data: ", 1)[1])
+    event_schema.validate(error_event)
+    spec_validator("AnthropicError").validate(error_event)
