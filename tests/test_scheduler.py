@@ -1,0 +1,250 @@
+"""The scheduler alone: admission, slots, prefix reuse, chunked prefill, decode rows, finish reasons.
+No model: a fake 'device' feeds back tokens chosen by the test."""
+from __future__ import annotations
+
+import pytest
+
+from engine.protocol import Sampling
+from engine.scheduler import Buckets, Request, Scheduler
+
+VOCAB = 1000
+STOP = 999
+
+
+def request(rid, prompt, max_tokens=100, stop=(STOP,)):
+    return Request(rid, list(prompt), max_tokens, Sampling(), frozenset(stop))
+
+
+def scheduler(slots=2, ctx=256, chunks=(8, 32), prefix_cache=True):
+    return Scheduler(slots, ctx, VOCAB, Buckets.for_ctx(ctx, chunks), prefix_cache)
+
+
+def run_round(s, next_token=lambda r: 7):
+    """Execute one plan as a model would: each finished prompt and each decode row gets
+    next_token(request). Returns (plan, emits)."""
+    plan = s.schedule()
+    emits = []
+    if plan.decode:
+        emits += s.decoded(plan.decode, [next_token(r) for r in plan.decode.rows])
+    if plan.prefill:
+        p = plan.prefill
+        emits += s.prefilled(p, next_token(p.request) if p.last else None)
+    return plan, emits
+
+
+def run_until_done(s, next_token=lambda r: 7, limit=1000):
+    for _ in range(limit):
+        if not s.busy:
+            return
+        run_round(s, next_token)
+    raise AssertionError("scheduler did not finish")
+
+
+# ---- buckets -------------------------------------------------------------------------------------
+
+def test_attention_buckets_are_powers_of_two_ending_at_ctx():
+    """Guards against a decode at the end of the context finding no attention bucket."""
+    b = Buckets.for_ctx(1000)
+    assert b.attention == (128, 256, 512, 1000)
+    assert b.attention_for(1) == 128 and b.attention_for(129) == 256 and b.attention_for(1000) == 1000
+
+
+def test_chunk_choice_limits_padding_and_covers_min_fill():
+    """Guards against a prompt remainder landing in a chunk the warm-up did not compile for its
+    attention length, and against padding a short remainder up to the largest chunk."""
+    b = Buckets.for_ctx(4096)
+    assert b.chunk_for(5) == 32
+    assert b.chunk_for(129) == 128          # 512 would be three quarters padding
+    assert b.chunk_for(300) == 512          # under half padding: one call
+    assert b.chunk_for(5000) == 512
+    for remaining in range(1, 1200):
+        chunk = b.chunk_for(remaining)
+        assert min(chunk, remaining) >= b.min_fill(chunk)
+
+
+def test_chunks_longer_than_ctx_are_dropped():
+    """Guards against compiling prefill programs that cannot fit the context."""
+    assert Buckets.for_ctx(64, (32, 128, 512)).chunks == (32,)
+
+
+# ---- admission ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prompt, max_tokens, field", [
+    ([], 10, "prompt"), (list(range(256)), 10, "prompt"), ([1, VOCAB], 10, "prompt"),
+    ([1, -1], 10, "prompt"), ([1, 2], 0, "max_tokens")])
+def test_bad_requests_are_refused_by_field(prompt, max_tokens, field):
+    """Guards against an empty, overlong or out-of-vocabulary prompt reaching the device."""
+    error = scheduler().check("a", prompt, max_tokens)
+    assert error is not None and error.startswith(field + ":")
+
+
+def test_a_prompt_of_ctx_minus_one_tokens_is_accepted():
+    """Guards against an off-by-one that refuses the longest prompt that still leaves one token."""
+    assert scheduler().check("a", [1] * 255, 10) is None
+
+
+def test_duplicate_rid_is_refused():
+    """Guards against two requests sharing one id and mixing their tokens."""
+    s = scheduler()
+    s.add(request("a", [1, 2, 3]))
+    assert s.check("a", [1, 2], 5).startswith("rid:")
+
+
+# ---- running ----------------------------------------------------------------------------------------
+
+def test_long_prompt_is_prefilled_in_chunks_then_decoded():
+    """Guards against chunk bookkeeping that skips or repeats prompt tokens."""
+    s = scheduler()
+    prompt = list(range(1, 71))
+    s.add(request("a", prompt, max_tokens=3))
+    seen, chunks = [], []
+    while True:
+        plan, emits = run_round(s)
+        if plan.prefill:
+            seen += plan.prefill.tokens
+            chunks.append(plan.prefill.chunk)
+        if emits:
+            break
+    assert seen == prompt and chunks == [32, 32, 8]
+    assert emits[0].tokens == [7] and s.slots[0].tokens == prompt
+
+
+def test_new_request_joins_the_running_batch_at_the_next_round():
+    """Guards against a new request waiting for the running ones to finish."""
+    s = scheduler()
+    s.add(request("a", [1, 2, 3], max_tokens=50))
+    run_round(s)                                    # a: prefill -> first token
+    s.add(request("b", [4, 5, 6], max_tokens=50))
+    plan, _ = run_round(s)
+    assert plan.prefill.request.rid == "b"
+    assert [r.rid for r in plan.decode.rows] == ["a"]
+    plan, _ = run_round(s)
+    assert sorted(r.rid for r in plan.decode.rows) == ["a", "b"]
+
+
+def test_decode_attention_covers_the_longest_row():
+    """Guards against attending over fewer positions than a row holds."""
+    s = scheduler(ctx=1024, chunks=(32, 128))
+    s.add(request("a", list(range(1, 200)), max_tokens=50))
+    while not s.requests["a"].output:
+        run_round(s)
+    plan, _ = run_round(s)
+    assert plan.decode.attn_len == 256
+
+
+def test_stop_id_ends_without_being_output():
+    """Guards against the end-of-turn token leaking into the answer."""
+    s = scheduler()
+    s.add(request("a", [1, 2, 3]))
+    tokens = iter([5, 6, STOP])
+    emits = []
+    for _ in range(5):
+        emits += run_round(s, lambda r: next(tokens))[1]
+        if emits and emits[-1].finish:
+            break
+    assert [t for e in emits for t in e.tokens] == [5, 6]
+    assert emits[-1].finish == "stop"
+
+
+def test_max_tokens_ends_with_length():
+    """Guards against generating one token too many or too few."""
+    s = scheduler()
+    s.add(request("a", [1, 2, 3], max_tokens=4))
+    emits = []
+    while s.busy:
+        emits += run_round(s)[1]
+    assert sum(len(e.tokens) for e in emits) == 4 and emits[-1].finish == "length"
+
+
+def test_end_of_context_ends_with_length():
+    """Guards against writing past the end of a slot: prompt + output stops at ctx."""
+    s = scheduler(ctx=64, chunks=(32,))
+    s.add(request("a", list(range(1, 61)), max_tokens=1000))
+    emits = []
+    while s.busy:
+        emits += run_round(s)[1]
+    assert sum(len(e.tokens) for e in emits) == 4 and emits[-1].finish == "length"
+
+
+def test_cancel_frees_the_slot_for_the_next_round():
+    """Guards against a cancelled request holding its slot while others wait."""
+    s = scheduler(slots=1)
+    s.add(request("a", [1, 2, 3]))
+    s.add(request("b", [9, 8, 7]))
+    run_round(s)
+    plan, _ = run_round(s)
+    assert plan.prefill is None                     # b waits: the only slot is busy
+    assert s.cancel("a").finish == "abort"
+    plan, _ = run_round(s)
+    assert plan.prefill.request.rid == "b" and plan.decode is None
+
+
+def test_cancel_of_a_waiting_request_removes_it():
+    """Guards against a cancelled request starting later anyway."""
+    s = scheduler(slots=1)
+    s.add(request("a", [1, 2, 3]))
+    s.add(request("b", [4, 5]))
+    s.cancel("b")
+    assert [r.rid for r in s.waiting] == ["a"] and s.cancel("b") is None
+
+
+# ---- prefix reuse ---------------------------------------------------------------------------------
+
+def test_finished_slot_serves_the_shared_prefix():
+    """Guards against re-running a prompt start the cache already holds."""
+    s = scheduler(slots=3)
+    s.add(request("a", [1, 2, 3, 4, 5], max_tokens=2))
+    run_until_done(s)
+    slot_a = next(x.index for x in s.slots if x.tokens)
+    s.add(request("b", [1, 2, 3, 4, 5, 7, 9, 10]))
+    plan, _ = run_round(s)
+    b = plan.prefill.request
+    # a's slot holds 1 2 3 4 5 7 (prompt + its first output token fed back); 7 matches b too
+    assert b.slot == slot_a and b.cached == 6 and plan.prefill.tokens == [9, 10]
+    assert s.prefix_hits == 6 and s.prefix_queries == 13
+
+
+def test_identical_prompt_leaves_one_token_to_run():
+    """Guards against a fully cached prompt with no token left to produce the first logits."""
+    s = scheduler()
+    s.add(request("a", [1, 2, 3, 4], max_tokens=1))
+    run_until_done(s)
+    s.add(request("b", [1, 2, 3, 4]))
+    plan, _ = run_round(s)
+    assert plan.prefill.request.cached == 3 and plan.prefill.tokens == [4]
+
+
+def test_unrelated_prompt_takes_the_least_recently_used_slot():
+    """Guards against evicting a useful cached prefix while an older slot is free."""
+    s = scheduler(slots=2)
+    s.add(request("a", [1, 2, 3], max_tokens=1))
+    run_until_done(s)
+    s.add(request("b", [5, 6, 7], max_tokens=1))
+    run_until_done(s)
+    s.add(request("c", [1, 2, 9], max_tokens=1))    # shares [1, 2] with a: a's slot, not b's
+    plan, _ = run_round(s)
+    assert plan.prefill.request.slot == s.slots[0].index and plan.prefill.request.cached == 2
+    s.add(request("d", [8, 8, 8], max_tokens=1))
+    run_until_done(s)
+    assert s.requests == {} and s.slots[1].tokens[:3] == [8, 8, 8]
+
+
+def test_prefix_of_a_running_request_is_copied_into_a_free_slot():
+    """Guards against two concurrent requests with one system prompt both running it in full."""
+    s = scheduler(slots=2)
+    s.add(request("a", list(range(1, 21)), max_tokens=50))
+    run_round(s)
+    s.add(request("b", list(range(1, 16)) + [500, 501]))
+    plan, _ = run_round(s)
+    assert plan.copies == [(0, 1, 15)]
+    assert plan.prefill.request.cached == 15 and plan.prefill.tokens == [500, 501]
+
+
+def test_prefix_reuse_can_be_turned_off():
+    """Guards against --no-prefix-cache still reusing slots."""
+    s = scheduler(prefix_cache=False)
+    s.add(request("a", [1, 2, 3], max_tokens=1))
+    run_until_done(s)
+    s.add(request("b", [1, 2, 3, 4]))
+    plan, _ = run_round(s)
+    assert plan.prefill.request.cached == 0 and plan.prefill.tokens == [1, 2, 3, 4]
