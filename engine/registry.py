@@ -208,7 +208,7 @@ def prepare(spec: ModelSpec, progress: Progress | None = None) -> str:
     into its cache folder on first use (about a minute) and reused afterwards; a build left by an
     older mashbox or from other parts is built again."""
     folder = Path(spec.weights)
-    if spec.demo is not None and folder == demo_home(spec.id) and not _demo_is_current(spec, folder):
+    if spec.demo is not None and folder == demo_home(spec.id) and not is_built(spec):
         _build_demo_once(spec, folder, progress)
     _check_folder(spec, folder)
     return str(folder)
@@ -251,7 +251,7 @@ def _build_lock(path: Path) -> Iterator[None]:
 def _build_demo_once(spec: ModelSpec, folder: Path, progress: Progress | None) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     with _build_lock(folder.parent / f".{spec.id}.lock"):
-        if _demo_is_current(spec, folder):
+        if is_built(spec):
             return                # another process built it while we waited
         for stale in folder.parent.glob(f".{spec.id}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)   # left by a crash; we hold the lock
@@ -276,12 +276,14 @@ def _build_demo_once(spec: ModelSpec, folder: Path, progress: Progress | None) -
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _demo_is_current(spec: ModelSpec, folder: Path) -> bool:
+def is_built(spec: ModelSpec) -> bool:
+    """Whether the demo folder in the cache is whole and was built by this mashbox from these parts."""
     try:
-        marker = json.loads((folder / DEMO_MARKER).read_text(encoding="utf-8"))
+        marker = json.loads((demo_home(spec.id) / DEMO_MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return marker.get("version") == DEMO_BUILD_VERSION and marker.get("sha256") == spec.demo.sha256
+    return (spec.demo is not None and marker.get("version") == DEMO_BUILD_VERSION
+            and marker.get("sha256") == spec.demo.sha256)
 
 
 # ---- building the demo model ----------------------------------------------------------------------
