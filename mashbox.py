@@ -2517,6 +2517,7 @@ API_FORMATS: dict[str, ApiFormat] = {
     "chat": ApiFormat("chat", parse_chat, ChatEncoder, openai_error_body),
     "completions": ApiFormat("completions", parse_completion, CompletionEncoder, openai_error_body),
     "messages": ApiFormat("messages", parse_messages, MessagesEncoder, anthropic_error_body, anthropic=True),
+    "responses": ApiFormat("responses", parse_responses, ResponsesEncoder, openai_error_body),
 }
 
 

