@@ -1,0 +1,141 @@
+"""The sampler on logits small enough to check by hand."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine import sampler
+from engine.protocol import Sampling
+
+
+def draw(logits, samplings, seeds=None, steps=None, state=None, slots=None, active=None):
+    """Run sample() on numpy logits [B, V]; returns (tokens, state)."""
+    logits = np.asarray(logits, np.float32)
+    b, v = logits.shape
+    seeds = seeds if seeds is not None else [0] * b
+    steps = steps if steps is not None else [0] * b
+    state = state if state is not None else sampler.init_state(b, v)
+    slots = np.arange(b, dtype=np.int32) if slots is None else np.asarray(slots, np.int32)
+    active = np.ones(b, bool) if active is None else np.asarray(active)
+    params = sampler.row_params(list(zip(samplings, seeds, steps)))
+    tokens, state = sampler.sample(state, logits, slots, active, params, every_slot=False,
+                                   **sampler.batch_flags(samplings))
+    return np.asarray(tokens), state
+
+
+def params(**kw):
+    return sampler.row_params([(Sampling(**kw), 0, 0)])
+
+
+def test_greedy_is_the_default_and_takes_the_first_maximum():
+    """Guards against a default request sampling at random, or ties picking an arbitrary token."""
+    tokens, _ = draw([[0.1, 3.0, 3.0, -1.0], [5.0, 0.0, 0.0, 0.0]], [Sampling(), Sampling()])
+    assert tokens.tolist() == [1, 0]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    """Guards against the penalty pushing a negative logit up (dividing it) as a naive version does."""
+    logits = np.array([[3.0, -1.0, 2.0, 0.5]], np.float32)
+    seen = np.array([[True, True, False, False]])
+    counts = np.array([[0, 0, 0, 1]], np.int32)
+    out = sampler.apply_penalties(logits, seen, counts, params(repetition_penalty=2.0))
+    np.testing.assert_allclose(np.asarray(out), [[1.5, -2.0, 2.0, 0.25]])
+
+
+def test_frequency_and_presence_penalties_follow_generated_counts():
+    """Guards against presence scaling with the count, or penalties reading prompt tokens."""
+    logits = np.zeros((1, 4), np.float32)
+    seen = np.array([[True, False, False, False]])            # prompt only: no effect here
+    counts = np.array([[0, 3, 1, 0]], np.int32)
+    out = sampler.apply_penalties(logits, seen, counts,
+                                  params(frequency_penalty=0.5, presence_penalty=0.25))
+    np.testing.assert_allclose(np.asarray(out), [[0.0, -1.75, -0.75, 0.0]])
+
+
+def test_penalties_steer_greedy_and_count_only_active_rows():
+    """Guards against penalties applied to the wrong slot's history or pad rows being counted."""
+    state = sampler.init_state(2, 3)
+    state = sampler.start_row(state, np.int32(1), np.array([True, False, False]))
+    s = Sampling(repetition_penalty=4.0)
+    logits = [[3.0, 2.0, 0.0]]
+    tokens, state = draw(logits, [s], state=state, slots=[1])
+    assert tokens.tolist() == [1]                      # token 0 was in slot 1's prompt: 3/4 < 2
+    tokens, state = draw(logits, [s], state=state, slots=[0], active=[False])
+    assert tokens.tolist() == [0]                      # slot 0 saw nothing
+    counts = np.asarray(state.counts)
+    assert counts[1].tolist() == [0, 1, 0] and counts[0].tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("kw, kept", [
+    (dict(top_k=2), [0, 1]),
+    (dict(top_p=0.6), [0, 1]),            # 0.5 < 0.6: the token that crosses is kept
+    (dict(top_p=0.5), [0]),
+    (dict(min_p=0.4), [0, 1]),            # >= 0.4 * 0.5
+    (dict(top_k=3, top_p=0.8), [0, 1]),   # top-p over the renormalized top 3 (0.9): 0.75/0.9 >= 0.8
+    (dict(top_k=1, top_p=0.1, min_p=0.9), [0]),
+    (dict(), [0, 1, 2, 3]),
+])
+def test_filters_keep_the_hand_computed_tokens(kw, kept):
+    """Guards against off-by-one nucleus cuts and filters applied in the wrong order."""
+    probs = np.array([[0.5, 0.25, 0.15, 0.1]], np.float32)
+    mask = np.asarray(sampler.filter_mask(probs, params(**kw)))[0]
+    assert np.flatnonzero(mask).tolist() == kept
+
+
+def test_draws_follow_the_softmax_and_respect_filters():
+    """Guards against a biased draw (wrong CDF) or a filtered token ever being drawn."""
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))
+    rows = 4000
+    batch = np.tile(logits, (rows, 1))
+    tokens, _ = draw(batch, [Sampling(temperature=1.0)] * rows, seeds=list(range(rows)))
+    freq = np.bincount(tokens, minlength=4) / rows
+    np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+    tokens, _ = draw(batch, [Sampling(temperature=1.0, top_k=2)] * rows, seeds=list(range(rows)))
+    freq = np.bincount(tokens, minlength=4) / rows
+    assert set(tokens.tolist()) == {0, 1}
+    np.testing.assert_allclose(freq[:2], [0.625, 0.375], atol=0.03)
+
+
+def test_temperature_flattens_the_distribution():
+    """Guards against temperature being ignored or inverted."""
+    logits = np.tile(np.array([2.0, 0.0], np.float32), (4000, 1))
+    seeds = list(range(4000))
+    cold, _ = draw(logits, [Sampling(temperature=0.5)] * 4000, seeds=seeds)
+    hot, _ = draw(logits, [Sampling(temperature=4.0)] * 4000, seeds=seeds)
+    # P(1) = 1 / (1 + e^(2/T)): 0.018 at T=0.5, 0.378 at T=4
+    assert abs(cold.mean() - 0.018) < 0.01 and abs(hot.mean() - 0.378) < 0.03
+
+
+def test_seeded_draw_depends_only_on_seed_and_step():
+    """Guards against a seeded request changing with its neighbours, its row or the batch size."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(1, 50)).astype(np.float32)
+    s = Sampling(temperature=1.0, top_p=0.95)
+    alone = [int(draw(logits, [s], seeds=[42], steps=[k])[0][0]) for k in range(12)]
+    others = rng.normal(size=(3, 50)).astype(np.float32)
+    mixed = []
+    for k in range(12):
+        batch = np.concatenate([others[:2], logits, others[2:]])
+        row_s = [Sampling(temperature=2.0, top_k=5), Sampling(), s, Sampling(temperature=0.3)]
+        tokens, _ = draw(batch, row_s, seeds=[1, 2, 42, 3], steps=[k, 0, k, 9])
+        mixed.append(int(tokens[2]))
+    assert alone == mixed
+    assert len(set(alone)) > 1                         # the step changes the draw
+    other_seed = [int(draw(logits, [s], seeds=[43], steps=[k])[0][0]) for k in range(12)]
+    assert other_seed != alone
+
+
+def test_greedy_row_stays_greedy_beside_sampled_rows():
+    """Guards against a batch-wide switch making a temperature-0 row sample."""
+    logits = np.tile(np.array([1.0, 0.9, 0.8], np.float32), (64, 1))
+    samplings = [Sampling(temperature=0.0 if i % 2 else 4.0) for i in range(64)]
+    tokens, _ = draw(logits, samplings, seeds=list(range(64)))
+    assert (tokens[1::2] == 0).all() and len(set(tokens[0::2].tolist())) > 1
+
+
+def test_any_python_int_is_a_seed():
+    """Guards against negative or huge seeds (valid JSON integers) crashing the worker."""
+    for seed in (-1, 0, 2**70 + 5, 123):
+        hi, lo = sampler.seed_key(seed)
+        assert 0 <= hi < 2**32 and 0 <= lo < 2**32
+    assert sampler.seed_key(-1) != sampler.seed_key(1)
