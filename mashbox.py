@@ -2025,7 +2025,7 @@ def _responses_tool_choice(choice: Any, job: Job, seen_names: dict) -> str | dic
         if mode not in ("auto", "required"):
             raise bad_field("tool_choice.mode", f"must be auto or required, got {mode!r}")
         allowed = set()
-        for j, entry in enumerate(_typed(choice, "tools", list, "tool_choice.tools", [])):
+        for entry in _typed(choice, "tools", list, "tool_choice.tools", []):
             if isinstance(entry, dict) and entry.get("type") in ("function", "custom"):
                 allowed.update(_named_tools(seen_names, entry.get("name"), entry.get("namespace")))
         job.tools = [t for t in job.tools if t.name in allowed]   # hosted entries name nothing here
@@ -2123,23 +2123,22 @@ class _ResponsesHistory:
                 self.assistant(self.REASONING).reasoning = text
         elif kind == "function_call":
             args = item.get("arguments")
-            if isinstance(args, dict):      # some clients send the object itself
-                args = json.dumps(args, ensure_ascii=False)
-            elif args is not None and not isinstance(args, str):
+            if args is not None and not isinstance(args, (str, dict)):   # some clients send the object
                 raise bad_field(f"{where}.arguments", "must be a JSON string")
             name = _required_str(item, "name", where)
             ns = _typed(item, "namespace", str, f"{where}.namespace")
-            self.call(_required_str(item, "call_id", where), self.seen(ns, name), args or "{}")
+            self.call(_required_str(item, "call_id", where), self.seen(ns, name),
+                      chat.arguments_text(args) if args else "{}")
         elif kind == "custom_tool_call":
             raw = _typed(item, "input", str, f"{where}.input", "")
             name = _required_str(item, "name", where)
             ns = _typed(item, "namespace", str, f"{where}.namespace")
             self.call(_required_str(item, "call_id", where), self.seen(ns, name),
-                      json.dumps({"input": raw}, ensure_ascii=False))
+                      chat.tojson({"input": raw}))    # as the model writes a custom call
         elif kind == "local_shell_call":
             action = _typed(item, "action", dict, f"{where}.action", {})
             call_id = item.get("call_id") or _required_str(item, "id", where)
-            self.call(call_id, LOCAL_SHELL_TOOL, json.dumps(action, ensure_ascii=False))
+            self.call(call_id, LOCAL_SHELL_TOOL, chat.tojson(action))
         elif kind in ("function_call_output", "custom_tool_call_output"):
             self.output(_required_str(item, "call_id", where),
                         _responses_text(item.get("output", ""), f"{where}.output"))
@@ -3272,12 +3271,13 @@ class Router:
     def match(self, req: Request) -> Route:
         """The request's route (its path parameters set on req.params), or ApiError 404/405."""
         methods, params = self._lookup(req.path)
+        method = "GET" if req.method == "HEAD" else req.method   # HEAD is told what GET would be
         if methods is None:
-            raise ApiError(404, f"no such route: {req.method} {req.path}", code="not_found")
-        route = methods.get(req.method) or (methods.get("GET") if req.method == "HEAD" else None)
+            raise ApiError(404, f"no such route: {method} {req.path}", code="not_found")
+        route = methods.get(req.method) or methods.get(method)
         if route is None:
             allowed = sorted(set(methods) | ({"HEAD"} if "GET" in methods else set()))
-            raise ApiError(405, f"method {req.method} is not allowed on {req.path} (allowed: "
+            raise ApiError(405, f"method {method} is not allowed on {req.path} (allowed: "
                                 f"{', '.join(allowed)})", code="method_not_allowed",
                            headers=(("Allow", ", ".join(allowed)),))
         req.params = params
