@@ -3419,7 +3419,8 @@ class App:
         self.formats = API_FORMATS if formats is None else formats
         self.limits = limits or ConnLimits()
         self.guard, self.admission, self.metrics = guard, admission, metrics
-        self.tokenizer = None                  # engine.chat's tokenizer, loaded when the model is ready
+        self.tokenizer: chat.Tokenizer | None = None   # loaded from the model's folder when it is ready
+        self._tokenizer_folder: str | None = None
         self.other_model_ids: set[str] = set()   # models.json ids this server does not run
         self.namespace: str | None = None
         self.router = build_routes(self)
@@ -3473,6 +3474,10 @@ class App:
 
     def _on_ready(self) -> None:
         facts = self.bridge.facts
+        if self.tokenizer is None or self._tokenizer_folder != facts.folder:
+            # Once per model folder (a restarted worker loads the same one); a fraction of a second.
+            self.tokenizer = chat.Tokenizer.from_folder(facts.folder)
+            self._tokenizer_folder = facts.folder
         self.namespace = cache_namespace(facts, str(Path(facts.folder) / "tokenizer.json"))
         if self.admission is not None:
             self.admission.resize(facts.slots)

