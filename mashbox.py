@@ -3363,8 +3363,7 @@ def build_routes(app: "App") -> Router:
     router.add("GET", "/v1/models", route_models)
     router.add("GET", "/v1/models/{model}", route_model)
     router.add("GET", "/openapi.json", route_openapi)
-    if app.metrics is not None:
-        router.add("GET", "/metrics", route_metrics)
+    router.add("GET", "/metrics", route_metrics)
     for path, name in API_ROUTES:
         if name in app.formats:
             router.add("POST", path, api_route(name), app.formats[name].error_body)
@@ -3418,7 +3417,10 @@ class App:
         self.bridge = bridge if bridge is not None else Bridge(worker_args=None)
         self.formats = API_FORMATS if formats is None else formats
         self.limits = limits or ConnLimits()
-        self.guard, self.admission, self.metrics = guard, admission, metrics
+        self.guard = guard                     # None: every request is the default tenant, unchecked
+        # One slot until the worker reports its count (Admission.resize on ready).
+        self.admission = admission if admission is not None else Admission(slots=1)
+        self.metrics = metrics if metrics is not None else Metrics()
         self.tokenizer: chat.Tokenizer | None = None   # loaded from the model's folder when it is ready
         self._tokenizer_folder: str | None = None
         self.other_model_ids: set[str] = set()   # models.json ids this server does not run

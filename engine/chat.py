@@ -119,16 +119,17 @@ class Done:
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 
-def _byte_level_alphabet() -> dict[str, int]:
+def _byte_level_alphabet() -> dict[int, int]:
     """Byte-level BPE writes each byte as one printable character: printable Latin-1 bytes as
-    themselves, every other byte as the next code point from 256 on. This maps a character back."""
+    themselves, every other byte as the next code point from 256 on. This maps a character's code
+    point back to its byte (a str.translate table: token.translate(table).encode("latin-1"))."""
     printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
     alphabet, shifted = {}, 0
     for b in range(256):
         if b in printable:
-            alphabet[chr(b)] = b
+            alphabet[b] = b
         else:
-            alphabet[chr(256 + shifted)] = b
+            alphabet[256 + shifted] = b
             shifted += 1
     return alphabet
 
@@ -145,7 +146,7 @@ class Tokenizer:
             token_id = self.id_of(name) if name else None
             if token_id is not None and token_id not in self.stop_ids:
                 self.stop_ids.append(token_id)
-        self._bytes: list[bytes] | None = None     # built on first use (151k entries, ~0.2 s)
+        self._bytes: list[bytes] | None = None     # built on first use (151k entries, ~0.1 s)
 
     @classmethod
     def from_folder(cls, folder: str) -> "Tokenizer":
@@ -193,7 +194,7 @@ class Tokenizer:
             if i in added:
                 table[i] = added[i].encode()
             elif byte_level:
-                table[i] = bytes(alphabet.get(c, 0x3F) for c in token)
+                table[i] = token.translate(alphabet).encode("latin-1", "replace")
             else:   # not byte-level: whole characters only (no Qwen tokenizer takes this path)
                 table[i] = self._tok.decode([i]).encode()
         return table
