@@ -27,11 +27,9 @@ WAIT_S = 30          # most a test waits for the fake worker or the server; a pa
 class Served:
     """An App serving on 127.0.0.1:<free port> from its own event loop in a background thread."""
 
-    def __init__(self, limits: ConnLimits | None = None, worker: FakeArgs | None = None,
-                 metrics: bool = False):
+    def __init__(self, limits: ConnLimits | None = None, worker: FakeArgs | None = None):
         bridge = mashbox.Bridge(worker, entry="tests.fake_worker:main") if worker else None
-        self.app = App(Config(host="127.0.0.1", port=0, model=MODEL_ID), bridge=bridge, limits=limits,
-                       metrics=mashbox.Metrics() if metrics else None)
+        self.app = App(Config(host="127.0.0.1", port=0, model=MODEL_ID), bridge=bridge, limits=limits)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -92,7 +90,7 @@ class Served:
 @pytest.fixture(scope="module")
 def server():
     """A ready server with a fake model."""
-    served = Served(worker=FakeArgs(), metrics=True)
+    served = Served(worker=FakeArgs())
     served.wait_ready()
     yield served
     served.close()
@@ -300,6 +298,40 @@ def test_stream_is_chunked_sse_and_the_connection_is_reused(server):
     assert headers["cache-control"] == "no-cache" and headers["x-request-id"] == "r1"
     assert body == b'data: {"n":1}\n\ndata: [DONE]\n\n'
     assert read_response(f)[0] == 200
+    sock.close()
+
+
+def test_expect_continue_then_chunked_upload(server):
+    """Guards against curl stalling on Expect: 100-continue, and chunked uploads reaching handlers mangled."""
+    async def echo(req, out):
+        await out.send(200, req.body, "application/octet-stream")
+    server.route("POST", "/test/echo", echo)
+    sock = server.connect()
+    f = sock.makefile("rb")
+    sock.sendall(b"POST /test/echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+    assert f.readline() == b"HTTP/1.1 100 Continue\r\n" and f.readline() == b"\r\n"
+    sock.sendall(b"hello")
+    assert read_response(f)[2] == b"hello"
+    sock.sendall(b"POST /test/echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 b"3\r\nabc\r\n2;ext=1\r\nde\r\n0\r\n\r\n")
+    assert read_response(f)[2] == b"abcde"
+    sock.close()
+
+
+def test_streamed_chat_completion_runs_through_the_table(server):
+    """Guards against the generation routes missing their format, tenant or stream plumbing."""
+    body = json.dumps({"model": MODEL_ID, "stream": True,
+                       "messages": [{"role": "user", "content": "echo: two words"}]}).encode()
+    sock = server.connect()
+    f = sock.makefile("rb")
+    sock.sendall(request("/v1/chat/completions", "POST", b"Content-Type: application/json\r\n", body))
+    status, headers, text = read_response(f)
+    assert status == 200 and headers["transfer-encoding"] == "chunked"
+    frames = [frame[len("data: "):] for frame in text.decode().split("\n\n") if frame]
+    assert frames[-1] == "[DONE]"
+    content = "".join(c["delta"].get("content") or "" for frame in frames[:-1]
+                      for c in json.loads(frame)["choices"])
+    assert content == "two words"
     sock.close()
 
 
