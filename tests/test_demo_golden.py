@@ -1,0 +1,120 @@
+"""Golden runs of the demo model through our JAX engine (llama2.c's test_all.py idea: temperature 0,
+exact expected tokens, on a real small model).
+
+The expected ids were produced once by transformers (torch, float32, CPU) on the demo folder that
+engine.registry builds: the prompts rendered with the chat template from the GGUF (default system
+prompt), greedy decoding. The test itself needs no torch; it drives engine.worker.Engine in-process:
+    Engine(WorkerArgs(model_id, weights_folder, slots, ctx, prefill_chunks=...))
+    engine.submit(Submit(rid, prompt, max_tokens, stop_ids=...)) -> [Step]   (errors come back at once)
+    engine.step() -> [Step]      one round; a request's last Step has finish set
+and, for the logits check, engine.model.jit_forward on the engine's own params.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import registry
+
+# <|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n
+SYSTEM = [151644, 8948, 198, 2610, 525, 1207, 16948, 11, 3465, 553, 54364, 14817, 13, 1446, 525, 264,
+          10950, 17847, 13, 151645, 198]
+USER, ASSISTANT = [151644, 872, 198], [151645, 198, 151644, 77091, 198]
+
+FRANCE = "What is the capital of France?"
+FRANCE_PROMPT = SYSTEM + USER + [3838, 374, 279, 6722, 315, 9625, 30] + ASSISTANT
+# "The capital of France is Paris." then <|im_end|> (a stop id, so not among the tokens).
+FRANCE_ANSWER = [785, 6722, 315, 9625, 374, 12095, 13]
+
+PRIME = "Write a Python function is_prime(n) that checks whether n is a prime number."
+PRIME_PROMPT = SYSTEM + USER + [7985, 264, 13027, 729, 374, 38217, 1445, 8, 429, 12341, 3425, 308, 374,
+                                264, 10250, 1372, 13] + ASSISTANT
+# 'Here\'s a Python function to check if a number is prime:\n\n```python\ndef is_prime(n):\n    """\n   '
+# The smallest gap between the best and second-best logit along this answer is 0.31 (step 6), far
+# above float32 noise, so any other engine computing the same model must give the same ids.
+PRIME_ANSWER = [8420, 594, 264, 13027, 729, 311, 1779, 421, 264, 1372, 374, 10250, 1447, 73594, 12669,
+                198, 750, 374, 38217, 1445, 982, 262, 3190, 262]
+
+# transformers' top 5 (id, logit) for the first answer token of each prompt.
+FRANCE_TOP5 = [(785, 22.62449), (49000, 18.71938), (2121, 18.68167), (59604, 17.63523), (40, 16.98338)]
+PRIME_TOP5 = [(8420, 19.04163), (73594, 17.62799), (95456, 17.51222), (1249, 17.17466), (785, 16.39429)]
+# Measured: our float32 forward agrees with transformers' to 1e-5 on these logits; the bound leaves
+# room for another operation order or XLA version, and is still far below any real bug.
+LOGIT_ATOL = 1e-3
+
+CTX = 128                         # both prompts plus their answers fit
+CHUNK = 64                        # one prefill chunk holds either prompt
+
+
+def test_golden_prompts_are_the_chat_template_rendering(demo_folder):
+    """The hard-coded prompt ids must be what the GGUF's own template and our tokenizer produce."""
+    jinja2 = pytest.importorskip("jinja2")
+    from tokenizers import Tokenizer
+    folder = Path(demo_folder)
+    template = json.loads((folder / "tokenizer_config.json").read_text())["chat_template"]
+    env = jinja2.Environment()
+    env.filters["tojson"] = lambda value: json.dumps(value)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    for question, prompt in ((FRANCE, FRANCE_PROMPT), (PRIME, PRIME_PROMPT)):
+        text = env.from_string(template).render(messages=[{"role": "user", "content": question}],
+                                                add_generation_prompt=True)
+        assert tok.encode(text).ids == prompt
+    assert tok.decode(FRANCE_ANSWER) == "The capital of France is Paris."
+
+
+@pytest.fixture(scope="module")
+def engine(demo_folder):
+    worker = pytest.importorskip("engine.worker")
+    args = worker.WorkerArgs(registry.default_id(), demo_folder, slots=2, ctx=CTX, prefill_chunks=(CHUNK,))
+    return worker.Engine(args)
+
+
+def run(engine, prompts: dict[str, list[int]], max_tokens: int, stop_ids: list[int]) -> dict:
+    """Submit every prompt at once and step until all finish: rid -> (tokens, finish)."""
+    from engine.protocol import Submit
+    out = {rid: [] for rid in prompts}
+    finish = {}
+    for rid, prompt in prompts.items():
+        for step in engine.submit(Submit(rid, prompt, max_tokens, stop_ids=stop_ids)):
+            pytest.fail(f"{rid} refused: {step.error}")
+    for _ in range(4 * max_tokens + 16):          # a bound, so a stuck engine fails instead of hanging
+        for step in engine.step():
+            out[step.rid] += step.tokens
+            if step.finish is not None:
+                finish[step.rid] = step.finish
+        if len(finish) == len(prompts):
+            return {rid: (out[rid], finish[rid]) for rid in prompts}
+    pytest.fail(f"not finished after {4 * max_tokens + 16} rounds: {finish}")
+
+
+def test_demo_answers_france_and_stops_at_im_end(engine, demo_folder):
+    """Greedy decoding must reproduce transformers' answer and stop on <|im_end|> with reason stop."""
+    stop = registry.stop_token_ids(demo_folder)
+    assert run(engine, {"france": FRANCE_PROMPT}, 24, stop)["france"] == (FRANCE_ANSWER, "stop")
+
+
+def test_demo_golden_tokens_beside_another_request(engine, demo_folder):
+    """Two requests decoded in one batch must each give transformers' exact ids (batch invariance)."""
+    stop = registry.stop_token_ids(demo_folder)
+    got = run(engine, {"prime": PRIME_PROMPT, "france": FRANCE_PROMPT}, 24, stop)
+    assert got["prime"] == (PRIME_ANSWER, "length")
+    assert got["france"] == (FRANCE_ANSWER, "stop")
+
+
+def test_demo_first_token_logits_match_transformers(engine):
+    """The forward pass itself must agree with transformers on the top-5 logits, not just the argmax."""
+    from engine.cache import init_cache
+    from engine.model import jit_forward
+    for prompt, top5 in ((FRANCE_PROMPT, FRANCE_TOP5), (PRIME_PROMPT, PRIME_TOP5)):
+        cache = init_cache(engine.cfg, engine.args.slots, CTX, engine.dtype)   # the engine's shapes
+        tokens = np.zeros((1, CHUNK), np.int32)
+        tokens[0, :len(prompt)] = prompt
+        logits, _ = jit_forward(engine.params, cache, tokens, np.zeros(1, np.int32), np.zeros(1, np.int32),
+                                np.array([len(prompt)], np.int32), cfg=engine.cfg, attn_len=CTX)
+        logits = np.asarray(logits[0], np.float32)
+        order = np.argsort(-logits)[:5]
+        assert order.tolist() == [i for i, _ in top5]
+        np.testing.assert_allclose(logits[order], [v for _, v in top5], atol=LOGIT_ATOL)
