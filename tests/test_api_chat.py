@@ -718,3 +718,16 @@ def test_completions_and_refusals_through_the_server(served):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="m", prompt=[[1, 2, 3]])
     assert caught.value.body["param"] == "prompt"
+
+
+def test_every_recorded_chat_and_completion_request_is_answered_by_the_server(served):
+    """Guards against a real client's request (with its own headers) being refused on the wire."""
+    hop_by_hop = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding"}
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        for where, body in recorded(path):
+            file, line = where.rsplit(":", 1)
+            req = json.loads((CLIENTS / file).read_text().splitlines()[int(line)])
+            headers = {k: v for k, v in req["headers"] if k.lower() not in hop_by_hop}
+            status, _, raw = served.get(path, "POST", json.dumps(body).encode(), headers)
+            assert status == 200, f"{where}: {raw[:300]!r}"
+            assert raw.rstrip().endswith(b"data: [DONE]") if body.get("stream") else json.loads(raw)["choices"]
