@@ -215,7 +215,8 @@ def prepare(spec: ModelSpec, progress: Progress | None = None) -> str:
 
 
 def demo_home(model_id: str) -> Path:
-    """Where the weights of a model live when nothing else says: the cache folder."""
+    """Where a model's weights are when neither --weights, $MASHBOX_WEIGHTS nor models.json says
+    otherwise; the demo model is built here."""
     return cache_root() / "models" / model_id
 
 
