@@ -132,7 +132,7 @@ class Engine:
         t0 = time.time()
         self._warm_up(progress)
         compile_s = time.time() - t0
-        self.ready_compiles = compiles_so_far()
+        self.late_compiles = 0            # programs compiled inside step() since ready
         family = cfg.model_type
         self.facts = ModelFacts(
             id=args.model_id, family=family,
@@ -207,7 +207,16 @@ class Engine:
     # -- one round --------------------------------------------------------------------------------
 
     def step(self) -> list[Step]:
-        """One scheduling round and its device calls; the Steps of every request that moved."""
+        """One scheduling round and its device calls; the Steps of every request that moved.
+        Compiles are counted around the round, not process-wide, so other engines in the same
+        process (tests, benchmarks) do not show up in this one's count."""
+        before = compiles_so_far()
+        try:
+            return self._round()
+        finally:
+            self.late_compiles += compiles_so_far() - before
+
+    def _round(self) -> list[Step]:
         plan = self.scheduler.schedule()
         now = time.time()
         for request in plan.started:
@@ -294,7 +303,7 @@ class Engine:
     # -- numbers ----------------------------------------------------------------------------------
 
     def compiles_after_ready(self) -> int:
-        return compiles_so_far() - self.ready_compiles
+        return self.late_compiles
 
     def stats(self) -> Stats:
         s = self.scheduler

@@ -1,0 +1,206 @@
+"""The engine on the tiny checkpoints: in-process (Engine) and as a worker process over the pipe."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from engine.protocol import Cancel, Loading, Ready, Sampling, Shutdown, Stats, Step, Submit
+from engine.worker import FAULT_EXIT_CODE, Engine, WorkerArgs, start_worker
+
+TINY = Path(__file__).parent / "fixtures" / "tiny"
+CTX = 256
+# Small chunks so that a 40-token prompt takes several prefill calls.
+CHUNKS = (8, 32)
+
+
+def make_engine(folder="qwen3", slots=4, ctx=CTX, chunks=CHUNKS, prefix_cache=True):
+    return Engine(WorkerArgs("tiny", str(TINY / folder), slots=slots, ctx=ctx, prefix_cache=prefix_cache,
+                             prefill_chunks=chunks, compile_cache=None))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return make_engine()
+
+
+def run(engine, *submits, cancel_after=None):
+    """Submit, step until idle; returns rid -> {"tokens", "finish", "first": first Step, "last"}."""
+    out = {}
+
+    def take(step: Step):
+        r = out.setdefault(step.rid, {"tokens": [], "finish": None, "first": step})
+        r["tokens"] += step.tokens
+        if step.finish:
+            r["finish"], r["last"] = step.finish, step
+    for s in submits:
+        for step in engine.submit(s):
+            take(step)
+    rounds = 0
+    while engine.busy:
+        for step in engine.step():
+            take(step)
+        rounds += 1
+        if cancel_after and rounds == cancel_after[1]:
+            for step in engine.cancel(cancel_after[0]):
+                take(step)
+        assert rounds < 2000
+    return out
+
+
+def prompt(seed, n):
+    return [(seed * 37 + i * 11) % 300 + 3 for i in range(n)]
+
+
+def test_greedy_tokens_do_not_change_beside_other_requests(engine):
+    """Guards against rows leaking into each other (batch invariance of the decode batch)."""
+    alone = run(engine, Submit("a", prompt(1, 20), 12))["a"]["tokens"]
+    together = run(engine, Submit("b", prompt(2, 33), 15, Sampling(temperature=1.0, seed=5)),
+                   Submit("a", prompt(1, 20), 12),
+                   Submit("c", prompt(3, 5), 9, Sampling(frequency_penalty=1.0)),
+                   Submit("d", prompt(4, 40), 14, Sampling(temperature=0.7, top_k=5)))
+    assert len(alone) == 12 and together["a"]["tokens"] == alone
+    assert all(together[r]["finish"] == "length" for r in "abcd")
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    """Guards against a seeded request drawing from a shared or global random state."""
+    s = Sampling(temperature=1.0, top_p=0.9, seed=1234)
+    first = run(engine, Submit("a", prompt(5, 12), 16, s))["a"]["tokens"]
+    second = run(engine, Submit("x", prompt(6, 30), 8, Sampling(temperature=1.0)),
+                 Submit("a", prompt(5, 12), 16, s))["a"]["tokens"]
+    assert first == second
+    other = run(engine, Submit("a", prompt(5, 12), 16, Sampling(temperature=1.0, top_p=0.9, seed=99)))
+    assert other["a"]["tokens"] != first
+
+
+def test_cancel_answers_abort_and_frees_the_slot_at_once(engine):
+    """Guards against a cancelled request keeping its row while another waits for it."""
+    for i in range(4):
+        engine.submit(Submit(f"long{i}", prompt(20 + i, 5), 100))
+    engine.submit(Submit("b", prompt(2, 5), 3))
+    for _ in range(6):
+        engine.step()
+    assert engine.stats().waiting == 1
+    steps = engine.cancel("long2")
+    assert [(s.rid, s.finish) for s in steps] == [("long2", "abort")] and steps[0].timings
+    first = [s for s in engine.step() if s.rid == "b"]
+    assert first and first[0].prompt_tokens == 5
+    assert engine.cancel("long2") == []
+    for i in (0, 1, 3):
+        engine.cancel(f"long{i}")
+    run(engine)
+
+
+def test_prefix_reuse_serves_cached_tokens_and_matches_a_cold_run(engine):
+    """Guards against a reused prefix producing different tokens from running the prompt in full."""
+    shared = prompt(7, 40)
+    run(engine, Submit("warm", shared + [5, 6], 4))
+    follow = shared + prompt(8, 9)
+    hot = run(engine, Submit("hot", follow, 10))["hot"]
+    assert hot["first"].cached_tokens >= 40 and hot["first"].prompt_tokens == 49
+    cold_engine = make_engine(prefix_cache=False)
+    cold = run(cold_engine, Submit("cold", follow, 10))["cold"]
+    assert cold["first"].cached_tokens == 0
+    assert hot["tokens"] == cold["tokens"]
+
+
+def test_chunked_prefill_equals_one_shot(engine):
+    """Guards against chunk boundaries corrupting positions or the cache."""
+    p = prompt(9, 45)
+    chunked = run(engine, Submit("a", p, 10))["a"]["tokens"]      # 32 + 8 + 8 (padded)
+    one_shot = run(make_engine(chunks=(64,), prefix_cache=False), Submit("a", p, 10))["a"]["tokens"]
+    assert chunked == one_shot
+
+
+def test_max_tokens_and_end_of_context_finish_with_length(engine):
+    """Guards against running past max_tokens or past the context."""
+    r = run(engine, Submit("a", prompt(10, 6), 5))["a"]
+    assert len(r["tokens"]) == 5 and r["finish"] == "length"
+    r = run(engine, Submit("b", prompt(11, CTX - 4), 1000))["b"]
+    assert len(r["tokens"]) == 4 and r["finish"] == "length"
+    assert set(r["last"].timings) == {"queue_ms", "prompt_ms", "predicted_ms"}
+
+
+def test_stop_id_ends_the_request_without_output(engine):
+    """Guards against a stop id being sent to the client as text."""
+    free = run(engine, Submit("a", prompt(12, 7), 6))["a"]["tokens"]
+    stopped = run(engine, Submit("a", prompt(12, 7), 6, stop_ids=[free[2]]))["a"]
+    assert stopped["tokens"] == free[:2] and stopped["finish"] == "stop"
+
+
+@pytest.mark.parametrize("bad, field", [([], "prompt"), ([1] * CTX, "prompt"), ([1, 10**6], "prompt")])
+def test_bad_prompt_is_an_error_step_that_spares_others(engine, bad, field):
+    """Guards against one malformed request failing the batch (or the worker)."""
+    good = run(engine, Submit("ok", prompt(13, 8), 6))["ok"]["tokens"]
+    out = run(engine, Submit("ok", prompt(13, 8), 6), Submit("bad", bad, 5))
+    assert out["bad"]["finish"] == "error" and out["bad"]["last"].error.startswith(field)
+    assert out["ok"]["tokens"] == good
+
+
+def test_no_program_compiles_after_ready(engine):
+    """Guards against a shape or argument the warm-up missed (a multi-second stall mid-request)."""
+    run(engine, Submit("a", prompt(14, 70), 20, Sampling(temperature=0.5, repetition_penalty=1.3)),
+        Submit("b", prompt(15, 3), 30, Sampling(presence_penalty=0.5)),
+        Submit("c", prompt(16, 200), 40))
+    assert engine.stats().compiles_after_ready == 0
+
+
+def _recv_until(conn, kind, timeout=300):
+    messages = []
+    while True:
+        assert conn.poll(timeout), f"no {kind.__name__} from the worker"
+        msg = conn.recv()
+        messages.append(msg)
+        if isinstance(msg, kind):
+            return messages
+
+
+def test_worker_process_round_trip(tmp_path):
+    """Guards against the pipe protocol breaking: Loading, Ready, Submit -> Steps -> finish, Stats."""
+    args = WorkerArgs("tiny", str(TINY / "qwen3"), slots=2, ctx=128, prefill_chunks=(32,),
+                      compile_cache=str(tmp_path / "jax"))
+    process, conn = start_worker(args)
+    try:
+        start = _recv_until(conn, Ready)
+        assert any(isinstance(m, Loading) for m in start)
+        facts = start[-1].facts
+        assert facts.max_model_len == 128 and facts.slots == 2 and facts.family == "qwen3"
+        assert start[-1].pid == process.pid
+        conn.send(Submit("a", prompt(1, 10), 5))
+        conn.send(Submit("b", prompt(2, 10), 50))
+        conn.send(Cancel("b"))
+        steps, stats = {}, []
+        while len([r for r in steps.values() if r[-1].finish]) < 2:
+            assert conn.poll(120)
+            msg = conn.recv()
+            if isinstance(msg, Step):
+                steps.setdefault(msg.rid, []).append(msg)
+            elif isinstance(msg, Stats):
+                stats.append(msg)
+        assert sum(len(s.tokens) for s in steps["a"]) == 5 and steps["a"][-1].finish == "length"
+        assert steps["a"][0].prompt_tokens == 10
+        assert steps["b"][-1].finish == "abort"
+        stats = [m for m in _recv_until(conn, Stats)] if not stats else stats
+        assert stats[-1].compiles_after_ready == 0
+        conn.send(Shutdown())
+        process.join(60)
+        assert process.exitcode == 0
+    finally:
+        if process.is_alive():
+            process.kill()
+
+
+def test_fault_injection_exits_the_process(tmp_path, monkeypatch):
+    """Guards against MASHBOX_FAULT not firing, which would leave the server's recovery untested."""
+    monkeypatch.setenv("MASHBOX_FAULT", "warmup")
+    args = WorkerArgs("tiny", str(TINY / "qwen3"), slots=2, ctx=128, prefill_chunks=(32,),
+                      compile_cache=None)
+    process, conn = start_worker(args)
+    try:
+        process.join(120)
+        assert process.exitcode == FAULT_EXIT_CODE
+    finally:
+        if process.is_alive():
+            process.kill()
