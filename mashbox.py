@@ -1200,7 +1200,8 @@ def _chat_tools(tools: Any) -> list[chat.Tool]:
             raise bad_field(f"{where}.function.name", "must be a non-empty string")
         if any(tool.name == name for tool in out):
             raise bad_field(f"{where}.function.name", f"{name!r} names two tools")
-        tool = chat.Tool(name=name, description=_typed(fn, "description", str, f"{where}.function.description", ""))
+        tool = chat.Tool(name=name)
+        tool.description = _typed(fn, "description", str, f"{where}.function.description", "")
         tool.parameters = _typed(fn, "parameters", dict, f"{where}.function.parameters", tool.parameters)
         out.append(tool)    # "strict" is accepted: the arguments are the model's own JSON either way
     return out
@@ -1331,10 +1332,9 @@ class ChatEncoder:
             # The deltas normally add up to the whole text; stream whatever is missing (all of "{}"
             # for a call without arguments) so a streaming client ends with the same arguments.
             sent = self.calls[ev.index]["function"]["arguments"]
-            self.calls[ev.index]["function"]["arguments"] = ev.arguments
-            rest = ev.arguments[len(sent):] if ev.arguments.startswith(sent) else ""
-            return [self._chunk({"tool_calls": [{"index": ev.index, "function": {"arguments": rest}}]})] \
-                if rest else []
+            frames = self._arguments(ev.index, ev.arguments[len(sent):] if ev.arguments.startswith(sent) else "")
+            self.calls[ev.index]["function"]["arguments"] = ev.arguments   # the body has the whole text
+            return frames
         if isinstance(ev, chat.Done):
             return self._finish(ev)
         return []
