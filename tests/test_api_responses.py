@@ -498,6 +498,16 @@ def test_reasoning_then_text_stream_is_exact(ids):
     assert enc.body() == response("completed", [rs, msg], USAGE_JSON)
 
 
+def test_frames_are_exact_bytes(ids):
+    """Guards against framing drift: `event:` then `data:` with compact JSON, a blank line after."""
+    enc = ResponsesEncoder(parse_responses({"input": "x"}), META)
+    enc.start()
+    frames = enc.feed(chat.TextDelta("é"))
+    assert frames[-1] == ('event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+                          '"sequence_number":5,"item_id":"msg_1","output_index":0,"content_index":0,'
+                          '"delta":"é","logprobs":[]}\n\n').encode()
+
+
 def test_function_call_stream_is_exact_and_echoes_the_request(ids):
     """Guards against a call whose ids, indexes or arguments differ between its events and the
     final response, and against tools/tool_choice/parallel_tool_calls not being echoed."""
