@@ -149,6 +149,11 @@ def forward(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig, 
     Returns float32 logits [B, vocab] at each row's last valid token ([B, T, vocab] with
     all_logits), and the updated cache."""
     b, t = tokens.shape
+    ctx = cache[0]["k"].shape[2]
+    if not 1 <= attn_len <= ctx:     # static: caught while tracing, before anything runs
+        raise ValueError(f"attn_len must be in [1, ctx={ctx}], got {attn_len}")
+    if slots.shape != (b,) or starts.shape != (b,) or lengths.shape != (b,):
+        raise ValueError(f"slots, starts and lengths must have shape ({b},) like tokens' rows")
     steps = jnp.arange(t, dtype=jnp.int32)
     positions = starts[:, None] + steps[None, :]                           # [B, T]
     valid = steps[None, :] < lengths[:, None]                              # [B, T]

@@ -329,3 +329,11 @@ def test_compute_dtype_is_float32_on_cpu_and_bfloat16_elsewhere():
     """Guards against bf16 on CPU, where one-row matrix-vector products run ~20x slower."""
     assert dtype_for("cpu") == jnp.float32
     assert dtype_for("gpu") == jnp.bfloat16 and dtype_for("tpu") == jnp.bfloat16
+
+
+def test_attention_window_larger_than_the_cache_is_refused():
+    """Guards against an attn_len past ctx silently reading a shorter window with a wrong mask."""
+    cfg, params, ref = _load("qwen2")
+    with pytest.raises(ValueError, match="attn_len"):
+        _run(params, init_cache(cfg, 1, 16, jnp.float32), cfg, ref["tokens"][:4], [0], [0], [4],
+             attn_len=32)
