@@ -2036,7 +2036,10 @@ def _responses_tool_choice(choice: Any, job: Job, seen_names: dict) -> str | dic
 
 
 def _named_tools(seen_names: dict, name: Any, namespace: Any) -> list[str]:
-    """The names the model sees for the client's tool `name` (within `namespace` when given)."""
+    """The names the model sees for the client's tool `name` (within `namespace` when given; without
+    one, a top-level tool of that name before namespace tools)."""
+    if namespace is None and (None, name) in seen_names:
+        return [seen_names[(None, name)]]
     return [seen for (ns, n), seen in seen_names.items()
             if n == name and (namespace is None or ns == namespace)]
 

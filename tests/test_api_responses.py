@@ -296,12 +296,22 @@ TOOLS = [FUNCTION, {"type": "custom", "name": "apply_patch"},
     ({"type": "function", "function": {"name": "exec_command"}}, {"name": "exec_command"}),
     ({"type": "custom", "name": "apply_patch"}, {"name": "apply_patch"}),
     ({"type": "function", "name": "spawn", "namespace": "agents"}, {"name": "spawn"}),
+    ({"type": "function", "name": "spawn"}, {"name": "spawn"}),
 ])
 def test_tool_choice_values(choice, want):
     """Guards against tool_choice forms of the Responses API (and the spec's Chat form) not working."""
     job = parse_responses({"input": "x", "tools": TOOLS, "tool_choice": choice})
     assert job.tool_choice == want
     assert job.tool_choice_echo == (choice or "auto")
+
+
+def test_tool_choice_between_a_top_level_and_a_namespace_function_of_one_name():
+    """Guards against a plain name that two tools share being refused, or picking the wrong one."""
+    tools = [{"type": "function", "name": "close"},
+             {"type": "namespace", "name": "agents", "tools": [{"type": "function", "name": "close"}]}]
+    pick = lambda choice: parse_responses({"input": "x", "tools": tools, "tool_choice": choice}).tool_choice
+    assert pick({"type": "function", "name": "close"}) == {"name": "close"}
+    assert pick({"type": "function", "name": "close", "namespace": "agents"}) == {"name": "agents__close"}
 
 
 def test_allowed_tools_narrows_the_tools_and_sets_the_mode():
