@@ -76,8 +76,9 @@ class _Reader:
         return array
 
 
-def load_weights(folder: str, cfg: ModelConfig, dtype) -> dict:
-    """Load a Hugging Face Qwen2/Qwen3 checkpoint as the pytree above, in `dtype` (a jnp dtype)."""
+def load_weights(folder: str, cfg: ModelConfig, dtype, progress=None) -> dict:
+    """Load a Hugging Face Qwen2/Qwen3 checkpoint as the pytree above, in `dtype` (a jnp dtype).
+    progress(done, total), if given, is called after each layer (for the Loading messages)."""
     import jax.numpy as jnp
 
     dtype = np.dtype(dtype)
@@ -115,6 +116,8 @@ def load_weights(folder: str, cfg: ModelConfig, dtype) -> dict:
             layer["q_norm"] = put(r.get(p + "self_attn.q_norm.weight", (cfg.head_dim,)))
             layer["k_norm"] = put(r.get(p + "self_attn.k_norm.weight", (cfg.head_dim,)))
         layers.append(layer)
+        if progress is not None:
+            progress(i + 1, cfg.num_layers)
 
     embed = r.get("model.embed_tokens.weight", (cfg.vocab_size, h))
     # A tied head still gets its own contiguous [hidden, vocab] copy: reading the table transposed
