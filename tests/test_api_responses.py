@@ -309,7 +309,9 @@ def test_tool_choice_between_a_top_level_and_a_namespace_function_of_one_name():
     """Guards against a plain name that two tools share being refused, or picking the wrong one."""
     tools = [{"type": "function", "name": "close"},
              {"type": "namespace", "name": "agents", "tools": [{"type": "function", "name": "close"}]}]
-    pick = lambda choice: parse_responses({"input": "x", "tools": tools, "tool_choice": choice}).tool_choice
+
+    def pick(choice):
+        return parse_responses({"input": "x", "tools": tools, "tool_choice": choice}).tool_choice
     assert pick({"type": "function", "name": "close"}) == {"name": "close"}
     assert pick({"type": "function", "name": "close", "namespace": "agents"}) == {"name": "agents__close"}
 
