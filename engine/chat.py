@@ -2,7 +2,9 @@
 
 The one place that knows what a prompt looks like and what the model's output means:
     Job                  one request of any API, parsed into native types (mashbox.py's parse_*)
-    render(job, tok)     Job -> prompt token ids (the chat template, hand-written Python)
+    Tokenizer            tokenizer.json: encode, decode, stop ids, each token's bytes
+    render(job, tok, fmt)  Job -> prompt token ids (the chat template, hand-written Python);
+                         render_text is the same prompt as text, answer_prefix its answer opening
     OutputParser         generated token ids -> neutral events (text, reasoning, tool calls, done)
 Every API's encoder in mashbox.py turns those events into its own JSON or SSE; a fix to tool-call
 or thinking handling is made here once for all four APIs.
@@ -335,7 +337,7 @@ def _qwen25_arguments(text: str) -> str:
     first (as servers do before rendering); text that is not JSON is written as a JSON string."""
     try:
         return tojson(json.loads(text))
-    except ValueError:
+    except (ValueError, RecursionError):
         return tojson(text)
 
 
@@ -427,6 +429,14 @@ def _strict_json(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
+def _json_string(body: str) -> str:
+    """The text of a JSON string's body; written as it is when its escapes are not valid JSON."""
+    try:
+        return json.loads(f'"{body}"')
+    except ValueError:
+        return body
+
+
 def _param_type(tool: Tool | None, name: str) -> str:
     """A parameter's JSON schema type; "string" when the schema does not say."""
     props = tool.parameters.get("properties") if tool and isinstance(tool.parameters, dict) else None
@@ -445,7 +455,7 @@ def _param_json(raw: str, kind: str) -> str:
             text = text.lower()
         try:
             return tojson(_strict_json(text))
-        except ValueError:
+        except (ValueError, RecursionError):
             pass
     return tojson(raw)
 
@@ -453,7 +463,12 @@ def _param_json(raw: str, kind: str) -> str:
 class _CallReader:
     """One <tool_call> body -> tool call events. It reads the body as it grows (the parser's buffer
     holds all of it) and keeps its position; advance() answers "more" (wait for text), "done" (the
-    call ended; `used` characters of the body are consumed) or "text" (not a call: deliver as text)."""
+    call ended; `used` characters of the body are consumed) or "text" (not a call: deliver as text).
+
+    Phases, each a method: detect -> Hermes JSON (hermes_name -> hermes_key -> hermes_args) or XML
+    (xml_function -> xml_params <-> xml_value) -> tail (up to </tool_call>). A phase returns None
+    after moving on, or the status when it must wait or is done.
+    """
 
     def __init__(self, parser: "OutputParser"):
         self.p = parser
@@ -518,7 +533,7 @@ class _CallReader:
         """Read a whole Hermes body at once (keys in another order, or the closing tag already here)."""
         try:
             call = _strict_json(body[:stop].strip())
-        except ValueError:
+        except (ValueError, RecursionError):
             call = None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             if self.index is None:
@@ -536,7 +551,7 @@ class _CallReader:
         close = body.find(CALL_CLOSE)
         match = _HERMES_NAME.match(body)
         if match and (close < 0 or match.end() <= close):
-            self.start(json.loads(f'"{match.group(1)}"'))
+            self.start(_json_string(match.group(1)))
             self.pos, self.phase = match.end(), "hermes_key"
             return None
         if close >= 0 or final:

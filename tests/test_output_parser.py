@@ -294,3 +294,18 @@ def test_completions_output_is_plain_text(tok):
     text = "\n<think>not reasoning</think> <tool_call>"
     events, _ = run(tok, Job(prompt="x"), "qwen3", [tok.encode(text)])
     assert canonical(events) == [("text", text), ("done", "stop", None)]
+
+
+def test_random_markup_never_raises(tok):
+    """Guards against an exception (a 500 mid-stream) on any mix of markup the model may write."""
+    import random
+    pieces = ["<tool_call>", "</tool_call>", "<think>", "</think>", "\n", " ", '{"name": "', "get_weather",
+              '", "arguments": ', "{", "}", "[", '"', "\\", "<function=run_shell>", "<parameter=cmd>",
+              "</parameter>", "</function>", "<parameter=days>", "<", "x", "7", "STOP", "é", "\\u12"]
+    rng = random.Random(1234)
+    for trial in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 30)))
+        job = job_with(thinking=trial % 2 == 0, stop=["STOP"] if trial % 3 == 0 else [],
+                       tool_choice=["auto", "required", {"name": "get_weather"}][trial % 3])
+        run(tok, job, "qwen3" if trial % 2 else "qwen2.5", [[i] for i in tok.encode(text)],
+            finish=rng.choice(["stop", "length", "abort"]))
