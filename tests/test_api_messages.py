@@ -1,9 +1,12 @@
 """Anthropic Messages and count_tokens: parse_messages (body -> Job) and MessagesEncoder (events -> SSE
-or a Message body). Pure tests, no server: the stream is also read back by the real anthropic SDK
-through an in-memory HTTP transport."""
+or a Message body).
+
+Most tests are pure: the encoder's frames are also read back by the real anthropic SDK through an
+in-memory HTTP transport, and recorded Claude Code sessions are rendered to check that each turn's
+prompt starts with the previous one. The last few run the SDK and the recorded traffic against a
+server whose engine is tests/fake_worker.py."""
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
