@@ -305,6 +305,10 @@ def _split_thought(message: Message) -> tuple[str, str]:
 
 
 def _qwen3_turns(messages: list[Message], tools: list[Tool], preserve_thinking: bool) -> str:
+    """Qwen3's turns. Prefix stability: an answer re-renders as the model wrote it while it is after
+    the last user query (a tool-use loop keeps its reasoning). At a new user query the official
+    template drops earlier reasoning, and the empty thought of thinking-off answers, so the prompt
+    changes there; preserve_thinking keeps non-empty reasoning and with it the prefix."""
     out = [_system_and_tools(messages, tools, None)]
     # Earlier reasoning is kept only after the last real user query (the current tool-use loop).
     last_query = len(messages) - 1
