@@ -452,7 +452,7 @@ def test_disconnect_is_noticed_while_the_handler_runs(bare):
     deadline = time.monotonic() + WAIT_S
     while "after_s" not in seen and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert seen["after_s"] is not None and seen["after_s"] < 1.0
+    assert seen["after_s"] is not None and seen["after_s"] < 5   # without read-ahead: never
 
 
 # ---- the command line ------------------------------------------------------------------------------
