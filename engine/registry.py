@@ -578,9 +578,8 @@ def _check_tokenizer_loads(path: Path) -> None:
 
 # ---- facts about a weights folder (for /v1/models: weights, gb, bpw) ------------------------------
 
-# Bytes per element of each safetensors dtype.
-_ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+# Bytes per weight of each dtype the engine may hold weights in on the device.
+_DEVICE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -615,7 +614,11 @@ def weights_bytes(folder: str, dtype: str | None = None) -> int:
     """Bytes of the model's weights as stored (dtype None), or when held in dtype on the device
     ("float32", "bfloat16", ...): what the /v1/models `gb` field reports, divided by 1e9."""
     params, data = _tensor_stats(folder)
-    return data if dtype is None else params * _numpy_dtype(dtype).itemsize
+    if dtype is None:
+        return data
+    if dtype not in _DEVICE_ITEMSIZE:
+        raise RegistryError(f"unknown weights dtype {dtype!r} (one of {', '.join(_DEVICE_ITEMSIZE)})")
+    return params * _DEVICE_ITEMSIZE[dtype]
 
 
 def bits_per_weight(folder: str) -> float:
