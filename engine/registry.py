@@ -77,7 +77,11 @@ class DemoSource:
     parts: tuple[DemoPart, ...]
     size: int                     # bytes of the joined GGUF
     sha256: str
-    dtype: str                    # dtype written to model.safetensors
+    # dtype written to model.safetensors. float32: a dequantized weight (a float16 block scale times a
+    # small integer, minus a scaled minimum for K-quants) needs more mantissa than bfloat16 or float16
+    # keep, so only float32 holds the GGUF's values exactly; it is also the fast path on CPU. An
+    # accelerator casts to bfloat16 when it loads the weights.
+    dtype: str
 
 
 @dataclass(frozen=True)
@@ -344,7 +348,8 @@ def build_demo(demo: DemoSource, out: Path, progress: Progress | None = None) ->
     try:
         reader = GGUFReader(gguf_path)
         meta = _gguf_metadata(reader)
-        config = qwen2_config(meta, demo.dtype)
+        tied = "output.weight" not in {t.name for t in reader.tensors}
+        config = qwen2_config(meta, demo.dtype, tied)
         write_safetensors(reader, out / "model.safetensors", demo.dtype, progress)
         tokenizer, tokenizer_config = tokenizer_files(meta)
         _write_json(out / "config.json", config)
@@ -380,7 +385,7 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def qwen2_config(meta: dict, dtype: str) -> dict:
+def qwen2_config(meta: dict, dtype: str, tied: bool = False) -> dict:
     """config.json for Qwen2ForCausalLM from the GGUF hyperparameters."""
     arch = meta.get("general.architecture")
     if arch != "qwen2":
@@ -400,7 +405,7 @@ def qwen2_config(meta: dict, dtype: str) -> dict:
         "rms_norm_eps": _f32(meta["qwen2.attention.layer_norm_rms_epsilon"]),
         "vocab_size": len(tokens),
         "hidden_act": "silu",
-        "tie_word_embeddings": False,     # the GGUF has its own output.weight (quantized differently)
+        "tie_word_embeddings": tied,      # the demo GGUF has its own output.weight: untied
         "use_sliding_window": False,
         "attention_dropout": 0.0,
         "bos_token_id": int(meta["tokenizer.ggml.bos_token_id"]),
