@@ -22,6 +22,9 @@ from jax import lax
 
 from engine.config import ModelConfig
 
+# copy_prefix moves this many positions per loop step: big enough that the loop overhead is
+# nothing, small enough that a short prefix does not pay for a long block.
+COPY_BLOCK = 256
 # Host copies (read_slot/write_slot) move a power-of-two bucket of positions, so the number of
 # compiled programs grows with log2(ctx), not with every length; below this they share one bucket.
 MIN_HOST_BUCKET = 64
@@ -55,18 +58,32 @@ def cache_bytes(cache) -> int:
 @partial(jax.jit, donate_argnames=("cache",))
 def copy_prefix(cache, src_slot, dst_slot, n):
     """Copy positions [0, n) of `src_slot` into `dst_slot` (prefix reuse across slots).
-    All three are traced ints: one compiled program serves every slot pair and length."""
-    out = []
-    for layer in cache:
-        new = {}
-        for name, arr in layer.items():
-            seq_axis = 2 if name == "k" else 3      # where ctx lives once the slot axis is gone
-            src = lax.dynamic_index_in_dim(arr, src_slot, 0, keepdims=False)
-            dst = lax.dynamic_index_in_dim(arr, dst_slot, 0, keepdims=False)
-            pos = lax.broadcasted_iota(jnp.int32, src.shape, seq_axis - 1)
-            new[name] = lax.dynamic_update_index_in_dim(arr, jnp.where(pos < n, src, dst), dst_slot, 0)
-        out.append(new)
-    return out
+    All three are traced ints: one compiled program serves every slot pair and length, and the
+    loop moves COPY_BLOCK positions at a time up to n, so the cost follows n, not ctx."""
+    _, ctx = cache_dims(cache)
+    block = min(COPY_BLOCK, ctx)
+
+    def copy_block(i, cache):
+        # The last block may reach past ctx; dynamic_slice then shifts it back to end at ctx, and
+        # the mask below is computed from where the block really starts.
+        start = jnp.minimum(i * block, ctx - block)
+        out = []
+        for layer in cache:
+            new = {}
+            for name, arr in layer.items():
+                axis = 2 if name == "k" else 3                  # where ctx lives in this array
+                sizes = list(arr.shape)
+                sizes[0], sizes[axis] = 1, block
+                at = lambda slot: tuple(slot if a == 0 else start if a == axis else 0
+                                        for a in range(arr.ndim))
+                src = lax.dynamic_slice(arr, at(src_slot), sizes)
+                dst = lax.dynamic_slice(arr, at(dst_slot), sizes)
+                pos = start + lax.broadcasted_iota(jnp.int32, sizes, axis)
+                new[name] = lax.dynamic_update_slice(arr, jnp.where(pos < n, src, dst), at(dst_slot))
+            out.append(new)
+        return out
+
+    return lax.fori_loop(0, (n + block - 1) // block, copy_block, cache)
 
 
 def _host_bucket(n: int, ctx: int) -> int:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from engine.cache import copy_prefix, init_cache, read_slot, write_slot
+from engine.cache import COPY_BLOCK, copy_prefix, init_cache, read_slot, write_slot
 from engine.config import ConfigError, config_from_dict, load_config
 from engine.model import dtype_for, jit_forward
 from engine.weights import WeightsError, load_weights
@@ -337,3 +337,23 @@ def test_attention_window_larger_than_the_cache_is_refused():
     with pytest.raises(ValueError, match="attn_len"):
         _run(params, init_cache(cfg, 1, 16, jnp.float32), cfg, ref["tokens"][:4], [0], [0], [4],
              attn_len=32)
+
+
+def test_copy_prefix_across_blocks_and_up_to_the_end_of_the_slot():
+    """Guards against the block-wise copy missing a block boundary or the clamped last block."""
+    cfg = load_config(os.path.join(TINY, "qwen2"))
+    ctx = 2 * COPY_BLOCK + 88                    # the last block is shifted back to end at ctx
+    rng = np.random.default_rng(0)
+    cache = [{name: jnp.asarray(rng.standard_normal(arr.shape, np.float32))
+              for name, arr in layer.items()} for layer in init_cache(cfg, 3, ctx, jnp.float32)]
+    for n in (COPY_BLOCK + 1, ctx - 5, ctx, 0):
+        before = _snapshot(cache)
+        cache = copy_prefix(cache, 2, 0, n)
+        after = _snapshot(cache)
+        for old, new in zip(before, after):
+            np.testing.assert_array_equal(new["k"][0, :, :n], old["k"][2, :, :n])
+            np.testing.assert_array_equal(new["k"][0, :, n:], old["k"][0, :, n:])
+            np.testing.assert_array_equal(new["v"][0, :, :, :n], old["v"][2, :, :, :n])
+            np.testing.assert_array_equal(new["v"][0, :, :, n:], old["v"][0, :, :, n:])
+            np.testing.assert_array_equal(new["k"][1:], old["k"][1:])
+            np.testing.assert_array_equal(new["v"][1:], old["v"][1:])
