@@ -34,11 +34,10 @@ from engine.config import load_config
 from engine.model import dtype_for, jit_forward
 from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Ready, Shutdown, Stats, Step,
                              Submit)
+from engine.registry import cache_root
 from engine.scheduler import PREFILL_CHUNKS, Buckets, Decode, Prefill, Request, Scheduler
 from engine.weights import load_weights, weights_bytes
 
-# Where compiled programs are kept between runs: a compile per shape costs seconds on CPU.
-DEFAULT_COMPILE_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "mashbox", "jax")
 # Programs faster to compile than this are not worth a file in the persistent cache.
 COMPILE_CACHE_MIN_SECONDS = 0.5
 # Exit status of an injected fault (MASHBOX_FAULT): distinct from a crash's usual 1.
@@ -62,7 +61,9 @@ class WorkerArgs:
     bpw: float | None = None              # bits per weight of that file; None: the checkpoint dtype
     dtype: str | None = None              # "float32" | "bfloat16"; None: by platform
     prefill_chunks: tuple[int, ...] = PREFILL_CHUNKS
-    compile_cache: str | None = DEFAULT_COMPILE_CACHE   # None: off
+    # Where compiled programs are kept between runs (a compile per shape costs seconds on CPU);
+    # None: off.
+    compile_cache: str | None = field(default_factory=lambda: str(cache_root() / "jax"))
     cache_namespace: str | None = None
     extra: dict = field(default_factory=dict)           # facts other engines may add
 
