@@ -16,9 +16,11 @@ from __future__ import annotations
 import os
 
 # One BLAS thread: the host does small bookkeeping between device calls, and a BLAS pool would
-# compete with XLA's own threads for the cores. Set before numpy is first imported in this process.
-for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_name, "1")
+# compete with XLA's own threads for the cores. It must be set before numpy is first imported in the
+# worker process: start_worker puts it in the child's environment; this covers other entry points.
+SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+for _name, _value in SINGLE_THREAD_ENV.items():
+    os.environ.setdefault(_name, _value)
 
 import multiprocessing
 import secrets
@@ -364,6 +366,17 @@ def start_worker(args: WorkerArgs):
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe()
     process = context.Process(target=main, args=(theirs, args), name="mashbox-worker", daemon=True)
-    process.start()
+    # The child inherits the environment at spawn, before it imports anything (the server's own
+    # modules, numpy among them, are imported again in the child before engine.worker).
+    saved = {name: os.environ.get(name) for name in SINGLE_THREAD_ENV}
+    os.environ.update(SINGLE_THREAD_ENV)
+    try:
+        process.start()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     theirs.close()
     return process, ours

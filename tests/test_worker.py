@@ -105,6 +105,16 @@ def test_prefix_reuse_serves_cached_tokens_and_matches_a_cold_run(engine):
     assert cold["first"].cached_tokens == 0
     assert hot["tokens"] == cold["tokens"]
 
+    # the same prefix held by a request still running is copied into the new request's slot
+    other = prompt(30, 50)
+    engine.submit(Submit("runner", other + [1, 2], 30))
+    while not engine.scheduler.requests["runner"].output:
+        engine.step()
+    beside = other[:45] + prompt(31, 6)
+    copied = run(engine, Submit("copied", beside, 10))["copied"]
+    assert copied["first"].cached_tokens == 45
+    assert copied["tokens"] == run(cold_engine, Submit("cold", beside, 10))["cold"]["tokens"]
+
 
 def test_chunked_prefill_equals_one_shot(engine):
     """Guards against chunk boundaries corrupting positions or the cache."""
