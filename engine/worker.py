@@ -328,10 +328,13 @@ def _inbox(conn, block: bool) -> list:
     return messages
 
 
-def main(conn, args: WorkerArgs) -> None:
+def main(conn, args: WorkerArgs | dict) -> None:
     """The worker process: load and compile, send Ready, then serve the pipe until Shutdown or
-    until the server's end of the pipe closes. An error it cannot recover from is sent as Fault."""
+    until the server's end of the pipe closes. An error it cannot recover from is sent as Fault.
+    args may be a dict of WorkerArgs's fields: the server builds it without importing this module."""
     try:
+        if isinstance(args, dict):
+            args = WorkerArgs(**args)
         engine = Engine(args, progress=lambda phase, done, total: conn.send(Loading(phase, done, total)))
         conn.send(Ready(engine.facts, os.getpid()))
         last_stats, last_shape = 0.0, None
@@ -360,7 +363,7 @@ def main(conn, args: WorkerArgs) -> None:
             raise
 
 
-def start_worker(args: WorkerArgs):
+def start_worker(args: WorkerArgs | dict):
     """Start the worker process (spawned: a fresh interpreter, never a fork of the server's threads).
     Returns (process, connection); the connection speaks engine.protocol."""
     context = multiprocessing.get_context("spawn")

@@ -169,8 +169,9 @@ def _recv_until(conn, kind, timeout=300):
 
 def test_worker_process_round_trip(tmp_path):
     """Guards against the pipe protocol breaking: Loading, Ready, Submit -> Steps -> finish, Stats."""
-    args = WorkerArgs("tiny", str(TINY / "qwen3"), slots=2, ctx=128, prefill_chunks=(32,),
-                      compile_cache=str(tmp_path / "jax"))
+    # as a dict of WorkerArgs's fields, the way the server (which never imports jax) sends them
+    args = {"model_id": "tiny", "weights_folder": str(TINY / "qwen3"), "slots": 2, "ctx": 128,
+            "prefill_chunks": [32], "compile_cache": str(tmp_path / "jax")}
     process, conn = start_worker(args)
     try:
         start = _recv_until(conn, Ready)
