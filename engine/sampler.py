@@ -126,6 +126,9 @@ def filter_mask(probs, p: RowParams):
     t_p = _threshold(probs, lambda m: jnp.sum(jnp.where(m, probs, 0.0), axis=-1, keepdims=True),
                      jnp.minimum(p.top_p[:, None], 1.0) * mass * (1 - 1e-6))
     t_min = p.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    # A row whose filter is off keeps every token exactly, so it draws the same in any batch.
+    t_k = jnp.where(p.top_k[:, None] > 0, t_k, 0.0)
+    t_p = jnp.where(p.top_p[:, None] < 1.0, t_p, 0.0)
     return probs >= jnp.maximum(jnp.maximum(t_k, t_p), t_min)
 
 
@@ -134,32 +137,40 @@ def _uniform(key_data, step):
     return jax.random.uniform(key, (), jnp.float32)
 
 
-def _draw(logits, p: RowParams):
-    """Sampled tokens for every row: filters, then inverse-CDF with one uniform per row."""
+def _draw(logits, p: RowParams, filtered: bool):
+    """Sampled tokens for every row: filters (when some row has one), then inverse-CDF with one
+    uniform per row."""
     temperature = jnp.maximum(p.temperature, MIN_TEMPERATURE)[:, None]
     probs = jax.nn.softmax(logits / temperature, axis=-1)
-    kept = jnp.where(filter_mask(probs, p), probs, 0.0)
-    cdf = jnp.cumsum(kept, axis=-1)
+    if filtered:
+        probs = jnp.where(filter_mask(probs, p), probs, 0.0)
+    cdf = jnp.cumsum(probs, axis=-1)
     u = jax.vmap(_uniform)(p.key, p.step)[:, None] * cdf[:, -1:]
     tokens = jnp.sum(cdf <= u, axis=-1, dtype=jnp.int32)
     return jnp.minimum(tokens, logits.shape[-1] - 1)
 
 
+# How a batch draws: every row greedy; some row samples with no filter; some row has a filter.
+DRAW_MODES = ("greedy", "plain", "filtered")
+
+
 def batch_flags(rows: list[Sampling]) -> dict:
     """The static switches of sample() for a batch: which costly parts any of its rows needs."""
+    sampled = [s for s in rows if s.temperature >= MIN_TEMPERATURE]
+    filtered = any(s.top_k > 0 or s.top_p < 1.0 or s.min_p > 0.0 for s in sampled)
     return {"penalties": any(s.repetition_penalty != 1.0 or s.frequency_penalty != 0.0
                              or s.presence_penalty != 0.0 for s in rows),
-            "draw": any(s.temperature >= MIN_TEMPERATURE for s in rows)}
+            "draw": "filtered" if filtered else "plain" if sampled else "greedy"}
 
 
 # Every combination of sample()'s static switches: the worker compiles each one before it is ready.
-FLAG_COMBINATIONS = tuple({"penalties": a, "draw": b} for a in (False, True) for b in (False, True))
+FLAG_COMBINATIONS = tuple({"penalties": a, "draw": b} for a in (False, True) for b in DRAW_MODES)
 
 
 @partial(jax.jit, donate_argnames=("state",), static_argnames=("every_slot", "penalties", "draw"))
 def sample(state: SamplerState, logits: jax.Array, slots: jax.Array, active: jax.Array,
            p: RowParams, *, every_slot: bool, penalties: bool,
-           draw: bool) -> tuple[jax.Array, SamplerState]:
+           draw: str) -> tuple[jax.Array, SamplerState]:
     """Draw one token per row. logits f32 [B, V]; slots int32 [B]: each row's slot (its penalty
     state); active bool [B]: rows whose draw counts (pad rows leave the state alone).
     Static switches, always passed by name (jit keys on which keywords were given; batch_flags picks
@@ -168,7 +179,7 @@ def sample(state: SamplerState, logits: jax.Array, slots: jax.Array, active: jax
       every_slot: row i is slot i for every slot (the decode batch): no gather of the state;
       penalties: some row has a penalty (a slot's statistics are read only by the request that
         started there, which keeps its penalties for its whole life, so skipping updates is safe);
-      draw: some row samples (temperature > 0); otherwise every row is greedy.
+      draw: one of DRAW_MODES; "filtered" runs the top-k/top-p/min-p bisections, the costly part.
     Returns (tokens int32 [B], state)."""
     logits = logits.astype(jnp.float32)
     counts = state.counts
@@ -178,8 +189,9 @@ def sample(state: SamplerState, logits: jax.Array, slots: jax.Array, active: jax
         else:
             logits = apply_penalties(logits, state.prompt_seen[slots], state.counts[slots], p)
     tokens = _first_max(logits)
-    if draw:
-        tokens = jnp.where(p.temperature >= MIN_TEMPERATURE, _draw(logits, p), tokens)
+    if draw != "greedy":
+        drawn = _draw(logits, p, filtered=draw == "filtered")
+        tokens = jnp.where(p.temperature >= MIN_TEMPERATURE, drawn, tokens)
     if penalties:
         counts = counts.at[slots, tokens].add(active.astype(jnp.int32))
     return tokens, SamplerState(state.prompt_seen, counts)

@@ -125,6 +125,16 @@ def test_seeded_draw_depends_only_on_seed_and_step():
     assert other_seed != alone
 
 
+def test_row_without_filters_keeps_its_whole_tail_in_a_filtered_batch():
+    """Guards against a neighbour's top-p trimming this row's rare tokens, which would make a seeded
+    request draw differently depending on what runs beside it."""
+    probs = np.array([[0.9999998, 1e-7, 1e-7], [0.5, 0.3, 0.2]], np.float32)
+    p = sampler.row_params([(Sampling(temperature=1.0), 0, 0),
+                            (Sampling(temperature=1.0, top_p=0.5), 0, 0)])
+    mask = np.asarray(sampler.filter_mask(probs, p))
+    assert mask[0].all() and mask[1].tolist() == [True, False, False]
+
+
 def test_greedy_row_stays_greedy_beside_sampled_rows():
     """Guards against a batch-wide switch making a temperature-0 row sample."""
     logits = np.tile(np.array([1.0, 0.9, 0.8], np.float32), (64, 1))
