@@ -485,6 +485,33 @@ class ConnLimits:
     max_connections: int = MAX_CONNECTIONS
     linger_s: float = LINGER_S
 
+# File descriptors kept out of the connection bound: the listening socket, the worker's pipe, files
+# read while serving (tokenizer, key file, spec), logging, and the socket a refused client is told on.
+FD_RESERVE = 64
+
+
+def connection_bound(wanted: int) -> int:
+    """How many client connections may be open at once: `wanted`, raising the process's soft limit on
+    open files toward its hard limit if needed, else what the limit allows. With the bound below the
+    limit a flood is refused early with 503, while accept() still has a descriptor to take the
+    connection; at the limit itself, accept() fails and asyncio stops accepting anyone for a second."""
+    try:
+        import resource
+    except ImportError:       # not a Unix: no per-process limit to respect here
+        return wanted
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = wanted + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        raised = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return max(1, min(wanted, soft - FD_RESERVE))
+
 
 class Responder:
     """How a route handler answers one request: a whole response (json / send), or a stream
@@ -735,6 +762,18 @@ class Connection:
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 # Everything is one tenant when no keys are configured.
 DEFAULT_TENANT = "default"
+# Tenants of keys the file does not name, and of MASHBOX_API_KEY. Both have a space, which a name in
+# the file cannot have, so no key file can put its keys in their queue.
+LINE_TENANT = "line {}"
+ENV_TENANT = "env MASHBOX_API_KEY"
+# A key is visible ASCII (it travels in a header) and long enough not to be guessed by trying.
+_KEY = re.compile(r"[\x21-\x7e]{8,}\Z")
+_TENANT_NAME = re.compile(r"[A-Za-z0-9_.@:-]{1,64}\Z")
+# A `#` starts a comment at the start of a line or after a space; inside a key it is part of the key.
+_COMMENT = re.compile(r"(?:^|\s)#.*")
+# Query parameters some clients use for keys. They are never read (URLs end up in logs, proxies and
+# shell history); naming them in the 401 tells the user why a key that looks sent was not seen.
+QUERY_KEY_NAMES = ("key", "api_key", "api-key", "apikey", "access_token", "token")
 
 
 def is_loopback(host: str) -> bool:
@@ -748,51 +787,83 @@ def is_loopback(host: str) -> bool:
 
 
 class KeyFileError(Exception):
-    pass
+    """The key file cannot be used; the message names the file and the line."""
 
 
 class Keys:
     """API keys and the tenant each belongs to.
 
-    Key file format, one key a line: `KEY` or `KEY TENANT`; `#` starts a comment; blank lines are
-    ignored. Keys that name the same tenant share its queue; a key without a name is a tenant of its
-    own. MASHBOX_API_KEY adds one key, its own tenant. A key is never logged or exported: tenants of
-    unnamed keys are named after their line ("key-line-3"), not their text.
+    Key file format, one key a line: `KEY` or `KEY TENANT`. A key is at least 8 visible ASCII
+    characters; a tenant name is letters, digits and `_ . @ : -`. `#` at the start of a line or after
+    a space starts a comment; blank lines are ignored. Keys that name the same tenant share its queue; a
+    key without a name is a tenant of its own. MASHBOX_API_KEY adds one key, its own tenant. A key is
+    never logged or exported: tenants of unnamed keys are named after their line, not their text.
     """
 
-    def __init__(self, pairs: list[tuple[bytes, str]]):
+    def __init__(self, pairs: list[tuple[bytes, str]], path: str | None = None,
+                 env_key: str | None = None):
         self._pairs = pairs
+        self.path = path                 # re-read on SIGHUP
+        self.env_key = env_key
 
     @property
     def enabled(self) -> bool:
         return bool(self._pairs)
 
+    @property
+    def tenants(self) -> int:
+        return len({tenant for _, tenant in self._pairs})
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
     @classmethod
     def load(cls, path: str | None, env_key: str | None) -> "Keys":
+        """The keys of the file and of MASHBOX_API_KEY. Raises KeyFileError (with the line number) for a
+        file that cannot be used as a whole: a server never runs with part of its keys."""
         pairs: list[tuple[bytes, str]] = []
         if path:
-            with open(path, encoding="utf-8") as f:
-                for number, raw in enumerate(f, 1):
-                    line = raw.split("#", 1)[0].strip()
-                    if not line:
-                        continue
-                    fields = line.split()
-                    if len(fields) > 2:
-                        raise KeyFileError(f"{path}:{number}: expected 'KEY' or 'KEY TENANT', got {len(fields)} fields")
-                    key = fields[0]
-                    if not key.isprintable() or len(key) < 8:
-                        raise KeyFileError(f"{path}:{number}: a key must be at least 8 printable characters")
-                    pairs.append((key.encode(), fields[1] if len(fields) == 2 else f"key-line-{number}"))
+            try:
+                data = Path(path).read_bytes()
+            except OSError as e:
+                raise KeyFileError(f"{path}: {e.strerror or e}") from None
+            seen: dict[str, int] = {}
+            for number, raw in enumerate(data.split(b"\n"), 1):
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise KeyFileError(f"{path}:{number}: not UTF-8 text") from None
+                fields = _COMMENT.sub("", text).split()
+                if not fields:
+                    continue
+                if len(fields) > 2:
+                    raise KeyFileError(f"{path}:{number}: expected 'KEY' or 'KEY TENANT', "
+                                       f"got {len(fields)} fields")
+                key = fields[0]
+                if not _KEY.match(key):
+                    raise KeyFileError(f"{path}:{number}: a key must be at least 8 visible ASCII "
+                                       "characters")
+                if len(fields) == 2 and not _TENANT_NAME.match(fields[1]):
+                    raise KeyFileError(f"{path}:{number}: a tenant name is 1-64 letters, digits "
+                                       "and _ . @ : -")
+                if key in seen:
+                    raise KeyFileError(f"{path}:{number}: the same key as line {seen[key]}")
+                seen[key] = number
+                pairs.append((key.encode(), fields[1] if len(fields) == 2 else LINE_TENANT.format(number)))
+            if not pairs:
+                raise KeyFileError(f"{path}: no keys in the file")
         if env_key:
-            pairs.append((env_key.encode(), "key-env"))
-        return cls(pairs)
+            if not _KEY.match(env_key):
+                raise KeyFileError("MASHBOX_API_KEY: a key must be at least 8 visible ASCII characters")
+            pairs.append((env_key.encode(), ENV_TENANT))
+        return cls(pairs, path, env_key)
 
     def tenant_for(self, key: str | None) -> str | None:
         """The key's tenant, or None. Compares against every key in constant time per key, with no early
         exit, so the time taken says nothing about which key or how much of one matched."""
         if key is None:
             return None
-        given = key.encode()
+        given = key.encode("latin-1", "replace")
         found = None
         for known, tenant in self._pairs:
             if hmac.compare_digest(known, given) and found is None:
@@ -821,6 +892,9 @@ class Guard:
 
     Node clients send `sec-fetch-mode: cors` and Claude Code `anthropic-dangerous-direct-browser-access`
     without an Origin: those are not browser requests from another origin, and pass.
+
+    The keys are swapped whole on reload_keys (SIGHUP): check() reads self.keys once, so a request is
+    judged by the old set or the new, never a mix, and no connection is touched.
     """
 
     def __init__(self, keys: Keys, bind_host: str, allowed_hosts: tuple[str, ...] = ()):
@@ -846,29 +920,63 @@ class Guard:
         return False
 
     def check(self, req, needs_key: bool) -> str:
-        """Raise ApiError(401/403/415) or return the request's tenant."""
+        """Raise ApiError(401/403/415) or return the request's tenant. HEAD needs no key: its answer
+        has no body, and probes use it."""
         host = req.header("host")
         if host is not None and not self._host_ok(host):
             raise ApiError(403, "this server does not answer to the host name in the Host header",
-                           type="permission_error")
+                           code="unknown_host")
         origin = req.header("origin")
         if origin is not None:
             scheme, _, authority = origin.partition("://")
             if scheme not in ("http", "https") or host is None or authority.lower() != host.strip().lower():
                 raise ApiError(403, "requests from web pages of another origin are refused",
-                               type="permission_error")
+                               code="cross_origin")
+        keys = self.keys
         tenant = DEFAULT_TENANT
-        if self.keys.enabled and needs_key:
-            tenant = self.keys.tenant_for(request_key(req))
+        if keys.enabled and needs_key and req.method != "HEAD":
+            tenant = keys.tenant_for(request_key(req))
             if tenant is None:
-                raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)",
-                               type="authentication_error")
+                raise ApiError(401, self._no_key_message(req), code="invalid_api_key")
         if req.method == "POST":
             ctype = (req.header("content-type") or "").split(";", 1)[0].strip().lower()
             if ctype != "application/json":
                 raise ApiError(415, "the request body must be Content-Type: application/json",
-                               type="invalid_request_error")
+                               code="unsupported_media_type")
         return tenant
+
+    @staticmethod
+    def _no_key_message(req) -> str:
+        sent = "a wrong API key" if request_key(req) is not None else "no API key"
+        in_query = [name for name in getattr(req, "query", {}) or {} if name.lower() in QUERY_KEY_NAMES]
+        hint = (f"; keys in the URL ({in_query[0]}=...) are never read" if in_query else "")
+        return (f"{sent} was sent: send one as Authorization: Bearer KEY or x-api-key: KEY{hint}")
+
+    def reload_keys(self) -> bool:
+        """Re-read the key file (on SIGHUP). A file that does not load keeps the old keys, and the log
+        says which line is wrong."""
+        old = self.keys
+        if old.path is None:
+            log.info("SIGHUP: no key file to re-read")
+            return False
+        try:
+            new = Keys.load(old.path, old.env_key)
+        except KeyFileError as e:
+            log.error("key file not re-read, the old keys stay in use: %s", e)
+            return False
+        self.keys = new
+        log.info("key file re-read: %d keys, %d tenants", len(new), new.tenants)
+        return True
+
+
+def reload_keys_on_sighup(guard: "Guard | None", loop: asyncio.AbstractEventLoop) -> None:
+    """`kill -HUP` re-reads the key file; open connections and waiting requests are not touched."""
+    if guard is None or not hasattr(signal, "SIGHUP"):
+        return
+    try:
+        loop.add_signal_handler(signal.SIGHUP, guard.reload_keys)
+    except (NotImplementedError, RuntimeError):
+        pass   # not the main thread: nothing to install
 
 
 # =================================================================================================
@@ -3116,12 +3224,17 @@ def not_ready_error(fmt_anthropic: bool) -> ApiError:
 
 
 def rejected_error(fmt_anthropic: bool, reason: str) -> ApiError:
-    why = ("too many of your requests are waiting for a slot" if reason == "tenant_queue_full"
-           else "the server's queue is full")
+    """What admission's refusal sounds like in each API (the spec's 429 and 529): a tenant past its own
+    limit is rate-limited (429 everywhere, Anthropic's rate_limit_error); a full server queue is 429 on
+    OpenAI routes and Anthropic's 529 overloaded_error on Messages. Both with Retry-After."""
     headers = (("Retry-After", str(RETRY_AFTER_BUSY_S)),)
+    if reason == "tenant_queue_full":
+        return ApiError(429, "too many of your requests are waiting for a slot", type="unavailable",
+                        code=reason, headers=headers)
+    why = "the server's queue is full"
     if fmt_anthropic:
-        return ApiError(529, why, type="overloaded_error", headers=headers)
-    return ApiError(429, why, type="rate_limit_exceeded", headers=headers)
+        return ApiError(529, why, type="overloaded_error", code=reason, headers=headers)
+    return ApiError(429, why, type="unavailable", code=reason, headers=headers)
 
 
 async def render_prompt(app, job: Job) -> list[int]:
@@ -3223,8 +3336,10 @@ Handler = Callable[[Request, Responder], Awaitable[None]]
 
 
 def _needs_key(pattern: str) -> bool:
-    """The spec: with keys configured, /v1 routes, /metrics and /openapi.json need one; /health and /
-    stay open for probes."""
+    """The spec: with keys configured, /v1 routes, /metrics and /openapi.json need one; health (/,
+    /health, /v1/health) stays open for probes."""
+    if pattern in ("/", "/health", "/v1/health"):
+        return False
     return pattern.startswith("/v1/") or pattern in ("/metrics", "/openapi.json")
 
 
@@ -3493,7 +3608,13 @@ class App:
 
     async def start(self) -> None:
         """Bind and accept connections (port 0: any free port, then self.port says which)."""
+        bound = connection_bound(self.limits.max_connections)
+        if bound < self.limits.max_connections:
+            log.warning("open files are limited: at most %d connections (not %d)", bound,
+                        self.limits.max_connections)
+            self.limits.max_connections = bound
         self._server = await asyncio.start_server(self._on_connect, self.config.host, self.config.port)
+
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
@@ -3540,6 +3661,9 @@ class Config:
     api_key_file: str | None = None
     allowed_hosts: tuple[str, ...] = ()
     log_prompts: bool = False
+    max_waiting: int = MAX_WAITING_TOTAL
+    max_waiting_per_tenant: int = MAX_WAITING_PER_TENANT
+    max_connections: int = MAX_CONNECTIONS
 
 
 def _at_least(low: int, what: str) -> Callable[[str], int]:
@@ -3579,6 +3703,13 @@ def arg_parser() -> argparse.ArgumentParser:
     run.add_argument("--allowed-host", dest="allowed_hosts", metavar="NAME", action="extend", nargs="+",
                      default=[], help="host names the server answers to besides its own address")
     run.add_argument("--log-prompts", action="store_true", help="log each request's prompt text")
+    run.add_argument("--max-waiting", type=_at_least(0, "--max-waiting"), default=MAX_WAITING_TOTAL,
+                     help=f"requests waiting for a slot, in all (default {MAX_WAITING_TOTAL})")
+    run.add_argument("--max-waiting-per-tenant", type=_at_least(0, "--max-waiting-per-tenant"),
+                     default=MAX_WAITING_PER_TENANT,
+                     help=f"requests waiting for a slot, per tenant (default {MAX_WAITING_PER_TENANT})")
+    run.add_argument("--max-connections", type=_at_least(1, "--max-connections"), default=MAX_CONNECTIONS,
+                     help=f"open client connections (default {MAX_CONNECTIONS})")
     return parser
 
 
@@ -3587,7 +3718,9 @@ def config_from_args(argv: list[str] | None) -> Config:
     return Config(model=args.model, weights=args.weights, host=args.host, port=args.port,
                   slots=args.slots, ctx=args.ctx, cache_ram_mib=args.cache_ram_mib,
                   api_key_file=args.api_key_file, allowed_hosts=tuple(args.allowed_hosts),
-                  log_prompts=args.log_prompts)
+                  log_prompts=args.log_prompts, max_waiting=args.max_waiting,
+                  max_waiting_per_tenant=args.max_waiting_per_tenant,
+                  max_connections=args.max_connections)
 
 
 def worker_args(spec: "registry.ModelSpec", config: Config, folder: str) -> dict:
@@ -3612,6 +3745,7 @@ async def serve(app: App, stop: asyncio.Event | None = None,
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
             pass   # not the main thread, or a platform without signals
+    reload_keys_on_sighup(app.guard, loop)
     await app.start()
     log.info("listening on %s", app.url)
     try:
@@ -3636,7 +3770,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mashbox: MODEL: {e}", file=sys.stderr)
         return 2
     except (OSError, KeyFileError) as e:
-        print(f"mashbox: --api-key-file: {e}", file=sys.stderr)
+        print(f"mashbox: keys: {e}", file=sys.stderr)
         return 2
     config.model = spec.id
     if not keys.enabled and not is_loopback(config.host):
@@ -3645,7 +3779,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     app = App(config, bridge=Bridge(worker_args=None, log=log.info),
               guard=Guard(keys, config.host, config.allowed_hosts),
-              admission=Admission(slots=config.slots or spec.slots), metrics=Metrics())
+              admission=Admission(slots=config.slots or spec.slots, per_tenant=config.max_waiting_per_tenant,
+                                  total=config.max_waiting),
+              limits=ConnLimits(max_connections=config.max_connections), metrics=Metrics())
     app.other_model_ids = set(registry.known_ids()) - {spec.id}
 
     def prepare() -> dict:

@@ -1,0 +1,166 @@
+"""A real mashbox server for tests: the App on 127.0.0.1:<free port>, its own event loop in a background
+thread, and tests/fake_worker.py behind the real engine bridge.
+
+    with start_server(delay_s=0.01, slots=2) as server:     # FakeArgs fields
+        status, headers, body = server.request("GET", "/v1/models")
+
+Security is on as `mashbox run` sets it up (a Guard for 127.0.0.1: Host, Origin and content type are
+checked); pass keys={"KEY": "tenant" or None} to require keys. loading=True never starts the worker,
+so the server stays "loading" (503/529).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import json
+import socket
+import threading
+from typing import Iterator
+
+import mashbox
+from mashbox import Admission, App, Config, ConnLimits, Guard, Keys
+from tests.fake_worker import MODEL_ID, FakeArgs
+
+WAIT_S = 30          # most a test waits for the worker or an answer; a pass takes far less
+HOST = "127.0.0.1"
+
+
+def key_set(keys: dict[str, str | None]) -> Keys:
+    """Keys as the key file would give them: a key without a tenant name is its own tenant."""
+    return Keys([(k.encode(), tenant or mashbox.LINE_TENANT.format(i))
+                 for i, (k, tenant) in enumerate(keys.items(), 1)])
+
+
+class Server:
+    """A running App. request() and connect() talk to it; call() runs a coroutine on its loop."""
+
+    def __init__(self, app: App, worker: FakeArgs | None):
+        self.app = app
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="mashbox-test-server",
+                                        daemon=True)
+        self._thread.start()
+        self.call(self._start(worker is not None))
+        self.port: int = app.port
+        self.url = f"http://{HOST}:{self.port}"
+
+    async def _start(self, with_worker: bool) -> None:
+        await self.app.start()
+        if with_worker:
+            self.app.bridge.start()
+
+    def call(self, coro, timeout: float = WAIT_S):
+        """Run a coroutine on the server's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def on_loop(self, fn, *args):
+        """Call fn(*args) on the server's loop (where the App's state may be read) and return its result."""
+        async def run():
+            return fn(*args)
+        return self.call(run())
+
+    def wait_ready(self) -> None:
+        self.call(asyncio.wait_for(self.app.wait_ready(), WAIT_S), WAIT_S + 1)
+
+    def request(self, method: str, path: str, body=None, headers: dict | None = None,
+                timeout: float = WAIT_S) -> tuple[int, dict[str, str], bytes]:
+        """One request on a new connection: (status, lowercase headers, body). A dict body is sent as
+        JSON with Content-Type: application/json unless headers say otherwise."""
+        headers = dict(headers or {})
+        if isinstance(body, (dict, list)):
+            body = json.dumps(body).encode()
+            headers.setdefault("Content-Type", "application/json")
+        conn = http.client.HTTPConnection(HOST, self.port, timeout=timeout)
+        try:
+            conn.request(method, path, body=body, headers=headers)
+            resp = conn.getresponse()
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+        finally:
+            conn.close()
+
+    def connect(self, timeout: float = WAIT_S) -> socket.socket:
+        """A raw TCP connection to the server."""
+        sock = socket.create_connection((HOST, self.port), timeout=timeout)
+        return sock
+
+    def stop(self) -> None:
+        if not self._thread.is_alive():
+            return
+        self.call(self.app.close())
+        if self.app.bridge.worker_args is not None:
+            self.app.bridge.stop()
+        self.call(_cancel_tasks())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        self.loop.close()
+
+
+async def _cancel_tasks() -> None:
+    """End the tasks still running (the bridge's watchdog, handlers) so the loop closes cleanly."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@contextlib.contextmanager
+def start_server(*, keys: dict[str, str | None] | None = None, guard: bool = True,
+                 admission: Admission | None = None, limits: ConnLimits | None = None,
+                 loading: bool = False, **fake_args) -> Iterator[Server]:
+    """A server with the fake worker (FakeArgs(**fake_args)), ready when the block starts (unless
+    loading=True: then the worker never starts). guard=False drops every security check."""
+    worker = None if loading else FakeArgs(**fake_args)
+    bridge = mashbox.Bridge(worker, entry="tests.fake_worker:main", log=lambda m: None)
+    app = App(Config(host=HOST, port=0, model=MODEL_ID), bridge=bridge, limits=limits,
+              guard=Guard(key_set(keys or {}), HOST) if guard else None, admission=admission)
+    server = Server(app, worker)
+    try:
+        if worker is not None:
+            server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+# ---- one request of each route family, and the error shapes the spec gives them ------------------
+
+def _chat_body(text: str = "echo: hi") -> dict:
+    return {"model": MODEL_ID, "max_tokens": 4, "messages": [{"role": "user", "content": text}]}
+
+
+# (method, path, body, the API whose error shape the route answers in): every route family of the spec.
+ROUTES = (
+    ("GET", "/v1/models", None, "openai"),
+    ("GET", f"/v1/models/{MODEL_ID}", None, "openai"),
+    ("POST", "/v1/chat/completions", _chat_body(), "openai"),
+    ("POST", "/v1/completions", {"model": MODEL_ID, "prompt": "echo: hi", "max_tokens": 4}, "openai"),
+    ("POST", "/v1/responses", {"model": MODEL_ID, "input": "echo: hi", "max_output_tokens": 4}, "openai"),
+    ("POST", "/v1/messages", _chat_body(), "anthropic"),
+    ("POST", "/v1/messages/count_tokens", {"model": MODEL_ID, "messages": _chat_body()["messages"]},
+     "anthropic"),
+    ("GET", "/metrics", None, "openai"),
+    ("GET", "/openapi.json", None, "openai"),
+)
+GENERATION_ROUTES = tuple(r for r in ROUTES if r[0] == "POST" and not r[1].endswith("count_tokens"))
+# Error types each shape may carry: the spec's OpenAI Error lists three; Anthropic's follow the status.
+OPENAI_ERROR_TYPES = ("invalid_request_error", "unavailable", "server_error")
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
+                         429: "rate_limit_error", 500: "api_error", 529: "overloaded_error"}
+
+
+def error_of(status: int, body: bytes, api: str) -> dict:
+    """The error object of an error answer, after checking it against the spec's schema for the route's
+    API (Error or AnthropicError) and the error type for its status. Raises AssertionError if not."""
+    import jsonschema
+    spec = json.loads(mashbox.OPENAPI_FILE.read_text(encoding="utf-8"))
+    doc = json.loads(body)
+    schema = spec["components"]["schemas"]["AnthropicError" if api == "anthropic" else "Error"]
+    jsonschema.validate(doc, schema)
+    err = doc["error"]
+    if api == "anthropic":
+        assert err["type"] == ANTHROPIC_ERROR_TYPES[status], (status, err)
+    else:
+        assert err["type"] in OPENAI_ERROR_TYPES, (status, err)
+    return err
