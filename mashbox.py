@@ -2649,6 +2649,11 @@ def _label_value(v: str) -> str:
     return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
+def _help_text(v: str) -> str:
+    """HELP lines escape only backslash and newline (quotes stay as they are)."""
+    return v.replace("\\", "\\\\").replace("\n", "\\n")
+
+
 def _labels(labels: dict) -> str:
     if not labels:
         return ""
@@ -2688,9 +2693,12 @@ class Metric:
         h[2] += 1
 
     def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+        lines = [f"# HELP {self.name} {_help_text(self.help)}", f"# TYPE {self.name} {self.kind}"]
         if self.kind == "histogram":
-            for key, (counts, total, count) in sorted(self.hist.items()):
+            # An unlabelled histogram shows its zero buckets before the first observation, as vLLM's
+            # do, so a dashboard's rate() has a series to start from.
+            series = self.hist or {(): [[0] * len(self.buckets), 0.0, 0]}
+            for key, (counts, total, count) in sorted(series.items()):
                 labels = dict(key)
                 for bound, c in zip(self.buckets, counts):
                     lines.append(f"{self.name}_bucket{_labels({**labels, 'le': _num(bound)})} {c}")
@@ -2743,11 +2751,17 @@ class Metrics:
 
     def request_done(self, finish: str, usage: "chat.Usage | None", queue_s: float, e2e_s: float,
                      ttft_s: float | None, decode_s: float | None) -> None:
-        """Account one finished generation request (from the pipeline, once per client request)."""
+        """Account one finished generation request (from the pipeline, once per client request).
+
+        The prefix cache counters come from the same usage the response reports (prompt tokens looked
+        up, and those served from a cache), so they add up to what clients were told and only grow,
+        whatever happens to the worker process."""
         self.m["request_success_total"].inc(finished_reason=finish if finish in self.FINISH_REASONS else "stop")
         if usage is not None:
             self.m["prompt_tokens_total"].inc(usage.prompt_tokens)
             self.m["generation_tokens_total"].inc(usage.completion_tokens)
+            self.m["prefix_cache_queries_total"].inc(usage.prompt_tokens)
+            self.m["prefix_cache_hits_total"].inc(usage.cached_tokens)
             if usage.completion_tokens > 1 and decode_s is not None:
                 self.m["request_time_per_output_token_seconds"].observe(
                     decode_s / (usage.completion_tokens - 1))
@@ -2755,6 +2769,11 @@ class Metrics:
         self.m["e2e_request_latency_seconds"].observe(e2e_s)
         if ttft_s is not None:
             self.m["time_to_first_token_seconds"].observe(ttft_s)
+
+    def _grow(self, name: str, total: float) -> None:
+        """Set a counter kept elsewhere as a running total, never lowering it."""
+        metric = self.m[name]
+        metric.set(max(total, metric.values.get((), 0.0)))
 
     def render(self, bridge: "Bridge | None", admission: "Admission | None") -> str:
         """The exposition (text format 0.0.4). Gauges are read from state the event loop already has."""
@@ -2773,12 +2792,11 @@ class Metrics:
             info.set(1, block_size=facts.max_model_len, num_gpu_blocks=facts.slots,
                      enable_prefix_caching=str(facts.prefix_cache).lower(),
                      cache_ram_mib=facts.cache_ram_mib)
-        if stats is not None:
-            self.m["prefix_cache_queries_total"].set(stats.prefix_queries)
-            self.m["prefix_cache_hits_total"].set(stats.prefix_hits)
         if bridge is not None:
-            self.m["worker_restarts_total"].set(bridge.restarts)
-            self.m["compiles_after_ready_total"].set(bridge.compiles_after_ready or 0)
+            # The bridge's totals span every worker process, but compiles_after_ready reads None while
+            # a new worker loads: a counter never goes back, so keep the largest value seen.
+            self._grow("worker_restarts_total", bridge.restarts)
+            self._grow("compiles_after_ready_total", bridge.compiles_after_ready or 0)
         lines = []
         for metric in self.m.values():
             lines += metric.render()
@@ -2835,6 +2853,97 @@ def health_document(bridge: "Bridge", admission: "Admission | None", namespace: 
     return doc
 
 
+# ---- the server log ------------------------------------------------------------------------------
+
+# A session tag is client text (X-Session-Id, prompt_cache_key). The log keeps at most this many of its
+# characters, printable and without spaces, so a request stays one line that splits on spaces and a
+# client cannot write fake lines into the log.
+MAX_LOG_TAG = 64
+
+
+def log_tag(value: str | None) -> str | None:
+    """A client-given tag as the log shows it, or None when nothing printable is left."""
+    if not value:
+        return None
+    kept = "".join(c for c in str(value) if c.isprintable() and not c.isspace())[:MAX_LOG_TAG]
+    return kept or None
+
+
+def request_log_line(method: str, path: str, outcome: "Outcome", prompt_tokens: int, queue_s: float,
+                     total_s: float, session: str | None) -> str:
+    """The one line logged when a generation request ends. Never the key, the tenant or the prompt."""
+    u = outcome.usage
+    tag = log_tag(session)
+    return (f"{method} {path} {outcome.status} finish={outcome.finish or '-'} "
+            f"prompt={u.prompt_tokens if u else prompt_tokens} cached={u.cached_tokens if u else 0} "
+            f"generated={u.completion_tokens if u else 0} queue_ms={queue_s * 1000:.0f} "
+            f"total_ms={total_s * 1000:.0f}" + (" retried=1" if outcome.retried else "")
+            + (f" session={tag}" if tag else ""))
+
+
+def log_prompt(tokenizer: "chat.Tokenizer", prompt: list[int], path: str, session: str | None) -> None:
+    """--log-prompts: the rendered prompt exactly as the model reads it, as one escaped line."""
+    tag = log_tag(session)
+    log.info("prompt %s%s (%d tokens): %r", path, f" session={tag}" if tag else "", len(prompt),
+             tokenizer.decode(prompt))
+
+
+class _LogLines:
+    """A text stream whose lines go to the server log: progress where stderr is not a terminal."""
+
+    def isatty(self) -> bool:
+        return False
+
+    def write(self, text: str) -> None:
+        for line in text.splitlines():
+            if line.strip():
+                log.info("%s", line)
+
+    def flush(self) -> None:
+        pass
+
+
+def progress_display(stream=None) -> "registry.ProgressBar":
+    """A progress(phase, done, total) callback: a bar redrawn on a terminal, plain log lines (one per
+    tenth of a phase) otherwise."""
+    stream = stream if stream is not None else sys.stderr
+    tty = hasattr(stream, "isatty") and stream.isatty()
+    return registry.ProgressBar(stream if tty else _LogLines())
+
+
+class EngineLog:
+    """What the operator reads about the worker, from its messages: progress while it loads weights and
+    compiles, the start-up lines when it is ready, and a warning whenever it compiles a program after
+    ready (each such compile stalls every running request for seconds). Faults and deaths are logged
+    by the bridge, which sees them."""
+
+    def __init__(self, progress: Callable[[str, int, int], None] | None = None):
+        self.progress = progress if progress is not None else progress_display()
+        self.readies = 0
+        self.compiles_seen = 0            # compiles after ready reported by the current worker
+
+    def __call__(self, msg: Any) -> None:
+        if isinstance(msg, protocol.Loading):
+            self.progress(msg.phase, msg.done, msg.total)
+        elif isinstance(msg, protocol.Ready):
+            self._ready(msg)
+        elif isinstance(msg, protocol.Stats) and msg.compiles_after_ready > self.compiles_seen:
+            log.warning("worker compiled %d program(s) after ready (%d since it started): a request "
+                        "shape the start-up did not compile; running requests waited for it",
+                        msg.compiles_after_ready - self.compiles_seen, msg.compiles_after_ready)
+            self.compiles_seen = msg.compiles_after_ready
+
+    def _ready(self, msg: "protocol.Ready") -> None:
+        self.readies += 1
+        self.compiles_seen = 0            # a new worker process counts from zero
+        f = msg.facts
+        log.info("model %s (%s, %s on %s)", f.id, f.family, f.dtype, f.device)
+        log.info("weights %s (%.2f GB, %.1f bits per weight)", f.weights, f.gb, f.bpw)
+        log.info("slots %d, ctx %d tokens each, prefix cache %s, host cache %d MiB", f.slots,
+                 f.max_model_len, "on" if f.prefix_cache else "off", f.cache_ram_mib)
+        log.info("compiled in %.1f s; worker pid %d; ready", f.compile_s, msg.pid)
+
+
 # =================================================================================================
 # Engine bridge: the worker process, its messages, supervision
 # =================================================================================================
@@ -2871,7 +2980,7 @@ class Bridge:
     event loop. Everything else runs on the event loop.
     """
 
-    def __init__(self, worker_args, entry: str = WORKER_ENTRY, log=print):
+    def __init__(self, worker_args, entry: str = WORKER_ENTRY, log=log.warning):
         self.worker_args = worker_args
         self.entry = entry
         self.log = log
@@ -2892,6 +3001,9 @@ class Bridge:
         self._generation = 0             # which worker process a message came from
         self._last_progress = time.monotonic()
         self.on_ready: list[Callable[[], None]] = []
+        # Called with every message but a Step, after the bridge has taken it in (the server log's
+        # progress, start-up lines and warnings: EngineLog).
+        self.watchers: list[Callable[[Any], None]] = []
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -2988,6 +3100,9 @@ class Bridge:
                 fn()
         elif isinstance(msg, protocol.Fault):
             self.log(f"worker fault: {msg.message}")
+        if not isinstance(msg, protocol.Step):
+            for fn in self.watchers:
+                fn(msg)
 
     def _on_death(self, generation: int, why: str) -> None:
         if generation != self._generation or self._stopping:
@@ -3063,12 +3178,24 @@ KEEPALIVE_S = 5.0
 RETRIES_AFTER_FAULT = 1
 
 
-def _timings(step_timings: dict | None, usage: chat.Usage) -> dict:
-    """llama-server's timings block (ChatTimings) from what the worker measured."""
+def _timings(step_timings: dict | None, usage: chat.Usage, outcome: "Outcome | None" = None) -> dict:
+    """llama-server's timings block (ChatTimings) from what the worker measured, with queue_ms counting
+    the wait in the server's admission queue too. Where the worker sent no timings (a stop string ended
+    the answer before its last Step), the server's clock measures the same spans."""
     t = step_timings or {}
+    now = time.monotonic()
+    first = outcome.first_token_at if outcome is not None else None
+    admitted = outcome.admitted_at if outcome is not None else None
+    if "prompt_ms" in t:
+        prompt_ms = float(t["prompt_ms"])
+    else:
+        prompt_ms = (first - admitted) * 1000 if first is not None and admitted is not None else 0.0
+    if "predicted_ms" in t:
+        predicted_ms = float(t["predicted_ms"])
+    else:
+        predicted_ms = (now - first) * 1000 if first is not None else 0.0
+    waited_ms = outcome.queue_s * 1000 if outcome is not None else 0.0
     prompt_n = usage.prompt_tokens - usage.cached_tokens
-    prompt_ms = float(t.get("prompt_ms", 0.0))
-    predicted_ms = float(t.get("predicted_ms", 0.0))
     n = usage.completion_tokens
     return {
         "prompt_n": prompt_n,
@@ -3078,7 +3205,7 @@ def _timings(step_timings: dict | None, usage: chat.Usage) -> dict:
         "predicted_ms": round(predicted_ms, 3),
         "predicted_per_second": round((n - 1) / (predicted_ms / 1000), 3) if predicted_ms > 0 and n > 1 else None,
         "cache_n": usage.cached_tokens,
-        "queue_ms": round(float(t.get("queue_ms", 0.0)), 3),
+        "queue_ms": round(waited_ms + float(t.get("queue_ms", 0.0)), 3),
     }
 
 
@@ -3111,6 +3238,8 @@ class Outcome:
     first_token_at: float | None = None
     retried: bool = False
     admitted: bool = False
+    admitted_at: float | None = None   # time.monotonic() when admission let it run
+    queue_s: float = 0.0               # arrival to admitted: parse, render and the admission queue
 
 
 async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list[int],
@@ -3164,7 +3293,7 @@ async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list
                     app.bridge.cancel(sub_id)   # a stop string ended the text: free the slot now
                     finish = "stop"
                 if finish is not None:
-                    outcome.timings = _timings(step.timings, usage)
+                    outcome.timings = _timings(step.timings, usage, outcome)
                     events += parser.finish(finish, usage, outcome.timings)
                 for ev in events:
                     frames = enc_attempt.feed(ev)
@@ -3264,9 +3393,12 @@ async def handle_generation(app, req, out, fmt: "ApiFormat", tenant: str) -> Non
         job = fmt.parse(json_body(req))
         job.session = job.session or req.header("x-session-id")
         if app.bridge.status != "ok":
+            app.metrics["admission_rejections_total"].inc(reason="loading")
             raise not_ready_error(fmt.anthropic)
         check_model(app, job.model)
         prompt = await render_prompt(app, job)
+        if app.config.log_prompts:
+            log_prompt(app.tokenizer, prompt, req.path, job.session)
         ctx = app.bridge.facts.max_model_len
         if len(prompt) >= ctx:
             raise ApiError(400, f"messages: the prompt is {len(prompt)} tokens, and the context holds "
@@ -3283,7 +3415,7 @@ async def handle_generation(app, req, out, fmt: "ApiFormat", tenant: str) -> Non
                 app.admission.leave_queue(tenant, ticket)
                 raise
         queue_s = time.monotonic() - t0
-        outcome.admitted = True
+        outcome.admitted, outcome.admitted_at, outcome.queue_s = True, t0 + queue_s, queue_s
         try:
             await run_generation(app, req, out, fmt, job, prompt, outcome)
         finally:
@@ -3296,16 +3428,14 @@ async def handle_generation(app, req, out, fmt: "ApiFormat", tenant: str) -> Non
         raise
     finally:
         e2e = time.monotonic() - t0
+        # The whole wait before the request ran: the server's queue and the worker's (from timings).
+        waited = outcome.timings["queue_ms"] / 1000 if outcome.timings else queue_s
         if outcome.admitted:   # requests refused before they ran are counted by their rejection
             ttft = outcome.first_token_at - t0 if outcome.first_token_at else None
             decode = (time.monotonic() - outcome.first_token_at) if outcome.first_token_at else None
-            app.metrics.request_done(outcome.finish or "stop", outcome.usage, queue_s, e2e, ttft, decode)
-        u = outcome.usage
-        app.log(f"{req.method} {req.path} {outcome.status} finish={outcome.finish or '-'} "
-                f"prompt={u.prompt_tokens if u else len(prompt)} cached={u.cached_tokens if u else 0} "
-                f"generated={u.completion_tokens if u else 0} queue_ms={queue_s * 1000:.0f} "
-                f"total_ms={e2e * 1000:.0f}" + (f" retried=1" if outcome.retried else "")
-                + (f" session={job.session}" if job is not None and job.session else ""))
+            app.metrics.request_done(outcome.finish or "stop", outcome.usage, waited, e2e, ttft, decode)
+        app.log(request_log_line(req.method, req.path, outcome, len(prompt), waited, e2e,
+                                 job.session if job is not None else None))
 
 
 async def _wait_admitted(ticket: asyncio.Future, gone: asyncio.Event) -> None:
@@ -3549,6 +3679,7 @@ class App:
         self._ready_waiters: list[asyncio.Event] = []
         self._openapi: tuple[str, bytes] | None = None
         self.bridge.on_ready.append(self._on_ready)
+        self.bridge.watchers.append(EngineLog())   # progress, start-up lines, compile warnings
 
     # ---- what the routes read --------------------------------------------------------------------
 
@@ -3777,7 +3908,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mashbox: --host {config.host} is not loopback: give keys with --api-key-file or "
               "MASHBOX_API_KEY", file=sys.stderr)
         return 2
-    app = App(config, bridge=Bridge(worker_args=None, log=log.info),
+    app = App(config, bridge=Bridge(worker_args=None, log=log.warning),
               guard=Guard(keys, config.host, config.allowed_hosts),
               admission=Admission(slots=config.slots or spec.slots, per_tenant=config.max_waiting_per_tenant,
                                   total=config.max_waiting),
@@ -3785,7 +3916,7 @@ def main(argv: list[str] | None = None) -> int:
     app.other_model_ids = set(registry.known_ids()) - {spec.id}
 
     def prepare() -> dict:
-        folder = registry.prepare(spec, registry.ProgressBar(sys.stderr))
+        folder = registry.prepare(spec, progress_display())
         return worker_args(spec, config, folder)
     try:
         asyncio.run(serve(app, prepare=prepare))
