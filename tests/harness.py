@@ -16,6 +16,7 @@ import http.client
 import json
 import socket
 import threading
+import time
 from typing import Iterator
 
 import mashbox
@@ -84,6 +85,22 @@ class Server:
         sock = socket.create_connection((HOST, self.port), timeout=timeout)
         return sock
 
+    def queue(self) -> tuple[int, int]:
+        """(running, waiting) in admission, read on the server's loop."""
+        return self.on_loop(lambda: (self.app.admission.running, self.app.admission.waiting))
+
+    def hold(self, key: str | None = None, tokens: int = 2000) -> socket.socket:
+        """Send a chat request for `tokens` tokens and read nothing: it runs (or waits for a slot) until
+        the socket is closed, which cancels it. With the fake worker's delay_s, it holds a slot."""
+        body = json.dumps({"model": MODEL_ID, "max_tokens": tokens,
+                           "messages": [{"role": "user", "content": "echo: " + "go " * tokens}]}).encode()
+        auth = b"x-api-key: %s\r\n" % key.encode() if key else b""
+        sock = self.connect()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\n%sContent-Length: %d\r\n\r\n%s"
+                     % (auth, len(body), body))
+        return sock
+
     def stop(self) -> None:
         if not self._thread.is_alive():
             return
@@ -94,6 +111,14 @@ class Server:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
         self.loop.close()
+
+
+def until(predicate, what: str, timeout: float = WAIT_S) -> None:
+    """Wait (polling) until predicate() is true; fail naming what did not happen."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
 
 
 async def _cancel_tasks() -> None:

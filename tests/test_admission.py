@@ -5,14 +5,13 @@ Anthropic SDKs reading the refusals as their typed errors and retrying after Ret
 import asyncio
 import concurrent.futures
 import json
-import socket
 import time
 
 import pytest
 
 import mashbox
 from mashbox import Admission, Rejected
-from tests.harness import GENERATION_ROUTES, MODEL_ID, WAIT_S, error_of, start_server
+from tests.harness import GENERATION_ROUTES, MODEL_ID, WAIT_S, error_of, start_server, until
 
 
 def run(coro):
@@ -124,31 +123,7 @@ def test_rejections_map_to_each_apis_status_with_retry_after():
 
 BLOCKER, WAITER, FLOOD, SINGLE = "sk-blocker-0001", "sk-waiter-0002", "sk-flood-00003", "sk-single-0004"
 KEYS = {BLOCKER: "blocker", WAITER: "waiter", FLOOD: "flood", SINGLE: "single"}
-# Tokens a blocker would generate: far more than a test lasts at DELAY_S a token; it is cut by closing.
-BLOCKER_TOKENS = 2000
-DELAY_S = 0.01
-
-
-def until(predicate, what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
-def admission(server) -> tuple[int, int]:
-    """(running, waiting), read on the server's loop."""
-    return server.on_loop(lambda: (server.app.admission.running, server.app.admission.waiting))
-
-
-def hold(server, key: str, text: str = "echo: " + "go " * BLOCKER_TOKENS) -> socket.socket:
-    """Send a chat request and do not read the answer: it runs (or waits) until the socket is closed."""
-    body = json.dumps({"model": MODEL_ID, "max_tokens": BLOCKER_TOKENS,
-                       "messages": [{"role": "user", "content": text}]}).encode()
-    sock = server.connect()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"x-api-key: %s\r\nContent-Length: %d\r\n\r\n%s" % (key.encode(), len(body), body))
-    return sock
+DELAY_S = 0.01          # the fake worker's time per token: a held request keeps its slot
 
 
 def post(server, path, body, key, **headers):
@@ -167,18 +142,18 @@ def test_full_queues_answer_429_or_529_on_every_generation_route(busy_server):
     """Guards against an overloaded server queueing without bound, or refusing in a shape or status the
     client's retry logic does not know (OpenAI: 429; Anthropic: 429 for a tenant, 529 when full)."""
     server = busy_server
-    held = [hold(server, BLOCKER)]
-    until(lambda: admission(server) == (1, 0), "the blocker to run")
-    held.append(hold(server, WAITER))
-    until(lambda: admission(server) == (1, 1), "the waiter to queue")
+    held = [server.hold(BLOCKER)]
+    until(lambda: server.queue() == (1, 0), "the blocker to run")
+    held.append(server.hold(WAITER))
+    until(lambda: server.queue() == (1, 1), "the waiter to queue")
     try:
         for method, path, body, api in GENERATION_ROUTES:           # the waiter's tenant is full
             status, headers, answer = post(server, path, body, WAITER)
             assert status == 429, (path, answer)
             assert headers["retry-after"] == str(mashbox.RETRY_AFTER_BUSY_S)
             error_of(429, answer, api)
-        held.append(hold(server, FLOOD))                            # the server's queue is full
-        until(lambda: admission(server) == (1, 2), "the second waiter to queue")
+        held.append(server.hold(FLOOD))                            # the server's queue is full
+        until(lambda: server.queue() == (1, 2), "the second waiter to queue")
         for method, path, body, api in GENERATION_ROUTES:
             status, headers, answer = post(server, path, body, SINGLE)
             assert status == (529 if api == "anthropic" else 429), (path, answer)
@@ -190,23 +165,23 @@ def test_full_queues_answer_429_or_529_on_every_generation_route(busy_server):
         assert status == 200 and json.loads(answer)["input_tokens"] > 0
         status, _, answer = server.request("GET", "/v1/health")
         assert status == 200 and json.loads(answer)["waiting"] == 2
-        assert admission(server) == (1, 2)
+        assert server.queue() == (1, 2)
         rejected = server.app.metrics["admission_rejections_total"].values
         assert rejected[(("reason", "tenant_queue_full"),)] == len(GENERATION_ROUTES)
         assert rejected[(("reason", "queue_full"),)] == len(GENERATION_ROUTES)
     finally:
         for sock in held:
             sock.close()
-    until(lambda: admission(server) == (0, 0), "the slot and queue to empty after the clients left")
+    until(lambda: server.queue() == (0, 0), "the slot and queue to empty after the clients left")
 
 
 def test_count_tokens_bursts_are_answered_while_every_slot_and_place_is_taken(busy_server):
     """Guards against Claude Code's bursts of count_tokens (26 in a second) waiting behind generation."""
     server = busy_server
-    held = [hold(server, BLOCKER)]
-    until(lambda: admission(server) == (1, 0), "the blocker to run")
-    held += [hold(server, WAITER), hold(server, FLOOD)]
-    until(lambda: admission(server) == (1, 2), "the queue to fill")
+    held = [server.hold(BLOCKER)]
+    until(lambda: server.queue() == (1, 0), "the blocker to run")
+    held += [server.hold(WAITER), server.hold(FLOOD)]
+    until(lambda: server.queue() == (1, 2), "the queue to fill")
     body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "count me"}], "tools": []}
     t0 = time.monotonic()
     try:
@@ -243,8 +218,8 @@ def test_a_tenants_flood_is_capped_and_cannot_starve_another_tenant():
     """Guards against one tenant's 40 requests filling the queue past its 32, or a second tenant's single
     request waiting until the whole flood has drained."""
     with start_server(keys=KEYS, slots=2, delay_s=DELAY_S, ctx=8192) as server:
-        blockers = [hold(server, BLOCKER), hold(server, BLOCKER)]
-        until(lambda: admission(server) == (2, 0), "the blockers to take both slots")
+        blockers = [server.hold(BLOCKER), server.hold(BLOCKER)]
+        until(lambda: server.queue() == (2, 0), "the blockers to take both slots")
         finished: list[str] = []
 
         def ask(who: str, key: str, i: int):
@@ -260,9 +235,9 @@ def test_a_tenants_flood_is_capped_and_cannot_starve_another_tenant():
             flood = [pool.submit(ask, "flood", FLOOD, i) for i in range(40)]
             until(lambda: sum(f.done() for f in flood) == 8, "the flood's extra 8 to be refused")
             refused = [f.result() for f in flood if f.done()]
-            assert refused == [429] * 8 and admission(server) == (2, 32)
+            assert refused == [429] * 8 and server.queue() == (2, 32)
             single = pool.submit(ask, "single", SINGLE, 0)
-            until(lambda: admission(server) == (2, 33), "the single request to queue")
+            until(lambda: server.queue() == (2, 33), "the single request to queue")
             for sock in blockers:
                 sock.close()
             assert single.result(WAIT_S) == 200
@@ -272,7 +247,7 @@ def test_a_tenants_flood_is_capped_and_cannot_starve_another_tenant():
         # Turns: the flood's first waiter and the single request take the two freed slots; at most
         # the flood's requests already running can finish before it.
         assert served_before_single <= 2, finished
-        assert admission(server) == (0, 0)
+        assert server.queue() == (0, 0)
 
 
 # ---- the SDKs --------------------------------------------------------------------------------------
@@ -318,10 +293,10 @@ def test_sdks_see_429_and_529_as_their_typed_errors_and_retry_after_retry_after(
     anthropic = pytest.importorskip("anthropic")
     server = busy_server
     wait = mashbox.RETRY_AFTER_BUSY_S
-    held = [hold(server, BLOCKER)]
-    until(lambda: admission(server) == (1, 0), "the blocker to run")
-    held.append(hold(server, WAITER))
-    until(lambda: admission(server) == (1, 1), "the waiter to queue")
+    held = [server.hold(BLOCKER)]
+    until(lambda: server.queue() == (1, 0), "the blocker to run")
+    held.append(server.hold(WAITER))
+    until(lambda: server.queue() == (1, 1), "the waiter to queue")
     seen = counting(server)
     try:
         oa = openai.OpenAI(base_url=server.url + "/v1", api_key=WAITER, max_retries=1)
@@ -334,8 +309,8 @@ def test_sdks_see_429_and_529_as_their_typed_errors_and_retry_after_retry_after(
         with pytest.raises(anthropic.RateLimitError):
             an.messages.create(model=MODEL_ID, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
         assert time.monotonic() - t0 >= wait and len(seen) == 4
-        held.append(hold(server, FLOOD))
-        until(lambda: admission(server) == (1, 2), "the queue to fill")
+        held.append(server.hold(FLOOD))
+        until(lambda: server.queue() == (1, 2), "the queue to fill")
         del seen[:]
         an = anthropic.Anthropic(base_url=server.url, api_key=SINGLE, max_retries=1)
         t0 = time.monotonic()
