@@ -93,6 +93,24 @@ def _host_bucket(n: int, ctx: int) -> int:
     return min(bucket, ctx)
 
 
+def host_buckets(ctx: int) -> list[int]:
+    """Every length read_slot/write_slot compile a program for, given ctx."""
+    buckets, bucket = [], MIN_HOST_BUCKET
+    while bucket < ctx:
+        buckets.append(bucket)
+        bucket *= 2
+    return buckets + [ctx]
+
+
+def warm_host_copies(cache):
+    """Compile every read_slot/write_slot program now (start-up), so none compiles after ready.
+    Round-trips slot 0 through the host, which leaves its contents as they were."""
+    _, ctx = cache_dims(cache)
+    for bucket in host_buckets(ctx):
+        cache = write_slot(cache, 0, read_slot(cache, 0, bucket))
+    return cache
+
+
 @partial(jax.jit, static_argnames=("length",))
 def _read(cache, slot, *, length):
     return [{"k": lax.dynamic_index_in_dim(layer["k"], slot, 0, keepdims=False)[:, :length, :],

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from engine.cache import COPY_BLOCK, copy_prefix, init_cache, read_slot, write_slot
+from engine.cache import (COPY_BLOCK, _read, _write, copy_prefix, host_buckets, init_cache, read_slot,
+                          warm_host_copies, write_slot)
 from engine.config import ConfigError, config_from_dict, load_config
 from engine.model import dtype_for, jit_forward
 from engine.weights import WeightsError, load_weights
@@ -357,3 +358,22 @@ def test_copy_prefix_across_blocks_and_up_to_the_end_of_the_slot():
             np.testing.assert_array_equal(new["v"][0, :, :, n:], old["v"][0, :, :, n:])
             np.testing.assert_array_equal(new["k"][1:], old["k"][1:])
             np.testing.assert_array_equal(new["v"][1:], old["v"][1:])
+
+
+def test_warmed_host_copies_compile_nothing_later():
+    """Guards against read_slot/write_slot compiling a new program after the server is ready."""
+    cfg = load_config(os.path.join(TINY, "qwen2"))
+    ctx = 300                                    # not a power of two: the last bucket is ctx
+    rng = np.random.default_rng(1)
+    cache = [{name: jnp.asarray(rng.standard_normal(arr.shape, np.float32))
+              for name, arr in layer.items()} for layer in init_cache(cfg, 2, ctx, jnp.float32)]
+    before = _snapshot(cache)
+    assert host_buckets(ctx) == [64, 128, 256, 300]
+    cache = warm_host_copies(cache)
+    for old, new in zip(before, _snapshot(cache)):
+        np.testing.assert_array_equal(new["k"], old["k"])
+        np.testing.assert_array_equal(new["v"], old["v"])
+    compiled = (_read._cache_size(), _write._cache_size())
+    for n in (1, 63, 65, 200, 299, 300):
+        cache = write_slot(cache, 1, read_slot(cache, 0, n))
+    assert (_read._cache_size(), _write._cache_size()) == compiled
