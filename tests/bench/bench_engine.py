@@ -170,10 +170,13 @@ def main() -> None:
     print(f"batch-1 decode / ceiling: {results[1] / ceiling:.0%} (target >= 70%)")
     if PREFILL_TOKENS < a.ctx:
         print(f"prefill, {PREFILL_TOKENS} tokens: {prefill_rate(engine, PREFILL_TOKENS):.1f} tok/s")
-    engine_step = decode_rate(engine, a.slots, a.steps, seed=99)[1]
-    device_step = device_step_seconds(engine, a.steps)
-    print(f"decode step, all slots: engine {engine_step * 1000:.1f} ms, bare device calls "
-          f"{device_step * 1000:.1f} ms -> host share {(engine_step - device_step) * 1000:.1f} ms")
+    # alternate the two and keep the best of each: on a shared machine one run alone is noise
+    engine_step = device_step = float("inf")
+    for seed in range(3):
+        engine_step = min(engine_step, decode_rate(engine, a.slots, a.steps, seed=100 + seed)[1])
+        device_step = min(device_step, device_step_seconds(engine, a.steps))
+    print(f"decode step, all slots (best of 3): engine {engine_step * 1000:.1f} ms, bare device "
+          f"calls {device_step * 1000:.1f} ms -> host share {(engine_step - device_step) * 1000:.1f} ms")
     print(f"programs compiled after ready: {engine.compiles_after_ready()}")
 
 
