@@ -3271,6 +3271,7 @@ async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list
             rid=sub_id, prompt=prompt, max_tokens=max_tokens, sampling=job.sampling,
             stop_ids=list(tok.stop_ids), submitted_at=time.time()))
         usage = chat.Usage(prompt_tokens=len(prompt))
+        outcome.usage = usage   # so far: a request that ends early is still counted and logged
         sent_output = False
         try:
             while True:

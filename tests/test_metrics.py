@@ -300,6 +300,28 @@ def test_gauges_and_admission_rejections_while_the_slot_is_busy():
         assert Scrape(loading).value("admission_rejections_total", reason="loading") == 1
 
 
+def test_a_client_that_leaves_is_counted_as_abort_with_its_tokens(caplog):
+    """Guards against an abandoned stream vanishing from the metrics and the log, or its generated
+    tokens going uncounted."""
+    caplog.set_level(logging.INFO, logger="mashbox")
+    with harness.start_server(delay_s=0.02) as server:
+        body = json.dumps({"messages": [{"role": "user", "content": "echo: " + " ".join(["w"] * 60)}],
+                           "stream": True}).encode()
+        sock = server.connect()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        received = b""
+        while received.count(b"data: ") < 4:     # a few tokens arrived
+            received += sock.recv(4096)
+        sock.close()
+        line, = request_lines(caplog)
+        scrape = Scrape(server)
+    assert line.startswith("POST /v1/chat/completions 499 finish=abort")
+    assert scrape.value("request_success_total", finished_reason="abort") == 1
+    generated = int(dict(f.split("=", 1) for f in line.split()[3:])["generated"])
+    assert 3 <= generated < 60 and scrape.value("generation_tokens_total") == generated
+
+
 # ---- the server log ------------------------------------------------------------------------------
 
 def request_lines(caplog, n: int = 1) -> list[str]:
