@@ -2952,12 +2952,20 @@ class EngineLog:
 # sockets or threads. Its entry point is named as "module:function" and imported only in the child:
 # pickling a function reference would import its module here, and the real worker imports jax.
 WORKER_ENTRY = "engine.worker:main"
-# A worker that dies again and again is restarted after 1, 2, 4 ... s, at most this long, so a broken
-# device or model does not spin the CPU; the server itself never exits because its worker did.
+# For tests only: `MASHBOX_WORKER_ENTRY=tests.fake_worker:main python -m mashbox run ...` serves the
+# fake engine, so the CLI's signals and shutdown can be tested on a real process without a model.
+WORKER_ENTRY_ENV = "MASHBOX_WORKER_ENTRY"
+# A worker that dies again and again before it is ready is started again at once the first time, then
+# after 1, 2, 4 ... s, at most RESTART_BACKOFF_MAX_S: a broken device or model must not spin the CPU,
+# and the server itself never exits because its worker did.
+RESTART_BACKOFF_FIRST_S = 1.0
 RESTART_BACKOFF_MAX_S = 30.0
 # A worker whose batch makes no progress for this long is treated as stuck and replaced. The longest
 # legitimate silence is one prefill chunk on a slow CPU, which the worker bounds to a few seconds.
 STUCK_WORKER_S = 120.0
+# How long a worker asked to shut down may take to finish its current step and exit before it is
+# killed; and how long a dead worker's process is waited for, to read its exit status.
+WORKER_EXIT_WAIT_S = 5.0
 
 
 def _worker_trampoline(entry: str, conn, args) -> None:
@@ -2971,19 +2979,47 @@ class WorkerDied(Exception):
     """The worker process went away while a request was in it."""
 
 
+class ServerStopping(Exception):
+    """The server is shutting down and the request's grace period ran out."""
+
+
+def _exit_status(code: int | None) -> str:
+    """A worker's exit code as a person reads it: "exit code 1", "killed by SIGKILL"."""
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 class Bridge:
     """The only owner of the worker process: starts it, sends it Submit/Cancel, routes its Steps to the
     request that waits for them, notices when it dies or hangs, and starts a new one.
 
-    Threads: a reader thread blocks on the pipe and hands each message to the event loop with
-    call_soon_threadsafe; a writer thread sends, so a worker busy with a long prefill never blocks the
-    event loop. Everything else runs on the event loop.
+    Threads: a reader thread per worker blocks on its pipe and hands each message to the event loop
+    with call_soon_threadsafe; one writer thread sends (and closes pipes), so a worker busy with a long
+    prefill never blocks the event loop. Everything else runs on the event loop.
+
+    A death (pipe closed, a crash signal, an unreadable message, or no progress for stuck_s while
+    requests wait) delivers WorkerDied to every live request, sets status "loading", counts a restart and
+    starts a new worker. The requests themselves decide whether to run again (run_generation).
+
+    It also counts the generation requests in flight (enter/leave), so that a shutting-down server can
+    wait for them, and end the ones still running when its grace period is over (end_all).
     """
 
-    def __init__(self, worker_args, entry: str = WORKER_ENTRY, log=log.warning):
+    def __init__(self, worker_args, entry: str = WORKER_ENTRY, log=log.warning, stuck_s: float = STUCK_WORKER_S,
+                 backoff_first_s: float = RESTART_BACKOFF_FIRST_S,
+                 backoff_max_s: float = RESTART_BACKOFF_MAX_S):
         self.worker_args = worker_args
         self.entry = entry
         self.log = log
+        self.stuck_s = stuck_s
+        self.backoff_first_s = backoff_first_s
+        self.backoff_max_s = backoff_max_s
         self.status = "loading"          # "loading" until Ready, and again while a new worker starts
         self.facts = None                # protocol.ModelFacts once ready
         self.pid: int | None = None
@@ -2991,6 +3027,11 @@ class Bridge:
         self.loading: tuple[str, int, int] | None = None   # (phase, done, total) for progress
         self.stats = None                # last protocol.Stats
         self.compiles_after_ready_before = 0   # summed over earlier worker processes
+        self.closing = False             # the server takes no new requests (shutting down)
+        self.ended = asyncio.Event()     # the grace period is over: requests still here end now
+        self.in_flight = 0               # generation requests between enter() and leave()
+        self._idle = asyncio.Event()     # set while in_flight == 0
+        self._idle.set()
         self._streams: dict[str, asyncio.Queue] = {}
         self._proc = None
         self._conn = None
@@ -3025,43 +3066,56 @@ class Bridge:
         self._generation += 1
         self._proc, self._conn, self.pid = proc, parent, proc.pid
         self._last_progress = time.monotonic()
-        threading.Thread(target=self._reader, args=(parent, self._generation),
+        threading.Thread(target=self._reader, args=(parent, proc, self._generation),
                          name="bridge-reader", daemon=True).start()
 
     def stop(self) -> None:
-        """Ask the worker to exit, then make sure it did."""
+        """Ask the worker to exit, then make sure it did. Blocks up to WORKER_EXIT_WAIT_S (plus a kill);
+        safe to call from any thread."""
         self._stopping = True
         proc = self._proc
         if proc is None:
             return
-        try:
-            self._conn.send(protocol.Shutdown())
-        except (OSError, EOFError, BrokenPipeError):
-            pass
-        proc.join(5)
+        self._outbox.put((self._conn, protocol.Shutdown()))
+        proc.join(WORKER_EXIT_WAIT_S)
         if proc.is_alive():
             proc.kill()
-            proc.join(2)
+            proc.join(WORKER_EXIT_WAIT_S)
+
+    def kill(self) -> None:
+        """End the worker at once (the server is exiting without a clean shutdown)."""
+        self._stopping = True
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
 
     # ---- threads -----------------------------------------------------------------------------------
 
-    def _reader(self, conn, generation: int) -> None:
+    def _reader(self, conn, proc, generation: int) -> None:
+        why = "worker pipe closed"
         while True:
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
                 break
             except Exception as e:  # an unpicklable message: the worker is broken
-                self._call(self._on_death, generation, f"bad message from worker: {e!r}")
-                return
+                why = f"bad message from worker: {e!r}"
+                break
             self._call(self._on_message, generation, msg)
-        self._call(self._on_death, generation, "worker pipe closed")
+        # The pipe is done with: the writer closes it (it may be sending on it right now). The process
+        # is reaped here, off the event loop, so its exit status can be logged.
+        self._outbox.put((conn, None))
+        if generation == self._generation and not self._stopping:
+            proc.join(WORKER_EXIT_WAIT_S)
+        self._call(self._on_death, generation, why, proc)
 
     def _writer(self) -> None:
         while True:
             conn, msg = self._outbox.get()
             try:
-                conn.send(msg)
+                if msg is None:
+                    conn.close()
+                else:
+                    conn.send(msg)
             except (OSError, EOFError, BrokenPipeError):
                 pass  # the reader notices the death and answers the requests
 
@@ -3095,6 +3149,8 @@ class Bridge:
                 self.pid = msg.pid
             self.status = "ok"
             self.loading = None
+            if self._failures:
+                self.log(f"worker {self.pid} is ready again after {self.restarts} restart(s)")
             self._failures = 0
             for fn in self.on_ready:
                 fn()
@@ -3104,55 +3160,65 @@ class Bridge:
             for fn in self.watchers:
                 fn(msg)
 
-    def _on_death(self, generation: int, why: str) -> None:
+    def _on_death(self, generation: int, why: str, proc=None) -> None:
         if generation != self._generation or self._stopping:
             return
         self._generation += 1  # ignore anything else the dead worker's threads deliver
-        code = self._proc.exitcode if self._proc is not None else None
-        if self._proc is not None and code is None:
-            self._proc.kill()
-        self.log(f"worker {self.pid} died ({why}, exit code {code}); starting a new one")
+        proc = proc or self._proc
+        if proc is not None and proc.is_alive():
+            proc.kill()        # stuck, or it broke its pipe and lives on: it must not hold the device
+        self.log(f"worker {self.pid} died ({why}; {_exit_status(proc.exitcode if proc else None)}); "
+                 "starting a new one")
         if self.stats is not None:
             self.compiles_after_ready_before += self.stats.compiles_after_ready
         self.stats = None
         self.status = "loading"
+        self.loading = None
         streams, self._streams = self._streams, {}
         for q in streams.values():
             q.put_nowait(WorkerDied(why))
         self._failures += 1
         self.restarts += 1
-        delay = min(RESTART_BACKOFF_MAX_S, 2.0 ** (self._failures - 1)) if self._failures > 1 else 0.0
+        delay = self.restart_delay(self._failures)
         if delay:
-            self.log(f"worker failed {self._failures} times in a row; next start in {delay:.0f} s")
+            self.log(f"worker failed {self._failures} times in a row without becoming ready; "
+                     f"next start in {delay:g} s")
         self._loop.call_later(delay, self._respawn)
+
+    def restart_delay(self, failures: int) -> float:
+        """Seconds before starting a worker after `failures` deaths in a row: 0, then doubling."""
+        if failures <= 1:
+            return 0.0
+        return min(self.backoff_max_s, self.backoff_first_s * 2.0 ** (failures - 2))
 
     def _respawn(self) -> None:
         if not self._stopping:
             self._spawn()
 
     async def _watchdog(self) -> None:
-        """A worker with requests in it that sends nothing for STUCK_WORKER_S is stuck: replace it."""
+        """A worker with requests in it that sends nothing for stuck_s is stuck: replace it."""
         while not self._stopping:
-            await asyncio.sleep(min(5.0, STUCK_WORKER_S / 4))
+            await asyncio.sleep(min(5.0, self.stuck_s / 4))
             if (self.status == "ok" and self._streams
-                    and time.monotonic() - self._last_progress > STUCK_WORKER_S):
-                gen = self._generation
-                if self._proc is not None:
-                    self._proc.kill()
-                self._on_death(gen, f"no progress for {STUCK_WORKER_S:.0f} s")
+                    and time.monotonic() - self._last_progress > self.stuck_s):
+                self._on_death(self._generation, f"no progress for {self.stuck_s:g} s")
 
     # ---- requests ----------------------------------------------------------------------------------
 
     def submit(self, submit: "protocol.Submit") -> asyncio.Queue:
-        """Hand a request to the worker. Its Steps (and a WorkerDied, if the worker dies) arrive on the
-        returned queue; the last Step has finish set."""
+        """Hand a request to the worker. Its Steps (and a WorkerDied if the worker dies, or
+        ServerStopping when the shutdown's grace period ends) arrive on the returned queue; the last
+        Step has finish set."""
         q: asyncio.Queue = asyncio.Queue()
+        if self.ended.is_set():
+            q.put_nowait(ServerStopping())
+            return q
         if self.status != "ok":
             q.put_nowait(WorkerDied("worker not ready"))
             return q
-        self._streams[submit.rid] = q
-        if not self._streams or len(self._streams) == 1:
+        if not self._streams:
             self._last_progress = time.monotonic()  # the stuck clock starts when work arrives
+        self._streams[submit.rid] = q
         self._outbox.put((self._conn, submit))
         return q
 
@@ -3161,10 +3227,45 @@ class Bridge:
             self._outbox.put((self._conn, protocol.Cancel(rid)))
 
     @property
+    def live_requests(self) -> int:
+        """Requests handed to the current worker and not finished."""
+        return len(self._streams)
+
+    @property
     def compiles_after_ready(self) -> int | None:
         if self.stats is None:
             return None if self.status != "ok" else self.compiles_after_ready_before
         return self.compiles_after_ready_before + self.stats.compiles_after_ready
+
+    # ---- shutdown ----------------------------------------------------------------------------------
+
+    def enter(self) -> None:
+        """A generation request begins (counted until leave())."""
+        self.in_flight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no generation request is in flight; False if some still are after timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def end_all(self) -> None:
+        """The grace period is over: every request in the worker, waiting for a slot or for a worker
+        ends now with ServerStopping (each answers its client in its route's shape)."""
+        self.ended.set()
+        streams, self._streams = self._streams, {}
+        for rid, q in streams.items():
+            q.put_nowait(ServerStopping())
+            if self.status == "ok":
+                self._outbox.put((self._conn, protocol.Cancel(rid)))
 
 
 # =================================================================================================
@@ -3176,6 +3277,10 @@ class Bridge:
 KEEPALIVE_S = 5.0
 # The spec's retry rule: a request whose client has received no output is sent again once.
 RETRIES_AFTER_FAULT = 1
+# A request whose worker died waits this long for the new one before it is answered 503/529: a restart
+# loads the weights and compiles again (tens of seconds on a CPU with the compile cache); a worker not
+# back by then is failing again and again, and the client is better told to come back later.
+RESTART_WAIT_S = 300.0
 
 
 def _timings(step_timings: dict | None, usage: chat.Usage, outcome: "Outcome | None" = None) -> dict:
@@ -3242,14 +3347,43 @@ class Outcome:
     queue_s: float = 0.0               # arrival to admitted: parse, render and the admission queue
 
 
+async def _wait_for_worker(app, gone: asyncio.Event, keepalive: Callable[[], Awaitable[None]] | None,
+                           anthropic: bool) -> None:
+    """Return once the worker is ready (at once when it is). Meanwhile a stream gets a keep-alive frame
+    every KEEPALIVE_S. Raises ClientGone, ServerStopping, or the not-ready error after RESTART_WAIT_S."""
+    bridge = app.bridge
+    deadline = time.monotonic() + RESTART_WAIT_S
+    while bridge.status != "ok":
+        if bridge.ended.is_set():
+            raise ServerStopping()
+        if gone.is_set():
+            raise ClientGone()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise not_ready_error(anthropic)
+        waits = [asyncio.ensure_future(w) for w in (app.wait_ready(), gone.wait(), bridge.ended.wait())]
+        try:
+            await asyncio.wait(waits, timeout=min(KEEPALIVE_S, left), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if bridge.status != "ok" and keepalive is not None and not gone.is_set():
+            await keepalive()
+
+
 async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list[int],
                          outcome: Outcome) -> None:
     """Generate for one parsed, rendered, admitted request and write its answer (JSON or SSE).
 
-    Owns the retry rule: if the worker dies before the client has received any output, the request is
-    sent again once from the start; after output was sent, the stream ends with the API's error event.
+    Owns the spec's retry rule. When the worker dies (or the device fails this request) before the
+    client has received any output, the request is sent again once, from the start, to the next worker:
+    not streamed, until its response is written; streamed, until its first output is sent (the frames
+    of enc.start() are not output). A failure after that, or of the retry, is a 500 in the route's shape;
+    a started stream ends with its encoder's error frames, which carry the response id. A shutdown
+    whose grace period ran out ends the request the same way with 503/529.
     """
-    facts = app.bridge.facts
+    bridge = app.bridge
+    facts = bridge.facts
     room = facts.max_model_len - len(prompt)
     max_tokens = room if job.max_tokens is None else min(job.max_tokens, room)
     rid = new_id({"chat": "chatcmpl-", "completions": "cmpl-", "messages": "msg_",
@@ -3258,31 +3392,36 @@ async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list
     meta = Meta(id=rid, created=int(time.time()), model=answer_model, prompt_tokens=len(prompt))
     tok = app.tokenizer
     gone = out.gone
+    enc = keepalive = None
     if job.stream:
         await out.start_stream()
         enc = fmt.encoder(job, meta)
         for frame in enc.start():
             await out.event(frame)
+        keepalive = lambda: out.event(enc.keepalive())   # noqa: E731
+    sent_output = False          # a streamed client has text, reasoning or a tool call: never retry
+    err: ApiError | None = None
     for attempt in range(RETRIES_AFTER_FAULT + 1):
-        enc_attempt = fmt.encoder(job, meta) if not job.stream else enc
+        encoder = enc if job.stream else fmt.encoder(job, meta)
         parser = chat.OutputParser(tok, job, facts.chat_format)
         sub_id = rid if attempt == 0 else f"{rid}-retry{attempt}"
-        q = app.bridge.submit(protocol.Submit(
-            rid=sub_id, prompt=prompt, max_tokens=max_tokens, sampling=job.sampling,
-            stop_ids=list(tok.stop_ids), submitted_at=time.time()))
         usage = chat.Usage(prompt_tokens=len(prompt))
         outcome.usage = usage   # so far: a request that ends early is still counted and logged
-        sent_output = False
         try:
+            await _wait_for_worker(app, gone, keepalive, fmt.anthropic)
+            q = bridge.submit(protocol.Submit(
+                rid=sub_id, prompt=prompt, max_tokens=max_tokens, sampling=job.sampling,
+                stop_ids=list(tok.stop_ids), submitted_at=time.time()))
             while True:
                 step = await _next_step(q, gone, KEEPALIVE_S)
                 if step is None:
-                    if job.stream:
-                        await out.event(enc_attempt.keepalive())
+                    if keepalive is not None:
+                        await keepalive()
                     continue
-                if isinstance(step, WorkerDied) or step.finish == "error":
-                    why = str(step) if isinstance(step, WorkerDied) else (step.error or "device error")
-                    raise WorkerDied(why)
+                if isinstance(step, BaseException):
+                    raise step                   # WorkerDied or ServerStopping
+                if step.finish == "error":
+                    raise WorkerDied(f"device error: {step.error or 'unknown'}")
                 if step.prompt_tokens:
                     usage.prompt_tokens, usage.cached_tokens = step.prompt_tokens, step.cached_tokens
                 if step.tokens and outcome.first_token_at is None:
@@ -3291,46 +3430,50 @@ async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list
                 events = parser.feed(step.tokens)
                 finish = step.finish
                 if parser.stop_hit and finish is None:
-                    app.bridge.cancel(sub_id)   # a stop string ended the text: free the slot now
+                    bridge.cancel(sub_id)        # a stop string ended the text: free the slot now
                     finish = "stop"
                 if finish is not None:
                     outcome.timings = _timings(step.timings, usage, outcome)
                     events += parser.finish(finish, usage, outcome.timings)
                 for ev in events:
-                    frames = enc_attempt.feed(ev)
+                    frames = encoder.feed(ev)
                     if isinstance(ev, chat.Done):
                         outcome.finish, outcome.usage = ev.finish_reason, ev.usage
                     if job.stream and frames:
-                        if not isinstance(ev, chat.Done):
-                            sent_output = True
+                        sent_output = sent_output or not isinstance(ev, chat.Done)
                         for frame in frames:
                             await out.event(frame)
                 if finish is not None:
                     break
         except WorkerDied as died:
-            app.bridge.cancel(sub_id)
+            bridge.cancel(sub_id)
             if not sent_output and attempt < RETRIES_AFTER_FAULT:
                 outcome.retried = True
-                app.log(f"{rid}: worker fault ({died}); retrying once from the start")
-                await app.wait_ready()
+                app.log(f"{rid}: {died}; nothing was sent yet, so it runs again from the start")
                 continue
             err = ApiError(500, f"the request failed on the device: {died}", type="server_error")
-            outcome.status, outcome.finish = 500, "error"
-            if job.stream:
-                for frame in enc_attempt.error(err):
-                    await out.event(frame)
-                await out.end_stream()
-                return
-            raise err
+        except ServerStopping:
+            bridge.cancel(sub_id)
+            err = stopping_error(fmt.anthropic)
+        except ApiError as e:                    # no worker came back in time
+            err = e
         except BaseException:
-            app.bridge.cancel(sub_id)   # client gone, stalled or server stopping: free the slot at once
+            bridge.cancel(sub_id)   # client gone, stalled or server stopping: free the slot at once
             outcome.finish = outcome.finish or "abort"
             raise
+        break
+    if err is None:
         if job.stream:
             await out.end_stream()
         else:
-            await out.json(200, enc_attempt.body())
+            await out.json(200, encoder.body())
         return
+    outcome.status, outcome.finish = err.status, "error"
+    if not job.stream:
+        raise err
+    for frame in enc.error(err):
+        await out.event(frame)
+    await out.end_stream()
 
 
 def json_body(req) -> dict:
@@ -3351,6 +3494,16 @@ def not_ready_error(fmt_anthropic: bool) -> ApiError:
         return ApiError(529, "the model is loading; retry shortly", type="overloaded_error",
                         headers=headers + (("x-should-retry", "true"),))
     return ApiError(503, "the model is loading; retry shortly", type="unavailable", headers=headers)
+
+
+def stopping_error(fmt_anthropic: bool) -> ApiError:
+    """503 / 529 for a request that a shutting-down server will not run or finish. A restarted server
+    will answer it, so the client is told to retry (x-should-retry on Anthropic routes)."""
+    headers = (("Retry-After", str(RETRY_AFTER_LOADING_S)),)
+    if fmt_anthropic:
+        return ApiError(529, "the server is shutting down; retry shortly", type="overloaded_error",
+                        headers=headers + (("x-should-retry", "true"),))
+    return ApiError(503, "the server is shutting down; retry shortly", type="unavailable", headers=headers)
 
 
 def rejected_error(fmt_anthropic: bool, reason: str) -> ApiError:
@@ -3393,6 +3546,8 @@ async def handle_generation(app, req, out, fmt: "ApiFormat", tenant: str) -> Non
     try:
         job = fmt.parse(json_body(req))
         job.session = job.session or req.header("x-session-id")
+        if app.bridge.closing:
+            raise stopping_error(fmt.anthropic)
         if app.bridge.status != "ok":
             app.metrics["admission_rejections_total"].inc(reason="loading")
             raise not_ready_error(fmt.anthropic)
@@ -3409,18 +3564,25 @@ async def handle_generation(app, req, out, fmt: "ApiFormat", tenant: str) -> Non
         except Rejected as r:
             app.metrics["admission_rejections_total"].inc(reason=r.reason)
             raise rejected_error(fmt.anthropic, r.reason)
-        if ticket is not None:
-            try:
-                await _wait_admitted(ticket, out.gone)
-            except BaseException:
-                app.admission.leave_queue(tenant, ticket)
-                raise
-        queue_s = time.monotonic() - t0
-        outcome.admitted, outcome.admitted_at, outcome.queue_s = True, t0 + queue_s, queue_s
+        app.bridge.enter()   # from here a shutdown waits for this request (its grace period)
         try:
-            await run_generation(app, req, out, fmt, job, prompt, outcome)
+            if ticket is not None:
+                try:
+                    await _wait_admitted(ticket, out.gone, app.bridge.ended)
+                except ServerStopping:
+                    app.admission.leave_queue(tenant, ticket)
+                    raise stopping_error(fmt.anthropic) from None
+                except BaseException:
+                    app.admission.leave_queue(tenant, ticket)
+                    raise
+            queue_s = time.monotonic() - t0
+            outcome.admitted, outcome.admitted_at, outcome.queue_s = True, t0 + queue_s, queue_s
+            try:
+                await run_generation(app, req, out, fmt, job, prompt, outcome)
+            finally:
+                app.admission.release()
         finally:
-            app.admission.release()
+            app.bridge.leave()
     except ApiError as e:
         outcome.status, outcome.finish = e.status, outcome.finish or "error"
         raise
@@ -3439,15 +3601,18 @@ async def handle_generation(app, req, out, fmt: "ApiFormat", tenant: str) -> Non
                                  job.session if job is not None else None))
 
 
-async def _wait_admitted(ticket: asyncio.Future, gone: asyncio.Event) -> None:
-    """Wait for a slot, or raise ClientGone if the client leaves first (its place is given up)."""
+async def _wait_admitted(ticket: asyncio.Future, gone: asyncio.Event, ended: asyncio.Event) -> None:
+    """Wait for a slot. Raises ClientGone if the client leaves first, ServerStopping if the shutdown's
+    grace period ends first (either way the caller gives its place up)."""
     left = asyncio.ensure_future(gone.wait())
+    stopped = asyncio.ensure_future(ended.wait())
     try:
-        done, _ = await asyncio.wait({ticket, left}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({ticket, left, stopped}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         left.cancel()
+        stopped.cancel()
     if ticket not in done:
-        raise ClientGone()
+        raise ServerStopping() if stopped in done else ClientGone()
 
 
 async def handle_count_tokens(app, req, out, fmt: "ApiFormat") -> None:
@@ -3863,18 +4028,54 @@ def worker_args(spec: "registry.ModelSpec", config: Config, folder: str) -> dict
             "cache_ram_mib": spec.cache_ram_mib if config.cache_ram_mib is None else config.cache_ram_mib}
 
 
+# After SIGTERM/SIGINT the requests in flight get this long to finish; then the ones still running
+# are ended with their route's error. With SHUTDOWN_WRITE_S and the worker's exit it stays under the
+# 30 s that Kubernetes waits by default before it kills the process.
+SHUTDOWN_GRACE_S = 20.0
+# How long the ended requests get to write their error before every connection is closed.
+SHUTDOWN_WRITE_S = 2.0
+
+
+async def shutdown(app: App, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+    """Stop accepting connections and new requests (503/529), let the generation requests in flight
+    finish for grace_s, end the rest with their route's error, close every connection, stop the worker."""
+    bridge = app.bridge
+    bridge.closing = True
+    if app._server is not None:
+        app._server.close()     # no new connections; the open ones keep their running requests
+    if bridge.in_flight:
+        log.info("shutting down: %d request(s) running get %g s to finish", bridge.in_flight, grace_s)
+    if not await bridge.wait_idle(grace_s):
+        log.info("shutting down: ending the %d request(s) still running", bridge.in_flight)
+        bridge.end_all()
+        await bridge.wait_idle(SHUTDOWN_WRITE_S)
+    await app.close()
+    await asyncio.to_thread(bridge.stop)
+    log.info("stopped")
+
+
 async def serve(app: App, stop: asyncio.Event | None = None,
-                prepare: Callable[[], Any] | None = None) -> None:
-    """Listen, then start the engine, and serve until stop is set (or SIGINT/SIGTERM).
+                prepare: Callable[[], Any] | None = None, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+    """Listen, then start the engine, and serve until stop is set (or SIGINT/SIGTERM), then shut down
+    cleanly (shutdown). A second SIGINT/SIGTERM exits at once, with status 128 + the signal's number.
 
     prepare, when given, runs in a thread after the port is open (health answers "loading" meanwhile:
     building the demo model takes a minute) and returns the worker's arguments.
     """
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            log.warning("%s again: exiting now", sig.name)
+            app.bridge.kill()
+            os._exit(128 + sig)
+        log.info("%s: shutting down (send it again to exit at once)", sig.name)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
         except (NotImplementedError, RuntimeError):
             pass   # not the main thread, or a platform without signals
     reload_keys_on_sighup(app.guard, loop)
@@ -3887,9 +4088,7 @@ async def serve(app: App, stop: asyncio.Event | None = None,
             app.bridge.start()
         await stop.wait()
     finally:
-        log.info("shutting down")
-        await app.close()
-        app.bridge.stop()
+        await shutdown(app, grace_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -3909,7 +4108,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mashbox: --host {config.host} is not loopback: give keys with --api-key-file or "
               "MASHBOX_API_KEY", file=sys.stderr)
         return 2
-    app = App(config, bridge=Bridge(worker_args=None, log=log.warning),
+    entry = os.environ.get(WORKER_ENTRY_ENV) or WORKER_ENTRY   # the variable is for tests only
+    app = App(config, bridge=Bridge(worker_args=None, entry=entry, log=log.warning),
               guard=Guard(keys, config.host, config.allowed_hosts),
               admission=Admission(slots=config.slots or spec.slots, per_tenant=config.max_waiting_per_tenant,
                                   total=config.max_waiting),

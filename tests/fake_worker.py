@@ -10,12 +10,22 @@ pipeline, parsers and encoders run for real; only the model is replaced:
 - max_tokens and the context end the answer with "length"; the end of the script ends it with
   "stop" (as if <|im_end|> was sampled); Cancel ends it with "abort".
 - cached_tokens is the longest common prefix with the previous prompt (a one-slot prefix cache).
+- A prompt that contains FAIL_MARKER fails on the "device": its first Step has finish="error", and
+  every other request runs on.
 
-FakeArgs tunes timing and faults: `delay_s` between tokens, `load_s` before Ready, `die_after`
-(os._exit after sending that many tokens in the process's life, to test restarts).
+FakeArgs tunes timing and faults: `delay_s` between tokens, `prefill_s` before a request's first token,
+`load_s` before Ready; `die_at` ("load": before Ready, "submit": when a request arrives) and `die_after`
+(tokens sent in the process's life) make the process exit abruptly, `hang_after` makes it stop
+answering (a stuck worker). With `fault_file`, the faults fire at most `fault_times` times over all
+the processes that share the file, so the server's next worker runs clean.
+
+Started by the CLI (MASHBOX_WORKER_ENTRY=tests.fake_worker:main), it gets the server's worker
+arguments as a dict; MASHBOX_FAKE (a JSON object of FakeArgs fields) then sets the rest.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -26,6 +36,11 @@ from engine import protocol
 
 DEFAULT_ANSWER = "Hello from the fake engine."
 MODEL_ID = "mashbox-fake"
+FAIL_MARKER = "fail:"
+FAULT_EXIT_CODE = 17          # what an injected death exits with
+ARGS_ENV = "MASHBOX_FAKE"
+# While every live request is still "prefilling", the loop looks at the pipe this often.
+PREFILL_POLL_S = 0.005
 
 
 def tokenizer_folder() -> str | None:
@@ -41,11 +56,34 @@ def tokenizer_folder() -> str | None:
 @dataclass
 class FakeArgs:
     delay_s: float = 0.0
+    prefill_s: float = 0.0            # each request's first token comes this long after it arrived
     load_s: float = 0.0
     ctx: int = 4096
     slots: int = 4
+    die_at: str | None = None         # "load" | "submit": exit at that point (fault injection)
     die_after: int | None = None      # tokens sent before the process exits (fault injection)
-    die_marker: str | None = None     # a file: die only if it does not exist yet, then create it
+    hang_after: int | None = None     # tokens sent before the process stops answering for good
+    fault_file: str | None = None     # counts the faults fired; None: every process fires them
+    fault_times: int = 1              # with fault_file: how many times in all
+
+    @classmethod
+    def from_server(cls, worker_args: dict) -> "FakeArgs":
+        """The CLI's worker arguments (slots, ctx), then MASHBOX_FAKE's fields."""
+        args = cls(slots=worker_args.get("slots", 4), ctx=worker_args.get("ctx", 4096))
+        return dataclasses.replace(args, **json.loads(os.environ.get(ARGS_ENV) or "{}"))
+
+
+def _fault(args: FakeArgs) -> bool:
+    """Whether an injected fault fires now (and count it when a fault_file keeps the count)."""
+    if args.fault_file is None:
+        return True
+    path = Path(args.fault_file)
+    fired = path.stat().st_size if path.exists() else 0
+    if fired >= args.fault_times:
+        return False
+    with open(path, "ab") as f:
+        f.write(b"x")
+    return True
 
 
 def _answer_for(text: str) -> str:
@@ -56,12 +94,16 @@ def _answer_for(text: str) -> str:
     return rest.split("<|im_end|>", 1)[0]
 
 
-def main(conn: Connection, args: FakeArgs) -> None:
+def main(conn: Connection, args: FakeArgs | dict) -> None:
     from tokenizers import Tokenizer
+    if isinstance(args, dict):
+        args = FakeArgs.from_server(args)
     folder = tokenizer_folder()
     tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
     conn.send(protocol.Loading("weights", 0, 1))
     time.sleep(args.load_s)
+    if args.die_at == "load" and _fault(args):
+        os._exit(FAULT_EXIT_CODE)
     facts = protocol.ModelFacts(
         id=MODEL_ID, family="qwen3", weights=folder, folder=folder, chat_format="qwen3", gb=0.0,
         bpw=16.0, max_model_len=args.ctx, slots=args.slots, prefix_cache=True, cache_ram_mib=0,
@@ -80,6 +122,8 @@ def main(conn: Connection, args: FakeArgs) -> None:
                 if live.pop(msg.rid, None) is not None:
                     conn.send(protocol.Step(msg.rid, [], finish="abort"))
             elif isinstance(msg, protocol.Submit):
+                if args.die_at == "submit" and _fault(args):
+                    os._exit(FAULT_EXIT_CODE)
                 cached = 0
                 for a, b in zip(previous, msg.prompt):
                     if a != b:
@@ -87,14 +131,22 @@ def main(conn: Connection, args: FakeArgs) -> None:
                     cached += 1
                 cached = min(cached, len(msg.prompt) - 1)
                 previous = list(msg.prompt)
-                answer = tok.encode(_answer_for(tok.decode(msg.prompt, skip_special_tokens=False)),
-                                    add_special_tokens=False).ids
+                text = tok.decode(msg.prompt, skip_special_tokens=False)
+                answer = tok.encode(_answer_for(text), add_special_tokens=False).ids
                 room = args.ctx - len(msg.prompt)
                 live[msg.rid] = {"answer": answer, "i": 0, "limit": min(msg.max_tokens, room),
                                  "prompt": len(msg.prompt), "cached": cached, "t0": time.time(),
-                                 "queued": msg.submitted_at}
+                                 "queued": msg.submitted_at, "fail": FAIL_MARKER in text}
+        sent_any = False
         for rid, r in list(live.items()):
             first = r["i"] == 0
+            if first and time.time() < r["t0"] + args.prefill_s:
+                continue                      # still "prefilling"
+            if r["fail"]:
+                del live[rid]
+                conn.send(protocol.Step(rid, [], finish="error", prompt_tokens=r["prompt"],
+                                        error="injected device error"))
+                continue
             if r["i"] >= len(r["answer"]) or r["i"] >= r["limit"]:
                 finish = "stop" if r["i"] >= len(r["answer"]) else "length"
                 tokens = []
@@ -115,13 +167,15 @@ def main(conn: Connection, args: FakeArgs) -> None:
                                 "predicted_ms": (now - r.get("t_first", now)) * 1000}
                 del live[rid]
             conn.send(step)
+            sent_any = True
             sent_total += len(tokens)
-            if args.die_after is not None and sent_total >= args.die_after:
-                if args.die_marker is None or not os.path.exists(args.die_marker):
-                    if args.die_marker:
-                        Path(args.die_marker).touch()
-                    os._exit(17)
-        conn.send(protocol.Stats(live_rows=len(live), waiting=0, kv_used_tokens=0,
-                                 kv_capacity_tokens=args.ctx * args.slots, compiles_after_ready=0))
-        if live and args.delay_s:
-            time.sleep(args.delay_s)
+            if args.die_after is not None and sent_total >= args.die_after and _fault(args):
+                os._exit(FAULT_EXIT_CODE)
+            if args.hang_after is not None and sent_total >= args.hang_after and _fault(args):
+                while True:                   # stuck: alive, silent, until the server kills it
+                    time.sleep(3600)
+        if sent_any:   # as the real worker: Stats after a round that did something
+            conn.send(protocol.Stats(live_rows=len(live), waiting=0, kv_used_tokens=0,
+                                     kv_capacity_tokens=args.ctx * args.slots, compiles_after_ready=0))
+        if live:
+            time.sleep(args.delay_s if sent_any else PREFILL_POLL_S)
