@@ -129,7 +129,7 @@ class Engine:
         progress("weights", 1, 1)
         self.cache = init_cache(cfg, args.slots, args.ctx, self.dtype)
         self.state = sampler.init_state(args.slots, cfg.vocab_size)
-        self.buckets = Buckets.for_ctx(args.ctx, tuple(args.prefill_chunks))
+        self.buckets = Buckets.for_ctx(args.ctx, tuple(args.prefill_chunks), args.slots)
         self.scheduler = Scheduler(args.slots, args.ctx, cfg.vocab_size, self.buckets, args.prefix_cache)
         self.decode_steps = 0
         t0 = time.time()
@@ -150,34 +150,34 @@ class Engine:
 
     # -- start-up ---------------------------------------------------------------------------------
 
-    def programs(self) -> list[tuple[str, int, int]]:
-        """Every model program a request can run: ("prefill", chunk, attn) and ("decode", 1, attn)."""
-        out = [("prefill", c, a) for c in self.buckets.chunks for a in self.buckets.attention
-               if a >= self.buckets.attention_for(self.buckets.min_fill(c))]
-        return out + [("decode", 1, a) for a in self.buckets.attention]
+    def programs(self) -> list[tuple[str, int, int, int]]:
+        """Every model program a request can run, as (kind, rows, tokens per row, attention length):
+        prefill chunks (one row) and decode steps (one token per row, each decode batch size)."""
+        b = self.buckets
+        out = [("prefill", 1, c, a) for c in b.chunks for a in b.attention
+               if a >= b.attention_for(b.min_fill(c))]
+        return out + [("decode", rows, 1, a) for rows in b.decode_rows for a in b.attention]
 
     def _warm_up(self, progress) -> None:
         """Run every program once on idle rows (lengths 0 leave the cache untouched). The sampler is
         fed logits from the model's own programs: jit keys on where its inputs live, so logits made
         on the host would compile a different program than the one requests run."""
         programs = self.programs()
-        slots = self.args.slots
         total = len(programs) + 1
         logits = {}
-        for i, (kind, t, attn) in enumerate(programs):
+        for i, (kind, rows, t, attn) in enumerate(programs):
             self.faults.at("warmup")
             progress("compile", i, total)
-            rows = 1 if kind == "prefill" else slots
             logits[rows], self.cache = jit_forward(
                 self.params, self.cache, np.zeros((rows, t), np.int32),
                 np.arange(rows, dtype=np.int32), np.zeros(rows, np.int32), np.zeros(rows, np.int32),
                 cfg=self.cfg, attn_len=attn)
-        for rows, every in ((1, False), (slots, True)):
+        for rows in logits:
             params = sampler.row_params([(sampler.Sampling(), 0, 0)] * rows)
             for flags in sampler.FLAG_COMBINATIONS:
                 tokens, self.state = sampler.sample(
                     self.state, logits[rows], np.arange(rows, dtype=np.int32), np.zeros(rows, bool),
-                    params, every_slot=every, **flags)
+                    params, every_slot=rows == self.args.slots, **flags)
         self.state = sampler.start_row(self.state, np.int32(0), np.zeros(self.cfg.vocab_size, bool))
         self.cache = copy_prefix(self.cache, np.int32(0), np.int32(0), np.int32(0))
         jax.block_until_ready((tokens, self.cache, self.state))
@@ -261,28 +261,32 @@ class Engine:
         return int(np.asarray(token)[0])
 
     def _decode(self, work: Decode) -> list[int]:
-        """One token for every generating slot: a fixed batch of all slots, idle rows masked, so the
-        program never changes with the number of live requests."""
+        """One token for every generating request. The batch of every slot puts slot i on row i
+        (idle rows masked), so its program never changes with the number of live requests; a
+        smaller batch (Buckets.decode_rows) packs the rows and names each row's slot."""
         self.decode_steps += 1
         self.faults.at("decode")
-        n = self.args.slots
+        n = work.batch
+        every = n == self.args.slots
+        where = [r.slot if every else i for i, r in enumerate(work.rows)]
+        slots = np.arange(n, dtype=np.int32)
         tokens = np.zeros((n, 1), np.int32)
         starts = np.zeros(n, np.int32)
         lengths = np.zeros(n, np.int32)
         rows = [(sampler.Sampling(), 0, 0)] * n
-        for r in work.rows:
-            tokens[r.slot, 0] = r.output[-1]
-            starts[r.slot] = len(self.scheduler.slots[r.slot].tokens)
-            lengths[r.slot] = 1
-            rows[r.slot] = (r.sampling, r.seed, len(r.output))
-        slots = np.arange(n, dtype=np.int32)
+        for row, r in zip(where, work.rows):
+            slots[row] = r.slot
+            tokens[row, 0] = r.output[-1]
+            starts[row] = len(self.scheduler.slots[r.slot].tokens)
+            lengths[row] = 1
+            rows[row] = (r.sampling, r.seed, len(r.output))
         logits, self.cache = jit_forward(self.params, self.cache, tokens, slots, starts, lengths,
                                          cfg=self.cfg, attn_len=work.attn_len)
         drawn, self.state = sampler.sample(
-            self.state, logits, slots, lengths > 0, sampler.row_params(rows), every_slot=True,
+            self.state, logits, slots, lengths > 0, sampler.row_params(rows), every_slot=every,
             **sampler.batch_flags([r.sampling for r in work.rows]))
         drawn = np.asarray(drawn)
-        return [int(drawn[r.slot]) for r in work.rows]
+        return [int(drawn[row]) for row in where]
 
     def _step(self, request: Request, tokens: list[int], finish: str | None) -> Step:
         step = Step(request.rid, tokens, finish)

@@ -16,7 +16,7 @@ def request(rid, prompt, max_tokens=100, stop=(STOP,)):
 
 
 def scheduler(slots=2, ctx=256, chunks=(8, 32), prefix_cache=True):
-    return Scheduler(slots, ctx, VOCAB, Buckets.for_ctx(ctx, chunks), prefix_cache)
+    return Scheduler(slots, ctx, VOCAB, Buckets.for_ctx(ctx, chunks, slots), prefix_cache)
 
 
 def run_round(s, next_token=lambda r: 7):
@@ -60,6 +60,14 @@ def test_chunk_choice_limits_padding_and_covers_min_fill():
     for remaining in range(1, 1200):
         chunk = b.chunk_for(remaining)
         assert min(chunk, remaining) >= b.min_fill(chunk)
+
+
+def test_a_lone_request_decodes_in_its_own_small_batch():
+    """Guards against one live request paying for a step of every slot (2x slower on CPU)."""
+    b = Buckets.for_ctx(1024, slots=8)
+    assert b.decode_rows == (1, 8)
+    assert [b.decode_batch(n) for n in (1, 2, 5, 8)] == [1, 8, 8, 8]
+    assert Buckets.for_ctx(1024, slots=1).decode_rows == (1,)
 
 
 def test_chunks_longer_than_ctx_are_dropped():
