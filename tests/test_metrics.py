@@ -53,8 +53,12 @@ LABELS = {"finished_reason", "reason", "le", "block_size", "num_gpu_blocks", "en
 
 
 @pytest.fixture(scope="module")
-def server():
-    with harness.start_server(keys=KEYS) as s:
+def server(tmp_path_factory):
+    """A ready server whose keys come from a key file naming two tenants, as `--api-key-file` reads it."""
+    key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
+    key_file.write_text("".join(f"{key} {tenant}\n" for key, tenant in KEYS.items()))
+    with harness.start_server() as s:
+        s.app.guard = mashbox.Guard(mashbox.Keys.load(str(key_file), None), harness.HOST)
         yield s
 
 
