@@ -112,6 +112,9 @@ MAX_CHUNK_LINE = 1024
 HEADER_TIMEOUT_S = 10.0
 # A request body that stops arriving for this long is abandoned with 408.
 BODY_TIMEOUT_S = 30.0
+# After BODY_TIMEOUT_S of grace, a body must arrive at least this fast on average (a slow modem's
+# speed), or 408: a client sending a byte now and then cannot hold a connection for ever.
+MIN_BODY_BYTES_PER_S = 1024
 # An idle keep-alive connection is closed after this long: longer than clients keep idle connections
 # in their pools (about 5 s for Node and httpx), so a client never sends on a connection being closed.
 KEEPALIVE_TIMEOUT_S = 75.0
@@ -484,7 +487,13 @@ class ConnLimits:
     stall_s: float = STALL_TIMEOUT_S
     max_connections: int = MAX_CONNECTIONS
     linger_s: float = LINGER_S
+    min_body_rate: float = MIN_BODY_BYTES_PER_S
 
+
+# Connections the kernel may hold for the server before it accepts them. A burst (agents starting
+# together, or a flood) larger than the default 100 would have its extra connections retried by the
+# clients' TCP stacks a second later; the kernel caps it at net.core.somaxconn.
+LISTEN_BACKLOG = 1024
 # File descriptors kept out of the connection bound: the listening socket, the worker's pipe, files
 # read while serving (tokenizer, key file, spec), logging, and the socket a refused client is told on.
 FD_RESERVE = 64
@@ -597,6 +606,9 @@ class Connection:
         self._head_t0: float | None = self._loop.time()   # the first head is due within header_s
         self._idle_since = self._loop.time()
         self._last_data = self._loop.time()
+        self._bytes_in = 0                   # read from the socket so far
+        self._body_t0: float | None = None   # when the current body started arriving
+        self._body_bytes0 = 0                # _bytes_in then
 
     async def run(self) -> None:
         pump = asyncio.create_task(self._pump())
@@ -634,6 +646,7 @@ class Connection:
                     break
                 if not self._discard:
                     self.parser.feed(data)
+                self._bytes_in += len(data)
                 self._last_data = self._loop.time()
                 self._wake.set()
         except (ConnectionError, OSError):
@@ -650,7 +663,7 @@ class Connection:
             self._wake.clear()
             req = self.parser.next()
             if req is not None:
-                self._head_t0 = None
+                self._head_t0 = self._body_t0 = None
                 return req
             if self.parser.take_continue():
                 await self.write(CONTINUE)
@@ -659,7 +672,11 @@ class Connection:
             now = self._loop.time()
             state = self.parser.state
             if state == "body":
-                left = self._last_data + self.limits.body_s - now
+                if self._body_t0 is None:
+                    self._body_t0, self._body_bytes0 = now, self._bytes_in
+                # Each byte buys 1/min_body_rate seconds beyond the grace period.
+                earned = (self._bytes_in - self._body_bytes0) / self.limits.min_body_rate
+                left = min(self._last_data, self._body_t0 + earned) + self.limits.body_s - now
             elif state == "head" or self._head_t0 is not None:
                 if self._head_t0 is None:
                     self._head_t0 = now
@@ -3482,6 +3499,8 @@ def json_body(req) -> dict:
         body = json.loads(req.body)
     except (UnicodeDecodeError, ValueError) as e:
         raise ApiError(400, f"body: not valid JSON ({e})")
+    except RecursionError:   # json's decoder recurses once per level: thousands of [ overflow it
+        raise ApiError(400, "body: JSON nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"body: must be a JSON object, got {type(body).__name__}")
     return body
@@ -3910,8 +3929,8 @@ class App:
             log.warning("open files are limited: at most %d connections (not %d)", bound,
                         self.limits.max_connections)
             self.limits.max_connections = bound
-        self._server = await asyncio.start_server(self._on_connect, self.config.host, self.config.port)
-
+        self._server = await asyncio.start_server(self._on_connect, self.config.host, self.config.port,
+                                                  backlog=LISTEN_BACKLOG)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
