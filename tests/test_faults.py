@@ -479,3 +479,13 @@ def test_a_second_signal_exits_at_once():
         until(lambda: not _alive(worker_pid), "the worker to end", timeout=10)
     finally:
         cli.close()
+
+
+def test_a_short_soak_answers_every_request_or_fails_it_as_documented():
+    """Guards against hung connections, lost or doubled answers and leaks under traffic with repeated
+    worker kills: tests/soak_faults.py for 25 s, a kill every 5 s (the 20-minute run is by hand)."""
+    from tests.soak_faults import run_soak
+    report = run_soak(seconds=25, kill_every_s=5, clients=4)
+    summary = report.summary()
+    assert report.ok, summary
+    assert report.kills >= 4 and report.outcomes["answered"] >= 20, summary
