@@ -3182,10 +3182,11 @@ class Bridge:
             return
         self._generation += 1  # ignore anything else the dead worker's threads deliver
         proc = proc or self._proc
+        status = _exit_status(proc.exitcode if proc is not None else None)
         if proc is not None and proc.is_alive():
             proc.kill()        # stuck, or it broke its pipe and lives on: it must not hold the device
-        self.log(f"worker {self.pid} died ({why}; {_exit_status(proc.exitcode if proc else None)}); "
-                 "starting a new one")
+            status = "killed by the server"
+        self.log(f"worker {self.pid} died ({why}; {status}); starting a new one")
         if self.stats is not None:
             self.compiles_after_ready_before += self.stats.compiles_after_ready
         self.stats = None

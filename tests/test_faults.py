@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 import mashbox
+from engine import protocol
 from mashbox import App, Config, Guard
 from tests.fake_worker import MODEL_ID, FakeArgs, tokenizer_folder
 from tests.harness import HOST, WAIT_S, Server, error_of, key_set
@@ -193,7 +194,8 @@ def _error_event(api: str, events: list) -> dict:
     """The route's error event at the end of a broken stream, checked for its shape and order."""
     if api == "chat":
         assert events[-1][1] == "[DONE]"
-        return json.loads(events[-2][1])["error"] | {"_id": json.loads(events[-2][1])["error"]["request_id"]}
+        err = json.loads(events[-2][1])["error"]
+        return err | {"_id": err["request_id"]}
     if api == "messages":
         name, data = events[-1]
         doc = json.loads(data)
@@ -358,6 +360,42 @@ def test_a_stuck_worker_is_replaced_and_its_request_retried(tmp_path):
         assert any("no progress for 0.8 s" in line for line in server.logs), server.logs
 
 
+def test_the_real_worker_dying_in_prefill_is_replaced_and_serves_the_retry(tmp_path, monkeypatch):
+    """Guards against supervision that only works with the fake: engine/worker.py on a tiny checkpoint
+    exits in its first prefill (MASHBOX_FAULT), the bridge logs its exit code, starts a clean one, and
+    the request sent again is answered."""
+    pytest.importorskip("jax")
+    args = {"model_id": "tiny", "weights_folder": str(ROOT / "tests" / "fixtures" / "tiny" / "qwen3"),
+            "slots": 2, "ctx": 128, "prefill_chunks": [32], "compile_cache": str(tmp_path / "jax")}
+    monkeypatch.setenv("MASHBOX_FAULT", "prefill")
+    logs: list[str] = []
+
+    async def scenario():
+        bridge = mashbox.Bridge(args, log=logs.append)
+        ready = asyncio.Event()
+        # Only the first worker is told to fail: the variable goes once it is ready.
+        bridge.on_ready.append(lambda: (os.environ.pop("MASHBOX_FAULT", None), ready.set()))
+        bridge.start()
+        try:
+            await asyncio.wait_for(ready.wait(), 180)
+            ready.clear()
+            prompt = list(range(3, 13))
+            died = await asyncio.wait_for(bridge.submit(protocol.Submit("a", prompt, 4)).get(), 120)
+            assert isinstance(died, mashbox.WorkerDied) and bridge.status == "loading"
+            await asyncio.wait_for(ready.wait(), 180)
+            q = bridge.submit(protocol.Submit("a-retry1", prompt, 4))
+            tokens, step = [], None
+            while step is None or step.finish is None:
+                step = await asyncio.wait_for(q.get(), 120)
+                tokens += step.tokens
+            assert len(tokens) == 4 and step.finish == "length" and bridge.restarts == 1
+        finally:
+            await asyncio.to_thread(bridge.stop)
+
+    asyncio.run(scenario())
+    assert any("exit code 70" in line for line in logs), logs
+
+
 # ---- shutdown ---------------------------------------------------------------------------------------
 
 def test_shutdown_finishes_short_requests_and_ends_the_rest_with_the_routes_error():
@@ -387,8 +425,9 @@ def test_shutdown_finishes_short_requests_and_ends_the_rest_with_the_routes_erro
         t.join(WAIT_S)
         status, _, raw = waiting["r"]
         assert status == 503 and "shutting down" in error_of(status, raw, "openai")["message"]
+        worker_pid = bridge.pid
         future.result(WAIT_S)
-        assert not bridge._proc.is_alive()
+        assert not _alive(worker_pid)
     finally:
         server.stop()
 
