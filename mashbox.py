@@ -1181,27 +1181,33 @@ def parse_common(body: dict, job: Job, max_tokens_names: tuple[str, ...] = ("max
         value = _integer(body, name, 1)
         if value is not None:
             job.max_tokens = value
+    stop_sequences = body.get("stop_sequences")
+    if stop_sequences is not None and (not isinstance(stop_sequences, list)
+                                       or not all(isinstance(x, str) and x for x in stop_sequences)):
+        raise bad_field("stop_sequences", "must be a list of non-empty strings")
     stop = body.get("stop")
-    if stop is None:
-        stop = body.get("stop_sequences")
-        field_name = "stop_sequences"
-    else:
-        field_name = "stop"
     if isinstance(stop, str):
         stop = [stop]
-    if stop is not None:
-        if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
-            raise bad_field(field_name, "must be a string or a list of non-empty strings")
-        job.stop = list(stop)
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop)):
+        raise bad_field("stop", "must be a string or a list of non-empty strings")
+    job.stop = list(stop if stop is not None else stop_sequences or [])
     job.stream = _boolean(body, "stream")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad_field("model", "must be a string")
-    job.model = model
-    key = body.get("prompt_cache_key")
-    if isinstance(key, str):
-        job.session = key
+    job.model = _string(body, "model")
+    job.session = _string(body, "prompt_cache_key")
+    # Accepted and ignored, but still typed: a wrong type is a client bug worth hearing about.
+    for name in ("merge", "store"):
+        _boolean(body, name)
+    for name in ("metadata", "client_metadata"):
+        if body.get(name) is not None and not isinstance(body[name], dict):
+            raise bad_field(name, f"must be an object, got {type(body[name]).__name__}")
     return job
+
+
+def _string(body: dict, name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise bad_field(name, f"must be a string, got {type(value).__name__}")
+    return value
 
 
 # ---- OpenAI Chat Completions ---------------------------------------------------------------------
@@ -1301,10 +1307,10 @@ def _chat_messages(messages: Any) -> list[chat.Message]:
             msg.tool_calls = _chat_history_calls(m.get("tool_calls"), f"{where}.tool_calls")
         else:
             msg.content = _content_text(m.get("content"), f"{where}.content")
+        name = _typed(m, "name", str, f"{where}.name")   # accepted and ignored, but typed
         if msg.role == "tool":
             msg.tool_call_id = _typed(m, "tool_call_id", str, f"{where}.tool_call_id")
-            name = m.get("name")     # the spec accepts and ignores name; a string is kept as a hint
-            msg.name = name if isinstance(name, str) else None
+            msg.name = name          # a hint of which tool answered
         out.append(msg)
     return out
 
