@@ -255,8 +255,11 @@ def test_the_connection_bound_fits_under_the_open_files_limit(monkeypatch):
         assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= 1024 + mashbox.FD_RESERVE
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    monkeypatch.setattr(resource, "getrlimit", lambda which: (300, 300))
+    asked = []
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (300, 300))     # a hard limit of 300
+    monkeypatch.setattr(resource, "setrlimit", lambda which, limits: asked.append(limits))
     assert mashbox.connection_bound(1024) == 300 - mashbox.FD_RESERVE   # else the bound shrinks to fit
+    assert asked == [(300, 300)]
 
 
 # ---- bodies that are not JSON objects ------------------------------------------------------------------
