@@ -131,7 +131,6 @@ class Engine:
         self.state = sampler.init_state(args.slots, cfg.vocab_size)
         self.buckets = Buckets.for_ctx(args.ctx, tuple(args.prefill_chunks), args.slots)
         self.scheduler = Scheduler(args.slots, args.ctx, cfg.vocab_size, self.buckets, args.prefix_cache)
-        self.decode_steps = 0
         t0 = time.time()
         self._warm_up(progress)
         compile_s = time.time() - t0
@@ -264,7 +263,6 @@ class Engine:
         """One token for every generating request. The batch of every slot puts slot i on row i
         (idle rows masked), so its program never changes with the number of live requests; a
         smaller batch (Buckets.decode_rows) packs the rows and names each row's slot."""
-        self.decode_steps += 1
         self.faults.at("decode")
         n = work.batch
         every = n == self.args.slots
