@@ -398,9 +398,10 @@ def test_the_real_worker_dying_in_prefill_is_replaced_and_serves_the_retry(tmp_p
 
 # ---- shutdown ---------------------------------------------------------------------------------------
 
-def test_shutdown_finishes_short_requests_and_ends_the_rest_with_the_routes_error():
-    """Guards against a shutdown that cuts answers mid-word or waits forever: within the grace period a
-    short answer completes; then a long stream ends with its error event and a waiting request gets 503."""
+def test_shutdown_ends_what_outlives_the_grace_period_with_the_routes_error():
+    """Guards against a shutdown that cuts a stream without a word or waits forever: once the grace
+    period is over, a long stream ends with its error event, a request waiting for a slot gets 503, a
+    new request is refused, and the worker is stopped."""
     worker = FakeArgs(delay_s=0.05, slots=1)
     bridge = mashbox.Bridge(worker, entry="tests.fake_worker:main", log=lambda m: None)
     app = App(Config(host=HOST, port=0, model=MODEL_ID), bridge=bridge)
