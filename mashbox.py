@@ -2955,6 +2955,8 @@ class EngineLog:
                         "shape the start-up did not compile; running requests waited for it",
                         msg.compiles_after_ready - self.compiles_seen, msg.compiles_after_ready)
             self.compiles_seen = msg.compiles_after_ready
+        elif isinstance(msg, protocol.Note):
+            log.info("worker: %s%s", f"{msg.rid}: " if msg.rid else "", msg.message)
 
     def _ready(self, msg: "protocol.Ready") -> None:
         self.readies += 1
@@ -3395,6 +3397,13 @@ async def _wait_for_worker(app, gone: asyncio.Event, keepalive: Callable[[], Awa
             await keepalive()
 
 
+def cache_tenant_label(req) -> str:
+    """The opaque label the host cache's fairness rule counts bytes by: a hash of the tenant, so the
+    worker never holds a tenant's name."""
+    import hashlib
+    return hashlib.sha256(str(getattr(req, "tenant", "") or "").encode()).hexdigest()[:16]
+
+
 async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list[int],
                          outcome: Outcome) -> None:
     """Generate for one parsed, rendered, admitted request and write its answer (JSON or SSE).
@@ -3435,7 +3444,8 @@ async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list
             await _wait_for_worker(app, gone, keepalive, fmt.anthropic)
             q = bridge.submit(protocol.Submit(
                 rid=sub_id, prompt=prompt, max_tokens=max_tokens, sampling=job.sampling,
-                stop_ids=list(tok.stop_ids), submitted_at=time.time()))
+                stop_ids=list(tok.stop_ids), submitted_at=time.time(),
+                cuts=chat.turn_boundaries(prompt, tok), tenant=cache_tenant_label(req)))
             while True:
                 step = await _next_step(q, gone, KEEPALIVE_S)
                 if step is None:
@@ -3920,7 +3930,10 @@ class App:
             # Once per model folder (a restarted worker loads the same one); a fraction of a second.
             self.tokenizer = chat.Tokenizer.from_folder(facts.folder)
             self._tokenizer_folder = facts.folder
-        self.namespace = cache_namespace(facts, str(Path(facts.folder) / "tokenizer.json"))
+        # The worker's id is the one owner (it tags the entries it saves); the server's own is kept
+        # for workers that send none.
+        self.namespace = facts.cache_namespace or \
+            cache_namespace(facts, str(Path(facts.folder) / "tokenizer.json"))
         if self.admission is not None:
             self.admission.resize(facts.slots)
         waiters, self._ready_waiters = self._ready_waiters, []

@@ -385,6 +385,24 @@ def render(job: Job, tok: Tokenizer, fmt: str) -> list[int]:
     return tok.encode(render_text(job, fmt))
 
 
+def turn_boundaries(ids: list[int], tok: Tokenizer) -> list[int]:
+    """Positions right after each `<|im_end|>` (and the newline the templates write after it): where
+    the system prompt and tools, and each turn, end. The engine's host cache cuts saved prompt states
+    there, so a conversation's next request finds them as an exact start."""
+    end = tok.id_of(IM_END)
+    newline = tok.encode("\n")
+    if end is None:
+        return []
+    out = []
+    for i, t in enumerate(ids):
+        if t == end:
+            after = i + 1
+            if len(newline) == 1 and after < len(ids) and ids[after] == newline[0]:
+                after += 1
+            out.append(after)
+    return out
+
+
 # ---- streaming detokenizer -------------------------------------------------------------------------
 
 class StreamDecoder:

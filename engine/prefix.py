@@ -1,18 +1,39 @@
-"""Which cached sequence holds the longest start of a new prompt.
+"""Which cached sequence holds the longest start of a new prompt: a slot of the device cache, or the
+host-memory cache of saved slot states (--cache-ram).
 
-Today the candidates are the slots of the device cache: a slot keeps the tokens of the last request
-that ran there (prompt and output) after it ends, until another request takes the slot. A host-memory
-cache of saved slot states (--cache-ram) would add its entries as further candidates here, with an
-LRU under its byte cap; the scheduler's `_assign` is where its hit is written into the chosen slot.
+A slot keeps the tokens of the last request that ran there (prompt and output) after it ends, until
+another request takes the slot. Before a slot is given to a prompt that diverges from what it holds,
+what it holds is saved to host memory (HostCache.insert), so a session whose slot was taken by
+another one still finds its conversation when its next turn comes.
+
+The host cache is a tree of segments (a radix tree over token ids). A segment holds the K/V of a run
+of consecutive positions; its parent holds the positions before it, so two conversations that share
+a system prompt and tools share those bytes, and each copy is counted once. A saved sequence is cut
+into segments at the cut points the server sends with each request (the template's turn
+boundaries): eviction then drops the end of a conversation before its shared beginning, and the
+recurrent state of a hybrid model, which cannot be trimmed back to an earlier position, can be
+snapshotted at those same points (Segment.snapshot; always None for the dense models served now,
+so snapshot_bytes stays 0).
+
+Nothing here touches the device: the worker reads and writes slots (engine.cache) and hands this
+module numpy arrays.
 """
 from __future__ import annotations
 
+import hashlib
+import os
+from dataclasses import dataclass, field
 from typing import Sequence
+
+import numpy as np
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token sequences."""
     n = min(len(a), len(b))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):     # long prompts: compare at once
+        differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+        return int(differ[0]) if differ.size else n
     i = 0
     while i < n and a[i] == b[i]:
         i += 1
@@ -35,3 +56,244 @@ def best_match(candidates: Sequence[tuple[int, Sequence[int], int]], prompt: Seq
         if n > best_n or (n == best_n and n > 0 and tick < best_tick):
             best, best_n, best_tick = key, n, tick
     return best, best_n
+
+
+# ---- the namespace: what saved states are valid for ---------------------------------------------
+
+# Bumped whenever what a segment holds changes meaning (layout, cut rule): old states are then
+# never read by a new engine.
+CACHE_FORMAT = "kv-segments-1"
+
+
+def namespace_id(model_id: str, family: str, weights: str, folder: str, chat_format: str, dtype: str,
+                 prefix_cache: bool) -> str:
+    """A stable id of everything a saved prompt state depends on: the model and its weights (path,
+    size and modification time: hashing gigabytes at every start would cost more than it saves),
+    the tokenizer (its file's bytes), the chat templates (the source of engine.chat, which renders
+    them), the compute dtype and the cache policy. Two engines with the same id could share states;
+    an entry tagged with another id is never used."""
+    h = hashlib.sha256()
+
+    def add(part) -> None:
+        h.update(str(part).encode() + b"\0")
+
+    for part in (CACHE_FORMAT, model_id, family, chat_format, dtype, f"prefix={prefix_cache}"):
+        add(part)
+    for path in (weights, os.path.join(folder, "tokenizer.json"),
+                 os.path.join(os.path.dirname(__file__), "chat.py")):
+        try:
+            st = os.stat(path)
+        except OSError:
+            add(f"missing:{path}")
+            continue
+        if os.path.isdir(path) or path == weights:
+            add(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}")
+        else:
+            with open(path, "rb") as f:
+                add(hashlib.sha256(f.read()).hexdigest())
+    return "mbx-" + h.hexdigest()[:16]
+
+
+# ---- the host cache --------------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class Segment:
+    """Positions [start, start + len(tokens)) of a saved sequence whose earlier positions are its
+    parent's. kv: per layer {"k": [kv_heads, n, d], "v": [kv_heads, d, n]} (the slot layout)."""
+    start: int
+    tokens: np.ndarray                    # int32 token ids
+    kv: list[dict]
+    parent: "Segment | None"
+    namespace: str
+    tenant: str                           # who saved it: eviction takes from the biggest holder first
+    last_used: int = 0
+    at_cut: bool = False                  # its end is a cut point (a turn boundary) of the prompt
+    snapshot: object = None               # recurrent state at its end (hybrid models; None: dense)
+    children: list["Segment"] = field(default_factory=list)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens.nbytes + sum(a.nbytes for layer in self.kv for a in layer.values())
+
+
+@dataclass
+class HostHit:
+    """A lookup's answer: the segments from the root that hold the first `tokens` prompt positions
+    (the last one possibly in part), and the longest cut-point end among them."""
+    path: list[Segment]
+    tokens: int
+    stable: int = 0                       # end of the deepest segment on the path ending at a cut
+
+
+def _slice_kv(kv: list[dict], a: int, b: int) -> list[dict]:
+    """Positions [a, b) of per-layer arrays, as copies that own their bytes (a view would keep the
+    whole source alive while counting only its slice)."""
+    return [{"k": np.ascontiguousarray(layer["k"][:, a:b, :]),
+             "v": np.ascontiguousarray(layer["v"][:, :, a:b])} for layer in kv]
+
+
+def concat_kv(parts: list[list[dict]]) -> list[dict]:
+    """Join per-layer arrays of consecutive position runs into one run."""
+    return [{"k": np.concatenate([p[i]["k"] for p in parts], axis=1),
+             "v": np.concatenate([p[i]["v"] for p in parts], axis=2)} for i in range(len(parts[0]))]
+
+
+class HostCache:
+    """Saved slot states in host memory, under a byte cap.
+
+    Eviction takes a leaf segment (one no other segment continues): from the tenant holding the most
+    bytes, the least recently used of its leaves. A tenant can so push another's states out only
+    until it holds more than that tenant, never all of them in one burst; and the shared beginning
+    of many conversations goes last, since it stops being a leaf only when everything after it has
+    gone. Bytes are checked before each insert (evicting first), so they never exceed the cap.
+
+    trimmable: a sequence's state can be cut back to any earlier position (attention K/V). A hybrid
+    model's recurrent state cannot, so a hit would end at a segment end that has a snapshot.
+    """
+
+    def __init__(self, cap_bytes: int, namespace: str, trimmable: bool = True):
+        self.cap_bytes = cap_bytes
+        self.namespace = namespace
+        self.trimmable = trimmable
+        self.roots: list[Segment] = []
+        self.bytes = 0
+        self.snapshot_bytes = 0
+        self.evictions = 0
+        self.tenant_bytes: dict[str, int] = {}
+        self.tick = 0
+
+    # -- reading ------------------------------------------------------------------------------------
+
+    def _children(self, parent: Segment | None) -> list[Segment]:
+        return self.roots if parent is None else parent.children
+
+    def _walk(self, tokens: np.ndarray) -> tuple[list[Segment], int]:
+        """Segments from the root matching the start of `tokens`, and how many tokens they match (the
+        last segment may match in part). Segments of another namespace are never followed."""
+        path, pos, parent = [], 0, None
+        while pos < len(tokens):
+            best, best_n = None, 0
+            for child in self._children(parent):
+                if child.namespace != self.namespace:
+                    continue
+                n = common_prefix(child.tokens, tokens[pos:pos + len(child.tokens)])
+                if n > best_n:
+                    best, best_n = child, n
+            if best is None:
+                break
+            path.append(best)
+            pos += best_n
+            if best_n < len(best.tokens):
+                break
+            parent = best
+        return path, pos
+
+    def lookup(self, prompt: Sequence[int]) -> HostHit:
+        """The longest saved start of `prompt` (leaving its last token to run, as `reusable` does)."""
+        tokens = np.asarray(prompt, np.int32)
+        path, n = self._walk(tokens)
+        n = min(n, len(tokens) - 1)
+        if not self.trimmable:                     # only whole segments with their state at the end
+            while path and (path[-1].end > n or path[-1].snapshot is None):
+                path.pop()
+            n = path[-1].end if path else 0
+        while path and path[-1].start >= n:
+            path.pop()
+        stable = max((s.end for s in path if s.at_cut), default=0)
+        return HostHit(path, n if path else 0, stable)
+
+    def touch(self, path: list[Segment]) -> None:
+        self.tick += 1
+        for s in path:
+            s.last_used = self.tick
+
+    def gather(self, hit: HostHit) -> list[dict]:
+        """The K/V of the hit's first hit.tokens positions, joined into one run (for write_slot)."""
+        self.touch(hit.path)
+        parts = [s.kv if s.end <= hit.tokens else _slice_kv(s.kv, 0, hit.tokens - s.start)
+                 for s in hit.path]
+        return concat_kv(parts)
+
+    def covered(self, tokens: Sequence[int]) -> int:
+        """How many leading positions of `tokens` are already saved."""
+        return self._walk(np.asarray(tokens, np.int32))[1]
+
+    # -- writing ------------------------------------------------------------------------------------
+
+    def _split(self, seg: Segment, n: int) -> Segment:
+        """Cut `seg` after its first n tokens; returns the new first part (seg keeps the rest)."""
+        head = Segment(seg.start, seg.tokens[:n].copy(), _slice_kv(seg.kv, 0, n), seg.parent,
+                       seg.namespace, seg.tenant, seg.last_used, at_cut=False)
+        siblings = self._children(seg.parent)
+        siblings[siblings.index(seg)] = head
+        seg.start, seg.tokens, seg.kv, seg.parent = seg.start + n, seg.tokens[n:].copy(), \
+            _slice_kv(seg.kv, n, len(seg.tokens)), head
+        head.children.append(seg)
+        return head
+
+    def insert(self, tokens: Sequence[int], kv: list[dict], cuts: Sequence[int], tenant: str,
+               protect: Sequence[Segment] = ()) -> int:
+        """Save positions [0, len(tokens)) of a sequence; kv holds (at least) those positions. The new
+        part is cut into segments at `cuts`. Evicts (never a segment in `protect`, nor one on this
+        sequence's own path) to stay under the cap; saves as much of the start as fits. Returns the
+        number of leading positions saved now (old and new)."""
+        tokens = np.asarray(tokens, np.int32)
+        path, pos = self._walk(tokens)
+        if path and pos < path[-1].end:             # ends inside a segment: cut it there
+            path[-1] = self._split(path[-1], pos - path[-1].start)
+        self.touch(path)
+        keep = set(map(id, protect)) | set(map(id, path))
+        parent = path[-1] if path else None
+        cuts = set(cuts)
+        ends = sorted({c for c in cuts if pos < c < len(tokens)} | {len(tokens)})
+        for end in ends:
+            if end <= pos:
+                continue
+            seg = Segment(pos, tokens[pos:end].copy(), _slice_kv(kv, pos, end), parent, self.namespace,
+                          tenant, self.tick, at_cut=end in cuts)
+            if not self._make_room(seg.nbytes, keep):
+                break
+            self._children(parent).append(seg)
+            self.bytes += seg.nbytes
+            self.tenant_bytes[tenant] = self.tenant_bytes.get(tenant, 0) + seg.nbytes
+            keep.add(id(seg))
+            parent, pos = seg, end
+        return pos
+
+    def _make_room(self, need: int, keep: set[int]) -> bool:
+        """Evict until `need` more bytes fit under the cap; False if they cannot."""
+        if need > self.cap_bytes:
+            return False
+        while self.bytes + need > self.cap_bytes:
+            victim = self._victim(keep)
+            if victim is None:
+                return False
+            self._evict(victim)
+        return True
+
+    def _victim(self, keep: set[int]) -> Segment | None:
+        leaves = [s for s in self.segments() if not s.children and id(s) not in keep]
+        if not leaves:
+            return None
+        return min(leaves, key=lambda s: (-self.tenant_bytes.get(s.tenant, 0), s.last_used))
+
+    def _evict(self, seg: Segment) -> None:
+        self._children(seg.parent).remove(seg)
+        self.bytes -= seg.nbytes
+        self.tenant_bytes[seg.tenant] -= seg.nbytes
+        if not self.tenant_bytes[seg.tenant]:
+            del self.tenant_bytes[seg.tenant]
+        self.evictions += 1
+
+    def segments(self) -> list[Segment]:
+        """Every segment, parents before children."""
+        out, stack = [], list(self.roots)
+        while stack:
+            s = stack.pop()
+            out.append(s)
+            stack.extend(s.children)
+        return out

@@ -5,7 +5,8 @@ imports jax, so this module (and engine.chat) is all it shares with the worker.
 
 Server -> worker: Submit, Cancel, Shutdown.
 Worker -> server: Loading (progress while weights load and programs compile), Ready (the model
-facts), Step (new tokens of one request, and its end), Fault (the worker is about to die), Stats.
+facts), Step (new tokens of one request, and its end), Fault (the worker is about to die), Stats,
+Note (a line for the server log).
 """
 from __future__ import annotations
 
@@ -35,6 +36,12 @@ class Submit:
     sampling: Sampling = field(default_factory=Sampling)
     stop_ids: list[int] = field(default_factory=list)  # token ids that end the row (eos, <|im_end|>)
     submitted_at: float = 0.0     # time.time() when the server handed it over (for queue_ms)
+    # Positions in the prompt right after each turn boundary the template made (the end of the system
+    # prompt and tools, of each turn): where the host cache cuts what it saves. Sorted, 1..len(prompt).
+    cuts: list[int] = field(default_factory=list)
+    # An opaque label of who sent it (a hash, never a key or a name): the host cache evicts from the
+    # label holding the most bytes first. Never exported or logged.
+    tenant: str = ""
 
 
 @dataclass
@@ -112,6 +119,14 @@ class Stats:
     host_cache_evictions: int = 0
     prefix_queries: int = 0       # prompt tokens looked up (cumulative)
     prefix_hits: int = 0          # prompt tokens served from a cache (cumulative)
+
+
+@dataclass
+class Note:
+    """Something the operator should read in the server log (e.g. where a prompt that continues a
+    cached conversation diverged from it). Never prompt text."""
+    message: str
+    rid: str | None = None
 
 
 @dataclass

@@ -5,6 +5,9 @@ Each round is at most one prefill chunk (of the one request whose prompt is bein
 decode step of every slot whose request is generating, so a new request joins the running batch at
 the very next device call. A slot holds one whole sequence; when its request ends, the slot keeps
 those tokens, and a later prompt that starts the same way reuses them instead of running them again.
+With a host cache (--cache-ram), what a slot holds is saved to host memory before the slot is given
+to a prompt that diverges from it, and a prompt whose start was saved there is loaded back into its
+slot instead of being run again (the worker does the copies the Plan names).
 """
 from __future__ import annotations
 
@@ -84,7 +87,9 @@ class Request:
     seed: int = 0                 # the seed actually used (the worker picks one when none is given)
     slot: int | None = None
     done: int = 0                 # prompt tokens in the slot's cache (reused + prefilled)
-    cached: int = 0               # prompt tokens reused from a cached sequence
+    cached: int = 0               # prompt tokens reused from a cached sequence (slot or host)
+    cuts: list[int] = field(default_factory=list)   # turn boundaries of the prompt (positions)
+    tenant: str = ""              # opaque label: whose bytes a saved state counts against
     output: list[int] = field(default_factory=list)
     finish: str | None = None
     first_sent: bool = False      # its first Step (with prompt_tokens) went out
@@ -101,6 +106,8 @@ class Slot:
     tokens: list[int] = field(default_factory=list)   # the sequence whose K/V the slot holds
     request: Request | None = None
     last_used: int = 0
+    cuts: list[int] = field(default_factory=list)     # cut points of the request that ran last
+    tenant: str = ""
 
 
 # ---- what the worker runs --------------------------------------------------------------------------
@@ -127,7 +134,28 @@ class Decode:
 
 
 @dataclass
+class Save:
+    """Save what `slot` holds to the host cache before the slot is overwritten."""
+    slot: int
+    tokens: list[int]
+    cuts: list[int]
+    tenant: str
+
+
+@dataclass
+class Load:
+    """Write the host cache's first `tokens` positions of `request`'s prompt into its slot. `path`
+    is the lookup's segments: a save in the same round must not evict them."""
+    request: Request
+    tokens: int
+    path: list
+
+
+@dataclass
 class Plan:
+    # Run in this order: saves (they read slots about to be overwritten), loads, copies, then the model.
+    saves: list[Save] = field(default_factory=list)
+    loads: list[Load] = field(default_factory=list)
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # (src slot, dst slot, tokens)
     started: list[Request] = field(default_factory=list)             # requests new in a slot
     prefill: Prefill | None = None
@@ -135,7 +163,8 @@ class Plan:
 
     @property
     def empty(self) -> bool:
-        return not (self.copies or self.started or self.prefill or self.decode)
+        return not (self.saves or self.loads or self.copies or self.started or self.prefill
+                    or self.decode)
 
 
 @dataclass
@@ -150,21 +179,24 @@ class Emit:
 
 class Scheduler:
     def __init__(self, slots: int, ctx: int, vocab_size: int, buckets: Buckets | None = None,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, host: prefix.HostCache | None = None):
         self.ctx = ctx
         self.vocab_size = vocab_size
         self.buckets = buckets or Buckets.for_ctx(ctx, slots=slots)
         self.prefix_cache = prefix_cache
+        self.host = host if prefix_cache else None
         self.slots = [Slot(i) for i in range(slots)]
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}    # every request not yet finished
         self.tick = 0
         self.prefix_queries = 0                   # prompt tokens looked up (cumulative)
-        self.prefix_hits = 0                      # prompt tokens served from a slot (cumulative)
+        self.prefix_hits = 0                      # prompt tokens served from a cache (cumulative)
+        self.host_hits = 0                        # of which from the host cache
+        self.notes: list[tuple[str, str]] = []    # (rid, text) for the server log; the worker sends them
 
     # -- intake ---------------------------------------------------------------------------------
 
-    def check(self, rid: str, prompt: list[int], max_tokens: int) -> str | None:
+    def check(self, rid: str, prompt: list[int], max_tokens: int, cuts: list[int] = ()) -> str | None:
         """Why a request cannot run (a message naming the field), or None."""
         if rid in self.requests:
             return f"rid: request {rid!r} is already running"
@@ -178,6 +210,9 @@ class Scheduler:
             return f"prompt: token id {bad!r} is outside the vocabulary [0, {self.vocab_size})"
         if not isinstance(max_tokens, int) or max_tokens < 1:
             return f"max_tokens: must be >= 1, got {max_tokens!r}"
+        bad = next((c for c in cuts if not (isinstance(c, int) and 0 < c <= len(prompt))), None)
+        if bad is not None:
+            return f"cuts: position {bad!r} is outside the prompt (1 to {len(prompt)})"
         return None
 
     def add(self, request: Request) -> None:
@@ -216,14 +251,14 @@ class Scheduler:
     def _assign(self, plan: Plan) -> Request | None:
         """Give the oldest waiting request a free slot, reusing the longest cached start of its
         prompt: a free slot that holds it is taken as is; one held by a running request is copied
-        into the least recently used free slot. (A host-memory cache lookup joins the candidates
-        here; its hit would be written into the chosen slot the same way as a copy.)"""
+        into the least recently used free slot; a longer start in the host cache is loaded into the
+        chosen slot. What the chosen slot held beyond the part kept is saved to the host cache first."""
         free = [s for s in self.slots if s.request is None]
         if not free:
             return None
         request = self.waiting.popleft()
         self.tick += 1
-        slot, reuse, source = min(free, key=lambda s: s.last_used), 0, None
+        slot, reuse, source, load = min(free, key=lambda s: s.last_used), 0, None, None
         if self.prefix_cache:
             key, reuse = prefix.best_match(
                 [(s.index, s.tokens, s.last_used) for s in self.slots], request.prompt)
@@ -233,15 +268,40 @@ class Scheduler:
                 else:
                     # the running request's slot is never rewritten below what it already holds
                     source = key
-        slot.tokens = slot.tokens[:reuse] if source is None else list(request.prompt[:reuse])
+            stable = max((c for c in self.slots[key].cuts if c <= len(self.slots[key].tokens)),
+                         default=0) if key is not None else 0
+            if self.host is not None:
+                hit = self.host.lookup(request.prompt)
+                if hit.tokens > reuse:
+                    reuse, source, stable = hit.tokens, None, hit.stable
+                    load = Load(request, hit.tokens, hit.path)
+            self._note_divergence(request, reuse, stable)
+        kept = prefix.common_prefix(slot.tokens, request.prompt[:reuse])
+        if self.host is not None and len(slot.tokens) > kept:
+            plan.saves.append(Save(slot.index, list(slot.tokens), list(slot.cuts), slot.tenant))
+        slot.tokens = slot.tokens[:reuse] if source is None and load is None else list(request.prompt[:reuse])
         if source is not None:
             plan.copies.append((source, slot.index, reuse))
+        if load is not None:
+            plan.loads.append(load)
+            self.host_hits += reuse
         slot.request, slot.last_used = request, self.tick
+        slot.cuts, slot.tenant = request.cuts, request.tenant
         request.slot, request.done, request.cached = slot.index, reuse, reuse
         self.prefix_queries += len(request.prompt)
         self.prefix_hits += reuse
         plan.started.append(request)
         return request
+
+    def _note_divergence(self, request: Request, reuse: int, stable: int) -> None:
+        """A prompt that continues a cached conversation past its first turn boundary but differs
+        from it before that conversation's last turn boundary: an earlier turn rendered differently
+        (a template instability) or was edited. The position is logged so it can be found."""
+        first_cut = min(request.cuts, default=0)
+        if first_cut and first_cut < reuse < min(stable, len(request.prompt) - 1):
+            self.notes.append((request.rid, f"prompt diverged from a cached conversation at token "
+                                            f"{reuse} of {len(request.prompt)} (cached up to its turn "
+                                            f"boundary at {stable}); the rest is prefilled"))
 
     # -- results ----------------------------------------------------------------------------------
 

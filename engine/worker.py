@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from engine import sampler
-from engine.cache import copy_prefix, init_cache
+from engine import prefix, sampler
+from engine.cache import copy_prefix, init_cache, read_slot, warm_host_copies, write_slot
 from engine.config import load_config
 from engine.model import dtype_for, jit_forward
-from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Ready, Shutdown, Stats, Step,
+from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Note, Ready, Shutdown, Stats, Step,
                              Submit)
 from engine.registry import cache_root
 from engine.scheduler import PREFILL_CHUNKS, Buckets, Decode, Prefill, Request, Scheduler
@@ -56,7 +56,7 @@ class WorkerArgs:
     weights_folder: str                   # the Hugging Face folder (config.json, safetensors)
     slots: int = 4
     ctx: int = 4096
-    cache_ram_mib: int = 0                # host memory for saved prompt states (not used yet)
+    cache_ram_mib: int = 0                # host memory for saved prompt states (MiB; 0 = off)
     prefix_cache: bool = True
     chat_format: str | None = None        # "qwen3" | "qwen2.5"; None: from the model family
     weights_file: str | None = None       # what the facts name as loaded (e.g. the GGUF); None: folder
@@ -66,7 +66,7 @@ class WorkerArgs:
     # Where compiled programs are kept between runs (a compile per shape costs seconds on CPU);
     # None: off.
     compile_cache: str | None = field(default_factory=lambda: str(cache_root() / "jax"))
-    cache_namespace: str | None = None
+    cache_namespace: str | None = None    # None: computed here (prefix.namespace_id)
     extra: dict = field(default_factory=dict)           # facts other engines may add
 
 
@@ -130,22 +130,29 @@ class Engine:
         self.cache = init_cache(cfg, args.slots, args.ctx, self.dtype)
         self.state = sampler.init_state(args.slots, cfg.vocab_size)
         self.buckets = Buckets.for_ctx(args.ctx, tuple(args.prefill_chunks), args.slots)
-        self.scheduler = Scheduler(args.slots, args.ctx, cfg.vocab_size, self.buckets, args.prefix_cache)
+        family = cfg.model_type
+        chat_format = args.chat_format or ("qwen3" if family.startswith("qwen3") else "qwen2.5")
+        weights = args.weights_file or args.weights_folder
+        namespace = args.cache_namespace or prefix.namespace_id(
+            args.model_id, family, weights, args.weights_folder, chat_format, self.dtype.name,
+            args.prefix_cache)
+        self.host = prefix.HostCache(args.cache_ram_mib << 20, namespace) \
+            if args.cache_ram_mib > 0 and args.prefix_cache else None
+        self.scheduler = Scheduler(args.slots, args.ctx, cfg.vocab_size, self.buckets, args.prefix_cache,
+                                   self.host)
         t0 = time.time()
         self._warm_up(progress)
         compile_s = time.time() - t0
         self.late_compiles = 0            # programs compiled inside step() since ready
-        family = cfg.model_type
         self.facts = ModelFacts(
-            id=args.model_id, family=family,
-            weights=args.weights_file or args.weights_folder, folder=args.weights_folder,
-            chat_format=args.chat_format or ("qwen3" if family.startswith("qwen3") else "qwen2.5"),
+            id=args.model_id, family=family, weights=weights, folder=args.weights_folder,
+            chat_format=chat_format,
             gb=round(weights_bytes(self.params) / 1e9, 3),
             bpw=args.bpw or DTYPE_BITS.get(cfg.source_dtype, 16),
             max_model_len=args.ctx, slots=args.slots, prefix_cache=args.prefix_cache,
             cache_ram_mib=args.cache_ram_mib, vocab_size=cfg.vocab_size, device=platform,
             dtype=self.dtype.name, compile_s=round(compile_s, 2),
-            cache_namespace=args.cache_namespace)
+            cache_namespace=namespace)
 
     # -- start-up ---------------------------------------------------------------------------------
 
@@ -173,12 +180,16 @@ class Engine:
                 cfg=self.cfg, attn_len=attn)
         for rows in logits:
             params = sampler.row_params([(sampler.Sampling(), 0, 0)] * rows)
-            for flags in sampler.FLAG_COMBINATIONS:
-                tokens, self.state = sampler.sample(
-                    self.state, logits[rows], np.arange(rows, dtype=np.int32), np.zeros(rows, bool),
-                    params, every_slot=rows == self.args.slots, **flags)
+            # A prefill samples its one row with every_slot=False, even when one row is every slot.
+            for every in {rows == self.args.slots, rows != 1}:
+                for flags in sampler.FLAG_COMBINATIONS:
+                    tokens, self.state = sampler.sample(
+                        self.state, logits[rows], np.arange(rows, dtype=np.int32), np.zeros(rows, bool),
+                        params, every_slot=every, **flags)
         self.state = sampler.start_row(self.state, np.int32(0), np.zeros(self.cfg.vocab_size, bool))
         self.cache = copy_prefix(self.cache, np.int32(0), np.int32(0), np.int32(0))
+        if self.host is not None:
+            self.cache = warm_host_copies(self.cache)
         jax.block_until_ready((tokens, self.cache, self.state))
         progress("compile", total, total)
 
@@ -191,13 +202,14 @@ class Engine:
     def submit(self, msg: Submit) -> list[Step]:
         """Queue a request; a bad one is answered at once with finish="error"."""
         now = time.time()
-        error = self.scheduler.check(msg.rid, msg.prompt, msg.max_tokens)
+        error = self.scheduler.check(msg.rid, msg.prompt, msg.max_tokens, msg.cuts)
         if error is not None:
             return [Step(msg.rid, [], finish="error", prompt_tokens=len(msg.prompt), error=error,
                          timings={"queue_ms": 0.0, "prompt_ms": 0.0, "predicted_ms": 0.0})]
         s = msg.sampling
         seed = s.seed if s.seed is not None else secrets.randbits(63)
-        request = Request(msg.rid, list(msg.prompt), msg.max_tokens, s, frozenset(msg.stop_ids), seed)
+        request = Request(msg.rid, list(msg.prompt), msg.max_tokens, s, frozenset(msg.stop_ids), seed,
+                          cuts=sorted(set(msg.cuts)), tenant=msg.tenant)
         request.times["arrived"] = msg.submitted_at or now
         self.scheduler.add(request)
         return []
@@ -227,6 +239,10 @@ class Engine:
                 seen = np.zeros(self.cfg.vocab_size, bool)
                 seen[request.prompt] = True
                 self.state = sampler.start_row(self.state, np.int32(request.slot), seen)
+        for save in plan.saves:
+            self._save(save, protect=[seg for load in plan.loads for seg in load.path])
+        for load in plan.loads:
+            self._load(load)
         for src, dst, n in plan.copies:
             self.cache = copy_prefix(self.cache, np.int32(src), np.int32(dst), np.int32(n))
         emits = []
@@ -241,6 +257,21 @@ class Engine:
             e.request.times["last"] = now
             steps.append(self._step(e.request, e.tokens, e.finish))
         return steps
+
+    def _save(self, save, protect) -> None:
+        """Copy what a slot holds to the host cache, unless it is saved there already."""
+        if self.host.covered(save.tokens) >= len(save.tokens):
+            return
+        kv = read_slot(self.cache, save.slot, len(save.tokens))
+        self.host.insert(save.tokens, kv, save.cuts, save.tenant, protect=protect)
+
+    def _load(self, load) -> None:
+        """Write the saved start of a request's prompt into its slot."""
+        request = load.request
+        hit = self.host.lookup(request.prompt[:load.tokens + 1])
+        if hit.tokens != load.tokens:   # the plan's segments were protected: this cannot happen
+            raise RuntimeError(f"host cache lost {load.tokens - hit.tokens} planned tokens")
+        self.cache = write_slot(self.cache, request.slot, self.host.gather(hit))
 
     def _prefill(self, work: Prefill) -> int | None:
         """Run one prompt chunk (one row); the first new token if the chunk ends the prompt."""
@@ -305,16 +336,26 @@ class Engine:
             }
         return step
 
+    def take_notes(self) -> list[Note]:
+        """What the server should log about the requests scheduled since the last call."""
+        notes = [Note(text, rid) for rid, text in self.scheduler.notes]
+        self.scheduler.notes.clear()
+        return notes
+
     # -- numbers ----------------------------------------------------------------------------------
 
     def compiles_after_ready(self) -> int:
         return self.late_compiles
 
     def stats(self) -> Stats:
-        s = self.scheduler
+        s, host = self.scheduler, self.host
         return Stats(live_rows=s.live, waiting=len(s.waiting), kv_used_tokens=s.kv_used_tokens(),
                      kv_capacity_tokens=self.args.slots * self.args.ctx,
                      compiles_after_ready=self.compiles_after_ready(),
+                     host_cache_bytes=host.bytes if host else 0,
+                     snapshot_bytes=host.snapshot_bytes if host else 0,
+                     host_cache_cap_bytes=host.cap_bytes if host else 0,
+                     host_cache_evictions=host.evictions if host else 0,
                      prefix_queries=s.prefix_queries, prefix_hits=s.prefix_hits)
 
 
@@ -351,8 +392,11 @@ def main(conn, args: WorkerArgs | dict) -> None:
             if engine.busy:
                 for step in engine.step():
                     conn.send(step)
+                for note in engine.take_notes():
+                    conn.send(note)
             stats = engine.stats()
-            shape = (stats.live_rows, stats.waiting, stats.compiles_after_ready)
+            shape = (stats.live_rows, stats.waiting, stats.compiles_after_ready, stats.host_cache_bytes,
+                     stats.host_cache_evictions)
             if shape != last_shape or (engine.busy and time.time() - last_stats >= STATS_INTERVAL_S):
                 conn.send(stats)
                 last_stats, last_shape = time.time(), shape
