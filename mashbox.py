@@ -888,12 +888,16 @@ class Keys:
         return found
 
 
-def request_key(req) -> str | None:
-    """The key a request carries: `Authorization: Bearer KEY` or `x-api-key: KEY` (never the query)."""
+def request_keys(req) -> list[str]:
+    """The keys a request carries: `Authorization: Bearer KEY` and/or `x-api-key: KEY` (never the
+    query). A client configured with both (an auth token and an API key) is let in by either."""
+    keys = []
     auth = req.header("authorization")
     if auth and auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
-    return req.header("x-api-key")
+        keys.append(auth[7:].strip())
+    if req.header("x-api-key") is not None:
+        keys.append(req.header("x-api-key"))
+    return keys
 
 
 def _host_name(value: str) -> str:
@@ -952,7 +956,7 @@ class Guard:
         keys = self.keys
         tenant = DEFAULT_TENANT
         if keys.enabled and needs_key and req.method != "HEAD":
-            tenant = keys.tenant_for(request_key(req))
+            tenant = next((t for t in map(keys.tenant_for, request_keys(req)) if t is not None), None)
             if tenant is None:
                 raise ApiError(401, self._no_key_message(req), code="invalid_api_key")
         if req.method == "POST":
@@ -964,7 +968,7 @@ class Guard:
 
     @staticmethod
     def _no_key_message(req) -> str:
-        sent = "a wrong API key" if request_key(req) is not None else "no API key"
+        sent = "a wrong API key" if request_keys(req) else "no API key"
         in_query = [name for name in getattr(req, "query", {}) or {} if name.lower() in QUERY_KEY_NAMES]
         hint = (f"; keys in the URL ({in_query[0]}=...) are never read" if in_query else "")
         return (f"{sent} was sent: send one as Authorization: Bearer KEY or x-api-key: KEY{hint}")

@@ -151,6 +151,16 @@ def test_either_key_header_is_accepted(headers):
     assert g.check(Req(headers={**JSON, **headers}), True) == "a"
 
 
+def test_a_right_key_in_either_header_wins_over_a_wrong_one_in_the_other():
+    """Guards against refusing a client configured with both an auth token and an API key."""
+    g = guard(Keys([(b"sk-secret-01", "a")]))
+    assert g.check(Req(headers={**JSON, "authorization": "Bearer stale-token", "x-api-key": "sk-secret-01"}),
+                   True) == "a"
+    assert g.check(Req(headers={**JSON, "authorization": "Bearer sk-secret-01", "x-api-key": "stale-key"}),
+                   True) == "a"
+    assert refused(g, Req(headers={**JSON, "authorization": "Bearer stale-1", "x-api-key": "stale-2"})).status == 401
+
+
 def test_open_routes_and_head_need_no_key():
     """Guards against health checks and HEAD probes failing behind a key."""
     g = guard(Keys([(b"sk-secret-01", "a")]))
