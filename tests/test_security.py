@@ -402,3 +402,15 @@ def test_recorded_clients_pass_the_guard_with_a_real_key_in_their_own_header(key
         body = json.dumps(r["body"]).encode() if r.get("body") is not None else None
         status, _, answer = keyed.request(r["method"], target, body, headers)
         assert status == 200, (r["method"], target, answer[:300])
+
+
+def test_keys_and_tenant_names_never_reach_the_log_or_the_metrics(keyed, caplog):
+    """Guards against a key (or who uses the server) leaking through the log or a Prometheus label."""
+    with caplog.at_level(logging.DEBUG):
+        for key in (KEY, "sk-wrong-key-77"):
+            send(keyed, "POST", "/v1/chat/completions", ROUTES[2][2], {"x-api-key": key})
+            send(keyed, "GET", f"/v1/models?api_key={key}", None, {"authorization": f"Bearer {key}"})
+        status, _, metrics = keyed.request("GET", "/metrics", headers={"x-api-key": KEY})
+    assert status == 200 and "/v1/chat/completions" in caplog.text   # the requests were logged
+    for secret in (KEY, OTHER_KEY, "sk-wrong-key-77", "team", "line 2"):
+        assert secret not in caplog.text and secret not in metrics.decode()
