@@ -1,0 +1,113 @@
+"""End to end on the demo model: `python -m mashbox run` as users start it, driven by the real OpenAI and
+Anthropic SDKs over HTTP. Greedy answers are checked against what the model is known to say.
+
+The server runs with 2 slots of 512 tokens, so start-up compiles few programs (and reuses the
+persistent compile cache on later runs).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# Cold start on a 2-core CPU: loading 2.5 GB of weights and compiling every program; warm: seconds.
+START_TIMEOUT_S = 900
+FRANCE = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def demo_server(demo_folder):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mashbox", "run", "--slots", "2", "--ctx", "512", "--port", "0"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    url_found = threading.Event()
+    url: list[str] = []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            m = re.search(r"listening on (http://\S+)", line)
+            if m:
+                url.append(m.group(1))
+                url_found.set()
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert url_found.wait(60), "".join(lines)
+        import urllib.request
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                with urllib.request.urlopen(url[0] + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except Exception:
+                pass
+            assert proc.poll() is None, "".join(lines)
+            assert time.monotonic() < deadline, "server not ready in time:\n" + "".join(lines[-20:])
+            time.sleep(1)
+        yield url[0]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert proc.returncode == 0, "".join(lines[-20:])
+
+
+def test_chat_answers_the_france_question_greedily(demo_server):
+    """Guards against a server whose engine, template or tokenizer drifted from the real model."""
+    import openai
+    client = openai.OpenAI(base_url=demo_server + "/v1", api_key="local")
+    r = client.chat.completions.create(model="qwen2.5-coder-0.5b-instruct",
+                                       messages=[{"role": "user", "content": FRANCE}], max_tokens=16)
+    assert r.choices[0].message.content.startswith("The capital of France is Paris.")
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens > 20 and r.usage.completion_tokens == 7
+
+
+def test_streamed_chat_equals_the_plain_answer_and_reports_cached_tokens(demo_server):
+    """Guards against streams that differ from the JSON answer, and a prefix cache that never hits."""
+    import openai
+    client = openai.OpenAI(base_url=demo_server + "/v1", api_key="local")
+    stream = client.chat.completions.create(
+        messages=[{"role": "user", "content": FRANCE}], max_tokens=16, stream=True,
+        stream_options={"include_usage": True}, model="any")
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.startswith("The capital of France is Paris.")
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens_details.cached_tokens > 0   # the same prompt ran just before
+
+
+def test_anthropic_sdk_stream_and_count_tokens_agree(demo_server):
+    """Guards against count_tokens counting a different prompt than the Messages route prefills."""
+    import anthropic
+    client = anthropic.Anthropic(base_url=demo_server, api_key="local")
+    messages = [{"role": "user", "content": FRANCE}]
+    with client.messages.stream(model="claude-any", max_tokens=16, messages=messages) as s:
+        final = s.get_final_message()
+    assert final.content[0].text.startswith("The capital of France is Paris.")
+    assert final.stop_reason == "end_turn" and final.model == "claude-any"
+    counted = client.messages.count_tokens(model="claude-any", messages=messages).input_tokens
+    assert counted == final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0)
+
+
+def test_responses_and_completions_answer(demo_server):
+    """Guards against the Responses and Completions routes breaking on a real model."""
+    import openai
+    client = openai.OpenAI(base_url=demo_server + "/v1", api_key="local")
+    r = client.responses.create(input=FRANCE, max_output_tokens=16, model="qwen2.5-coder-0.5b-instruct")
+    assert r.status == "completed" and r.output_text.startswith("The capital of France is Paris.")
+    c = client.completions.create(model="qwen2.5-coder-0.5b-instruct", prompt="def add(a, b):\n    return",
+                                  max_tokens=4)
+    assert c.choices[0].text.strip().startswith("a + b")
