@@ -1461,24 +1461,14 @@ class ChatEncoder:
                                     "function": {"name": ev.name, "arguments": ""}}
             return [self._chunk({"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
                                                  "function": {"name": ev.name, "arguments": ""}}]})]
-        if isinstance(ev, chat.ToolCallArgs):
-            return self._arguments(ev.index, ev.delta)
         if isinstance(ev, chat.ToolCallEnd):
-            # The deltas normally add up to the whole text; stream whatever is missing (all of "{}"
-            # for a call without arguments) so a streaming client ends with the same arguments.
-            sent = self.calls[ev.index]["function"]["arguments"]
-            frames = self._arguments(ev.index, ev.arguments[len(sent):] if ev.arguments.startswith(sent) else "")
-            self.calls[ev.index]["function"]["arguments"] = ev.arguments   # the body has the whole text
-            return frames
+            # The spec's chunk carries a call's whole arguments: one delta when the call is complete
+            # (clients that join pieces get the same text), never half an object.
+            self.calls[ev.index]["function"]["arguments"] = ev.arguments
+            return [self._chunk({"tool_calls": [{"index": ev.index, "function": {"arguments": ev.arguments}}]})]
         if isinstance(ev, chat.Done):
             return self._finish(ev)
-        return []
-
-    def _arguments(self, index: int, piece: str) -> list[bytes]:
-        if not piece:
-            return []
-        self.calls[index]["function"]["arguments"] += piece
-        return [self._chunk({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})]
+        return []   # ToolCallArgs: the arguments go out whole with ToolCallEnd
 
     def _finish(self, done: chat.Done) -> list[bytes]:
         self.done = done
