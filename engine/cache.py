@@ -112,21 +112,28 @@ def warm_host_copies(cache):
 
 
 @partial(jax.jit, static_argnames=("length",))
-def _read(cache, slot, *, length):
-    return [{"k": lax.dynamic_index_in_dim(layer["k"], slot, 0, keepdims=False)[:, :length, :],
-             "v": lax.dynamic_index_in_dim(layer["v"], slot, 0, keepdims=False)[:, :, :length]}
+def _read(cache, slot, begin, *, length):
+    return [{"k": lax.dynamic_slice_in_dim(
+                 lax.dynamic_index_in_dim(layer["k"], slot, 0, keepdims=False), begin, length, 1),
+             "v": lax.dynamic_slice_in_dim(
+                 lax.dynamic_index_in_dim(layer["v"], slot, 0, keepdims=False), begin, length, 2)}
             for layer in cache]
 
 
-def read_slot(cache, slot: int, n: int) -> list[dict]:
-    """Positions [0, n) of one slot as host numpy arrays, per layer {"k": [kv, n, d], "v": [kv, d, n]}
-    (the cache's own layout, so write_slot puts them back without reshuffling)."""
+def read_slot(cache, slot: int, n: int, start: int = 0) -> list[dict]:
+    """Positions [start, n) of one slot as host numpy arrays, per layer {"k": [kv, n - start, d],
+    "v": [kv, d, n - start]} (the cache's own layout, so write_slot puts them back without
+    reshuffling). A start lets a save copy only what the host does not hold yet."""
     slots, ctx = cache_dims(cache)
-    if not 0 <= slot < slots or not 0 <= n <= ctx:
-        raise ValueError(f"read_slot: slot {slot} / length {n} outside the pool ({slots} x {ctx})")
-    arrays = jax.device_get(_read(cache, jnp.int32(slot), length=_host_bucket(n, ctx)))
-    return [{"k": np.ascontiguousarray(layer["k"][:, :n, :]),
-             "v": np.ascontiguousarray(layer["v"][:, :, :n])} for layer in arrays]
+    if not 0 <= slot < slots or not 0 <= start <= n <= ctx:
+        raise ValueError(f"read_slot: slot {slot} / positions [{start}, {n}) outside the pool "
+                         f"({slots} x {ctx})")
+    length = _host_bucket(n - start, ctx)
+    begin = min(start, ctx - length)      # the bucket must lie inside the slot: start it earlier
+    arrays = jax.device_get(_read(cache, jnp.int32(slot), jnp.int32(begin), length=length))
+    a, b = start - begin, n - begin
+    return [{"k": np.ascontiguousarray(layer["k"][:, a:b, :]),
+             "v": np.ascontiguousarray(layer["v"][:, :, a:b])} for layer in arrays]
 
 
 @partial(jax.jit, donate_argnames=("cache",))

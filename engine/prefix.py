@@ -236,13 +236,16 @@ class HostCache:
         return head
 
     def insert(self, tokens: Sequence[int], kv: list[dict], cuts: Sequence[int], tenant: str,
-               protect: Sequence[Segment] = ()) -> int:
-        """Save positions [0, len(tokens)) of a sequence; kv holds (at least) those positions. The new
-        part is cut into segments at `cuts`. Evicts (never a segment in `protect`, nor one on this
+               protect: Sequence[Segment] = (), kv_start: int = 0) -> int:
+        """Save positions [0, len(tokens)) of a sequence; kv holds positions [kv_start, len(tokens)),
+        and kv_start is at most what is saved already (covered()). The new part is cut into
+        segments at `cuts`. Evicts (never a segment in `protect`, nor one on this
         sequence's own path) to stay under the cap; saves as much of the start as fits. Returns the
         number of leading positions saved now (old and new)."""
         tokens = np.asarray(tokens, np.int32)
         path, pos = self._walk(tokens)
+        if pos < kv_start:
+            raise ValueError(f"insert: positions [{pos}, {kv_start}) are neither saved nor given")
         if path and pos < path[-1].end:             # ends inside a segment: cut it there
             path[-1] = self._split(path[-1], pos - path[-1].start)
         self.touch(path)
@@ -253,8 +256,8 @@ class HostCache:
         for end in ends:
             if end <= pos:
                 continue
-            seg = Segment(pos, tokens[pos:end].copy(), _slice_kv(kv, pos, end), parent, self.namespace,
-                          tenant, self.tick, at_cut=end in cuts)
+            seg = Segment(pos, tokens[pos:end].copy(), _slice_kv(kv, pos - kv_start, end - kv_start),
+                          parent, self.namespace, tenant, self.tick, at_cut=end in cuts)
             if not self._make_room(seg.nbytes, keep):
                 break
             self._children(parent).append(seg)

@@ -260,10 +260,11 @@ class Engine:
 
     def _save(self, save, protect) -> None:
         """Copy what a slot holds to the host cache, unless it is saved there already."""
-        if self.host.covered(save.tokens) >= len(save.tokens):
+        covered = self.host.covered(save.tokens)
+        if covered >= len(save.tokens):
             return
-        kv = read_slot(self.cache, save.slot, len(save.tokens))
-        self.host.insert(save.tokens, kv, save.cuts, save.tenant, protect=protect)
+        kv = read_slot(self.cache, save.slot, len(save.tokens), start=covered)
+        self.host.insert(save.tokens, kv, save.cuts, save.tenant, protect=protect, kv_start=covered)
 
     def _load(self, load) -> None:
         """Write the saved start of a request's prompt into its slot."""

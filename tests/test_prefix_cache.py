@@ -303,6 +303,19 @@ def test_stats_and_health_report_the_host_cache_numbers(hot):
     assert f'cache_ram_mib="{stats.host_cache_cap_bytes >> 20}"' in text
 
 
+def test_a_save_reads_only_the_positions_the_host_lacks(hot):
+    """Guards against a partial read returning positions shifted by the bucket (near the slot's end
+    the read starts earlier so that its bucket fits)."""
+    from engine.cache import read_slot
+    run(hot, Submit("fill", prompt(400, 250), 4))
+    whole = read_slot(hot.cache, 0, 254)
+    for start, n in ((0, 10), (37, 60), (200, 254), (253, 254)):
+        part = read_slot(hot.cache, 0, n, start=start)
+        for got, want in zip(part, whole):
+            assert np.array_equal(got["k"], want["k"][:, start:n, :])
+            assert np.array_equal(got["v"], want["v"][:, :, start:n])
+
+
 def test_the_worker_names_the_cache_namespace(hot):
     """Guards against a server and worker that disagree on which saved states are valid."""
     assert hot.facts.cache_namespace and hot.facts.cache_namespace == hot.host.namespace

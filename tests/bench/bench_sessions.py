@@ -193,12 +193,13 @@ def start_server(args) -> tuple[subprocess.Popen, int]:
     if port is None:
         proc.kill()
         raise RuntimeError("the server did not start")
-    # Keep draining its log, so it never blocks on a full pipe; divergence notes are shown.
+    # Keep draining its log, so it never blocks on a full pipe; all but progress bars are shown
+    # (divergence notes, worker faults and restarts).
     import threading
 
     def drain():
         for line in proc.stderr:
-            if "worker:" in line or "WARNING" in line:
+            if "[#" not in line and "[-" not in line:
                 sys.stderr.write("  server: " + line)
     threading.Thread(target=drain, daemon=True).start()
     return proc, port
