@@ -445,6 +445,79 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
+# The longest JSON escape (a surrogate pair, \ud83d\ude00) less one character: how much of an
+# unfinished string's end may be an escape still being written.
+MAX_PARTIAL_ESCAPE = 11
+
+
+def _json_string_start(body: str) -> str | None:
+    """The text of the start of a JSON string body that is still being written (an escape at its
+    end may be unfinished); None when its escapes are not valid JSON."""
+    for cut in range(len(body), max(len(body) - MAX_PARTIAL_ESCAPE, 0) - 1, -1):
+        try:
+            text = json.loads(f'"{body[:cut]}"')
+        except ValueError:
+            continue
+        # Half of a surrogate pair: its other half is still to come.
+        return text[:-1] if text and "\ud800" <= text[-1] <= "\udbff" else text
+    return None
+
+
+def _may_become_call_head(text: str, names) -> bool:
+    """Whether text (which starts with `{`) can still grow into `{"name": "N"` for one of the names.
+    JSON allows whitespace between the tokens and escapes in the name."""
+    rest = text[1:].lstrip()
+    for literal in ('"name"', ":", '"'):
+        if len(rest) <= len(literal) and literal.startswith(rest):
+            return True
+        if not rest.startswith(literal):
+            return False
+        rest = rest[len(literal):]
+        rest = rest if literal == '"' else rest.lstrip()
+    if "\\" in rest:
+        rest = _json_string_start(rest)
+    return rest is not None and any(name.startswith(rest) for name in names)
+
+
+class _JsonScanner:
+    """Where a JSON value ends, in text that arrives in pieces: bracket depth outside strings, kept
+    between calls so each character is read once however long the value grows."""
+
+    def __init__(self, pos: int, depth: int = 0):
+        self.pos, self.depth = pos, depth
+        self.in_string = self.escaped = False
+
+    def scan(self, text: str) -> str | None:
+        """Reads text on from pos. "end": the brackets closed (pos is just past the last one);
+        "markup": a `<` outside a string, so the JSON was cut off (pos is at the `<`); None: the
+        value goes on (pos is the end of text)."""
+        i, n = self.pos, len(text)
+        while i < n:
+            ch = text[i]
+            i += 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.pos = i
+                    return "end"
+            elif ch == "<":
+                self.pos = i - 1
+                return "markup"
+        self.pos = n
+        return None
+
+
 def _strict_json(text: str):
     def refuse(constant):
         raise ValueError(f"{constant} is not JSON")
@@ -490,21 +563,23 @@ class _CallReader:
     Phases, each a method: detect -> Hermes JSON (hermes_name -> hermes_key -> hermes_args) or XML
     (xml_function -> xml_params <-> xml_value) -> tail (up to </tool_call>). A phase returns None
     after moving on, or the status when it must wait or is done.
+
+    A bare call (a Hermes object the model wrote without the tags) is read the same way, except that
+    the body ends where the object's braces close (and at a </tool_call> right after, if one comes).
     """
 
-    def __init__(self, parser: "OutputParser"):
+    def __init__(self, parser: "OutputParser", bare: bool = False):
         self.p = parser
+        self.bare = bare
         self.phase = "detect"
         self.pos = 0              # read position in the body
         self.used = 0
         self.index: int | None = None
         self.name = ""
         self.args: list[str] = []
-        # Hermes arguments scanning
-        self.depth = 0
-        self.in_string = False
-        self.escaped = False
-        self.scan = 0
+        self.value_scan: _JsonScanner | None = None    # the Hermes arguments value, once it began
+        self.object_scan: _JsonScanner | None = None   # a bare call's object, to its closing brace
+        self.closed = False                            # a bare call's object was read to its end
         # XML parameters
         self.param: str | None = None
         self.param_kind = "string"
@@ -551,7 +626,21 @@ class _CallReader:
             return "text"
         return "more"
 
-    def _finish_whole(self, body: str, stop: int) -> str:
+    def _body_end(self, body: str, final: bool) -> int | None:
+        """Where a whole Hermes body ends: at </tool_call>, or for a bare call where its object's
+        braces close; at the end of the output when it is final; None while it may still come."""
+        if self.bare:
+            if self.object_scan is None:
+                self.object_scan = _JsonScanner(len(body) - len(body.lstrip()))
+            if self.object_scan.scan(body) is not None:
+                return self.object_scan.pos
+        else:
+            close = body.find(CALL_CLOSE, self.pos)
+            if close >= 0:
+                return close
+        return len(body) if final else None
+
+    def _finish_whole(self, body: str, stop: int, final: bool) -> str:
         """Read a whole Hermes body at once (keys in another order, or the closing tag already here)."""
         try:
             call = _strict_json(body[:stop].strip())
@@ -567,7 +656,8 @@ class _CallReader:
         if not self.args and value is not None:
             self.send(arguments_text(value))
         self.end()
-        return self._tail(body, True)
+        self.pos, self.closed = stop, True
+        return self._tail(body, final)
 
     def _hermes_name(self, body: str, final: bool) -> str | None:
         close = body.find(CALL_CLOSE)
@@ -576,9 +666,8 @@ class _CallReader:
             self.start(_json_string(match.group(1)))
             self.pos, self.phase = match.end(), "hermes_key"
             return None
-        if close >= 0 or final:
-            return self._finish_whole(body, close if close >= 0 else len(body))
-        return "more"
+        stop = self._body_end(body, final)
+        return "more" if stop is None else self._finish_whole(body, stop, final)
 
     def _hermes_key(self, body: str, final: bool) -> str | None:
         rest = body[self.pos:]
@@ -593,53 +682,27 @@ class _CallReader:
             return None
         if not final and any(key.startswith(compact) for key in _HERMES_ARGS_KEYS):
             return "more"
-        close = body.find(CALL_CLOSE, self.pos)
-        if close >= 0 or final:
-            return self._finish_whole(body, close if close >= 0 else len(body))
-        return "more"
+        stop = self._body_end(body, final)
+        return "more" if stop is None else self._finish_whole(body, stop, final)
 
     def _hermes_args(self, body: str, final: bool) -> str | None:
-        """Stream the raw JSON text of the arguments object until its closing brace."""
-        if self.scan == 0:             # the value has not begun yet
+        """Stream the raw JSON text of the arguments object until its closing brace (or markup
+        outside a string: the JSON was cut off)."""
+        if self.value_scan is None:    # the value has not begun yet
             rest = body[self.pos:]
             head = rest.lstrip()
             if not head:
-                return self._finish_whole(body, len(body)) if final else "more"
+                return self._finish_whole(body, len(body), final) if final else "more"
             if head[0] not in "{[":     # a string or other value: read the whole body instead
-                close = body.find(CALL_CLOSE, self.pos)
-                if close < 0 and not final:
-                    return "more"
-                return self._finish_whole(body, close if close >= 0 else len(body))
-            self.pos = self.scan = self.pos + len(rest) - len(head)
-        i, n = self.scan, len(body)
-        complete = False
-        while i < n:
-            ch = body[i]
-            i += 1
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-            elif ch == '"':
-                self.in_string = True
-            elif ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    complete = True
-                    break
-            elif ch == "<":             # markup outside a string: the JSON was cut off
-                i -= 1
-                complete = True
-                break
-        self.send(body[self.scan:i])
-        self.scan = i
+                stop = self._body_end(body, final)
+                return "more" if stop is None else self._finish_whole(body, stop, final)
+            self.pos += len(rest) - len(head)
+            self.value_scan = _JsonScanner(self.pos)
+        sent = self.value_scan.pos
+        complete = self.value_scan.scan(body) is not None
+        self.send(body[sent:self.value_scan.pos])
         if complete or final:
-            self.pos = i
+            self.pos = self.value_scan.pos
             self.end()
             return None
         return "more"
@@ -723,6 +786,8 @@ class _CallReader:
 
     def _tail(self, body: str, final: bool) -> str | None:
         """After the call's value: skip to </tool_call>."""
+        if self.bare:
+            return self._bare_tail(body, final)
         close = body.find(CALL_CLOSE, self.pos)
         if close >= 0:
             self.used = close + len(CALL_CLOSE)
@@ -731,6 +796,30 @@ class _CallReader:
             self.used = len(body)
             return "done"
         return "more"
+
+    def _bare_tail(self, body: str, final: bool) -> str | None:
+        """After a bare call's value: the rest of its object, then a </tool_call> if the model adds one."""
+        if not self.closed:
+            if self.object_scan is None:       # the value ended inside the object
+                self.object_scan = _JsonScanner(self.pos, depth=1)
+            ended = self.object_scan.scan(body)
+            if ended is None:
+                if not final:
+                    return "more"
+                self.used = len(body)
+                return "done"
+            self.pos, self.closed = self.object_scan.pos, True
+            if ended == "markup":              # cut off by markup: that is read as text again
+                self.used = self.pos
+                return "done"
+        head = body[self.pos:].lstrip()
+        if head.startswith(CALL_CLOSE):
+            self.used = len(body) - len(head) + len(CALL_CLOSE)
+            return "done"
+        if not final and CALL_CLOSE.startswith(head):
+            return "more"
+        self.used = self.pos
+        return "done"
 
 
 class OutputParser:
@@ -742,6 +831,11 @@ class OutputParser:
     The answer reads as the templates render it back, so history re-renders as the model wrote it:
     reasoning without the newlines around it, text without newlines after </think> or whitespace
     before a call. Stop strings apply to the text (not to reasoning or arguments).
+
+    Small models often write a call's JSON without the tags. An answer that begins (after thinking
+    and whitespace, or right after another call) with `{"name": "N"` for an offered tool N is read
+    as if `<tool_call>` came before it; a leading `{` is held back only while it can still become
+    that, and is text the moment it cannot.
     """
 
     def __init__(self, tok: Tokenizer, job: Job, fmt: str):
@@ -756,6 +850,7 @@ class OutputParser:
         self._at_start = not raw                        # <think> opens reasoning only before any text
         self._strip = "" if raw else "\n"               # characters dropped where the text begins
         self._dropped = ""                              # whitespace dropped before <tool_call>
+        self._bare_ok = self._calls_on                  # a bare call may begin: no text yet
         self._call: _CallReader | None = None
         self._ncalls = 0
         self._reasoning_tokens = 0
@@ -819,7 +914,7 @@ class OutputParser:
     def _text(self, text: str) -> None:
         if text:
             self._out.append(TextDelta(text))
-            self._at_start = False
+            self._at_start = self._bare_ok = False
 
     def _advance_text(self, final: bool) -> bool:
         buf = self._buf
@@ -827,6 +922,17 @@ class OutputParser:
             buf = buf.lstrip(self._strip)
             if buf:
                 self._strip = ""
+        if self._bare_ok and buf.lstrip().startswith("{"):
+            verdict = self._bare_call(buf.lstrip(), final)
+            if verdict == "more":
+                self._buf = buf
+                return False
+            if verdict == "call":
+                self._buf, self._mode = buf.lstrip(), _CALL
+                self._call = _CallReader(self, bare=True)
+                self._at_start = False
+                return True
+            self._bare_ok = False
         found = [(buf.find(s), 0, s) for s in self._stops]
         if self._calls_on:
             found.append((buf.find(CALL_OPEN), 1, CALL_OPEN))
@@ -869,6 +975,16 @@ class OutputParser:
         self._buf = buf[keep:]
         return False
 
+    def _bare_call(self, head: str, final: bool) -> str:
+        """Whether text that begins with `{` is a call written without its tags: "call" once it
+        names an offered tool, "more" while it still may, "text" when it cannot."""
+        match = _HERMES_NAME.match(head)
+        if match:
+            return "call" if _json_string(match.group(1)) in self._tools else "text"
+        if not final and _may_become_call_head(head, self._tools):
+            return "more"
+        return "text"
+
     def _reasoning(self, text: str) -> None:
         if text:
             self._out.append(ReasoningDelta(text))
@@ -899,7 +1015,9 @@ class OutputParser:
         if status == "more":
             return False
         if status == "text":                     # not a call after all: it is text
-            self._text(self._dropped + CALL_OPEN)
+            if not self._call.bare:
+                self._text(self._dropped + CALL_OPEN)
+            self._bare_ok = False
         else:
             self._buf = self._buf[self._call.used:]
             self._strip = _WHITESPACE

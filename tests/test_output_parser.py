@@ -309,3 +309,118 @@ def test_random_markup_never_raises(tok):
                        tool_choice=["auto", "required", {"name": "get_weather"}][trial % 3])
         run(tok, job, "qwen3" if trial % 2 else "qwen2.5", [[i] for i in tok.encode(text)],
             finish=rng.choice(["stop", "length", "abort"]))
+
+
+# ---- calls written as bare JSON (no <tool_call> tags) ---------------------------------------------
+
+def test_bare_json_calls_split_anywhere(tok):
+    """Guards against a call written without its tags (small models do this) reaching clients as text."""
+    text = ('<think>\nCall it.\n</think>\n\n {"name": "get_weather", "arguments": '
+            '{"city": "Zürich", "where": {"x": "}"}}}\n{"name": "run_shell", "arguments": {"cmd": "ls"}}\n'
+            '</tool_call>')
+    args0 = '{"city": "Zürich", "where": {"x": "}"}}'
+    assert events_everywhere(tok, job_with(thinking=True), "qwen3", text) == [
+        ("reasoning", "Call it."),
+        ("start", 0, "get_weather"), ("args", 0, args0), ("end", 0, args0),
+        ("start", 1, "run_shell"), ("args", 1, '{"cmd": "ls"}'), ("end", 1, '{"cmd": "ls"}'),
+        ("done", "tool_calls", None)]
+
+
+def test_bare_json_calls_without_arguments_or_in_other_key_order(tok):
+    """Guards against a bare call's end being misplaced when it has no arguments or extra keys."""
+    text = ('{"name": "run_shell"}{"name": "run_shell", "id": 7, "arguments": {"cmd": "pwd"}}\n\n'
+            '{"name": "get_weather", "arguments": {"city": "Oslo"}, "id": 8} Done.')
+    assert events_everywhere(tok, job_with(), "qwen2.5", text) == [
+        ("start", 0, "run_shell"), ("args", 0, "{}"), ("end", 0, "{}"),
+        ("start", 1, "run_shell"), ("args", 1, '{"cmd": "pwd"}'), ("end", 1, '{"cmd": "pwd"}'),
+        ("start", 2, "get_weather"), ("args", 2, '{"city": "Oslo"}'), ("end", 2, '{"city": "Oslo"}'),
+        ("text", "Done."), ("done", "tool_calls", None)]
+
+
+def test_bare_json_after_a_tagged_call_is_a_call(tok):
+    """Guards against a second call losing its tags being read as text after a proper first one."""
+    text = ('<tool_call>\n{"name": "run_shell", "arguments": {"cmd": "a"}}\n</tool_call>\n'
+            '{"name": "run_shell", "arguments": {"cmd": "b"}}')
+    assert events_everywhere(tok, job_with(), "qwen2.5", text) == [
+        ("start", 0, "run_shell"), ("args", 0, '{"cmd": "a"}'), ("end", 0, '{"cmd": "a"}'),
+        ("start", 1, "run_shell"), ("args", 1, '{"cmd": "b"}'), ("end", 1, '{"cmd": "b"}'),
+        ("done", "tool_calls", None)]
+
+
+def test_bare_json_name_written_with_escapes_is_matched_however_split(tok):
+    """Guards against a name written with JSON escapes being a call only when it arrives in one piece."""
+    text = '{"name": "\\u0067et_w\\u0065ather", "arguments": {"city": "\\ud83d\\ude00"}}'
+    assert events_everywhere(tok, job_with(), "qwen2.5", text) == [
+        ("start", 0, "get_weather"), ("args", 0, '{"city": "\\ud83d\\ude00"}'),
+        ("end", 0, '{"city": "\\ud83d\\ude00"}'), ("done", "tool_calls", None)]
+
+
+@pytest.mark.parametrize("text", [
+    '{"name": "get_time", "arguments": {}}',              # a tool nobody offered
+    '{"name": "get", "arguments": {}}',                   # only the start of an offered name
+    '{"name": "get_weather_now", "arguments": {}}',       # an offered name is only its start
+    '{"city": "Paris"}',                                  # not the call shape
+    '{"arguments": {}, "name": "get_weather"}',           # the name does not come first
+    'Here: {"name": "get_weather", "arguments": {}}',     # text before the object
+    "{name: 'get_weather'}",                              # not JSON
+    '{"name": get_weather}',
+    '{"name": "get_wea',                                  # cut off before the name is known
+    "{",
+])
+def test_bare_json_that_is_not_an_offered_call_stays_text(tok, text):
+    """Guards against text that merely looks like JSON becoming a call, vanishing, or raising."""
+    assert events_everywhere(tok, job_with(), "qwen2.5", text) == [("text", text), ("done", "stop", None)]
+
+
+def test_bare_json_is_text_when_no_tools_were_offered(tok):
+    """Guards against a bare call to a tool the client did not offer (no tools, or tool_choice none)."""
+    text = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    for job in (job_with(tools=()), job_with(tool_choice="none"), Job(prompt="x", tools=[WEATHER])):
+        events, _ = run(tok, job, "qwen2.5", [[i] for i in tok.encode(text)])
+        assert canonical(events) == [("text", text), ("done", "stop", None)]
+
+
+def test_bare_json_is_held_only_while_it_can_become_a_call(tok):
+    """Guards against a leading `{` delaying plain text, or a bare call's start being sent late."""
+    parser = OutputParser(tok, job_with(), "qwen2.5")
+    assert parser.feed(tok.encode('{\n  "name": "get_wea')) == []          # may still be a call
+    assert canonical(parser.feed(tok.encode('ther", "arguments": {"ci'))) == [
+        ("start", 0, "get_weather"), ("args", 0, '{"ci')]
+    parser = OutputParser(tok, job_with(), "qwen2.5")
+    assert canonical(parser.feed(tok.encode('{"name": "get_wx'))) == [("text", '{"name": "get_wx')]
+    parser = OutputParser(tok, job_with(), "qwen2.5")
+    assert canonical(parser.feed(tok.encode('{"ci'))) == [("text", '{"ci')]
+
+
+def test_bare_json_cut_off_by_length_is_a_closed_call(tok):
+    """Guards against a bare call left open (no ToolCallEnd) when max_tokens ends it mid-arguments."""
+    text = '{"name": "get_weather", "arguments": {"city": "Par'
+    assert events_everywhere(tok, job_with(), "qwen2.5", text, finish="length") == [
+        ("start", 0, "get_weather"), ("args", 0, '{"city": "Par'), ("end", 0, '{"city": "Par'),
+        ("done", "length", None)]
+
+
+def test_random_bare_json_gives_the_same_events_however_split(tok):
+    """Guards against bare-call detection that depends on where the tokens happen to split."""
+    import random
+    pieces = ['{"name": "', "get_weather", "run_shell", '"', ", ", '"arguments": ', "{", "}", "[", "]",
+              "\n", " ", "</tool_call>", "<tool_call>\n", '"cmd"', ": ", "x", "\\", "<", "get"]
+    rng = random.Random(99)
+    for _ in range(150):
+        text = '{"name": "' + "".join(rng.choice(pieces) for _ in range(rng.randint(1, 24)))
+        ids = tok.encode(text)
+        whole = canonical(run(tok, job_with(), "qwen2.5", [ids])[0])
+        assert canonical(run(tok, job_with(), "qwen2.5", [[i] for i in ids])[0]) == whole, text
+        k = rng.randint(1, len(text) - 1)
+        split = [[i] for i in tok.encode(text[:k]) + tok.encode(text[k:])]
+        assert canonical(run(tok, job_with(), "qwen2.5", split)[0]) == whole, (text, k)
+
+
+def test_demo_model_bare_call_fed_token_by_token(demo_folder):
+    """Guards against the demo model's own untagged answer to a tool request reaching clients as text."""
+    demo_tok = chat.Tokenizer.from_folder(demo_folder)
+    text = '{"name": "get_weather", "arguments": {"city": "Paris"}}'   # what the demo model answered
+    events, _ = run(demo_tok, job_with(tools=(WEATHER,)), "qwen2.5", [[i] for i in demo_tok.encode(text)])
+    assert canonical(events) == [
+        ("start", 0, "get_weather"), ("args", 0, '{"city": "Paris"}'), ("end", 0, '{"city": "Paris"}'),
+        ("done", "tool_calls", None)]
