@@ -285,6 +285,10 @@ class Engine:
             self.params, self.cache, tokens, slots, np.array([work.start], np.int32),
             np.array([len(work.tokens)], np.int32), cfg=self.cfg, attn_len=work.attn_len)
         if not work.last:
+            # Wait for the chunk: with asynchronous dispatch a long prompt's chunks would all be
+            # queued at once, and the worker would go silent (no Stats) for the whole prompt,
+            # minutes on a CPU, long enough for the server to take it for stuck.
+            jax.block_until_ready(logits)
             return None
         params = sampler.row_params([(request.sampling, request.seed, 0)])
         token, self.state = sampler.sample(self.state, logits, slots, np.ones(1, bool), params,
