@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from engine import chat, protocol, registry
+from engine.config import ConfigError, load_config
 from engine.chat import Job
 
 
@@ -4151,10 +4152,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def prepare() -> dict:
         folder = registry.prepare(spec, progress_display())
+        # A model the engine cannot run (a family not built yet, an unsupported option) is a start-up
+        # error, not a worker that dies and is restarted forever. config.py reads JSON only (no jax).
+        load_config(folder)
         return worker_args(spec, config, folder)
     try:
         asyncio.run(serve(app, prepare=prepare))
-    except (registry.RegistryError, OSError) as e:
+    except (registry.RegistryError, ConfigError, OSError) as e:
         print(f"mashbox: {e}", file=sys.stderr)
         return 1
     return 0

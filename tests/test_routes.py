@@ -500,3 +500,12 @@ def test_serve_logs_the_bound_port_and_stops(caplog):
     answer = asyncio.run(run())
     assert answer.startswith(b"HTTP/1.1 503 ")
     assert f"listening on http://127.0.0.1:{app.port}" in caplog.text
+
+
+def test_a_model_the_engine_cannot_run_stops_start_up_with_the_reason(tmp_path, capsys):
+    """Guards against a worker that dies on an unsupported model and is restarted forever while
+    /health says loading."""
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe", "hidden_size": 64}')
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert mashbox.main(["run", str(tmp_path), "--port", "0"]) == 1
+    assert "model_type 'qwen3_moe' is not supported" in capsys.readouterr().err
