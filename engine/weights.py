@@ -2,18 +2,21 @@
 
 The pytree (all jax arrays in the compute dtype):
     {"embed":   [vocab, hidden]                    token embedding table (a row gather)
-     "lm_head": [hidden, vocab]                    always its own contiguous array, also when tied
+     "lm_head": [vocab, hidden]                    the same array as "embed" when tied
      "norm":    [hidden]                           final RMSNorm
      "layers":  [ per layer, a dict:
         "attn_norm": [hidden], "mlp_norm": [hidden],
-        "qkv":  [hidden, q + 2 kv]                 q, k, v projections side by side (one matmul)
+        "qkv":  [q + 2 kv, hidden]                 q, k, v projections stacked (one matmul)
         "qkv_bias": [q + 2 kv]                     Qwen2 only
         "q_norm", "k_norm": [head_dim]             Qwen3 only
-        "o":    [q, hidden]
-        "gate_up": [hidden, 2 * intermediate]      gate and up side by side (one matmul)
-        "down": [intermediate, hidden] ]}
-Matrices are stored [in, out] so every projection is `x @ W`. Layers stay a Python list (not one
-stacked array): the forward loops over them in Python, which XLA:CPU runs 2-4x faster than lax.scan.
+        "o":    [hidden, q]
+        "gate_up": [2 * intermediate, hidden]      gate and up stacked (one matmul)
+        "down": [hidden, intermediate] ]}
+Matrices are stored [out, in], as the checkpoints hold them: each output is a dot product with one
+contiguous row, the layout in which XLA:CPU reads the weights fastest for a few decode rows (see
+engine.model._matmul), and a tied LM head is the embedding table itself, with no copy. Layers stay
+a Python list (not one stacked array): the forward loops over them in Python, which XLA:CPU runs
+2-4x faster than lax.scan.
 """
 from __future__ import annotations
 
@@ -89,8 +92,7 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, progress=None) -> dict:
         return jnp.asarray(np.ascontiguousarray(array.astype(dtype, copy=False)))
 
     def matrix(name: str, out_dim: int, in_dim: int) -> np.ndarray:
-        # Hugging Face stores nn.Linear weights as [out, in]; the model multiplies x @ [in, out].
-        return r.get(name, (out_dim, in_dim)).T
+        return r.get(name, (out_dim, in_dim))          # nn.Linear's own [out, in]
 
     layers = []
     for i, kind in enumerate(cfg.layer_kinds):
@@ -102,10 +104,10 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, progress=None) -> dict:
             "mlp_norm": put(r.get(p + "post_attention_layernorm.weight", (h,))),
             "qkv": put(np.concatenate([matrix(p + "self_attn.q_proj.weight", q, h),
                                        matrix(p + "self_attn.k_proj.weight", kv, h),
-                                       matrix(p + "self_attn.v_proj.weight", kv, h)], axis=1)),
+                                       matrix(p + "self_attn.v_proj.weight", kv, h)])),
             "o": put(matrix(p + "self_attn.o_proj.weight", h, q)),
             "gate_up": put(np.concatenate([matrix(p + "mlp.gate_proj.weight", f, h),
-                                           matrix(p + "mlp.up_proj.weight", f, h)], axis=1)),
+                                           matrix(p + "mlp.up_proj.weight", f, h)])),
             "down": put(matrix(p + "mlp.down_proj.weight", h, f)),
         }
         if cfg.qkv_bias:
@@ -119,23 +121,22 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, progress=None) -> dict:
         if progress is not None:
             progress(i + 1, cfg.num_layers)
 
-    embed = r.get("model.embed_tokens.weight", (cfg.vocab_size, h))
-    # A tied head still gets its own contiguous [hidden, vocab] copy: reading the table transposed
-    # makes XLA convert the whole table on every step.
+    embed = put(r.get("model.embed_tokens.weight", (cfg.vocab_size, h)))
     if cfg.tie_word_embeddings:
-        lm_head = embed.T
+        lm_head = embed
     else:
-        lm_head = matrix("lm_head.weight", cfg.vocab_size, h)
+        lm_head = put(matrix("lm_head.weight", cfg.vocab_size, h))
     return {
-        "embed": put(embed),
-        "lm_head": put(lm_head),
+        "embed": embed,
+        "lm_head": lm_head,
         "norm": put(r.get("model.norm.weight", (h,))),
         "layers": layers,
     }
 
 
 def weights_bytes(params) -> int:
-    """Bytes the weights occupy on the device (for the model facts)."""
+    """Bytes the weights occupy on the device (for the model facts); a tied head counts once."""
     import jax
 
-    return sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    unique = {id(x): x for x in jax.tree_util.tree_leaves(params)}
+    return sum(x.nbytes for x in unique.values())

@@ -19,7 +19,7 @@ from engine.cache import (COPY_BLOCK, _read, _write, copy_prefix, host_buckets, 
                           warm_host_copies, write_slot)
 from engine.config import ConfigError, config_from_dict, load_config
 from engine.model import dtype_for, jit_forward
-from engine.weights import WeightsError, load_weights
+from engine.weights import WeightsError, load_weights, weights_bytes
 
 TINY = os.path.join(os.path.dirname(__file__), "fixtures", "tiny")
 MODELS = ["qwen3", "qwen3-tied", "qwen2"]
@@ -229,12 +229,15 @@ def test_sharded_checkpoint_loads_the_same_weights(name, tmp_path):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_tied_embedding_gets_its_own_transposed_head():
-    """Guards against the LM head reading the embedding table transposed on every step."""
+def test_tied_head_is_the_embedding_table_counted_once():
+    """Guards against a tied model keeping a second copy of its embedding table as the head (or
+    counting it twice in the weights' size)."""
     cfg, params, _ = _load("qwen3-tied")
     assert cfg.tie_word_embeddings
-    assert params["lm_head"].shape == (cfg.hidden_size, cfg.vocab_size)
-    np.testing.assert_array_equal(np.asarray(params["lm_head"]), np.asarray(params["embed"]).T)
+    assert params["lm_head"] is params["embed"]
+    assert params["lm_head"].shape == (cfg.vocab_size, cfg.hidden_size)
+    leaves = jax.tree_util.tree_leaves(params)
+    assert weights_bytes(params) == sum(x.nbytes for x in leaves) - params["embed"].nbytes
 
 
 def test_bfloat16_weights_give_close_logits():
