@@ -350,3 +350,15 @@ def test_turn_boundaries_fall_after_each_turns_end_and_stay_put_in_the_next_turn
     longer = chat.render(job, tok, "qwen3")
     assert longer[:cuts[-1]] == ids[:cuts[-1]]
     assert chat.turn_boundaries(longer, tok)[:2] == cuts
+
+
+def test_the_server_logs_the_workers_notes_and_sends_cut_points(caplog):
+    """Guards against divergence notes dropped by the bridge, and tenants' names reaching the worker."""
+    from engine import protocol
+    logger = mashbox.EngineLog(progress=lambda *a: None)
+    with caplog.at_level("INFO", logger="mashbox"):
+        logger(protocol.Note("prompt diverged from a cached conversation at token 18", "msg_1"))
+    assert "worker: msg_1: prompt diverged from a cached conversation at token 18" in caplog.text
+    label = mashbox.cache_tenant_label(SimpleNamespace(tenant="acme-corp"))
+    assert "acme" not in label and label == mashbox.cache_tenant_label(SimpleNamespace(tenant="acme-corp"))
+    assert label != mashbox.cache_tenant_label(SimpleNamespace(tenant="other"))
