@@ -21,7 +21,7 @@ Full: every recorded session of the three clients (count_tokens calls skipped), 
 10-turn session per client built from its `default` session.
 
 Results: --quick --slots 1 --ctx 16384 (3 live sessions on 1 slot: 3x), --cache-ram 2048, demo model
-(Qwen2.5-Coder-0.5B, float32), on a 2-core CPU shared with other engineers' jobs at the time (turn 1's
+(Qwen2.5-Coder-0.5B, float32), on a 2-core CPU shared with other work at the time (turn 1's
 prefill ran at 30-45 tokens/s, well below the ~240 of an idle machine: absolute times are noisy, the
 shares are what count). Every turn after the first found its slot taken by another session, so its
 cached tokens came from the host cache. The tokens not cached are the new turn and the recorded (or
