@@ -1270,21 +1270,27 @@ def _content_text(content: Any, field: str, text_kinds: tuple[str, ...] = ("text
     return "\n".join(texts)
 
 
+def _function_part(obj: Any, where: str, shape: str) -> tuple[dict, str]:
+    """A Chat tool or tool call: {"type": "function", "function": {"name": ..., ...}} -> (function, name)."""
+    if not isinstance(obj, dict):
+        raise bad_field(where, f"must be an object {{{shape}}}")
+    if obj.get("type", "function") != "function":
+        raise bad_field(f"{where}.type", f"must be function, got {obj.get('type')!r}")
+    fn = _typed(obj, "function", dict, f"{where}.function")
+    if fn is None:
+        raise bad_field(f"{where}.function", "required: an object with a name")
+    name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad_field(f"{where}.function.name", "must be a non-empty string")
+    return fn, name
+
+
 def _chat_history_calls(calls: Any, field: str) -> list[chat.ToolCall]:
     """An assistant message's earlier tool_calls; arguments stay the JSON text the client sent."""
     out = []
     for j, call in enumerate(_as(calls, list, field, [])):
         where = f"{field}[{j}]"
-        if not isinstance(call, dict):
-            raise bad_field(where, "must be an object {id, type, function: {name, arguments}}")
-        if call.get("type", "function") != "function":
-            raise bad_field(f"{where}.type", f"must be function, got {call.get('type')!r}")
-        fn = _typed(call, "function", dict, f"{where}.function")
-        if fn is None:
-            raise bad_field(f"{where}.function", "required: an object {name, arguments}")
-        name = fn.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad_field(f"{where}.function.name", "must be a non-empty string")
+        fn, name = _function_part(call, where, "id, type, function: {name, arguments}")
         args = fn.get("arguments")
         if isinstance(args, dict):      # some clients send the object itself
             args = json.dumps(args, ensure_ascii=False)
@@ -1324,16 +1330,7 @@ def _chat_tools(tools: Any) -> list[chat.Tool]:
     out: list[chat.Tool] = []
     for i, t in enumerate(_as(tools, list, "tools", [])):
         where = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise bad_field(where, 'must be an object {"type": "function", "function": {...}}')
-        if t.get("type", "function") != "function":
-            raise bad_field(f"{where}.type", f"only function tools are supported, got {t.get('type')!r}")
-        fn = _typed(t, "function", dict, f"{where}.function")
-        if fn is None:
-            raise bad_field(f"{where}.function", "required: an object {name, description, parameters}")
-        name = fn.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad_field(f"{where}.function.name", "must be a non-empty string")
+        fn, name = _function_part(t, where, "type, function: {name, description, parameters}")
         if any(tool.name == name for tool in out):
             raise bad_field(f"{where}.function.name", f"{name!r} names two tools")
         tool = chat.Tool(name=name)
