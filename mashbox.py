@@ -6,8 +6,9 @@ Messages, from a hand-written asyncio HTTP/1.1 server in front of a JAX engine w
 This file is the whole server, in titled sections, read top to bottom:
     limits and errors -> HTTP/1.1 (parse/serialize, no I/O) -> connection loop (asyncio)
     -> security -> admission -> API formats (parse_* -> Job; Encoder: events -> JSON/SSE; pure)
-    -> metrics -> engine bridge (worker process) -> routes table -> CLI
-The server process never imports jax: the engine worker (engine/worker.py) owns the device.
+    -> metrics -> engine bridge (worker process) -> generation (the retry rule) -> routes -> CLI
+The server process never imports jax: the engine worker (engine/worker.py) owns the device; of the
+engine it imports only chat (templates, output parser), protocol, registry and config (JSON only).
 """
 from __future__ import annotations
 
