@@ -509,3 +509,13 @@ def test_a_model_the_engine_cannot_run_stops_start_up_with_the_reason(tmp_path, 
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert mashbox.main(["run", str(tmp_path), "--port", "0"]) == 1
     assert "model_type 'qwen3_moe' is not supported" in capsys.readouterr().err
+
+
+def test_the_server_process_never_imports_jax():
+    """Guards against the server pulling in the device runtime (seconds of import, device memory,
+    a second owner of the accelerator): only the worker process may import jax."""
+    import subprocess
+    import sys
+    code = "import sys, mashbox; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
