@@ -24,11 +24,12 @@ from engine.protocol import Sampling
 PREFILL_CHUNKS = (32, 128, 512)
 # The shortest attention length: below it, reading a little more cache costs less than another program.
 MIN_ATTENTION = 128
-# Decode batch sizes below the full slot count. One row alone runs its own program: on a 2-core CPU
-# (Qwen2.5-0.5B, float32) a 1-row step took 80 ms against 140 ms for 2 rows and 165 ms for 8, so a
-# lone request would otherwise pay double. Two or more rows run the batch of every slot (idle rows
-# masked): 2 rows cost nearly as much as 8, and one program for all keeps warm-up short.
-SMALL_DECODE_BATCHES = (1,)
+# Decode batch sizes below the full slot count (each is one more program per attention length).
+# Measured on a 2-core CPU (Qwen2.5-0.5B, float32, the forward alone): 2, 4 and 8 rows cost 1.22x,
+# 1.15x and 1.38x one row (78 ms). One row runs its own program (the full batch would cost it 1.4x),
+# and up to 4 rows run a 4-row program when there are more slots; more rows run the batch of every
+# slot (idle rows masked).
+SMALL_DECODE_BATCHES = (1, 4)
 
 
 @dataclass(frozen=True)

@@ -180,8 +180,9 @@ class Engine:
                 cfg=self.cfg, attn_len=attn)
         for rows in logits:
             params = sampler.row_params([(sampler.Sampling(), 0, 0)] * rows)
-            # A prefill samples its one row with every_slot=False, even when one row is every slot.
-            for every in {rows == self.args.slots, rows != 1}:
+            # Only the batch of every slot samples with every_slot=True; a smaller decode batch and a
+            # prefill's one row (even when one row is every slot) gather their slots' state.
+            for every in {rows == self.args.slots} | ({False} if rows == 1 else set()):
                 for flags in sampler.FLAG_COMBINATIONS:
                     tokens, self.state = sampler.sample(
                         self.state, logits[rows], np.arange(rows, dtype=np.int32), np.zeros(rows, bool),

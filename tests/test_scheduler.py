@@ -62,11 +62,12 @@ def test_chunk_choice_limits_padding_and_covers_min_fill():
         assert min(chunk, remaining) >= b.min_fill(chunk)
 
 
-def test_a_lone_request_decodes_in_its_own_small_batch():
-    """Guards against one live request paying for a step of every slot (2x slower on CPU)."""
+def test_a_few_live_requests_decode_in_a_small_batch():
+    """Guards against one or a few live requests paying for a step of every slot (1.4x on CPU)."""
     b = Buckets.for_ctx(1024, slots=8)
-    assert b.decode_rows == (1, 8)
-    assert [b.decode_batch(n) for n in (1, 2, 5, 8)] == [1, 8, 8, 8]
+    assert b.decode_rows == (1, 4, 8)
+    assert [b.decode_batch(n) for n in (1, 2, 4, 5, 8)] == [1, 4, 4, 8, 8]
+    assert Buckets.for_ctx(1024, slots=4).decode_rows == (1, 4)
     assert Buckets.for_ctx(1024, slots=1).decode_rows == (1,)
 
 

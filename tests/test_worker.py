@@ -64,6 +64,20 @@ def test_greedy_tokens_do_not_change_beside_other_requests(engine):
     assert all(together[r]["finish"] == "length" for r in "abcd")
 
 
+def test_a_small_decode_batch_of_many_slots_keeps_each_rows_tokens_and_penalties():
+    """Guards against the 4-row decode program (8 slots, 2-4 live rows) mixing up which slot a row
+    belongs to: each row's greedy tokens and penalties must be its own."""
+    big = make_engine(slots=8)
+    assert big.buckets.decode_rows == (1, 4, 8)
+    alone = {rid: run(big, s)[rid]["tokens"] for rid, s in
+             (("a", Submit("a", prompt(1, 20), 10)),
+              ("c", Submit("c", prompt(3, 5), 10, Sampling(frequency_penalty=1.5))))}
+    together = run(big, Submit("a", prompt(1, 20), 10), Submit("b", prompt(2, 9), 10),
+                   Submit("c", prompt(3, 5), 10, Sampling(frequency_penalty=1.5)))
+    assert together["a"]["tokens"] == alone["a"] and together["c"]["tokens"] == alone["c"]
+    assert big.compiles_after_ready() == 0
+
+
 def test_seeded_sampling_is_reproducible(engine):
     """Guards against a seeded request drawing from a shared or global random state."""
     s = Sampling(temperature=1.0, top_p=0.9, seed=1234)
