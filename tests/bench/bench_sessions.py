@@ -51,7 +51,6 @@ import argparse
 import copy
 import http.client
 import json
-import os
 import re
 import subprocess
 import sys

