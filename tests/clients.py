@@ -3,6 +3,7 @@ OpenAI SDK client whose HTTP calls are answered in memory by an API's parse_* an
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -39,3 +40,15 @@ def openai_sdk_client(codec: Callable[[str, dict], tuple[Any, Any]], events: lis
 
     return openai.OpenAI(base_url="http://mashbox.test/v1", api_key="unused", max_retries=0,
                          http_client=httpx.Client(transport=httpx.MockTransport(answer)))
+
+
+def spec_validator(schema_name: str):
+    """A validator for one component schema of the project's spec (openapi.json at the root, which a
+    routes test keeps equal to the shared spec)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    referencing = pytest.importorskip("referencing")
+    spec = json.loads((Path(__file__).resolve().parent.parent / "openapi.json").read_text())
+    resource = referencing.Resource.from_contents(spec, default_specification=referencing.jsonschema.DRAFT202012)
+    registry = referencing.Registry().with_resource("urn:spec", resource)
+    return jsonschema.Draft202012Validator({"$ref": f"urn:spec#/components/schemas/{schema_name}"},
+                                           registry=registry)

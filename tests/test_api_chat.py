@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.clients import openai_sdk_client
+from tests.clients import openai_sdk_client, spec_validator
 from engine import chat
 from mashbox import ApiError, ChatEncoder, CompletionEncoder, Meta, parse_chat, parse_completion
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENTS = ROOT.parent / "shared" / "fixtures" / "clients"
-SPEC = ROOT.parent / "shared" / "spec" / "mashbox-openapi.json"
 META = Meta(id="chatcmpl-0123", created=1700000000, model="qwen3-test")
 USER = {"role": "user", "content": "hi"}
 
@@ -552,18 +551,6 @@ def test_completion_finish_reasons(reason, want):
 
 
 # ---- against the spec and the real SDK -----------------------------------------------------------
-
-def spec_validator(schema_name):
-    jsonschema = pytest.importorskip("jsonschema")
-    referencing = pytest.importorskip("referencing")
-    if not SPEC.is_file():
-        pytest.skip("the spec (../shared/spec) is not here")
-    spec = json.loads(SPEC.read_text())
-    resource = referencing.Resource.from_contents(spec, default_specification=referencing.jsonschema.DRAFT202012)
-    registry = referencing.Registry().with_resource("urn:spec", resource)
-    return jsonschema.Draft202012Validator({"$ref": f"urn:spec#/components/schemas/{schema_name}"},
-                                           registry=registry)
-
 
 def test_encoder_output_matches_the_spec_schemas():
     """Guards against a chunk or body the spec (and so a generated client) would reject."""

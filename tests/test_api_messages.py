@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import mashbox
-from tests.clients import qwen3_tokenizer
+from tests.clients import qwen3_tokenizer, spec_validator
 from engine import chat
 from mashbox import ApiError, Meta, MessagesEncoder, parse_count_tokens, parse_messages
 
@@ -641,17 +641,6 @@ def test_streamed_answer_echoed_back_renders_as_the_model_wrote_it():
 
 
 # ---- against the spec ---------------------------------------------------------------------------
-
-def spec_validator(schema_name: str):
-    """A validator for one of the project spec's component schemas (openapi.json at the root)."""
-    jsonschema = pytest.importorskip("jsonschema")
-    referencing = pytest.importorskip("referencing")
-    spec = json.loads((Path(__file__).resolve().parent.parent / "openapi.json").read_text())
-    resource = referencing.Resource.from_contents(spec, default_specification=referencing.jsonschema.DRAFT202012)
-    registry = referencing.Registry().with_resource("urn:spec", resource)
-    return jsonschema.Draft202012Validator({"$ref": f"urn:spec#/components/schemas/{schema_name}"},
-                                           registry=registry)
-
 
 def test_stream_events_and_body_match_the_spec_schemas():
     """Guards against an event or body that the spec (and so a client generated from it) rejects."""

@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 
 import mashbox
-from tests.clients import openai_sdk_client, qwen3_tokenizer
+from tests.clients import openai_sdk_client, qwen3_tokenizer, spec_validator
 from engine import chat
 from mashbox import ApiError, Meta, ResponsesEncoder, parse_responses
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENTS = ROOT.parent / "shared" / "fixtures" / "clients"
-SPEC = ROOT.parent / "shared" / "spec" / "mashbox-openapi.json"
 META = Meta(id="resp_0123", created=1700000000, model="qwen3-test")
 USAGE = chat.Usage(prompt_tokens=12, cached_tokens=4, completion_tokens=9, reasoning_tokens=3)
 
@@ -704,18 +703,6 @@ def test_same_answer_split_at_every_boundary_streams_the_same_items(ids):
 
 
 # ---- against the spec and the real SDK -----------------------------------------------------------
-
-def spec_validator(schema_name):
-    jsonschema = pytest.importorskip("jsonschema")
-    referencing = pytest.importorskip("referencing")
-    if not SPEC.is_file():
-        pytest.skip("the spec (../shared/spec) is not here")
-    spec = json.loads(SPEC.read_text())
-    resource = referencing.Resource.from_contents(spec, default_specification=referencing.jsonschema.DRAFT202012)
-    registry = referencing.Registry().with_resource("urn:spec", resource)
-    return jsonschema.Draft202012Validator({"$ref": f"urn:spec#/components/schemas/{schema_name}"},
-                                           registry=registry)
-
 
 ANSWER = [chat.ReasoningDelta("Listing."), chat.TextDelta("Running it."),
           chat.ToolCallStart(0, "call_abc", "exec_command"), chat.ToolCallArgs(0, '{"cmd": "ls"}'),
