@@ -1248,6 +1248,21 @@ def _typed(obj: dict, key: str, kind: type, field: str, default: Any = None) -> 
     return _as(obj.get(key), kind, field, default)
 
 
+def _text_parts(parts: list, where: str, kinds: dict[str, str], media: tuple[str, ...], example: str) -> str:
+    """A list of text parts joined by newlines. kinds maps each accepted part type to the key holding
+    its text; media part types get a 400 saying the model reads text only. Chat and Responses share it."""
+    texts = []
+    for j, part in enumerate(parts):
+        at = f"{where}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in media:
+            raise bad_field(at, f"{kind} parts are not supported: this model reads text only")
+        if kind not in kinds:
+            raise bad_field(at, f'must be a text part {{"type": "{example}", "text": ...}}, got type {kind!r}')
+        texts.append(_typed(part, kinds[kind], str, f"{at}.{kinds[kind]}", ""))
+    return "\n".join(texts)
+
+
 def _content_text(content: Any, field: str, text_kinds: tuple[str, ...] = ("text",)) -> str:
     """Message content as one string: a string, null, or a list of text parts joined by newlines.
 
@@ -1259,16 +1274,7 @@ def _content_text(content: Any, field: str, text_kinds: tuple[str, ...] = ("text
         return content
     if not isinstance(content, list):
         raise bad_field(field, f"must be a string, a list of text parts or null, got {type(content).__name__}")
-    texts = []
-    for j, part in enumerate(content):
-        where = f"{field}[{j}]"
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in MEDIA_PARTS:
-            raise bad_field(where, f"{kind} parts are not supported: this model reads text only")
-        if kind not in text_kinds:
-            raise bad_field(where, f'must be a text part {{"type": "text", "text": ...}}, got type {kind!r}')
-        texts.append(_typed(part, kind, str, f"{where}.{kind}", ""))
-    return "\n".join(texts)
+    return _text_parts(content, field, {k: k for k in text_kinds}, MEDIA_PARTS, "text")
 
 
 def _function_part(obj: Any, where: str, shape: str) -> tuple[dict, str]:
@@ -2174,17 +2180,7 @@ def _responses_text(content: Any, where: str) -> str:
         return content
     if not isinstance(content, list):
         raise bad_field(where, f"must be a string or a list of text parts, got {type(content).__name__}")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in RESPONSES_MEDIA_PARTS:
-            raise bad_field(f"{where}[{j}]", f"{kind} parts are not supported: this model reads text only")
-        if kind not in RESPONSES_TEXT_PARTS:
-            raise bad_field(f"{where}[{j}]", f'must be a text part {{"type": "input_text", "text": ...}}, '
-                                             f"got type {kind!r}")
-        key = RESPONSES_TEXT_PARTS[kind]
-        texts.append(_typed(part, key, str, f"{where}[{j}].{key}", ""))
-    return "\n".join(texts)
+    return _text_parts(content, where, RESPONSES_TEXT_PARTS, RESPONSES_MEDIA_PARTS, "input_text")
 
 
 def _required_str(item: dict, key: str, where: str) -> str:
