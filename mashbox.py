@@ -131,6 +131,12 @@ READ_AHEAD_BYTES = 1024 * 1024
 LINGER_S = 2.0
 # Seconds a client refused for MAX_CONNECTIONS is told to wait (Retry-After).
 RETRY_AFTER_CONNECTIONS_S = 1
+# A client refused for MAX_CONNECTIONS is answered in its route's error shape: its request line is
+# awaited this long (a client sends it right behind the handshake's last packet, so it is there by
+# the time the connection is accepted, or within microseconds). At most CAP_PEEKS such waits at a
+# time, so a flood holds few descriptors; beyond that, or when no line came, the OpenAI shape.
+CAP_PEEK_S = 0.005
+CAP_PEEKS = 16
 
 
 # =================================================================================================
@@ -150,6 +156,9 @@ _VERSION = re.compile(rb"HTTP/([0-9])\.([0-9])\Z")
 _TARGET = re.compile(rb"[\x21-\x7e]+\Z")
 _BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;.*)?\Z")
+# The path at the start of a request line, as far as it arrived: a refused request (too long, too
+# slow, badly framed) is answered in its route's error shape when its path is known.
+_LINE_PATH = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+ (/[!-~]*?)(?=[ ?#]|\r|\n)")
 
 
 @dataclass
@@ -194,6 +203,7 @@ class RequestReader:
         self._length = 0                     # Content-Length mode: body bytes expected
         self._chunked: _ChunkedBody | None = None
         self._continue = False               # the client waits for "100 Continue" before its body
+        self._head_path: str | None = None   # the path of a head taken from the buffer, until answered
 
     def feed(self, data: bytes) -> None:
         self._buf += data
@@ -208,6 +218,15 @@ class RequestReader:
         if self._req is not None:
             return "body"
         return "head" if self._buf.strip(b"\r\n") else "idle"
+
+    def path_hint(self) -> str | None:
+        """The path of the request being read, as far as it is known: for a refusal's error shape."""
+        if self._req is not None:
+            return self._req.path
+        if self._head_path is not None:
+            return self._head_path
+        m = _LINE_PATH.match(self._buf.lstrip(b"\r\n"))
+        return m.group(1).decode() if m else None
 
     def take_continue(self) -> bool:
         """True once when the client sent `Expect: 100-continue` and waits for an interim answer."""
@@ -231,7 +250,7 @@ class RequestReader:
                 return None
             req.body = bytes(self._buf[:self._length])
             del self._buf[:self._length]
-        self._req, self._continue = None, False
+        self._req, self._continue, self._head_path = None, False, None
         return req
 
     def _read_head(self) -> Request | None:
@@ -246,6 +265,8 @@ class RequestReader:
         if end + 4 > MAX_HEAD_BYTES:
             raise _bad(f"request head larger than {MAX_HEAD_BYTES} bytes", 431)
         head = bytes(self._buf[:end])
+        m = _LINE_PATH.match(head + b"\r")
+        self._head_path = m.group(1).decode() if m else None
         del self._buf[:end + 4]
         self._scan = 0
         return self._parse_head(head)
@@ -739,7 +760,7 @@ class Connection:
         """Answer a request that could not be read, then close: its framing can no longer be trusted.
         The client may still be sending (a too-large body): half-close and drain a moment first."""
         self._discard = True
-        body = json.dumps(openai_error_body(err)).encode()
+        body = json.dumps(self.app.router.errors_for(self.parser.path_hint() or "")(err)).encode()
         try:
             await self.write(response_bytes(err.status, body, "application/json", err.headers,
                                             keep_alive=False))
@@ -1123,6 +1144,8 @@ def new_id(prefix: str) -> str:
 #   .body() -> dict                the non-streamed response, after Done was fed
 #   .error(err: ApiError) -> list[bytes]   frames that end a started stream with an error
 #   .done_frames() are produced by feed(Done(...)) itself (finish chunk, usage chunk, [DONE], ...)
+#   .starts_on_admission           True: start() waits until admitted(usage) gave the prompt's
+#                                  cached/uncached split (Anthropic's message_start carries it)
 
 # ---- common fields (sampling, max tokens, stop) -------------------------------------------------
 
@@ -1229,8 +1252,8 @@ NO_THINKING_EFFORTS = ("none", "minimal")
 # Chat has no "abort" or "error" finish: an aborted answer's client is gone anyway, and an error ends
 # the stream through error().
 CHAT_FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "abort": "stop"}
-# An SSE comment: OpenAI clients skip it, and it keeps proxies and idle timers from closing the stream.
-OPENAI_KEEPALIVE = b": keep-alive\n\n"
+# An SSE comment: clients skip it, and it keeps proxies and idle timers from closing the stream.
+SSE_COMMENT = OPENAI_KEEPALIVE = b": keep-alive\n\n"
 
 _KIND_NAMES = {str: "a string", bool: "true or false", dict: "an object", list: "a list"}
 
@@ -1907,6 +1930,13 @@ class MessagesEncoder:
         self.stop_sequence: str | None = None
         self.usage = self._usage(chat.Usage(prompt_tokens=meta.prompt_tokens))
         self.ended = False
+
+    # The spec's message_start usage is the split of the prompt into cached and uncached tokens, known
+    # once the worker has given the prompt a slot: the stream's first frames wait for it.
+    starts_on_admission = True
+
+    def admitted(self, usage: chat.Usage) -> None:
+        self.usage = self._usage(usage)
 
     @staticmethod
     def _usage(u: chat.Usage) -> dict:
@@ -3415,12 +3445,17 @@ async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list
     tok = app.tokenizer
     gone = out.gone
     enc = keepalive = None
+    started = True               # the encoder's start frames were sent
     if job.stream:
         await out.start_stream()
         enc = fmt.encoder(job, meta)
-        for frame in enc.start():
-            await out.event(frame)
-        keepalive = lambda: out.event(enc.keepalive())   # noqa: E731
+        started = not getattr(enc, "starts_on_admission", False)
+        if started:
+            for frame in enc.start():
+                await out.event(frame)
+        # Before the start frames, an SSE comment: every client skips it (an Anthropic ping before
+        # message_start would break the SDK's stream accumulator).
+        keepalive = lambda: out.event(enc.keepalive() if started else SSE_COMMENT)   # noqa: E731
     sent_output = False          # a streamed client has text, reasoning or a tool call: never retry
     err: ApiError | None = None
     for attempt in range(RETRIES_AFTER_FAULT + 1):
@@ -3447,6 +3482,11 @@ async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list
                     raise WorkerDied(f"device error: {step.error or 'unknown'}")
                 if step.prompt_tokens:
                     usage.prompt_tokens, usage.cached_tokens = step.prompt_tokens, step.cached_tokens
+                if not started:          # the worker gave the prompt a slot (or answered already)
+                    started = True
+                    enc.admitted(usage)
+                    for frame in enc.start():
+                        await out.event(frame)
                 if step.tokens and outcome.first_token_at is None:
                     outcome.first_token_at = time.monotonic()
                 usage.completion_tokens += len(step.tokens)
@@ -3553,12 +3593,14 @@ async def render_prompt(app, job: Job) -> list[int]:
 
 
 def check_model(app, name: str | None) -> None:
-    """404 model_not_found for a request naming ANOTHER model this installation knows (models.json).
-    Foreign names (gpt-5.5, claude-*) are what agents send whatever they talk to: they are answered by
-    the one model served, as the recorded clients require."""
-    if name and name != app.bridge.facts.id and name in app.other_model_ids:
-        raise ApiError(404, f"model: '{name}' is not served here; this server runs '{app.bridge.facts.id}'",
-                       code="model_not_found", param="model")
+    """The spec's 404 on the OpenAI routes: a model id other than the one served (or its Hugging Face
+    repo name, spelled as models.json gives it) is model_not_found, and the message names the served
+    id so the user can fix the client's configuration. Leaving model out is accepted. Messages accepts
+    any name (Claude Code sends claude-*) and never calls this."""
+    served = app.bridge.facts.id
+    if name and name != served and name not in app.model_aliases:
+        raise ApiError(404, f"model: '{name}' is not served here; this server runs '{served}' (send "
+                            f"model '{served}' or leave it out)", code="model_not_found", param="model")
 
 
 async def handle_generation(app, req, out, fmt: "ApiFormat", tenant: str) -> None:
@@ -3576,7 +3618,8 @@ async def handle_generation(app, req, out, fmt: "ApiFormat", tenant: str) -> Non
         if app.bridge.status != "ok":
             app.metrics["admission_rejections_total"].inc(reason="loading")
             raise not_ready_error(fmt.anthropic)
-        check_model(app, job.model)
+        if not fmt.anthropic:
+            check_model(app, job.model)
         prompt = await render_prompt(app, job)
         if app.config.log_prompts:
             log_prompt(app.tokenizer, prompt, req.path, job.session)
@@ -3675,11 +3718,13 @@ class Route:
 
 class Router:
     """(method, path pattern) -> Route. Unknown path: 404; known path, other method: 405 with Allow.
-    HEAD is answered by the GET route (the Responder drops the body)."""
+    HEAD on every path is the spec's ready check: the `head` route (health's status, no body), so a
+    probe works on any URL and a HEAD never tells a protected route's length to a caller without a key."""
 
     def __init__(self) -> None:
         self._exact: dict[str, dict[str, Route]] = {}
         self._patterns: list[tuple[re.Pattern, dict[str, Route]]] = []
+        self.head: Route | None = None
 
     def add(self, method: str, pattern: str, handler: Handler,
             errors: Callable[[ApiError], dict] = openai_error_body) -> None:
@@ -3708,6 +3753,8 @@ class Router:
 
     def match(self, req: Request) -> Route:
         """The request's route (its path parameters set on req.params), or ApiError 404/405."""
+        if req.method == "HEAD" and self.head is not None:
+            return self.head
         methods, params = self._lookup(req.path)
         method = "GET" if req.method == "HEAD" else req.method   # HEAD is told what GET would be
         if methods is None:
@@ -3798,6 +3845,7 @@ def build_routes(app: "App") -> Router:
     router = Router()
     for path in ("/v1/health", "/health", "/"):
         router.add("GET", path, route_health)
+    router.head = Route("HEAD", "*", route_health, openai_error_body, needs_key=False)
     router.add("GET", "/v1/models", route_models)
     router.add("GET", "/v1/models/{model}", route_model)
     router.add("GET", "/openapi.json", route_openapi)
@@ -3861,12 +3909,13 @@ class App:
         self.metrics = metrics if metrics is not None else Metrics()
         self.tokenizer: chat.Tokenizer | None = None   # loaded from the model's folder when it is ready
         self._tokenizer_folder: str | None = None
-        self.other_model_ids: set[str] = set()   # models.json ids this server does not run
+        self.model_aliases: set[str] = set()   # other names of the served model (its HF repo)
         self.namespace: str | None = None
         self.router = build_routes(self)
         self.port: int | None = None
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[Connection] = set()
+        self._peeking = 0                      # refused connections whose request line is awaited
         self._ready_waiters: list[asyncio.Event] = []
         self._openapi: tuple[str, bytes] | None = None
         self.bridge.on_ready.append(self._on_ready)
@@ -3955,7 +4004,18 @@ class App:
             err = ApiError(503, f"too many open connections (at most {self.limits.max_connections})",
                            type="unavailable",
                            headers=(("Retry-After", str(RETRY_AFTER_CONNECTIONS_S)),))
-            writer.write(response_bytes(503, json.dumps(openai_error_body(err)).encode(),
+            errors = openai_error_body
+            if self._peeking < CAP_PEEKS:
+                self._peeking += 1
+                try:
+                    line = await asyncio.wait_for(reader.readline(), CAP_PEEK_S)
+                    m = _LINE_PATH.match(line)
+                    errors = self.router.errors_for(m.group(1).decode()) if m else errors
+                except (asyncio.TimeoutError, ValueError, ConnectionError, OSError):
+                    pass
+                finally:
+                    self._peeking -= 1
+            writer.write(response_bytes(503, json.dumps(errors(err)).encode(),
                                         "application/json", err.headers, keep_alive=False))
             writer.close()
             return
@@ -4132,6 +4192,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mashbox: keys: {e}", file=sys.stderr)
         return 2
     config.model = spec.id
+    # What the model card reports while the worker loads: the context it will run.
+    config.ctx = config.ctx or spec.ctx
     if not keys.enabled and not is_loopback(config.host):
         print(f"mashbox: --host {config.host} is not loopback: give keys with --api-key-file or "
               "MASHBOX_API_KEY", file=sys.stderr)
@@ -4142,7 +4204,7 @@ def main(argv: list[str] | None = None) -> int:
               admission=Admission(slots=config.slots or spec.slots, per_tenant=config.max_waiting_per_tenant,
                                   total=config.max_waiting),
               limits=ConnLimits(max_connections=config.max_connections), metrics=Metrics())
-    app.other_model_ids = set(registry.known_ids()) - {spec.id}
+    app.model_aliases = {spec.hf_repo} if spec.hf_repo else set()
 
     def prepare() -> dict:
         folder = registry.prepare(spec, progress_display())

@@ -252,7 +252,10 @@ class Engine:
         if plan.prefill is not None:
             emits += self.scheduler.prefilled(plan.prefill, self._prefill(plan.prefill))
         now = time.time()
-        steps = []
+        # A request given a slot is told at once how much of its prompt came from a cache: the
+        # server's first frames report it (Anthropic's message_start) before the first token.
+        steps = [Step(r.rid, [], prompt_tokens=len(r.prompt), cached_tokens=r.cached)
+                 for r in plan.started]
         for e in emits:
             e.request.times.setdefault("first", now)
             e.request.times["last"] = now

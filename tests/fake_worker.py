@@ -57,6 +57,7 @@ def tokenizer_folder() -> str | None:
 class FakeArgs:
     delay_s: float = 0.0
     prefill_s: float = 0.0            # each request's first token comes this long after it arrived
+    admit_s: float = 0.0              # and its "slot" (the cached/uncached split) this long after
     load_s: float = 0.0
     ctx: int = 4096
     slots: int = 4
@@ -134,13 +135,17 @@ def main(conn: Connection, args: FakeArgs | dict) -> None:
                 text = tok.decode(msg.prompt, skip_special_tokens=False)
                 answer = tok.encode(_answer_for(text), add_special_tokens=False).ids
                 room = args.ctx - len(msg.prompt)
-                live[msg.rid] = {"answer": answer, "i": 0, "limit": min(msg.max_tokens, room),
+                live[msg.rid] = {"admitted": False, "answer": answer, "i": 0, "limit": min(msg.max_tokens, room),
                                  "prompt": len(msg.prompt), "cached": cached, "t0": time.time(),
                                  "queued": msg.submitted_at, "fail": FAIL_MARKER in text}
         sent_any = False
         for rid, r in list(live.items()):
+            if not r["admitted"] and time.time() >= r["t0"] + args.admit_s:
+                # As the real worker: the prompt's cached/uncached split once it has a "slot".
+                r["admitted"] = True
+                conn.send(protocol.Step(rid, [], prompt_tokens=r["prompt"], cached_tokens=r["cached"]))
             first = r["i"] == 0
-            if first and time.time() < r["t0"] + args.prefill_s:
+            if first and (not r["admitted"] or time.time() < r["t0"] + args.prefill_s):
                 continue                      # still "prefilling"
             if r["fail"]:
                 del live[rid]

@@ -172,7 +172,10 @@ GENERATION_ROUTES = tuple(r for r in ROUTES if r[0] == "POST" and not r[1].endsw
 OPENAI_ERROR_TYPES = ("invalid_request_error", "unavailable", "server_error")
 ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                          404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
-                         429: "rate_limit_error", 500: "api_error", 529: "overloaded_error"}
+                         429: "rate_limit_error", 500: "api_error", 529: "overloaded_error",
+                         # refusals of the connection loop: a request Anthropic's API would not get
+                         408: "invalid_request_error", 414: "invalid_request_error",
+                         431: "invalid_request_error", 503: "overloaded_error"}
 
 
 def error_of(status: int, body: bytes, api: str) -> dict:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.clients import openai_sdk_client, spec_validator
+from tests.fake_worker import MODEL_ID
 from engine import chat
 from mashbox import ApiError, ChatEncoder, CompletionEncoder, Meta, parse_chat, parse_completion
 
@@ -634,9 +635,10 @@ def test_pi_style_tool_round_trip_through_the_server(served):
     (reasoning_effort, include_usage, tools) as the SDK assembles it over HTTP, the turn sent back with
     content null, and the second prompt served from the cache of the first."""
     client = served_client(served)
+    # Pi sends the model its provider config names; configured for this server, the served id.
     messages = [{"role": "developer", "content": "Be Pi."},
                 {"role": "user", "content": [{"type": "text", "text": CALL_ECHO}]}]
-    with client.chat.completions.stream(model="anything", messages=messages, tools=[BASH],
+    with client.chat.completions.stream(model=MODEL_ID, messages=messages, tools=[BASH],
                                         reasoning_effort="medium", max_completion_tokens=200,
                                         stream_options={"include_usage": True}, store=False) as stream:
         for _ in stream:
@@ -651,7 +653,7 @@ def test_pi_style_tool_round_trip_through_the_server(served):
     messages += [{"role": "assistant", "content": None, "reasoning_content": "Look first.",
                   "tool_calls": [call.model_dump(exclude_none=True)]},
                  {"role": "tool", "tool_call_id": call.id, "content": "echo: The file says hi."}]
-    second = client.chat.completions.create(model="anything", messages=messages, tools=[BASH],
+    second = client.chat.completions.create(model=MODEL_ID, messages=messages, tools=[BASH],
                                             reasoning_effort="medium")
     assert second.choices[0].message.content.startswith("The file says hi.")   # the fake echoes the rest of the turn
     assert second.choices[0].finish_reason == "stop" and second.system_fingerprint is None
@@ -677,18 +679,22 @@ def test_completions_and_refusals_through_the_server(served):
     """Guards against the Completions route or a Chat refusal reaching the SDK in the wrong shape."""
     import openai
     client = served_client(served)
-    whole = client.completions.create(model="m", prompt="echo: Jupiter and Saturn", max_tokens=50)
+    whole = client.completions.create(model=MODEL_ID, prompt="echo: Jupiter and Saturn", max_tokens=50)
     assert whole.choices[0].text == "Jupiter and Saturn" and whole.choices[0].finish_reason == "stop"
     assert whole.object == "text_completion" and whole.usage.completion_tokens > 0
-    pieces = client.completions.create(model="m", prompt=["echo: Mars"], max_tokens=50, stream=True)
+    pieces = client.completions.create(model=MODEL_ID, prompt=["echo: Mars"], max_tokens=50, stream=True)
     assert "".join(c.choices[0].text for c in pieces) == "Mars"
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": [
+        client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:,"}}]}])
     assert caught.value.body["param"] == "messages[0].content[0]"
     with pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(model="m", prompt=[[1, 2, 3]])
+        client.completions.create(model=MODEL_ID, prompt=[[1, 2, 3]])
     assert caught.value.body["param"] == "prompt"
+    # Another model's id is the spec's 404, naming the served id; leaving it out is accepted.
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.body["code"] == "model_not_found" and MODEL_ID in caught.value.body["message"]
 
 
 def test_every_recorded_chat_and_completion_request_is_answered_by_the_server(served):
@@ -699,6 +705,9 @@ def test_every_recorded_chat_and_completion_request_is_answered_by_the_server(se
             file, line = where.rsplit(":", 1)
             req = json.loads((CLIENTS / file).read_text().splitlines()[int(line)])
             headers = {k: v for k, v in req["headers"] if k.lower() not in hop_by_hop}
+            # The recording's model is what that client was configured with for another server; a
+            # client configured for this one sends the served id (any other id is the spec's 404).
+            body = {**body, "model": MODEL_ID}
             status, _, raw = served.get(path, "POST", json.dumps(body).encode(), headers)
             assert status == 200, f"{where}: {raw[:300]!r}"
             assert raw.rstrip().endswith(b"data: [DONE]") if body.get("stream") else json.loads(raw)["choices"]

@@ -11,6 +11,7 @@ import pytest
 
 import mashbox
 from tests.clients import openai_sdk_client, qwen3_tokenizer, spec_validator
+from tests.fake_worker import MODEL_ID
 from engine import chat
 from mashbox import ApiError, Meta, ResponsesEncoder, parse_responses
 
@@ -853,16 +854,17 @@ def test_codex_style_tool_round_trip_through_the_server(served):
     events as the SDK assembles them over HTTP, a function and a custom call, their results sent back,
     and the second turn's prompt served from the cache of the first."""
     client = server_client(served)
+    # Codex sends the model its config names; configured for this server, that is the served id.
     tools = [FUNCTION, {"type": "custom", "name": "apply_patch", "format": GRAMMAR}, {"type": "web_search"}]
     history = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be Codex."}]},
                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": CALL_ECHO}]}]
-    with client.responses.stream(model="gpt-5.5", input=history, tools=tools, reasoning={"effort": "high"},
+    with client.responses.stream(model=MODEL_ID, input=history, tools=tools, reasoning={"effort": "high"},
                                  store=False, include=["reasoning.encrypted_content"]) as stream:
         kinds = [event.type for event in stream]
         first = stream.get_final_response()
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
     assert kinds.count("response.output_item.done") == 3
-    assert first.model == "gpt-5.5" and first.status == "completed"
+    assert first.model == MODEL_ID and first.status == "completed"
     reasoning, call, patch = first.output
     assert reasoning.type == "reasoning" and reasoning.content[0].text == "Look first."
     assert (call.type, call.name, call.arguments) == ("function_call", "exec_command", '{"cmd": "cat a.txt"}')
@@ -871,7 +873,7 @@ def test_codex_style_tool_round_trip_through_the_server(served):
     history += [item.model_dump(exclude_none=True) for item in first.output] + [
         {"type": "function_call_output", "call_id": call.call_id, "output": "echo: The file says hi."},
         {"type": "custom_tool_call_output", "call_id": patch.call_id, "output": "Done!"}]
-    second = client.responses.create(model="gpt-5.5", input=history, tools=tools, reasoning={"effort": "high"})
+    second = client.responses.create(model=MODEL_ID, input=history, tools=tools, reasoning={"effort": "high"})
     assert second.status == "completed" and second.output_text.startswith("The file says hi.")
     # The first turn's whole prompt (and more) came from the cache: the history re-rendered unchanged.
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
@@ -882,9 +884,9 @@ def test_limit_and_refusals_through_the_server(served):
     client as anything but the OpenAI error shape naming the field."""
     openai = pytest.importorskip("openai")
     client = server_client(served)
-    cut = client.responses.create(model="m", input="echo: one two three four five six", max_output_tokens=2)
+    cut = client.responses.create(input="echo: one two three four five six", max_output_tokens=2)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     assert cut.usage.output_tokens == 2
     with pytest.raises(openai.BadRequestError) as caught:
-        client.responses.create(model="m", input="x", text={"format": {"type": "json_object"}})
+        client.responses.create(input="x", text={"format": {"type": "json_object"}})
     assert caught.value.body["param"] == "text.format"

@@ -154,18 +154,22 @@ def test_health_is_503_while_loading_then_200():
         served.close()
 
 
-def test_head_answers_every_path_like_get_without_a_body(server):
-    """Guards against HEAD that differs from GET, or a body after HEAD that breaks the next response."""
+def test_head_answers_every_path_with_the_health_status_and_no_body(server):
+    """Guards against HEAD that differs between paths (the spec: HEAD answers the health status on
+    every path), a protected route's length leaking through HEAD, or a body after HEAD that breaks
+    the next response on the connection."""
     sock = server.connect()
     f = sock.makefile("rb")
-    for path in ("/health", "/v1/models", "/openapi.json", "/no/such/path", "/v1/messages"):
-        sock.sendall(request(path, "GET"))
-        got = read_response(f)
+    sock.sendall(request("/health", "HEAD"))
+    health = read_response(f, head=True)
+    assert health[0] == 200 and health[2] == b""
+    for path in ("/v1/models", "/openapi.json", "/metrics", "/no/such/path", "/v1/messages",
+                 "/v1/chat/completions", "/"):
         sock.sendall(request(path, "HEAD"))
         head = read_response(f, head=True)
-        assert head[0] == got[0], path
+        assert (head[0], head[2]) == (200, b""), path
         assert {k: v for k, v in head[1].items() if k != "date"} == \
-               {k: v for k, v in got[1].items() if k != "date"}, path
+               {k: v for k, v in health[1].items() if k != "date"}, path
     sock.sendall(request("/health"))        # the same connection is still in step
     assert read_response(f)[0] == 200
     sock.close()
