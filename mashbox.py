@@ -129,7 +129,7 @@ READ_AHEAD_BYTES = 1024 * 1024
 # After an error that ends a connection, unread input is drained this long before closing, so the
 # client's TCP stack does not reset the connection and drop the error response unread.
 LINGER_S = 2.0
-# Seconds a client refused for MAX_CONNECTIONS is told to wait (Retry-After).
+# Seconds a client refused for MAX_CONNECTIONS or MAX_BUFFERED_BYTES is told to wait (Retry-After).
 RETRY_AFTER_CONNECTIONS_S = 1
 # A client refused for MAX_CONNECTIONS is answered in its route's error shape: its request line is
 # awaited this long (a client sends it right behind the handshake's last packet, so it is there by
@@ -137,6 +137,16 @@ RETRY_AFTER_CONNECTIONS_S = 1
 # time, so a flood holds few descriptors; beyond that, or when no line came, the OpenAI shape.
 CAP_PEEK_S = 0.005
 CAP_PEEKS = 16
+# Request bytes held across all connections at once: buffers, bodies being read (a declared
+# Content-Length is reserved when its head arrives) and bodies of requests being handled. Eight
+# bodies of the largest size, or hundreds of agent requests; without it, MAX_CONNECTIONS bodies of
+# MAX_BODY_BYTES could make the server hold 32 GiB. Beyond it a request gets 503 with Retry-After.
+MAX_BUFFERED_BYTES = 256 * 1024 * 1024
+# A client refused for MAX_CONNECTIONS may have sent its request already: this much of it is read and
+# dropped (for at most LINGER_S) before the connection closes, so its TCP stack delivers the 503
+# instead of resetting the connection. Refusals lingering at once are bounded too.
+REFUSED_DRAIN_BYTES = 1024 * 1024
+MAX_LINGERING_REFUSALS = 256
 
 
 # =================================================================================================
@@ -155,7 +165,9 @@ _VERSION = re.compile(rb"HTTP/([0-9])\.([0-9])\Z")
 # A request-target is visible ASCII; a header value has no control characters but tab (RFC 9110 s5.5).
 _TARGET = re.compile(rb"[\x21-\x7e]+\Z")
 _BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
-_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;.*)?\Z")
+# A chunk-size line: the size, then extensions, whose text is never read but has no control characters
+# (a bare CR or a NUL there is how request-smuggling payloads hide a line end from one parser).
+_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\x00-\x08\x0a-\x1f\x7f]*)?\Z")
 # The path at the start of a request line, as far as it arrived: a refused request (too long, too
 # slow, badly framed) is answered in its route's error shape when its path is known.
 _LINE_PATH = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+ (/[!-~]*?)(?=[ ?#]|\r|\n)")
@@ -174,6 +186,7 @@ class Request:
     keep_alive: bool = True                  # whether the connection may carry another request
     params: dict[str, str] = field(default_factory=dict)   # path parameters, set by the router
     tenant: str | None = None                # set by the security check
+    authority: str | None = None             # host[:port] of an absolute-form target (RFC 9112 s3.2.2)
 
     def header(self, name: str, default: str | None = None) -> str | None:
         """The first value of a header, by lowercase name."""
@@ -227,6 +240,22 @@ class RequestReader:
             return self._head_path
         m = _LINE_PATH.match(self._buf.lstrip(b"\r\n"))
         return m.group(1).decode() if m else None
+
+    @property
+    def pending(self) -> Request | None:
+        """The request whose head was read and whose body is still arriving, if any."""
+        return self._req
+
+    @property
+    def held(self) -> int:
+        """Bytes this reader holds or has been told are coming: its buffer, a chunked body read so
+        far, and the rest of a declared Content-Length body (reserved before it arrives)."""
+        held = len(self._buf)
+        if self._chunked is not None:
+            held += len(self._chunked.body)
+        elif self._req is not None:
+            held += max(0, self._length - len(self._buf))
+        return held
 
     def take_continue(self) -> bool:
         """True once when the client sent `Expect: 100-continue` and waits for an interim answer."""
@@ -305,6 +334,8 @@ class RequestReader:
         req = Request(method=method.decode(), target=target.decode(), path="", query={},
                       headers=headers, version=version.decode())
         req.path, req.query = _split_target(req.target)
+        if not req.target.startswith("/") and req.target != "*":
+            req.authority = urllib.parse.urlsplit(req.target).netloc
         self._frame(req)
         return req
 
@@ -511,6 +542,7 @@ class ConnLimits:
     max_connections: int = MAX_CONNECTIONS
     linger_s: float = LINGER_S
     min_body_rate: float = MIN_BODY_BYTES_PER_S
+    max_buffered: int = MAX_BUFFERED_BYTES
 
 
 # Connections the kernel may hold for the server before it accepts them. A burst (agents starting
@@ -632,6 +664,10 @@ class Connection:
         self._bytes_in = 0                   # read from the socket so far
         self._body_t0: float | None = None   # when the current body started arriving
         self._body_bytes0 = 0                # _bytes_in then
+        self._held = 0                       # this connection's share of app.buffered
+        self._in_use = 0                     # body bytes of the request being handled
+        self._over_budget = False            # app.buffered had no room for what arrived
+        self._checked: tuple[Request, Route] | None = None   # a head that passed _check
 
     async def run(self) -> None:
         pump = asyncio.create_task(self._pump())
@@ -649,6 +685,8 @@ class Connection:
         finally:
             pump.cancel()
             self.transport.close()
+            self.app.buffered -= self._held
+            self._held = 0
 
     def close(self) -> None:
         """Server shutdown: drop the connection now."""
@@ -669,6 +707,8 @@ class Connection:
                     break
                 if not self._discard:
                     self.parser.feed(data)
+                    if not self._account():
+                        self._discard = self._over_budget = True
                 self._bytes_in += len(data)
                 self._last_data = self._loop.time()
                 self._wake.set()
@@ -679,12 +719,37 @@ class Connection:
             self.gone.set()
             self._wake.set()
 
+    def _account(self) -> bool:
+        """Bring this connection's share of the server's buffered bytes up to date; False when it grew
+        past what the global budget has left (the share is then kept: the caller refuses). A head's
+        worth is always allowed, so health probes and small requests are never refused by it."""
+        want = self.parser.held + self._in_use
+        grow = want - self._held
+        if grow > 0 and want > MAX_HEAD_BYTES and self.app.buffered + grow > self.limits.max_buffered:
+            return False
+        self.app.buffered += grow
+        self._held = want
+        return True
+
+    def _over_budget_error(self) -> ApiError:
+        return ApiError(503, "the server holds as many request bytes as it may; retry shortly",
+                        type="unavailable", headers=(("Retry-After", str(RETRY_AFTER_CONNECTIONS_S)),))
+
     async def _next_request(self) -> Request | None:
         """The next whole request; None when the connection should close quietly (EOF, idle).
-        Raises ApiError for a request to refuse, 408 when a head or body arrives too slowly."""
+        Raises ApiError for a request to refuse, 408 when a head or body arrives too slowly. A head
+        is checked (Host, Origin, key, route, content type) as soon as it is read: a request that will
+        be refused is refused before its body is read or `100 Continue` invites it."""
         while True:
             self._wake.clear()
             req = self.parser.next()
+            head = self.parser.pending
+            if req is None and head is not None and (self._checked is None or self._checked[0] is not head):
+                self._checked = (head, self._check(head))
+            if req is not None:
+                self._in_use = len(req.body)
+            if self._over_budget or not self._account():
+                raise self._over_budget_error()
             if req is not None:
                 self._head_t0 = self._body_t0 = None
                 return req
@@ -717,16 +782,26 @@ class Connection:
 
     # ---- answering -------------------------------------------------------------------------------
 
+    def _check(self, req: Request) -> "Route":
+        """The request's route, from its head alone, in this order: Host and Origin (403), the key
+        (401, before 404/405 so that paths cannot be probed without one), the route (404/405), the
+        content type (415). Raises the ApiError; the tenant is set on req."""
+        guard = self.app.guard
+        req.tenant = guard.check_head(req, _needs_key(req.path)) if guard is not None else DEFAULT_TENANT
+        route = self.app.router.match(req)
+        if guard is not None:
+            guard.check_content_type(req)
+        return route
+
     async def _answer(self, req: Request) -> bool:
         """Run the request's route; False when the connection must close afterwards."""
         out = Responder(self, req)
         errors = self.app.router.errors_for(req.path)
         self._busy = True
         try:
-            route = self.app.router.match(req)
+            checked, self._checked = self._checked, None
+            route = checked[1] if checked is not None and checked[0] is req else self._check(req)
             errors = route.errors
-            guard = self.app.guard
-            req.tenant = guard.check(req, route.needs_key) if guard is not None else DEFAULT_TENANT
             await route.handler(req, out)
             if not out.started:
                 raise RuntimeError(f"{req.method} {route.pattern}: the handler sent no response")
@@ -742,6 +817,8 @@ class Connection:
                                     errors)
         finally:
             self._busy = False
+            self._in_use = 0
+            self._account()
             self._resume.set()
             self._idle_since = self._loop.time()
         return out.keep_alive and not self.transport.is_closing()
@@ -862,7 +939,9 @@ class Keys:
         """The keys of the file and of MASHBOX_API_KEY. Raises KeyFileError (with the line number) for a
         file that cannot be used as a whole: a server never runs with part of its keys."""
         pairs: list[tuple[bytes, str]] = []
-        if path:
+        if path == "":
+            raise KeyFileError("--api-key-file: the path is empty")
+        if path is not None:
             try:
                 data = Path(path).read_bytes()
             except OSError as e:
@@ -923,12 +1002,27 @@ def request_keys(req) -> list[str]:
     return keys
 
 
-def _host_name(value: str) -> str:
-    """The host part of a Host header or of an Origin's authority, lowercased, brackets kept for IPv6."""
+# The port of a Host header or an authority: digits only, or nothing after the colon (RFC 3986 s3.2.3).
+_PORT = re.compile(r"[0-9]{0,5}\Z")
+
+
+def _host_name(value: str) -> str | None:
+    """The host part of a Host header or of an Origin's authority, lowercased, brackets kept for IPv6;
+    None when what follows the host is not a port (`localhost:evil.com` names no host of ours)."""
     value = value.strip().lower()
     if value.startswith("["):
-        return value[: value.find("]") + 1] if "]" in value else value
-    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+        end = value.find("]")
+        if end < 0:
+            return None
+        name, rest = value[:end + 1], value[end + 1:]
+    elif value.count(":") == 1:
+        name, rest = value.split(":")
+        rest = ":" + rest
+    else:
+        return value
+    if rest and not (rest.startswith(":") and _PORT.match(rest[1:])):
+        return None
+    return name
 
 
 class Guard:
@@ -952,6 +1046,8 @@ class Guard:
 
     def _host_ok(self, host: str) -> bool:
         name = _host_name(host)
+        if name is None:
+            return False
         if name in self.allowed_hosts:
             return True
         if self.any_address:
@@ -966,7 +1062,15 @@ class Guard:
     def check(self, req, needs_key: bool) -> str:
         """Raise ApiError(401/403/415) or return the request's tenant. HEAD needs no key: its answer
         has no body, and probes use it."""
-        host = req.header("host")
+        tenant = self.check_head(req, needs_key)
+        self.check_content_type(req)
+        return tenant
+
+    def check_head(self, req, needs_key: bool) -> str:
+        """Host and Origin (403), then the key (401): what the head alone decides, so the connection
+        answers before reading a body, and before saying whether a path exists (404/405)."""
+        # An absolute-form target names the host itself, and the Host header is then ignored.
+        host = getattr(req, "authority", None) or req.header("host")
         if host is not None and not self._host_ok(host):
             raise ApiError(403, "this server does not answer to the host name in the Host header",
                            code="unknown_host")
@@ -982,12 +1086,16 @@ class Guard:
             tenant = next((t for t in map(keys.tenant_for, request_keys(req)) if t is not None), None)
             if tenant is None:
                 raise ApiError(401, self._no_key_message(req), code="invalid_api_key")
+        return tenant
+
+    @staticmethod
+    def check_content_type(req) -> None:
+        """415 for a POST whose body is not JSON."""
         if req.method == "POST":
             ctype = (req.header("content-type") or "").split(";", 1)[0].strip().lower()
             if ctype != "application/json":
                 raise ApiError(415, "the request body must be Content-Type: application/json",
                                code="unsupported_media_type")
-        return tenant
 
     @staticmethod
     def _no_key_message(req) -> str:
@@ -3916,6 +4024,8 @@ class App:
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[Connection] = set()
         self._peeking = 0                      # refused connections whose request line is awaited
+        self._lingering = 0                    # refused connections being drained before closing
+        self.buffered = 0                      # request bytes held by every connection (max_buffered)
         self._ready_waiters: list[asyncio.Event] = []
         self._openapi: tuple[str, bytes] | None = None
         self.bridge.on_ready.append(self._on_ready)
@@ -4001,23 +4111,7 @@ class App:
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if len(self._connections) >= self.limits.max_connections:
-            err = ApiError(503, f"too many open connections (at most {self.limits.max_connections})",
-                           type="unavailable",
-                           headers=(("Retry-After", str(RETRY_AFTER_CONNECTIONS_S)),))
-            errors = openai_error_body
-            if self._peeking < CAP_PEEKS:
-                self._peeking += 1
-                try:
-                    line = await asyncio.wait_for(reader.readline(), CAP_PEEK_S)
-                    m = _LINE_PATH.match(line)
-                    errors = self.router.errors_for(m.group(1).decode()) if m else errors
-                except (asyncio.TimeoutError, ValueError, ConnectionError, OSError):
-                    pass
-                finally:
-                    self._peeking -= 1
-            writer.write(response_bytes(503, json.dumps(errors(err)).encode(),
-                                        "application/json", err.headers, keep_alive=False))
-            writer.close()
+            await self._refuse_connection(reader, writer)
             return
         conn = Connection(self, reader, writer)
         self._connections.add(conn)
@@ -4027,6 +4121,48 @@ class App:
             log.exception("connection failed")
         finally:
             self._connections.discard(conn)
+
+    async def _refuse_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """503 with Retry-After for a connection past the bound. The client may have sent its request
+        already: closing with it unread would reset the connection (the client sees ECONNRESET, not
+        the 503), so the answer is written, the sending side shut, and what arrives is read and dropped
+        (REFUSED_DRAIN_BYTES, LINGER_S at most) before closing."""
+        err = ApiError(503, f"too many open connections (at most {self.limits.max_connections})",
+                       type="unavailable", headers=(("Retry-After", str(RETRY_AFTER_CONNECTIONS_S)),))
+        errors = openai_error_body
+        if self._peeking < CAP_PEEKS:
+            self._peeking += 1
+            try:
+                line = await asyncio.wait_for(reader.readline(), CAP_PEEK_S)
+                m = _LINE_PATH.match(line)
+                errors = self.router.errors_for(m.group(1).decode()) if m else errors
+            except (asyncio.TimeoutError, ValueError, ConnectionError, OSError):
+                pass
+            finally:
+                self._peeking -= 1
+        writer.write(response_bytes(503, json.dumps(errors(err)).encode(),
+                                    "application/json", err.headers, keep_alive=False))
+        if self._lingering >= MAX_LINGERING_REFUSALS or not writer.can_write_eof():
+            writer.close()
+            return
+        self._lingering += 1
+        try:
+            writer.write_eof()
+            deadline = asyncio.get_running_loop().time() + self.limits.linger_s
+            left = REFUSED_DRAIN_BYTES
+            while left > 0:
+                wait = deadline - asyncio.get_running_loop().time()
+                if wait <= 0:
+                    break
+                data = await asyncio.wait_for(reader.read(min(left, READ_SIZE)), wait)
+                if not data:
+                    break
+                left -= len(data)
+        except (asyncio.TimeoutError, ConnectionError, OSError):
+            pass
+        finally:
+            self._lingering -= 1
+            writer.close()
 
 
 # =================================================================================================
@@ -4063,6 +4199,16 @@ def _at_least(low: int, what: str) -> Callable[[str], int]:
     return parse
 
 
+def _path(what: str) -> Callable[[str], str]:
+    """A path flag: an empty one (`--api-key-file ''`, an unset variable in a script) is an error,
+    not "no file": for keys, that would start a server without the keys it was asked for."""
+    def parse(text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError(f"{what} needs a path, got an empty string")
+        return text
+    return parse
+
+
 def _port(text: str) -> int:
     value = _at_least(0, "--port")(text)
     if value > 65535:
@@ -4083,7 +4229,7 @@ def arg_parser() -> argparse.ArgumentParser:
     run.add_argument("--ctx", type=_at_least(16, "--ctx"), help="tokens of context per slot")
     run.add_argument("--cache-ram", dest="cache_ram_mib", metavar="MIB", type=_at_least(0, "--cache-ram"),
                      help="host memory for saved prompt states, MiB (0 = off)")
-    run.add_argument("--api-key-file", metavar="PATH",
+    run.add_argument("--api-key-file", metavar="PATH", type=_path("--api-key-file"),
                      help="API keys, one a line: KEY or KEY TENANT (also MASHBOX_API_KEY)")
     run.add_argument("--allowed-host", dest="allowed_hosts", metavar="NAME", action="extend", nargs="+",
                      default=[], help="host names the server answers to besides its own address")

@@ -256,12 +256,12 @@ def counting(server) -> list[str]:
     """The path of every request the server's guard sees (what each SDK retry looks like here)."""
     seen: list[str] = []
     guard = server.app.guard
-    check = guard.check
+    check = guard.check_head
 
     def counted(req, needs_key):
         seen.append(req.path)
         return check(req, needs_key)
-    guard.check = counted
+    guard.check_head = counted
     return seen
 
 

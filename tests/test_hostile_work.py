@@ -1,0 +1,275 @@
+"""Hostile requests that are well-formed HTTP but try to make the server work, wait or hold memory:
+bodies sent without a key, more body bytes than the server may hold, connections past the bound,
+Host tricks, smuggling bytes in chunk extensions, and (further down) huge stop lists, huge prompts,
+sampling values the device cannot take, lone surrogates and clients that read slowly.
+
+Every attack runs against a real server (the fake engine) while /health and a normal request are
+timed beside it: the server must answer them promptly meanwhile, not only after."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+import mashbox
+from mashbox import ConnLimits
+from tests.harness import MODEL_ID, error_of, start_server, until
+from tests.test_hostile import closed_by_server, read_answer
+
+# Short timeouts so refusals that linger end quickly; the code paths are the production ones.
+LIMITS = dict(header_s=2.0, body_s=2.0, keepalive_s=2.0, stall_s=2.0, linger_s=0.3)
+# The bounds on what a bystander waits while an attack runs: generous (a loaded 2-core CI machine),
+# far below what a stalled event loop costs (seconds).
+HEALTH_BOUND_S = 0.5
+NORMAL_BOUND_S = 3.0
+ANSWER_S = 20
+KEY = "sk-hostile-key-1"
+CHAT = "/v1/chat/completions"
+
+
+def normal_request(server, key: str | None = None) -> float:
+    """A short chat request; its time in seconds (its answer is checked)."""
+    t0 = time.monotonic()
+    headers = {"x-api-key": key} if key else {}
+    status, _, body = server.request("POST", CHAT, {
+        "model": MODEL_ID, "max_tokens": 8, "messages": [{"role": "user", "content": "echo: still here"}]},
+        headers, timeout=ANSWER_S)
+    assert status == 200 and json.loads(body)["choices"][0]["message"]["content"] == "still here", body
+    return time.monotonic() - t0
+
+
+class Bystanders:
+    """/health probed in a loop and normal requests sent one after another, in threads, while an
+    attack runs. check() asserts each was answered within its bound the whole time."""
+
+    def __init__(self, server, key: str | None = None):
+        self.server, self.key = server, key
+        self.health: list[float] = []
+        self.normal: list[float] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._probe, daemon=True),
+                         threading.Thread(target=self._send, daemon=True)]
+
+    def _probe(self):
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                status, _, _ = self.server.request("GET", "/health", timeout=ANSWER_S)
+                assert status == 200
+            except Exception as e:   # noqa: BLE001 - reported by check()
+                self.errors.append(f"health: {e!r}")
+            self.health.append(time.monotonic() - t0)
+            time.sleep(0.02)
+
+    def _send(self):
+        while not self._stop.is_set():
+            try:
+                self.normal.append(normal_request(self.server, self.key))
+            except Exception as e:   # noqa: BLE001
+                self.errors.append(f"normal request: {e!r}")
+            time.sleep(0.05)
+
+    def __enter__(self):
+        for t in self._threads:
+            t.start()
+        time.sleep(0.1)
+        return self
+
+    def __exit__(self, *exc):
+        time.sleep(0.1)
+        self._stop.set()
+        for t in self._threads:
+            t.join(ANSWER_S)
+        if exc[0] is None:
+            self.check()
+
+    def check(self):
+        assert not self.errors, self.errors[:5]
+        assert self.health and self.normal, "no bystander request completed during the attack"
+        assert max(self.health) < HEALTH_BOUND_S, f"/health took {max(self.health):.2f} s"
+        assert max(self.normal) < NORMAL_BOUND_S, f"a normal request took {max(self.normal):.2f} s"
+
+
+@pytest.fixture(scope="module")
+def keyed():
+    with start_server(keys={KEY: "alice"}, limits=ConnLimits(**LIMITS)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def server():
+    with start_server(limits=ConnLimits(**LIMITS), ctx=4096) as s:
+        yield s
+
+
+def raw(server, data: bytes, read_all: bool = True) -> tuple[int, dict, bytes, bool]:
+    sock = server.connect(timeout=ANSWER_S)
+    try:
+        try:
+            sock.sendall(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        status, headers, body = read_answer(sock)
+        return status, headers, body, closed_by_server(sock) if read_all else False
+    finally:
+        sock.close()
+
+
+# ---- the head decides before the body is read ------------------------------------------------------
+
+BIG = 32 * 1024 * 1024
+
+
+def head(path: str, *lines: str, length: int = BIG) -> bytes:
+    text = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n" + "".join(f"{x}\r\n" for x in lines)
+    return (text + f"Content-Length: {length}\r\n\r\n").encode()
+
+
+@pytest.mark.parametrize("path, api", [(CHAT, "openai"), ("/v1/messages", "anthropic")])
+def test_a_keyless_body_is_refused_from_its_head_without_100_continue(keyed, path, api):
+    """Guards against keyless clients making the server buffer 32 MiB bodies (or inviting them with
+    `100 Continue`) before it says 401."""
+    with Bystanders(keyed, KEY):
+        socks = []
+        for _ in range(20):
+            sock = keyed.connect(timeout=ANSWER_S)
+            sock.sendall(head(path, "Content-Type: application/json", "Expect: 100-continue"))
+            socks.append(sock)
+        for sock in socks:
+            status, headers, body = read_answer(sock)
+            assert status == 401 and headers.get("connection") == "close", body
+            error_of(401, body, api)
+            assert closed_by_server(sock)      # answered and closed; no 100 Continue came first
+            sock.close()
+        assert keyed.on_loop(lambda: keyed.app.buffered) < 1024 * 1024
+
+
+@pytest.mark.parametrize("lines, status", [
+    (("Content-Type: text/plain", f"x-api-key: {KEY}"), 415),
+    (("Content-Type: application/json", f"x-api-key: {KEY}", "Origin: http://evil.example"), 403),
+])
+def test_a_wrong_content_type_or_origin_is_refused_before_the_body(keyed, lines, status):
+    """Guards against a 415/403 that waits for (and buffers) a body it is going to refuse."""
+    with Bystanders(keyed, KEY):
+        t0 = time.monotonic()
+        got, headers, body, closed = raw(keyed, head(CHAT, *lines))
+        assert got == status and closed and time.monotonic() - t0 < LIMITS["body_s"]
+        error_of(status, body, "openai")
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/v1/nothing-here"), ("POST", "/v1/models"),
+                                          ("DELETE", "/v1/messages")])
+def test_with_keys_a_path_is_not_probeable_without_one(keyed, method, path):
+    """Guards against 404/405 telling a keyless client which routes exist."""
+    with Bystanders(keyed, KEY):
+        status, _, body = keyed.request(method, path, b"{}" if method == "POST" else None,
+                                        {"Content-Type": "application/json"})
+        assert status == 401, body
+        status, _, _ = keyed.request(method, path, b"{}" if method == "POST" else None,
+                                     {"Content-Type": "application/json", "x-api-key": KEY})
+        assert status in (404, 405)
+
+
+def test_bodies_past_the_global_budget_get_503_with_retry_after():
+    """Guards against many connections each holding a large body adding up to more memory than the
+    server has (the per-connection bound alone allows 32 GiB at the connection bound)."""
+    budget = 3 * 1024 * 1024
+    with start_server(limits=ConnLimits(**{**LIMITS, "body_s": 10.0, "max_buffered": budget})) as server:
+        with Bystanders(server):
+            part = 1024 * 1024
+            held = []
+            for _ in range(2):            # two bodies of 1.5 MiB, half sent: 3 MiB reserved
+                sock = server.connect(timeout=ANSWER_S)
+                sock.sendall(head(CHAT, "Content-Type: application/json", length=part * 3 // 2))
+                sock.sendall(b" " * part)
+                held.append(sock)
+            until(lambda: server.on_loop(lambda: server.app.buffered) >= 2 * part, "the bodies to arrive")
+            status, headers, body, closed = raw(server, head(CHAT, "Content-Type: application/json",
+                                                             length=part))
+            assert status == 503 and headers["retry-after"] == str(mashbox.RETRY_AFTER_CONNECTIONS_S)
+            assert closed
+            error_of(503, body, "openai")
+            for sock in held:
+                sock.close()
+            until(lambda: server.on_loop(lambda: server.app.buffered) == 0, "the budget to be given back")
+        normal_request(server)
+
+
+def test_connections_past_the_bound_get_503_not_a_reset_even_when_they_sent_a_request():
+    """Guards against a flood's clients seeing ECONNRESET (their request unread at close) instead of
+    the documented 503 with Retry-After."""
+    bound = 10
+    with start_server(limits=ConnLimits(**{**LIMITS, "max_connections": bound, "header_s": 5.0})) as server:
+        held = [server.connect(timeout=ANSWER_S) for _ in range(bound - 3)]   # room for the bystanders
+        until(lambda: server.on_loop(lambda: len(server.app._connections)) == bound - 3, "the bound")
+        # A body larger than the socket buffers: some of it is still unread when the server decides.
+        body = json.dumps({"model": MODEL_ID, "max_tokens": 4, "metadata": {"pad": "x" * 400_000},
+                           "messages": [{"role": "user", "content": "echo: hi"}]}).encode()
+        request = (f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+        results: list = []
+
+        def one():
+            sock = server.connect(timeout=ANSWER_S)
+            try:
+                try:
+                    sock.sendall(request)
+                except OSError:
+                    pass      # a server that answered at once may stop reading; its answer is there
+                results.append(read_answer(sock)[0])
+            except OSError as e:
+                results.append(repr(e))
+            finally:
+                sock.close()
+        threads = [threading.Thread(target=one) for _ in range(40)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(ANSWER_S)
+        assert len(results) == 40 and set(results) <= {200, 503}, results
+        assert results.count(503) >= 30
+        for sock in held:
+            sock.close()
+        until(lambda: server.on_loop(lambda: len(server.app._connections)) == 0, "the connections to close")
+        normal_request(server)
+
+
+# ---- Host, absolute-form targets, chunk extensions --------------------------------------------------
+
+@pytest.mark.parametrize("request_head, status", [
+    (b"GET http://evil.example/health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 403),
+    (b"GET http://127.0.0.1:8000/health HTTP/1.1\r\nHost: evil.example\r\n\r\n", 200),
+    (b"GET /health HTTP/1.1\r\nHost: localhost:evil.example\r\n\r\n", 403),
+    (b"GET /health HTTP/1.1\r\nHost: [::1]evil\r\n\r\n", 403),
+    (b"GET /health HTTP/1.1\r\nHost: localhost:8000\r\n\r\n", 200),
+    (b"GET /health HTTP/1.1\r\nHost: [::1]:8000\r\n\r\n", 200),
+])
+def test_the_host_is_the_absolute_targets_authority_and_its_port_is_a_port(server, request_head, status):
+    """Guards against DNS rebinding through an absolute-form target or a Host whose 'port' is a name."""
+    with Bystanders(server):
+        got, _, body, _ = raw(server, request_head, read_all=False)
+        assert got == status, body
+
+
+@pytest.mark.parametrize("extension", [b";a=b\rc", b";a\x00", b";\x7f"])
+def test_a_bare_cr_or_nul_in_a_chunk_extension_is_400(server, extension):
+    """Guards against smuggling: a bare CR one parser reads as a line end and another does not."""
+    with Bystanders(server):
+        data = (b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                b"\r\nTransfer-Encoding: chunked\r\n\r\n2" + extension + b"\r\n{}\r\n0\r\n\r\n")
+        status, _, body, closed = raw(server, data)
+        assert status == 400 and closed
+        error_of(400, body, "openai")
+
+
+def test_an_empty_api_key_file_path_is_an_error_naming_the_flag(capsys):
+    """Guards against `--api-key-file ''` (an unset variable in a script) starting with no keys."""
+    with pytest.raises(SystemExit) as e:
+        mashbox.main(["run", "--api-key-file", ""])
+    assert e.value.code == 2 and "--api-key-file" in capsys.readouterr().err
+    with pytest.raises(mashbox.KeyFileError, match="--api-key-file"):
+        mashbox.Keys.load("", None)
