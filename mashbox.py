@@ -1261,22 +1261,39 @@ def bad_field(name: str, why: str) -> ApiError:
     return ApiError(400, f"{name}: {why}", param=name)
 
 
+# The device takes sampling numbers as float32 and integers as int32 (top_k) or 64-bit key data (seed):
+# a value outside those would overflow on the way there, and one request's bad value must never reach
+# the batch it shares with others. Python's json reads NaN and Infinity, which no range check catches.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38   # the smallest normal float32: a positive value below it is 0 there
+INT32_MAX = 2**31 - 1
+SEED_RANGE = (-2**63, 2**64 - 1)
+# Stop strings: OpenAI's Chat takes at most 4, Anthropic documents no limit; these bounds hold every
+# client we know of with room to spare, and keep the stop automaton (engine/chat.StopStrings) small.
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 1000
+
+
 def _number(body: dict, name: str, default: float, lo: float | None = None, hi: float | None = None,
             lo_open: bool = False, hi_open: bool = False) -> float:
-    """A JSON number field with its range; bools are not numbers here."""
+    """A JSON number field with its range, finite and representable as float32; bools are not numbers."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad_field(name, f"must be a number, got {type(value).__name__}")
+    if not -FLOAT32_MAX <= value <= FLOAT32_MAX:     # also false for NaN
+        raise bad_field(name, f"must be a finite number (float32), got {value}")
     if lo is not None and (value <= lo if lo_open else value < lo):
         raise bad_field(name, f"must be {'>' if lo_open else '>='} {lo}, got {value}")
     if hi is not None and (value >= hi if hi_open else value > hi):
         raise bad_field(name, f"must be {'<' if hi_open else '<='} {hi}, got {value}")
+    if lo_open and lo == 0 and value < FLOAT32_TINY:
+        raise bad_field(name, f"must be > 0 as a float32 (at least {FLOAT32_TINY:.4g}), got {value}")
     return float(value)
 
 
-def _integer(body: dict, name: str, lo: int | None = None) -> int | None:
+def _integer(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
@@ -1284,6 +1301,28 @@ def _integer(body: dict, name: str, lo: int | None = None) -> int | None:
         raise bad_field(name, f"must be an integer, got {type(value).__name__}")
     if lo is not None and value < lo:
         raise bad_field(name, f"must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise bad_field(name, f"must be <= {hi}, got {value}")
+    return value
+
+
+def _stop_strings(value: Any, name: str) -> list[str] | None:
+    """stop (a string or a list) or stop_sequences (a list): non-empty strings, bounded in number and
+    length, each naming its place when wrong."""
+    if value is None:
+        return None
+    if isinstance(value, str) and name == "stop":
+        value = [value]
+    if not isinstance(value, list):
+        raise bad_field(name, "must be a string or a list of non-empty strings" if name == "stop"
+                        else "must be a list of non-empty strings")
+    if len(value) > MAX_STOP_STRINGS:
+        raise bad_field(name, f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
+    for i, x in enumerate(value):
+        why = ("must be a non-empty string" if not isinstance(x, str) or not x else
+               f"is longer than {MAX_STOP_CHARS} characters ({len(x)})" if len(x) > MAX_STOP_CHARS else None)
+        if why:
+            raise bad_field(name, f"string {i} {why}")
     return value
 
 
@@ -1305,9 +1344,9 @@ def parse_common(body: dict, job: Job, max_tokens_names: tuple[str, ...] = ("max
     s = job.sampling
     s.temperature = _number(body, "temperature", 0.0, 0.0, 4.0)
     s.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-    s.top_k = _integer(body, "top_k", 0) or 0
+    s.top_k = _integer(body, "top_k", 0, INT32_MAX) or 0
     s.min_p = _number(body, "min_p", 0.0, 0.0, 1.0, hi_open=True)
-    s.seed = _integer(body, "seed")
+    s.seed = _integer(body, "seed", *SEED_RANGE)
     s.repetition_penalty = _number(body, "repetition_penalty", 1.0, 0.0, lo_open=True)
     s.frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
     s.presence_penalty = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
@@ -1318,15 +1357,8 @@ def parse_common(body: dict, job: Job, max_tokens_names: tuple[str, ...] = ("max
         value = _integer(body, name, 1)
         if value is not None:
             job.max_tokens = value
-    stop_sequences = body.get("stop_sequences")
-    if stop_sequences is not None and (not isinstance(stop_sequences, list)
-                                       or not all(isinstance(x, str) and x for x in stop_sequences)):
-        raise bad_field("stop_sequences", "must be a list of non-empty strings")
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and (not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop)):
-        raise bad_field("stop", "must be a string or a list of non-empty strings")
+    stop_sequences = _stop_strings(body.get("stop_sequences"), "stop_sequences")
+    stop = _stop_strings(body.get("stop"), "stop")
     job.stop = list(stop if stop is not None else stop_sequences or [])
     job.stream = _boolean(body, "stream")
     job.model = _string(body, "model")
@@ -3647,6 +3679,35 @@ async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list
     await out.end_stream()
 
 
+# What can put a lone surrogate in the parsed body: a \uD800-\uDFFF escape (a valid pair becomes one
+# character), or UTF-8-encoded surrogates, which Python's json decodes with surrogatepass. Such text
+# cannot be tokenized, logged or sent back, so the body is searched only when one of these occurs.
+_SURROGATE_HINT = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def _lone_surrogate(doc: Any) -> str | None:
+    """The path of the first string (or key) in doc that holds a lone surrogate, e.g. messages[0].content."""
+    stack: list[tuple[Any, str]] = [(doc, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                where = f"{path}.{key}" if path else str(key)
+                try:
+                    key.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path or "body"
+                stack.append((value, where))
+        elif isinstance(node, list):
+            stack.extend((value, f"{path}[{i}]") for i, value in enumerate(node))
+    return None
+
+
 def json_body(req) -> dict:
     """The request body as a JSON object, or a 400 that says what is wrong with it."""
     try:
@@ -3657,6 +3718,10 @@ def json_body(req) -> dict:
         raise ApiError(400, "body: JSON nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"body: must be a JSON object, got {type(body).__name__}")
+    if _SURROGATE_HINT.search(req.body):
+        where = _lone_surrogate(body)
+        if where is not None:
+            raise bad_field(where, "text with a lone UTF-16 surrogate (half of a pair) is not valid Unicode")
     return body
 
 

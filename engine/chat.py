@@ -445,6 +445,66 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
+class StopStrings:
+    """All of a request's stop strings as one automaton (Aho-Corasick): the text is read once, a
+    character at a time, whatever the number or length of the strings, so the work per generated
+    character is bounded (holding text back and searching it again for each string after every token
+    grew with their count times their length squared).
+
+    feed(text, start) reads text[start:] and returns (where the first completed stop string starts,
+    the string), or None; `pending` is the length of the longest end of what was read that may still
+    grow into a stop string: the text to hold back."""
+
+    def __init__(self, stops: list[str]):
+        self._goto: list[dict[str, int]] = [{}]
+        self._depth = [0]
+        self._out: list[str | None] = [None]      # the longest stop string ending at this state
+        for stop in stops:
+            node = 0
+            for ch in stop:
+                nxt = self._goto[node].get(ch)
+                if nxt is None:
+                    nxt = self._goto[node][ch] = len(self._goto)
+                    self._goto.append({})
+                    self._depth.append(self._depth[node] + 1)
+                    self._out.append(None)
+                node = nxt
+            self._out[node] = stop
+        self._fail = [0] * len(self._goto)
+        order = list(self._goto[0].values())
+        for node in order:                         # breadth first: a node's fail link is shallower
+            for ch, nxt in self._goto[node].items():
+                f = self._fail[node]
+                while f and ch not in self._goto[f]:
+                    f = self._fail[f]
+                self._fail[nxt] = self._goto[f].get(ch, 0) if node else 0
+                if self._out[nxt] is None:
+                    self._out[nxt] = self._out[self._fail[nxt]]
+                order.append(nxt)
+        self.state = 0
+
+    def reset(self) -> None:
+        self.state = 0
+
+    @property
+    def pending(self) -> int:
+        return self._depth[self.state]
+
+    def feed(self, text: str, start: int = 0) -> tuple[int, str] | None:
+        goto, fail, out = self._goto, self._fail, self._out
+        state = self.state
+        for i in range(start, len(text)):
+            ch = text[i]
+            while state and ch not in goto[state]:
+                state = fail[state]
+            state = goto[state].get(ch, 0)
+            if out[state] is not None:
+                self.state = state
+                return i + 1 - len(out[state]), out[state]
+        self.state = state
+        return None
+
+
 # The longest JSON escape (a surrogate pair, \ud83d\ude00) less one character: how much of an
 # unfinished string's end may be an escape still being written.
 MAX_PARTIAL_ESCAPE = 11
@@ -843,7 +903,9 @@ class OutputParser:
         raw = job.prompt is not None                    # Completions: plain text, no markup
         self._calls_on = not raw and bool(offered_tools(job))
         self._tools = {t.name: t for t in job.tools}
-        self._stops = [s for s in job.stop if s]
+        stops = [s for s in job.stop if s]
+        self._stops = StopStrings(stops) if stops else None
+        self._stops_read = 0                            # characters of _buf the automaton has read
         self.stop_hit: str | None = None
         self._mode = _TEXT
         self._buf = ""                                  # text not yet turned into events
@@ -916,10 +978,16 @@ class OutputParser:
             self._out.append(TextDelta(text))
             self._at_start = self._bare_ok = False
 
+    def _leave_text(self) -> None:
+        """Text mode ends (a call, thinking, a stop): the next text is read by the automaton afresh."""
+        if self._stops is not None:
+            self._stops.reset()
+        self._stops_read = 0
+
     def _advance_text(self, final: bool) -> bool:
         buf = self._buf
         if self._strip:
-            buf = buf.lstrip(self._strip)
+            buf = buf.lstrip(self._strip)      # only before any text: the automaton has read none
             if buf:
                 self._strip = ""
         if self._bare_ok and buf.lstrip().startswith("{"):
@@ -931,9 +999,15 @@ class OutputParser:
                 self._buf, self._mode = buf.lstrip(), _CALL
                 self._call = _CallReader(self, bare=True)
                 self._at_start = False
+                self._leave_text()
                 return True
             self._bare_ok = False
-        found = [(buf.find(s), 0, s) for s in self._stops]
+        found = []
+        if self._stops is not None:
+            hit = self._stops.feed(buf, self._stops_read)
+            self._stops_read = len(buf)
+            if hit is not None:
+                found.append((hit[0], 0, hit[1]))
         if self._calls_on:
             found.append((buf.find(CALL_OPEN), 1, CALL_OPEN))
         if self._at_start:
@@ -943,6 +1017,7 @@ class OutputParser:
         found = [f for f in found if f[0] >= 0]
         if found:
             i, _, what = min(found)
+            self._leave_text()
             if what == CALL_OPEN:
                 before = buf[:i].rstrip()
                 self._text(before)
@@ -960,12 +1035,13 @@ class OutputParser:
             return True
         if final:
             self._text(buf)
-            self._buf = ""
+            self._buf, self._stops_read = "", 0
             return False
-        markers = [*self._stops]
-        markers += [CALL_OPEN] if self._calls_on else []
+        markers = [CALL_OPEN] if self._calls_on else []
         markers += [THINK_OPEN] if self._at_start else []
         hold = max((_partial_suffix(buf, m) for m in markers), default=0)
+        if self._stops is not None:
+            hold = max(hold, self._stops.pending)
         keep = len(buf) - hold
         if self._calls_on:              # trailing whitespace is dropped if a call follows
             keep = len(buf[:keep].rstrip())
@@ -973,6 +1049,7 @@ class OutputParser:
             keep = 0
         self._text(buf[:keep])
         self._buf = buf[keep:]
+        self._stops_read = len(buf) - keep      # what is held back was read: never read again
         return False
 
     def _bare_call(self, head: str, final: bool) -> str:

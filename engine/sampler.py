@@ -72,6 +72,20 @@ def row_params(rows: list[tuple[Sampling, int, int]]) -> RowParams:
     )
 
 
+def row_error(sampling: Sampling, seed: int) -> str | None:
+    """Why one request's sampling cannot join a batch (a value that does not fit its array, or is
+    not finite), or None. The worker asks before the request is scheduled, so a bad value fails that
+    request alone instead of the batch (and the process) it would have joined."""
+    try:
+        p = row_params([(sampling, seed, 0)])
+    except (OverflowError, ValueError, TypeError) as e:
+        return f"sampling: {e}"
+    for name in ("temperature", "top_p", "min_p", "repetition", "frequency", "presence"):
+        if not np.isfinite(getattr(p, name)).all():
+            return f"sampling: {name} is not a finite float32"
+    return None
+
+
 @partial(jax.jit, donate_argnames=("state",))
 def start_row(state: SamplerState, slot: jax.Array, prompt_seen: jax.Array) -> SamplerState:
     """A request starts in `slot`: its prompt's tokens (bool [vocab]) are seen, nothing generated."""

@@ -209,6 +209,10 @@ class Engine:
                          timings={"queue_ms": 0.0, "prompt_ms": 0.0, "predicted_ms": 0.0})]
         s = msg.sampling
         seed = s.seed if s.seed is not None else secrets.randbits(63)
+        error = sampler.row_error(s, seed)
+        if error is not None:
+            return [Step(msg.rid, [], finish="error", prompt_tokens=len(msg.prompt), error=error,
+                         timings={"queue_ms": 0.0, "prompt_ms": 0.0, "predicted_ms": 0.0})]
         request = Request(msg.rid, list(msg.prompt), msg.max_tokens, s, frozenset(msg.stop_ids), seed,
                           cuts=sorted(set(msg.cuts)), tenant=msg.tenant)
         request.times["arrived"] = msg.submitted_at or now

@@ -273,3 +273,117 @@ def test_an_empty_api_key_file_path_is_an_error_naming_the_flag(capsys):
     assert e.value.code == 2 and "--api-key-file" in capsys.readouterr().err
     with pytest.raises(mashbox.KeyFileError, match="--api-key-file"):
         mashbox.Keys.load("", None)
+
+
+# ---- request fields the engine cannot take ------------------------------------------------------------
+
+GENERATION = (
+    (CHAT, "openai", lambda text: {"model": MODEL_ID, "max_tokens": 8,
+                                   "messages": [{"role": "user", "content": text}]}),
+    ("/v1/completions", "openai", lambda text: {"model": MODEL_ID, "max_tokens": 8, "prompt": text}),
+    ("/v1/messages", "anthropic", lambda text: {"model": MODEL_ID, "max_tokens": 8,
+                                                "messages": [{"role": "user", "content": text}]}),
+    ("/v1/responses", "openai", lambda text: {"model": MODEL_ID, "max_output_tokens": 8, "input": text}),
+)
+BAD_SAMPLING = [("top_k", 2**31), ("top_k", 10**30), ("seed", 2**64), ("seed", -2**63 - 1),
+                ("temperature", float("nan")), ("top_p", float("nan")), ("min_p", float("nan")),
+                ("repetition_penalty", float("inf")), ("repetition_penalty", float("nan")),
+                ("repetition_penalty", 1e-60), ("repetition_penalty", 10**400),
+                ("frequency_penalty", float("nan")), ("presence_penalty", float("-inf"))]
+
+
+def post_raw_json(server, path: str, text: str) -> tuple[int, dict, bytes]:
+    """POST a JSON text as is (json.dumps writes NaN and Infinity, which Python's json reads back)."""
+    return server.request("POST", path, text.encode(), {"Content-Type": "application/json"}, timeout=ANSWER_S)
+
+
+@pytest.mark.parametrize("path, api, make", GENERATION, ids=[g[0] for g in GENERATION])
+def test_a_sampling_value_out_of_range_or_not_finite_is_400_naming_it_and_the_worker_lives(
+        server, path, api, make):
+    """Guards against a top_k past int32 (or a NaN/Infinity) reaching the worker's batch and killing
+    it, with every other live request, again on the retry."""
+    pid = server.app.health()["worker_pid"]
+    with Bystanders(server):
+        for name, value in BAD_SAMPLING:
+            body = {**make("echo: hi"), name: value}
+            status, _, answer = post_raw_json(server, path, json.dumps(body))
+            assert status == 400, (name, value, answer)
+            err = error_of(400, answer, api)
+            assert name in err["message"], err
+    health = server.app.health()
+    assert health["worker_pid"] == pid and health["worker_restarts"] == 0
+
+
+@pytest.mark.parametrize("path, api, make", GENERATION, ids=[g[0] for g in GENERATION])
+def test_too_many_or_too_long_stop_strings_are_400_naming_the_field(server, path, api, make):
+    """Guards against a stop list of 200,000 strings (or of huge ones) costing seconds of event-loop
+    time per token."""
+    with Bystanders(server):
+        for name in ("stop", "stop_sequences"):
+            for stops, where in ((["x"] * 200_000, f"{name}: at most"),
+                                 (["y" * (mashbox.MAX_STOP_CHARS + 1)], f"{name}: string 0"),
+                                 (["ok", ""], f"{name}: string 1")):
+                status, _, answer = server.request("POST", path, {**make("echo: hi"), name: stops},
+                                                   timeout=ANSWER_S)
+                assert status == 400, answer
+                assert where in error_of(400, answer, api)["message"]
+
+
+def test_the_most_and_longest_stop_strings_allowed_cost_little_beside_other_requests(server):
+    """Guards against stop matching that grows with the strings' count times their length squared
+    (two 8,000-character strings against a matching answer took 5 s of event-loop time)."""
+    answer = "ab" * 600 + " the END."
+    # Strings that keep nearly matching the whole answer, and one that ends it.
+    stops = [("ab" * mashbox.MAX_STOP_CHARS)[:mashbox.MAX_STOP_CHARS - 3] + f"Z{i:02d}"
+             for i in range(mashbox.MAX_STOP_STRINGS - 1)]
+    stops.append("ab the END")
+    with Bystanders(server):
+        for stream in (False, True):
+            status, _, body = server.request("POST", CHAT, {
+                "model": MODEL_ID, "max_tokens": 2000, "stream": stream, "stop": stops,
+                "messages": [{"role": "user", "content": "echo: " + answer}]}, timeout=ANSWER_S)
+            assert status == 200
+            if not stream:
+                choice = json.loads(body)["choices"][0]
+                assert choice["message"]["content"] == "ab" * 599 and choice["finish_reason"] == "stop"
+            else:
+                assert b'"finish_reason":"stop"' in body and b"END" not in body
+
+
+# ---- lone surrogates --------------------------------------------------------------------------------
+
+LONE = "a\ud800b"
+
+
+@pytest.mark.parametrize("path, api, body, field", [
+    (CHAT, "openai", {"messages": [{"role": "user", "content": LONE}]}, "messages[0].content"),
+    (CHAT, "openai", {"model": LONE, "messages": [{"role": "user", "content": "hi"}]}, "model"),
+    (CHAT, "openai", {"messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"type": "function", "function": {"name": LONE}}]}, "tools[0].function.name"),
+    ("/v1/messages/count_tokens", "anthropic", {"messages": [{"role": "user", "content": LONE}]},
+     "messages[0].content"),
+    ("/v1/messages", "anthropic", {"max_tokens": 8, "messages": [{"role": "user", "content": LONE}]},
+     "messages[0].content"),
+    ("/v1/messages", "anthropic", {"max_tokens": 8, "stream": True,
+                                   "messages": [{"role": "user", "content": LONE}]}, "messages[0].content"),
+    ("/v1/responses", "openai", {"input": LONE}, "input"),
+    ("/v1/completions", "openai", {"prompt": [LONE]}, "prompt[0]"),
+])
+def test_a_lone_surrogate_is_400_naming_the_field_even_for_a_stream(server, path, api, body, field):
+    """Guards against text that cannot be encoded reaching the tokenizer (a 500 with a traceback) or a
+    stream's 200 head going out before it fails."""
+    with Bystanders(server):
+        text = json.dumps(body)          # ensure_ascii: the lone half is sent as \ud800
+        assert "\\ud800" in text
+        status, headers, answer = post_raw_json(server, path, text)
+        assert status == 400 and headers["content-type"] == "application/json", answer
+        assert field in error_of(400, answer, api)["message"]
+        # The same half as raw UTF-8 bytes (which Python's json decodes with surrogatepass).
+        raw_bytes = text.replace("\\ud800", "\ud800").encode("utf-8", "surrogatepass")
+        status, _, answer = server.request("POST", path, raw_bytes, {"Content-Type": "application/json"},
+                                           timeout=ANSWER_S)
+        assert status == 400 and field in error_of(400, answer, api)["message"]
+    # A valid pair, escaped, is text like any other.
+    status, _, answer = server.request("POST", CHAT, {
+        "model": MODEL_ID, "max_tokens": 8, "messages": [{"role": "user", "content": "echo: \U0001F600"}]})
+    assert status == 200 and json.loads(answer)["choices"][0]["message"]["content"] == "\U0001F600"

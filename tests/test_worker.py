@@ -162,6 +162,18 @@ def test_bad_prompt_is_an_error_step_that_spares_others(engine, bad, field):
     assert out["ok"]["tokens"] == good
 
 
+@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0, top_k=2**31), Sampling(temperature=float("nan")),
+                                      Sampling(repetition_penalty=float("inf")), Sampling(min_p=1e300)])
+def test_a_sampling_value_the_device_cannot_take_fails_its_request_alone(engine, sampling):
+    """Guards against one request's sampling value (past int32, not finite) raising in the batch's
+    host-side setup and taking the worker, and every request beside it, down."""
+    out = run(engine, Submit("a", prompt(1, 20), 6), Submit("bad", prompt(2, 8), 6, sampling),
+              Submit("c", prompt(3, 9), 6))
+    assert out["bad"]["finish"] == "error" and "sampling" in out["bad"]["last"].error
+    assert out["bad"]["tokens"] == []
+    assert len(out["a"]["tokens"]) == 6 and len(out["c"]["tokens"]) == 6
+
+
 def test_no_program_compiles_after_ready(engine):
     """Guards against a shape or argument the warm-up missed (a multi-second stall mid-request)."""
     run(engine, Submit("a", prompt(14, 70), 20, Sampling(temperature=0.5, repetition_penalty=1.3)),
