@@ -19,12 +19,11 @@ from engine.protocol import Sampling
 
 # ---- the buckets: every shape a device call can have comes from here ---------------------------
 
-# Prefill chunk lengths (tokens per call). A few sizes, 4x apart: each (chunk, attention length) pair
-# is a compiled program, and padding waste stays bounded (see chunk_for).
+# Prefill chunk lengths (tokens per call). A few sizes, 4x apart: each is a compiled program, and
+# padding waste stays bounded (see chunk_for). Attention length is not a shape: the forward reads each
+# slot up to its live length at run time, so one program per chunk serves every context length.
 PREFILL_CHUNKS = (32, 128, 512)
-# The shortest attention length: below it, reading a little more cache costs less than another program.
-MIN_ATTENTION = 128
-# Decode batch sizes below the full slot count (each is one more program per attention length).
+# Decode batch sizes below the full slot count (each is one more program).
 # Measured on a 2-core CPU (Qwen2.5-0.5B, float32, the forward alone): 2, 4 and 8 rows cost 1.22x,
 # 1.15x and 1.38x one row (78 ms). One row runs its own program (the full batch would cost it 1.4x),
 # and up to 4 rows run a 4-row program when there are more slots; more rows run the batch of every
@@ -35,29 +34,19 @@ SMALL_DECODE_BATCHES = (1, 4)
 @dataclass(frozen=True)
 class Buckets:
     chunks: tuple[int, ...]       # prefill chunk lengths, ascending
-    attention: tuple[int, ...]    # attention lengths, ascending, the last one == ctx
     decode_rows: tuple[int, ...]  # decode batch sizes, ascending, the last one == slots
 
     @classmethod
     def for_ctx(cls, ctx: int, chunks: tuple[int, ...] = PREFILL_CHUNKS, slots: int = 1) -> "Buckets":
-        """Powers of two from MIN_ATTENTION up to ctx (ctx itself last), the chunk sizes that are not
-        longer than ctx (at least the smallest one), and the decode batch sizes for `slots`."""
-        attention, n = [], MIN_ATTENTION
-        while n < ctx:
-            attention.append(n)
-            n *= 2
-        attention.append(ctx)
+        """The chunk sizes that are not longer than ctx (at least the smallest one), and the decode
+        batch sizes for `slots`."""
         usable = tuple(sorted(c for c in chunks if c <= ctx)) or (min(chunks),)
         rows = tuple(sorted({r for r in SMALL_DECODE_BATCHES if r < slots} | {slots}))
-        return cls(usable, tuple(attention), rows)
+        return cls(usable, rows)
 
     def decode_batch(self, live: int) -> int:
         """Rows of the decode program for `live` generating requests."""
         return next(r for r in self.decode_rows if r >= live)
-
-    def attention_for(self, n: int) -> int:
-        """The shortest attention length that reads positions [0, n)."""
-        return next(a for a in self.attention if a >= n)
 
     def chunk_for(self, remaining: int) -> int:
         """Chunk length for a prompt with `remaining` tokens still to run: the smallest chunk that
@@ -71,8 +60,8 @@ class Buckets:
         return max([c for c in self.chunks if c <= remaining] or [self.chunks[0]])
 
     def min_fill(self, chunk: int) -> int:
-        """The fewest real tokens chunk_for ever puts in `chunk` (so which attention lengths a chunk
-        can meet, and which programs the warm-up must compile)."""
+        """The fewest real tokens chunk_for ever puts in `chunk`: at most half of a chunk is padding,
+        except in the smallest one."""
         return 1 if chunk == self.chunks[0] else (chunk + 1) // 2
 
 
@@ -119,7 +108,6 @@ class Prefill:
     start: int                    # position of the chunk's first token (tokens already in the slot)
     tokens: list[int]             # the chunk's real tokens (the worker pads them to `chunk`)
     chunk: int
-    attn_len: int
 
     @property
     def last(self) -> bool:
@@ -130,7 +118,6 @@ class Prefill:
 @dataclass
 class Decode:
     rows: list[Request]           # requests generating; each row feeds its last token
-    attn_len: int
     batch: int                    # rows of the program (a decode bucket >= len(rows))
 
 
@@ -235,9 +222,7 @@ class Scheduler:
         plan = Plan()
         decoding = [s.request for s in self.slots if s.request and not s.request.prefilling]
         if decoding:
-            longest = max(len(self.slots[r.slot].tokens) for r in decoding) + 1
-            plan.decode = Decode(decoding, self.buckets.attention_for(longest),
-                                 self.buckets.decode_batch(len(decoding)))
+            plan.decode = Decode(decoding, self.buckets.decode_batch(len(decoding)))
         reading = next((s.request for s in self.slots if s.request and s.request.prefilling), None)
         if reading is None and self.waiting:
             reading = self._assign(plan)
@@ -245,8 +230,7 @@ class Scheduler:
             start = reading.done
             chunk = self.buckets.chunk_for(len(reading.prompt) - start)
             tokens = reading.prompt[start:start + chunk]
-            plan.prefill = Prefill(reading, start, tokens, chunk,
-                                   self.buckets.attention_for(start + len(tokens)))
+            plan.prefill = Prefill(reading, start, tokens, chunk)
         return plan
 
     def _assign(self, plan: Plan) -> Request | None:

@@ -25,6 +25,7 @@ for _name, _value in SINGLE_THREAD_ENV.items():
 import multiprocessing
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 import jax
@@ -33,15 +34,16 @@ import numpy as np
 from engine import prefix, sampler
 from engine.cache import copy_prefix, init_cache, read_slot, warm_host_copies, write_slot
 from engine.config import load_config
-from engine.model import dtype_for, jit_forward
+from engine.model import dtype_for, jit_forward, kv_dtype_for
 from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Note, Ready, Shutdown, Stats, Step,
                              Submit)
 from engine.registry import cache_root
 from engine.scheduler import PREFILL_CHUNKS, Buckets, Decode, Prefill, Request, Scheduler
 from engine.weights import load_weights, weights_bytes
 
-# Programs faster to compile than this are not worth a file in the persistent cache.
-COMPILE_CACHE_MIN_SECONDS = 0.5
+# Every program goes to the persistent compile cache, however quick its compile: a restarted worker
+# then loads all of them and compiles none (dozens of quick compiles still add up to seconds).
+COMPILE_CACHE_MIN_SECONDS = 0.0
 # Exit status of an injected fault (MASHBOX_FAULT): distinct from a crash's usual 1.
 FAULT_EXIT_CODE = 70
 # While busy, Stats go out at most this often unless the number of rows or waiting requests changed.
@@ -62,6 +64,7 @@ class WorkerArgs:
     weights_file: str | None = None       # what the facts name as loaded (e.g. the GGUF); None: folder
     bpw: float | None = None              # bits per weight of that file; None: the checkpoint dtype
     dtype: str | None = None              # "float32" | "bfloat16"; None: by platform
+    kv_dtype: str | None = None           # the KV cache's dtype; None: by platform (kv_dtype_for)
     prefill_chunks: tuple[int, ...] = PREFILL_CHUNKS
     # Where compiled programs are kept between runs (a compile per shape costs seconds on CPU);
     # None: off.
@@ -108,6 +111,18 @@ def compiles_so_far() -> int:
     return _compiles
 
 
+def _compile_together(calls, done=None) -> None:
+    """Compile jitted calls [(function, args, static kwargs)] at once, one thread per core: XLA
+    releases the GIL while it compiles, and jit keeps each compiled program for the call that runs
+    it later (or the persistent cache serves it). Arguments are only looked at, never consumed."""
+    with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+        futures = [pool.submit(lambda c=c: c[0].lower(*c[1], **c[2]).compile()) for c in calls]
+        for future in as_completed(futures):      # progress is reported from this thread only
+            future.result()
+            if done is not None:
+                done()
+
+
 # ---- the engine --------------------------------------------------------------------------------
 
 class Engine:
@@ -127,15 +142,16 @@ class Engine:
         progress("weights", 0, 1)
         self.params = load_weights(args.weights_folder, cfg, self.dtype)
         progress("weights", 1, 1)
-        self.cache = init_cache(cfg, args.slots, args.ctx, self.dtype)
+        self.kv_dtype = np.dtype(args.kv_dtype) if args.kv_dtype else np.dtype(kv_dtype_for(platform))
+        self.cache = init_cache(cfg, args.slots, args.ctx, self.kv_dtype)
         self.state = sampler.init_state(args.slots, cfg.vocab_size)
         self.buckets = Buckets.for_ctx(args.ctx, tuple(args.prefill_chunks), args.slots)
         family = cfg.model_type
         chat_format = args.chat_format or ("qwen3" if family.startswith("qwen3") else "qwen2.5")
         weights = args.weights_file or args.weights_folder
         namespace = args.cache_namespace or prefix.namespace_id(
-            args.model_id, family, weights, args.weights_folder, chat_format, self.dtype.name,
-            args.prefix_cache)
+            args.model_id, family, weights, args.weights_folder, chat_format,
+            f"{self.dtype.name}/kv-{self.kv_dtype.name}", args.prefix_cache)
         self.host = prefix.HostCache(args.cache_ram_mib << 20, namespace) \
             if args.cache_ram_mib > 0 and args.prefix_cache else None
         self.scheduler = Scheduler(args.slots, args.ctx, cfg.vocab_size, self.buckets, args.prefix_cache,
@@ -156,37 +172,51 @@ class Engine:
 
     # -- start-up ---------------------------------------------------------------------------------
 
-    def programs(self) -> list[tuple[str, int, int, int]]:
-        """Every model program a request can run, as (kind, rows, tokens per row, attention length):
-        prefill chunks (one row) and decode steps (one token per row, each decode batch size)."""
+    def programs(self) -> list[tuple[str, int, int]]:
+        """Every model program a request can run, as (kind, rows, tokens per row): prefill chunks
+        (one row) and decode steps (one token per row, each decode batch size). Attention length is
+        a run-time value, so it multiplies nothing here."""
         b = self.buckets
-        out = [("prefill", 1, c, a) for c in b.chunks for a in b.attention
-               if a >= b.attention_for(b.min_fill(c))]
-        return out + [("decode", rows, 1, a) for rows in b.decode_rows for a in b.attention]
+        return [("prefill", 1, c) for c in b.chunks] + [("decode", rows, 1) for rows in b.decode_rows]
+
+    def _model_call(self, rows: int, t: int) -> tuple:
+        """Arguments of a model call on idle rows (lengths 0 leave the cache untouched)."""
+        return (self.params, self.cache, np.zeros((rows, t), np.int32), np.arange(rows, dtype=np.int32),
+                np.zeros(rows, np.int32), np.zeros(rows, np.int32))
 
     def _warm_up(self, progress) -> None:
-        """Run every program once on idle rows (lengths 0 leave the cache untouched). The sampler is
-        fed logits from the model's own programs: jit keys on where its inputs live, so logits made
-        on the host would compile a different program than the one requests run."""
+        """Compile every program, then run each once on idle rows. Independent programs compile at
+        the same time (XLA compiles one program mostly on one core); a program found in the
+        persistent compile cache is loaded instead. The sampler is fed logits from the model's own
+        programs: jit keys on where its inputs live, so logits made on the host would compile a
+        different program than the one requests run."""
         programs = self.programs()
+        self.faults.at("warmup")
         total = len(programs) + 1
+        done = [0]
+
+        def compiled() -> None:
+            done[0] += 1
+            progress("compile", min(done[0], total - 1), total)
+
+        progress("compile", 0, total)
+        _compile_together([(jit_forward, self._model_call(rows, t), {"cfg": self.cfg})
+                           for _, rows, t in programs], compiled)
         logits = {}
-        for i, (kind, rows, t, attn) in enumerate(programs):
-            self.faults.at("warmup")
-            progress("compile", i, total)
-            logits[rows], self.cache = jit_forward(
-                self.params, self.cache, np.zeros((rows, t), np.int32),
-                np.arange(rows, dtype=np.int32), np.zeros(rows, np.int32), np.zeros(rows, np.int32),
-                cfg=self.cfg, attn_len=attn)
+        for _, rows, t in programs:
+            logits[rows], self.cache = jit_forward(*self._model_call(rows, t), cfg=self.cfg)
+        samples = []
         for rows in logits:
             params = sampler.row_params([(sampler.Sampling(), 0, 0)] * rows)
             # Only the batch of every slot samples with every_slot=True; a smaller decode batch and a
             # prefill's one row (even when one row is every slot) gather their slots' state.
             for every in {rows == self.args.slots} | ({False} if rows == 1 else set()):
                 for flags in sampler.FLAG_COMBINATIONS:
-                    tokens, self.state = sampler.sample(
-                        self.state, logits[rows], np.arange(rows, dtype=np.int32), np.zeros(rows, bool),
-                        params, every_slot=every, **flags)
+                    samples.append(((logits[rows], np.arange(rows, dtype=np.int32), np.zeros(rows, bool),
+                                     params), dict(every_slot=every, **flags)))
+        _compile_together([(sampler.sample, (self.state,) + args, kw) for args, kw in samples])
+        for args, kw in samples:
+            tokens, self.state = sampler.sample(self.state, *args, **kw)
         self.state = sampler.start_row(self.state, np.int32(0), np.zeros(self.cfg.vocab_size, bool))
         self.cache = copy_prefix(self.cache, np.int32(0), np.int32(0), np.int32(0))
         if self.host is not None:
@@ -291,7 +321,7 @@ class Engine:
         slots = np.array([request.slot], np.int32)
         logits, self.cache = jit_forward(
             self.params, self.cache, tokens, slots, np.array([work.start], np.int32),
-            np.array([len(work.tokens)], np.int32), cfg=self.cfg, attn_len=work.attn_len)
+            np.array([len(work.tokens)], np.int32), cfg=self.cfg)
         if not work.last:
             # Wait for the chunk: with asynchronous dispatch a long prompt's chunks would all be
             # queued at once, and the worker would go silent (no Stats) for the whole prompt,
@@ -323,7 +353,7 @@ class Engine:
             lengths[row] = 1
             rows[row] = (r.sampling, r.seed, len(r.output))
         logits, self.cache = jit_forward(self.params, self.cache, tokens, slots, starts, lengths,
-                                         cfg=self.cfg, attn_len=work.attn_len)
+                                         cfg=self.cfg)
         drawn, self.state = sampler.sample(
             self.state, logits, slots, lengths > 0, sampler.row_params(rows), every_slot=every,
             **sampler.batch_flags([r.sampling for r in work.rows]))

@@ -104,11 +104,11 @@ def test_demo_first_token_logits_match_transformers(engine):
     from engine.cache import init_cache
     from engine.model import jit_forward
     for prompt, top5 in ((FRANCE_PROMPT, FRANCE_TOP5), (PRIME_PROMPT, PRIME_TOP5)):
-        cache = init_cache(engine.cfg, engine.args.slots, CTX, engine.dtype)   # the engine's shapes
+        cache = init_cache(engine.cfg, engine.args.slots, CTX, engine.kv_dtype)   # the engine's cache
         tokens = np.zeros((1, CHUNK), np.int32)
         tokens[0, :len(prompt)] = prompt
         logits, _ = jit_forward(engine.params, cache, tokens, np.zeros(1, np.int32), np.zeros(1, np.int32),
-                                np.array([len(prompt)], np.int32), cfg=engine.cfg, attn_len=CTX)
+                                np.array([len(prompt)], np.int32), cfg=engine.cfg)
         logits = np.asarray(logits[0], np.float32)
         order = np.argsort(-logits)[:5]
         assert order.tolist() == [i for i, _ in top5]

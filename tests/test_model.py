@@ -18,6 +18,7 @@ from safetensors.numpy import load_file, save_file
 from engine.cache import (COPY_BLOCK, _read, _write, copy_prefix, host_buckets, init_cache, read_slot,
                           warm_host_copies, write_slot)
 from engine.config import ConfigError, config_from_dict, load_config
+from engine import model
 from engine.model import dtype_for, jit_forward
 from engine.weights import WeightsError, load_weights, weights_bytes
 
@@ -45,10 +46,10 @@ def _i32(*values):
     return jnp.asarray(values, jnp.int32)
 
 
-def _run(params, cache, cfg, tokens, slots, starts, lengths, attn_len=CTX, all_logits=False):
+def _run(params, cache, cfg, tokens, slots, starts, lengths, all_logits=False, forward=jit_forward):
     tokens = jnp.asarray(np.asarray(tokens, np.int32).reshape(len(slots), -1))
-    return jit_forward(params, cache, tokens, _i32(*slots), _i32(*starts), _i32(*lengths),
-                       cfg=cfg, attn_len=attn_len, all_logits=all_logits)
+    return forward(params, cache, tokens, _i32(*slots), _i32(*starts), _i32(*lengths),
+                   cfg=cfg, all_logits=all_logits)
 
 
 def _snapshot(cache):
@@ -88,7 +89,7 @@ def test_chunked_prefill_then_decode_equals_one_full_pass(tiny):
         logits, cache = _run(params, cache, cfg, chunk, [1], [start], [length], all_logits=True)
         got.extend(np.asarray(logits[0, :length]))
     for pos in range(30, n):
-        logits, cache = _run(params, cache, cfg, tokens[pos:pos + 1], [1], [pos], [1], attn_len=n)
+        logits, cache = _run(params, cache, cfg, tokens[pos:pos + 1], [1], [pos], [1])
         got.append(np.asarray(logits[0]))
     np.testing.assert_allclose(np.stack(got), ref["logits"], atol=PARITY_ATOL, rtol=0)
 
@@ -113,10 +114,10 @@ def test_batch_of_rows_equals_each_row_alone(tiny):
     rows = [(3, 9), (0, 5), (2, 17)]          # (slot, start), not in slot order
     next_tokens = [tokens[start] for _, start in rows]
     batch_logits, batch_cache = _run(params, batch_cache, cfg, next_tokens, [s for s, _ in rows],
-                                     [p for _, p in rows], [1, 1, 1], attn_len=32)
+                                     [p for _, p in rows], [1, 1, 1])
     for i, (slot, start) in enumerate(rows):
         alone = _prefilled(cfg, params, ref, {slot: start})
-        logits, alone = _run(params, alone, cfg, [tokens[start]], [slot], [start], [1], attn_len=32)
+        logits, alone = _run(params, alone, cfg, [tokens[start]], [slot], [start], [1])
         np.testing.assert_allclose(np.asarray(batch_logits[i]), np.asarray(logits[0]),
                                    atol=SHAPE_ATOL, rtol=0)
         np.testing.assert_allclose(np.asarray(batch_logits[i]), ref["logits"][start],
@@ -135,10 +136,9 @@ def test_idle_rows_and_padding_leave_the_cache_untouched(tiny):
     cache = _prefilled(cfg, params, ref, {0: 12, 1: 20})
     before = _snapshot(cache)
     # Row 0 decodes slot 0; rows 1 and 2 are idle and point at live slot 1 (at its end and at 0).
-    _, cache = _run(params, cache, cfg, [tokens[12], 7, 9], [0, 1, 1], [12, 20, 0], [1, 0, 0],
-                    attn_len=32)
+    _, cache = _run(params, cache, cfg, [tokens[12], 7, 9], [0, 1, 1], [12, 20, 0], [1, 0, 0])
     # A prefill chunk of 3 real tokens padded to 8 must write positions 12..14 of slot 0 only.
-    _, cache = _run(params, cache, cfg, list(tokens[13:16]) + [5] * 5, [0], [13], [3], attn_len=32)
+    _, cache = _run(params, cache, cfg, list(tokens[13:16]) + [5] * 5, [0], [13], [3])
     after = _snapshot(cache)
     for old, new in zip(before, after):
         for name, seq_axis in (("k", 2), ("v", 3)):
@@ -173,7 +173,7 @@ def test_copied_prefix_continues_like_the_original(tiny):
     cfg, params, ref = tiny
     tokens = ref["tokens"]
     cache = copy_prefix(_prefilled(cfg, params, ref, {2: 25}), 2, 0, 11)
-    logits, _ = _run(params, cache, cfg, tokens[11:19], [0], [11], [8], attn_len=32)
+    logits, _ = _run(params, cache, cfg, tokens[11:19], [0], [11], [8])
     np.testing.assert_allclose(np.asarray(logits[0]), ref["logits"][18], atol=PARITY_ATOL, rtol=0)
 
 
@@ -188,7 +188,7 @@ def test_read_slot_then_write_slot_restores_the_sequence(tiny):
     other = _prefilled(cfg, params, ref, {3: 40})          # slot 3 holds something else
     other = write_slot(other, 3, saved)
     np.testing.assert_array_equal(read_slot(other, 3, 23)[1]["v"], saved[1]["v"])
-    logits, _ = _run(params, other, cfg, tokens[23:24], [3], [23], [1], attn_len=32)
+    logits, _ = _run(params, other, cfg, tokens[23:24], [3], [23], [1])
     np.testing.assert_allclose(np.asarray(logits[0]), ref["logits"][23], atol=PARITY_ATOL, rtol=0)
 
 
@@ -335,12 +335,87 @@ def test_compute_dtype_is_float32_on_cpu_and_bfloat16_elsewhere():
     assert dtype_for("gpu") == jnp.bfloat16 and dtype_for("tpu") == jnp.bfloat16
 
 
-def test_attention_window_larger_than_the_cache_is_refused():
-    """Guards against an attn_len past ctx silently reading a shorter window with a wrong mask."""
-    cfg, params, ref = _load("qwen2")
-    with pytest.raises(ValueError, match="attn_len"):
-        _run(params, init_cache(cfg, 1, 16, jnp.float32), cfg, ref["tokens"][:4], [0], [0], [4],
-             attn_len=32)
+def _forward_in_blocks(monkeypatch, block: int):
+    """The forward compiled afresh with attention read `block` positions at a time."""
+    monkeypatch.setattr(model, "ATTENTION_BLOCK", block)
+    return jax.jit(model.forward, donate_argnames=("cache",), static_argnames=("cfg", "all_logits"))
+
+
+@pytest.mark.parametrize("block", [5, 16, CTX])
+def test_attention_in_blocks_matches_transformers_at_every_block_size(tiny, monkeypatch, block):
+    """Guards against the block loop over the live length dropping or double counting positions:
+    a block boundary inside a chunk, a live length that is not a multiple of the block, the last
+    block shifted back to end at ctx (64 is no multiple of 5), rows of different lengths in one
+    batch. One block of the whole ctx is the former single-pass attention."""
+    cfg, params, ref = tiny
+    forward = _forward_in_blocks(monkeypatch, block)
+    tokens, n = ref["tokens"], len(ref["tokens"])
+    cache = init_cache(cfg, SLOTS, CTX, jnp.float32)
+    got = []
+    for start, length in [(0, 16), (16, 14)]:        # a full chunk, then a half padded one
+        chunk = np.zeros(16, np.int32)
+        chunk[:length] = tokens[start:start + length]
+        logits, cache = _run(params, cache, cfg, chunk, [1], [start], [length], all_logits=True,
+                             forward=forward)
+        got.extend(np.asarray(logits[0, :length]))
+    _, cache = _run(params, cache, cfg, tokens[:9], [3], [0], [9], forward=forward)
+    for pos in range(30, n):                          # slot 1 decodes beside a short slot 3
+        logits, cache = _run(params, cache, cfg, [tokens[pos], tokens[pos - 21]], [1, 3],
+                             [pos, pos - 21], [1, 1], forward=forward)
+        got.append(np.asarray(logits[0]))
+        np.testing.assert_allclose(np.asarray(logits[1]), ref["logits"][pos - 21],
+                                   atol=PARITY_ATOL, rtol=0)
+    np.testing.assert_allclose(np.stack(got), ref["logits"], atol=PARITY_ATOL, rtol=0)
+
+
+def test_one_program_serves_every_context_length(tiny):
+    """Guards against the attention length turning back into a compiled shape (a program per
+    length bucket made the demo compile 45 programs)."""
+    cfg, params, ref = tiny
+    tokens = ref["tokens"]
+    cache = _prefilled(cfg, params, ref, {0: 40})
+    _, cache = _run(params, cache, cfg, tokens[40:41], [0], [40], [1])
+    compiled = jit_forward._cache_size()
+    for pos in (1, 7, 33, CTX - 1):
+        _, cache = _run(params, cache, cfg, [tokens[3]], [0], [pos], [1])
+    assert jit_forward._cache_size() == compiled
+
+
+# The float16 KV cache against float32: keys and values rounded to 11 significant bits. Measured on
+# the tiny fixtures: at most 1.0e-2 apart in the logits (qwen2; their values span about +-7).
+FLOAT16_KV_ATOL = 2e-2
+
+
+def test_float16_kv_cache_stays_close_and_keeps_the_greedy_tokens(tiny):
+    """Guards against the narrow CPU cache (kv_dtype_for) changing what the model says: logits
+    within FLOAT16_KV_ATOL of the float32 cache and of transformers, and the same greedy token at
+    every position."""
+    cfg, params, ref = tiny
+    tokens = ref["tokens"]
+    out = {}
+    for dtype in (jnp.float32, jnp.float16):
+        cache = init_cache(cfg, SLOTS, CTX, dtype)
+        logits, cache = _run(params, cache, cfg, tokens[:24], [0], [0], [24], all_logits=True)
+        rows = list(np.asarray(logits[0]))
+        for pos in range(24, len(tokens)):
+            logits, cache = _run(params, cache, cfg, tokens[pos:pos + 1], [0], [pos], [1])
+            rows.append(np.asarray(logits[0]))
+        out[dtype] = np.stack(rows)
+    np.testing.assert_allclose(out[jnp.float16], out[jnp.float32], atol=FLOAT16_KV_ATOL, rtol=0)
+    np.testing.assert_allclose(out[jnp.float16], ref["logits"], atol=FLOAT16_KV_ATOL, rtol=0)
+    np.testing.assert_array_equal(out[jnp.float16].argmax(-1), ref["logits"].argmax(-1))
+
+
+def test_float16_cache_saturates_instead_of_overflowing():
+    """Guards against a key beyond float16's range becoming inf and every score NaN."""
+    big = model._to_cache(jnp.asarray([1e6, -1e6, 3.0], jnp.float32), jnp.float16)
+    assert np.isfinite(np.asarray(big)).all() and float(big[2]) == 3.0
+
+
+def test_kv_cache_dtype_is_float16_on_cpu_and_bfloat16_elsewhere():
+    """Guards against a wide (2x the memory) cache on CPU, or bfloat16 there (3-4x slower attention)."""
+    assert model.kv_dtype_for("cpu") == jnp.float16
+    assert model.kv_dtype_for("gpu") == jnp.bfloat16 and model.kv_dtype_for("tpu") == jnp.bfloat16
 
 
 def test_copy_prefix_across_blocks_and_up_to_the_end_of_the_slot():

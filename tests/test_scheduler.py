@@ -42,16 +42,16 @@ def run_until_done(s, next_token=lambda r: 7, limit=1000):
 
 # ---- buckets -------------------------------------------------------------------------------------
 
-def test_attention_buckets_are_powers_of_two_ending_at_ctx():
-    """Guards against a decode at the end of the context finding no attention bucket."""
-    b = Buckets.for_ctx(1000)
-    assert b.attention == (128, 256, 512, 1000)
-    assert b.attention_for(1) == 128 and b.attention_for(129) == 256 and b.attention_for(1000) == 1000
+def test_the_program_shapes_do_not_grow_with_the_context():
+    """Guards against the attention length coming back as a shape: each (chunk or batch) x length
+    pair was a compiled program, 45 of them for the demo's 32k context."""
+    assert Buckets.for_ctx(1000) == Buckets.for_ctx(32768) == Buckets.for_ctx(131072)
+    assert Buckets.for_ctx(32768, slots=4) == Buckets((32, 128, 512), (1, 4))
 
 
 def test_chunk_choice_limits_padding_and_covers_min_fill():
-    """Guards against a prompt remainder landing in a chunk the warm-up did not compile for its
-    attention length, and against padding a short remainder up to the largest chunk."""
+    """Guards against padding a short remainder up to the largest chunk (a padded token costs its
+    compute), and against more than half of a chunk beyond the smallest being padding."""
     b = Buckets.for_ctx(4096)
     assert b.chunk_for(5) == 32
     assert b.chunk_for(129) == 128          # 512 would be three quarters padding
@@ -129,16 +129,6 @@ def test_new_request_joins_the_running_batch_at_the_next_round():
     assert [r.rid for r in plan.decode.rows] == ["a"]
     plan, _ = run_round(s)
     assert sorted(r.rid for r in plan.decode.rows) == ["a", "b"]
-
-
-def test_decode_attention_covers_the_longest_row():
-    """Guards against attending over fewer positions than a row holds."""
-    s = scheduler(ctx=1024, chunks=(32, 128))
-    s.add(request("a", list(range(1, 200)), max_tokens=50))
-    while not s.requests["a"].output:
-        run_round(s)
-    plan, _ = run_round(s)
-    assert plan.decode.attn_len == 256
 
 
 def test_stop_id_ends_without_being_output():

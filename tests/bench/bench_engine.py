@@ -148,15 +148,13 @@ def host_share(engine: Engine, steps: int) -> tuple[float, float]:
     args = (np.ones((n, 1), np.int32), slots, np.full(n, 16, np.int32), np.ones(n, np.int32))
     params = sampler.row_params([(sampler.Sampling(), 0, 0)] * n)
     flags = {"every_slot": True, "penalties": False, "draw": "greedy"}
-    attn = engine.buckets.attention_for(17 + 2 * steps)
     best_engine = best_bare = float("inf")
     for _ in range(steps):
         t = time.perf_counter()
         engine.step()
         best_engine = min(best_engine, time.perf_counter() - t)
         t = time.perf_counter()
-        logits, engine.cache = jit_forward(engine.params, engine.cache, *args, cfg=engine.cfg,
-                                           attn_len=attn)
+        logits, engine.cache = jit_forward(engine.params, engine.cache, *args, cfg=engine.cfg)
         tokens, engine.state = sampler.sample(engine.state, logits, slots, slots >= 0, params, **flags)
         np.asarray(tokens)
         best_bare = min(best_bare, time.perf_counter() - t)
