@@ -25,9 +25,11 @@ from engine.config import ModelConfig
 # copy_prefix moves this many positions per loop step: big enough that the loop overhead is
 # nothing, small enough that a short prefix does not pay for a long block.
 COPY_BLOCK = 256
-# Host copies (read_slot/write_slot) move a power-of-two bucket of positions, so the number of
-# compiled programs grows with log2(ctx), not with every length; below this they share one bucket.
-MIN_HOST_BUCKET = 64
+# Host copies (read_slot/write_slot) move this many positions per call, at a run-time position: one
+# program each serves every length, and a call moves 12 MiB of the demo's float16 cache.
+HOST_BLOCK = 1024
+# Where ctx lives in each cache array.
+_CTX_AXIS = {"k": 2, "v": 3}
 
 
 def init_cache(cfg: ModelConfig, slots: int, ctx: int, dtype) -> list[dict]:
@@ -86,76 +88,99 @@ def copy_prefix(cache, src_slot, dst_slot, n):
     return lax.fori_loop(0, (n + block - 1) // block, copy_block, cache)
 
 
-def _host_bucket(n: int, ctx: int) -> int:
-    bucket = MIN_HOST_BUCKET
-    while bucket < n:
-        bucket *= 2
-    return min(bucket, ctx)
-
-
-def host_buckets(ctx: int) -> list[int]:
-    """Every length read_slot/write_slot compile a program for, given ctx."""
-    buckets, bucket = [], MIN_HOST_BUCKET
-    while bucket < ctx:
-        buckets.append(bucket)
-        bucket *= 2
-    return buckets + [ctx]
+def host_block(ctx: int) -> int:
+    """Positions one host copy call moves (the last block of a slot is shifted back inside it)."""
+    return min(HOST_BLOCK, ctx)
 
 
 def warm_host_copies(cache):
-    """Compile every read_slot/write_slot program now (start-up), so none compiles after ready.
-    Round-trips slot 0 through the host, which leaves its contents as they were."""
-    _, ctx = cache_dims(cache)
-    for bucket in host_buckets(ctx):
-        cache = write_slot(cache, 0, read_slot(cache, 0, bucket))
-    return cache
+    """Compile the read_slot/write_slot programs now (start-up), so none compiles after ready.
+    Round-trips one block of slot 0 through the host, which leaves its contents as they were."""
+    return write_slot(cache, 0, read_slot(cache, 0, 1))
 
 
-@partial(jax.jit, static_argnames=("length",))
-def _read(cache, slot, begin, *, length):
-    return [{"k": lax.dynamic_slice_in_dim(
-                 lax.dynamic_index_in_dim(layer["k"], slot, 0, keepdims=False), begin, length, 1),
-             "v": lax.dynamic_slice_in_dim(
-                 lax.dynamic_index_in_dim(layer["v"], slot, 0, keepdims=False), begin, length, 2)}
-            for layer in cache]
+def _block_at(arr, slot, begin, axis: int, block: int):
+    """Positions [begin, begin + block) of one slot of a cache array; `axis` is where ctx lives."""
+    sizes = list(arr.shape)
+    sizes[0], sizes[axis] = 1, block
+    at = tuple(slot if a == 0 else begin if a == axis else 0 for a in range(arr.ndim))
+    return at, lax.dynamic_slice(arr, at, sizes)
+
+
+@partial(jax.jit, static_argnames=("block",))
+def _read(cache, slot, begin, *, block):
+    return [{name: _block_at(arr, slot, begin, _CTX_AXIS[name], block)[1][0]
+             for name, arr in layer.items()} for layer in cache]
+
+
+@partial(jax.jit, donate_argnames=("cache",))
+def _write(cache, slot, begin, lo, hi, arrays):
+    """Write one block at positions [begin, begin + block) of `slot`, keeping what the slot holds
+    outside [lo, hi): a block shifted back to end at ctx, or one that starts inside a part the
+    slot already holds, changes only the positions it was given."""
+    out = []
+    for layer, new in zip(cache, arrays):
+        updated = {}
+        for name, arr in layer.items():
+            axis = _CTX_AXIS[name]
+            block = new[name].shape[axis - 1]
+            at, old = _block_at(arr, slot, begin, axis, block)
+            pos = begin + lax.broadcasted_iota(jnp.int32, old.shape, axis)
+            keep = (pos >= lo) & (pos < hi)
+            updated[name] = lax.dynamic_update_slice(
+                arr, jnp.where(keep, new[name][None].astype(arr.dtype), old), at)
+        out.append(updated)
+    return out
+
+
+def _blocks(start: int, n: int, ctx: int):
+    """(begin, lo, hi) of each host copy block covering positions [start, n): each block is
+    [begin, begin + host_block(ctx)) inside the slot, and [lo, hi) the part of [start, n) it moves."""
+    block = host_block(ctx)
+    for lo in range(start, n, block):
+        yield min(lo, ctx - block), lo, min(lo + block, n)
 
 
 def read_slot(cache, slot: int, n: int, start: int = 0) -> list[dict]:
     """Positions [start, n) of one slot as host numpy arrays, per layer {"k": [kv, n - start, d],
-    "v": [kv, d, n - start]} (the cache's own layout, so write_slot puts them back without
-    reshuffling). A start lets a save copy only what the host does not hold yet."""
+    "v": [kv, d, n - start]} (the cache's own layout and dtype, so write_slot puts them back without
+    reshuffling). A start lets a save copy only what the host does not hold yet. Moves
+    host_block(ctx) positions per call: one compiled program serves every length."""
     slots, ctx = cache_dims(cache)
     if not 0 <= slot < slots or not 0 <= start <= n <= ctx:
         raise ValueError(f"read_slot: slot {slot} / positions [{start}, {n}) outside the pool "
                          f"({slots} x {ctx})")
-    length = _host_bucket(n - start, ctx)
-    begin = min(start, ctx - length)      # the bucket must lie inside the slot: start it earlier
-    arrays = jax.device_get(_read(cache, jnp.int32(slot), jnp.int32(begin), length=length))
-    a, b = start - begin, n - begin
-    return [{"k": np.ascontiguousarray(layer["k"][:, a:b, :]),
-             "v": np.ascontiguousarray(layer["v"][:, :, a:b])} for layer in arrays]
+    parts = []
+    for begin, lo, hi in _blocks(start, n, ctx):
+        arrays = jax.device_get(_read(cache, jnp.int32(slot), jnp.int32(begin), block=host_block(ctx)))
+        parts.append([{"k": layer["k"][:, lo - begin:hi - begin, :],
+                       "v": layer["v"][:, :, lo - begin:hi - begin]} for layer in arrays])
+    if not parts:
+        return [{"k": np.zeros(layer["k"].shape[1:2] + (0,) + layer["k"].shape[3:], layer["k"].dtype),
+                 "v": np.zeros(layer["v"].shape[1:3] + (0,), layer["v"].dtype)} for layer in cache]
+    return [{"k": np.concatenate([p[i]["k"] for p in parts], axis=1),
+             "v": np.concatenate([p[i]["v"] for p in parts], axis=2)} for i in range(len(cache))]
 
 
-@partial(jax.jit, donate_argnames=("cache",))
-def _write(cache, slot, arrays):
-    out = []
-    for layer, new in zip(cache, arrays):
-        out.append({name: lax.dynamic_update_slice(
-            arr, new[name][None].astype(arr.dtype), (slot, 0, 0, 0)) for name, arr in layer.items()})
-    return out
-
-
-def write_slot(cache, slot: int, arrays: list[dict]):
-    """Put what read_slot returned (any length n <= ctx) at positions [0, n) of `slot`; returns the
-    new cache (the old one is donated). Positions from n up to the next bucket are overwritten with
-    zeros, which is harmless: nothing past a slot's length is ever read."""
+def write_slot(cache, slot: int, arrays: list[dict], start: int = 0):
+    """Put arrays holding positions [start, n) (what read_slot returned, any length) at those
+    positions of `slot`, and nothing else: what the slot holds before start, and from n on, stays.
+    Returns the new cache (the old one is donated)."""
     slots, ctx = cache_dims(cache)
     if len(arrays) != len(cache):
         raise ValueError(f"write_slot: {len(arrays)} layers given, the cache has {len(cache)}")
-    n = arrays[0]["k"].shape[1]
-    if not 0 <= slot < slots or not 0 <= n <= ctx:
-        raise ValueError(f"write_slot: slot {slot} / length {n} outside the pool ({slots} x {ctx})")
-    bucket = _host_bucket(n, ctx)
-    padded = [{"k": np.pad(layer["k"], ((0, 0), (0, bucket - n), (0, 0))),
-               "v": np.pad(layer["v"], ((0, 0), (0, 0), (0, bucket - n)))} for layer in arrays]
-    return _write(cache, jnp.int32(slot), padded)
+    n = start + arrays[0]["k"].shape[1]
+    if not 0 <= slot < slots or not 0 <= start <= n <= ctx:
+        raise ValueError(f"write_slot: slot {slot} / positions [{start}, {n}) outside the pool "
+                         f"({slots} x {ctx})")
+    block = host_block(ctx)
+    for begin, lo, hi in _blocks(start, n, ctx):
+        padded = []
+        for layer, host in zip(cache, arrays):
+            k = np.zeros(host["k"].shape[:1] + (block,) + host["k"].shape[2:], layer["k"].dtype)
+            v = np.zeros(host["v"].shape[:2] + (block,), layer["v"].dtype)
+            k[:, lo - begin:hi - begin] = host["k"][:, lo - start:hi - start]
+            v[:, :, lo - begin:hi - begin] = host["v"][:, :, lo - start:hi - start]
+            padded.append({"k": k, "v": v})
+        cache = _write(cache, jnp.int32(slot), jnp.int32(begin), jnp.int32(lo), jnp.int32(hi), padded)
+    return cache

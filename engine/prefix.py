@@ -211,12 +211,14 @@ class HostCache:
         for s in path:
             s.last_used = self.tick
 
-    def gather(self, hit: HostHit) -> list[dict]:
-        """The K/V of the hit's first hit.tokens positions, joined into one run (for write_slot)."""
+    def gather(self, hit: HostHit, start: int = 0) -> list[dict]:
+        """The K/V of positions [start, hit.tokens) of the hit, joined into one run (for
+        write_slot): a slot that already holds the first `start` positions is sent only the rest."""
         self.touch(hit.path)
-        parts = [s.kv if s.end <= hit.tokens else _slice_kv(s.kv, 0, hit.tokens - s.start)
-                 for s in hit.path]
-        return concat_kv(parts)
+        parts = [s.kv if start <= s.start and s.end <= hit.tokens
+                 else _slice_kv(s.kv, max(start, s.start) - s.start, min(hit.tokens, s.end) - s.start)
+                 for s in hit.path if s.end > start]
+        return concat_kv(parts) if parts else _slice_kv(hit.path[0].kv, 0, 0)
 
     def covered(self, tokens: Sequence[int]) -> int:
         """How many leading positions of `tokens` are already saved."""

@@ -132,11 +132,13 @@ class Save:
 
 @dataclass
 class Load:
-    """Write the host cache's first `tokens` positions of `request`'s prompt into its slot. `path`
-    is the lookup's segments: a save in the same round must not evict them."""
+    """Write the host cache's positions [start, tokens) of `request`'s prompt into its slot (the slot
+    holds the first `start` already). `path` is the lookup's segments: a save in the same round must
+    not evict them."""
     request: Request
     tokens: int
     path: list
+    start: int = 0
 
 
 @dataclass
@@ -262,6 +264,8 @@ class Scheduler:
                     load = Load(request, hit.tokens, hit.path)
             self._note_divergence(request, reuse, stable)
         kept = prefix.common_prefix(slot.tokens, request.prompt[:reuse])
+        if load is not None:
+            load.start = kept
         if self.host is not None and len(slot.tokens) > kept:
             plan.saves.append(Save(slot.index, list(slot.tokens), list(slot.cuts), slot.tenant))
         slot.tokens = slot.tokens[:reuse] if source is None and load is None else list(request.prompt[:reuse])

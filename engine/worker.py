@@ -305,12 +305,14 @@ class Engine:
         self.host.insert(save.tokens, kv, save.cuts, save.tenant, protect=protect, kv_start=covered)
 
     def _load(self, load) -> None:
-        """Write the saved start of a request's prompt into its slot."""
+        """Write the saved start of a request's prompt into its slot: only the positions the slot
+        does not hold already (an agent's sessions share their system prompt and tools)."""
         request = load.request
         hit = self.host.lookup(request.prompt[:load.tokens + 1])
         if hit.tokens != load.tokens:   # the plan's segments were protected: this cannot happen
             raise RuntimeError(f"host cache lost {load.tokens - hit.tokens} planned tokens")
-        self.cache = write_slot(self.cache, request.slot, self.host.gather(hit))
+        self.cache = write_slot(self.cache, request.slot, self.host.gather(hit, load.start),
+                                start=load.start)
 
     def _prefill(self, work: Prefill) -> int | None:
         """Run one prompt chunk (one row); the first new token if the chunk ends the prompt."""

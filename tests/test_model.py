@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from engine.cache import (COPY_BLOCK, _read, _write, copy_prefix, host_buckets, init_cache, read_slot,
+from engine import cache as cache_module
+from engine.cache import (COPY_BLOCK, HOST_BLOCK, _read, _write, copy_prefix, init_cache, read_slot,
                           warm_host_copies, write_slot)
 from engine.config import ConfigError, config_from_dict, load_config
 from engine import model
@@ -439,19 +440,50 @@ def test_copy_prefix_across_blocks_and_up_to_the_end_of_the_slot():
 
 
 def test_warmed_host_copies_compile_nothing_later():
-    """Guards against read_slot/write_slot compiling a new program after the server is ready."""
+    """Guards against read_slot/write_slot compiling a new program after the server is ready: one
+    program each moves a block at a run-time position, whatever the length or start."""
     cfg = load_config(os.path.join(TINY, "qwen2"))
-    ctx = 300                                    # not a power of two: the last bucket is ctx
+    ctx = 2 * HOST_BLOCK + 300                   # the last block is shifted back to end at ctx
     rng = np.random.default_rng(1)
     cache = [{name: jnp.asarray(rng.standard_normal(arr.shape, np.float32))
               for name, arr in layer.items()} for layer in init_cache(cfg, 2, ctx, jnp.float32)]
     before = _snapshot(cache)
-    assert host_buckets(ctx) == [64, 128, 256, 300]
     cache = warm_host_copies(cache)
     for old, new in zip(before, _snapshot(cache)):
         np.testing.assert_array_equal(new["k"], old["k"])
         np.testing.assert_array_equal(new["v"], old["v"])
     compiled = (_read._cache_size(), _write._cache_size())
-    for n in (1, 63, 65, 200, 299, 300):
-        cache = write_slot(cache, 1, read_slot(cache, 0, n))
+    for start, n in ((0, 1), (0, 63), (5, 65), (HOST_BLOCK - 3, HOST_BLOCK + 700), (0, ctx), (ctx, ctx)):
+        cache = write_slot(cache, 1, read_slot(cache, 0, n, start=start), start=start)
     assert (_read._cache_size(), _write._cache_size()) == compiled
+
+
+@pytest.mark.parametrize("block", [16, 100])
+def test_write_slot_changes_only_the_positions_it_is_given(monkeypatch, block):
+    """Guards against a host-cache load overwriting what the slot already holds (its start, shared
+    with the saved conversation, is not sent again) or anything past the loaded part, including
+    when a block is shifted back to end at ctx (ctx 150 is no multiple of 16 or 100)."""
+    monkeypatch.setattr(cache_module, "HOST_BLOCK", block)
+    cfg = load_config(os.path.join(TINY, "qwen2"))
+    ctx = 150
+    rng = np.random.default_rng(2)
+    cache = [{name: jnp.asarray(rng.standard_normal(arr.shape, np.float32))
+              for name, arr in layer.items()} for layer in init_cache(cfg, 3, ctx, jnp.float32)]
+    for start, n in ((0, 10), (7, 40), (33, 149), (140, 150), (0, 150), (20, 20)):
+        before = _snapshot(cache)
+        given = [{"k": rng.standard_normal((cfg.num_kv_heads, n - start, cfg.head_dim)).astype(np.float32),
+                  "v": rng.standard_normal((cfg.num_kv_heads, cfg.head_dim, n - start)).astype(np.float32)}
+                 for _ in cache]
+        cache = write_slot(cache, 1, given, start=start)
+        after = _snapshot(cache)
+        for old, new, want in zip(before, after, given):
+            np.testing.assert_array_equal(new["k"][1, :, start:n], want["k"])
+            np.testing.assert_array_equal(new["v"][1, :, :, start:n], want["v"])
+            for name, axis in (("k", 1), ("v", 2)):
+                outside = np.delete(new[name][1], np.arange(start, n), axis=axis)
+                np.testing.assert_array_equal(outside, np.delete(old[name][1], np.arange(start, n), axis=axis))
+                np.testing.assert_array_equal(new[name][[0, 2]], old[name][[0, 2]])
+        back = read_slot(cache, 1, n, start=start)
+        for got, want in zip(back, given):
+            np.testing.assert_array_equal(got["k"], want["k"])
+            np.testing.assert_array_equal(got["v"], want["v"])

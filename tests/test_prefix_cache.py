@@ -316,6 +316,33 @@ def test_a_save_reads_only_the_positions_the_host_lacks(hot):
             assert np.array_equal(got["v"], want["v"][:, :, start:n])
 
 
+def test_a_load_writes_only_what_the_slot_lacks_and_matches_a_cold_run(hot, cold, monkeypatch):
+    """Guards against a host-cache hit writing the whole saved prefix into a slot that already holds
+    its start (an agent's sessions share the system prompt and tools), and against the partial load
+    landing at the wrong positions: greedy tokens must equal a cold run."""
+    from engine import worker
+    writes = []
+    real = worker.write_slot
+
+    def spy(cache, slot, arrays, start=0):
+        writes.append((start, start + arrays[0]["k"].shape[1]))
+        return real(cache, slot, arrays, start=start)
+
+    monkeypatch.setattr(worker, "write_slot", spy)
+    shared = prompt(500, 48)                        # a system prompt both sessions send
+    a1, b1 = shared + prompt(501, 20), shared + prompt(502, 20)
+    answer, _ = turn(hot, "ls-a1", a1, [48, 68])
+    turn(hot, "ls-b1", b1, [48, 68])                # takes the slot, keeps the shared 48 positions
+    a2 = a1 + answer + prompt(503, 6)
+    writes.clear()
+    got, cached = turn(hot, "ls-a2", a2, [48, 68, len(a1) + len(answer)])
+    want, _ = turn(cold, "ls-a2-cold", a2, [48, 68, len(a1) + len(answer)])
+    assert got == want
+    assert cached == len(a1) + len(answer) - 1      # the answer's last token was never fed back
+    assert writes == [(48, cached)]
+    assert hot.compiles_after_ready() == 0
+
+
 def test_the_worker_names_the_cache_namespace(hot):
     """Guards against a server and worker that disagree on which saved states are valid."""
     assert hot.facts.cache_namespace and hot.facts.cache_namespace == hot.host.namespace
