@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from engine import chat, protocol, registry
+from engine import chat, memory, protocol, registry
 from engine.config import ConfigError, load_config
 from engine.chat import Job
 
@@ -2919,6 +2919,8 @@ class Metrics:
         add("num_preemptions_total", "counter", "Requests preempted (never: a slot is never taken back).").inc(0)
         add("worker_restarts_total", "counter", "Times the worker was started again after a fault.").inc(0)
         add("compiles_after_ready_total", "counter", "Programs compiled after the server reported ready.").inc(0)
+        add("worker_resident_memory_bytes", "gauge",
+            "Resident memory of the engine's worker process (0 while none runs).")
         rejections = add("admission_rejections_total", "counter", "Requests refused by admission, by reason.")
         for reason in ("tenant_queue_full", "queue_full", "loading"):
             rejections.inc(0, reason=reason)
@@ -2979,6 +2981,9 @@ class Metrics:
             # a new worker loads: a counter never goes back, so keep the largest value seen.
             self._grow("worker_restarts_total", bridge.restarts)
             self._grow("compiles_after_ready_total", bridge.compiles_after_ready or 0)
+        # Read from /proc at the scrape: the worker is not asked, so a busy one never delays it.
+        rss = memory.resident_bytes(bridge.pid) if bridge is not None and bridge.pid else None
+        self.m["worker_resident_memory_bytes"].set(rss or 0)
         lines = []
         for metric in self.m.values():
             lines += metric.render()
@@ -4319,12 +4324,30 @@ def config_from_args(argv: list[str] | None) -> Config:
                   max_connections=args.max_connections)
 
 
-def worker_args(spec: "registry.ModelSpec", config: Config, folder: str) -> dict:
+def worker_args(spec: "registry.ModelSpec", config: Config, folder: str,
+                sizing: "memory.Sizing | None" = None) -> dict:
     """What the engine worker starts with: engine.worker.WorkerArgs's fields, as a dict, so that this
-    process never imports the worker's module (and with it jax)."""
-    return {"model_id": spec.id, "weights_folder": folder, "slots": config.slots or spec.slots,
-            "ctx": config.ctx or spec.ctx, "chat_format": spec.chat_format,
-            "cache_ram_mib": spec.cache_ram_mib if config.cache_ram_mib is None else config.cache_ram_mib}
+    process never imports the worker's module (and with it jax). sizing: slots, ctx and host cache
+    chosen to fit the memory (memory.size); None: the flags, else the model's defaults."""
+    if sizing is not None:
+        slots, ctx, cache_ram_mib = sizing.slots, sizing.ctx, sizing.cache_ram_mib
+    else:
+        slots, ctx = config.slots or spec.slots, config.ctx or spec.ctx
+        cache_ram_mib = spec.cache_ram_mib if config.cache_ram_mib is None else config.cache_ram_mib
+    return {"model_id": spec.id, "weights_folder": folder, "slots": slots, "ctx": ctx,
+            "chat_format": spec.chat_format, "cache_ram_mib": cache_ram_mib}
+
+
+def size_worker(spec: "registry.ModelSpec", config: Config, folder: str) -> "memory.Sizing":
+    """Slots, ctx and host cache that fit this machine's memory, logged with the numbers; raises
+    memory.DoesNotFit for a request that cannot fit."""
+    sizing = memory.size(load_config(folder), folder, slots=config.slots, ctx=config.ctx,
+                         cache_ram_mib=config.cache_ram_mib, default_slots=spec.slots,
+                         default_ctx=spec.ctx, default_cache_ram_mib=spec.cache_ram_mib)
+    chosen = "defaults lowered to fit half the available memory" if sizing.shrunk else "as set"
+    log.info("memory: %d slots x %d tokens, host cache %d MiB (%s); %s", sizing.slots, sizing.ctx,
+             sizing.cache_ram_mib, chosen, sizing.describe())
+    return sizing
 
 
 # After SIGTERM/SIGINT the requests in flight get this long to finish; then the ones still running
@@ -4422,10 +4445,10 @@ def main(argv: list[str] | None = None) -> int:
         # A model the engine cannot run (a family not built yet, an unsupported option) is a start-up
         # error, not a worker that dies and is restarted forever. config.py reads JSON only (no jax).
         load_config(folder)
-        return worker_args(spec, config, folder)
+        return worker_args(spec, config, folder, size_worker(spec, config, folder))
     try:
         asyncio.run(serve(app, prepare=prepare))
-    except (registry.RegistryError, ConfigError, OSError) as e:
+    except (registry.RegistryError, ConfigError, OSError, memory.DoesNotFit) as e:
         print(f"mashbox: {e}", file=sys.stderr)
         return 1
     return 0

@@ -7,6 +7,7 @@ The log is read with caplog. The server runs tests/fake_worker.py through tests/
 import io
 import json
 import logging
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -14,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 import mashbox
-from engine import protocol
+from engine import memory, protocol
 from tests.fake_worker import MODEL_ID, tokenizer_folder
 
 if tokenizer_folder() is None:
@@ -33,7 +34,7 @@ FAMILIES = {
     "generation_tokens_total": "counter", "prefix_cache_queries_total": "counter",
     "prefix_cache_hits_total": "counter", "num_preemptions_total": "counter",
     "worker_restarts_total": "counter", "compiles_after_ready_total": "counter",
-    "admission_rejections_total": "counter", "time_to_first_token_seconds": "histogram",
+    "worker_resident_memory_bytes": "gauge", "admission_rejections_total": "counter", "time_to_first_token_seconds": "histogram",
     "request_queue_time_seconds": "histogram", "e2e_request_latency_seconds": "histogram",
     "request_time_per_output_token_seconds": "histogram",
 }
@@ -210,7 +211,7 @@ def test_counters_from_the_bridge_never_go_back():
     """Guards against compiles_after_ready_total dropping to 0 while a restarted worker loads (the bridge
     reads None then)."""
     metrics = mashbox.Metrics()
-    bridge = SimpleNamespace(stats=None, facts=None, restarts=0, compiles_after_ready=2)
+    bridge = SimpleNamespace(stats=None, facts=None, restarts=0, compiles_after_ready=2, pid=None)
 
     def scraped(name):
         text = metrics.render(bridge, None)
@@ -222,6 +223,23 @@ def test_counters_from_the_bridge_never_go_back():
     assert scraped("compiles_after_ready_total") == 2 and scraped("worker_restarts_total") == 1
     bridge.compiles_after_ready = 3
     assert scraped("compiles_after_ready_total") == 3
+
+
+def test_the_workers_resident_memory_is_read_at_each_scrape():
+    """Guards against an engine growing towards an OOM kill unseen: the worker's resident bytes
+    come from /proc at every scrape, and read 0 while no worker runs."""
+    metrics = mashbox.Metrics()
+    bridge = SimpleNamespace(stats=None, facts=None, restarts=0, compiles_after_ready=0, pid=os.getpid())
+
+    def scraped():
+        text = metrics.render(bridge, None)
+        fams = {f.name: f for f in parser.text_string_to_metric_families(text)}
+        return fams[mashbox.METRIC_PREFIX + "worker_resident_memory_bytes"].samples[0].value
+
+    value = scraped()
+    assert value > 0 and abs(value - memory.resident_bytes()) < 64 << 20     # this process, now
+    bridge.pid = None
+    assert scraped() == 0
 
 
 def test_help_text_and_label_values_are_escaped():

@@ -1,0 +1,172 @@
+"""How much memory a worker needs, how much the machine has, and the defaults that fit. No jax: the
+server sizes the worker before it starts one.
+
+    worker bytes = weights + slots x ctx x KV bytes per token + host cache (--cache-ram) + runtime
+
+On a CPU every term lives in host memory. On an accelerator the weights and the KV cache live in
+device memory, and only the host cache and the runtime count here.
+
+A request for more than the machine has is refused at start-up with these numbers, instead of a
+worker the kernel kills later. When slots, ctx or --cache-ram are not given, the model's defaults
+(models.json) are the most that is used, and they shrink to fit DEFAULT_MEMORY_SHARE of what is
+available: first the host cache, then the context (not below MIN_DEFAULT_CTX), then the slots.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+from engine.config import ModelConfig
+
+# Bytes per key or value element in the KV cache: float16 on CPU, bfloat16 on accelerators
+# (engine.model.kv_dtype_for).
+KV_ELEMENT_BYTES = 2
+# Bytes per weight as the engine holds them: float32 on CPU (engine.model.dtype_for).
+CPU_WEIGHT_BYTES = 4
+# What the worker holds besides weights, KV cache and host cache: the interpreter, jax and XLA, the
+# compiled programs, the tokenizer, sampler state and a decode step's temporaries. Measured: a
+# worker serving the tiny test model held 0.55 GiB resident; rounded up.
+RUNTIME_BYTES = 768 << 20
+# Without explicit settings, a worker takes at most this share of the memory available at start:
+# the rest stays with the desktop, a browser, and the compile that a first start runs.
+DEFAULT_MEMORY_SHARE = 0.5
+# Defaults never shrink the context below this: coding agents send 12-16k-token prompts.
+MIN_DEFAULT_CTX = 16384
+GIB = 1 << 30
+
+
+class DoesNotFit(ValueError):
+    """The requested slots, context and host cache need more memory than the machine has."""
+
+
+def kv_bytes_per_token(cfg: ModelConfig) -> int:
+    """KV cache bytes of one position of one slot: a key and a value per layer and KV head."""
+    return len(cfg.layer_kinds) * 2 * cfg.num_kv_heads * cfg.head_dim * KV_ELEMENT_BYTES
+
+
+def parameter_count(folder: str) -> int:
+    """Weights of the model's tensors (model.*, lm_head.*) in a Hugging Face folder's safetensors
+    files, read from their headers (no tensor is loaded)."""
+    total = 0
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".safetensors"):
+            continue
+        with open(os.path.join(folder, name), "rb") as f:
+            size = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(size))
+        for key, info in header.items():
+            if key.startswith(("model.", "lm_head.")):
+                count = 1
+                for dim in info["shape"]:
+                    count *= dim
+                total += count
+    return total
+
+
+def engine_on_host() -> bool:
+    """Whether jax will run on the CPU (weights and KV cache in host memory): JAX_PLATFORMS says so,
+    or no accelerator plugin (CUDA, ROCm, TPU) is installed for jax to pick."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
+    if platforms:
+        return platforms.split(",")[0] == "cpu"
+    plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin", "libtpu")
+    return not any(importlib.util.find_spec(p) for p in plugins)
+
+
+def available_bytes() -> int | None:
+    """Memory a new process can take now: the kernel's MemAvailable, lowered to what is left under
+    this process's cgroup limit when it has one. None where neither can be read (not Linux)."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = next((line.strip().split(":", 2)[2] for line in f if line.startswith("0::")), None)
+        if path is not None:
+            base = os.path.join("/sys/fs/cgroup", path.lstrip("/"))
+            with open(os.path.join(base, "memory.max")) as f:
+                limit = f.read().strip()
+            with open(os.path.join(base, "memory.current")) as f:
+                current = int(f.read())
+            if limit != "max":
+                found.append(max(0, int(limit) - current))
+    except (OSError, ValueError, StopIteration):
+        pass
+    return min(found) if found else None
+
+
+def resident_bytes(pid: int | str = "self") -> int | None:
+    """A process's resident set size (Linux /proc), or None."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@dataclass
+class Sizing:
+    slots: int
+    ctx: int
+    cache_ram_mib: int
+    weights: int                  # bytes counted in host memory (0 on an accelerator)
+    kv_per_token: int             # bytes per position per slot (counted only on the CPU)
+    available: int | None
+    on_host: bool
+    shrunk: bool = False          # defaults were lowered to fit
+
+    @property
+    def kv(self) -> int:
+        return self.slots * self.ctx * self.kv_per_token if self.on_host else 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + (self.cache_ram_mib << 20) + RUNTIME_BYTES
+
+    def describe(self) -> str:
+        where = "host memory" if self.on_host else "host memory (weights and KV cache on the device)"
+        have = f"{self.available / GIB:.1f} GiB available" if self.available is not None else \
+            "available memory unknown"
+        kv = (f"KV cache {self.slots} slots x {self.ctx} tokens x {self.kv_per_token} B = "
+              f"{self.kv / GIB:.2f} GiB, " if self.on_host else "")
+        return (f"{where}: weights {self.weights / GIB:.2f} GiB + {kv}host cache "
+                f"{self.cache_ram_mib} MiB + runtime {RUNTIME_BYTES / GIB:.2f} GiB = "
+                f"{self.total / GIB:.2f} GiB; {have}")
+
+
+def size(cfg: ModelConfig, folder: str, *, slots: int | None, ctx: int | None, cache_ram_mib: int | None,
+         default_slots: int, default_ctx: int, default_cache_ram_mib: int,
+         available: int | None = None, on_host: bool | None = None) -> Sizing:
+    """Slots, ctx and --cache-ram for a worker: the given ones as they are, the others from the
+    defaults, shrunk to fit (see the module docstring). Raises DoesNotFit, naming the numbers, when
+    what was given (or the smallest defaults) needs more than is available."""
+    on_host = engine_on_host() if on_host is None else on_host
+    available = available_bytes() if available is None else available
+    weights = parameter_count(folder) * CPU_WEIGHT_BYTES if on_host else 0
+    plan = Sizing(slots or default_slots, ctx or default_ctx,
+                  default_cache_ram_mib if cache_ram_mib is None else cache_ram_mib,
+                  weights, kv_bytes_per_token(cfg), available, on_host)
+    if available is None:
+        return plan
+    budget = int(available * DEFAULT_MEMORY_SHARE)
+    if cache_ram_mib is None and plan.total > budget:
+        spare = budget - (plan.total - (plan.cache_ram_mib << 20))
+        plan.cache_ram_mib, plan.shrunk = max(0, min(plan.cache_ram_mib, spare >> 20)), True
+    while ctx is None and plan.total > budget and plan.ctx // 2 >= MIN_DEFAULT_CTX:
+        plan.ctx, plan.shrunk = plan.ctx // 2, True
+    while slots is None and plan.total > budget and plan.slots > 1:
+        plan.slots, plan.shrunk = plan.slots - 1, True
+    if plan.total > available:
+        raise DoesNotFit(
+            f"not enough memory for this worker: {plan.describe()}. Lower --slots, --ctx or "
+            f"--cache-ram (the KV cache costs {plan.kv_per_token * plan.ctx / GIB:.2f} GiB per slot "
+            f"of {plan.ctx} tokens)")
+    return plan

@@ -1,0 +1,79 @@
+"""Sizing a worker to the machine's memory (engine.memory) and the server refusing what cannot fit."""
+from __future__ import annotations
+
+import os
+
+import pytest
+from safetensors.numpy import load_file
+
+import mashbox
+from engine import memory
+from engine.config import load_config
+
+TINY = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "qwen3")
+GIB = 1 << 30
+
+
+def sized(available, slots=None, ctx=None, cache_ram_mib=None, on_host=True, defaults=(4, 32768, 2048)):
+    return memory.size(load_config(TINY), TINY, slots=slots, ctx=ctx, cache_ram_mib=cache_ram_mib,
+                       default_slots=defaults[0], default_ctx=defaults[1], default_cache_ram_mib=defaults[2],
+                       available=available, on_host=on_host)
+
+
+def test_the_formula_counts_weights_kv_cache_host_cache_and_runtime():
+    """Guards against a sizing that forgets a term: weights + slots x ctx x bytes per token + host
+    cache + runtime, with the KV bytes of a key and a value per layer and KV head."""
+    cfg = load_config(TINY)
+    per_token = len(cfg.layer_kinds) * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    assert memory.kv_bytes_per_token(cfg) == per_token
+    params = sum(a.size for a in load_file(os.path.join(TINY, "model.safetensors")).values())
+    assert memory.parameter_count(TINY) == params
+    plan = sized(100 * GIB)
+    assert (plan.slots, plan.ctx, plan.cache_ram_mib, plan.shrunk) == (4, 32768, 2048, False)
+    assert plan.total == params * 4 + 4 * 32768 * per_token + (2048 << 20) + memory.RUNTIME_BYTES
+
+
+def test_defaults_shrink_to_half_the_available_memory_host_cache_first():
+    """Guards against defaults that do not fit a laptop beside a browser (the kernel then kills the
+    worker later): the host cache gives way first, then the context down to 16k, then slots."""
+    full = sized(100 * GIB)
+    plan = sized(2 * (full.total - (1024 << 20)))           # half of it is 1 GiB short
+    assert (plan.slots, plan.ctx, plan.cache_ram_mib, plan.shrunk) == (4, 32768, 1024, True)
+    assert plan.total <= plan.available * memory.DEFAULT_MEMORY_SHARE
+    plan = sized(2 * (full.total - (2048 << 20) - full.kv // 2))   # no host cache, and 16k tokens
+    assert (plan.slots, plan.ctx, plan.cache_ram_mib) == (4, 16384, 0)
+    plan = sized(2 * (full.total - (2048 << 20) - full.kv // 2 - full.kv // 8))
+    assert (plan.slots, plan.ctx, plan.cache_ram_mib) == (3, 16384, 0)
+
+
+def test_given_settings_are_kept_and_refused_with_the_numbers_when_they_cannot_fit():
+    """Guards against an oversized request starting anyway and being OOM-killed mid-request, and
+    against a refusal that does not say what to lower."""
+    plan = sized(8 * GIB, slots=2, ctx=65536, cache_ram_mib=4096)
+    assert (plan.slots, plan.ctx, plan.cache_ram_mib, plan.shrunk) == (2, 65536, 4096, False)
+    with pytest.raises(memory.DoesNotFit) as refused:
+        sized(8 * GIB, slots=64, ctx=131072, cache_ram_mib=6144)
+    message = str(refused.value)
+    for part in ("64 slots x 131072 tokens", "8.0 GiB available", "--slots", "--ctx", "--cache-ram"):
+        assert part in message
+    # On an accelerator the weights and KV cache are in device memory: only the host side counts.
+    assert sized(8 * GIB, slots=64, ctx=131072, cache_ram_mib=6144, on_host=False).weights == 0
+
+
+def test_the_server_refuses_to_start_a_worker_that_cannot_fit(monkeypatch, capsys):
+    """Guards against `mashbox run` with too many slots starting a worker the kernel kills later."""
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1 * GIB)
+    monkeypatch.setattr(memory, "engine_on_host", lambda: True)
+    started = []
+    monkeypatch.setattr(mashbox.Bridge, "start", lambda self: started.append(self))
+    code = mashbox.main(["run", TINY, "--port", "0", "--slots", "16", "--ctx", "131072"])
+    assert code == 1 and not started
+    err = capsys.readouterr().err
+    assert "not enough memory" in err and "16 slots x 131072 tokens" in err and "1.0 GiB available" in err
+
+
+def test_resident_bytes_reads_this_process():
+    """Guards against a /proc parse that reports pages as bytes or the wrong field."""
+    rss = memory.resident_bytes()
+    assert 10 << 20 < rss < 64 * GIB
+    assert memory.resident_bytes(2 ** 22 + 12345) is None or isinstance(memory.resident_bytes(2 ** 22 + 12345), int)
