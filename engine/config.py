@@ -4,8 +4,9 @@ ModelConfig is frozen and hashable because the jitted forward takes it as a stat
 equal configs share compiled programs. Every key is read here, once, with the default Hugging Face
 uses when the key is absent, so the model code never looks at raw JSON.
 
-The kind of each layer is decided in ONE place, `_layer_kinds`; a new kind of layer (mixture of
-experts, linear attention) is one more name there and one more branch in engine.model.
+The kind of each layer is decided in ONE place, `_layer_kinds`: what mixes the tokens (full
+attention; linear attention would be one more name) and what follows it (a dense SwiGLU MLP, or
+routed experts). A new kind is one more name there and one more branch in engine.model.
 """
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ from dataclasses import dataclass
 
 # Families whose every layer is full attention followed by a dense SwiGLU MLP.
 DENSE_FAMILIES = ("qwen2", "qwen3")
+# Full attention followed by routed experts (some layers may keep a dense MLP).
+MOE_FAMILIES = ("qwen3_moe",)
+SUPPORTED_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
+# How the routed experts are computed (engine.model.routed_experts): "auto" picks per call site by
+# platform and shape; "kernel" and "exact" force one path (tests compare them, benchmarks time them).
+ROUTED_PATHS = ("auto", "kernel", "exact")
 
 # Hugging Face defaults for keys a config.json may leave out (Qwen2Config / Qwen3Config).
 DEFAULT_ROPE_THETA = 10000.0
@@ -30,7 +37,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model_type: str                  # "qwen2" | "qwen3"
+    model_type: str                  # "qwen2" | "qwen3" | "qwen3_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -44,7 +51,7 @@ class ModelConfig:
     qkv_bias: bool                   # Qwen2: q/k/v projections carry a bias
     qk_norm: bool                    # Qwen3: RMSNorm over each query and key head before RoPE
     max_position_embeddings: int
-    layer_kinds: tuple[str, ...]     # one per layer: "attention" (full attention + dense MLP)
+    layer_kinds: tuple[str, ...]     # one per layer, what mixes tokens: "attention" (full, causal)
     # RoPE scaling: "default" or "yarn"; the rest matter only for "yarn".
     rope_type: str = "default"
     rope_factor: float = 1.0
@@ -55,6 +62,17 @@ class ModelConfig:
     rope_truncate: bool = True
     eos_token_ids: tuple[int, ...] = ()
     source_dtype: str = "bfloat16"   # the dtype the checkpoint was saved in
+    # One per layer, what follows attention: "dense" (SwiGLU of intermediate_size) or "moe" (routed
+    # experts). Empty means every layer is dense.
+    mlp_kinds: tuple[str, ...] = ()
+    # Routed experts ("moe" layers): a router picks experts_per_token of num_experts by softmax
+    # probability; each expert is a SwiGLU MLP of moe_intermediate_size; the picked probabilities
+    # are renormalized to sum to 1 when norm_topk_prob.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    routed_path: str = "auto"        # ROUTED_PATHS; not from config.json
 
     @property
     def q_size(self) -> int:
@@ -86,9 +104,9 @@ def config_from_dict(raw: dict) -> ModelConfig:
     if isinstance(raw.get("text_config"), dict):
         raw = {**raw, **raw["text_config"]}
     model_type = raw.get("model_type")
-    if model_type not in DENSE_FAMILIES:
+    if model_type not in SUPPORTED_FAMILIES:
         raise ConfigError(f"config.json model_type {model_type!r} is not supported "
-                          f"(supported: {', '.join(DENSE_FAMILIES)})")
+                          f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"config.json hidden_act {raw['hidden_act']!r} is not supported (only silu)")
     if raw.get("use_sliding_window", False):
@@ -115,6 +133,7 @@ def config_from_dict(raw: dict) -> ModelConfig:
     rope = _rope(raw)
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    layer_kinds, mlp_kinds = _layer_kinds(raw, model_type, num_layers)
     return ModelConfig(
         model_type=model_type,
         vocab_size=_int(raw, "vocab_size"),
@@ -129,17 +148,20 @@ def config_from_dict(raw: dict) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases (its config has no key for it); Qwen3 reads attention_bias.
         qkv_bias=True if model_type == "qwen2" else bool(raw.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         max_position_embeddings=_int(raw, "max_position_embeddings", 32768),
-        layer_kinds=_layer_kinds(raw, model_type, num_layers),
+        layer_kinds=layer_kinds,
+        mlp_kinds=mlp_kinds,
         eos_token_ids=tuple(int(i) for i in eos_ids),
         source_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
         **rope,
+        **(_experts(raw) if "moe" in mlp_kinds else {}),
     )
 
 
-def _layer_kinds(raw: dict, model_type: str, num_layers: int) -> tuple[str, ...]:
-    """What each layer is. The one place a new layer kind gets decided."""
+def _layer_kinds(raw: dict, model_type: str, num_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What each layer is: (token mixer per layer, MLP kind per layer). The one place a new layer
+    kind gets decided."""
     types = raw.get("layer_types")
     if types is not None:
         if len(types) != num_layers:
@@ -148,7 +170,35 @@ def _layer_kinds(raw: dict, model_type: str, num_layers: int) -> tuple[str, ...]
         unknown = sorted(set(types) - {"full_attention"})
         if unknown:
             raise ConfigError(f"config.json layer_types {unknown} are not supported")
-    return ("attention",) * num_layers
+    mixers = ("attention",) * num_layers
+    if model_type not in MOE_FAMILIES:
+        return mixers, ("dense",) * num_layers
+    # Qwen3-MoE: layer i has routed experts unless listed in mlp_only_layers, when experts exist
+    # and (i + 1) is a multiple of decoder_sparse_step (transformers' Qwen3MoeDecoderLayer).
+    step = _int(raw, "decoder_sparse_step", 1)
+    dense_only = raw.get("mlp_only_layers") or []
+    if not isinstance(dense_only, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in dense_only):
+        raise ConfigError(f"config.json mlp_only_layers must list layer indices below "
+                          f"{num_layers}, got {dense_only!r}")
+    experts = raw.get("num_experts", 0)
+    mlps = tuple("moe" if experts and i not in dense_only and (i + 1) % step == 0 else "dense"
+                 for i in range(num_layers))
+    return mixers, mlps
+
+
+def _experts(raw: dict) -> dict:
+    """The routed-expert keys of a config with "moe" layers; returns ModelConfig fields."""
+    experts = _int(raw, "num_experts")
+    per_token = _int(raw, "num_experts_per_tok")
+    if per_token > experts:
+        raise ConfigError(f"config.json num_experts_per_tok ({per_token}) is more than "
+                          f"num_experts ({experts})")
+    if raw.get("shared_expert_intermediate_size"):
+        raise ConfigError("config.json shared_expert_intermediate_size: a shared expert is not supported")
+    return {"num_experts": experts, "experts_per_token": per_token,
+            "moe_intermediate_size": _int(raw, "moe_intermediate_size"),
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", False))}
 
 
 def _rope(raw: dict) -> dict:

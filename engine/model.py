@@ -1,4 +1,4 @@
-"""The forward pass of Qwen2/Qwen3 dense models: one pure function, no globals.
+"""The forward pass of Qwen2/Qwen3 dense and Qwen3-MoE models: one pure function.
 
     forward(params, cache, tokens, slots, starts, lengths, *, cfg, all_logits=False)
         -> (logits, cache)
@@ -16,6 +16,9 @@ not ctx, and one compiled program per (rows, tokens) shape serves every context 
 
 Numerics: the residual stream, norms, RoPE and softmax are float32; matrix products take the
 weights in their own dtype and accumulate in float32 (bfloat16 weights on accelerators).
+
+The one side effect: tracing a routed-expert layer records which path it was given (ROUTED_SITES),
+so the worker can report what its compiled programs run (routed_report), not what it meant to.
 """
 from __future__ import annotations
 
@@ -240,6 +243,189 @@ def _mlp(layer, x, cfg: ModelConfig):
     return _matmul(jax.nn.silu(gate) * up, layer["down"])
 
 
+# ---- routed experts ----------------------------------------------------------------------------
+#
+# A "moe" layer's MLP: the router scores every expert, each token takes the top experts_per_token
+# by softmax probability, and its output is their SwiGLU outputs weighted by those probabilities
+# (renormalized to sum to 1 when norm_topk_prob). Qwen3-Next adds a shared expert, an ordinary
+# SwiGLU with a sigmoid gate added to the same sum: one more entry under layer["moe"], read in _moe.
+#
+# Two paths compute the routed sum, chosen per call site while tracing (_routed_path):
+#   kernel  tokens sorted by expert, one grouped matrix product per projection by a routed-expert
+#           kernel (tokamax.ragged_dot from the `accel` extra on GPU/TPU, else jax.lax.ragged_dot,
+#           which GPU and TPU lower to grouped kernels), then unsorted.
+#   exact   plain XLA operations: the (token, expert) pairs sorted by expert into tiles of one expert
+#           each, a loop over the tiles that reads each tile's expert once, then unsorted.
+# What counts as "kernel" is the spec's reading: a kernel package's routed-expert kernel. The tiled
+# loop groups tokens too, but it is this file's own arithmetic, so it reports as exact. XLA:CPU has
+# no such kernel: jax.lax.ragged_dot lowers there to a masked dense product over EVERY expert (its
+# _ragged_dot_general_impl), which would read all experts' weights per token, and tokamax's kernels
+# are for GPU/TPU only. So the CPU runs exact, and says why.
+#
+# Cost on XLA:CPU (measured: 128 experts, top-8, hidden 1024, expert width 384, float32, 2 cores):
+# the obvious formulation, gathering each row's chosen experts' weights (w[experts]) and multiplying,
+# ran at 0.6 GB/s, 40x under the memory bandwidth: XLA:CPU gathers element by element. Taking each
+# expert with a dynamic slice inside a loop (lax.scan) streams it at 25 GB/s, the bandwidth. Hence
+# the tile loop, with one tile per chosen expert when decoding (each expert read once for the union
+# of the rows' choices) and ROUTED_TILE rows per tile in prefill.
+
+ROUTED_KINDS = ("kernel", "exact")
+# Rows per tile of the exact path in a prefill chunk: a tile multiplies its rows by one expert.
+# Smaller tiles waste less on each expert's last, partly filled tile; larger ones run the product
+# at a better rate. (Measured on the bench model, see tests/bench/bench_moe.py.)
+ROUTED_TILE = 64
+# Why XLA:CPU runs the exact path (reported in Health's routed_experts.exact_why).
+CPU_EXACT_WHY = ("cpu: no routed-expert kernel serves XLA:CPU (jax.lax.ragged_dot lowers there to a "
+                 "dense product over every expert; tokamax's kernels target GPU and TPU)")
+
+# (cfg, layer, rows) -> (path, kernel info or None, why or None): every routed-expert call site
+# traced in this process. Written while tracing only, so it costs nothing at run time.
+ROUTED_SITES: dict[tuple, tuple[str, dict | None, str | None]] = {}
+
+
+def _kernel():
+    """The routed-expert kernel for this process: (grouped product function, its id/version/package).
+    The product takes rows [M, in], stacked weights [experts, out, in] and group sizes [experts]."""
+    dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
+                                         lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    if jax.default_backend() in ("gpu", "tpu"):
+        try:
+            import tokamax
+        except ImportError:
+            pass
+        else:
+            def product(rows, w, sizes):
+                # The package's own kernels only: its "xla" fallback is jax.lax.ragged_dot again.
+                return tokamax.ragged_dot_general(rows, w, sizes, dims, preferred_element_type=F32,
+                                                  implementation=("mosaic", "triton"))
+            return product, {"id": "tokamax.ragged_dot", "version": tokamax.__version__,
+                             "package": "tokamax"}
+
+    def product(rows, w, sizes):
+        return lax.ragged_dot_general(rows, w, sizes, dims, preferred_element_type=F32)
+    return product, {"id": "jax.lax.ragged_dot", "version": jax.__version__, "package": "jax"}
+
+
+def _routed_path(cfg: ModelConfig) -> tuple[str, str | None]:
+    """(path, why it is exact) for a call site being traced now."""
+    if cfg.routed_path in ROUTED_KINDS:
+        return cfg.routed_path, ("routed_path=exact was asked for" if cfg.routed_path == "exact"
+                                 else None)
+    if jax.default_backend() == "cpu":
+        return "exact", CPU_EXACT_WHY
+    return "kernel", None
+
+
+def _route(x, router, cfg: ModelConfig):
+    """x [N, hidden] -> (weights [N, k] float32, experts [N, k] int32), the top k by probability."""
+    probs = jax.nn.softmax(_matmul(x, router), axis=-1)
+    weights, experts = lax.top_k(probs, cfg.experts_per_token)
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def _swiglu(rows, gate_up, down):
+    gate, up = jnp.split(_matmul(rows, gate_up), 2, axis=-1)
+    return _matmul(jax.nn.silu(gate) * up, down)
+
+
+def _routed_kernel(x, weights, experts, moe, product):
+    """Sort the (token, expert) pairs by expert, two grouped products, unsort. Pairs of no expert
+    (experts == num_experts: padding) sort last, past every group: the kernel leaves them zero."""
+    n, k = experts.shape
+    num = moe["router"].shape[0]
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.zeros(num + 1, jnp.int32).at[flat].add(1)[:num]
+    rows = x[order // k].astype(moe["gate_up"].dtype)
+    gate, up = jnp.split(product(rows, moe["gate_up"], sizes), 2, axis=-1)
+    y = product((jax.nn.silu(gate) * up).astype(moe["down"].dtype), moe["down"], sizes)
+    back = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
+    y = y[back].reshape(n, k, -1)                                   # unsorted: [token, pick, hidden]
+    return jnp.einsum("nk,nkh->nh", jnp.where(experts < num, weights, 0.0), y)
+
+
+def _routed_exact(x, weights, experts, moe, tile: int):
+    """The same sum in plain XLA operations. Pairs are sorted by expert and laid out in tiles of
+    `tile` rows, each tile holding rows of one expert only (its last tile zero-padded); a loop over
+    the tiles multiplies each tile by its expert, read with a dynamic slice; the outputs are
+    gathered back per (token, pick) and weighted. Tiles past the last used one are skipped."""
+    n, k = experts.shape
+    num = moe["router"].shape[0]
+    pairs = n * k
+    flat = experts.reshape(-1)                                       # num = no expert (padding)
+    sizes = jnp.zeros(num + 1, jnp.int32).at[flat].add(1)[:num]
+    tiles_of = (sizes + tile - 1) // tile
+    tile_end = jnp.cumsum(tiles_of)                                  # tiles of experts 0..e
+    first_tile = tile_end - tiles_of
+    # Enough tiles for any routing: sum over experts of ceil(pairs_e / tile), at most
+    # (pairs + used * (tile - 1)) / tile with at most min(num, pairs) experts used.
+    tiles = (pairs + min(num, pairs) * (tile - 1)) // tile
+    order = jnp.argsort(flat, stable=True)
+    expert = flat[order]
+    live = expert < num
+    safe = jnp.minimum(expert, num - 1)
+    rank = jnp.arange(pairs, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[safe]
+    where = jnp.where(live, first_tile[safe] * tile + rank, tiles * tile)     # padding: past the end
+    token_at = jnp.full(tiles * tile + 1, n, jnp.int32).at[where].set(
+        (order // k).astype(jnp.int32))[:-1].reshape(tiles, tile)           # n = a zero row
+    tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(tiles), side="right"), num - 1)
+    padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])
+
+    def one_tile(_, i):
+        def run():
+            e = tile_expert[i]
+            return _swiglu(padded[token_at[i]], lax.dynamic_index_in_dim(moe["gate_up"], e, 0, False),
+                           lax.dynamic_index_in_dim(moe["down"], e, 0, False))
+        return None, lax.cond(i < tile_end[-1], run, lambda: jnp.zeros((tile, x.shape[1]), F32))
+
+    _, y = lax.scan(one_tile, None, jnp.arange(tiles))
+    y = jnp.concatenate([y.reshape(tiles * tile, -1), jnp.zeros((1, x.shape[1]), F32)])
+    at = jnp.zeros(pairs, jnp.int32).at[order].set(where).reshape(n, k)
+    return jnp.einsum("nk,nkh->nh", jnp.where(experts < num, weights, 0.0), y[at])
+
+
+def routed_experts(x, moe, valid, *, cfg: ModelConfig, site: int, path: str | None = None):
+    """The routed-expert sum for rows x [N, hidden] (float32); valid [N] False for padding and idle
+    rows, which take no expert. The path is chosen here, while tracing, and recorded per site."""
+    n = x.shape[0]
+    why = None
+    if path is None:
+        path, why = _routed_path(cfg)
+    weights, experts = _route(x, moe["router"], cfg)
+    experts = jnp.where(valid[:, None], experts, cfg.num_experts)
+    if path == "kernel":
+        product, kernel = _kernel()
+        ROUTED_SITES[(cfg, site, n)] = ("kernel", kernel, None)
+        return _routed_kernel(x, weights, experts, moe, product)
+    ROUTED_SITES[(cfg, site, n)] = ("exact", None, why)
+    # Decode (a few rows): one tile per expert picked, so each is read once for all rows picking it.
+    tile = n if n * cfg.experts_per_token <= ROUTED_TILE else ROUTED_TILE
+    return _routed_exact(x, weights, experts, moe, tile)
+
+
+def routed_report(cfg: ModelConfig) -> dict | None:
+    """Health's routed_experts for the programs traced so far with cfg: None for a dense model or
+    before any routed site is traced."""
+    sites = [v for (c, _, _), v in ROUTED_SITES.items() if c == cfg]
+    if not sites:
+        return None
+    count = {kind: sum(1 for path, _, _ in sites if path == kind) for kind in ROUTED_KINDS}
+    kernel = next((info for path, info, _ in sites if path == "kernel"), None)
+    return {"path": "mixed" if count["kernel"] and count["exact"] else
+            "kernel" if count["kernel"] else "exact",
+            "kernel": kernel, "sites": count,
+            "exact_why": sorted({why for _, _, why in sites if why})}
+
+
+def _moe(layer, x, valid, cfg: ModelConfig, site: int):
+    """A "moe" layer's MLP on x [B, T, hidden]."""
+    b, t, h = x.shape
+    return routed_experts(x.reshape(b * t, h), layer["moe"], valid.reshape(b * t), cfg=cfg,
+                          site=site).reshape(b, t, h)
+
+
 # ---- the model ---------------------------------------------------------------------------------
 
 def forward(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,
@@ -259,13 +445,15 @@ def forward(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,
     x = params["embed"][tokens].astype(F32)                                # [B, T, hidden]
     new_cache = []
     # A Python loop, not lax.scan: XLA:CPU runs the unrolled layers 2-4x faster.
-    for kind, layer, kv in zip(cfg.layer_kinds, params["layers"], cache):
+    mlp_kinds = cfg.mlp_kinds or ("dense",) * cfg.num_layers
+    for i, (kind, mlp, layer, kv) in enumerate(zip(cfg.layer_kinds, mlp_kinds, params["layers"], cache)):
         if kind != "attention":
             raise ValueError(f"layer kind {kind!r} is not implemented")
         h, kv = _attention(layer, kv, _rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps),
                            slots, positions, valid, live, cfg=cfg)
         x = x + h
-        x = x + _mlp(layer, _rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps), cfg)
+        normed = _rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+        x = x + (_moe(layer, normed, valid, cfg, i) if mlp == "moe" else _mlp(layer, normed, cfg))
         new_cache.append(kv)
     if not all_logits:
         last = jnp.maximum(lengths - 1, 0)                                 # idle rows: any row

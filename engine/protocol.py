@@ -82,6 +82,7 @@ class ModelFacts:
     dtype: str                    # compute dtype
     compile_s: float = 0.0        # start-up compile time
     cache_namespace: str | None = None
+    # Mixture-of-experts models: Health's routed_experts (engine.model.routed_report); None if dense.
     routed_experts: dict | None = None
 
 

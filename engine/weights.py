@@ -10,13 +10,18 @@ The pytree (all jax arrays in the compute dtype):
         "qkv_bias": [q + 2 kv]                     Qwen2 only
         "q_norm", "k_norm": [head_dim]             Qwen3 only
         "o":    [hidden, q]
-        "gate_up": [2 * intermediate, hidden]      gate and up stacked (one matmul)
-        "down": [hidden, intermediate] ]}
+        "gate_up": [2 * intermediate, hidden]      gate and up stacked (one matmul)   dense layers
+        "down": [hidden, intermediate]
+        "moe": {                                                                          moe layers
+            "router":  [experts, hidden]
+            "gate_up": [experts, 2 * moe_intermediate, hidden]   every expert's gate and up
+            "down":    [experts, hidden, moe_intermediate] } ]}
 Matrices are stored [out, in], as the checkpoints hold them: each output is a dot product with one
 contiguous row, the layout in which XLA:CPU reads the weights fastest for a few decode rows (see
 engine.model._matmul), and a tied LM head is the embedding table itself, with no copy. Layers stay
 a Python list (not one stacked array): the forward loops over them in Python, which XLA:CPU runs
-2-4x faster than lax.scan.
+2-4x faster than lax.scan. Experts are the opposite: Hugging Face saves one tensor per expert, and
+they are stacked here, once, into [experts, ...] arrays, so the forward picks experts by index.
 """
 from __future__ import annotations
 
@@ -80,7 +85,7 @@ class _Reader:
 
 
 def load_weights(folder: str, cfg: ModelConfig, dtype, progress=None) -> dict:
-    """Load a Hugging Face Qwen2/Qwen3 checkpoint as the pytree above, in `dtype` (a jnp dtype).
+    """Load a Hugging Face Qwen2/Qwen3/Qwen3-MoE checkpoint as the pytree above, in `dtype` (a jnp dtype).
     progress(done, total), if given, is called after each layer (for the Loading messages)."""
     import jax.numpy as jnp
 
@@ -94,10 +99,25 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, progress=None) -> dict:
     def matrix(name: str, out_dim: int, in_dim: int) -> np.ndarray:
         return r.get(name, (out_dim, in_dim))          # nn.Linear's own [out, in]
 
+    def experts(p: str) -> dict:
+        """A layer's router and experts, each expert's tensors stacked along a new first axis.
+        Checkpoints written by newer transformers may hold them stacked already (gate_up_proj)."""
+        e, m = cfg.num_experts, cfg.moe_intermediate_size
+        if r.has(p + "experts.gate_up_proj"):
+            gate_up = r.get(p + "experts.gate_up_proj", (e, 2 * m, h))
+            down = r.get(p + "experts.down_proj", (e, h, m))
+        else:
+            gate_up = np.stack([np.concatenate([matrix(f"{p}experts.{j}.gate_proj.weight", m, h),
+                                                matrix(f"{p}experts.{j}.up_proj.weight", m, h)])
+                                for j in range(e)])
+            down = np.stack([matrix(f"{p}experts.{j}.down_proj.weight", h, m) for j in range(e)])
+        return {"router": put(matrix(p + "gate.weight", e, h)), "gate_up": put(gate_up),
+                "down": put(down)}
+
     layers = []
-    for i, kind in enumerate(cfg.layer_kinds):
-        if kind != "attention":
-            raise WeightsError(f"layer {i} kind {kind!r} has no weight layout")
+    for i, (kind, mlp) in enumerate(zip(cfg.layer_kinds, cfg.mlp_kinds or ("dense",) * cfg.num_layers)):
+        if kind != "attention" or mlp not in ("dense", "moe"):
+            raise WeightsError(f"layer {i} kind {kind!r} / {mlp!r} has no weight layout")
         p = f"model.layers.{i}."
         layer = {
             "attn_norm": put(r.get(p + "input_layernorm.weight", (h,))),
@@ -106,10 +126,13 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, progress=None) -> dict:
                                        matrix(p + "self_attn.k_proj.weight", kv, h),
                                        matrix(p + "self_attn.v_proj.weight", kv, h)])),
             "o": put(matrix(p + "self_attn.o_proj.weight", h, q)),
-            "gate_up": put(np.concatenate([matrix(p + "mlp.gate_proj.weight", f, h),
-                                           matrix(p + "mlp.up_proj.weight", f, h)])),
-            "down": put(matrix(p + "mlp.down_proj.weight", h, f)),
         }
+        if mlp == "moe":
+            layer["moe"] = experts(p + "mlp.")
+        else:
+            layer["gate_up"] = put(np.concatenate([matrix(p + "mlp.gate_proj.weight", f, h),
+                                                   matrix(p + "mlp.up_proj.weight", f, h)]))
+            layer["down"] = put(matrix(p + "mlp.down_proj.weight", h, f))
         if cfg.qkv_bias:
             layer["qkv_bias"] = put(np.concatenate([r.get(p + "self_attn.q_proj.bias", (q,)),
                                                     r.get(p + "self_attn.k_proj.bias", (kv,)),

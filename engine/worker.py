@@ -34,7 +34,7 @@ import numpy as np
 from engine import prefix, sampler
 from engine.cache import copy_prefix, init_cache, read_slot, warm_host_copies, write_slot
 from engine.config import load_config
-from engine.model import dtype_for, jit_forward, kv_dtype_for
+from engine.model import dtype_for, jit_forward, kv_dtype_for, routed_report
 from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Note, Ready, Shutdown, Stats, Step,
                              Submit)
 from engine.registry import cache_root
@@ -168,7 +168,9 @@ class Engine:
             max_model_len=args.ctx, slots=args.slots, prefix_cache=args.prefix_cache,
             cache_ram_mib=args.cache_ram_mib, vocab_size=cfg.vocab_size, device=platform,
             dtype=self.dtype.name, compile_s=round(compile_s, 2),
-            cache_namespace=namespace)
+            cache_namespace=namespace,
+            # What the warm-up traced, so Health reports the path the programs really run.
+            routed_experts=routed_report(cfg))
 
     # -- start-up ---------------------------------------------------------------------------------
 

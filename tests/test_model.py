@@ -24,7 +24,7 @@ from engine.model import dtype_for, jit_forward
 from engine.weights import WeightsError, load_weights, weights_bytes
 
 TINY = os.path.join(os.path.dirname(__file__), "fixtures", "tiny")
-MODELS = ["qwen3", "qwen3-tied", "qwen2"]
+MODELS = ["qwen3", "qwen3-tied", "qwen2", "qwen3-moe", "qwen3-moe-raw"]
 # float32 against float32 transformers: only summation order differs (measured ~1.5e-5 at most).
 PARITY_ATOL = 1e-4
 # The same model run in differently shaped batches or chunks: reduction order may change a little.
