@@ -2921,6 +2921,10 @@ class Metrics:
         add("compiles_after_ready_total", "counter", "Programs compiled after the server reported ready.").inc(0)
         add("worker_resident_memory_bytes", "gauge",
             "Resident memory of the engine's worker process (0 while none runs).")
+        add("routed_experts_info", "gauge", "Mixture-of-experts models: the path the routed experts run on "
+            "(kernel, exact or mixed) and the kernel's id, version and package, as /health reports them.")
+        add("routed_expert_sites", "gauge", "Mixture-of-experts models: routed-expert call sites traced on "
+            "each path.")
         rejections = add("admission_rejections_total", "counter", "Requests refused by admission, by reason.")
         for reason in ("tenant_queue_full", "queue_full", "loading"):
             rejections.inc(0, reason=reason)
@@ -2976,6 +2980,16 @@ class Metrics:
             info.set(1, block_size=facts.max_model_len, num_gpu_blocks=facts.slots,
                      enable_prefix_caching=str(facts.prefix_cache).lower(),
                      cache_ram_mib=facts.cache_ram_mib)
+        routed = facts.routed_experts if facts is not None else None
+        self.m["routed_experts_info"].values.clear()
+        self.m["routed_expert_sites"].values.clear()
+        if routed is not None:           # a dense model has no series
+            kernel = routed.get("kernel") or {}
+            self.m["routed_experts_info"].set(1, path=routed["path"], kernel=kernel.get("id", ""),
+                                              kernel_version=kernel.get("version", ""),
+                                              kernel_package=kernel.get("package", ""))
+            for path, count in routed["sites"].items():
+                self.m["routed_expert_sites"].set(count, path=path)
         if bridge is not None:
             # The bridge's totals span every worker process, but compiles_after_ready reads None while
             # a new worker loads: a counter never goes back, so keep the largest value seen.

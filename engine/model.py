@@ -253,7 +253,8 @@ def _mlp(layer, x, cfg: ModelConfig):
 # Two paths compute the routed sum, chosen per call site while tracing (_routed_path):
 #   kernel  tokens sorted by expert, one grouped matrix product per projection by a routed-expert
 #           kernel (tokamax.ragged_dot from the `accel` extra on GPU/TPU, else jax.lax.ragged_dot,
-#           which GPU and TPU lower to grouped kernels), then unsorted.
+#           which GPU and TPU lower to XLA's ragged-dot instruction), then unsorted. A site whose
+#           shapes tokamax refuses runs exact, and says so.
 #   exact   plain XLA operations: the (token, expert) pairs sorted by expert into tiles of one expert
 #           each, a loop over the tiles that reads each tile's expert once, then unsorted.
 # What counts as "kernel" is the spec's reading: a kernel package's routed-expert kernel. The tiled
@@ -283,6 +284,10 @@ CPU_EXACT_WHY = ("cpu: no routed-expert kernel serves XLA:CPU (jax.lax.ragged_do
 ROUTED_SITES: dict[tuple, tuple[str, dict | None, str | None]] = {}
 
 
+class _NoKernel(Exception):
+    """The kernel package refused this call site's shapes or platform (raised while tracing)."""
+
+
 def _kernel():
     """The routed-expert kernel for this process: (grouped product function, its id/version/package).
     The product takes rows [M, in], stacked weights [experts, out, in] and group sizes [experts]."""
@@ -295,9 +300,17 @@ def _kernel():
             pass
         else:
             def product(rows, w, sizes):
-                # The package's own kernels only: its "xla" fallback is jax.lax.ragged_dot again.
-                return tokamax.ragged_dot_general(rows, w, sizes, dims, preferred_element_type=F32,
-                                                  implementation=("mosaic", "triton"))
+                # The package's own kernels only: its "xla" fallback is jax.lax.ragged_dot's
+                # expansion. A kernel that cannot take these shapes says so while tracing.
+                refusals = []
+                for implementation in ("mosaic", "triton"):
+                    try:
+                        return tokamax.ragged_dot_general(rows, w, sizes, dims,
+                                                          preferred_element_type=F32,
+                                                          implementation=implementation)
+                    except (NotImplementedError, ValueError) as e:
+                        refusals.append(f"{implementation}: {e}")
+                raise _NoKernel("tokamax.ragged_dot refused " + "; ".join(refusals))
             return product, {"id": "tokamax.ragged_dot", "version": tokamax.__version__,
                              "package": "tokamax"}
 
@@ -386,29 +399,36 @@ def _routed_exact(x, weights, experts, moe, tile: int):
     return jnp.einsum("nk,nkh->nh", jnp.where(experts < num, weights, 0.0), y[at])
 
 
-def routed_experts(x, moe, valid, *, cfg: ModelConfig, site: int, path: str | None = None):
+def routed_experts(x, moe, valid, *, cfg: ModelConfig, site: int | None = None):
     """The routed-expert sum for rows x [N, hidden] (float32); valid [N] False for padding and idle
-    rows, which take no expert. The path is chosen here, while tracing, and recorded per site."""
+    rows, which take no expert. The path is chosen here, while tracing, and recorded for the layer
+    `site` (None: a call outside the model, not recorded)."""
     n = x.shape[0]
-    why = None
-    if path is None:
-        path, why = _routed_path(cfg)
+    path, why = _routed_path(cfg)
     weights, experts = _route(x, moe["router"], cfg)
     experts = jnp.where(valid[:, None], experts, cfg.num_experts)
     if path == "kernel":
         product, kernel = _kernel()
-        ROUTED_SITES[(cfg, site, n)] = ("kernel", kernel, None)
-        return _routed_kernel(x, weights, experts, moe, product)
-    ROUTED_SITES[(cfg, site, n)] = ("exact", None, why)
+        try:
+            out = _routed_kernel(x, weights, experts, moe, product)
+        except _NoKernel as e:                     # this site runs exact, and Health says why
+            path, why = "exact", str(e)
+        else:
+            if site is not None:
+                ROUTED_SITES[(cfg, site, n)] = ("kernel", kernel, None)
+            return out
+    if site is not None:
+        ROUTED_SITES[(cfg, site, n)] = ("exact", None, why)
     # Decode (a few rows): one tile per expert picked, so each is read once for all rows picking it.
     tile = n if n * cfg.experts_per_token <= ROUTED_TILE else ROUTED_TILE
     return _routed_exact(x, weights, experts, moe, tile)
 
 
-def routed_report(cfg: ModelConfig) -> dict | None:
-    """Health's routed_experts for the programs traced so far with cfg: None for a dense model or
-    before any routed site is traced."""
-    sites = [v for (c, _, _), v in ROUTED_SITES.items() if c == cfg]
+def routed_report(cfg: ModelConfig, rows=None) -> dict | None:
+    """Health's routed_experts for the programs traced so far with cfg (only those of `rows` tokens
+    per call, if given: one engine's programs): None for a dense model or before any routed site
+    is traced."""
+    sites = [v for (c, _, n), v in ROUTED_SITES.items() if c == cfg and (rows is None or n in rows)]
     if not sites:
         return None
     count = {kind: sum(1 for path, _, _ in sites if path == kind) for kind in ROUTED_KINDS}
@@ -420,7 +440,8 @@ def routed_report(cfg: ModelConfig) -> dict | None:
 
 
 def _moe(layer, x, valid, cfg: ModelConfig, site: int):
-    """A "moe" layer's MLP on x [B, T, hidden]."""
+    """A "moe" layer's MLP on x [B, T, hidden]. (Qwen3-Next's shared expert, when it comes, is
+    added here: its SwiGLU (_swiglu) on every row times sigmoid(x . its gate).)"""
     b, t, h = x.shape
     return routed_experts(x.reshape(b * t, h), layer["moe"], valid.reshape(b * t), cfg=cfg,
                           site=site).reshape(b, t, h)

@@ -64,6 +64,14 @@ def demo_server(demo_folder):
     assert proc.returncode == 0, "".join(lines[-20:])
 
 
+def test_the_demo_health_reports_no_routed_experts(demo_server):
+    """Guards against a dense model claiming a routed-expert path in /health."""
+    import json
+    import urllib.request
+    with urllib.request.urlopen(demo_server + "/health", timeout=5) as r:
+        assert json.load(r)["routed_experts"] is None
+
+
 def test_chat_answers_the_france_question_greedily(demo_server):
     """Guards against a server whose engine, template or tokenizer drifted from the real model."""
     import openai

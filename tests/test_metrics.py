@@ -37,6 +37,8 @@ FAMILIES = {
     "worker_resident_memory_bytes": "gauge", "admission_rejections_total": "counter", "time_to_first_token_seconds": "histogram",
     "request_queue_time_seconds": "histogram", "e2e_request_latency_seconds": "histogram",
     "request_time_per_output_token_seconds": "histogram",
+    # mashbox's own: mixture-of-experts models' routed-expert path (no series for a dense model)
+    "routed_experts_info": "gauge", "routed_expert_sites": "gauge",
 }
 # vLLM's bucket boundaries (vllm/v1/metrics/loggers.py), which dashboards built for it assume.
 VLLM_BUCKETS = {
@@ -50,7 +52,7 @@ VLLM_BUCKETS = {
 VLLM_BUCKETS["request_queue_time_seconds"] = VLLM_BUCKETS["e2e_request_latency_seconds"]
 # Every label a family may carry. Anything else could be a user's text.
 LABELS = {"finished_reason", "reason", "le", "block_size", "num_gpu_blocks", "enable_prefix_caching",
-          "cache_ram_mib"}
+          "cache_ram_mib", "path", "kernel", "kernel_version", "kernel_package"}
 
 
 @pytest.fixture(scope="module")

@@ -57,14 +57,16 @@ def test_models_json_lists_real_qwen3_models_with_consistent_fields():
     table = registry.load_models()
     models = table["models"]
     assert table["default"] in models
-    for required in ("qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "qwen3-next-80b-a3b"):
+    for required in ("qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "qwen3-30b-a3b-instruct-2507",
+                     "qwen3-coder-30b-a3b-instruct", "qwen3-next-80b-a3b"):
         assert required in models
     for model_id, entry in models.items():
         assert entry["chat_format"] == registry.CHAT_FORMAT[entry["family"]], model_id
         d = entry["defaults"]
         assert 0 < d["ctx"] <= entry["context_length"], model_id
         assert d["slots"] > 0 and d["cache_ram_mib"] >= 0, model_id
-    assert models["qwen3-30b-a3b"]["family"] == "qwen3_moe"
+    for moe in ("qwen3-30b-a3b", "qwen3-30b-a3b-instruct-2507", "qwen3-coder-30b-a3b-instruct"):
+        assert models[moe]["family"] == "qwen3_moe", moe
     assert models["qwen3-next-80b-a3b"]["family"] == "qwen3_next"
 
 

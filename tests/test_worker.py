@@ -203,6 +203,7 @@ def test_worker_process_round_trip(tmp_path):
         assert any(isinstance(m, Loading) for m in start)
         facts = start[-1].facts
         assert facts.max_model_len == 128 and facts.slots == 2 and facts.family == "qwen3"
+        assert facts.routed_experts is None                   # a dense model
         assert start[-1].pid == process.pid
         conn.send(Submit("a", prompt(1, 10), 5))
         conn.send(Submit("b", prompt(2, 10), 50))
