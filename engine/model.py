@@ -238,9 +238,13 @@ def _attention(layer, kv, x, slots, positions, valid, live, *, cfg: ModelConfig)
     return _matmul(out, layer["o"]), {"k": cache_k, "v": cache_v}
 
 
+def _swiglu(rows, gate_up, down):
+    gate, up = jnp.split(_matmul(rows, gate_up), 2, axis=-1)
+    return _matmul(jax.nn.silu(gate) * up, down)
+
+
 def _mlp(layer, x, cfg: ModelConfig):
-    gate, up = jnp.split(_matmul(x, layer["gate_up"]), 2, axis=-1)
-    return _matmul(jax.nn.silu(gate) * up, layer["down"])
+    return _swiglu(x, layer["gate_up"], layer["down"])
 
 
 # ---- routed experts ----------------------------------------------------------------------------
@@ -336,11 +340,6 @@ def _route(x, router, cfg: ModelConfig):
     if cfg.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
-
-
-def _swiglu(rows, gate_up, down):
-    gate, up = jnp.split(_matmul(rows, gate_up), 2, axis=-1)
-    return _matmul(jax.nn.silu(gate) * up, down)
 
 
 def _routed_kernel(x, weights, experts, moe, product):
