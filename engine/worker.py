@@ -170,7 +170,7 @@ class Engine:
             dtype=self.dtype.name, compile_s=round(compile_s, 2),
             cache_namespace=namespace,
             # What the warm-up traced, so Health reports the path the programs really run.
-            routed_experts=routed_report(cfg, {rows * t for _, rows, t, _ in self.programs()}))
+            routed_experts=routed_report(cfg, {rows * t for _, rows, t in self.programs()}))
 
     # -- start-up ---------------------------------------------------------------------------------
 

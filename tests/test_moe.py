@@ -183,19 +183,18 @@ def test_each_path_matches_transformers_in_prefill_and_decode(name, path):
     n = len(tokens)
     logits, _ = jit_forward(params, init_cache(cfg, SLOTS, CTX, jnp.float32), jnp.asarray(tokens[None]),
                             jnp.asarray([2], jnp.int32), jnp.asarray([0], jnp.int32),
-                            jnp.asarray([n], jnp.int32), cfg=cfg, attn_len=CTX, all_logits=True)
+                            jnp.asarray([n], jnp.int32), cfg=cfg, all_logits=True)
     np.testing.assert_allclose(np.asarray(logits[0]), ref["logits"], atol=PARITY_ATOL, rtol=0)
     cache = init_cache(cfg, SLOTS, CTX, jnp.float32)
     chunk = np.zeros((1, 16), np.int32)
     chunk[0, :13] = tokens[:13]
     logits, cache = jit_forward(params, cache, jnp.asarray(chunk), jnp.asarray([1], jnp.int32),
-                                jnp.asarray([0], jnp.int32), jnp.asarray([13], jnp.int32), cfg=cfg,
-                                attn_len=CTX)
+                                jnp.asarray([0], jnp.int32), jnp.asarray([13], jnp.int32), cfg=cfg)
     np.testing.assert_allclose(np.asarray(logits[0]), ref["logits"][12], atol=PARITY_ATOL, rtol=0)
     for pos in range(13, 20):
         logits, cache = jit_forward(params, cache, jnp.asarray(tokens[None, pos:pos + 1]),
                                     jnp.asarray([1], jnp.int32), jnp.asarray([pos], jnp.int32),
-                                    jnp.asarray([1], jnp.int32), cfg=cfg, attn_len=32)
+                                    jnp.asarray([1], jnp.int32), cfg=cfg)
         np.testing.assert_allclose(np.asarray(logits[0]), ref["logits"][pos], atol=PARITY_ATOL, rtol=0)
 
 
@@ -208,7 +207,7 @@ def test_the_report_says_what_was_traced_and_fits_the_spec():
         for rows in (1, 3):
             jit_forward(params, init_cache(cfg, SLOTS, CTX, jnp.float32), jnp.zeros((rows, 1), jnp.int32),
                         jnp.arange(rows, dtype=jnp.int32), jnp.zeros(rows, jnp.int32),
-                        jnp.zeros(rows, jnp.int32), cfg=cfg, attn_len=CTX)
+                        jnp.zeros(rows, jnp.int32), cfg=cfg)
         report = _valid(routed_report(cfg, {1, 3}))      # other tests trace other sizes
         routed_layers = cfg.mlp_kinds.count("moe")
         assert report["path"] == path
@@ -230,7 +229,7 @@ def test_the_platform_chooses_the_path_and_the_cpu_says_why():
     cfg, params, _ = _load("qwen3-moe")
     jit_forward(params, init_cache(cfg, SLOTS, CTX, jnp.float32), jnp.zeros((2, 1), jnp.int32),
                 jnp.arange(2, dtype=jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32),
-                cfg=cfg, attn_len=CTX)
+                cfg=cfg)
     report = _valid(routed_report(cfg, {2}))
     if jax.default_backend() == "cpu":
         assert report["path"] == "exact" and report["exact_why"] == [model.CPU_EXACT_WHY]
