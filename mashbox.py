@@ -614,8 +614,10 @@ class Responder:
             self.keep_alive = False   # an unframed stream ends when the connection does
         await self._conn.write(stream_head(status, headers, self.keep_alive, self._chunked))
 
-    async def event(self, frame: bytes) -> None:
-        """Write one SSE frame and wait until the socket takes it."""
+    async def event(self, frame: bytes, wait: bool = True) -> None:
+        """Write one SSE frame and wait until the socket takes it. wait=False: leave it in the
+        connection's buffer (generation goes on while a slow client reads); a client that reads
+        nothing for the stall timeout is still cut off."""
         if not self._streaming or self.finished:
             raise RuntimeError("event() outside an open stream")
         if self._head_only:
@@ -623,7 +625,7 @@ class Responder:
                 raise ClientGone()
             return
         if frame:
-            await self._conn.write(chunk(frame) if self._chunked else frame)
+            await self._conn.write(chunk(frame) if self._chunked else frame, wait)
 
     async def end_stream(self) -> None:
         if not self._streaming:
@@ -667,6 +669,8 @@ class Connection:
         self._held = 0                       # this connection's share of app.buffered
         self._in_use = 0                     # body bytes of the request being handled
         self._over_budget = False            # app.buffered had no room for what arrived
+        self._stalled: tuple[float, int] | None = None   # (since, bytes sent then) while the client lags
+        self._written = 0                    # bytes given to the transport so far
         self._checked: tuple[Request, Route] | None = None   # a head that passed _check
 
     async def run(self) -> None:
@@ -852,24 +856,45 @@ class Connection:
 
     # ---- writing ---------------------------------------------------------------------------------
 
-    async def write(self, data: bytes) -> None:
-        """Write and wait while the socket's buffer is full: at most stall_s, then the client is cut."""
+    async def write(self, data: bytes, wait: bool = True) -> None:
+        """Write and wait while the socket's buffer is full; a client that takes nothing for stall_s is
+        cut off. wait=False: return at once (the data stays buffered), with the same cut-off."""
         if self.transport.is_closing():
             self.gone.set()
             raise ClientGone()
         self.writer.write(data)
-        if self.transport.get_write_buffer_size() <= self.transport.get_write_buffer_limits()[1]:
+        self._written += len(data)
+        size = self.transport.get_write_buffer_size()
+        if size <= self.transport.get_write_buffer_limits()[1]:
+            self._stalled = None
             return
-        try:
-            await asyncio.wait_for(self.writer.drain(), self.limits.stall_s)
-        except asyncio.TimeoutError:
-            log.info("client read nothing for %.0f s; closing its connection", self.limits.stall_s)
-            self.transport.abort()
-            self.gone.set()
-            raise ClientGone() from None
-        except (ConnectionError, OSError):
-            self.gone.set()
-            raise ClientGone() from None
+        if not wait:
+            now, sent = self._loop.time(), self._written - size
+            if self._stalled is None or sent > self._stalled[1]:
+                self._stalled = (now, sent)      # the client took something: the clock starts again
+            elif now - self._stalled[0] > self.limits.stall_s:
+                log.info("client read nothing for %.0f s; closing its connection", self.limits.stall_s)
+                self.transport.abort()
+                self.gone.set()
+                raise ClientGone()
+            return
+        sent = self._written - size
+        while True:
+            try:
+                await asyncio.wait_for(self.writer.drain(), self.limits.stall_s)
+                return
+            except asyncio.TimeoutError:
+                now_sent = self._written - self.transport.get_write_buffer_size()
+                if now_sent > sent:              # slow, but reading: a buffered answer drains
+                    sent = now_sent
+                    continue
+                log.info("client read nothing for %.0f s; closing its connection", self.limits.stall_s)
+                self.transport.abort()
+                self.gone.set()
+                raise ClientGone() from None
+            except (ConnectionError, OSError):
+                self.gone.set()
+                raise ClientGone() from None
 
 
 # =================================================================================================
@@ -3583,7 +3608,7 @@ def cache_tenant_label(req) -> str:
 
 
 async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list[int],
-                         outcome: Outcome) -> None:
+                         outcome: Outcome, engine_done: Callable[[], None] = lambda: None) -> None:
     """Generate for one parsed, rendered, admitted request and write its answer (JSON or SSE).
 
     Owns the spec's retry rule. When the worker dies (or the device fails this request) before the
@@ -3592,6 +3617,11 @@ async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list
     of enc.start() are not output). A failure after that, or of the retry, is a 500 in the route's shape;
     a started stream ends with its encoder's error frames, which carry the response id. A shutdown
     whose grace period ran out ends the request the same way with 503/529.
+
+    Frames are left in the connection's buffer while the engine works (a slow reader does not hold the
+    engine's answer back), and engine_done() is called as soon as the engine has finished with the
+    request, before the rest is written: its slot goes to the next request, and what a slow client has
+    still to read is bounded output, cut off by the stall timeout like any other.
     """
     bridge = app.bridge
     facts = bridge.facts
@@ -3614,7 +3644,7 @@ async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list
                 await out.event(frame)
         # Before the start frames, an SSE comment: every client skips it (an Anthropic ping before
         # message_start would break the SDK's stream accumulator).
-        keepalive = lambda: out.event(enc.keepalive() if started else SSE_COMMENT)   # noqa: E731
+        keepalive = lambda: out.event(enc.keepalive() if started else SSE_COMMENT, False)   # noqa: E731
     sent_output = False          # a streamed client has text, reasoning or a tool call: never retry
     err: ApiError | None = None
     for attempt in range(RETRIES_AFTER_FAULT + 1):
@@ -3645,7 +3675,7 @@ async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list
                     started = True
                     enc.admitted(usage)
                     for frame in enc.start():
-                        await out.event(frame)
+                        await out.event(frame, False)
                 if step.tokens and outcome.first_token_at is None:
                     outcome.first_token_at = time.monotonic()
                 usage.completion_tokens += len(step.tokens)
@@ -3664,7 +3694,7 @@ async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list
                     if job.stream and frames:
                         sent_output = sent_output or not isinstance(ev, chat.Done)
                         for frame in frames:
-                            await out.event(frame)
+                            await out.event(frame, False)
                 if finish is not None:
                     break
         except WorkerDied as died:
@@ -3684,6 +3714,7 @@ async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list
             outcome.finish = outcome.finish or "abort"
             raise
         break
+    engine_done()
     if err is None:
         if job.stream:
             await out.end_stream()
@@ -3777,11 +3808,97 @@ def rejected_error(fmt_anthropic: bool, reason: str) -> ApiError:
     return ApiError(429, why, type="unavailable", code=reason, headers=headers)
 
 
-async def render_prompt(app, job: Job) -> list[int]:
-    """The one template, off the event loop (a 50 KB agent prompt takes milliseconds to tokenize)."""
-    if not app.bridge.facts or app.tokenizer is None:
+# Prompts up to this many characters are tokenized in a thread of the server: `tokenizers` lets go of
+# the GIL while it works, and a 250 KB agent prompt takes about 0.3 s and 40 MB. Longer ones go to the
+# tokenizer process (TokenizerProcess), one at a time: tokenizing takes about 150 bytes of memory a
+# character, which a process gives back to the system when it ends, and the server's heap would not.
+TOKENIZE_IN_THREAD_CHARS = 256 * 1024
+# The tokenizer process is replaced after a prompt this long, to give back what tokenizing it took.
+TOKENIZER_RECYCLE_CHARS = 1024 * 1024
+
+
+class TokenizerProcess:
+    """A process of its own that tokenizes long prompts (chat.serve_tokenizer), started on first use
+    and replaced after each very long prompt. One prompt at a time: long prompts wait their turn here
+    (each still holds its body, which the connections' byte budget bounds) instead of tokenizing
+    together; short prompts never come here."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self._lock = asyncio.Lock()
+        self._proc = None
+        self._conn = None
+
+    async def encode(self, text: str, limit: int) -> tuple[int, list[int] | None]:
+        """(number of tokens, the ids, or None when there are more than limit)."""
+        async with self._lock:
+            return await asyncio.to_thread(self._encode, text, limit)
+
+    def _encode(self, text: str, limit: int) -> tuple[int, list[int] | None]:
+        import array
+        import multiprocessing
+        if self._proc is None or not self._proc.is_alive():
+            self.close()
+            context = multiprocessing.get_context("spawn")
+            self._conn, theirs = context.Pipe()
+            self._proc = context.Process(target=chat.serve_tokenizer, args=(theirs, self.folder),
+                                         name="mashbox-tokenizer", daemon=True)
+            self._proc.start()
+            theirs.close()
+        try:
+            self._conn.send((text, limit))
+            count, data = self._conn.recv()
+        except (EOFError, OSError) as e:
+            self.close()
+            raise ApiError(500, f"the tokenizer process failed: {e}", type="server_error") from None
+        if len(text) > TOKENIZER_RECYCLE_CHARS:
+            self.close()
+        if not data:
+            return count, None
+        ids = array.array("i")
+        ids.frombytes(data)
+        return count, ids.tolist()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join(5)
+        self._proc = self._conn = None
+
+
+def prompt_too_long(tokens: str, ctx: int) -> ApiError:
+    return ApiError(400, f"messages: the prompt is {tokens} tokens, and the context holds {ctx} (with room "
+                         "for at least one new token)", param="messages")
+
+
+async def render_prompt(app, job: Job, count_only: bool = False) -> list[int] | int:
+    """The one template, then its tokens, without stalling the event loop: a prompt that cannot fit the
+    context (a token stands for at most max_token_bytes characters) is refused before any of it is
+    tokenized; a short one is tokenized in a thread, a long one in the tokenizer process. A prompt
+    longer than the context is a 400 with both numbers. count_only: the number of tokens, whatever it is
+    (count_tokens), under the same character bound."""
+    facts, tok = app.bridge.facts, app.tokenizer
+    if not facts or tok is None:
         raise not_ready_error(False)
-    return await asyncio.to_thread(chat.render, job, app.tokenizer, app.bridge.facts.chat_format)
+    text = chat.render_text(job, facts.chat_format)
+    ctx = facts.max_model_len
+    if len(text) > (ctx - 1) * tok.max_token_bytes:
+        least = -(-len(text) // tok.max_token_bytes)
+        raise prompt_too_long(f"{len(text)} characters, so at least {least}", ctx)
+    if len(text) <= TOKENIZE_IN_THREAD_CHARS:
+        ids = await asyncio.to_thread(tok.encode, text)
+        count = len(ids)
+    else:
+        if app.tokenizer_process is None or app.tokenizer_process.folder != facts.folder:
+            app.tokenizer_process = TokenizerProcess(facts.folder)
+        count, ids = await app.tokenizer_process.encode(text, 0 if count_only else ctx - 1)
+    if count_only:
+        return count
+    if count >= ctx:
+        raise prompt_too_long(str(count), ctx)
+    return ids
 
 
 def check_model(app, name: str | None) -> None:
@@ -3812,36 +3929,39 @@ async def handle_generation(app, req, out, fmt: "ApiFormat", tenant: str) -> Non
             raise not_ready_error(fmt.anthropic)
         if not fmt.anthropic:
             check_model(app, job.model)
-        prompt = await render_prompt(app, job)
-        if app.config.log_prompts:
-            log_prompt(app.tokenizer, prompt, req.path, job.session)
-        ctx = app.bridge.facts.max_model_len
-        if len(prompt) >= ctx:
-            raise ApiError(400, f"messages: the prompt is {len(prompt)} tokens, and the context holds "
-                                f"{ctx} (with room for at least one new token)", param="messages")
+        # Admission first: a tenant past its limit (or a full server) is refused before its prompt
+        # costs any tokenizing; what is admitted is rendered while it waits for its slot.
         try:
             ticket = app.admission.enter(tenant)
         except Rejected as r:
             app.metrics["admission_rejections_total"].inc(reason=r.reason)
             raise rejected_error(fmt.anthropic, r.reason)
+        released = False
+
+        def engine_done() -> None:
+            """The slot (or the queue place) goes back: at once when the engine is done with it."""
+            nonlocal released
+            if not released:
+                released = True
+                if ticket is None:
+                    app.admission.release()
+                else:
+                    app.admission.leave_queue(tenant, ticket)
         app.bridge.enter()   # from here a shutdown waits for this request (its grace period)
         try:
+            prompt = await render_prompt(app, job)
+            if app.config.log_prompts:
+                log_prompt(app.tokenizer, prompt, req.path, job.session)
             if ticket is not None:
                 try:
                     await _wait_admitted(ticket, out.gone, app.bridge.ended)
                 except ServerStopping:
-                    app.admission.leave_queue(tenant, ticket)
                     raise stopping_error(fmt.anthropic) from None
-                except BaseException:
-                    app.admission.leave_queue(tenant, ticket)
-                    raise
             queue_s = time.monotonic() - t0
             outcome.admitted, outcome.admitted_at, outcome.queue_s = True, t0 + queue_s, queue_s
-            try:
-                await run_generation(app, req, out, fmt, job, prompt, outcome)
-            finally:
-                app.admission.release()
+            await run_generation(app, req, out, fmt, job, prompt, outcome, engine_done)
         finally:
+            engine_done()
             app.bridge.leave()
     except ApiError as e:
         outcome.status, outcome.finish = e.status, outcome.finish or "error"
@@ -3880,8 +4000,7 @@ async def handle_count_tokens(app, req, out, fmt: "ApiFormat") -> None:
     if app.bridge.status != "ok":
         raise not_ready_error(True)
     job = fmt.parse(json_body(req))
-    prompt = await render_prompt(app, job)
-    await out.json(200, {"input_tokens": len(prompt)})
+    await out.json(200, {"input_tokens": await render_prompt(app, job, count_only=True)})
 
 
 # =================================================================================================
@@ -4100,6 +4219,7 @@ class App:
         self.admission = admission if admission is not None else Admission(slots=1)
         self.metrics = metrics if metrics is not None else Metrics()
         self.tokenizer: chat.Tokenizer | None = None   # loaded from the model's folder when it is ready
+        self.tokenizer_process: TokenizerProcess | None = None   # long prompts; started on first use
         self._tokenizer_folder: str | None = None
         self.model_aliases: set[str] = set()   # other names of the served model (its HF repo)
         self.namespace: str | None = None
@@ -4161,6 +4281,7 @@ class App:
         if self.tokenizer is None or self._tokenizer_folder != facts.folder:
             # Once per model folder (a restarted worker loads the same one); a fraction of a second.
             self.tokenizer = chat.Tokenizer.from_folder(facts.folder)
+            self.tokenizer.max_token_bytes    # its byte table, built now rather than in a request
             self._tokenizer_folder = facts.folder
         # The worker's id is the one owner (it tags the entries it saves); the server's own is kept
         # for workers that send none.
@@ -4190,6 +4311,8 @@ class App:
             self._server.close()
         for conn in list(self._connections):
             conn.close()
+        if self.tokenizer_process is not None:
+            self.tokenizer_process.close()
         if self._server is not None:
             await self._server.wait_closed()
 

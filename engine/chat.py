@@ -149,6 +149,7 @@ class Tokenizer:
             if token_id is not None and token_id not in self.stop_ids:
                 self.stop_ids.append(token_id)
         self._bytes: list[bytes] | None = None     # built on first use (151k entries, ~0.1 s)
+        self._max_token_bytes: int | None = None
 
     @classmethod
     def from_folder(cls, folder: str) -> "Tokenizer":
@@ -173,6 +174,17 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most bytes one token stands for (128 for Qwen's vocabulary). A text of N characters is
+        at least N / max_token_bytes tokens, so a prompt that cannot fit a context is known as such
+        before any of it is tokenized."""
+        if self._max_token_bytes is None:
+            if self._bytes is None:
+                self._bytes = self._byte_table()
+            self._max_token_bytes = max(1, max(map(len, self._bytes)))
+        return self._max_token_bytes
 
     def id_of(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
@@ -383,6 +395,22 @@ def render_text(job: Job, fmt: str) -> str:
 def render(job: Job, tok: Tokenizer, fmt: str) -> list[int]:
     """Job -> prompt ids: the one rendering every API and count_tokens use."""
     return tok.encode(render_text(job, fmt))
+
+
+def serve_tokenizer(conn, folder: str) -> None:
+    """The body of a tokenizer process (the server's TokenizerProcess): receives (text, limit), sends
+    back (number of tokens, their ids as int32 bytes, or b"" when there are more than limit). Large
+    prompts are tokenized here so that the memory tokenizing takes (about 150 bytes a character) is
+    this process's, returned to the system when it ends, and the server's event loop never waits."""
+    import array
+    tok = Tokenizer.from_folder(folder)
+    while True:
+        try:
+            text, limit = conn.recv()
+        except (EOFError, OSError):
+            return
+        ids = tok.encode(text)
+        conn.send((len(ids), array.array("i", ids).tobytes() if len(ids) <= limit else b""))
 
 
 def turn_boundaries(ids: list[int], tok: Tokenizer) -> list[int]:

@@ -45,14 +45,15 @@ class Bystanders:
     """/health probed in a loop and normal requests sent one after another, in threads, while an
     attack runs. check() asserts each was answered within its bound the whole time."""
 
-    def __init__(self, server, key: str | None = None):
-        self.server, self.key = server, key
+    def __init__(self, server, key: str | None = None, normal: bool = True):
+        self.server, self.key, self.send_normal = server, key, normal
         self.health: list[float] = []
         self.normal: list[float] = []
         self.errors: list[str] = []
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._probe, daemon=True),
-                         threading.Thread(target=self._send, daemon=True)]
+        self._threads = [threading.Thread(target=self._probe, daemon=True)]
+        if normal:
+            self._threads.append(threading.Thread(target=self._send, daemon=True))
 
     def _probe(self):
         while not self._stop.is_set():
@@ -89,9 +90,9 @@ class Bystanders:
 
     def check(self):
         assert not self.errors, self.errors[:5]
-        assert self.health and self.normal, "no bystander request completed during the attack"
+        assert self.health and (self.normal or not self.send_normal), "no bystander request completed"
         assert max(self.health) < HEALTH_BOUND_S, f"/health took {max(self.health):.2f} s"
-        assert max(self.normal) < NORMAL_BOUND_S, f"a normal request took {max(self.normal):.2f} s"
+        assert max(self.normal, default=0) < NORMAL_BOUND_S, f"a normal request took {max(self.normal):.2f} s"
 
 
 @pytest.fixture(scope="module")
@@ -387,3 +388,97 @@ def test_a_lone_surrogate_is_400_naming_the_field_even_for_a_stream(server, path
     status, _, answer = server.request("POST", CHAT, {
         "model": MODEL_ID, "max_tokens": 8, "messages": [{"role": "user", "content": "echo: \U0001F600"}]})
     assert status == 200 and json.loads(answer)["choices"][0]["message"]["content"] == "\U0001F600"
+
+
+# ---- huge prompts: refused before tokenizing when they cannot fit, tokenized off the server else --------
+
+def test_a_prompt_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(server):
+    """Guards against a 30 MB prompt tokenized on the server (a minute of a blocked event loop and
+    gigabytes of memory kept) only to be refused for its length."""
+    huge = "word " * 4_000_000                           # 20 MB: far past 4,096 tokens x 128 characters
+    with Bystanders(server):
+        for path, api, make in GENERATION + (("/v1/messages/count_tokens", "anthropic",
+                                              lambda text: {"messages": [{"role": "user", "content": text}]}),):
+            t0 = time.monotonic()
+            status, _, answer = server.request("POST", path, make(huge), timeout=ANSWER_S)
+            assert status == 400, answer[:300]
+            err = error_of(400, answer, api)
+            assert "at least" in err["message"] and "4096" in err["message"], err
+            assert time.monotonic() - t0 < NORMAL_BOUND_S
+
+
+def test_a_long_prompt_is_tokenized_in_a_process_of_its_own_while_others_are_served(server):
+    """Guards against a long prompt's tokenizing blocking the event loop (tokenizers holds the GIL for
+    parts of it) or leaving its memory in the server."""
+    long_text = "lorem ipsum dolor sit amet " * 18_000      # 486k characters: under the character bound
+    assert len(long_text) > mashbox.TOKENIZE_IN_THREAD_CHARS
+    expected = len(server.app.tokenizer.encode(chat_text := long_text))
+    assert expected > 4096
+    with Bystanders(server):
+        status, _, answer = server.request("POST", "/v1/messages/count_tokens",
+                                           {"messages": [{"role": "user", "content": chat_text}]},
+                                           timeout=ANSWER_S)
+        assert status == 200, answer[:300]
+        counted = json.loads(answer)["input_tokens"]
+        assert expected < counted < expected + 20          # the template's few tokens around it
+        status, _, answer = server.request("POST", CHAT, GENERATION[0][2](long_text), timeout=ANSWER_S)
+        assert status == 400 and f"is {counted} tokens" in error_of(400, answer, "openai")["message"]
+    assert server.app.tokenizer_process is not None        # tokenized there, not in the server
+
+
+def test_a_tenant_past_its_queue_limit_is_refused_before_its_prompt_is_tokenized():
+    """Guards against a full tenant's long prompts being rendered and tokenized (seconds each, and
+    their memory) before the 429 they were always going to get."""
+    with start_server(limits=ConnLimits(**LIMITS), admission=mashbox.Admission(slots=1, per_tenant=1),
+                      slots=1, delay_s=0.05) as server:
+        running, waiting = server.hold(tokens=400), server.hold(tokens=400)
+        until(lambda: server.queue() == (1, 1), "one running, one waiting")
+        long_text = "lorem ipsum dolor sit amet " * 18_000
+        with Bystanders(server, normal=False):      # the one slot is busy on purpose: health only
+            for _ in range(3):
+                status, headers, answer = server.request("POST", CHAT, GENERATION[0][2](long_text),
+                                                         timeout=ANSWER_S)
+                assert status == 429 and "retry-after" in headers
+                error_of(429, answer, "openai")
+        assert server.app.tokenizer_process is None        # nothing of them was tokenized
+        running.close()
+        waiting.close()
+        until(lambda: server.queue() == (0, 0), "the held requests to end")
+        normal_request(server)
+
+
+# ---- a slow reader gives its slot back when the engine is done ---------------------------------------
+
+def test_a_slow_reader_releases_its_slot_when_the_engine_is_done():
+    """Guards against a client reading at a trickle keeping its slot (and everyone behind it waiting)
+    long after the engine finished its answer."""
+    with start_server(limits=ConnLimits(**{**LIMITS, "stall_s": 3.0}), slots=1) as server:
+        body = json.dumps({"model": MODEL_ID, "max_tokens": 3000, "stream": True, "messages": [
+            {"role": "user", "content": "echo: " + "slowly " * 3000}]}).encode()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(ANSWER_S)
+        sock.connect(("127.0.0.1", server.port))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                     b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        got = sock.recv(1024)
+        assert got.startswith(b"HTTP/1.1 200")
+        stop = threading.Event()
+        received = [len(got)]
+
+        def trickle():                  # about 20 KB/s: the answer (hundreds of KB) takes many seconds
+            while not stop.is_set():
+                data = sock.recv(1024)
+                if not data:
+                    return
+                received.append(len(data))
+                time.sleep(0.05)
+        reader = threading.Thread(target=trickle, daemon=True)
+        reader.start()
+        until(lambda: server.queue() == (0, 0), "the slot to come back while the client still reads")
+        with Bystanders(server):
+            pass
+        assert reader.is_alive()        # the slow client is still reading its answer
+        stop.set()
+        reader.join(ANSWER_S)
+        sock.close()
