@@ -77,7 +77,8 @@ def row_error(sampling: Sampling, seed: int) -> str | None:
     not finite), or None. The worker asks before the request is scheduled, so a bad value fails that
     request alone instead of the batch (and the process) it would have joined."""
     try:
-        p = row_params([(sampling, seed, 0)])
+        with np.errstate(over="ignore"):       # a float past float32 becomes inf: refused below
+            p = row_params([(sampling, seed, 0)])
     except (OverflowError, ValueError, TypeError) as e:
         return f"sampling: {e}"
     for name in ("temperature", "top_p", "min_p", "repetition", "frequency", "presence"):
