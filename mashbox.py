@@ -2950,6 +2950,8 @@ class Metrics:
             "(kernel, exact or mixed) and the kernel's id, version and package, as /health reports them.")
         add("routed_expert_sites", "gauge", "Mixture-of-experts models: routed-expert call sites traced on "
             "each path.")
+        add("deployment_info", "gauge", "What runs: the compiled programs' id, the model's component set "
+            "and whether the build passed the certification gate on this chip.")
         rejections = add("admission_rejections_total", "counter", "Requests refused by admission, by reason.")
         for reason in ("tenant_queue_full", "queue_full", "loading"):
             rejections.inc(0, reason=reason)
@@ -2999,6 +3001,11 @@ class Metrics:
             self.m["kv_cache_usage_perc"].set(stats.kv_used_tokens / stats.kv_capacity_tokens)
         else:
             self.m["kv_cache_usage_perc"].set(0)
+        if facts is not None and facts.deployment_id:
+            info = self.m["deployment_info"]
+            info.values.clear()
+            info.set(1, deployment_id=facts.deployment_id, component_set_sha=facts.component_set_sha or "",
+                     certification=facts.certification)
         if facts is not None:
             info = self.m["cache_config_info"]
             info.values.clear()
@@ -3029,26 +3036,11 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
-def cache_namespace(facts, tokenizer_path: str) -> str:
-    """What cached prompt states are valid for: model, weights, tokenizer, chat template and cache
-    policy. Two servers with the same id can share saved states; anything else must not."""
-    import hashlib
-    h = hashlib.sha256()
-    for part in (facts.id, facts.family, facts.weights, facts.chat_format, facts.dtype,
-                 f"ctx={facts.max_model_len}", f"prefix={facts.prefix_cache}"):
-        h.update(part.encode() + b"\0")
-    try:
-        with open(tokenizer_path, "rb") as f:
-            h.update(hashlib.sha256(f.read()).digest())
-    except OSError:
-        h.update(b"no-tokenizer")
-    return "mbx-" + h.hexdigest()[:16]
-
-
 def health_document(bridge: "Bridge", admission: "Admission | None", namespace: str | None) -> dict:
     """Every field of the spec's Health, with real values where the feature exists and the spec's
     null/0 where it does not."""
     stats = bridge.stats
+    facts = bridge.facts
     ready = bridge.status == "ok"
     host_bytes = stats.host_cache_bytes if stats else 0
     snap_bytes = stats.snapshot_bytes if stats else 0
@@ -3064,9 +3056,10 @@ def health_document(bridge: "Bridge", admission: "Admission | None", namespace: 
         (bridge.facts.cache_ram_mib << 20 if bridge.facts else 0),
         "host_cache_evictions": stats.host_cache_evictions if stats else 0,
         "cache_namespace": namespace if ready else None,
-        "deployment_id": None,
-        "component_set_sha": None,
-        "certification": "not_certified",
+        # The worker's (engine.identity, engine.certify); a restarting worker keeps the last ones.
+        "deployment_id": facts.deployment_id if facts else None,
+        "component_set_sha": facts.component_set_sha if facts else None,
+        "certification": facts.certification if facts else "not_certified",
         "compiles_after_ready": bridge.compiles_after_ready if ready else None,
         "routed_experts": bridge.facts.routed_experts if bridge.facts else None,
         "worker_restarts": bridge.restarts,
@@ -3076,6 +3069,8 @@ def health_document(bridge: "Bridge", admission: "Admission | None", namespace: 
     if not ready and bridge.loading is not None:
         phase, done, total = bridge.loading
         doc["loading"] = {"phase": phase, "done": done, "total": total}
+    if facts is not None and facts.certification_detail:
+        doc["detail"] = f"certification: {facts.certification_detail}"
     return doc
 
 
@@ -3169,6 +3164,9 @@ class EngineLog:
         log.info("weights %s (%.2f GB, %.1f bits per weight)", f.weights, f.gb, f.bpw)
         log.info("slots %d, ctx %d tokens each, prefix cache %s, host cache %d MiB", f.slots,
                  f.max_model_len, "on" if f.prefix_cache else "off", f.cache_ram_mib)
+        log.info("deployment %s, components %s", f.deployment_id, f.component_set_sha)
+        line = log.info if f.certification == "certified" else log.warning
+        line("%s: %s", f.certification, f.certification_detail or "no certification gate ran")
         log.info("compiled in %.1f s; worker pid %d; ready", f.compile_s, msg.pid)
 
 
@@ -4097,7 +4095,7 @@ def model_card(app: "App") -> dict:
     facts = app.facts
     if facts is None:
         return {"id": app.model_id, "object": "model", "owned_by": OWNED_BY, "created": 0,
-                "max_model_len": app.config.ctx or 0}
+                "max_model_len": app.config.ctx or app.planned_ctx or 0}
     return {"id": facts.id, "object": "model", "owned_by": OWNED_BY, "created": 0,
             "max_model_len": facts.max_model_len, "weights": facts.weights, "gb": facts.gb,
             "bpw": facts.bpw, "prefix_cache": facts.prefix_cache, "slots": facts.slots,
@@ -4222,6 +4220,7 @@ class App:
         self.tokenizer_process: TokenizerProcess | None = None   # long prompts; started on first use
         self._tokenizer_folder: str | None = None
         self.model_aliases: set[str] = set()   # other names of the served model (its HF repo)
+        self.planned_ctx: int | None = None    # the context the worker will run (card before ready)
         self.namespace: str | None = None
         self.router = build_routes(self)
         self.port: int | None = None
@@ -4283,10 +4282,8 @@ class App:
             self.tokenizer = chat.Tokenizer.from_folder(facts.folder)
             self.tokenizer.max_token_bytes    # its byte table, built now rather than in a request
             self._tokenizer_folder = facts.folder
-        # The worker's id is the one owner (it tags the entries it saves); the server's own is kept
-        # for workers that send none.
-        self.namespace = facts.cache_namespace or \
-            cache_namespace(facts, str(Path(facts.folder) / "tokenizer.json"))
+        # The worker's id (engine.prefix.namespace_id) is the one owner: it tags what it saves.
+        self.namespace = facts.cache_namespace
         if self.admission is not None:
             self.admission.resize(facts.slots)
         waiters, self._ready_waiters = self._ready_waiters, []
@@ -4392,6 +4389,7 @@ class Config:
     max_waiting: int = MAX_WAITING_TOTAL
     max_waiting_per_tenant: int = MAX_WAITING_PER_TENANT
     max_connections: int = MAX_CONNECTIONS
+    recertify: bool = False
 
 
 def _at_least(low: int, what: str) -> Callable[[str], int]:
@@ -4448,6 +4446,8 @@ def arg_parser() -> argparse.ArgumentParser:
                      help=f"requests waiting for a slot, per tenant (default {MAX_WAITING_PER_TENANT})")
     run.add_argument("--max-connections", type=_at_least(1, "--max-connections"), default=MAX_CONNECTIONS,
                      help=f"open client connections (default {MAX_CONNECTIONS})")
+    run.add_argument("--recertify", action="store_true",
+                     help="run the certification gate even when this build's result is recorded")
     return parser
 
 
@@ -4458,7 +4458,7 @@ def config_from_args(argv: list[str] | None) -> Config:
                   api_key_file=args.api_key_file, allowed_hosts=tuple(args.allowed_hosts),
                   log_prompts=args.log_prompts, max_waiting=args.max_waiting,
                   max_waiting_per_tenant=args.max_waiting_per_tenant,
-                  max_connections=args.max_connections)
+                  max_connections=args.max_connections, recertify=args.recertify)
 
 
 def worker_args(spec: "registry.ModelSpec", config: Config, folder: str,
@@ -4472,7 +4472,8 @@ def worker_args(spec: "registry.ModelSpec", config: Config, folder: str,
         slots, ctx = config.slots or spec.slots, config.ctx or spec.ctx
         cache_ram_mib = spec.cache_ram_mib if config.cache_ram_mib is None else config.cache_ram_mib
     return {"model_id": spec.id, "weights_folder": folder, "slots": slots, "ctx": ctx,
-            "chat_format": spec.chat_format, "cache_ram_mib": cache_ram_mib}
+            "chat_format": spec.chat_format, "cache_ram_mib": cache_ram_mib,
+            "recertify": config.recertify, "golden": spec.golden}
 
 
 def size_worker(spec: "registry.ModelSpec", config: Config, folder: str) -> "memory.Sizing":
@@ -4563,8 +4564,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mashbox: keys: {e}", file=sys.stderr)
         return 2
     config.model = spec.id
-    # What the model card reports while the worker loads: the context it will run.
-    config.ctx = config.ctx or spec.ctx
     if not keys.enabled and not is_loopback(config.host):
         print(f"mashbox: --host {config.host} is not loopback: give keys with --api-key-file or "
               "MASHBOX_API_KEY", file=sys.stderr)
@@ -4576,13 +4575,16 @@ def main(argv: list[str] | None = None) -> int:
                                   total=config.max_waiting),
               limits=ConnLimits(max_connections=config.max_connections), metrics=Metrics())
     app.model_aliases = {spec.hf_repo} if spec.hf_repo else set()
+    app.planned_ctx = config.ctx or spec.ctx
 
     def prepare() -> dict:
         folder = registry.prepare(spec, progress_display())
         # A model the engine cannot run (a family not built yet, an unsupported option) is a start-up
         # error, not a worker that dies and is restarted forever. config.py reads JSON only (no jax).
         load_config(folder)
-        return worker_args(spec, config, folder, size_worker(spec, config, folder))
+        sizing = size_worker(spec, config, folder)
+        app.planned_ctx = sizing.ctx        # the model card's context while the worker loads
+        return worker_args(spec, config, folder, sizing)
     try:
         asyncio.run(serve(app, prepare=prepare))
     except (registry.RegistryError, ConfigError, OSError, memory.DoesNotFit) as e:

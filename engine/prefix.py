@@ -21,7 +21,6 @@ module numpy arrays.
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -65,32 +64,14 @@ def best_match(candidates: Sequence[tuple[int, Sequence[int], int]], prompt: Seq
 CACHE_FORMAT = "kv-segments-1"
 
 
-def namespace_id(model_id: str, family: str, weights: str, folder: str, chat_format: str, dtype: str,
-                 prefix_cache: bool) -> str:
-    """A stable id of everything a saved prompt state depends on: the model and its weights (path,
-    size and modification time: hashing gigabytes at every start would cost more than it saves),
-    the tokenizer (its file's bytes), the chat templates (the source of engine.chat, which renders
-    them), the compute dtype and the cache policy. Two engines with the same id could share states;
-    an entry tagged with another id is never used."""
+def namespace_id(component_set_sha: str, model_id: str, family: str, dtype: str, prefix_cache: bool) -> str:
+    """The one id of everything a saved prompt state depends on: the model's component set (config,
+    weights, tokenizer and chat template, as engine.identity hashes them), the model id and family,
+    the compute dtype, the cache policy and the segment format. Two engines with the same id could
+    share states; an entry tagged with another id is never used."""
     h = hashlib.sha256()
-
-    def add(part) -> None:
+    for part in (CACHE_FORMAT, component_set_sha, model_id, family, dtype, f"prefix={prefix_cache}"):
         h.update(str(part).encode() + b"\0")
-
-    for part in (CACHE_FORMAT, model_id, family, chat_format, dtype, f"prefix={prefix_cache}"):
-        add(part)
-    for path in (weights, os.path.join(folder, "tokenizer.json"),
-                 os.path.join(os.path.dirname(__file__), "chat.py")):
-        try:
-            st = os.stat(path)
-        except OSError:
-            add(f"missing:{path}")
-            continue
-        if os.path.isdir(path) or path == weights:
-            add(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}")
-        else:
-            with open(path, "rb") as f:
-                add(hashlib.sha256(f.read()).hexdigest())
     return "mbx-" + h.hexdigest()[:16]
 
 

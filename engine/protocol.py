@@ -84,6 +84,10 @@ class ModelFacts:
     cache_namespace: str | None = None
     # Mixture-of-experts models: Health's routed_experts (engine.model.routed_report); None if dense.
     routed_experts: dict | None = None
+    component_set_sha: str | None = None   # engine.identity: the model's components as loaded
+    deployment_id: str | None = None       # engine.identity: the compiled programs and what shapes them
+    certification: str = "not_certified"   # engine.certify's gate: "certified" | "not_certified"
+    certification_detail: str = ""         # what the gate checked, or why it failed
 
 
 @dataclass

@@ -96,6 +96,8 @@ class ModelSpec:
     cache_ram_mib: int            # default --cache-ram
     hf_repo: str | None = None    # where a user downloads the weights from
     demo: DemoSource | None = None
+    # {"prompt": ids, "answer": ids}: the greedy answer these weights give (the certification gate)
+    golden: dict | None = None
 
 
 # ---- models.json -> ModelSpec ---------------------------------------------------------------------
@@ -169,7 +171,8 @@ def _spec_from_entry(key: str, entry: dict, weights: str | None) -> ModelSpec:
         context_length=int(entry["context_length"]), weights=folder,
         slots=int(defaults["slots"]), ctx=int(defaults["ctx"]),
         cache_ram_mib=int(defaults["cache_ram_mib"]), hf_repo=entry.get("hf_repo"),
-        demo=_demo_source(demo) if demo else None)
+        demo=_demo_source(demo) if demo else None,
+        golden={k: list(entry["golden"][k]) for k in ("prompt", "answer")} if entry.get("golden") else None)
 
 
 def _demo_source(d: dict) -> DemoSource:

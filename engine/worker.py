@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from engine import prefix, sampler
+from engine import certify, identity, prefix, sampler
 from engine.cache import copy_prefix, init_cache, read_slot, warm_host_copies, write_slot
 from engine.config import load_config
 from engine.model import dtype_for, jit_forward, kv_dtype_for, routed_report
@@ -70,6 +70,11 @@ class WorkerArgs:
     # None: off.
     compile_cache: str | None = field(default_factory=lambda: str(cache_root() / "jax"))
     cache_namespace: str | None = None    # None: computed here (prefix.namespace_id)
+    # The certification gate: where its results are recorded (None: never), whether to run it even
+    # when a result is recorded, and the golden greedy answer models.json records ({prompt, answer}).
+    certify_dir: str | None = field(default_factory=lambda: str(cache_root() / certify.RECORD_DIR))
+    recertify: bool = False
+    golden: dict | None = None
     extra: dict = field(default_factory=dict)           # facts other engines may add
 
 
@@ -149,9 +154,10 @@ class Engine:
         family = cfg.model_type
         chat_format = args.chat_format or ("qwen3" if family.startswith("qwen3") else "qwen2.5")
         weights = args.weights_file or args.weights_folder
+        self.component_set_sha = identity.component_set_sha(args.weights_folder, chat_format)
         namespace = args.cache_namespace or prefix.namespace_id(
-            args.model_id, family, weights, args.weights_folder, chat_format,
-            f"{self.dtype.name}/kv-{self.kv_dtype.name}", args.prefix_cache)
+            self.component_set_sha, args.model_id, family, f"{self.dtype.name}/kv-{self.kv_dtype.name}",
+            args.prefix_cache)
         self.host = prefix.HostCache(args.cache_ram_mib << 20, namespace) \
             if args.cache_ram_mib > 0 and args.prefix_cache else None
         self.scheduler = Scheduler(args.slots, args.ctx, cfg.vocab_size, self.buckets, args.prefix_cache,
@@ -159,6 +165,12 @@ class Engine:
         t0 = time.time()
         self._warm_up(progress)
         compile_s = time.time() - t0
+        self.deployment_id = self._deployment_id()
+        progress("certify", 0, 1)
+        # The server logs the outcome from the facts (Ready), the reason with it.
+        self.certification, self.certification_detail = certify.gate(
+            self, args.certify_dir, args.recertify, args.golden)
+        progress("certify", 1, 1)
         self.late_compiles = 0            # programs compiled inside step() since ready
         self.facts = ModelFacts(
             id=args.model_id, family=family, weights=weights, folder=args.weights_folder,
@@ -170,7 +182,9 @@ class Engine:
             dtype=self.dtype.name, compile_s=round(compile_s, 2),
             cache_namespace=namespace,
             # What the warm-up traced, so Health reports the path the programs really run.
-            routed_experts=routed_report(cfg, {rows * t for _, rows, t in self.programs()}))
+            routed_experts=routed_report(cfg, {rows * t for _, rows, t in self.programs()}),
+            component_set_sha=self.component_set_sha, deployment_id=self.deployment_id,
+            certification=self.certification, certification_detail=self.certification_detail)
 
     # -- start-up ---------------------------------------------------------------------------------
 
@@ -185,6 +199,24 @@ class Engine:
         """Arguments of a model call on idle rows (lengths 0 leave the cache untouched)."""
         return (self.params, self.cache, np.zeros((rows, t), np.int32), np.arange(rows, dtype=np.int32),
                 np.zeros(rows, np.int32), np.zeros(rows, np.int32))
+
+    def _deployment_id(self) -> str:
+        """The id of what this worker runs: the text of every model program the warm-up compiled
+        (lowered again: jit keeps the traces, so this costs the text, not a trace), with the software,
+        the device and the settings that shape the programs."""
+        texts = [jit_forward.lower(*self._model_call(rows, t), cfg=self.cfg).as_text()
+                 for _, rows, t in self.programs()]
+        device = jax.devices()[0]
+        import jaxlib
+        return identity.deployment_id(texts, {
+            "jax": jax.__version__, "jaxlib": jaxlib.__version__, "platform": device.platform,
+            "device_kind": device.device_kind, "devices": jax.device_count(), "dtype": self.dtype.name,
+            "kv_dtype": self.kv_dtype.name,
+            "slots": self.args.slots, "ctx": self.args.ctx, "buckets": repr(self.buckets),
+            "prefix_cache": self.args.prefix_cache, "host_cache": self.host is not None,
+            # the sampler's and the cache copies' small programs: their source
+            "sources": [identity.file_sha256(m.__file__) for m in (sampler, prefix)]
+            + [identity.file_sha256(init_cache.__code__.co_filename)]})
 
     def _warm_up(self, progress) -> None:
         """Compile every program, then run each once on idle rows. Independent programs compile at

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from engine import protocol
+from engine import identity, prefix, protocol
 
 DEFAULT_ANSWER = "Hello from the fake engine."
 MODEL_ID = "mashbox-fake"
@@ -66,6 +66,9 @@ class FakeArgs:
     hang_after: int | None = None     # tokens sent before the process stops answering for good
     fault_file: str | None = None     # counts the faults fired; None: every process fires them
     fault_times: int = 1              # with fault_file: how many times in all
+    late_compiles: int = 0            # what its Stats report as compiled after ready
+    certification: str = "not_certified"   # what the fake reports of the gate (it runs none)
+    certification_detail: str = "the fake engine runs no compiled programs to certify"
 
     @classmethod
     def from_server(cls, worker_args: dict) -> "FakeArgs":
@@ -105,10 +108,17 @@ def main(conn: Connection, args: FakeArgs | dict) -> None:
     time.sleep(args.load_s)
     if args.die_at == "load" and _fault(args):
         os._exit(FAULT_EXIT_CODE)
+    # The ids as the real worker makes them: its components (the tokenizer files, no weights), and a
+    # "deployment" of the fake's settings.
+    sha = identity.component_set_sha(folder, "qwen3")
     facts = protocol.ModelFacts(
         id=MODEL_ID, family="qwen3", weights=folder, folder=folder, chat_format="qwen3", gb=0.0,
         bpw=16.0, max_model_len=args.ctx, slots=args.slots, prefix_cache=True, cache_ram_mib=0,
-        vocab_size=tok.get_vocab_size(), device="cpu", dtype="float32")
+        vocab_size=tok.get_vocab_size(), device="cpu", dtype="float32",
+        cache_namespace=prefix.namespace_id(sha, MODEL_ID, "qwen3", "float32", True),
+        component_set_sha=sha, deployment_id=identity.deployment_id(
+            ["fake engine"], {"slots": args.slots, "ctx": args.ctx}),
+        certification=args.certification, certification_detail=args.certification_detail)
     conn.send(protocol.Ready(facts, pid=os.getpid()))
     live: dict[str, dict] = {}
     previous: list[int] = []
@@ -181,6 +191,7 @@ def main(conn: Connection, args: FakeArgs | dict) -> None:
                     time.sleep(3600)
         if sent_any:   # as the real worker: Stats after a round that did something
             conn.send(protocol.Stats(live_rows=len(live), waiting=0, kv_used_tokens=0,
-                                     kv_capacity_tokens=args.ctx * args.slots, compiles_after_ready=0))
+                                     kv_capacity_tokens=args.ctx * args.slots,
+                                     compiles_after_ready=args.late_compiles))
         if live:
             time.sleep(args.delay_s if sent_any else PREFILL_POLL_S)

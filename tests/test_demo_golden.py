@@ -68,8 +68,22 @@ def test_golden_prompts_are_the_chat_template_rendering(demo_folder):
 @pytest.fixture(scope="module")
 def engine(demo_folder):
     worker = pytest.importorskip("engine.worker")
-    args = worker.WorkerArgs(registry.default_id(), demo_folder, slots=2, ctx=CTX, prefill_chunks=(CHUNK,))
+    # The certification gate runs at start-up, every time here (no record), with the golden answer.
+    args = worker.WorkerArgs(registry.default_id(), demo_folder, slots=2, ctx=CTX, prefill_chunks=(CHUNK,),
+                             certify_dir=None, golden=registry.resolve(registry.default_id()).golden)
     return worker.Engine(args)
+
+
+def test_models_json_records_the_golden_answer():
+    """The certification gate's golden check reads models.json: it must be these ids."""
+    assert registry.resolve(registry.default_id()).golden == {"prompt": FRANCE_PROMPT, "answer": FRANCE_ANSWER}
+
+
+def test_the_demo_passes_the_certification_gate(engine):
+    """The compiled programs against the numpy reference and the golden answer, at start-up."""
+    assert engine.certification == "certified", engine.certification_detail
+    assert "reference forward" in engine.certification_detail
+    assert "golden answer (7 tokens)" in engine.certification_detail
 
 
 def run(engine, prompts: dict[str, list[int]], max_tokens: int, stop_ids: list[int]) -> dict:

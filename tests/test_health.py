@@ -63,15 +63,16 @@ def test_health_while_loading_then_ready_has_every_field():
         server.wait_ready()
         status, doc = get_health(server)
         assert status == 200 and valid(doc)["status"] == "ok"
-        assert set(doc) == set(health_schema()["properties"])
+        assert set(doc) == set(health_schema()["properties"]) | {"detail"}
         assert (doc["live_rows"], doc["waiting"], doc["worker_restarts"], doc["compiles_after_ready"]) == (0, 0, 0, 0)
         assert doc["cache_bytes"] == doc["host_cache_bytes"] + doc["snapshot_bytes"]
         assert doc["routed_experts"] is None               # the fake model is dense
-        assert doc["certification"] == "not_certified"
-        assert doc["deployment_id"] is None and doc["component_set_sha"] is None
+        assert doc["certification"] == "not_certified"      # the fake engine certifies nothing
+        assert doc["detail"] == "certification: " + harness.FakeArgs().certification_detail
+        assert doc["deployment_id"] == app.facts.deployment_id and len(doc["deployment_id"]) == 64
+        assert doc["component_set_sha"] == app.facts.component_set_sha
         os.kill(doc["worker_pid"], 0)                      # a live process
-        folder = app.facts.folder
-        assert doc["cache_namespace"] == mashbox.cache_namespace(app.facts, str(Path(folder) / "tokenizer.json"))
+        assert doc["cache_namespace"] == app.facts.cache_namespace
         assert get_health(server, "/v1/health") == (200, doc) and get_health(server, "/") == (200, doc)
         status, headers, body = server.request("HEAD", "/health")
         assert (status, body) == (200, b"")
@@ -90,7 +91,8 @@ def test_health_of_a_server_whose_worker_never_started():
 def test_health_reads_the_workers_cache_figures():
     """Guards against cache_bytes that is not host_cache_bytes plus snapshot_bytes, or a cap taken from
     anything but the worker's report (and the --cache-ram it was given before the first report)."""
-    facts = SimpleNamespace(cache_ram_mib=64, routed_experts=None)
+    facts = SimpleNamespace(cache_ram_mib=64, routed_experts=None, deployment_id=None,
+                            component_set_sha=None, certification="not_certified", certification_detail="")
     bridge = SimpleNamespace(status="ok", stats=None, facts=facts, pid=99, restarts=2, loading=None,
                              compiles_after_ready=1)
     doc = valid(mashbox.health_document(bridge, mashbox.Admission(slots=2), "mbx-0"))
@@ -102,23 +104,3 @@ def test_health_reads_the_workers_cache_figures():
     assert (doc["cache_bytes"], doc["host_cache_bytes"], doc["snapshot_bytes"]) == (3500, 3000, 500)
     assert (doc["host_cache_cap_bytes"], doc["host_cache_evictions"]) == (4096, 7)
     assert (doc["worker_restarts"], doc["worker_pid"], doc["compiles_after_ready"]) == (2, 99, 1)
-
-
-def test_cache_namespace_follows_what_cached_states_depend_on(tmp_path):
-    """Guards against two servers sharing saved prompt states across a different model, weights,
-    tokenizer, chat template, context or cache policy (or one server getting a new id for nothing)."""
-    tokenizer = tmp_path / "tokenizer.json"
-    tokenizer.write_text('{"vocab": 1}')
-    base = protocol.ModelFacts(id="m", family="qwen3", weights="/w", folder=str(tmp_path), chat_format="qwen3",
-                               gb=1, bpw=16, max_model_len=4096, slots=2, prefix_cache=True, cache_ram_mib=0,
-                               vocab_size=1, device="cpu", dtype="float32")
-    ns = mashbox.cache_namespace(base, str(tokenizer))
-    assert ns == mashbox.cache_namespace(base, str(tokenizer))
-    # Slots and host memory do not change what a saved state means.
-    import dataclasses
-    assert mashbox.cache_namespace(dataclasses.replace(base, slots=8, cache_ram_mib=512), str(tokenizer)) == ns
-    for change in ({"id": "n"}, {"weights": "/w2"}, {"chat_format": "qwen2.5"}, {"dtype": "bfloat16"},
-                   {"max_model_len": 8192}, {"prefix_cache": False}):
-        assert mashbox.cache_namespace(dataclasses.replace(base, **change), str(tokenizer)) != ns, change
-    tokenizer.write_text('{"vocab": 2}')
-    assert mashbox.cache_namespace(base, str(tokenizer)) != ns

@@ -39,6 +39,7 @@ FAMILIES = {
     "request_time_per_output_token_seconds": "histogram",
     # mashbox's own: mixture-of-experts models' routed-expert path (no series for a dense model)
     "routed_experts_info": "gauge", "routed_expert_sites": "gauge",
+    "deployment_info": "gauge",       # mashbox's own: what runs, and its certification
 }
 # vLLM's bucket boundaries (vllm/v1/metrics/loggers.py), which dashboards built for it assume.
 VLLM_BUCKETS = {
@@ -52,7 +53,8 @@ VLLM_BUCKETS = {
 VLLM_BUCKETS["request_queue_time_seconds"] = VLLM_BUCKETS["e2e_request_latency_seconds"]
 # Every label a family may carry. Anything else could be a user's text.
 LABELS = {"finished_reason", "reason", "le", "block_size", "num_gpu_blocks", "enable_prefix_caching",
-          "cache_ram_mib", "path", "kernel", "kernel_version", "kernel_package"}
+          "cache_ram_mib", "path", "kernel", "kernel_version", "kernel_package",
+          "deployment_id", "component_set_sha", "certification"}
 
 
 @pytest.fixture(scope="module")
@@ -454,11 +456,14 @@ def test_compiles_after_ready_are_warned_once_each(caplog):
     engine_log(protocol.Ready(facts, pid=1))
     for compiles in (0, 0, 1, 1, 1, 3):
         engine_log(stats(compiles))
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    def compile_warnings():   # (a start-up line also warns that the fake model is not certified)
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                and "after ready" in r.getMessage()]
+    warnings = compile_warnings()
     assert len(warnings) == 2 and "compiled 1 program" in warnings[0] and "compiled 2 program" in warnings[1]
     engine_log(protocol.Ready(facts, pid=2))      # a new worker counts from zero
     engine_log(stats(1))
-    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 3
+    assert len(compile_warnings()) == 3
 
 
 def test_worker_faults_are_warnings(tmp_path, caplog):

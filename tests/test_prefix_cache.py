@@ -161,18 +161,14 @@ def test_a_state_that_cannot_be_trimmed_is_used_only_whole_with_its_snapshot():
     assert cache.lookup(list(range(35)) + [9]).tokens == 20
 
 
-def test_the_namespace_changes_with_what_saved_states_depend_on(tmp_path):
-    """Guards against states reused after the model, tokenizer, dtype or cache policy changed."""
-    (tmp_path / "tokenizer.json").write_text("{}")
-    base = dict(model_id="m", family="qwen3", weights=str(tmp_path), folder=str(tmp_path),
-                chat_format="qwen3", dtype="float32", prefix_cache=True)
+def test_the_namespace_changes_with_what_saved_states_depend_on():
+    """Guards against states reused after the model's components, id, dtype or cache policy changed."""
+    base = dict(component_set_sha="a" * 64, model_id="m", family="qwen3", dtype="float32", prefix_cache=True)
     first = namespace_id(**base)
     assert namespace_id(**base) == first
-    for change in ({"model_id": "n"}, {"dtype": "bfloat16"}, {"chat_format": "qwen2.5"},
-                   {"prefix_cache": False}):
+    for change in ({"component_set_sha": "b" * 64}, {"model_id": "n"}, {"dtype": "bfloat16"},
+                   {"family": "qwen2"}, {"prefix_cache": False}):
         assert namespace_id(**{**base, **change}) != first
-    (tmp_path / "tokenizer.json").write_text('{"x": 1}')
-    assert namespace_id(**base) != first
 
 
 # ---- the engine: one slot, conversations taking turns ---------------------------------------------------

@@ -1,0 +1,315 @@
+"""The certification gate: do the compiled programs compute this model correctly on this chip?
+
+Run by the worker at start-up, after the warm-up, on the device it owns (gate(engine)):
+  1. reference: a float64 numpy forward of the whole model, written here from the checkpoint's own
+     tensors (its Hugging Face names, no engine code), for a short fixed prompt; the compiled prefill
+     program's logits at the prompt's last token but one, and the compiled decode program's at its
+     last, must match it within TOLERANCE (max |difference| over the vocabulary, in units of the
+     reference logits' standard deviation), and agree on the top token where the reference is not
+     near a tie;
+  2. golden: where models.json records a golden prompt and answer, greedy decoding through the
+     compiled programs must give exactly the answer's ids;
+  3. routed experts: for mixture-of-experts models, the kernel path against the exact path
+     (routed_experts_check below; a dense model has nothing to compare).
+Passing is "certified"; a failure is "not_certified" with the reason, and the server still serves.
+The result is recorded per (component_set_sha, deployment_id) under the cache root, so a later start
+of the same build on the same chip reads it instead of running the gate again (unless --recertify).
+
+The model programs run are the ones requests run (the scheduler's chunks and decode batches), so
+that part compiles nothing the warm-up did not (the routed-expert check compiles its own two).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+# Max |compiled - reference| over the vocabulary, in reference standard deviations, by the coarser of
+# the compute dtype and the KV cache dtype. float32 programs agree with the float64 reference to
+# about 2e-6 (tiny models) to 2e-4 (the demo); a float16 cache and bfloat16 weights and activations
+# cost more. A wrong RoPE, bias, norm or mask moves the logits by a whole deviation or more.
+TOLERANCE = {"float32": 2e-3, "bfloat16": 1e-1, "float16": 5e-2}
+# The reference prompt: this many tokens, fixed ids spread over the vocabulary (the reference costs
+# one read of the weights, whatever the length).
+PROMPT_TOKENS = 8
+# For tests: set to anything, the compiled logits are shifted before the comparison, as a broken
+# program's would be, so the gate must fail.
+CORRUPT_ENV = "MASHBOX_CERTIFY_CORRUPT"
+RECORD_DIR = "certified"
+# Reference lm_head rows multiplied per block (bounds the float64 copy of a large vocabulary).
+VOCAB_BLOCK = 16384
+
+
+def fixed_prompt(vocab_size: int) -> list[int]:
+    return [(1 + 7919 * i) % vocab_size for i in range(PROMPT_TOKENS)]
+
+
+# ---- the reference forward (numpy, float64) --------------------------------------------------------
+
+class _Tensors:
+    """Tensors by their checkpoint names, as float64, from the folder's safetensors files."""
+
+    def __init__(self, folder: str):
+        import ml_dtypes  # noqa: F401  (bfloat16 files)
+        from safetensors import safe_open
+        self._open = safe_open
+        self.where: dict[str, str] = {}
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".safetensors"):
+                path = os.path.join(folder, name)
+                with safe_open(path, framework="numpy") as f:
+                    for key in f.keys():
+                        self.where.setdefault(key, path)
+        self.files: dict[str, object] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def raw(self, name: str) -> np.ndarray:
+        path = self.where[name]
+        if path not in self.files:
+            self.files[path] = self._open(path, framework="numpy")
+        return self.files[path].get_tensor(name)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.raw(name).astype(np.float64)
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _swiglu(h, gate, up, down):
+    g = h @ gate.T
+    return (g / (1 + np.exp(-g)) * (h @ up.T)) @ down.T
+
+
+def _experts(t: _Tensors, p: str, h, cfg):
+    """Routed experts as transformers' Qwen3-MoE block computes them: softmax over the router's
+    logits, the top k per token (renormalized when norm_topk_prob), each a SwiGLU, weighted and summed."""
+    logits = h @ t[p + "gate.weight"].T                                    # [T, experts]
+    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = np.zeros_like(h)
+    fused = t.has(p + "experts.gate_up_proj")
+    gate_up = t[p + "experts.gate_up_proj"] if fused else None
+    down = t[p + "experts.down_proj"] if fused else None
+    m = cfg.moe_intermediate_size
+    for n in range(h.shape[0]):
+        top = np.argsort(-probs[n], kind="stable")[:cfg.experts_per_token]
+        w = probs[n, top] / (probs[n, top].sum() if cfg.norm_topk_prob else 1.0)
+        for e, weight in zip(top, w):
+            if fused:
+                g, u, d = gate_up[e, :m], gate_up[e, m:], down[e]
+            else:
+                q = f"{p}experts.{e}."
+                g, u, d = t[q + "gate_proj.weight"], t[q + "up_proj.weight"], t[q + "down_proj.weight"]
+            out[n] += weight * _swiglu(h[n:n + 1], g, u, d)[0]
+    return out
+
+
+def _inverse_frequencies(cfg) -> tuple[np.ndarray, float]:
+    if cfg.rope_type == "default":
+        return 1.0 / cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim), 1.0
+    # YaRN's frequency ramp is a static table, not a program: the engine's numpy function is reused.
+    from engine.model import rope_frequencies
+    inv, scale = rope_frequencies(cfg)
+    return inv.astype(np.float64), scale
+
+
+def reference_logits(folder: str, cfg, tokens: list[int]) -> np.ndarray:
+    """float64 logits [len(tokens), vocab] of the model in `folder` for one prompt from position 0."""
+    t = _Tensors(folder)
+    n, d = len(tokens), cfg.head_dim
+    embed = t.raw("model.embed_tokens.weight")
+    x = embed[np.asarray(tokens)].astype(np.float64)                       # [T, hidden]
+    inv, scale = _inverse_frequencies(cfg)
+    angles = np.arange(n, dtype=np.float64)[:, None] * inv[None, :]       # [T, d/2]
+    cos, sin = np.cos(angles)[:, None] * scale, np.sin(angles)[:, None] * scale
+    causal = np.tril(np.ones((n, n), bool))
+
+    def rope(v):                                                           # [T, H, d], halves layout
+        a, b = v[..., : d // 2], v[..., d // 2:]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        h = _rms(x, t[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+        proj = {}
+        for name, heads in (("q", cfg.num_heads), ("k", cfg.num_kv_heads), ("v", cfg.num_kv_heads)):
+            out = h @ t[p + f"self_attn.{name}_proj.weight"].T
+            if t.has(p + f"self_attn.{name}_proj.bias"):
+                out = out + t[p + f"self_attn.{name}_proj.bias"]
+            proj[name] = out.reshape(n, heads, d)
+        q, k, v = proj["q"], proj["k"], proj["v"]
+        if t.has(p + "self_attn.q_norm.weight"):
+            q = _rms(q, t[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
+            k = _rms(k, t[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
+        q, k = rope(q), rope(k)
+        group = cfg.num_heads // cfg.num_kv_heads
+        heads_out = []
+        for head in range(cfg.num_heads):
+            kv = head // group
+            scores = q[:, head] @ k[:, kv].T / np.sqrt(d)                 # [T, T]
+            scores = np.where(causal, scores, -np.inf)
+            w = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            heads_out.append((w / w.sum(axis=-1, keepdims=True)) @ v[:, kv])
+        x = x + np.concatenate(heads_out, axis=-1) @ t[p + "self_attn.o_proj.weight"].T
+        h = _rms(x, t[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+        if cfg.mlp_kinds and cfg.mlp_kinds[i] == "moe":
+            x = x + _experts(t, p + "mlp.", h, cfg)
+        else:
+            x = x + _swiglu(h, t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"],
+                            t[p + "mlp.down_proj.weight"])
+    x = _rms(x, t["model.norm.weight"], cfg.rms_norm_eps)
+    head = embed if not t.has("lm_head.weight") else t.raw("lm_head.weight")
+    return np.concatenate([x @ head[s:s + VOCAB_BLOCK].astype(np.float64).T
+                           for s in range(0, head.shape[0], VOCAB_BLOCK)], axis=-1)
+
+
+# ---- running the compiled programs -------------------------------------------------------------------
+
+def _prefill(engine, tokens: list[int], slot: int = 0) -> np.ndarray:
+    """Prefill `tokens` into `slot` from position 0 with the programs requests use (the scheduler's
+    chunks); the logits at the last token, float32 [vocab]."""
+    from engine.model import jit_forward
+    b, start, logits = engine.buckets, 0, None
+    while start < len(tokens):
+        chunk = b.chunk_for(len(tokens) - start)
+        piece = tokens[start:start + chunk]
+        ids = np.zeros((1, chunk), np.int32)
+        ids[0, :len(piece)] = piece
+        logits, engine.cache = jit_forward(
+            engine.params, engine.cache, ids, np.array([slot], np.int32), np.array([start], np.int32),
+            np.array([len(piece)], np.int32), cfg=engine.cfg)
+        start += len(piece)
+    return np.asarray(logits)[0]
+
+
+def _decode(engine, token: int, position: int, slot: int = 0) -> np.ndarray:
+    """One decode step of `slot` with the smallest decode batch (its other rows idle)."""
+    from engine.model import jit_forward
+    b = engine.buckets
+    rows = b.decode_batch(1)
+    ids, slots = np.zeros((rows, 1), np.int32), np.arange(rows, dtype=np.int32)
+    starts, lengths = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+    slots[0], ids[0, 0], starts[0], lengths[0] = slot, token, position, 1
+    logits, engine.cache = jit_forward(engine.params, engine.cache, ids, slots, starts, lengths,
+                                       cfg=engine.cfg)
+    return np.asarray(logits)[0]
+
+
+def compare(what: str, got: np.ndarray, want: np.ndarray, tolerance: float) -> str | None:
+    """None when `got` matches the reference `want`; else why not."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if not np.all(np.isfinite(got)):
+        return f"{what}: the compiled logits are not finite"
+    std = float(want.std()) or 1.0
+    err = float(np.max(np.abs(got - want))) / std
+    if err > tolerance:
+        return f"{what}: logits differ from the reference by {err:.2e} deviations (tolerance {tolerance:g})"
+    top2 = np.sort(want)[-2:]
+    if int(np.argmax(got)) != int(np.argmax(want)) and (top2[1] - top2[0]) / std > 2 * tolerance:
+        return (f"{what}: top token {int(np.argmax(got))} where the reference has {int(np.argmax(want))} "
+                f"(tolerance {tolerance:g})")
+    return None
+
+
+# Rows the routed-expert check sends through one layer's experts (a prefill chunk's worth would do
+# the same; this many already makes every expert of a small model take several rows).
+ROUTED_ROWS = 16
+
+
+def routed_experts_check(engine) -> tuple[str | None, str | None]:
+    """Mixture-of-experts models: the first routed layer's experts on fixed activations, through the
+    kernel path and the exact path (engine.model.routed_experts, each forced by cfg.routed_path),
+    must agree within the tolerance. (why they disagree or None, what was checked or None for a
+    dense model)."""
+    import dataclasses
+
+    import jax
+    from engine.model import routed_experts
+    cfg = engine.cfg
+    if "moe" not in (cfg.mlp_kinds or ()):
+        return None, None
+    layer = engine.params["layers"][list(cfg.mlp_kinds).index("moe")]["moe"]
+    x = np.random.default_rng(0).standard_normal((ROUTED_ROWS, cfg.hidden_size)).astype(np.float32)
+    valid = np.ones(ROUTED_ROWS, bool)
+    out = {}
+    for path in ("kernel", "exact"):
+        c = dataclasses.replace(cfg, routed_path=path)
+        out[path] = np.asarray(jax.jit(lambda a, m, v, c=c: routed_experts(a, m, v, cfg=c))(x, layer, valid))
+    tolerance = TOLERANCE.get(engine.dtype.name, TOLERANCE["bfloat16"])
+    why = compare("kernel against exact", out["kernel"].ravel(), out["exact"].ravel(), tolerance)
+    return why, f"routed experts: kernel path against exact ({ROUTED_ROWS} rows)"
+
+
+def run(engine, golden: dict | None = None) -> tuple[bool, str]:
+    """Run every check; (passed, what was checked or why it failed)."""
+    cfg = engine.cfg
+    tolerance = max(TOLERANCE.get(engine.dtype.name, TOLERANCE["bfloat16"]),
+                    TOLERANCE.get(engine.kv_dtype.name, TOLERANCE["bfloat16"]))
+    tokens = fixed_prompt(cfg.vocab_size)
+    want = reference_logits(engine.args.weights_folder, cfg, tokens)
+    got_prefill = _prefill(engine, tokens[:-1])
+    got_decode = _decode(engine, tokens[-1], len(tokens) - 1)
+    if os.environ.get(CORRUPT_ENV):
+        got_prefill = got_prefill + float(want[-2].std())
+    done = [f"reference forward ({len(tokens)} tokens, tolerance {tolerance:g})"]
+    for what, got, ref in (("prefill", got_prefill, want[-2]), ("decode", got_decode, want[-1])):
+        why = compare(what, got, ref, tolerance)
+        if why is not None:
+            return False, why
+    if golden:
+        prompt, answer = list(golden["prompt"]), list(golden["answer"])
+        out = [int(np.argmax(_prefill(engine, prompt)))]
+        while len(out) < len(answer) and len(prompt) + len(out) < engine.args.ctx:
+            out.append(int(np.argmax(_decode(engine, out[-1], len(prompt) + len(out) - 1))))
+        if out != answer:
+            return False, f"golden: greedy answer {out} where models.json records {answer}"
+        done.append(f"golden answer ({len(answer)} tokens)")
+    why, checked = routed_experts_check(engine)
+    if why is not None:
+        return False, f"routed experts: {why}"
+    if checked:
+        done.append(checked)
+    return True, "; ".join(done)
+
+
+# ---- the record ----------------------------------------------------------------------------------------
+
+def record_path(folder: str, component_set_sha: str, deployment_id: str) -> Path:
+    return Path(folder) / f"{component_set_sha[:24]}-{deployment_id[:24]}.json"
+
+
+def gate(engine, folder: str | None, recertify: bool = False, golden: dict | None = None
+         ) -> tuple[str, str]:
+    """("certified" | "not_certified", detail): the recorded result for this component set and
+    deployment, or the gate's, run now and recorded (folder None: never recorded)."""
+    path = record_path(folder, engine.component_set_sha, engine.deployment_id) if folder else None
+    if path is not None and not recertify and path.exists():
+        try:
+            rec = json.loads(path.read_text(encoding="utf-8"))
+            if rec.get("certification") in ("certified", "not_certified"):
+                return rec["certification"], f"{rec.get('detail', '')} (recorded {rec.get('at', '?')})"
+        except (OSError, ValueError):
+            pass
+    t0 = time.time()
+    try:
+        passed, detail = run(engine, golden)
+    except Exception as e:   # noqa: BLE001 - a gate that cannot run certifies nothing
+        passed, detail = False, f"the gate could not run: {type(e).__name__}: {e}"
+    status = "certified" if passed else "not_certified"
+    detail = f"{detail} ({time.time() - t0:.1f} s)"
+    if path is not None and not os.environ.get(CORRUPT_ENV):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"certification": status, "detail": detail,
+                                        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}),
+                            encoding="utf-8")
+        except OSError:
+            pass
+    return status, detail
