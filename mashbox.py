@@ -4090,6 +4090,12 @@ async def route_health(req: Request, out: Responder) -> None:
     await out.json(200 if app.ready else 503, app.health())
 
 
+async def route_ui(req: Request, out: Responder) -> None:
+    """`mashbox run --ui`: the MASHBOX Chat page (ui.html), one self-contained file."""
+    body, headers = ui_page()
+    await out.send(200, body, "text/html; charset=utf-8", headers)
+
+
 def model_card(app: "App") -> dict:
     """The spec's Model. Before the worker is ready only the id and the --ctx asked for are known."""
     facts = app.facts
@@ -4152,8 +4158,9 @@ def api_route(fmt_name: str, count_tokens: bool = False) -> Handler:
 def build_routes(app: "App") -> Router:
     """The route table. A generation route exists when its API format is given to the App."""
     router = Router()
-    for path in ("/v1/health", "/health", "/"):
+    for path in ("/v1/health", "/health"):
         router.add("GET", path, route_health)
+    router.add("GET", "/", route_ui if app.config.ui else route_health)
     router.head = Route("HEAD", "*", route_health, openai_error_body, needs_key=False)
     router.add("GET", "/v1/models", route_models)
     router.add("GET", "/v1/models/{model}", route_model)
@@ -4192,6 +4199,35 @@ def openapi_document(model_id: str, base_url: str | None = None) -> bytes:
     if base_url:
         doc["servers"] = [{"url": base_url, "description": "this server"}]
     return json.dumps(doc, ensure_ascii=False, indent=1).encode()
+
+
+# ---- the chat page -------------------------------------------------------------------------------
+
+# `mashbox run --ui` serves this file at /: everything inline (no CDN, no build step). The browser is
+# told to run only its own inline script and style (by hash) and to talk only to this origin, so the
+# page cannot load or send anything elsewhere, and the server's Origin check stays on.
+UI_FILE = Path(__file__).resolve().parent / "ui.html"
+_ui_cache: list = []
+
+
+def ui_page() -> tuple[bytes, tuple[tuple[str, str], ...]]:
+    """The page's bytes and its headers (Content-Security-Policy with its inline blocks' hashes)."""
+    if not _ui_cache:
+        import base64
+        import hashlib
+        text = UI_FILE.read_text(encoding="utf-8")
+
+        def hashes(tag: str) -> str:
+            blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", text, re.S)
+            return " ".join("'sha256-%s'" % base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()
+                            for b in blocks)
+        policy = (f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; "
+                  "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+                  "frame-ancestors 'none'")
+        _ui_cache.append((text.encode(), (("Content-Security-Policy", policy), ("Cache-Control", "no-store"),
+                                          ("X-Content-Type-Options", "nosniff"),
+                                          ("Referrer-Policy", "no-referrer"))))
+    return _ui_cache[0]
 
 
 # ---- the server state ----------------------------------------------------------------------------
@@ -4390,6 +4426,7 @@ class Config:
     max_waiting_per_tenant: int = MAX_WAITING_PER_TENANT
     max_connections: int = MAX_CONNECTIONS
     recertify: bool = False
+    ui: bool = False
 
 
 def _at_least(low: int, what: str) -> Callable[[str], int]:
@@ -4446,6 +4483,8 @@ def arg_parser() -> argparse.ArgumentParser:
                      help=f"requests waiting for a slot, per tenant (default {MAX_WAITING_PER_TENANT})")
     run.add_argument("--max-connections", type=_at_least(1, "--max-connections"), default=MAX_CONNECTIONS,
                      help=f"open client connections (default {MAX_CONNECTIONS})")
+    run.add_argument("--ui", action="store_true",
+                     help="serve the MASHBOX Chat page at / (health stays at /health and /v1/health)")
     run.add_argument("--recertify", action="store_true",
                      help="run the certification gate even when this build's result is recorded")
     return parser
@@ -4458,7 +4497,8 @@ def config_from_args(argv: list[str] | None) -> Config:
                   api_key_file=args.api_key_file, allowed_hosts=tuple(args.allowed_hosts),
                   log_prompts=args.log_prompts, max_waiting=args.max_waiting,
                   max_waiting_per_tenant=args.max_waiting_per_tenant,
-                  max_connections=args.max_connections, recertify=args.recertify)
+                  max_connections=args.max_connections, recertify=args.recertify,
+                  ui=args.ui)
 
 
 def worker_args(spec: "registry.ModelSpec", config: Config, folder: str,
