@@ -64,7 +64,7 @@ def test_deployment_id_follows_programs_and_settings():
 
 # ---- the reference forward ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("model", ["qwen2", "qwen3", "qwen3-tied"])
+@pytest.mark.parametrize("model", ["qwen2", "qwen3", "qwen3-tied", "qwen3-moe", "qwen3-moe-raw"])
 def test_the_numpy_reference_matches_the_transformers_logits(model):
     """Guards against a reference forward that is itself wrong (it would certify a wrong engine, or
     fail a right one): it must give the logits transformers gave for the fixture's prompt."""

@@ -229,5 +229,9 @@ def test_the_model_card_before_ready_reports_the_configured_context():
     try:
         status, _, body = server.request("GET", f"/v1/models/{MODEL_ID}")
         assert status == 200 and json.loads(body)["max_model_len"] == 8192
+        # No --ctx: the context `mashbox run` planned (the model's default, or what fits in memory).
+        app.config.ctx, app.planned_ctx = None, 2048
+        status, _, body = server.request("GET", f"/v1/models/{MODEL_ID}")
+        assert status == 200 and json.loads(body)["max_model_len"] == 2048
     finally:
         server.stop()
