@@ -64,12 +64,16 @@ def demo_server(demo_folder):
     assert proc.returncode == 0, "".join(lines[-20:])
 
 
-def test_the_demo_health_reports_no_routed_experts(demo_server):
-    """Guards against a dense model claiming a routed-expert path in /health."""
+def test_the_demo_health_reports_no_routed_experts_and_a_certified_build(demo_server):
+    """Guards against a dense model claiming a routed-expert path in /health, and a demo whose
+    compiled programs do not pass the certification gate (numpy reference, golden answer)."""
     import json
     import urllib.request
     with urllib.request.urlopen(demo_server + "/health", timeout=5) as r:
-        assert json.load(r)["routed_experts"] is None
+        health = json.load(r)
+    assert health["routed_experts"] is None
+    assert health["certification"] == "certified", health.get("detail")
+    assert len(health["deployment_id"]) == 64 and len(health["component_set_sha"]) == 64
 
 
 def test_chat_answers_the_france_question_greedily(demo_server):
@@ -89,7 +93,7 @@ def test_streamed_chat_equals_the_plain_answer_and_reports_cached_tokens(demo_se
     client = openai.OpenAI(base_url=demo_server + "/v1", api_key="local")
     stream = client.chat.completions.create(
         messages=[{"role": "user", "content": FRANCE}], max_tokens=16, stream=True,
-        stream_options={"include_usage": True}, model="any")
+        stream_options={"include_usage": True}, model="Qwen/Qwen2.5-Coder-0.5B-Instruct")   # the HF name
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text.startswith("The capital of France is Paris.")
@@ -116,6 +120,8 @@ def test_responses_and_completions_answer(demo_server):
     client = openai.OpenAI(base_url=demo_server + "/v1", api_key="local")
     r = client.responses.create(input=FRANCE, max_output_tokens=16, model="qwen2.5-coder-0.5b-instruct")
     assert r.status == "completed" and r.output_text.startswith("The capital of France is Paris.")
+    with pytest.raises(openai.NotFoundError):             # another model's id: the spec's 404
+        client.responses.create(input=FRANCE, max_output_tokens=4, model="gpt-5.5")
     c = client.completions.create(model="qwen2.5-coder-0.5b-instruct", prompt="def add(a, b):\n    return",
                                   max_tokens=4)
     assert c.choices[0].text.strip().startswith("a + b")

@@ -165,3 +165,16 @@ def test_with_keys_the_page_asks_for_one_and_keeps_it_for_the_tab(browser):
         assert js(browser, "return localStorage.length") == 0
     finally:
         server.stop()
+
+
+def test_the_ui_flag_puts_the_page_at_the_root_and_keeps_health_elsewhere():
+    """Guards against --ui not reaching the route table, or taking health away from its paths."""
+    config = mashbox.config_from_args(["run", "--ui"])
+    assert config.ui and not mashbox.config_from_args(["run"]).ui
+    router = mashbox.build_routes(mashbox.App(config))
+
+    def handler(path):
+        req = mashbox.Request(method="GET", target=path, path=path, query={}, headers=[])
+        return router.match(req).handler
+    assert handler("/") is mashbox.route_ui
+    assert handler("/health") is handler("/v1/health") is mashbox.route_health

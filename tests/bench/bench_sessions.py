@@ -66,6 +66,10 @@ DROP_HEADERS = {"host", "content-length", "connection", "accept-encoding", "tran
 # A cold 15k-token prompt takes about a minute on a 2-core CPU; a turn longer than this is a hang.
 TURN_TIMEOUT_S = 900
 SERVER_START_TIMEOUT_S = 900
+# The recordings name the models their clients were configured with for other servers; Codex and Pi
+# configured for this one send its id (the OpenAI routes answer any other id with 404), so that is
+# what the replay sends there. Messages takes any name and keeps Claude Code's.
+SERVED_ID = json.loads((ROOT / "models.json").read_text())["default"]
 
 
 # ---- sessions ----------------------------------------------------------------------------------------
@@ -134,6 +138,8 @@ def limited(request: dict, max_tokens: int) -> dict:
         r["path"], "max_completion_tokens")] = max_tokens
     if r["path"] == "/v1/chat/completions":
         body["stream_options"] = {"include_usage": True}
+    if r["path"] != "/v1/messages":
+        body["model"] = SERVED_ID
     return r
 
 
