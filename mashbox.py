@@ -1418,7 +1418,7 @@ NO_THINKING_EFFORTS = ("none", "minimal")
 # the stream through error().
 CHAT_FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "abort": "stop"}
 # An SSE comment: clients skip it, and it keeps proxies and idle timers from closing the stream.
-SSE_COMMENT = OPENAI_KEEPALIVE = b": keep-alive\n\n"
+SSE_COMMENT = b": keep-alive\n\n"
 
 _KIND_NAMES = {str: "a string", bool: "true or false", dict: "an object", list: "a list"}
 
@@ -1640,7 +1640,7 @@ class ChatEncoder:
         return [self._chunk({"role": "assistant", "content": ""})]
 
     def keepalive(self) -> bytes:
-        return OPENAI_KEEPALIVE
+        return SSE_COMMENT
 
     def feed(self, ev: Any) -> list[bytes]:
         if isinstance(ev, chat.TextDelta) and ev.text:
@@ -1741,7 +1741,7 @@ class CompletionEncoder:
         return []
 
     def keepalive(self) -> bytes:
-        return OPENAI_KEEPALIVE
+        return SSE_COMMENT
 
     def feed(self, ev: Any) -> list[bytes]:
         if isinstance(ev, chat.TextDelta) and ev.text:
@@ -2662,7 +2662,7 @@ class ResponsesEncoder:
                 self._event("response.in_progress", response=self._response())]
 
     def keepalive(self) -> bytes:
-        return OPENAI_KEEPALIVE
+        return SSE_COMMENT
 
     def _where(self, item: dict) -> dict:
         return {"item_id": item["id"], "output_index": self.output.index(item)}
