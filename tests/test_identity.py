@@ -193,3 +193,12 @@ def test_compiles_after_ready_add_up_over_worker_restarts(tmp_path):
                        {"max_tokens": 2, "messages": [{"role": "user", "content": "echo: a b"}]})
         until(lambda: json.loads(server.request("GET", "/health")[2])["compiles_after_ready"] == 4,
               "both workers' compiles")
+
+
+def test_the_cli_hands_recertify_and_the_golden_answer_to_the_worker():
+    """Guards against --recertify or models.json's golden answer never reaching the gate."""
+    from engine import registry
+    spec = registry.resolve(registry.default_id())
+    for argv, wanted in ((["run"], False), (["run", "--recertify"], True)):
+        args = mashbox.worker_args(spec, mashbox.config_from_args(argv), spec.weights)
+        assert args["recertify"] is wanted and args["golden"] == spec.golden and spec.golden["answer"]
