@@ -229,6 +229,39 @@ def test_worker_process_round_trip(tmp_path):
             process.kill()
 
 
+# Starts an engine with a compile cache and prints how many programs the persistent cache served.
+_START_AND_COUNT = """
+import json, sys, jax
+counts = {"hits": 0, "misses": 0}
+def seen(event, **_):
+    for name in counts:
+        if event == "/jax/compilation_cache/cache_" + name:
+            counts[name] += 1
+jax.monitoring.register_event_listener(seen)
+from engine.worker import Engine, WorkerArgs
+engine = Engine(WorkerArgs("tiny", sys.argv[1], slots=4, ctx=256, cache_ram_mib=1, compile_cache=sys.argv[2]))
+print(json.dumps(counts))
+"""
+
+
+def test_a_restarted_worker_loads_every_program_from_the_persistent_cache(tmp_path):
+    """Guards against a worker restarted after a fault compiling again (minutes on a CPU while every
+    request gets 503): on the second start in a new process, every program is a persistent-cache hit
+    (no program is too quick to be cached, and the cache keys are stable across processes)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    runs = [json.loads(subprocess.run(
+        [sys.executable, "-c", _START_AND_COUNT, str(TINY / "qwen3"), str(tmp_path / "jax")],
+        env=env, cwd=root, capture_output=True, text=True, check=True, timeout=600).stdout.splitlines()[-1])
+        for _ in range(2)]
+    assert runs[0]["misses"] > 0 and runs[0]["hits"] == 0
+    assert runs[1] == {"hits": runs[0]["misses"], "misses": 0}
+
+
 def test_fault_injection_exits_the_process(tmp_path, monkeypatch):
     """Guards against MASHBOX_FAULT not firing, which would leave the server's recovery untested."""
     monkeypatch.setenv("MASHBOX_FAULT", "warmup")
