@@ -4522,7 +4522,9 @@ def size_worker(spec: "registry.ModelSpec", config: Config, folder: str) -> "mem
     sizing = memory.size(load_config(folder), folder, slots=config.slots, ctx=config.ctx,
                          cache_ram_mib=config.cache_ram_mib, default_slots=spec.slots,
                          default_ctx=spec.ctx, default_cache_ram_mib=spec.cache_ram_mib)
-    chosen = "defaults lowered to fit half the available memory" if sizing.shrunk else "as set"
+    given = (config.slots, config.ctx, config.cache_ram_mib) != (None, None, None)
+    chosen = ("defaults lowered to fit half the available memory" if sizing.shrunk
+              else "the model's defaults, which fit" if not given else "as given")
     log.info("memory: %d slots x %d tokens, host cache %d MiB (%s); %s", sizing.slots, sizing.ctx,
              sizing.cache_ram_mib, chosen, sizing.describe())
     return sizing

@@ -51,7 +51,12 @@ class Buckets:
     def chunk_for(self, remaining: int) -> int:
         """Chunk length for a prompt with `remaining` tokens still to run: the smallest chunk that
         holds them all when at most half of it is padding, else the largest chunk that is filled
-        (one call more costs one more read of the weights; a padded token costs its compute)."""
+        (one call more costs one more read of the weights; a padded token costs its compute).
+        One last token runs alone, in the one-row decode program: a prompt served from a cache but
+        for its last token would otherwise pay for a whole padded chunk's attention over its context
+        (at 11k positions, 31 padded rows cost more than the weights)."""
+        if remaining == 1:
+            return 1
         for c in self.chunks:
             if c >= remaining:
                 if c <= 2 * remaining or c == self.chunks[0]:
@@ -61,8 +66,8 @@ class Buckets:
 
     def min_fill(self, chunk: int) -> int:
         """The fewest real tokens chunk_for ever puts in `chunk`: at most half of a chunk is padding,
-        except in the smallest one."""
-        return 1 if chunk == self.chunks[0] else (chunk + 1) // 2
+        except in the smallest one (and the one-token chunk)."""
+        return 1 if chunk in (1, self.chunks[0]) else (chunk + 1) // 2
 
 
 # ---- requests and slots --------------------------------------------------------------------------

@@ -53,7 +53,8 @@ def test_chunk_choice_limits_padding_and_covers_min_fill():
     """Guards against padding a short remainder up to the largest chunk (a padded token costs its
     compute), and against more than half of a chunk beyond the smallest being padding."""
     b = Buckets.for_ctx(4096)
-    assert b.chunk_for(5) == 32
+    assert b.chunk_for(1) == 1              # a cached prompt's last token: the one-row decode program
+    assert b.chunk_for(2) == b.chunk_for(5) == 32
     assert b.chunk_for(129) == 128          # 512 would be three quarters padding
     assert b.chunk_for(300) == 512          # under half padding: one call
     assert b.chunk_for(5000) == 512

@@ -129,6 +129,24 @@ def test_prefix_reuse_serves_cached_tokens_and_matches_a_cold_run(engine):
     assert copied["tokens"] == run(cold_engine, Submit("cold", beside, 10))["cold"]["tokens"]
 
 
+def test_a_prompt_cached_but_its_last_token_runs_one_token_and_compiles_nothing(engine):
+    """Guards against a fully cached turn paying for a padded chunk's attention over its whole
+    context (31 wasted rows at 11k positions took a second on a CPU), and against the one-token
+    chunk needing a program the warm-up did not compile."""
+    tokens = prompt(21, 45)
+    first = run(engine, Submit("once", tokens, 6))["once"]
+    chunks = []
+    real = engine._prefill
+    engine._prefill = lambda work: chunks.append(work.chunk) or real(work)
+    try:
+        again = run(engine, Submit("again", tokens, 6))["again"]
+    finally:
+        del engine._prefill
+    assert again["first"].cached_tokens == 44 and chunks == [1]
+    assert again["tokens"] == first["tokens"]
+    assert engine.compiles_after_ready() == 0
+
+
 def test_chunked_prefill_equals_one_shot(engine):
     """Guards against chunk boundaries corrupting positions or the cache."""
     p = prompt(9, 45)
