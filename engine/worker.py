@@ -219,11 +219,13 @@ class Engine:
             + [identity.file_sha256(init_cache.__code__.co_filename)]})
 
     def _warm_up(self, progress) -> None:
-        """Compile every program, then run each once on idle rows. Independent programs compile at
-        the same time (XLA compiles one program mostly on one core); a program found in the
-        persistent compile cache is loaded instead. The sampler is fed logits from the model's own
-        programs: jit keys on where its inputs live, so logits made on the host would compile a
-        different program than the one requests run."""
+        """Compile every program; nothing big runs. Independent programs compile at the same time
+        (XLA compiles one program mostly on one core), and jit keeps each compiled program for the
+        calls that run it later; a program found in the persistent compile cache is loaded instead.
+        Running the prefill programs too would cost a full 512-token chunk of compute for nothing
+        (seconds of every restart on a CPU). The sampler is compiled for logits of the decode
+        programs, one token per row (cheap): jit keys on where its inputs live, so logits made on the
+        host would compile a different program than the one requests run."""
         programs = self.programs()
         self.faults.at("warmup")
         total = len(programs) + 1
@@ -236,26 +238,22 @@ class Engine:
         progress("compile", 0, total)
         _compile_together([(jit_forward, self._model_call(rows, t), {"cfg": self.cfg})
                            for _, rows, t in programs], compiled)
-        logits = {}
-        for _, rows, t in programs:
-            logits[rows], self.cache = jit_forward(*self._model_call(rows, t), cfg=self.cfg)
         samples = []
-        for rows in logits:
+        for rows in self.buckets.decode_rows:      # every row count a prefill chunk has too (one)
+            logits, self.cache = jit_forward(*self._model_call(rows, 1), cfg=self.cfg)
             params = sampler.row_params([(sampler.Sampling(), 0, 0)] * rows)
             # Only the batch of every slot samples with every_slot=True; a smaller decode batch and a
             # prefill's one row (even when one row is every slot) gather their slots' state.
             for every in {rows == self.args.slots} | ({False} if rows == 1 else set()):
                 for flags in sampler.FLAG_COMBINATIONS:
-                    samples.append(((logits[rows], np.arange(rows, dtype=np.int32), np.zeros(rows, bool),
+                    samples.append(((logits, np.arange(rows, dtype=np.int32), np.zeros(rows, bool),
                                      params), dict(every_slot=every, **flags)))
         _compile_together([(sampler.sample, (self.state,) + args, kw) for args, kw in samples])
-        for args, kw in samples:
-            tokens, self.state = sampler.sample(self.state, *args, **kw)
         self.state = sampler.start_row(self.state, np.int32(0), np.zeros(self.cfg.vocab_size, bool))
         self.cache = copy_prefix(self.cache, np.int32(0), np.int32(0), np.int32(0))
         if self.host is not None:
             self.cache = warm_host_copies(self.cache)
-        jax.block_until_ready((tokens, self.cache, self.state))
+        jax.block_until_ready((self.cache, self.state))
         progress("compile", total, total)
 
     # -- requests ---------------------------------------------------------------------------------
