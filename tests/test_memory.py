@@ -1,6 +1,7 @@
 """Sizing a worker to the machine's memory (engine.memory) and the server refusing what cannot fit."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -77,3 +78,28 @@ def test_resident_bytes_reads_this_process():
     rss = memory.resident_bytes()
     assert 10 << 20 < rss < 64 * GIB
     assert memory.resident_bytes(2 ** 22 + 12345) is None or isinstance(memory.resident_bytes(2 ** 22 + 12345), int)
+
+
+def test_the_server_lowers_its_defaults_to_the_memory_and_says_so(monkeypatch, caplog):
+    """Guards against the defaults being taken as given (then never lowered) because the server
+    fills in the context early for the model card."""
+    full = sized(100 * GIB)
+    # Half the available memory holds the defaults at 16k tokens and without a host cache.
+    monkeypatch.setattr(memory, "available_bytes", lambda: 2 * (full.total - (2048 << 20) - full.kv // 2))
+    monkeypatch.setattr(memory, "engine_on_host", lambda: True)
+    real_resolve = mashbox.registry.resolve
+    monkeypatch.setattr(mashbox.registry, "resolve", lambda *a: dataclasses.replace(
+        real_resolve(*a), slots=4, ctx=32768, cache_ram_mib=2048))      # the defaults sized() uses
+    started = []
+
+    def start(bridge):
+        started.append(bridge.worker_args)
+        raise KeyboardInterrupt          # stop serve() here: the worker's arguments are what counts
+    monkeypatch.setattr(mashbox.Bridge, "start", start)
+    caplog.set_level("INFO")
+    try:
+        mashbox.main(["run", TINY, "--port", "0"])
+    except KeyboardInterrupt:
+        pass
+    assert started and (started[0]["slots"], started[0]["ctx"], started[0]["cache_ram_mib"]) == (4, 16384, 0)
+    assert any("defaults lowered" in r.getMessage() for r in caplog.records)
