@@ -49,8 +49,8 @@ def kv_dtype_for(platform: str):
     """KV cache dtype for a JAX platform: the narrowest one attention does not run slower with.
     On XLA:CPU (2 cores, one decode row over 16k positions, 24 layers of Qwen2.5-0.5B's shape)
     float16 blocks widened to float32 ran as fast as float32 (49-69 vs 74-80 ms; half the bytes
-    to read), while bfloat16 widened ran 3-4x slower (213-300 ms: XLA:CPU converts bfloat16
-    slowly) and read directly by the product 4.5x slower; accelerators store and read bfloat16."""
+    to read), while bfloat16 ran 3-5x slower, widened (213-300 ms: XLA:CPU converts bfloat16
+    slowly) or read by the product as it is (350 ms); accelerators store and read bfloat16."""
     return jnp.float16 if platform == "cpu" else jnp.bfloat16
 
 
@@ -167,7 +167,7 @@ def _attend(q, cache_k, cache_v, slots, positions, live):
     ctx = cache_k.shape[2]
     block = min(ATTENTION_BLOCK, ctx)
     # Group and tokens as one axis: XLA:CPU ran the 4-D product 5x faster than the 5-D einsum with a
-    # T axis of 1 (decode, 16k positions, 24 layers: 54 vs 335 ms).
+    # T axis of 1 (decode, 16k positions, 24 layers, one pass: 54 vs 335 ms).
     q = q.reshape(b, kv_heads, group * t, d)
     calc = _kv_compute_dtype(cache_k.dtype)
     q = q.astype(calc)
