@@ -69,6 +69,7 @@ class FakeArgs:
     late_compiles: int = 0            # what its Stats report as compiled after ready
     certification: str = "not_certified"   # what the fake reports of the gate (it runs none)
     certification_detail: str = "the fake engine runs no compiled programs to certify"
+    sampler: bool = False             # draw every token through engine.sampler (see _Drawer)
 
     @classmethod
     def from_server(cls, worker_args: dict) -> "FakeArgs":
@@ -88,6 +89,48 @@ def _fault(args: FakeArgs) -> bool:
     with open(path, "ab") as f:
         f.write(b"x")
     return True
+
+
+class _Drawer:
+    """The real sampler in the fake engine (FakeArgs.sampler): each scripted token is drawn by
+    engine.sampler with the request's own sampling, from logits in which the scripted choice leads by
+    a margin no setting the API accepts can overcome (penalties grow at most 2 per token drawn, and
+    temperature at most divides by 4), so the answer stays known while the sampler's host side and
+    programs run for every token. A request whose sampling the sampler cannot take fails alone, as
+    in the real worker."""
+
+    VOCAB = 64
+    MARGIN = 1e5
+
+    def __init__(self):
+        import numpy as np
+        from engine import sampler
+        self.np, self.sampler = np, sampler
+        self.state = sampler.init_state(1, self.VOCAB)
+        self.rows: dict[str, tuple] = {}
+
+    def start(self, rid: str, sampling: protocol.Sampling) -> str | None:
+        seed = sampling.seed if sampling.seed is not None else 7
+        error = self.sampler.row_error(sampling, seed)
+        if error is None:
+            self.rows[rid] = (sampling, seed)
+            self.state = self.sampler.start_row(self.state, self.np.int32(0), self.np.zeros(self.VOCAB, bool))
+        return error
+
+    def draw(self, rid: str, i: int) -> bool:
+        """Draw the i-th token of rid; True when the sampler picked the scripted choice."""
+        np, sampler = self.np, self.sampler
+        sampling, seed = self.rows[rid]
+        want = 1 + i % (self.VOCAB - 1)
+        logits = np.full((1, self.VOCAB), -self.MARGIN, np.float32)
+        logits[0, want] = self.MARGIN
+        tokens, self.state = sampler.sample(
+            self.state, logits, np.zeros(1, np.int32), np.ones(1, bool),
+            sampler.row_params([(sampling, seed, i)]), every_slot=True, **sampler.batch_flags([sampling]))
+        return int(np.asarray(tokens)[0]) == want
+
+    def end(self, rid: str) -> None:
+        self.rows.pop(rid, None)
 
 
 def _answer_for(text: str) -> str:
@@ -119,6 +162,7 @@ def main(conn: Connection, args: FakeArgs | dict) -> None:
         component_set_sha=sha, deployment_id=identity.deployment_id(
             ["fake engine"], {"slots": args.slots, "ctx": args.ctx}),
         certification=args.certification, certification_detail=args.certification_detail)
+    drawer = _Drawer() if args.sampler else None
     conn.send(protocol.Ready(facts, pid=os.getpid()))
     live: dict[str, dict] = {}
     previous: list[int] = []
@@ -130,6 +174,8 @@ def main(conn: Connection, args: FakeArgs | dict) -> None:
             if isinstance(msg, protocol.Shutdown):
                 return
             if isinstance(msg, protocol.Cancel):
+                if drawer is not None:
+                    drawer.end(msg.rid)
                 if live.pop(msg.rid, None) is not None:
                     conn.send(protocol.Step(msg.rid, [], finish="abort"))
             elif isinstance(msg, protocol.Submit):
@@ -145,6 +191,11 @@ def main(conn: Connection, args: FakeArgs | dict) -> None:
                 text = tok.decode(msg.prompt, skip_special_tokens=False)
                 answer = tok.encode(_answer_for(text), add_special_tokens=False).ids
                 room = args.ctx - len(msg.prompt)
+                error = drawer.start(msg.rid, msg.sampling) if drawer is not None else None
+                if error is not None:
+                    conn.send(protocol.Step(msg.rid, [], finish="error", prompt_tokens=len(msg.prompt),
+                                            error=error))
+                    continue
                 live[msg.rid] = {"admitted": False, "answer": answer, "i": 0, "limit": min(msg.max_tokens, room),
                                  "prompt": len(msg.prompt), "cached": cached, "t0": time.time(),
                                  "queued": msg.submitted_at, "fail": FAIL_MARKER in text}
@@ -166,6 +217,10 @@ def main(conn: Connection, args: FakeArgs | dict) -> None:
                 finish = "stop" if r["i"] >= len(r["answer"]) else "length"
                 tokens = []
             else:
+                if drawer is not None and not drawer.draw(rid, r["i"]):
+                    del live[rid]
+                    conn.send(protocol.Step(rid, [], finish="error", error="the sampler drew another token"))
+                    continue
                 tokens = [r["answer"][r["i"]]]
                 r["i"] += 1
                 finish = None
@@ -181,6 +236,8 @@ def main(conn: Connection, args: FakeArgs | dict) -> None:
                                 "prompt_ms": (r.get("t_first", now) - r["t0"]) * 1000,
                                 "predicted_ms": (now - r.get("t_first", now)) * 1000}
                 del live[rid]
+                if drawer is not None:
+                    drawer.end(rid)
             conn.send(step)
             sent_any = True
             sent_total += len(tokens)

@@ -1,0 +1,366 @@
+"""Soak: every hostile request of tests/test_hostile_work.py, replayed for minutes against one
+`python -m mashbox run` with keys, while normal clients are served beside it. Run by hand:
+
+    python tests/soak_hostile.py --minutes 3
+
+The server runs the fake engine with the real sampler (MASHBOX_FAKE={"sampler": true}: every token is
+drawn by engine.sampler with the request's own sampling), so a sampling value that reached the worker
+and could not be batched would show up as a worker death. Attackers (tenant "mallory") send, in turn:
+keyless 32 MiB bodies, 200,000 stop strings, the most and longest stop strings allowed, a 20 MB prompt,
+a 480k-character prompt (the tokenizer process), sampling values past int32 / NaN / Infinity, lone
+surrogates in a streamed Messages request, a slow reader, a flood past the connection bound, a full
+tenant queue, Host tricks and a bare CR in a chunk extension. Normal clients (tenant "bob") send short
+requests to the four generation APIs and must get exactly their text back; a 429/503/529 with
+Retry-After is retried and counted, anything else is a lost request.
+
+It passes when: 0 worker restarts (same worker pid), 0 lost requests, every attack answered as it
+should be, and the server's memory (RSS) back within 20% of its start after the attacks end.
+/health latency (p50, p99, max) is reported.
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+ALICE, BOB, MALLORY = "sk-soak-alice-0001", "sk-soak-bob-000002", "sk-soak-mallory-03"
+MAX_CONNECTIONS = 160
+FAKE = {"delay_s": 0.005, "sampler": True, "ctx": 4096}
+# RSS after the attacks may differ from RSS before them by this fraction.
+RSS_SLACK = 0.20
+ANSWER_S = 60.0
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def request(port: int, method: str, path: str, body=None, key: str | None = None,
+            headers: dict | None = None, timeout: float = ANSWER_S) -> tuple[int, dict, bytes]:
+    headers = dict(headers or {})
+    if key:
+        headers["x-api-key"] = key
+    data = body
+    if isinstance(body, (dict, list)):
+        data = json.dumps(body).encode()
+        headers.setdefault("Content-Type", "application/json")
+    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
+    try:
+        conn.request(method, path, body=data, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def raw(port: int, data: bytes, timeout: float = ANSWER_S) -> int:
+    """Send bytes, return the first response's status (0 when none came)."""
+    sock = socket.create_connection((HOST, port), timeout=timeout)
+    try:
+        try:
+            sock.sendall(data)
+        except OSError:
+            pass
+        line = sock.makefile("rb").readline()
+        return int(line.split(b" ", 2)[1]) if line else 0
+    finally:
+        sock.close()
+
+
+def chat(text: str, **extra) -> dict:
+    return {"max_tokens": 64, "messages": [{"role": "user", "content": text}], **extra}
+
+
+# ---- the attacks: each returns None when the server answered as it should, else what went wrong ----
+
+def keyless_bodies(port):
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Expect: 100-continue\r\nContent-Length: 33554432\r\n\r\n")
+    got = [raw(port, head) for _ in range(5)]
+    return None if got == [401] * 5 else f"keyless bodies: {got}"
+
+
+def huge_stop_list(port):
+    status, _, _ = request(port, "POST", "/v1/chat/completions", chat("echo: hi", stop=["x"] * 200_000), MALLORY)
+    return None if status == 400 else f"200,000 stop strings: {status}"
+
+
+def longest_stops(port):
+    stops = [("ab" * 1000)[:997] + f"Z{i:02d}" for i in range(31)] + ["ab the END"]
+    status, _, body = request(port, "POST", "/v1/chat/completions",
+                              chat("echo: " + "ab" * 600 + " the END.", stop=stops, max_tokens=2000), MALLORY)
+    ok = status == 200 and json.loads(body)["choices"][0]["message"]["content"] == "ab" * 599
+    return None if ok else f"longest stops: {status} {body[:100]!r}"
+
+
+def huge_prompt(port):
+    status, _, _ = request(port, "POST", "/v1/messages", chat("word " * 4_000_000), MALLORY)
+    return None if status == 400 else f"20 MB prompt: {status}"
+
+
+def long_prompt(port):
+    text = "lorem ipsum dolor sit amet " * 18_000
+    status, _, body = request(port, "POST", "/v1/messages/count_tokens",
+                              {"messages": [{"role": "user", "content": text}]}, MALLORY)
+    if status != 200 or json.loads(body)["input_tokens"] < 4096:
+        return f"480k-character count_tokens: {status} {body[:100]!r}"
+    status, _, _ = request(port, "POST", "/v1/chat/completions", chat(text), MALLORY)
+    return None if status == 400 else f"480k-character prompt: {status}"
+
+
+def bad_sampling(port):
+    for name, value in (("top_k", 2**31), ("temperature", float("nan")), ("repetition_penalty", float("inf")),
+                        ("seed", 2**64), ("min_p", float("nan"))):
+        status, _, _ = request(port, "POST", "/v1/chat/completions", json.dumps(chat("echo: hi", **{name: value})).encode(),
+                               MALLORY, {"Content-Type": "application/json"})
+        if status != 400:
+            return f"{name}={value}: {status}"
+    return None
+
+
+def surrogates(port):
+    body = json.dumps({"model": "m", "max_tokens": 8, "stream": True,
+                       "messages": [{"role": "user", "content": "a\ud800b"}]}).encode()
+    status, headers, _ = request(port, "POST", "/v1/messages", body, MALLORY, {"Content-Type": "application/json"})
+    return None if status == 400 else f"lone surrogate: {status}"
+
+
+def slow_reader(port):
+    body = json.dumps(chat("echo: " + "slowly " * 2000, max_tokens=3000, stream=True)).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(ANSWER_S)
+    sock.connect((HOST, port))
+    try:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"x-api-key: %s\r\nContent-Length: %d\r\n\r\n%s" % (MALLORY.encode(), len(body), body))
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3:
+            if not sock.recv(1024):
+                break
+            time.sleep(0.05)
+    finally:
+        sock.close()
+    return None
+
+
+def connection_flood(port):
+    socks, statuses = [], Counter()
+    try:
+        for _ in range(MAX_CONNECTIONS + 20):
+            s = socket.create_connection((HOST, port), timeout=ANSWER_S)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            socks.append(s)
+        for s in socks:
+            line = s.makefile("rb").readline()
+            statuses[int(line.split(b" ", 2)[1]) if line else 0] += 1
+    except OSError as e:
+        return f"connection flood: {e!r}"
+    finally:
+        for s in socks:
+            s.close()
+    return None if set(statuses) <= {200, 503} else f"connection flood: {dict(statuses)}"
+
+
+def full_tenant_queue(port):
+    statuses = Counter()
+
+    def one():
+        try:
+            statuses[request(port, "POST", "/v1/chat/completions",
+                             chat("echo: " + "wait " * 30, max_tokens=40), MALLORY)[0]] += 1
+        except OSError as e:
+            statuses[repr(e)] += 1
+    threads = [threading.Thread(target=one) for _ in range(48)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(ANSWER_S * 2)
+    return None if set(statuses) <= {200, 429} else f"full tenant queue: {dict(statuses)}"
+
+
+def small_tricks(port):
+    got = [raw(port, b"GET http://evil.example/health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"),
+           raw(port, b"GET /health HTTP/1.1\r\nHost: localhost:evil.example\r\n\r\n"),
+           raw(port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"x-api-key: " + MALLORY.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n2;a\rb\r\n{}\r\n0\r\n\r\n"),
+           raw(port, b"GET /v1/nothing HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")]
+    return None if got == [403, 403, 400, 401] else f"small tricks: {got}"
+
+
+ATTACKS = (keyless_bodies, huge_stop_list, longest_stops, huge_prompt, long_prompt, bad_sampling, surrogates,
+           slow_reader, connection_flood, full_tenant_queue, small_tricks)
+
+
+# ---- normal clients ----------------------------------------------------------------------------------
+
+def normal_once(port: int, rng: random.Random, counts: Counter, bad: list) -> None:
+    text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))
+    api = rng.choice(("chat", "completions", "messages", "responses"))
+    path, body = {
+        "chat": ("/v1/chat/completions", chat("echo: " + text)),
+        "completions": ("/v1/completions", {"max_tokens": 64, "prompt": "echo: " + text}),
+        "messages": ("/v1/messages", chat("echo: " + text)),
+        "responses": ("/v1/responses", {"max_output_tokens": 64, "input": "echo: " + text}),
+    }[api]
+    sampling = rng.choice(({}, {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": rng.randint(0, 2**40)},
+                           {"temperature": 1.5, "min_p": 0.1, "frequency_penalty": 1.0, "repetition_penalty": 1.1}))
+    body = {**body, **sampling}
+    for _ in range(20):
+        try:
+            status, headers, answer = request(port, "POST", path, body, BOB)
+        except OSError as e:
+            bad.append(f"{api}: {e!r}")
+            return
+        if status in (429, 503, 529) and "retry-after" in headers:
+            counts["refused, retried"] += 1
+            time.sleep(0.2)
+            continue
+        if status != 200:
+            bad.append(f"{api}: {status} {answer[:200]!r}")
+            return
+        doc = json.loads(answer)
+        got = {"chat": lambda: doc["choices"][0]["message"]["content"],
+               "completions": lambda: doc["choices"][0]["text"],
+               "messages": lambda: doc["content"][0]["text"],
+               "responses": lambda: doc["output"][0]["content"][0]["text"]}[api]()
+        if got != text:
+            bad.append(f"{api}: {got!r} != {text!r}")
+            return
+        counts["answered"] += 1
+        return
+    bad.append(f"{api}: refused 20 times")
+
+
+# ---- the run -------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=3.0)
+    ap.add_argument("--attackers", type=int, default=2)
+    ap.add_argument("--clients", type=int, default=3)
+    args = ap.parse_args(argv)
+
+    keys = tempfile.NamedTemporaryFile("w", suffix=".keys", delete=False)
+    keys.write(f"{ALICE} alice\n{BOB} bob\n{MALLORY} mallory\n")
+    keys.close()
+    env = dict(os.environ, MASHBOX_WORKER_ENTRY="tests.fake_worker:main", MASHBOX_FAKE=json.dumps(FAKE),
+               PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mashbox", "run", str(ROOT / "tests" / "fixtures" / "tiny" / "qwen3"),
+         "--port", "0", "--api-key-file", keys.name, "--max-connections", str(MAX_CONNECTIONS),
+         "--slots", "4", "--ctx", "4096"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    port: list[int] = []
+    log: list[str] = []
+
+    def read_log():
+        for line in proc.stderr:
+            log.append(line.rstrip())
+            if not port and "listening on http://" in line:
+                port.append(int(line.rsplit(":", 1)[1]))
+    threading.Thread(target=read_log, daemon=True).start()
+    report: dict = {}
+    try:
+        deadline = time.monotonic() + 120
+        while not port or json.loads(request(port[0], "GET", "/health")[2]).get("status") != "ok":
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start:\n" + "\n".join(log[-20:]))
+            time.sleep(0.2) if port else time.sleep(0.05)
+        p = port[0]
+        health0 = json.loads(request(p, "GET", "/health")[2])
+
+        counts, bad, failed_attacks, attack_counts = Counter(), [], [], Counter()
+        health_ms: list[float] = []
+        stop_all, stop_attacks = threading.Event(), threading.Event()
+
+        def probe():
+            while not stop_all.is_set():
+                t0 = time.monotonic()
+                try:
+                    request(p, "GET", "/health", timeout=10)
+                except OSError:
+                    pass
+                health_ms.append((time.monotonic() - t0) * 1000)
+                time.sleep(0.05)
+
+        def client(n):
+            rng = random.Random(n)
+            while not stop_all.is_set():
+                normal_once(p, rng, counts, bad)
+
+        def attacker(n):
+            i = n
+            while not stop_attacks.is_set():
+                attack = ATTACKS[i % len(ATTACKS)]
+                i += 1
+                try:
+                    why = attack(p)
+                except Exception as e:   # noqa: BLE001 - a failed attack is reported, not raised
+                    why = f"{attack.__name__}: {e!r}"
+                attack_counts[attack.__name__] += 1
+                if why:
+                    failed_attacks.append(why)
+
+        workers = [threading.Thread(target=probe, daemon=True)]
+        workers += [threading.Thread(target=client, args=(n,), daemon=True) for n in range(args.clients)]
+        for w in workers:
+            w.start()
+        time.sleep(10)                         # warm: every program compiled, every pool started
+        rss_start = rss(proc.pid)
+        attackers = [threading.Thread(target=attacker, args=(n,), daemon=True) for n in range(args.attackers)]
+        for a in attackers:
+            a.start()
+        time.sleep(args.minutes * 60)
+        stop_attacks.set()
+        for a in attackers:
+            a.join(ANSWER_S * 3)
+        rss_peak_seen = rss(proc.pid)
+        time.sleep(15)                         # attacks over: lingering connections close
+        rss_end = rss(proc.pid)
+        stop_all.set()
+        for w in workers:
+            w.join(ANSWER_S)
+        health1 = json.loads(request(p, "GET", "/health")[2])
+        ms = sorted(health_ms)
+        report = {
+            "minutes": args.minutes, "attacks": dict(attack_counts), "failed_attacks": failed_attacks[:20],
+            "normal": dict(counts), "lost": bad[:20], "lost_count": len(bad),
+            "worker_restarts": health1["worker_restarts"],
+            "same_worker": health1["worker_pid"] == health0["worker_pid"],
+            "rss_mib": {"start": round(rss_start / 2**20, 1), "end_of_attacks": round(rss_peak_seen / 2**20, 1),
+                        "after": round(rss_end / 2**20, 1)},
+            "health_ms": {"n": len(ms), "p50": round(ms[len(ms) // 2], 1), "p99": round(ms[int(len(ms) * 0.99)], 1),
+                          "max": round(ms[-1], 1)},
+        }
+        report["ok"] = (not failed_attacks and not bad and counts["answered"] > 0
+                        and health1["worker_restarts"] == 0 and report["same_worker"]
+                        and abs(rss_end - rss_start) <= RSS_SLACK * rss_start)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        os.unlink(keys.name)
+    print(json.dumps(report, indent=1))
+    return 0 if report.get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
