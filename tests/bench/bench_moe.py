@@ -9,7 +9,8 @@ heads, but fewer layers, a smaller hidden size and a smaller vocabulary. Measure
   - memory-copy bandwidth with numpy (read + written bytes, as bench_engine.py);
   - decode tokens/s at 1 and 4 busy slots, against the ceiling from the ACTIVE bytes of a step:
     attention, routers, the head, and only the experts the rows picked (8 at one row; at 4 rows the
-    union of their picks, counted as its expectation under uniform routing);
+    union of their picks, counted as its expectation under uniform routing, though the CPU's exact
+    path reads an expert once per row picking it: see engine/model.py);
   - prefill tokens/s of one 512-token prompt;
   - the routed-expert path the programs were traced with (Health's routed_experts).
 Target on a 2-core CPU: batch-1 decode >= 60% of the active-bytes ceiling.
