@@ -73,7 +73,7 @@ def copy_prefix(cache, src_slot, dst_slot, n):
         for layer in cache:
             new = {}
             for name, arr in layer.items():
-                axis = 2 if name == "k" else 3                  # where ctx lives in this array
+                axis = _CTX_AXIS[name]
                 sizes = list(arr.shape)
                 sizes[0], sizes[axis] = 1, block
                 at = lambda slot: tuple(slot if a == 0 else start if a == axis else 0
