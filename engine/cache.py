@@ -4,7 +4,9 @@ The cache is a list with one dict per layer; for an attention layer:
     "k": [slots, kv_heads, ctx, head_dim]
     "v": [slots, kv_heads, head_dim, ctx]    stored TRANSPOSED: the attention-times-V product then
                                              runs on XLA:CPU's fast dot (measured much faster)
-A slot holds one sequence: position p of that sequence lives at index p along ctx. What a slot
+Both are in the KV dtype (engine.model.kv_dtype_for: float16 on a CPU, bfloat16 on accelerators),
+and so is what read_slot hands the host cache. A slot holds one sequence: position p of that sequence
+lives at index p along ctx. What a slot
 holds past its sequence's length is garbage that the forward never reads (its mask stops at each
 query's own position).
 
