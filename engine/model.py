@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from engine.config import ModelConfig
+from engine.config import ROUTED_PATHS, ModelConfig
 
 F32 = jnp.float32
 
@@ -329,6 +329,8 @@ def _kernel():
 
 def _routed_path(cfg: ModelConfig) -> tuple[str, str | None]:
     """(path, why it is exact) for a call site being traced now."""
+    if cfg.routed_path not in ROUTED_PATHS:
+        raise ValueError(f"routed_path must be one of {ROUTED_PATHS}, got {cfg.routed_path!r}")
     if cfg.routed_path in ROUTED_KINDS:
         return cfg.routed_path, ("routed_path=exact was asked for" if cfg.routed_path == "exact"
                                  else None)

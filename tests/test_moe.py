@@ -104,6 +104,37 @@ def test_a_broken_moe_config_names_the_key(change, key):
         config_from_dict(dict(QWEN3_30B_A3B, **change))
 
 
+def test_experts_saved_stacked_load_like_experts_saved_one_by_one(tmp_path):
+    """Guards against checkpoints written with the experts already stacked (experts.gate_up_proj
+    [E, 2F, H], experts.down_proj [E, H, F], as newer transformers hold them) loading differently."""
+    from safetensors.numpy import save_file
+    src = TINY / "qwen3-moe"
+    cfg, params, _ = _load("qwen3-moe")
+    tensors = load_file(str(src / "model.safetensors"))
+    stacked = {}
+    for name, value in tensors.items():
+        head, sep, rest = name.partition("mlp.experts.")
+        if not sep:
+            stacked[name] = value
+            continue
+        j = int(rest.split(".")[0])
+        if rest.endswith("down_proj.weight"):
+            stacked.setdefault(head + "mlp.experts.down_proj", [None] * cfg.num_experts)[j] = value
+        else:
+            pair = stacked.setdefault(head + "mlp.experts.gate_up_proj", [[None, None] for _ in range(cfg.num_experts)])
+            pair[j][0 if rest.endswith("gate_proj.weight") else 1] = value
+    for name, value in list(stacked.items()):
+        if name.endswith("gate_up_proj"):
+            stacked[name] = np.stack([np.concatenate(pair) for pair in value])
+        elif name.endswith("down_proj") and isinstance(value, list):
+            stacked[name] = np.stack(value)
+    shutil.copy(src / "config.json", tmp_path)
+    save_file(stacked, str(tmp_path / "model.safetensors"))
+    again = load_weights(str(tmp_path), cfg, jnp.float32)
+    for got, want in zip(jax.tree_util.tree_leaves(again), jax.tree_util.tree_leaves(params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 # ---- the two paths -----------------------------------------------------------------------------
 
 def _reference(x, moe, cfg):
