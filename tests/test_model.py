@@ -369,6 +369,22 @@ def test_attention_in_blocks_matches_transformers_at_every_block_size(tiny, monk
     np.testing.assert_allclose(np.stack(got), ref["logits"], atol=PARITY_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("block", [5, CTX])
+def test_a_row_for_every_slot_in_any_order_reads_each_rows_own_slot(tiny, monkeypatch, block):
+    """Guards against the every-slot batch (its blocks sliced for all slots at once, then put in the
+    rows' order) reading another row's slot: rows name the slots out of order, at different lengths."""
+    cfg, params, ref = tiny
+    forward = _forward_in_blocks(monkeypatch, block)
+    tokens = ref["tokens"]
+    prefixes = {0: 5, 1: 30, 2: 17, 3: 9}
+    cache = _prefilled(cfg, params, ref, prefixes)
+    rows = [(2, 17), (0, 5), (3, 9), (1, 30)]
+    logits, _ = _run(params, cache, cfg, [tokens[p] for _, p in rows], [s for s, _ in rows],
+                     [p for _, p in rows], [1, 1, 1, 1], forward=forward)
+    for i, (_, start) in enumerate(rows):
+        np.testing.assert_allclose(np.asarray(logits[i]), ref["logits"][start], atol=PARITY_ATOL, rtol=0)
+
+
 def test_one_program_serves_every_context_length(tiny):
     """Guards against the attention length turning back into a compiled shape (a program per
     length bucket made the demo compile 45 programs)."""
