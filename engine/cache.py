@@ -4,7 +4,13 @@ The cache is a list with one dict per layer; for an attention layer:
     "k": [slots, kv_heads, ctx, head_dim]
     "v": [slots, kv_heads, head_dim, ctx]    stored TRANSPOSED: the attention-times-V product then
                                              runs on XLA:CPU's fast dot (measured much faster)
-Both are in the KV dtype (engine.model.kv_dtype_for: float16 on a CPU, bfloat16 on accelerators),
+and for a Gated DeltaNet ("linear") layer, the state a slot's sequence has reached:
+    "conv":  [slots, conv_dim, kernel - 1]   the last kernel - 1 inputs of the causal convolution
+    "state": [slots, value_heads, key_dim, value_dim]   the delta rule's recurrent state
+Both float32 whatever the KV dtype: they are small, and they are rewritten every token, so rounding
+would accumulate. Unlike K/V they hold the whole sequence at its end and cannot be cut back: the
+forward starts them from zero when a row starts at position 0.
+K and V are in the KV dtype (engine.model.kv_dtype_for: float16 on a CPU, bfloat16 on accelerators),
 and so is what read_slot hands the host cache. A slot holds one sequence: position p of that sequence
 lives at index p along ctx. What a slot
 holds past its sequence's length is garbage that the forward never reads (its mask stops at each
@@ -40,7 +46,14 @@ def init_cache(cfg: ModelConfig, slots: int, ctx: int, dtype) -> list[dict]:
         raise ValueError(f"init_cache needs slots >= 1 and ctx >= 1, got slots={slots} ctx={ctx}")
     cache = []
     for kind in cfg.layer_kinds:
-        if kind != "attention":
+        if kind == "linear":
+            cache.append({
+                "conv": jnp.zeros((slots, cfg.linear_conv_dim, cfg.linear_conv_kernel - 1), jnp.float32),
+                "state": jnp.zeros((slots, cfg.linear_value_heads, cfg.linear_key_dim,
+                                    cfg.linear_value_dim), jnp.float32),
+            })
+            continue
+        if kind not in ("attention", "gated_attention"):
             raise ValueError(f"layer kind {kind!r} has no cache layout")
         cache.append({
             "k": jnp.zeros((slots, cfg.num_kv_heads, ctx, cfg.head_dim), dtype),
@@ -50,8 +63,8 @@ def init_cache(cfg: ModelConfig, slots: int, ctx: int, dtype) -> list[dict]:
 
 
 def cache_dims(cache) -> tuple[int, int]:
-    """(slots, ctx) of a pool."""
-    slots, _, ctx, _ = cache[0]["k"].shape
+    """(slots, ctx) of a pool (read from its first attention layer: linear layers have no ctx)."""
+    slots, _, ctx, _ = next(layer["k"] for layer in cache if "k" in layer).shape
     return slots, ctx
 
 

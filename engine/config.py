@@ -5,8 +5,9 @@ equal configs share compiled programs. Every key is read here, once, with the de
 uses when the key is absent, so the model code never looks at raw JSON.
 
 The kind of each layer is decided in ONE place, `_layer_kinds`: what mixes the tokens (full
-attention; linear attention would be one more name) and what follows it (a dense SwiGLU MLP, or
-routed experts). A new kind is one more name there and one more branch in engine.model.
+attention, Qwen3-Next's gated full attention, or its Gated DeltaNet linear attention) and what
+follows it (a dense SwiGLU MLP, or routed experts). A new kind is one more name there and one more
+branch in engine.model.
 """
 from __future__ import annotations
 
@@ -18,7 +19,20 @@ from dataclasses import dataclass
 DENSE_FAMILIES = ("qwen2", "qwen3")
 # Full attention followed by routed experts (some layers may keep a dense MLP).
 MOE_FAMILIES = ("qwen3_moe",)
-SUPPORTED_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
+# Gated DeltaNet layers mixed with gated full attention, routed experts with a shared expert.
+HYBRID_FAMILIES = ("qwen3_next",)
+SUPPORTED_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + HYBRID_FAMILIES
+# Families the engine runs but the server must not serve yet, with the reason. A Gated DeltaNet
+# layer's recurrent state cannot be cut back to an earlier position, so a prompt prefix reused from
+# a slot or the host cache is wrong unless the state was snapshotted at that position, and the
+# prompt cache does not snapshot yet.
+UNSERVED_FAMILIES = {
+    "qwen3_next": "its linear-attention layers keep a recurrent state that cannot be cut back to a "
+                  "shared prefix, and the prompt cache cannot snapshot that state yet",
+}
+# Token mixers (ModelConfig.layer_kinds): plain full attention, Qwen3-Next's full attention with a
+# sigmoid output gate from the query projection, and its Gated DeltaNet linear attention.
+MIXER_KINDS = ("attention", "gated_attention", "linear")
 # How the routed experts are computed (engine.model.routed_experts): "auto" picks per call site by
 # platform and shape; "kernel" and "exact" force one path (tests compare them, benchmarks time them).
 ROUTED_PATHS = ("auto", "kernel", "exact")
@@ -26,6 +40,14 @@ ROUTED_PATHS = ("auto", "kernel", "exact")
 # Hugging Face defaults for keys a config.json may leave out (Qwen2Config / Qwen3Config).
 DEFAULT_ROPE_THETA = 10000.0
 DEFAULT_RMS_NORM_EPS = 1e-6
+# Qwen3NextConfig's defaults: rotary on a quarter of each head, 256-wide heads, one full-attention
+# layer in four, and the Gated DeltaNet shapes.
+DEFAULT_NEXT_PARTIAL_ROTARY = 0.25
+DEFAULT_NEXT_HEAD_DIM = 256
+DEFAULT_NEXT_ATTENTION_INTERVAL = 4
+DEFAULT_NEXT_LINEAR = {"linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                       "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                       "linear_conv_kernel_dim": 4}
 # YaRN's rotation bounds, from the YaRN paper (the values every Qwen checkpoint relies on).
 DEFAULT_YARN_BETA_FAST = 32.0
 DEFAULT_YARN_BETA_SLOW = 1.0
@@ -37,7 +59,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model_type: str                  # "qwen2" | "qwen3" | "qwen3_moe"
+    model_type: str                  # "qwen2" | "qwen3" | "qwen3_moe" | "qwen3_next"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -51,7 +73,7 @@ class ModelConfig:
     qkv_bias: bool                   # Qwen2: q/k/v projections carry a bias
     qk_norm: bool                    # Qwen3: RMSNorm over each query and key head before RoPE
     max_position_embeddings: int
-    layer_kinds: tuple[str, ...]     # one per layer, what mixes tokens: "attention" (full, causal)
+    layer_kinds: tuple[str, ...]     # one per layer, what mixes tokens: MIXER_KINDS
     # RoPE scaling: "default" or "yarn"; the rest matter only for "yarn".
     rope_type: str = "default"
     rope_factor: float = 1.0
@@ -73,18 +95,45 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     routed_path: str = "auto"        # ROUTED_PATHS; not from config.json
+    # Qwen3-Next's shared expert: a SwiGLU of this width on every token of a "moe" layer, added to
+    # the routed sum through a sigmoid gate (0: none).
+    shared_expert_intermediate_size: int = 0
+    # Qwen3-Next stores its RMSNorm weights (layer, final and q/k norms) zero-centred: the scale
+    # is 1 + w. engine.weights adds the 1 once at load, so the model sees ordinary scales.
+    zero_centred_norms: bool = False
+    # Dimensions of each head that RoPE rotates (the first ones); the rest pass through. 0: all.
+    rotary_dim: int = 0
+    # Gated DeltaNet ("linear" layers): heads and head widths of keys (and queries) and values
+    # (value heads are a multiple of key heads, each key head serving consecutive value heads), and
+    # the width of the short causal depthwise convolution over the projected q, k, v.
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
 
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
     @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels the Gated DeltaNet convolution runs over: queries, keys, values."""
+        return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
+
+    @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
 
-def load_config(folder: str) -> ModelConfig:
-    """Read `folder`/config.json (a Hugging Face model folder) into a ModelConfig."""
+def load_config(folder: str, *, serving: bool = True) -> ModelConfig:
+    """Read `folder`/config.json (a Hugging Face model folder) into a ModelConfig. With serving
+    (the server's start-up and the worker), a family in UNSERVED_FAMILIES is refused with its
+    reason; engine-level code and tests pass serving=False to build the model itself."""
     path = os.path.join(folder, "config.json")
     try:
         with open(path, encoding="utf-8") as f:
@@ -95,6 +144,12 @@ def load_config(folder: str) -> ModelConfig:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a JSON object")
+    if serving:
+        family = {**raw, **raw["text_config"]}.get("model_type") if isinstance(
+            raw.get("text_config"), dict) else raw.get("model_type")
+        if family in UNSERVED_FAMILIES:
+            raise ConfigError(f"config.json model_type {family!r} is not supported for serving yet: "
+                              f"{UNSERVED_FAMILIES[family]}")
     return config_from_dict(raw)
 
 
@@ -121,6 +176,8 @@ def config_from_dict(raw: dict) -> ModelConfig:
     # Qwen3 states head_dim (0.6B: 16 heads x 128 > hidden 1024); Qwen2 derives it.
     if raw.get("head_dim") is not None:
         head_dim = _int(raw, "head_dim")
+    elif model_type in HYBRID_FAMILIES:
+        head_dim = DEFAULT_NEXT_HEAD_DIM
     elif hidden % heads:
         raise ConfigError(f"config.json hidden_size ({hidden}) is not a multiple of "
                           f"num_attention_heads ({heads}) and head_dim is absent")
@@ -134,6 +191,7 @@ def config_from_dict(raw: dict) -> ModelConfig:
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     layer_kinds, mlp_kinds = _layer_kinds(raw, model_type, num_layers)
+    rotary_dim = _rotary_dim(raw, model_type, head_dim)
     return ModelConfig(
         model_type=model_type,
         vocab_size=_int(raw, "vocab_size"),
@@ -148,14 +206,16 @@ def config_from_dict(raw: dict) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases (its config has no key for it); Qwen3 reads attention_bias.
         qkv_bias=True if model_type == "qwen2" else bool(raw.get("attention_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_next"),
         max_position_embeddings=_int(raw, "max_position_embeddings", 32768),
         layer_kinds=layer_kinds,
         mlp_kinds=mlp_kinds,
         eos_token_ids=tuple(int(i) for i in eos_ids),
         source_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
         **rope,
-        **(_experts(raw) if "moe" in mlp_kinds else {}),
+        **(_experts(raw, model_type) if "moe" in mlp_kinds else {}),
+        **(_hybrid(raw) if model_type in HYBRID_FAMILIES else {}),
+        rotary_dim=rotary_dim,
     )
 
 
@@ -163,18 +223,28 @@ def _layer_kinds(raw: dict, model_type: str, num_layers: int) -> tuple[tuple[str
     """What each layer is: (token mixer per layer, MLP kind per layer). The one place a new layer
     kind gets decided."""
     types = raw.get("layer_types")
+    hybrid = model_type in HYBRID_FAMILIES
+    if types is None and hybrid:
+        # Qwen3-Next without layer_types: every full_attention_interval-th layer is full attention.
+        every = _int(raw, "full_attention_interval", DEFAULT_NEXT_ATTENTION_INTERVAL)
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                 for i in range(num_layers)]
     if types is not None:
-        if len(types) != num_layers:
-            raise ConfigError(f"config.json layer_types has {len(types)} entries, "
-                              f"num_hidden_layers is {num_layers}")
-        unknown = sorted(set(types) - {"full_attention"})
+        if not isinstance(types, list) or len(types) != num_layers:
+            raise ConfigError(f"config.json layer_types must list {num_layers} entries "
+                              f"(num_hidden_layers), got {types!r}")
+        known = {"full_attention", "linear_attention"} if hybrid else {"full_attention"}
+        unknown = sorted(set(map(str, types)) - known)
         if unknown:
             raise ConfigError(f"config.json layer_types {unknown} are not supported")
-    mixers = ("attention",) * num_layers
-    if model_type not in MOE_FAMILIES:
+    if hybrid:
+        mixers = tuple("gated_attention" if kind == "full_attention" else "linear" for kind in types)
+    else:
+        mixers = ("attention",) * num_layers
+    if model_type not in MOE_FAMILIES + HYBRID_FAMILIES:
         return mixers, ("dense",) * num_layers
-    # Qwen3-MoE: layer i has routed experts unless listed in mlp_only_layers, when experts exist
-    # and (i + 1) is a multiple of decoder_sparse_step (transformers' Qwen3MoeDecoderLayer).
+    # Qwen3-MoE and Qwen3-Next: layer i has routed experts unless listed in mlp_only_layers, when
+    # experts exist and (i + 1) is a multiple of decoder_sparse_step (transformers' decoder layers).
     step = _int(raw, "decoder_sparse_step", 1)
     dense_only = raw.get("mlp_only_layers") or []
     if not isinstance(dense_only, list) or not all(
@@ -187,18 +257,58 @@ def _layer_kinds(raw: dict, model_type: str, num_layers: int) -> tuple[tuple[str
     return mixers, mlps
 
 
-def _experts(raw: dict) -> dict:
+def _experts(raw: dict, model_type: str) -> dict:
     """The routed-expert keys of a config with "moe" layers; returns ModelConfig fields."""
     experts = _int(raw, "num_experts")
     per_token = _int(raw, "num_experts_per_tok")
     if per_token > experts:
         raise ConfigError(f"config.json num_experts_per_tok ({per_token}) is more than "
                           f"num_experts ({experts})")
-    if raw.get("shared_expert_intermediate_size"):
-        raise ConfigError("config.json shared_expert_intermediate_size: a shared expert is not supported")
-    return {"num_experts": experts, "experts_per_token": per_token,
-            "moe_intermediate_size": _int(raw, "moe_intermediate_size"),
-            "norm_topk_prob": bool(raw.get("norm_topk_prob", False))}
+    out = {"num_experts": experts, "experts_per_token": per_token,
+           "moe_intermediate_size": _int(raw, "moe_intermediate_size"),
+           "norm_topk_prob": bool(raw.get("norm_topk_prob", False))}
+    if model_type in HYBRID_FAMILIES:
+        out["shared_expert_intermediate_size"] = _int(raw, "shared_expert_intermediate_size")
+    elif raw.get("shared_expert_intermediate_size"):
+        raise ConfigError(f"config.json shared_expert_intermediate_size: {model_type} has no "
+                          f"shared expert (only qwen3_next)")
+    return out
+
+
+def _hybrid(raw: dict) -> dict:
+    """Qwen3-Next's Gated DeltaNet shapes; returns ModelConfig fields."""
+    if raw.get("attention_bias", False):
+        raise ConfigError("config.json attention_bias=true is not supported for qwen3_next")
+    key_heads = _int(raw, "linear_num_key_heads", DEFAULT_NEXT_LINEAR["linear_num_key_heads"])
+    value_heads = _int(raw, "linear_num_value_heads", DEFAULT_NEXT_LINEAR["linear_num_value_heads"])
+    if value_heads % key_heads:
+        raise ConfigError(f"config.json linear_num_value_heads ({value_heads}) must be a multiple "
+                          f"of linear_num_key_heads ({key_heads})")
+    return {"zero_centred_norms": True, "linear_key_heads": key_heads,
+            "linear_value_heads": value_heads,
+            "linear_key_dim": _int(raw, "linear_key_head_dim", DEFAULT_NEXT_LINEAR["linear_key_head_dim"]),
+            "linear_value_dim": _int(raw, "linear_value_head_dim",
+                                     DEFAULT_NEXT_LINEAR["linear_value_head_dim"]),
+            "linear_conv_kernel": _int(raw, "linear_conv_kernel_dim",
+                                       DEFAULT_NEXT_LINEAR["linear_conv_kernel_dim"])}
+
+
+def _rotary_dim(raw: dict, model_type: str, head_dim: int) -> int:
+    """Dimensions of each head RoPE rotates: head_dim x partial_rotary_factor (top level or in
+    rope_parameters; Qwen3-Next defaults to a quarter), 0 meaning all of them. Only Qwen3-Next
+    reads the factor (the dense families rotate whole heads)."""
+    if model_type not in HYBRID_FAMILIES:
+        return 0
+    params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    factor = params.get("partial_rotary_factor",
+                        raw.get("partial_rotary_factor", DEFAULT_NEXT_PARTIAL_ROTARY))
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise ConfigError(f"config.json partial_rotary_factor must be in (0, 1], got {factor!r}")
+    dim = int(head_dim * factor)
+    if dim % 2 or dim == 0:
+        raise ConfigError(f"config.json partial_rotary_factor {factor} gives {dim} rotary "
+                          f"dimensions of head_dim {head_dim}; it must be a positive even number")
+    return 0 if dim == head_dim else dim
 
 
 def _rope(raw: dict) -> dict:

@@ -1,4 +1,4 @@
-"""The forward pass of Qwen2/Qwen3 dense and Qwen3-MoE models: one pure function.
+"""The forward pass of Qwen2/Qwen3 dense, Qwen3-MoE and Qwen3-Next models: one pure function.
 
     forward(params, cache, tokens, slots, starts, lengths, *, cfg, all_logits=False)
         -> (logits, cache)
@@ -9,6 +9,10 @@ One function serves both phases of generation:
 Row b writes its keys/values at positions starts[b] .. starts[b]+lengths[b]-1 of cache slot
 slots[b] and attends to everything before them in that slot. Padded tokens (t >= lengths[b]) write
 nothing, so an idle row (lengths 0) leaves the cache exactly as it was.
+
+A Gated DeltaNet ("linear") layer keeps, per slot, a conv state and a recurrent state that hold its
+sequence up to its end (engine.cache): row b continues slot slots[b]'s state from starts[b], or
+starts from zero when starts[b] is 0, and a row with no tokens leaves it as it was.
 
 Attention reads each slot only up to the batch's live length, max(starts + lengths), a run-time
 value (_attend loops over ATTENTION_BLOCK positions at a time): the cost follows the live context,
@@ -87,7 +91,7 @@ def _rms_norm(x, weight, eps):
 def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     """Inverse frequencies [head_dim/2] and the factor cos/sin are scaled by (1 unless YaRN).
     Computed with numpy from the static config, so they are constants in the compiled program."""
-    dim = cfg.head_dim
+    dim = cfg.rope_dim
     exponents = np.arange(0, dim, 2, dtype=np.float64) / dim
     inv_freq = 1.0 / cfg.rope_theta ** exponents
     if cfg.rope_type == "default":
@@ -117,11 +121,14 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
 
 
 def _rope(x, positions, inv_freq, scale):
-    """Rotate x [B, T, H, D] by each token's position [B, T] (halves layout, as Qwen checkpoints)."""
-    angles = positions.astype(F32)[:, :, None, None] * inv_freq          # [B, T, 1, D/2]
+    """Rotate x [B, T, H, D] by each token's position [B, T] (halves layout, as Qwen checkpoints).
+    Only the first 2 * len(inv_freq) dimensions turn (Qwen3-Next's partial rotary); the rest pass."""
+    rot = 2 * inv_freq.shape[-1]
+    x, rest = x[..., :rot], x[..., rot:]
+    angles = positions.astype(F32)[:, :, None, None] * inv_freq          # [B, T, 1, rot/2]
     cos, sin = jnp.cos(angles) * scale, jnp.sin(angles) * scale
     x1, x2 = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
 
 # ---- attention over the live part of the cache -------------------------------------------------
@@ -208,15 +215,21 @@ def _attend(q, cache_k, cache_v, slots, positions, live):
 
 # ---- layers ------------------------------------------------------------------------------------
 
-def _attention(layer, kv, x, slots, positions, valid, live, *, cfg: ModelConfig):
+def _attention(layer, kv, x, slots, positions, valid, live, *, cfg: ModelConfig, gated=False):
     """Full causal attention over the slot's cache. x [B, T, hidden] float32 (already normed).
+    gated (Qwen3-Next): the query projection also yields, per head, an output gate that scales the
+    attention output through a sigmoid before the output projection.
     Returns (output [B, T, hidden], the layer's updated cache)."""
     b, t, _ = x.shape
     heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qkv = _matmul(x, layer["qkv"])
     if cfg.qkv_bias:
         qkv = qkv + layer["qkv_bias"].astype(F32)
-    q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+    q_width = 2 * cfg.q_size if gated else cfg.q_size
+    q, k, v = jnp.split(qkv, [q_width, q_width + cfg.kv_size], axis=-1)
+    if gated:
+        q, gate = jnp.split(q.reshape(b, t, heads, 2 * d), 2, axis=-1)    # per head: query, gate
+        gate = gate.reshape(b, t, cfg.q_size)
     q = q.reshape(b, t, heads, d)
     k = k.reshape(b, t, kv_heads, d)
     v = v.reshape(b, t, kv_heads, d)
@@ -239,7 +252,128 @@ def _attention(layer, kv, x, slots, positions, valid, live, *, cfg: ModelConfig)
     q = q.reshape(b, t, kv_heads, group, d).transpose(0, 2, 3, 1, 4)      # [B, KV, G, T, D]
     out = _attend(q * (1.0 / np.sqrt(d)), cache_k, cache_v, slots, positions, live)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.q_size)
+    if gated:
+        out = out * jax.nn.sigmoid(gate)
     return _matmul(out, layer["o"]), {"k": cache_k, "v": cache_v}
+
+
+# ---- Gated DeltaNet (linear attention) ---------------------------------------------------------
+#
+# Per value head h, a recurrent state S [key_dim, value_dim] maps keys to values. At each token, with
+# q and k L2-normalized (q also scaled by 1/sqrt(key_dim)), decay g <= 0 and strength beta in (0, 1):
+#     S <- exp(g) S;   S <- S + k (beta (v - S^T k))^T;   out = S^T q
+# (the delta rule: write only what S does not already predict for k). Decode runs this one step.
+# Prefill runs the same recurrence DELTA_CHUNK tokens at a time in its chunked (WY/UT) form: inside
+# a chunk, a unit lower-triangular solve turns the chunk's updates into matrix products, and a scan
+# over chunks carries S, so a prefill costs a few matrix products per chunk, not a loop per token.
+# Tokens past a row's length get g = 0 and beta = 0, which leaves S exactly as it was; a chunk
+# boundary inside a prefill changes only the summation order (tests compare chunkings).
+
+# Tokens per chunk of the chunked delta rule (the width of its triangular solve), as the reference
+# implementation uses; prefill chunks that are not a multiple of it are padded inside the layer.
+DELTA_CHUNK = 64
+# Epsilon of the L2 normalization of q and k (the reference's).
+L2_EPS = 1e-6
+
+
+def _l2norm(x):
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+
+
+def _delta_step(q, k, v, g, beta, state):
+    """One token for every row: q, k [B, H, dk], v [B, H, dv], g, beta [B, H], state [B, H, dk, dv]."""
+    state = state * jnp.exp(g)[..., None, None]
+    predicted = jnp.einsum("bhk,bhkv->bhv", k, state)
+    state = state + k[..., None] * ((v - predicted) * beta[..., None])[..., None, :]
+    return jnp.einsum("bhk,bhkv->bhv", q, state), state
+
+
+def _delta_chunked(q, k, v, g, beta, state):
+    """T tokens per row: q, k [B, T, H, dk], v [B, T, H, dv], g, beta [B, T, H], state [B, H, dk, dv].
+    Returns (out [B, T, H, dv], state after the T tokens)."""
+    b, t, h, dk = k.shape
+    c = DELTA_CHUNK
+    pad = -t % c
+    n = (t + pad) // c
+
+    def chunks(x):                      # [B, T, H, ...] -> [B, H, n, c, ...], padded with zeros
+        x = jnp.moveaxis(x, 2, 1)
+        x = jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3))
+        return x.reshape(b, h, n, c, *x.shape[3:])
+
+    q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
+    cum = jnp.cumsum(g, axis=-1)                                           # [B, H, n, c]
+    lower = jnp.tril(jnp.ones((c, c), bool))
+    # decay[i, j] = exp(cum_i - cum_j) for j <= i (masked before exp: above it would overflow).
+    decay = jnp.where(lower, jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
+    k_beta = k * beta[..., None]
+    system = jnp.einsum("...ik,...jk->...ij", k_beta, k) * decay
+    system = jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), system, 0.0) + jnp.eye(c, dtype=F32)
+    solve = lambda rhs: lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True,
+                                                    unit_diagonal=True)
+    values = solve(v * beta[..., None])                 # what each token writes, given the chunk
+    k_decayed = solve(k_beta * jnp.exp(cum)[..., None])  # how much of the old state each erases
+    inner = jnp.einsum("...ik,...jk->...ij", q, k) * decay
+    q_read = q * jnp.exp(cum)[..., None]
+    k_write = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1])                                    # [B, H, n]
+
+    def step(s, xs):
+        values, k_decayed, inner, q_read, k_write, chunk_decay = xs
+        new = values - k_decayed @ s
+        out = q_read @ s + inner @ new
+        return s * chunk_decay[..., None, None] + jnp.swapaxes(k_write, -1, -2) @ new, out
+
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (values, k_decayed, inner, q_read, k_write, chunk_decay))
+    state, out = lax.scan(step, state, xs)                                 # out [n, B, H, c, dv]
+    out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * c, -1)[:, :, :t]
+    return jnp.moveaxis(out, 1, 2), state
+
+
+def _linear_attention(layer, state, x, slots, starts, lengths, valid, *, cfg: ModelConfig):
+    """A Gated DeltaNet layer. x [B, T, hidden] float32 (already normed); state the layer's
+    {"conv", "state"} pool (engine.cache). Returns (output [B, T, hidden], the updated pool)."""
+    b, t, _ = x.shape
+    lin = layer["linear"]
+    kh, vh, dk, dv = cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim
+    kd, vd, kernel = kh * dk, vh * dv, cfg.linear_conv_kernel
+    qkv, z, beta, a = jnp.split(_matmul(x, lin["in"]), np.cumsum([2 * kd + vd, vd, vh]), axis=-1)
+
+    # This row's slot state; a row starting at position 0 starts a new sequence from zero.
+    fresh = (starts == 0)[:, None, None]
+    conv_state = jnp.where(fresh, 0.0, state["conv"][slots])              # [B, C, kernel - 1]
+    recurrent = jnp.where(fresh[..., None], 0.0, state["state"][slots])    # [B, H, dk, dv]
+
+    # Short causal depthwise convolution over the last `kernel` inputs, the first kernel - 1 of
+    # which the conv state holds; the new conv state is the last kernel - 1 inputs of the row's
+    # real tokens (padding comes after them, so it never reaches a real token's output).
+    seq = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2), qkv], axis=1)    # [B, kernel-1+T, C]
+    w = lin["conv"].astype(F32)
+    conv = jax.nn.silu(sum(seq[:, j:j + t] * w[:, j] for j in range(kernel)))
+    new_conv = jax.vmap(lambda s, n: lax.dynamic_slice_in_dim(s, n, kernel - 1, axis=0))(seq, lengths)
+
+    q, k, v = jnp.split(conv, [kd, 2 * kd], axis=-1)
+    per = vh // kh                       # each key head serves `per` consecutive value heads
+    q = jnp.repeat(q.reshape(b, t, kh, dk), per, axis=2)
+    k = jnp.repeat(k.reshape(b, t, kh, dk), per, axis=2)
+    q, k = _l2norm(q) * (1.0 / np.sqrt(dk)), _l2norm(k)
+    v = v.reshape(b, t, vh, dv)
+    real = valid[..., None]
+    beta = jnp.where(real, jax.nn.sigmoid(beta), 0.0)                      # [B, T, H]
+    g = jnp.where(real, -jnp.exp(lin["A_log"]) * jax.nn.softplus(a + lin["dt_bias"]), 0.0)
+    if t == 1:
+        out, recurrent = _delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], recurrent)
+        out = out[:, None]
+    else:
+        out, recurrent = _delta_chunked(q, k, v, g, beta, recurrent)
+
+    # Gated RMSNorm per value head: normalized, scaled, times silu of the z projection.
+    out = _rms_norm(out, lin["norm"], cfg.rms_norm_eps) * jax.nn.silu(z.reshape(b, t, vh, dv))
+    out = _matmul(out.reshape(b, t, vd), lin["out"])
+    # Rows with no tokens (idle decode rows) write nothing: they aim past the pool and are dropped.
+    where = jnp.where(lengths > 0, slots, state["state"].shape[0])
+    return out, {"conv": state["conv"].at[where].set(jnp.swapaxes(new_conv, 1, 2), mode="drop"),
+                 "state": state["state"].at[where].set(recurrent, mode="drop")}
 
 
 def _swiglu(rows, gate_up, down):
@@ -449,11 +583,16 @@ def routed_report(cfg: ModelConfig, rows=None) -> dict | None:
 
 
 def _moe(layer, x, valid, cfg: ModelConfig, site: int):
-    """A "moe" layer's MLP on x [B, T, hidden]. (Qwen3-Next's shared expert, when it comes, is
-    added here: its SwiGLU (_swiglu) on every row times sigmoid(x . its gate).)"""
+    """A "moe" layer's MLP on x [B, T, hidden]; Qwen3-Next's shared expert (layer["moe"]["shared"])
+    adds its SwiGLU on every row times sigmoid(x . its gate)."""
     b, t, h = x.shape
-    return routed_experts(x.reshape(b * t, h), layer["moe"], valid.reshape(b * t), cfg=cfg,
-                          site=site).reshape(b, t, h)
+    out = routed_experts(x.reshape(b * t, h), layer["moe"], valid.reshape(b * t), cfg=cfg,
+                         site=site).reshape(b, t, h)
+    shared = layer["moe"].get("shared")
+    if shared is not None:
+        out = out + jax.nn.sigmoid(_matmul(x, shared["gate"])) * _swiglu(x, shared["gate_up"],
+                                                                          shared["down"])
+    return out
 
 
 # ---- the model ---------------------------------------------------------------------------------
@@ -464,7 +603,7 @@ def forward(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,
     Returns float32 logits [B, vocab] at each row's last valid token ([B, T, vocab] with
     all_logits), and the updated cache."""
     b, t = tokens.shape
-    ctx = cache[0]["k"].shape[2]
+    ctx = next(layer["k"] for layer in cache if "k" in layer).shape[2]      # linear layers: no ctx
     if slots.shape != (b,) or starts.shape != (b,) or lengths.shape != (b,):
         raise ValueError(f"slots, starts and lengths must have shape ({b},) like tokens' rows")
     steps = jnp.arange(t, dtype=jnp.int32)
@@ -477,10 +616,14 @@ def forward(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,
     # A Python loop, not lax.scan: XLA:CPU runs the unrolled layers 2-4x faster.
     mlp_kinds = cfg.mlp_kinds or ("dense",) * cfg.num_layers
     for i, (kind, mlp, layer, kv) in enumerate(zip(cfg.layer_kinds, mlp_kinds, params["layers"], cache)):
-        if kind != "attention":
+        normed = _rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+        if kind == "linear":
+            h, kv = _linear_attention(layer, kv, normed, slots, starts, lengths, valid, cfg=cfg)
+        elif kind in ("attention", "gated_attention"):
+            h, kv = _attention(layer, kv, normed, slots, positions, valid, live, cfg=cfg,
+                               gated=kind == "gated_attention")
+        else:
             raise ValueError(f"layer kind {kind!r} is not implemented")
-        h, kv = _attention(layer, kv, _rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps),
-                           slots, positions, valid, live, cfg=cfg)
         x = x + h
         normed = _rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
         x = x + (_moe(layer, normed, valid, cfg, i) if mlp == "moe" else _mlp(layer, normed, cfg))

@@ -7,6 +7,8 @@ The pytree (all jax arrays in the compute dtype):
      "layers":  [ per layer, a dict:
         "attn_norm": [hidden], "mlp_norm": [hidden],
         "qkv":  [q + 2 kv, hidden]                 q, k, v projections stacked (one matmul)
+                [2 q + 2 kv, hidden]               "gated_attention": each query head's rows are
+                                                   followed by its output gate's (Qwen3-Next)
         "qkv_bias": [q + 2 kv]                     Qwen2 only
         "q_norm", "k_norm": [head_dim]             Qwen3 only
         "o":    [hidden, q]
@@ -15,7 +17,18 @@ The pytree (all jax arrays in the compute dtype):
         "moe": {                                                                          moe layers
             "router":  [experts, hidden]
             "gate_up": [experts, 2 * moe_intermediate, hidden]   every expert's gate and up
-            "down":    [experts, hidden, moe_intermediate] } ]}
+            "down":    [experts, hidden, moe_intermediate],
+            "shared": {"gate_up": [2 * shared, hidden], "down": [hidden, shared],
+                       "gate": [1, hidden]} }                          Qwen3-Next's shared expert
+        "linear": {                                          "linear" layers (Gated DeltaNet) instead
+            "in":      [2 kd + 2 vd + 2 vh, hidden]   q, k, v, z (output gate), b (beta), a (decay)
+                                                      projections, each over all heads in order
+            "conv":    [2 kd + vd, kernel]            depthwise causal conv over q, k, v channels
+            "A_log", "dt_bias": [vh]                  decay g = -exp(A_log) * softplus(a + dt_bias)
+            "norm":    [value_dim]                    gated RMSNorm (a plain scale, never 1 + w)
+            "out":     [hidden, vd] } ]}              (kd, vd: all key / value heads' widths)
+Zero-centred norms (Qwen3-Next's layer, final and q/k norms: scale = 1 + w) are stored as 1 + w,
+computed once here in float32, so the model multiplies by an ordinary scale.
 Matrices are stored [out, in], as the checkpoints hold them: each output is a dot product with one
 contiguous row, the layout in which XLA:CPU reads the weights fastest for a few decode rows (see
 engine.model._matmul), and a tied LM head is the embedding table itself, with no copy. Layers stay
@@ -85,7 +98,7 @@ class _Reader:
 
 
 def load_weights(folder: str, cfg: ModelConfig, dtype, progress=None) -> dict:
-    """Load a Hugging Face Qwen2/Qwen3/Qwen3-MoE checkpoint as the pytree above, in `dtype` (a jnp dtype).
+    """Load a Hugging Face Qwen2/Qwen3/Qwen3-MoE/Qwen3-Next checkpoint as the pytree above, in `dtype` (a jnp dtype).
     progress(done, total), if given, is called after each layer (for the Loading messages)."""
     import jax.numpy as jnp
 
@@ -114,21 +127,62 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, progress=None) -> dict:
         return {"router": put(matrix(p + "gate.weight", e, h)), "gate_up": put(gate_up),
                 "down": put(down)}
 
+    def norm(name: str, size: int):
+        """An RMSNorm scale; a zero-centred one becomes 1 + w, in float32 (the norm's own dtype)."""
+        w = r.get(name, (size,))
+        if cfg.zero_centred_norms:
+            return jnp.asarray(1.0 + w.astype(np.float32))
+        return put(w)
+
+    def shared_expert(p: str) -> dict:
+        s = cfg.shared_expert_intermediate_size
+        return {"gate_up": put(np.concatenate([matrix(p + "shared_expert.gate_proj.weight", s, h),
+                                               matrix(p + "shared_expert.up_proj.weight", s, h)])),
+                "down": put(matrix(p + "shared_expert.down_proj.weight", h, s)),
+                "gate": put(matrix(p + "shared_expert_gate.weight", 1, h))}
+
+    def delta_net(p: str) -> dict:
+        """Gated DeltaNet weights. The checkpoint interleaves in_proj_qkvz and in_proj_ba per key
+        head ([q, k, v, z] of each key head's group, then the next); they are regrouped here into
+        all heads' q, then k, v, z, b, a, the order the convolution and the heads read them."""
+        kh, vh, dk, dv = (cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim,
+                          cfg.linear_value_dim)
+        per = vh // kh
+        kd, vd = kh * dk, vh * dv
+        qkvz = matrix(p + "in_proj_qkvz.weight", 2 * kd + 2 * vd, h).reshape(kh, -1, h)
+        qkvz = np.split(qkvz, np.cumsum([dk, dk, per * dv]), axis=1)
+        ba = matrix(p + "in_proj_ba.weight", 2 * vh, h).reshape(kh, 2 * per, h)
+        ba = np.split(ba, [per], axis=1)
+        rows = [part.reshape(-1, h) for part in qkvz + ba]
+        conv = r.get(p + "conv1d.weight", (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel))
+        return {"in": put(np.concatenate(rows)), "conv": put(conv[:, 0]),
+                "A_log": jnp.asarray(r.get(p + "A_log", (vh,)).astype(np.float32)),
+                "dt_bias": jnp.asarray(r.get(p + "dt_bias", (vh,)).astype(np.float32)),
+                "norm": jnp.asarray(r.get(p + "norm.weight", (dv,)).astype(np.float32)),
+                "out": put(matrix(p + "out_proj.weight", h, vd))}
+
     layers = []
     for i, (kind, mlp) in enumerate(zip(cfg.layer_kinds, cfg.mlp_kinds or ("dense",) * cfg.num_layers)):
-        if kind != "attention" or mlp not in ("dense", "moe"):
+        if kind not in ("attention", "gated_attention", "linear") or mlp not in ("dense", "moe"):
             raise WeightsError(f"layer {i} kind {kind!r} / {mlp!r} has no weight layout")
         p = f"model.layers.{i}."
         layer = {
-            "attn_norm": put(r.get(p + "input_layernorm.weight", (h,))),
-            "mlp_norm": put(r.get(p + "post_attention_layernorm.weight", (h,))),
-            "qkv": put(np.concatenate([matrix(p + "self_attn.q_proj.weight", q, h),
-                                       matrix(p + "self_attn.k_proj.weight", kv, h),
-                                       matrix(p + "self_attn.v_proj.weight", kv, h)])),
-            "o": put(matrix(p + "self_attn.o_proj.weight", h, q)),
+            "attn_norm": norm(p + "input_layernorm.weight", h),
+            "mlp_norm": norm(p + "post_attention_layernorm.weight", h),
         }
+        if kind == "linear":
+            layer["linear"] = delta_net(p + "linear_attn.")
+        else:
+            # Gated attention's q_proj holds each head's query rows then its gate rows.
+            wide = 2 * q if kind == "gated_attention" else q
+            layer["qkv"] = put(np.concatenate([matrix(p + "self_attn.q_proj.weight", wide, h),
+                                               matrix(p + "self_attn.k_proj.weight", kv, h),
+                                               matrix(p + "self_attn.v_proj.weight", kv, h)]))
+            layer["o"] = put(matrix(p + "self_attn.o_proj.weight", h, q))
         if mlp == "moe":
             layer["moe"] = experts(p + "mlp.")
+            if cfg.shared_expert_intermediate_size:
+                layer["moe"]["shared"] = shared_expert(p + "mlp.")
         else:
             layer["gate_up"] = put(np.concatenate([matrix(p + "mlp.gate_proj.weight", f, h),
                                                    matrix(p + "mlp.up_proj.weight", f, h)]))
@@ -137,9 +191,9 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, progress=None) -> dict:
             layer["qkv_bias"] = put(np.concatenate([r.get(p + "self_attn.q_proj.bias", (q,)),
                                                     r.get(p + "self_attn.k_proj.bias", (kv,)),
                                                     r.get(p + "self_attn.v_proj.bias", (kv,))]))
-        if cfg.qk_norm:
-            layer["q_norm"] = put(r.get(p + "self_attn.q_norm.weight", (cfg.head_dim,)))
-            layer["k_norm"] = put(r.get(p + "self_attn.k_norm.weight", (cfg.head_dim,)))
+        if cfg.qk_norm and kind != "linear":
+            layer["q_norm"] = norm(p + "self_attn.q_norm.weight", cfg.head_dim)
+            layer["k_norm"] = norm(p + "self_attn.k_norm.weight", cfg.head_dim)
         layers.append(layer)
         if progress is not None:
             progress(i + 1, cfg.num_layers)
@@ -152,7 +206,7 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, progress=None) -> dict:
     return {
         "embed": embed,
         "lm_head": lm_head,
-        "norm": put(r.get("model.norm.weight", (h,))),
+        "norm": norm("model.norm.weight", h),
         "layers": layers,
     }
 

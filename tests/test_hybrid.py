@@ -1,0 +1,174 @@
+"""Qwen3-Next (Gated DeltaNet layers around gated full attention, routed experts with a shared
+expert) against transformers, and the recurrent state's behaviour across chunks, rows and slots.
+
+The reference (tests/fixtures/make_tiny.py) is transformers' Qwen3NextForCausalLM in float32 with its
+torch reference of the chunked delta rule, over 80 tokens (more than one 64-token delta-rule chunk).
+The server does not serve this family yet, so these tests build the model at the engine level.
+"""
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from engine.cache import init_cache
+from engine.config import ConfigError, config_from_dict, load_config
+from engine.model import DELTA_CHUNK, jit_forward
+from engine.weights import load_weights
+
+FOLDER = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "qwen3-next")
+# float32 against float32 transformers. Measured at most 1.4e-4 over the 80 reference positions
+# (most below 3e-5): the chunked delta rule's triangular solve and scan sum in another order than
+# torch's, and the fixture's large random weights (logits std 1.7) amplify that.
+PARITY_ATOL = 3e-4
+# The same model over differently chunked prefills or token by token: only summation order differs
+# (chunks of up to 128 rows and longer ones take different product forms, engine.model._matmul);
+# measured up to 1.7e-4 on a few of 48,000 logits, the rest within 1e-5.
+CHUNKING_ATOL = 3e-4
+SLOTS, CTX = 3, 256
+
+
+@pytest.fixture(scope="module")
+def next_model():
+    cfg = load_config(FOLDER, serving=False)
+    return cfg, load_weights(FOLDER, cfg, jnp.float32), load_file(os.path.join(FOLDER, "reference.safetensors"))
+
+
+def _run(params, cache, cfg, tokens, slots, starts, lengths, all_logits=False):
+    tokens = jnp.asarray(np.asarray(tokens, np.int32).reshape(len(slots), -1))
+    i32 = lambda v: jnp.asarray(v, jnp.int32)
+    return jit_forward(params, cache, tokens, i32(slots), i32(starts), i32(lengths), cfg=cfg,
+                       all_logits=all_logits)
+
+
+def _prefill(params, cache, cfg, tokens, slot, chunk, bucket=None):
+    """Prefill `tokens` into `slot` in chunks of `chunk` tokens (each padded to `bucket`, as the
+    scheduler pads to its buckets); returns (all logits [T, vocab], cache)."""
+    out = []
+    for start in range(0, len(tokens), chunk):
+        part = np.asarray(tokens[start:start + chunk], np.int32)
+        padded = np.zeros(bucket or len(part), np.int32)
+        padded[:len(part)] = part
+        logits, cache = _run(params, cache, cfg, padded, [slot], [start], [len(part)], all_logits=True)
+        out.append(np.asarray(logits[0, :len(part)]))
+    return np.concatenate(out), cache
+
+
+# ---- config ------------------------------------------------------------------------------------
+
+NEXT = {"model_type": "qwen3_next", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+        "num_hidden_layers": 8, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+        "shared_expert_intermediate_size": 8}
+
+
+def test_layer_kinds_come_from_layer_types_or_else_the_full_attention_interval():
+    """Guards against deciding the hybrid pattern anywhere but from the config's own keys."""
+    by_interval = config_from_dict({**NEXT, "full_attention_interval": 4})
+    assert by_interval.layer_kinds == ("linear",) * 3 + ("gated_attention",) + ("linear",) * 3 + (
+        "gated_attention",)
+    listed = config_from_dict({**NEXT, "num_hidden_layers": 3, "full_attention_interval": 4,
+                               "layer_types": ["full_attention", "linear_attention", "full_attention"]})
+    assert listed.layer_kinds == ("gated_attention", "linear", "gated_attention")
+    assert config_from_dict(NEXT).layer_kinds == by_interval.layer_kinds      # transformers' default 4
+    with pytest.raises(ConfigError, match="layer_types"):
+        config_from_dict({**NEXT, "layer_types": ["linear_attention", "sliding_attention"] * 4})
+
+
+def test_qwen3_next_reads_shared_expert_zero_centred_norms_and_partial_rotary():
+    cfg = config_from_dict({**NEXT, "partial_rotary_factor": 0.25, "mlp_only_layers": [1]})
+    assert cfg.shared_expert_intermediate_size == 8 and cfg.zero_centred_norms and cfg.qk_norm
+    assert cfg.rope_dim == 4 and cfg.mlp_kinds[1] == "dense" and cfg.mlp_kinds[0] == "moe"
+    # rope_parameters (newer transformers) carries the factor too; absent, Qwen3-Next's 0.25.
+    assert config_from_dict({**NEXT, "rope_parameters": {"rope_theta": 1e6, "partial_rotary_factor": 0.5}}).rope_dim == 8
+    assert config_from_dict(NEXT).rope_dim == 4
+    assert config_from_dict({**NEXT, "model_type": "qwen3_moe", "shared_expert_intermediate_size": 0,
+                             "partial_rotary_factor": 0.25}).rope_dim == 16     # dense families: whole heads
+    with pytest.raises(ConfigError, match="linear_num_value_heads"):
+        config_from_dict({**NEXT, "linear_num_key_heads": 3, "linear_num_value_heads": 4})
+
+
+def test_serving_refuses_qwen3_next_until_the_prompt_cache_can_snapshot_its_state():
+    """Guards against serving a hybrid model whose reused prompt prefixes would be wrong: its
+    recurrent state cannot be cut back, and the prompt cache does not snapshot it yet."""
+    with pytest.raises(ConfigError, match="model_type 'qwen3_next' is not supported for serving yet"
+                                          ".*cannot snapshot"):
+        load_config(FOLDER)
+    assert load_config(FOLDER, serving=False).model_type == "qwen3_next"
+
+
+# ---- parity with transformers ------------------------------------------------------------------
+
+def test_prefill_logits_match_transformers(next_model):
+    """Guards against any numerical difference in the gated attention, the Gated DeltaNet (conv,
+    delta rule across a 64-token chunk boundary, gated norm), the shared expert or the norms."""
+    cfg, params, ref = next_model
+    tokens = ref["tokens"]
+    logits, _ = _run(params, init_cache(cfg, SLOTS, CTX, jnp.float32), cfg, tokens, [1], [0],
+                     [len(tokens)], all_logits=True)
+    np.testing.assert_allclose(np.asarray(logits[0]), ref["logits"], atol=PARITY_ATOL, rtol=0)
+    assert (np.asarray(logits[0]).argmax(-1) == ref["logits"].argmax(-1)).all()
+
+
+def test_step_by_step_decode_matches_transformers(next_model):
+    """Guards against a one-step recurrence (conv state roll, delta step) that drifts from the
+    chunked form: a short prefill, then one token per step in a batch whose other row is idle."""
+    cfg, params, ref = next_model
+    tokens, prompt = ref["tokens"], 19
+    cache = init_cache(cfg, SLOTS, CTX, jnp.float32)
+    logits, cache = _prefill(params, cache, cfg, tokens[:prompt], slot=2, chunk=prompt, bucket=32)
+    got = [logits[-1]]
+    for pos in range(prompt, len(tokens)):
+        step, cache = _run(params, cache, cfg, [tokens[pos], 0], [2, 0], [pos, 0], [1, 0])
+        got.append(np.asarray(step[0]))
+    np.testing.assert_allclose(np.stack(got), ref["logits"][prompt - 1:], atol=PARITY_ATOL, rtol=0)
+
+
+# ---- the recurrent state across chunks, rows and slots -----------------------------------------
+
+@pytest.mark.parametrize("chunk,bucket", [(40, 48), (DELTA_CHUNK, DELTA_CHUNK), (100, 128), (7, 8)])
+def test_chunked_prefill_equals_one_whole_prefill_equals_token_by_token(next_model, chunk, bucket):
+    """Guards against state lost or double-counted at a prefill chunk boundary, including chunks
+    that end inside a delta-rule chunk (40, 100, 7) and chunks padded to a bucket."""
+    cfg, params, _ = next_model
+    tokens = np.random.default_rng(7).integers(0, cfg.vocab_size, 150)
+    whole, _ = _prefill(params, init_cache(cfg, SLOTS, CTX, jnp.float32), cfg, tokens, 0, len(tokens))
+    chunked, _ = _prefill(params, init_cache(cfg, SLOTS, CTX, jnp.float32), cfg, tokens, 1, chunk, bucket)
+    np.testing.assert_allclose(chunked, whole, atol=CHUNKING_ATOL, rtol=0)
+    if chunk == 7:     # token by token, once: the decode path of every position
+        cache = init_cache(cfg, SLOTS, CTX, jnp.float32)
+        steps = []
+        for pos, token in enumerate(tokens):
+            logits, cache = _run(params, cache, cfg, [token], [2], [pos], [1])
+            steps.append(np.asarray(logits[0]))
+        np.testing.assert_allclose(np.stack(steps), whole, atol=CHUNKING_ATOL, rtol=0)
+
+
+def test_a_sequence_starting_at_zero_ignores_what_its_slot_held(next_model):
+    """Guards against a new sequence inheriting the previous one's conv or recurrent state."""
+    cfg, params, ref = next_model
+    tokens = ref["tokens"][:30]
+    fresh, _ = _prefill(params, init_cache(cfg, SLOTS, CTX, jnp.float32), cfg, tokens, 0, 30)
+    cache = init_cache(cfg, SLOTS, CTX, jnp.float32)
+    _, cache = _prefill(params, cache, cfg, ref["tokens"][30:70], 0, 40)          # an older sequence
+    reused, _ = _prefill(params, cache, cfg, tokens, 0, 30)
+    np.testing.assert_allclose(reused, fresh, atol=CHUNKING_ATOL, rtol=0)
+
+
+def test_idle_rows_and_padding_leave_linear_state_untouched(next_model):
+    """Guards against an idle decode row (length 0) or a prefill's padding changing a slot's conv
+    or recurrent state: other slots' states stay bit for bit as they were."""
+    cfg, params, ref = next_model
+    cache = init_cache(cfg, SLOTS, CTX, jnp.float32)
+    _, cache = _prefill(params, cache, cfg, ref["tokens"][:20], 1, 20, bucket=32)
+    before = [{k: np.asarray(v) for k, v in layer.items()} for layer in cache]
+    _, cache = _run(params, cache, cfg, [5, 9], [0, 1], [0, 20], [1, 0])       # slot 1's row idle
+    for kind, old, new in zip(cfg.layer_kinds, before, cache):
+        if kind == "linear":
+            for name in ("conv", "state"):
+                np.testing.assert_array_equal(np.asarray(new[name])[1], old[name][1])
+                np.testing.assert_array_equal(np.asarray(new[name])[2], old[name][2])
+                assert not np.array_equal(np.asarray(new[name])[0], old[name][0])
