@@ -145,8 +145,8 @@ def load_config(folder: str, *, serving: bool = True) -> ModelConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a JSON object")
     if serving:
-        family = {**raw, **raw["text_config"]}.get("model_type") if isinstance(
-            raw.get("text_config"), dict) else raw.get("model_type")
+        merged = {**raw, **raw["text_config"]} if isinstance(raw.get("text_config"), dict) else raw
+        family = merged.get("model_type")
         if family in UNSERVED_FAMILIES:
             raise ConfigError(f"config.json model_type {family!r} is not supported for serving yet: "
                               f"{UNSERVED_FAMILIES[family]}")
