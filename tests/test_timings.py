@@ -1,22 +1,20 @@
 """Chat timings (the spec's ChatTimings, llama-server's fields): measured, and consistent with usage.
 
 prompt_n + cache_n is the prompt, predicted_n the new tokens, and the rates follow from the counts and
-the milliseconds. The server runs tests/fake_worker.py through tests/harness.py; the spec is read from
-../shared/spec when it is there.
+the milliseconds. The server runs tests/fake_worker.py through tests/harness.py; documents are validated
+against the ChatTimings schema of the project's openapi.json.
 """
 import json
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 import mashbox
 from engine import chat
+from tests.clients import spec_validator
 from tests.fake_worker import tokenizer_folder
 
-ROOT = Path(__file__).resolve().parent.parent
-SPEC = ROOT.parent / "shared" / "spec" / "mashbox-openapi.json"
 CHAT = "/v1/chat/completions"
 
 if tokenizer_folder() is None:
@@ -65,10 +63,7 @@ def assert_consistent(timings: dict, usage: dict) -> None:
         assert_rate(timings["prompt_per_second"], timings["prompt_n"], timings["prompt_ms"])
     if timings["predicted_per_second"] is not None:
         assert_rate(timings["predicted_per_second"], timings["predicted_n"] - 1, timings["predicted_ms"])
-    if SPEC.exists():
-        import jsonschema
-        schema = json.loads(SPEC.read_text())["components"]["schemas"]["ChatTimings"]
-        jsonschema.validate(timings, schema)
+    spec_validator("ChatTimings").validate(timings)
 
 
 def test_non_streamed_chat_timings_match_usage(server):
