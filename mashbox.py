@@ -31,7 +31,7 @@ import urllib.parse
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 from engine import chat, memory, protocol, registry
 from engine.config import ConfigError, load_config
@@ -1269,16 +1269,45 @@ def new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
-# Encoder interface (one class per API):
-#   Encoder(job: Job, meta: Meta)
-#   .start() -> list[bytes]        SSE frames before any output (e.g. message_start, response.created)
-#   .feed(event) -> list[bytes]    SSE frames for one neutral event; also accumulates the body
-#   .keepalive() -> bytes          a frame sent while a long prompt is prefilled (comment or ping)
-#   .body() -> dict                the non-streamed response, after Done was fed
-#   .error(err: ApiError) -> list[bytes]   frames that end a started stream with an error
-#   .done_frames() are produced by feed(Done(...)) itself (finish chunk, usage chunk, [DONE], ...)
-#   .starts_on_admission           True: start() waits until admitted(usage) gave the prompt's
-#                                  cached/uncached split (Anthropic's message_start carries it)
+class Encoder(Protocol):
+    """What run_generation asks of an API's encoder: one class per API, built as Encoder(job, meta),
+    pure (events in, bytes and dicts out). Feeding Done produces the stream's last frames itself (the
+    finish chunk, usage, [DONE], message_stop, ...). A Done whose finish_reason is "error" (the device
+    failed the request) is reported one way by all: feed() returns error(_failed(done)), and body()
+    raises _failed(done)."""
+
+    # True: start() waits until admitted(usage) gave the prompt's cached/uncached split (Anthropic's
+    # message_start carries it); the frames before it are SSE comments.
+    starts_on_admission: bool = False
+
+    def admitted(self, usage: chat.Usage) -> None:
+        """The worker gave the prompt a slot; usage has the prompt's cached tokens."""
+
+    def start(self) -> list[bytes]:
+        """SSE frames before any output (e.g. message_start, response.created)."""
+        ...
+
+    def feed(self, ev: Any) -> list[bytes]:
+        """SSE frames for one neutral event; also accumulates the body."""
+        ...
+
+    def keepalive(self) -> bytes:
+        """A frame sent while a long prompt is prefilled (a comment or a ping)."""
+        ...
+
+    def body(self) -> dict:
+        """The non-streamed response, after Done was fed."""
+        ...
+
+    def error(self, err: ApiError) -> list[bytes]:
+        """Frames that end a started stream with an error."""
+        ...
+
+
+def _failed(done: chat.Done) -> ApiError:
+    return ApiError(500, f"the request failed on the device: {done.error or 'unknown error'}",
+                    type="server_error")
+
 
 # ---- common fields (sampling, max tokens, stop) -------------------------------------------------
 
@@ -1615,12 +1644,7 @@ def _openai_stream_error(err: ApiError, meta: Meta) -> list[bytes]:
     return [sse(body), sse("[DONE]")]
 
 
-def _failed(done: chat.Done) -> ApiError:
-    return ApiError(500, f"the request failed on the device: {done.error or 'unknown error'}",
-                    type="server_error")
-
-
-class ChatEncoder:
+class ChatEncoder(Encoder):
     """Neutral events -> chat.completion.chunk frames, and the chat.completion body."""
 
     def __init__(self, job: Job, meta: Meta):
@@ -1725,7 +1749,7 @@ def parse_completion(body: dict) -> Job:
     return job
 
 
-class CompletionEncoder:
+class CompletionEncoder(Encoder):
     """Neutral events -> text_completion frames (the stream has no usage), and the body."""
 
     def __init__(self, job: Job, meta: Meta):
@@ -2081,7 +2105,7 @@ def _toolu_id(call_id: str) -> str:
     return call_id if call_id.startswith("toolu_") else "toolu_" + call_id.removeprefix("call_")
 
 
-class MessagesEncoder:
+class MessagesEncoder(Encoder):
     """Neutral events -> an Anthropic Message (body) or its stream: message_start, ping, per block
     content_block_start / content_block_delta / content_block_stop, message_delta, message_stop."""
 
@@ -2095,6 +2119,7 @@ class MessagesEncoder:
         self.stop_sequence: str | None = None
         self.usage = self._usage(chat.Usage(prompt_tokens=meta.prompt_tokens))
         self.ended = False
+        self.failure: chat.Done | None = None    # a Done that ended in an error
 
     # The spec's message_start usage is the split of the prompt into cached and uncached tokens, known
     # once the worker has given the prompt a slot: the stream's first frames wait for it.
@@ -2124,6 +2149,8 @@ class MessagesEncoder:
         return self._event("ping")
 
     def body(self) -> dict:
+        if self.failure is not None:
+            raise _failed(self.failure)
         return self._message(self.content)
 
     def error(self, err: ApiError) -> list[bytes]:
@@ -2211,7 +2238,8 @@ class MessagesEncoder:
     def _done(self, ev: chat.Done) -> list[bytes]:
         frames = self._close()
         if ev.finish_reason == "error":
-            return frames + self.error(ApiError(500, ev.error or "generation failed", type="api_error"))
+            self.failure = ev
+            return frames + self.error(_failed(ev))
         self.ended = True
         self.stop_sequence = ev.stop_sequence
         self.stop_reason = "stop_sequence" if ev.stop_sequence else STOP_REASONS.get(ev.finish_reason, "end_turn")
@@ -2529,7 +2557,7 @@ def parse_responses(body: dict) -> Job:
     return job   # store, client_metadata, metadata, user, service_tier, truncation... are ignored
 
 
-def _json_string_start(buf: str) -> int | None:
+def _input_value_index(buf: str) -> int | None:
     """Where the string value starts in arguments text that begins `{"input": "`: its index, None
     while buf may still become that, -1 once it cannot."""
     i = 0
@@ -2558,7 +2586,7 @@ class _CustomInput:
         if self.closed:
             return ""
         if self.pos is None:
-            start = _json_string_start(self.buf)
+            start = _input_value_index(self.buf)
             if start is None or start < 0:
                 self.closed = start is not None
                 return ""
@@ -2613,7 +2641,7 @@ def _responses_usage(u: chat.Usage) -> dict:
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
 
-class ResponsesEncoder:
+class ResponsesEncoder(Encoder):
     """Neutral events -> Responses stream events, and the Response object.
 
     Every output item is announced (response.output_item.added), filled by its deltas and closed
@@ -2821,19 +2849,27 @@ class ResponsesEncoder:
 
 @dataclass(frozen=True)
 class ApiFormat:
+    """Everything that differs between the four APIs; the routes and run_generation ask this, never the
+    API's name."""
     name: str                              # "chat", "completions", "messages", "responses"
     parse: Callable[[dict], Job]
     encoder: type
     error_body: Callable[[ApiError], dict]
-    anthropic: bool = False                # error statuses: 529 instead of 429/503
+    id_prefix: str                         # the response id's prefix, as the real API spells it
+    echoes_model: bool                     # the answer names the model the client asked for
+    anthropic: bool = False                # error statuses: 529 instead of 429/503; any model name
 
 
-# Every wire format by name; the routes table points at these.
+# Every wire format by name; the routes table points at these. Messages and Responses answer with the
+# model name the client sent (Claude Code sends claude-* and checks it comes back); Chat and
+# Completions with the served id, as OpenAI-compatible servers do.
 API_FORMATS: dict[str, ApiFormat] = {
-    "chat": ApiFormat("chat", parse_chat, ChatEncoder, openai_error_body),
-    "completions": ApiFormat("completions", parse_completion, CompletionEncoder, openai_error_body),
-    "messages": ApiFormat("messages", parse_messages, MessagesEncoder, anthropic_error_body, anthropic=True),
-    "responses": ApiFormat("responses", parse_responses, ResponsesEncoder, openai_error_body),
+    "chat": ApiFormat("chat", parse_chat, ChatEncoder, openai_error_body, "chatcmpl-", False),
+    "completions": ApiFormat("completions", parse_completion, CompletionEncoder, openai_error_body, "cmpl-",
+                             False),
+    "messages": ApiFormat("messages", parse_messages, MessagesEncoder, anthropic_error_body, "msg_", True,
+                          anthropic=True),
+    "responses": ApiFormat("responses", parse_responses, ResponsesEncoder, openai_error_body, "resp_", True),
 }
 
 
@@ -3140,7 +3176,6 @@ class EngineLog:
 
     def __init__(self, progress: Callable[[str, int, int], None] | None = None):
         self.progress = progress if progress is not None else progress_display()
-        self.readies = 0
         self.compiles_seen = 0            # compiles after ready reported by the current worker
 
     def __call__(self, msg: Any) -> None:
@@ -3157,7 +3192,6 @@ class EngineLog:
             log.info("worker: %s%s", f"{msg.rid}: " if msg.rid else "", msg.message)
 
     def _ready(self, msg: "protocol.Ready") -> None:
-        self.readies += 1
         self.compiles_seen = 0            # a new worker process counts from zero
         f = msg.facts
         log.info("model %s (%s, %s on %s)", f.id, f.family, f.dtype, f.device)
@@ -3192,6 +3226,36 @@ STUCK_WORKER_S = 120.0
 # How long a worker asked to shut down may take to finish its current step and exit before it is
 # killed; and how long a dead worker's process is waited for, to read its exit status.
 WORKER_EXIT_WAIT_S = 5.0
+
+
+# One BLAS thread in the worker: the host does small bookkeeping between device calls, and a BLAS pool
+# would compete with XLA's own threads for the cores. It must be in the environment before numpy is
+# first imported in the child, and a spawned child imports this module (numpy among its imports)
+# before it runs the worker: so the parent puts it in the environment the child starts with.
+WORKER_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def spawn_worker(entry: str, args) -> tuple[Any, Any]:
+    """Start the worker process, the one way it is started: spawned (a fresh interpreter, never a fork
+    of the server's threads), with WORKER_THREAD_ENV, running `entry` ("module:function", called with
+    (connection, args)). Returns (process, connection); the connection speaks engine.protocol."""
+    import multiprocessing
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    process = context.Process(target=_worker_trampoline, args=(entry, theirs, args),
+                              name="mashbox-worker", daemon=True)
+    saved = {name: os.environ.get(name) for name in WORKER_THREAD_ENV}
+    os.environ.update(WORKER_THREAD_ENV)
+    try:
+        process.start()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    theirs.close()
+    return process, ours
 
 
 def _worker_trampoline(entry: str, conn, args) -> None:
@@ -3282,13 +3346,7 @@ class Bridge:
         self._loop.create_task(self._watchdog())
 
     def _spawn(self) -> None:
-        import multiprocessing as mp
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_worker_trampoline, args=(self.entry, child, self.worker_args),
-                           name="mashbox-worker", daemon=True)
-        proc.start()
-        child.close()
+        proc, parent = spawn_worker(self.entry, self.worker_args)
         self._generation += 1
         self._proc, self._conn, self.pid = proc, parent, proc.pid
         self._last_progress = time.monotonic()
@@ -3605,16 +3663,39 @@ def cache_tenant_label(req) -> str:
     return hashlib.sha256(str(getattr(req, "tenant", "") or "").encode()).hexdigest()[:16]
 
 
+class _Delivery:
+    """What one request has sent its client so far, across attempts (run_generation's retry rule reads
+    sent_output)."""
+
+    def __init__(self, out, job: Job, encoder):
+        self.out = out
+        self.enc = encoder if job.stream else None     # a stream's one encoder, across attempts
+        self.started = True          # the encoder's start frames were sent
+        self.sent_output = False     # a streamed client has text, reasoning or a tool call: never retry
+        self.keepalive = None
+        if job.stream:
+            self.started = not encoder.starts_on_admission
+            # Before the start frames, an SSE comment: every client skips it (an Anthropic ping
+            # before message_start would break the SDK's stream accumulator).
+            self.keepalive = lambda: out.event(encoder.keepalive() if self.started else SSE_COMMENT, False)
+
+    async def begin(self) -> None:
+        await self.out.start_stream()
+        if self.started:
+            for frame in self.enc.start():
+                await self.out.event(frame)
+
+
 async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list[int],
                          outcome: Outcome, engine_done: Callable[[], None] = lambda: None) -> None:
     """Generate for one parsed, rendered, admitted request and write its answer (JSON or SSE).
 
-    Owns the spec's retry rule. When the worker dies (or the device fails this request) before the
-    client has received any output, the request is sent again once, from the start, to the next worker:
-    not streamed, until its response is written; streamed, until its first output is sent (the frames
-    of enc.start() are not output). A failure after that, or of the retry, is a 500 in the route's shape;
-    a started stream ends with its encoder's error frames, which carry the response id. A shutdown
-    whose grace period ran out ends the request the same way with 503/529.
+    Owns the spec's retry rule (one attempt is run_attempt). When the worker dies (or the device fails
+    this request) before the client has received any output, the request is sent again once, from the
+    start, to the next worker: not streamed, until its response is written; streamed, until its first
+    output is sent (the frames of enc.start() are not output). A failure after that, or of the retry,
+    is a 500 in the route's shape; a started stream ends with its encoder's error frames, which carry
+    the response id. A shutdown whose grace period ran out ends the request the same way with 503/529.
 
     Frames are left in the connection's buffer while the engine works (a slow reader does not hold the
     engine's answer back), and engine_done() is called as soon as the engine has finished with the
@@ -3625,79 +3706,21 @@ async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list
     facts = bridge.facts
     room = facts.max_model_len - len(prompt)
     max_tokens = room if job.max_tokens is None else min(job.max_tokens, room)
-    rid = new_id({"chat": "chatcmpl-", "completions": "cmpl-", "messages": "msg_",
-                  "responses": "resp_"}[fmt.name])
-    answer_model = (job.model or facts.id) if fmt.name in ("messages", "responses") else facts.id
+    rid = new_id(fmt.id_prefix)
+    answer_model = (job.model or facts.id) if fmt.echoes_model else facts.id
     meta = Meta(id=rid, created=int(time.time()), model=answer_model, prompt_tokens=len(prompt))
-    tok = app.tokenizer
-    gone = out.gone
-    enc = keepalive = None
-    started = True               # the encoder's start frames were sent
+    delivery = _Delivery(out, job, fmt.encoder(job, meta) if job.stream else None)
     if job.stream:
-        await out.start_stream()
-        enc = fmt.encoder(job, meta)
-        started = not getattr(enc, "starts_on_admission", False)
-        if started:
-            for frame in enc.start():
-                await out.event(frame)
-        # Before the start frames, an SSE comment: every client skips it (an Anthropic ping before
-        # message_start would break the SDK's stream accumulator).
-        keepalive = lambda: out.event(enc.keepalive() if started else SSE_COMMENT, False)   # noqa: E731
-    sent_output = False          # a streamed client has text, reasoning or a tool call: never retry
+        await delivery.begin()
     err: ApiError | None = None
     for attempt in range(RETRIES_AFTER_FAULT + 1):
-        encoder = enc if job.stream else fmt.encoder(job, meta)
-        parser = chat.OutputParser(tok, job, facts.chat_format)
+        encoder = delivery.enc if job.stream else fmt.encoder(job, meta)
         sub_id = rid if attempt == 0 else f"{rid}-retry{attempt}"
-        usage = chat.Usage(prompt_tokens=len(prompt))
-        outcome.usage = usage   # so far: a request that ends early is still counted and logged
         try:
-            await _wait_for_worker(app, gone, keepalive, fmt.anthropic)
-            q = bridge.submit(protocol.Submit(
-                rid=sub_id, prompt=prompt, max_tokens=max_tokens, sampling=job.sampling,
-                stop_ids=list(tok.stop_ids), submitted_at=time.time(),
-                cuts=chat.turn_boundaries(prompt, tok), tenant=cache_tenant_label(req)))
-            while True:
-                step = await _next_step(q, gone, KEEPALIVE_S)
-                if step is None:
-                    if keepalive is not None:
-                        await keepalive()
-                    continue
-                if isinstance(step, BaseException):
-                    raise step                   # WorkerDied or ServerStopping
-                if step.finish == "error":
-                    raise WorkerDied(f"device error: {step.error or 'unknown'}")
-                if step.prompt_tokens:
-                    usage.prompt_tokens, usage.cached_tokens = step.prompt_tokens, step.cached_tokens
-                if not started:          # the worker gave the prompt a slot (or answered already)
-                    started = True
-                    enc.admitted(usage)
-                    for frame in enc.start():
-                        await out.event(frame, False)
-                if step.tokens and outcome.first_token_at is None:
-                    outcome.first_token_at = time.monotonic()
-                usage.completion_tokens += len(step.tokens)
-                events = parser.feed(step.tokens)
-                finish = step.finish
-                if parser.stop_hit and finish is None:
-                    bridge.cancel(sub_id)        # a stop string ended the text: free the slot now
-                    finish = "stop"
-                if finish is not None:
-                    outcome.timings = _timings(step.timings, usage, outcome)
-                    events += parser.finish(finish, usage, outcome.timings)
-                for ev in events:
-                    frames = encoder.feed(ev)
-                    if isinstance(ev, chat.Done):
-                        outcome.finish, outcome.usage = ev.finish_reason, ev.usage
-                    if job.stream and frames:
-                        sent_output = sent_output or not isinstance(ev, chat.Done)
-                        for frame in frames:
-                            await out.event(frame, False)
-                if finish is not None:
-                    break
+            await run_attempt(app, req, fmt, job, prompt, max_tokens, sub_id, encoder, delivery, outcome)
         except WorkerDied as died:
             bridge.cancel(sub_id)
-            if not sent_output and attempt < RETRIES_AFTER_FAULT:
+            if not delivery.sent_output and attempt < RETRIES_AFTER_FAULT:
                 outcome.retried = True
                 app.log(f"{rid}: {died}; nothing was sent yet, so it runs again from the start")
                 continue
@@ -3722,9 +3745,63 @@ async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list
     outcome.status, outcome.finish = err.status, "error"
     if not job.stream:
         raise err
-    for frame in enc.error(err):
+    for frame in delivery.enc.error(err):
         await out.event(frame)
     await out.end_stream()
+
+
+async def run_attempt(app, req, fmt: "ApiFormat", job: Job, prompt: list[int], max_tokens: int,
+                      sub_id: str, encoder, delivery: _Delivery, outcome: Outcome) -> None:
+    """One attempt: wait for a ready worker, submit, and feed each Step through the output parser and
+    the encoder until the request finishes. Raises WorkerDied (the worker died, or the device failed
+    this request), ServerStopping, or ApiError (no worker came back in time)."""
+    bridge, tok, out = app.bridge, app.tokenizer, delivery.out
+    parser = chat.OutputParser(tok, job, bridge.facts.chat_format)
+    usage = chat.Usage(prompt_tokens=len(prompt))
+    outcome.usage = usage   # so far: a request that ends early is still counted and logged
+    await _wait_for_worker(app, out.gone, delivery.keepalive, fmt.anthropic)
+    q = bridge.submit(protocol.Submit(
+        rid=sub_id, prompt=prompt, max_tokens=max_tokens, sampling=job.sampling,
+        stop_ids=list(tok.stop_ids), submitted_at=time.time(),
+        cuts=chat.turn_boundaries(prompt, tok), tenant=cache_tenant_label(req)))
+    while True:
+        step = await _next_step(q, out.gone, KEEPALIVE_S)
+        if step is None:
+            if delivery.keepalive is not None:
+                await delivery.keepalive()
+            continue
+        if isinstance(step, BaseException):
+            raise step                   # WorkerDied or ServerStopping
+        if step.finish == "error":
+            raise WorkerDied(f"device error: {step.error or 'unknown'}")
+        if step.prompt_tokens:
+            usage.prompt_tokens, usage.cached_tokens = step.prompt_tokens, step.cached_tokens
+        if not delivery.started:         # the worker gave the prompt a slot (or answered already)
+            delivery.started = True
+            encoder.admitted(usage)
+            for frame in encoder.start():
+                await out.event(frame, False)
+        if step.tokens and outcome.first_token_at is None:
+            outcome.first_token_at = time.monotonic()
+        usage.completion_tokens += len(step.tokens)
+        events = parser.feed(step.tokens)
+        finish = step.finish
+        if parser.stop_hit and finish is None:
+            bridge.cancel(sub_id)        # a stop string ended the text: free the slot now
+            finish = "stop"
+        if finish is not None:
+            outcome.timings = _timings(step.timings, usage, outcome)
+            events += parser.finish(finish, usage, outcome.timings)
+        for ev in events:
+            frames = encoder.feed(ev)
+            if isinstance(ev, chat.Done):
+                outcome.finish, outcome.usage = ev.finish_reason, ev.usage
+            if job.stream and frames:
+                delivery.sent_output = delivery.sent_output or not isinstance(ev, chat.Done)
+                for frame in frames:
+                    await out.event(frame, False)
+        if finish is not None:
+            return
 
 
 # What can put a lone surrogate in the parsed body: a \uD800-\uDFFF escape (a valid pair becomes one
@@ -3773,23 +3850,24 @@ def json_body(req) -> dict:
     return body
 
 
-def not_ready_error(fmt_anthropic: bool) -> ApiError:
-    """503 (OpenAI) / 529 overloaded (Anthropic) while the model loads or its worker restarts."""
+def _retry_shortly(fmt_anthropic: bool, why: str) -> ApiError:
+    """503 (OpenAI) / 529 overloaded (Anthropic) with Retry-After: the server will answer this request
+    again soon, so the client is told to retry (x-should-retry on Anthropic routes)."""
     headers = (("Retry-After", str(RETRY_AFTER_LOADING_S)),)
     if fmt_anthropic:
-        return ApiError(529, "the model is loading; retry shortly", type="overloaded_error",
+        return ApiError(529, f"{why}; retry shortly", type="overloaded_error",
                         headers=headers + (("x-should-retry", "true"),))
-    return ApiError(503, "the model is loading; retry shortly", type="unavailable", headers=headers)
+    return ApiError(503, f"{why}; retry shortly", type="unavailable", headers=headers)
+
+
+def not_ready_error(fmt_anthropic: bool) -> ApiError:
+    """While the model loads or its worker restarts."""
+    return _retry_shortly(fmt_anthropic, "the model is loading")
 
 
 def stopping_error(fmt_anthropic: bool) -> ApiError:
-    """503 / 529 for a request that a shutting-down server will not run or finish. A restarted server
-    will answer it, so the client is told to retry (x-should-retry on Anthropic routes)."""
-    headers = (("Retry-After", str(RETRY_AFTER_LOADING_S)),)
-    if fmt_anthropic:
-        return ApiError(529, "the server is shutting down; retry shortly", type="overloaded_error",
-                        headers=headers + (("x-should-retry", "true"),))
-    return ApiError(503, "the server is shutting down; retry shortly", type="unavailable", headers=headers)
+    """For a request that a shutting-down server will not run or finish (a restarted server will)."""
+    return _retry_shortly(fmt_anthropic, "the server is shutting down")
 
 
 def rejected_error(fmt_anthropic: bool, reason: str) -> ApiError:
@@ -3906,8 +3984,13 @@ def check_model(app, name: str | None) -> None:
     any name (Claude Code sends claude-*) and never calls this."""
     served = app.bridge.facts.id
     if name and name != served and name not in app.model_aliases:
-        raise ApiError(404, f"model: '{name}' is not served here; this server runs '{served}' (send "
-                            f"model '{served}' or leave it out)", code="model_not_found", param="model")
+        raise model_not_found(name, served, f" (send model '{served}' or leave it out)")
+
+
+def model_not_found(name: str, served: str, hint: str = "") -> ApiError:
+    """The spec's 404 for a model id this server does not serve (generation routes, /v1/models/{id})."""
+    return ApiError(404, f"model: '{name}' is not served here; this server runs '{served}'{hint}",
+                    code="model_not_found", param="model")
 
 
 async def handle_generation(app, req, out, fmt: "ApiFormat", tenant: str) -> None:
@@ -4115,8 +4198,7 @@ async def route_models(req: Request, out: Responder) -> None:
 async def route_model(req: Request, out: Responder) -> None:
     app, wanted = out.app, req.params["model"]
     if wanted != app.model_id:
-        raise ApiError(404, f"model: '{wanted}' is not served here; this server runs '{app.model_id}'",
-                       code="model_not_found", param="model")
+        raise model_not_found(wanted, app.model_id)
     await out.json(200, model_card(app))
 
 

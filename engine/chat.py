@@ -538,7 +538,7 @@ class StopStrings:
 MAX_PARTIAL_ESCAPE = 11
 
 
-def _json_string_start(body: str) -> str | None:
+def _decode_partial_string(body: str) -> str | None:
     """The text of the start of a JSON string body that is still being written (an escape at its
     end may be unfinished); None when its escapes are not valid JSON."""
     for cut in range(len(body), max(len(body) - MAX_PARTIAL_ESCAPE, 0) - 1, -1):
@@ -563,7 +563,7 @@ def _may_become_call_head(text: str, names) -> bool:
         rest = rest[len(literal):]
         rest = rest if literal == '"' else rest.lstrip()
     if "\\" in rest:
-        rest = _json_string_start(rest)
+        rest = _decode_partial_string(rest)
     return rest is not None and any(name.startswith(rest) for name in names)
 
 

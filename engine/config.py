@@ -22,6 +22,8 @@ MOE_FAMILIES = ("qwen3_moe",)
 # Gated DeltaNet layers mixed with gated full attention, routed experts with a shared expert.
 HYBRID_FAMILIES = ("qwen3_next",)
 SUPPORTED_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + HYBRID_FAMILIES
+# The chat format each family is rendered in (engine.chat knows these two); registry and worker read it.
+CHAT_FORMAT = {"qwen2": "qwen2.5", "qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen3_next": "qwen3"}
 # Families the engine runs but the server must not serve yet, with the reason. A Gated DeltaNet
 # layer's recurrent state cannot be cut back to an earlier position, so a prompt prefix reused from
 # a slot or the host cache is wrong unless the state was snapshotted at that position, and the

@@ -381,7 +381,7 @@ def _swiglu(rows, gate_up, down):
     return _matmul(jax.nn.silu(gate) * up, down)
 
 
-def _mlp(layer, x, cfg: ModelConfig):
+def _mlp(layer, x):
     return _swiglu(x, layer["gate_up"], layer["down"])
 
 
@@ -626,7 +626,7 @@ def forward(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,
             raise ValueError(f"layer kind {kind!r} is not implemented")
         x = x + h
         normed = _rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-        x = x + (_moe(layer, normed, valid, cfg, i) if mlp == "moe" else _mlp(layer, normed, cfg))
+        x = x + (_moe(layer, normed, valid, cfg, i) if mlp == "moe" else _mlp(layer, normed))
         new_cache.append(kv)
     if not all_logits:
         last = jnp.maximum(lengths - 1, 0)                                 # idle rows: any row

@@ -1,7 +1,8 @@
 """The messages between the server process and the engine worker process.
 
 Plain dataclasses, pickled over a multiprocessing pipe. Nothing else lives here: the server never
-imports jax, so this module (and engine.chat) is all it shares with the worker.
+imports jax, and these messages (with Sampling, which engine.chat fills in) are all that passes between
+it and the worker.
 
 Server -> worker: Submit, Cancel, Shutdown.
 Worker -> server: Loading (progress while weights load and programs compile), Ready (the model

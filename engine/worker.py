@@ -1,7 +1,7 @@
 """The engine worker: the process that owns the device.
 
-    start_worker(args) -> (process, connection)     what the server's bridge calls
     main(conn, args)                                the process body: pipe <-> Engine
+                                                    (mashbox.spawn_worker starts it, with one BLAS thread)
     Engine(args)                                    the same engine in-process, no pipe (tests, bench)
 
 Engine.step() is one round: schedule -> run the model (one prefill chunk, one decode step of every
@@ -14,15 +14,6 @@ MASHBOX_FAULT makes the process exit abruptly at a chosen point, for tests of th
 from __future__ import annotations
 
 import os
-
-# One BLAS thread: the host does small bookkeeping between device calls, and a BLAS pool would
-# compete with XLA's own threads for the cores. It must be set before numpy is first imported in the
-# worker process: start_worker puts it in the child's environment; this covers other entry points.
-SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-for _name, _value in SINGLE_THREAD_ENV.items():
-    os.environ.setdefault(_name, _value)
-
-import multiprocessing
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -33,7 +24,7 @@ import numpy as np
 
 from engine import certify, identity, prefix, sampler
 from engine.cache import copy_prefix, init_cache, read_slot, warm_host_copies, write_slot
-from engine.config import load_config
+from engine.config import CHAT_FORMAT, load_config
 from engine.model import dtype_for, jit_forward, kv_dtype_for, routed_report
 from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Note, Ready, Shutdown, Stats, Step,
                              Submit)
@@ -75,7 +66,6 @@ class WorkerArgs:
     certify_dir: str | None = field(default_factory=lambda: str(cache_root() / certify.RECORD_DIR))
     recertify: bool = False
     golden: dict | None = None
-    extra: dict = field(default_factory=dict)           # facts other engines may add
 
 
 # ---- fault injection ---------------------------------------------------------------------------
@@ -152,7 +142,7 @@ class Engine:
         self.state = sampler.init_state(args.slots, cfg.vocab_size)
         self.buckets = Buckets.for_ctx(args.ctx, tuple(args.prefill_chunks), args.slots)
         family = cfg.model_type
-        chat_format = args.chat_format or ("qwen3" if family.startswith("qwen3") else "qwen2.5")
+        chat_format = args.chat_format or CHAT_FORMAT[family]
         weights = args.weights_file or args.weights_folder
         self.component_set_sha = identity.component_set_sha(args.weights_folder, chat_format)
         namespace = args.cache_namespace or prefix.namespace_id(
@@ -484,25 +474,3 @@ def main(conn, args: WorkerArgs | dict) -> None:
             conn.send(Fault(f"{type(e).__name__}: {e}"))
         finally:
             raise
-
-
-def start_worker(args: WorkerArgs | dict):
-    """Start the worker process (spawned: a fresh interpreter, never a fork of the server's threads).
-    Returns (process, connection); the connection speaks engine.protocol."""
-    context = multiprocessing.get_context("spawn")
-    ours, theirs = context.Pipe()
-    process = context.Process(target=main, args=(theirs, args), name="mashbox-worker", daemon=True)
-    # The child inherits the environment at spawn, before it imports anything (the server's own
-    # modules, numpy among them, are imported again in the child before engine.worker).
-    saved = {name: os.environ.get(name) for name in SINGLE_THREAD_ENV}
-    os.environ.update(SINGLE_THREAD_ENV)
-    try:
-        process.start()
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-    theirs.close()
-    return process, ours

@@ -659,6 +659,23 @@ def test_stream_events_and_body_match_the_spec_schemas():
     spec_validator("AnthropicError").validate(error_event)
 
 
+@pytest.mark.parametrize("name", sorted(mashbox.API_FORMATS))
+def test_every_encoder_reports_a_device_error_the_same_way(name):
+    """Guards against one API's encoder keeping its own way of reporting a failed request: each
+    implements mashbox.Encoder, its stream ends with error(_failed(done)), and body() raises it."""
+    encoder_class = mashbox.API_FORMATS[name].encoder
+    assert mashbox.Encoder in encoder_class.__mro__
+    done = chat.Done("error", chat.Usage(prompt_tokens=3), error="out of memory")
+    expected = mashbox._failed(done)
+    frames = encoder_class(chat.Job(stream=True), META).feed(done)
+    assert frames == encoder_class(chat.Job(stream=True), META).error(expected)
+    with pytest.raises(ApiError) as raised:
+        encoder = encoder_class(chat.Job(), META)
+        encoder.feed(done)
+        encoder.body()
+    assert (raised.value.status, raised.value.message) == (500, expected.message)
+
+
 # ---- end to end: the anthropic SDK and recorded Claude Code traffic against a running server --------
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import registry
+from engine import memory, registry
 from engine.registry import RegistryError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,22 +150,6 @@ def test_registry_imports_without_jax():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["False", "False"]
-
-
-# ---- weights facts (for /v1/models) ---------------------------------------------------------------
-
-def test_weights_facts_come_from_safetensors_headers(tmp_path):
-    """bpw and bytes must count every tensor of every shard, by dtype, without reading tensors."""
-    import ml_dtypes  # noqa: F401  (bfloat16 for safetensors.numpy)
-    from safetensors.numpy import save_file
-    save_file({"a": np.zeros((4, 8), np.float32)}, str(tmp_path / "model-00001-of-00002.safetensors"))
-    save_file({"b": np.zeros((16,), ml_dtypes.bfloat16), "c": np.zeros((2, 8), ml_dtypes.bfloat16)},
-              str(tmp_path / "model-00002-of-00002.safetensors"))
-    assert registry.parameter_count(str(tmp_path)) == 32 + 16 + 16
-    assert registry.weights_bytes(str(tmp_path)) == 32 * 4 + 32 * 2
-    assert registry.weights_bytes(str(tmp_path), "bfloat16") == 64 * 2
-    assert registry.weights_bytes(str(tmp_path), "float32") == 64 * 4
-    assert registry.bits_per_weight(str(tmp_path)) == pytest.approx(8 * 192 / 64)
 
 
 def test_stop_ids_prefer_generation_config(tmp_path):
@@ -536,8 +520,7 @@ def test_demo_folder_has_the_published_qwen25_coder_shape(demo_folder):
     assert header["model.layers.0.self_attn.k_proj.bias"]["shape"] == [128]
     assert len([k for k in header if k != "__metadata__"]) == 291
     assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"F32"}
-    assert registry.bits_per_weight(demo_folder) == 32.0
-    assert registry.parameter_count(demo_folder) == 630_167_424
+    assert memory.parameter_count(demo_folder) == 630_167_424
     assert registry.stop_token_ids(demo_folder) == [151645, 151643]
     tc = json.loads((Path(demo_folder) / "tokenizer_config.json").read_text())
     assert "You are Qwen, created by Alibaba Cloud." in tc["chat_template"]

@@ -1,12 +1,15 @@
 """The engine on the tiny checkpoints: in-process (Engine) and as a worker process over the pipe."""
 from __future__ import annotations
 
+import ast
+import os
 from pathlib import Path
 
 import pytest
 
 from engine.protocol import Cancel, Loading, Ready, Sampling, Shutdown, Stats, Step, Submit
-from engine.worker import FAULT_EXIT_CODE, Engine, WorkerArgs, start_worker
+from engine.worker import FAULT_EXIT_CODE, Engine, WorkerArgs
+from mashbox import WORKER_ENTRY, WORKER_THREAD_ENV, spawn_worker
 
 TINY = Path(__file__).parent / "fixtures" / "tiny"
 CTX = 256
@@ -215,7 +218,7 @@ def test_worker_process_round_trip(tmp_path):
     # as a dict of WorkerArgs's fields, the way the server (which never imports jax) sends them
     args = {"model_id": "tiny", "weights_folder": str(TINY / "qwen3"), "slots": 2, "ctx": 128,
             "prefill_chunks": [32], "compile_cache": str(tmp_path / "jax")}
-    process, conn = start_worker(args)
+    process, conn = spawn_worker(WORKER_ENTRY, args)
     try:
         start = _recv_until(conn, Ready)
         assert any(isinstance(m, Loading) for m in start)
@@ -285,10 +288,44 @@ def test_fault_injection_exits_the_process(tmp_path, monkeypatch):
     monkeypatch.setenv("MASHBOX_FAULT", "warmup")
     args = WorkerArgs("tiny", str(TINY / "qwen3"), slots=2, ctx=128, prefill_chunks=(32,),
                       compile_cache=None)
-    process, conn = start_worker(args)
+    process, conn = spawn_worker(WORKER_ENTRY, args)
     try:
         process.join(120)
         assert process.exitcode == FAULT_EXIT_CODE
     finally:
+        if process.is_alive():
+            process.kill()
+
+
+def report_environment(conn, args) -> None:
+    """A worker entry for the test below: sends back the thread settings it started with."""
+    conn.send({name: os.environ.get(name) for name in args})
+
+
+def test_one_spawn_path_and_the_worker_gets_one_blas_thread(monkeypatch):
+    """Guards against a second way to start the worker (one without the thread settings), and against
+    the settings not reaching the child, whatever the server's own environment says."""
+    root = Path(__file__).resolve().parent.parent
+    worker_spawns = []
+    for path in [root / "mashbox.py", *sorted((root / "engine").glob("*.py"))]:
+        tree = ast.parse(path.read_text())
+        for func in ast.walk(tree):
+            if not isinstance(func, ast.FunctionDef):
+                continue
+            for call in ast.walk(func):
+                if (isinstance(call, ast.Call) and getattr(call.func, "attr", None) == "Process"
+                        and not any(k.arg == "name" and getattr(k.value, "value", "") == "mashbox-tokenizer"
+                                    for k in call.keywords)):
+                    worker_spawns.append((path.name, func.name))
+    assert worker_spawns == [("mashbox.py", "spawn_worker")]
+    for name in WORKER_THREAD_ENV:
+        monkeypatch.setenv(name, "7")
+    process, conn = spawn_worker(f"{__name__}:report_environment", list(WORKER_THREAD_ENV))
+    try:
+        assert conn.poll(120), "no answer from the spawned process"
+        assert conn.recv() == WORKER_THREAD_ENV
+        assert {name: os.environ[name] for name in WORKER_THREAD_ENV} == dict.fromkeys(WORKER_THREAD_ENV, "7")
+    finally:
+        process.join(10)
         if process.is_alive():
             process.kill()
