@@ -6,9 +6,12 @@ Messages, from a hand-written asyncio HTTP/1.1 server in front of a JAX engine w
 This file is the whole server, in titled sections, read top to bottom:
     limits and errors -> HTTP/1.1 (parse/serialize, no I/O) -> connection loop (asyncio)
     -> security -> admission -> API formats (parse_* -> Job; Encoder: events -> JSON/SSE; pure)
-    -> metrics -> engine bridge (worker process) -> generation (the retry rule) -> routes -> CLI
+    -> metrics -> engine bridge (worker process) -> generation -> routes -> CLI
+A request's life is told by three functions of the generation section: handle_generation (parse,
+admit, render, log and count), run_generation (the retry rule) and run_attempt (one attempt: submit,
+then tokens -> output parser -> encoder -> frames).
 The server process never imports jax: the engine worker (engine/worker.py) owns the device; of the
-engine it imports only chat (templates, output parser), protocol, registry and config (JSON only).
+engine it imports only chat (templates, output parser), protocol, registry, config and memory (no jax).
 """
 from __future__ import annotations
 
@@ -22,7 +25,6 @@ import logging
 import os
 import queue
 import re
-import secrets
 import signal
 import sys
 import threading
@@ -35,7 +37,7 @@ from typing import Any, Awaitable, Callable, Protocol
 
 from engine import chat, memory, protocol, registry
 from engine.config import ConfigError, load_config
-from engine.chat import Job
+from engine.chat import Job, new_id
 
 
 # =================================================================================================
@@ -104,6 +106,9 @@ MAX_HEADERS = 100
 # Request bodies: Claude Code sends 50-250 KB and a whole 128k-token context is about 0.5 MB of text;
 # 32 MiB leaves room for base64 attachments while bounding what one request makes the server hold.
 MAX_BODY_BYTES = 32 * 1024 * 1024
+# Digits in a Content-Length: 2**63 - 1 has 19, far above MAX_BODY_BYTES; a longer value is refused
+# before int() reads it (int() of a hostile million-digit string is slow).
+MAX_LENGTH_DIGITS = 19
 # A chunk-size line with its extensions (nobody sends extensions; the size is at most 16 hex digits).
 MAX_CHUNK_LINE = 1024
 
@@ -366,7 +371,7 @@ class RequestReader:
             if len(lengths) > 1:
                 raise _bad("more than one Content-Length header")
             value = lengths[0]
-            if not value.isdigit() or not value.isascii() or len(value) > 19:
+            if not value.isdigit() or not value.isascii() or len(value) > MAX_LENGTH_DIGITS:
                 raise _bad(f"Content-Length: not a valid length: {value[:40]!r}")
             self._length = int(value)
             if self._length > self.max_body:
@@ -1264,11 +1269,6 @@ class Meta:
     prompt_tokens: int = 0        # prompt length after the template (known before generation starts)
 
 
-def new_id(prefix: str) -> str:
-    """A response or tool-call id: the API's prefix and 24 random hex digits (96 bits never repeat)."""
-    return prefix + secrets.token_hex(12)
-
-
 class Encoder(Protocol):
     """What run_generation asks of an API's encoder: one class per API, built as Encoder(job, meta),
     pure (events in, bytes and dicts out). Feeding Done produces the stream's last frames itself (the
@@ -1823,6 +1823,13 @@ def _block_type(block: Any, where: str) -> str:
     return kind
 
 
+def _typed_blocks(content: list, where: str):
+    """(where, type, block) for each content block of a list, its type checked by _block_type."""
+    for j, block in enumerate(content):
+        at = f"{where}[{j}]"
+        yield at, _block_type(block, at), block
+
+
 def _block_str(block: dict, key: str, where: str) -> str:
     value = block.get(key)
     if not isinstance(value, str):
@@ -1837,9 +1844,8 @@ def _texts(value: Any, where: str) -> list[str]:
     if not isinstance(value, list):
         raise bad_field(where, "must be a string or a list of text blocks")
     texts = []
-    for j, block in enumerate(value):
-        at = f"{where}[{j}]"
-        if _block_type(block, at) != "text":
+    for at, kind, block in _typed_blocks(value, where):
+        if kind != "text":
             raise bad_field(f"{at}.type", "must be text")
         texts.append(_block_str(block, "text", at))
     return texts
@@ -1913,9 +1919,7 @@ def _tool_result(block: dict, where: str, call_names: dict[str, str],
         text = content
     elif isinstance(content, list):
         parts = []
-        for k, part in enumerate(content):
-            at = f"{where}.content[{k}]"
-            kind = _block_type(part, at)
+        for at, kind, part in _typed_blocks(content, f"{where}.content"):
             if kind == "text":
                 parts.append(_block_str(part, "text", at))
             elif kind == "tool_reference":
@@ -1943,9 +1947,7 @@ def _user_turn(content: Any, where: str, call_names: dict[str, str],
         raise bad_field(where, "must be a string or a list of content blocks")
     out: list[chat.Message] = []
     texts: list[str] = []
-    for j, block in enumerate(content):
-        at = f"{where}[{j}]"
-        kind = _block_type(block, at)
+    for at, kind, block in _typed_blocks(content, where):
         if kind == "text":
             texts.append(_block_str(block, "text", at))
         elif kind == "tool_result":
@@ -1969,9 +1971,7 @@ def _assistant_turn(content: Any, where: str, call_names: dict[str, str]) -> cha
     if not isinstance(content, list):
         raise bad_field(where, "must be a string or a list of content blocks")
     texts, thoughts = [], []
-    for j, block in enumerate(content):
-        at = f"{where}[{j}]"
-        kind = _block_type(block, at)
+    for at, kind, block in _typed_blocks(content, where):
         if kind == "text":
             texts.append(_block_str(block, "text", at))
         elif kind == "thinking":
@@ -3226,6 +3226,8 @@ STUCK_WORKER_S = 120.0
 # How long a worker asked to shut down may take to finish its current step and exit before it is
 # killed; and how long a dead worker's process is waited for, to read its exit status.
 WORKER_EXIT_WAIT_S = 5.0
+# How often the watchdog looks for a stuck worker: a hang is noticed within stuck_s and a few seconds.
+WATCHDOG_POLL_S = 5.0
 
 
 # One BLAS thread in the worker: the host does small bookkeeping between device calls, and a BLAS pool
@@ -3304,12 +3306,8 @@ class Bridge:
     def __init__(self, worker_args, entry: str = WORKER_ENTRY, log=log.warning, stuck_s: float = STUCK_WORKER_S,
                  backoff_first_s: float = RESTART_BACKOFF_FIRST_S,
                  backoff_max_s: float = RESTART_BACKOFF_MAX_S):
-        self.worker_args = worker_args
-        self.entry = entry
-        self.log = log
-        self.stuck_s = stuck_s
-        self.backoff_first_s = backoff_first_s
-        self.backoff_max_s = backoff_max_s
+        self.worker_args, self.entry, self.log = worker_args, entry, log
+        self.stuck_s, self.backoff_first_s, self.backoff_max_s = stuck_s, backoff_first_s, backoff_max_s
         self.status = "loading"          # "loading" until Ready, and again while a new worker starts
         self.facts = None                # protocol.ModelFacts once ready
         self.pid: int | None = None
@@ -3483,7 +3481,7 @@ class Bridge:
     async def _watchdog(self) -> None:
         """A worker with requests in it that sends nothing for stuck_s is stuck: replace it."""
         while not self._stopping:
-            await asyncio.sleep(min(5.0, self.stuck_s / 4))
+            await asyncio.sleep(min(WATCHDOG_POLL_S, self.stuck_s / 4))   # tests shorten stuck_s
             if (self.status == "ok" and self._streams
                     and time.monotonic() - self._last_progress > self.stuck_s):
                 self._on_death(self._generation, f"no progress for {self.stuck_s:g} s")
@@ -3630,6 +3628,7 @@ class Outcome:
     admitted: bool = False
     admitted_at: float | None = None   # time.monotonic() when admission let it run
     queue_s: float = 0.0               # arrival to admitted: parse, render and the admission queue
+    prompt_tokens: int = 0             # the rendered prompt's length, once rendered
 
 
 async def _wait_for_worker(app, gone: asyncio.Event, keepalive: Callable[[], Awaitable[None]] | None,
@@ -3994,56 +3993,14 @@ def model_not_found(name: str, served: str, hint: str = "") -> ApiError:
 
 
 async def handle_generation(app, req, out, fmt: "ApiFormat", tenant: str) -> None:
-    """One POST to a generation route: parse, check, render, admit, generate, log, count."""
+    """One POST to a generation route: parse, then admit_and_run; whatever happened, log and count."""
     t0 = time.monotonic()
     outcome = Outcome()
     job = None
-    prompt: list[int] = []
-    queue_s = 0.0
     try:
         job = fmt.parse(json_body(req))
         job.session = job.session or req.header("x-session-id")
-        if app.bridge.closing:
-            raise stopping_error(fmt.anthropic)
-        if app.bridge.status != "ok":
-            app.metrics["admission_rejections_total"].inc(reason="loading")
-            raise not_ready_error(fmt.anthropic)
-        if not fmt.anthropic:
-            check_model(app, job.model)
-        # Admission first: a tenant past its limit (or a full server) is refused before its prompt
-        # costs any tokenizing; what is admitted is rendered while it waits for its slot.
-        try:
-            ticket = app.admission.enter(tenant)
-        except Rejected as r:
-            app.metrics["admission_rejections_total"].inc(reason=r.reason)
-            raise rejected_error(fmt.anthropic, r.reason)
-        released = False
-
-        def engine_done() -> None:
-            """The slot (or the queue place) goes back: at once when the engine is done with it."""
-            nonlocal released
-            if not released:
-                released = True
-                if ticket is None:
-                    app.admission.release()
-                else:
-                    app.admission.leave_queue(tenant, ticket)
-        app.bridge.enter()   # from here a shutdown waits for this request (its grace period)
-        try:
-            prompt = await render_prompt(app, job)
-            if app.config.log_prompts:
-                log_prompt(app.tokenizer, prompt, req.path, job.session)
-            if ticket is not None:
-                try:
-                    await _wait_admitted(ticket, out.gone, app.bridge.ended)
-                except ServerStopping:
-                    raise stopping_error(fmt.anthropic) from None
-            queue_s = time.monotonic() - t0
-            outcome.admitted, outcome.admitted_at, outcome.queue_s = True, t0 + queue_s, queue_s
-            await run_generation(app, req, out, fmt, job, prompt, outcome, engine_done)
-        finally:
-            engine_done()
-            app.bridge.leave()
+        await admit_and_run(app, req, out, fmt, job, tenant, outcome, t0)
     except ApiError as e:
         outcome.status, outcome.finish = e.status, outcome.finish or "error"
         raise
@@ -4053,13 +4010,62 @@ async def handle_generation(app, req, out, fmt: "ApiFormat", tenant: str) -> Non
     finally:
         e2e = time.monotonic() - t0
         # The whole wait before the request ran: the server's queue and the worker's (from timings).
-        waited = outcome.timings["queue_ms"] / 1000 if outcome.timings else queue_s
+        waited = outcome.timings["queue_ms"] / 1000 if outcome.timings else outcome.queue_s
         if outcome.admitted:   # requests refused before they ran are counted by their rejection
             ttft = outcome.first_token_at - t0 if outcome.first_token_at else None
             decode = (time.monotonic() - outcome.first_token_at) if outcome.first_token_at else None
             app.metrics.request_done(outcome.finish or "stop", outcome.usage, waited, e2e, ttft, decode)
-        app.log(request_log_line(req.method, req.path, outcome, len(prompt), waited, e2e,
+        app.log(request_log_line(req.method, req.path, outcome, outcome.prompt_tokens, waited, e2e,
                                  job.session if job is not None else None))
+
+
+async def admit_and_run(app, req, out, fmt: "ApiFormat", job: Job, tenant: str, outcome: Outcome,
+                        t0: float) -> None:
+    """Refuse what cannot run now (stopping, loading, an unknown model, admission's limits), render the
+    prompt while the request waits for its slot, then run_generation; the slot goes back as soon as
+    the engine is done with the request."""
+    if app.bridge.closing:
+        raise stopping_error(fmt.anthropic)
+    if app.bridge.status != "ok":
+        app.metrics["admission_rejections_total"].inc(reason="loading")
+        raise not_ready_error(fmt.anthropic)
+    if not fmt.anthropic:
+        check_model(app, job.model)
+    # Admission first: a tenant past its limit (or a full server) is refused before its prompt
+    # costs any tokenizing; what is admitted is rendered while it waits for its slot.
+    try:
+        ticket = app.admission.enter(tenant)
+    except Rejected as r:
+        app.metrics["admission_rejections_total"].inc(reason=r.reason)
+        raise rejected_error(fmt.anthropic, r.reason)
+    released = False
+
+    def engine_done() -> None:
+        """The slot (or the queue place) goes back: at once when the engine is done with it."""
+        nonlocal released
+        if not released:
+            released = True
+            if ticket is None:
+                app.admission.release()
+            else:
+                app.admission.leave_queue(tenant, ticket)
+    app.bridge.enter()   # from here a shutdown waits for this request (its grace period)
+    try:
+        prompt = await render_prompt(app, job)
+        outcome.prompt_tokens = len(prompt)
+        if app.config.log_prompts:
+            log_prompt(app.tokenizer, prompt, req.path, job.session)
+        if ticket is not None:
+            try:
+                await _wait_admitted(ticket, out.gone, app.bridge.ended)
+            except ServerStopping:
+                raise stopping_error(fmt.anthropic) from None
+        outcome.queue_s = time.monotonic() - t0
+        outcome.admitted, outcome.admitted_at = True, t0 + outcome.queue_s
+        await run_generation(app, req, out, fmt, job, prompt, outcome, engine_done)
+    finally:
+        engine_done()
+        app.bridge.leave()
 
 
 async def _wait_admitted(ticket: asyncio.Future, gone: asyncio.Event, ended: asyncio.Event) -> None:
@@ -4493,22 +4499,27 @@ class App:
 
 @dataclass
 class Config:
-    """What `mashbox run` was asked for. None = the model's default from models.json."""
+    """What `mashbox run` was asked for (its flags, one field each). None = the model's default from
+    models.json."""
+    # the model, and where the server listens
     model: str | None = None
     weights: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
+    # the engine's size (the memory may lower the defaults, never what is asked for)
     slots: int | None = None
     ctx: int | None = None
     cache_ram_mib: int | None = None
+    # who may call it, and what is logged
     api_key_file: str | None = None
     allowed_hosts: tuple[str, ...] = ()
     log_prompts: bool = False
+    # admission's bounds
     max_waiting: int = MAX_WAITING_TOTAL
     max_waiting_per_tenant: int = MAX_WAITING_PER_TENANT
     max_connections: int = MAX_CONNECTIONS
-    recertify: bool = False
-    ui: bool = False
+    recertify: bool = False          # run the certification gate even when its result is recorded
+    ui: bool = False                 # serve the chat page at /
 
 
 def _at_least(low: int, what: str) -> Callable[[str], int]:

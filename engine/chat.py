@@ -115,6 +115,11 @@ class Done:
     error: str | None = None
 
 
+def new_id(prefix: str) -> str:
+    """A response or tool-call id: the API's prefix and 24 random hex digits (96 bits never repeat)."""
+    return prefix + secrets.token_hex(12)
+
+
 # ---- the tokenizer --------------------------------------------------------------------------------
 
 # Token strings that end an answer in every Qwen chat model; the worker stops a row on any of them.
@@ -679,7 +684,7 @@ class _CallReader:
     def start(self, name: str) -> None:
         self.index, self.name = self.p._ncalls, name
         self.p._ncalls += 1
-        self.p._out.append(ToolCallStart(self.index, "call_" + secrets.token_hex(12), name))
+        self.p._out.append(ToolCallStart(self.index, new_id("call_"), name))
 
     def send(self, delta: str) -> None:
         if delta:

@@ -42,6 +42,7 @@ ROUTED_PATHS = ("auto", "kernel", "exact")
 # Hugging Face defaults for keys a config.json may leave out (Qwen2Config / Qwen3Config).
 DEFAULT_ROPE_THETA = 10000.0
 DEFAULT_RMS_NORM_EPS = 1e-6
+DEFAULT_MAX_POSITIONS = 32768
 # Qwen3NextConfig's defaults: rotary on a quarter of each head, 256-wide heads, one full-attention
 # layer in four, and the Gated DeltaNet shapes.
 DEFAULT_NEXT_PARTIAL_ROTARY = 0.25
@@ -209,7 +210,7 @@ def config_from_dict(raw: dict) -> ModelConfig:
         # Qwen2 always has q/k/v biases (its config has no key for it); Qwen3 reads attention_bias.
         qkv_bias=True if model_type == "qwen2" else bool(raw.get("attention_bias", False)),
         qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_next"),
-        max_position_embeddings=_int(raw, "max_position_embeddings", 32768),
+        max_position_embeddings=_int(raw, "max_position_embeddings", DEFAULT_MAX_POSITIONS),
         layer_kinds=layer_kinds,
         mlp_kinds=mlp_kinds,
         eos_token_ids=tuple(int(i) for i in eos_ids),

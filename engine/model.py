@@ -110,7 +110,7 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
         low, high = np.floor(low), np.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
-        high += 0.001
+        high += 0.001                     # the ramp's ends met: a step, not a division by zero
     ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
     keep = 1 - ramp                       # 1 = extrapolate (unchanged), 0 = interpolate
     inv_freq = inv_freq / factor * (1 - keep) + inv_freq * keep

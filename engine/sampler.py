@@ -105,6 +105,9 @@ def apply_penalties(logits, seen, counts, p: RowParams):
 
 # Bisection rounds for a probability threshold: 24 halvings of [0, p_max] reach float32 precision.
 THRESHOLD_ROUNDS = 24
+# top-p aims a hair below top_p of the mass: float32 sums of the kept tokens may round below the exact
+# mass, and top_p = 1 must keep every token that top-k kept.
+TOP_P_ROUNDING = 1e-6
 
 
 def _first_max(x):
@@ -139,7 +142,7 @@ def filter_mask(probs, p: RowParams):
     probs = jnp.where(probs >= t_k, probs, 0.0)
     mass = jnp.sum(probs, axis=-1, keepdims=True)
     t_p = _threshold(probs, lambda m: jnp.sum(jnp.where(m, probs, 0.0), axis=-1, keepdims=True),
-                     jnp.minimum(p.top_p[:, None], 1.0) * mass * (1 - 1e-6))
+                     jnp.minimum(p.top_p[:, None], 1.0) * mass * (1 - TOP_P_ROUNDING))
     t_min = p.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
     # A row whose filter is off keeps every token exactly, so it draws the same in any batch.
     t_k = jnp.where(p.top_k[:, None] > 0, t_k, 0.0)

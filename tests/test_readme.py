@@ -53,6 +53,7 @@ def test_the_trace_meets_the_server_stages_in_request_order():
     """Guards against the trace's steps drifting out of the order a request goes through them."""
     names = [m.group(1) for m in NAME.finditer(trace_text())]
     order = ["Connection", "RequestReader.feed", "Router", "handle_generation", "parse_messages",
-             "Admission.enter", "render_prompt", "run_generation", "Bridge.submit", "Scheduler",
-             "sampler.sample", "chat.OutputParser", "MessagesEncoder.feed", "Responder.event"]
+             "admit_and_run", "Admission.enter", "render_prompt", "run_generation", "run_attempt",
+             "Bridge.submit", "Scheduler", "sampler.sample", "chat.OutputParser", "MessagesEncoder.feed",
+             "Responder.event"]
     assert [n for n in names if n in order][:len(order)] == order
