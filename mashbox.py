@@ -7,9 +7,9 @@ This file is the whole server, in titled sections, read top to bottom:
     limits and errors -> HTTP/1.1 (parse/serialize, no I/O) -> connection loop (asyncio)
     -> security -> admission -> API formats (parse_* -> Job; Encoder: events -> JSON/SSE; pure)
     -> metrics -> engine bridge (worker process) -> generation -> routes -> CLI
-A request's life is told by three functions of the generation section: handle_generation (parse,
-admit, render, log and count), run_generation (the retry rule) and run_attempt (one attempt: submit,
-then tokens -> output parser -> encoder -> frames).
+A request's life is told by four functions of the generation section, in the order it meets them:
+handle_generation (parse; log and count), admit_and_run (refuse, admit, render), run_generation (the retry rule) and
+run_attempt (one attempt: submit, then tokens -> output parser -> encoder -> frames).
 The server process never imports jax: the engine worker (engine/worker.py) owns the device; of the
 engine it imports only chat (templates, output parser), protocol, registry, config and memory (no jax).
 """
