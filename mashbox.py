@@ -8,8 +8,8 @@ This file is the whole server, in titled sections, read top to bottom:
     -> security -> admission -> API formats (parse_* -> Job; Encoder: events -> JSON/SSE; pure)
     -> metrics -> engine bridge (worker process) -> generation -> routes -> CLI
 A request's life is told by four functions of the generation section, in the order it meets them:
-handle_generation (parse; log and count), admit_and_run (refuse, admit, render), run_generation (the retry rule) and
-run_attempt (one attempt: submit, then tokens -> output parser -> encoder -> frames).
+handle_generation (parse; log and count), admit_and_run (refuse, admit, render), run_generation
+(the retry rule) and run_attempt (one attempt: submit, then tokens -> output parser -> encoder).
 The server process never imports jax: the engine worker (engine/worker.py) owns the device; of the
 engine it imports only chat (templates, output parser), protocol, registry, config and memory (no jax).
 """
