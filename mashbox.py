@@ -2086,11 +2086,6 @@ def parse_messages(body: dict) -> Job:
     return job
 
 
-# count_tokens takes everything Messages takes (max_tokens is optional in both): the count is the
-# rendered prompt of the same Job, so the two can never disagree.
-parse_count_tokens = parse_messages
-
-
 def _tool_input(arguments: str) -> dict:
     """tool_use.input from the arguments' JSON text; {} when it is not a JSON object."""
     try:

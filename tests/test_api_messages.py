@@ -15,7 +15,7 @@ import pytest
 import mashbox
 from tests.clients import qwen3_tokenizer, spec_validator
 from engine import chat
-from mashbox import ApiError, Meta, MessagesEncoder, parse_count_tokens, parse_messages
+from mashbox import ApiError, Meta, MessagesEncoder, parse_messages
 
 FIXTURES = Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures" / "clients"
 ANTHROPIC_FIXTURES = ["claude-code/*.jsonl", "anthropic-sdk/*.jsonl", "pi/anthropic-api.jsonl"]
@@ -227,7 +227,8 @@ def test_unknown_and_ignored_fields_are_accepted():
 
 def test_count_tokens_accepts_a_body_without_max_tokens():
     """Guards against count_tokens refusing what Claude Code sends (no max_tokens, tools: [])."""
-    job = parse_count_tokens({"model": "m", "messages": [{"role": "user", "content": "count"}], "tools": []})
+    assert mashbox.API_FORMATS[mashbox.COUNT_TOKENS_ROUTE[1]].parse is parse_messages   # one parser
+    job = parse_messages({"model": "m", "messages": [{"role": "user", "content": "count"}], "tools": []})
     assert job.messages == [chat.Message("user", "count")] and job.tools == [] and job.max_tokens is None
 
 
@@ -321,7 +322,7 @@ def test_bad_input_is_refused_naming_the_field(mutate, field):
 def test_refusals_also_apply_to_count_tokens():
     """Guards against count_tokens rendering what Messages would refuse."""
     with pytest.raises(ApiError) as info:
-        parse_count_tokens({"messages": [{"role": "user", "content": [{"type": "image"}]}]})
+        parse_messages({"messages": [{"role": "user", "content": [{"type": "image"}]}]})
     assert info.value.param == "messages[0].content[0].type"
 
 
