@@ -4325,7 +4325,7 @@ class App:
     The bridge is read through three members: ready, facts and health().
     """
 
-    def __init__(self, config: "Config", bridge: "Bridge | None" = None,
+    def __init__(self, config: "ServeConfig", bridge: "Bridge | None" = None,
                  formats: dict[str, ApiFormat] | None = None, limits: ConnLimits | None = None,
                  guard: Guard | None = None, admission: Admission | None = None,
                  metrics: Metrics | None = None):
@@ -4496,7 +4496,7 @@ class App:
 # =================================================================================================
 
 @dataclass
-class Config:
+class ServeConfig:
     """What `mashbox run` was asked for (its flags, one field each). None = the model's default from
     models.json."""
     # the model, and where the server listens
@@ -4581,9 +4581,9 @@ def arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(argv: list[str] | None) -> Config:
+def config_from_args(argv: list[str] | None) -> ServeConfig:
     args = arg_parser().parse_args(argv)
-    return Config(model=args.model, weights=args.weights, host=args.host, port=args.port,
+    return ServeConfig(model=args.model, weights=args.weights, host=args.host, port=args.port,
                   slots=args.slots, ctx=args.ctx, cache_ram_mib=args.cache_ram_mib,
                   api_key_file=args.api_key_file, allowed_hosts=tuple(args.allowed_hosts),
                   log_prompts=args.log_prompts, max_waiting=args.max_waiting,
@@ -4592,7 +4592,7 @@ def config_from_args(argv: list[str] | None) -> Config:
                   ui=args.ui)
 
 
-def worker_args(spec: "registry.ModelSpec", config: Config, folder: str,
+def worker_args(spec: "registry.ModelSpec", config: ServeConfig, folder: str,
                 sizing: "memory.Sizing | None" = None) -> dict:
     """What the engine worker starts with: engine.worker.WorkerArgs's fields, as a dict, so that this
     process never imports the worker's module (and with it jax). sizing: slots, ctx and host cache
@@ -4607,7 +4607,7 @@ def worker_args(spec: "registry.ModelSpec", config: Config, folder: str,
             "recertify": config.recertify, "golden": spec.golden}
 
 
-def size_worker(spec: "registry.ModelSpec", config: Config, folder: str) -> "memory.Sizing":
+def size_worker(spec: "registry.ModelSpec", config: ServeConfig, folder: str) -> "memory.Sizing":
     """Slots, ctx and host cache that fit this machine's memory, logged with the numbers; raises
     memory.DoesNotFit for a request that cannot fit."""
     sizing = memory.size(load_config(folder), folder, slots=config.slots, ctx=config.ctx,

@@ -73,7 +73,9 @@ class Buckets:
 # ---- requests and slots --------------------------------------------------------------------------
 
 @dataclass
-class Request:
+class Sequence:
+    """One request as the engine sees it: prompt ids, sampling, the tokens made so far and its slot.
+    (mashbox.Request is the HTTP request; this is what the worker schedules.)"""
     rid: str
     prompt: list[int]
     max_tokens: int
@@ -99,7 +101,7 @@ class Request:
 class Slot:
     index: int
     tokens: list[int] = field(default_factory=list)   # the sequence whose K/V the slot holds
-    request: Request | None = None
+    request: Sequence | None = None
     last_used: int = 0
     cuts: list[int] = field(default_factory=list)     # cut points of the request that ran last
     tenant: str = ""
@@ -109,7 +111,7 @@ class Slot:
 
 @dataclass
 class Prefill:
-    request: Request
+    request: Sequence
     start: int                    # position of the chunk's first token (tokens already in the slot)
     tokens: list[int]             # the chunk's real tokens (the worker pads them to `chunk`)
     chunk: int
@@ -122,7 +124,7 @@ class Prefill:
 
 @dataclass
 class Decode:
-    rows: list[Request]           # requests generating; each row feeds its last token
+    rows: list[Sequence]          # requests generating; each row feeds its last token
     batch: int                    # rows of the program (a decode bucket >= len(rows))
 
 
@@ -140,7 +142,7 @@ class Load:
     """Write the host cache's positions [start, tokens) of `request`'s prompt into its slot (the slot
     holds the first `start` already). `path` is the lookup's segments: a save in the same round must
     not evict them."""
-    request: Request
+    request: Sequence
     tokens: int
     path: list
     start: int = 0
@@ -152,7 +154,7 @@ class Plan:
     saves: list[Save] = field(default_factory=list)
     loads: list[Load] = field(default_factory=list)
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # (src slot, dst slot, tokens)
-    started: list[Request] = field(default_factory=list)             # requests new in a slot
+    started: list[Sequence] = field(default_factory=list)            # requests new in a slot
     prefill: Prefill | None = None
     decode: Decode | None = None
 
@@ -165,7 +167,7 @@ class Plan:
 @dataclass
 class Emit:
     """New tokens of one request after a round, and its end if it ended."""
-    request: Request
+    request: Sequence
     tokens: list[int]
     finish: str | None = None
 
@@ -181,8 +183,8 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.host = host if prefix_cache else None
         self.slots = [Slot(i) for i in range(slots)]
-        self.waiting: deque[Request] = deque()
-        self.requests: dict[str, Request] = {}    # every request not yet finished
+        self.waiting: deque[Sequence] = deque()
+        self.requests: dict[str, Sequence] = {}    # every request not yet finished
         self.tick = 0
         self.prefix_queries = 0                   # prompt tokens looked up (cumulative)
         self.prefix_hits = 0                      # prompt tokens served from a cache (cumulative)
@@ -210,12 +212,12 @@ class Scheduler:
             return f"cuts: position {bad!r} is outside the prompt (1 to {len(prompt)})"
         return None
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Sequence) -> None:
         """Queue a request that passed check()."""
         self.requests[request.rid] = request
         self.waiting.append(request)
 
-    def cancel(self, rid: str) -> Request | None:
+    def cancel(self, rid: str) -> Sequence | None:
         """End a request now; its slot is free for the next round. None if it is not running."""
         request = self.requests.get(rid)
         if request is None:
@@ -240,7 +242,7 @@ class Scheduler:
             plan.prefill = Prefill(reading, start, tokens, chunk)
         return plan
 
-    def _assign(self, plan: Plan) -> Request | None:
+    def _assign(self, plan: Plan) -> Sequence | None:
         """Give the oldest waiting request a free slot, reusing the longest cached start of its
         prompt: a free slot that holds it is taken as is; one held by a running request is copied
         into the least recently used free slot; a longer start in the host cache is loaded into the
@@ -287,7 +289,7 @@ class Scheduler:
         plan.started.append(request)
         return request
 
-    def _note_divergence(self, request: Request, reuse: int, stable: int) -> None:
+    def _note_divergence(self, request: Sequence, reuse: int, stable: int) -> None:
         """A prompt that continues a cached conversation past its first turn boundary but differs
         from it before that conversation's last turn boundary: an earlier turn rendered differently
         (a template instability) or was edited. The position is logged so it can be found."""
@@ -320,7 +322,7 @@ class Scheduler:
             emits.append(self._take(request, token))
         return emits
 
-    def _take(self, request: Request, token: int) -> Emit:
+    def _take(self, request: Sequence, token: int) -> Emit:
         """A new token for a request: a stop id ends it (the id is not output), else it is output and
         max_tokens or a full context (prompt + output == ctx) end it with "length"."""
         if token in request.stop_ids:
@@ -333,7 +335,7 @@ class Scheduler:
             return Emit(request, [token], "length")
         return Emit(request, [token])
 
-    def _finish(self, request: Request, reason: str) -> None:
+    def _finish(self, request: Sequence, reason: str) -> None:
         request.finish = reason
         self.requests.pop(request.rid, None)
         if request.slot is None:

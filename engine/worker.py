@@ -29,7 +29,7 @@ from engine.model import dtype_for, jit_forward, kv_dtype_for, routed_report
 from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Note, Ready, Shutdown, Stats, Step,
                              Submit)
 from engine.registry import cache_root
-from engine.scheduler import PREFILL_CHUNKS, Buckets, Decode, Prefill, Request, Scheduler
+from engine.scheduler import PREFILL_CHUNKS, Buckets, Decode, Prefill, Sequence, Scheduler
 from engine.weights import load_weights, weights_bytes
 
 # Every program goes to the persistent compile cache, however quick its compile: a restarted worker
@@ -265,7 +265,7 @@ class Engine:
         if error is not None:
             return [Step(msg.rid, [], finish="error", prompt_tokens=len(msg.prompt), error=error,
                          timings={"queue_ms": 0.0, "prompt_ms": 0.0, "predicted_ms": 0.0})]
-        request = Request(msg.rid, list(msg.prompt), msg.max_tokens, s, frozenset(msg.stop_ids), seed,
+        request = Sequence(msg.rid, list(msg.prompt), msg.max_tokens, s, frozenset(msg.stop_ids), seed,
                           cuts=sorted(set(msg.cuts)), tenant=msg.tenant)
         request.times["arrived"] = msg.submitted_at or now
         self.scheduler.add(request)
@@ -384,7 +384,7 @@ class Engine:
         drawn = np.asarray(drawn)
         return [int(drawn[row]) for row in where]
 
-    def _step(self, request: Request, tokens: list[int], finish: str | None) -> Step:
+    def _step(self, request: Sequence, tokens: list[int], finish: str | None) -> Step:
         step = Step(request.rid, tokens, finish)
         if not request.first_sent:
             if tokens:

@@ -20,7 +20,7 @@ import time
 from typing import Iterator
 
 import mashbox
-from mashbox import Admission, App, Config, ConnLimits, Guard, Keys
+from mashbox import Admission, App, ServeConfig, ConnLimits, Guard, Keys
 from tests.fake_worker import MODEL_ID, FakeArgs
 
 WAIT_S = 30          # most a test waits for the worker or an answer; a pass takes far less
@@ -137,7 +137,7 @@ def start_server(*, keys: dict[str, str | None] | None = None, guard: bool = Tru
     loading=True: then the worker never starts). guard=False drops every security check."""
     worker = None if loading else FakeArgs(**fake_args)
     bridge = mashbox.Bridge(worker, entry="tests.fake_worker:main", log=lambda m: None)
-    app = App(Config(host=HOST, port=0, model=MODEL_ID), bridge=bridge, limits=limits,
+    app = App(ServeConfig(host=HOST, port=0, model=MODEL_ID), bridge=bridge, limits=limits,
               guard=Guard(key_set(keys or {}), HOST) if guard else None, admission=admission)
     server = Server(app, worker)
     try:

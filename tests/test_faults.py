@@ -24,7 +24,7 @@ import pytest
 
 import mashbox
 from engine import protocol
-from mashbox import App, Config, Guard
+from mashbox import App, ServeConfig, Guard
 from tests.fake_worker import MODEL_ID, FakeArgs, tokenizer_folder
 from tests.harness import HOST, WAIT_S, Server, error_of, key_set
 
@@ -41,7 +41,7 @@ def fault_server(worker: FakeArgs, keys: dict | None = None, **bridge_kw):
     server.logs. Waits for the first Ready unless the worker is set to die while loading."""
     logs: list[str] = []
     bridge = mashbox.Bridge(worker, entry="tests.fake_worker:main", log=logs.append, **bridge_kw)
-    app = App(Config(host=HOST, port=0, model=MODEL_ID), bridge=bridge,
+    app = App(ServeConfig(host=HOST, port=0, model=MODEL_ID), bridge=bridge,
               guard=Guard(key_set(keys), HOST) if keys else None)
     server = Server(app, worker)
     server.logs = logs
@@ -404,7 +404,7 @@ def test_shutdown_ends_what_outlives_the_grace_period_with_the_routes_error():
     new request is refused, and the worker is stopped."""
     worker = FakeArgs(delay_s=0.05, slots=1)
     bridge = mashbox.Bridge(worker, entry="tests.fake_worker:main", log=lambda m: None)
-    app = App(Config(host=HOST, port=0, model=MODEL_ID), bridge=bridge)
+    app = App(ServeConfig(host=HOST, port=0, model=MODEL_ID), bridge=bridge)
     server = Server(app, worker)
     try:
         server.wait_ready()

@@ -41,7 +41,7 @@ def test_health_while_loading_then_ready_has_every_field():
     ready, or fields missing once it is."""
     args = harness.FakeArgs(load_s=1.0)
     bridge = mashbox.Bridge(args, entry="tests.fake_worker:main")
-    app = mashbox.App(mashbox.Config(host=harness.HOST, port=0, model=MODEL_ID), bridge=bridge)
+    app = mashbox.App(mashbox.ServeConfig(host=harness.HOST, port=0, model=MODEL_ID), bridge=bridge)
     server = harness.Server(app, args)
     try:
         deadline = time.monotonic() + harness.WAIT_S

@@ -107,7 +107,7 @@ def start(tmp_path, folder: str, ctx: int = 128, **extra):
     args = {"model_id": "tiny", "weights_folder": folder, "slots": 2, "ctx": ctx,
             "prefill_chunks": [32], "certify_dir": str(tmp_path / "certified"), **extra}
     bridge = mashbox.Bridge(args, log=lambda m: None)
-    app = mashbox.App(mashbox.Config(host="127.0.0.1", port=0, model="tiny", ctx=ctx), bridge=bridge)
+    app = mashbox.App(mashbox.ServeConfig(host="127.0.0.1", port=0, model="tiny", ctx=ctx), bridge=bridge)
     server = Server(app, args)
     server.call(__import__("asyncio").wait_for(app.wait_ready(), WAIT_S), WAIT_S + 1)
     return server

@@ -471,7 +471,7 @@ def test_worker_faults_are_warnings(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="mashbox")
     args = harness.FakeArgs(die_after=2, fault_file=str(tmp_path / "faults"))
     bridge = mashbox.Bridge(args, entry="tests.fake_worker:main")
-    app = mashbox.App(mashbox.Config(host=harness.HOST, port=0, model=MODEL_ID), bridge=bridge)
+    app = mashbox.App(mashbox.ServeConfig(host=harness.HOST, port=0, model=MODEL_ID), bridge=bridge)
     server = harness.Server(app, args)
     try:
         server.wait_ready()

@@ -344,7 +344,7 @@ def test_health_and_metrics_of_a_running_tiny_moe_server(tmp_path):
     args = {"model_id": "tiny-moe", "weights_folder": str(folder), "slots": 2, "ctx": 128,
             "prefill_chunks": [32], "compile_cache": str(tmp_path / "jax")}
     bridge = mashbox.Bridge(args, log=lambda m: None)
-    app = mashbox.App(mashbox.Config(host=HOST, port=0, model="tiny-moe"), bridge=bridge)
+    app = mashbox.App(mashbox.ServeConfig(host=HOST, port=0, model="tiny-moe"), bridge=bridge)
     server = Server(app, args)
     try:
         server.call(__import__("asyncio").wait_for(app.wait_ready(), 300), 301)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import mashbox
-from mashbox import App, ClientGone, Config, ConnLimits
+from mashbox import App, ClientGone, ServeConfig, ConnLimits
 from tests.fake_worker import MODEL_ID, FakeArgs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +29,7 @@ class Served:
 
     def __init__(self, limits: ConnLimits | None = None, worker: FakeArgs | None = None):
         bridge = mashbox.Bridge(worker, entry="tests.fake_worker:main") if worker else None
-        self.app = App(Config(host="127.0.0.1", port=0, model=MODEL_ID), bridge=bridge, limits=limits)
+        self.app = App(ServeConfig(host="127.0.0.1", port=0, model=MODEL_ID), bridge=bridge, limits=limits)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -467,10 +467,10 @@ def test_cli_flags_become_the_config():
         "run", "qwen3-0.6b", "--weights", "/w", "--host", "0.0.0.0", "--port", "0", "--slots", "8",
         "--ctx", "4096", "--cache-ram", "512", "--api-key-file", "/k", "--allowed-host", "a.example",
         "b.example", "--allowed-host", "c.example", "--log-prompts"])
-    assert config == Config(model="qwen3-0.6b", weights="/w", host="0.0.0.0", port=0, slots=8, ctx=4096,
+    assert config == ServeConfig(model="qwen3-0.6b", weights="/w", host="0.0.0.0", port=0, slots=8, ctx=4096,
                             cache_ram_mib=512, api_key_file="/k",
                             allowed_hosts=("a.example", "b.example", "c.example"), log_prompts=True)
-    assert mashbox.config_from_args(["run"]) == Config()
+    assert mashbox.config_from_args(["run"]) == ServeConfig()
 
 
 @pytest.mark.parametrize("argv", [["run", "--slots", "0"], ["run", "--port", "70000"],
@@ -485,7 +485,7 @@ def test_cli_refuses_bad_flags(argv, capsys):
 
 def test_serve_logs_the_bound_port_and_stops(caplog):
     """Guards against port 0 leaving the user (and tests) unable to tell where the server listens."""
-    app = App(Config(port=0))
+    app = App(ServeConfig(port=0))
     caplog.set_level(logging.INFO, logger="mashbox")
 
     async def run():

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from engine.protocol import Sampling
-from engine.scheduler import Buckets, Request, Scheduler
+from engine.scheduler import Buckets, Sequence, Scheduler
 
 VOCAB = 1000
 STOP = 999
 
 
 def request(rid, prompt, max_tokens=100, stop=(STOP,)):
-    return Request(rid, list(prompt), max_tokens, Sampling(), frozenset(stop))
+    return Sequence(rid, list(prompt), max_tokens, Sampling(), frozenset(stop))
 
 
 def scheduler(slots=2, ctx=256, chunks=(8, 32), prefix_cache=True):

@@ -250,7 +250,7 @@ def test_sighup_rereads_the_key_file_without_dropping_connections(tmp_path, capl
     """Guards against a key rotation that needs a restart (dropping every stream) or cuts open connections."""
     f = tmp_path / "keys"
     f.write_text("sk-old-key-01 team\n")
-    app = mashbox.App(mashbox.Config(host=HOST, port=0, model=MODEL_ID),
+    app = mashbox.App(mashbox.ServeConfig(host=HOST, port=0, model=MODEL_ID),
                       bridge=mashbox.Bridge(FakeArgs(), entry="tests.fake_worker:main", log=lambda m: None),
                       guard=Guard(Keys.load(str(f), None), HOST))
     stop = asyncio.Event()

@@ -224,7 +224,7 @@ def test_the_stream_stays_alive_with_comments_until_the_prompt_has_a_slot():
 def test_the_model_card_before_ready_reports_the_configured_context():
     """Guards against max_model_len 0 while the model loads (the spec: the context the server runs)."""
     bridge = mashbox.Bridge(None, entry="tests.fake_worker:main", log=lambda m: None)
-    app = mashbox.App(mashbox.Config(host=HOST, port=0, model=MODEL_ID, ctx=8192), bridge=bridge)
+    app = mashbox.App(mashbox.ServeConfig(host=HOST, port=0, model=MODEL_ID, ctx=8192), bridge=bridge)
     server = Server(app, None)
     try:
         status, _, body = server.request("GET", f"/v1/models/{MODEL_ID}")

@@ -33,7 +33,7 @@ webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not in
 def ui_server(keys: dict | None = None, **fake) -> Server:
     args = FakeArgs(**fake)
     bridge = mashbox.Bridge(args, entry="tests.fake_worker:main", log=lambda m: None)
-    app = mashbox.App(mashbox.Config(host=HOST, port=0, model=MODEL_ID, ui=True), bridge=bridge,
+    app = mashbox.App(mashbox.ServeConfig(host=HOST, port=0, model=MODEL_ID, ui=True), bridge=bridge,
                       guard=mashbox.Guard(key_set(keys or {}), HOST))
     server = Server(app, args)
     server.wait_ready()
