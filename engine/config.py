@@ -126,7 +126,8 @@ class ModelConfig:
     @property
     def linear_conv_dim(self) -> int:
         """Channels the Gated DeltaNet convolution runs over: queries, keys, values."""
-        return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
+        return (2 * self.linear_key_heads * self.linear_key_dim
+                + self.linear_value_heads * self.linear_value_dim)
 
     @property
     def kv_size(self) -> int:

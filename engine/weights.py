@@ -45,7 +45,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy before safetensor
 import numpy as np
 from safetensors import safe_open
 
-from engine.config import ModelConfig
+from engine.config import MIXER_KINDS, ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -97,7 +97,8 @@ class _Reader:
 
 
 def load_weights(folder: str, cfg: ModelConfig, dtype) -> dict:
-    """Load a Hugging Face Qwen2/Qwen3/Qwen3-MoE/Qwen3-Next checkpoint as the pytree above, in `dtype` (a jnp dtype)."""
+    """Load a Hugging Face Qwen2/Qwen3/Qwen3-MoE/Qwen3-Next checkpoint as the pytree above, in
+    `dtype` (a jnp dtype)."""
     import jax.numpy as jnp
 
     dtype = np.dtype(dtype)
@@ -161,7 +162,7 @@ def load_weights(folder: str, cfg: ModelConfig, dtype) -> dict:
 
     layers = []
     for i, (kind, mlp) in enumerate(zip(cfg.layer_kinds, cfg.mlp_kinds or ("dense",) * cfg.num_layers)):
-        if kind not in ("attention", "gated_attention", "linear") or mlp not in ("dense", "moe"):
+        if kind not in MIXER_KINDS or mlp not in ("dense", "moe"):
             raise WeightsError(f"layer {i} kind {kind!r} / {mlp!r} has no weight layout")
         p = f"model.layers.{i}."
         layer = {

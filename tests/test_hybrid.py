@@ -34,7 +34,8 @@ SLOTS, CTX = 3, 256
 @pytest.fixture(scope="module")
 def next_model():
     cfg = load_config(FOLDER, serving=False)
-    return cfg, load_weights(FOLDER, cfg, jnp.float32), load_file(os.path.join(FOLDER, "reference.safetensors"))
+    reference = load_file(os.path.join(FOLDER, "reference.safetensors"))
+    return cfg, load_weights(FOLDER, cfg, jnp.float32), reference
 
 
 def _run(params, cache, cfg, tokens, slots, starts, lengths, all_logits=False):
@@ -83,7 +84,8 @@ def test_qwen3_next_reads_shared_expert_zero_centred_norms_and_partial_rotary():
     assert cfg.shared_expert_intermediate_size == 8 and cfg.zero_centred_norms and cfg.qk_norm
     assert cfg.rope_dim == 4 and cfg.mlp_kinds[1] == "dense" and cfg.mlp_kinds[0] == "moe"
     # rope_parameters (newer transformers) carries the factor too; absent, Qwen3-Next's 0.25.
-    assert config_from_dict({**NEXT, "rope_parameters": {"rope_theta": 1e6, "partial_rotary_factor": 0.5}}).rope_dim == 8
+    rope = {"rope_theta": 1e6, "partial_rotary_factor": 0.5}
+    assert config_from_dict({**NEXT, "rope_parameters": rope}).rope_dim == 8
     assert config_from_dict(NEXT).rope_dim == 4
     assert config_from_dict({**NEXT, "model_type": "qwen3_moe", "shared_expert_intermediate_size": 0,
                              "partial_rotary_factor": 0.25}).rope_dim == 16     # dense families: whole heads
