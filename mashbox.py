@@ -4518,6 +4518,7 @@ class ServeConfig:
     max_connections: int = MAX_CONNECTIONS
     recertify: bool = False          # run the certification gate even when its result is recorded
     ui: bool = False                 # serve the chat page at /
+    weights_dtype: str | None = None  # --weights-dtype (None: models.json's, else auto)
 
 
 def _at_least(low: int, what: str) -> Callable[[str], int]:
@@ -4560,6 +4561,10 @@ def arg_parser() -> argparse.ArgumentParser:
     run.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0 = any free port)")
     run.add_argument("--slots", type=_at_least(1, "--slots"), help="requests decoded together")
     run.add_argument("--ctx", type=_at_least(16, "--ctx"), help="tokens of context per slot")
+    run.add_argument("--weights-dtype", choices=registry.WEIGHTS_DTYPE_CHOICES,
+                     help="how the worker holds the weights: int8 = weight-only int8 with per-channel "
+                          "scales (a quarter of float32's memory); auto = the platform's fastest "
+                          "(float32 on CPU) unless models.json sets one")
     run.add_argument("--cache-ram", dest="cache_ram_mib", metavar="MIB", type=_at_least(0, "--cache-ram"),
                      help="host memory for saved prompt states, MiB (0 = off)")
     run.add_argument("--api-key-file", metavar="PATH", type=_path("--api-key-file"),
@@ -4589,7 +4594,7 @@ def config_from_args(argv: list[str] | None) -> ServeConfig:
                   log_prompts=args.log_prompts, max_waiting=args.max_waiting,
                   max_waiting_per_tenant=args.max_waiting_per_tenant,
                   max_connections=args.max_connections, recertify=args.recertify,
-                  ui=args.ui)
+                  ui=args.ui, weights_dtype=args.weights_dtype)
 
 
 def worker_args(spec: "registry.ModelSpec", config: ServeConfig, folder: str,
@@ -4604,7 +4609,13 @@ def worker_args(spec: "registry.ModelSpec", config: ServeConfig, folder: str,
         cache_ram_mib = spec.cache_ram_mib if config.cache_ram_mib is None else config.cache_ram_mib
     return {"model_id": spec.id, "weights_folder": folder, "slots": slots, "ctx": ctx,
             "chat_format": spec.chat_format, "cache_ram_mib": cache_ram_mib,
-            "recertify": config.recertify, "golden": spec.golden}
+            "recertify": config.recertify, "golden": spec.golden,
+            "dtype": weights_dtype(spec, config)}
+
+
+def weights_dtype(spec: "registry.ModelSpec", config: ServeConfig) -> str:
+    """--weights-dtype, else the model's default from models.json ("auto": the worker picks)."""
+    return config.weights_dtype or spec.weights_dtype
 
 
 def size_worker(spec: "registry.ModelSpec", config: ServeConfig, folder: str) -> "memory.Sizing":
@@ -4612,7 +4623,8 @@ def size_worker(spec: "registry.ModelSpec", config: ServeConfig, folder: str) ->
     memory.DoesNotFit for a request that cannot fit."""
     sizing = memory.size(load_config(folder), folder, slots=config.slots, ctx=config.ctx,
                          cache_ram_mib=config.cache_ram_mib, default_slots=spec.slots,
-                         default_ctx=spec.ctx, default_cache_ram_mib=spec.cache_ram_mib)
+                         default_ctx=spec.ctx, default_cache_ram_mib=spec.cache_ram_mib,
+                         weights_dtype=weights_dtype(spec, config))
     given = (config.slots, config.ctx, config.cache_ram_mib) != (None, None, None)
     chosen = ("defaults lowered to fit half the available memory" if sizing.shrunk
               else "the model's defaults, which fit" if not given else "as given")

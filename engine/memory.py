@@ -2,6 +2,10 @@
 server sizes the worker before it starts one.
 
     worker bytes = weights + slots x ctx x KV bytes per token + host cache (--cache-ram) + runtime
+    weights      = float32: 4 B per parameter
+                   int8:    1 B per parameter of the int8 tensors (engine.weights.quantized_tensor:
+                            projections, embedding / head) + 4 B per output channel (its scale)
+                            + 4 B per parameter of the rest (norms, biases, MoE experts)
 
 On a CPU every term lives in host memory. On an accelerator the weights and the KV cache live in
 device memory, and only the host cache and the runtime count here.
@@ -24,8 +28,12 @@ from engine.config import ModelConfig
 # Bytes per key or value element in the KV cache: float16 on CPU, bfloat16 on accelerators
 # (engine.model.kv_dtype_for).
 KV_ELEMENT_BYTES = 2
-# Bytes per weight as the engine holds them: float32 on CPU (engine.model.dtype_for).
+# Bytes per float weight as the engine holds them on CPU: float32 (engine.model.dtype_for).
 CPU_WEIGHT_BYTES = 4
+# Bytes per weight of each weights dtype (engine.weights.WEIGHTS_DTYPES); int8 adds a float32 scale
+# per output channel (held_weight_bytes).
+WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
+SCALE_BYTES = 4
 # What the worker holds besides weights, KV cache and host cache: the interpreter, jax and XLA, the
 # compiled programs, the tokenizer, sampler state and a decode step's temporaries. Measured: a
 # worker serving the tiny test model held 0.55 GiB resident; rounded up.
@@ -47,10 +55,9 @@ def kv_bytes_per_token(cfg: ModelConfig) -> int:
     return len(cfg.layer_kinds) * 2 * cfg.num_kv_heads * cfg.head_dim * KV_ELEMENT_BYTES
 
 
-def parameter_count(folder: str) -> int:
-    """Weights of the model's tensors (model.*, lm_head.*) in a Hugging Face folder's safetensors
-    files, read from their headers (no tensor is loaded)."""
-    total = 0
+def _model_tensors(folder: str):
+    """(name, shape) of the model's tensors (model.*, lm_head.*) in a Hugging Face folder's
+    safetensors files, read from their headers (no tensor is loaded)."""
     for name in sorted(os.listdir(folder)):
         if not name.endswith(".safetensors"):
             continue
@@ -59,10 +66,33 @@ def parameter_count(folder: str) -> int:
             header = json.loads(f.read(size))
         for key, info in header.items():
             if key.startswith(("model.", "lm_head.")):
-                count = 1
-                for dim in info["shape"]:
-                    count *= dim
-                total += count
+                yield key, info["shape"]
+
+
+def _count(shape) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def parameter_count(folder: str) -> int:
+    """Weights of the model's tensors, from the safetensors headers."""
+    return sum(_count(shape) for _, shape in _model_tensors(folder))
+
+
+def held_weight_bytes(folder: str, weights_dtype: str, float_bytes: int = CPU_WEIGHT_BYTES) -> int:
+    """Bytes the worker holds the weights in (the formula in the module docstring); float_bytes is
+    what the float tensors take beside int8 ones. A tied head is the embedding table: counted once."""
+    from engine.weights import quantized_tensor
+    if weights_dtype != "int8":
+        return parameter_count(folder) * WEIGHT_BYTES[weights_dtype]
+    total = 0
+    for name, shape in _model_tensors(folder):
+        if quantized_tensor(name) and len(shape) == 2:
+            total += _count(shape) * WEIGHT_BYTES["int8"] + shape[0] * SCALE_BYTES
+        else:
+            total += _count(shape) * float_bytes
     return total
 
 
@@ -144,13 +174,16 @@ class Sizing:
 
 def size(cfg: ModelConfig, folder: str, *, slots: int | None, ctx: int | None, cache_ram_mib: int | None,
          default_slots: int, default_ctx: int, default_cache_ram_mib: int,
-         available: int | None = None, on_host: bool | None = None) -> Sizing:
+         available: int | None = None, on_host: bool | None = None,
+         weights_dtype: str = "auto") -> Sizing:
     """Slots, ctx and --cache-ram for a worker: the given ones as they are, the others from the
     defaults, shrunk to fit (see the module docstring). Raises DoesNotFit, naming the numbers, when
-    what was given (or the smallest defaults) needs more than is available."""
+    what was given (or the smallest defaults) needs more than is available. weights_dtype: as
+    --weights-dtype ("auto": float32 on the CPU, engine.model.weights_dtype_for)."""
     on_host = engine_on_host() if on_host is None else on_host
     available = available_bytes() if available is None else available
-    weights = parameter_count(folder) * CPU_WEIGHT_BYTES if on_host else 0
+    held = "float32" if weights_dtype == "auto" else weights_dtype
+    weights = held_weight_bytes(folder, held) if on_host else 0
     plan = Sizing(slots or default_slots, ctx or default_ctx,
                   default_cache_ram_mib if cache_ram_mib is None else cache_ram_mib,
                   weights, kv_bytes_per_token(cfg), available, on_host)

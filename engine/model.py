@@ -49,6 +49,16 @@ def dtype_for(platform: str):
     return jnp.float32 if platform == "cpu" else jnp.bfloat16
 
 
+def weights_dtype_for(platform: str, asked: str | None = "auto") -> str:
+    """The weights dtype a worker holds (engine.weights.WEIGHTS_DTYPES): the one asked for, or for
+    "auto" (or None) what is fastest on the platform. On the CPU that is float32: int8 weight-only
+    streams a quarter of the bytes but XLA:CPU converts int8 slower than it reads float32 at 1-4
+    rows (see _matmul's measurement); int8 is the choice when memory is short (--weights-dtype int8)."""
+    if asked in (None, "auto"):
+        return np.dtype(dtype_for(platform)).name
+    return asked
+
+
 def kv_dtype_for(platform: str):
     """KV cache dtype for a JAX platform: the narrowest one attention does not run slower with.
     On XLA:CPU (2 cores, one decode row over 16k positions, 24 layers of Qwen2.5-0.5B's shape)
@@ -67,20 +77,74 @@ def kv_dtype_for(platform: str):
 # keeps the dot, a matrix-vector product already at the bandwidth (the summed form is far slower
 # there). Past this many rows compute dominates and the dot wins again: a 512-token prefill chunk
 # ran 1.3x faster as a dot, while 32- and 128-token chunks ran 1.2-1.4x faster summed.
-# Only float32 weights take the summed form: that is the CPU's compute dtype (dtype_for).
 SUMMED_PRODUCT_MAX_ROWS = 128
+
+# int8 weight-only matrices (weights_dtype "int8") are {"q": int8 [..., out, in], "scale": float32
+# [..., out]}: w = q * scale, one scale per output channel, applied to the product's output. XLA:CPU
+# has no fast narrow matrix-vector product: tests/bench/bench_narrow.py, 24 layers of Qwen2.5-0.5B's
+# products, 2-core AMD EPYC (shared, load ~1), ms per forward against float32:
+#   1 row    float32 dot 89; int8 converted inside a dot 706; int8 summed 3,865 (the one-row
+#            reduction runs element by element); int8 summed on the row padded to 2 rows 80 (to 4: 79)
+#   4 rows   float32 summed 54-88, dot 100; int8 summed (the convert fused into the reduction, scale
+#            on the output) 80, scale applied to the weight 92, weight stored [in, out] 566, dot 507
+#   8 rows   float32 summed 112-116; int8 summed 102; int8 dot 923
+#   512 rows float32 dot 3,634; int8 converted to float32 inside the dot 4,495; int8 and the rows
+#            both converted to bfloat16 inside the dot (float32 accumulation) 2,267
+# So one row is padded to SUMMED_PAD_ROWS and takes the summed form, like 2..128 rows (slower than
+# float32 at 1-4 rows on this CPU, faster at 8); a prefill chunk multiplies in bfloat16 where the CPU
+# has bfloat16 dot-product instructions (int8 is exact in bfloat16; the rows are rounded), else in
+# float32. Accelerators take the dot in bfloat16 at every row count.
+SUMMED_PAD_ROWS = 2
+
+
+def _cpu_has_bf16() -> bool:
+    """Whether this CPU has bfloat16 dot-product instructions (AVX512-BF16 or AMX), from its flags."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+CPU_HAS_BF16 = _cpu_has_bf16()
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, dict)
 
 
 def _matmul(x, w):
     """x [..., in] times w [out, in] (each output a dot product with a row of w) -> [..., out],
-    taking the weights in their own dtype and accumulating in float32."""
+    taking the weights in their own dtype and accumulating in float32. w may be int8 weight-only
+    ({"q", "scale"}, see above)."""
     rows = int(np.prod(x.shape[:-1]))
+    if is_quantized(w):
+        q, scale = w["q"], w["scale"]
+        flat = x.reshape(rows, q.shape[1]).astype(F32)
+        cpu = jax.default_backend() == "cpu"
+        if cpu and rows <= SUMMED_PRODUCT_MAX_ROWS:
+            padded = jnp.pad(flat, ((0, max(0, SUMMED_PAD_ROWS - rows)), (0, 0)))
+            y = jnp.sum(q.astype(F32) * padded[:, None, :], axis=-1)[:rows]
+        else:
+            wide = jnp.bfloat16 if CPU_HAS_BF16 or not cpu else F32
+            y = lax.dot_general(flat.astype(wide), q.astype(wide), (((1,), (1,)), ((), ())),
+                                preferred_element_type=F32)
+        return (y * scale).reshape(*x.shape[:-1], q.shape[0])
     if w.dtype == F32 and 2 <= rows <= SUMMED_PRODUCT_MAX_ROWS:
         flat = x.reshape(rows, 1, w.shape[1]).astype(F32)
         # Weights as the first operand: with the rows first, the same program ran 1.6x slower.
+        # Only float32 weights take the summed form: that is the CPU's compute dtype (dtype_for).
         return jnp.sum(w * flat, axis=-1).reshape(*x.shape[:-1], w.shape[0])
     return lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
                            preferred_element_type=F32)
+
+
+def _embed(table, tokens):
+    """Rows of the embedding table for tokens, in float32 (an int8 table: its rows times their scales)."""
+    if is_quantized(table):
+        return table["q"][tokens].astype(F32) * table["scale"][tokens][..., None]
+    return table[tokens].astype(F32)
 
 
 def _rms_norm(x, weight, eps):
@@ -618,7 +682,7 @@ def forward(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,
     valid = steps[None, :] < lengths[:, None]                              # [B, T]
     # Positions attention must read; at least one, so that idle rows (all lengths 0) stay finite.
     live = jnp.clip(jnp.max(starts + lengths), 1, ctx)
-    x = params["embed"][tokens].astype(F32)                                # [B, T, hidden]
+    x = _embed(params["embed"], tokens)                                    # [B, T, hidden]
     new_cache = []
     # A Python loop, not lax.scan: XLA:CPU runs the unrolled layers 2-4x faster.
     mlp_kinds = cfg.mlp_kinds or ("dense",) * cfg.num_layers

@@ -96,6 +96,7 @@ class ModelSpec:
     demo: DemoSource | None = None
     # {"prompt": ids, "answer": ids}: the greedy answer these weights give (the certification gate)
     golden: dict | None = None
+    weights_dtype: str = "auto"   # default --weights-dtype (one of WEIGHTS_DTYPE_CHOICES)
 
 
 # ---- models.json -> ModelSpec ---------------------------------------------------------------------
@@ -159,17 +160,26 @@ def _expand(path: str) -> str:
     return str(Path(path).expanduser().resolve())
 
 
+# What --weights-dtype and models.json's defaults.weights_dtype accept: "auto" is the platform's
+# fastest (engine.model.weights_dtype_for), the others engine.weights.WEIGHTS_DTYPES.
+WEIGHTS_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8")
+
+
 def _spec_from_entry(key: str, entry: dict, weights: str | None) -> ModelSpec:
     chosen = weights or os.environ.get(ENV_WEIGHTS) or entry.get("weights")
     folder = _expand(chosen) if chosen else str(demo_home(key))
     demo = entry.get("demo")
     defaults = entry["defaults"]
+    weights_dtype = defaults.get("weights_dtype", "auto")
+    if weights_dtype not in WEIGHTS_DTYPE_CHOICES:
+        raise RegistryError(f"models.json: {key}: defaults.weights_dtype must be one of "
+                            f"{', '.join(WEIGHTS_DTYPE_CHOICES)}, got {weights_dtype!r}")
     return ModelSpec(
         id=key, family=entry["family"], chat_format=entry["chat_format"],
         context_length=int(entry["context_length"]), weights=folder,
         slots=int(defaults["slots"]), ctx=int(defaults["ctx"]),
         cache_ram_mib=int(defaults["cache_ram_mib"]), hf_repo=entry.get("hf_repo"),
-        demo=_demo_source(demo) if demo else None,
+        demo=_demo_source(demo) if demo else None, weights_dtype=weights_dtype,
         golden={k: list(entry["golden"][k]) for k in ("prompt", "answer")} if entry.get("golden") else None)
 
 

@@ -35,11 +35,19 @@ engine.model._matmul), and a tied LM head is the embedding table itself, with no
 a Python list (not one stacked array): the forward loops over them in Python, which XLA:CPU runs
 2-4x faster than lax.scan. Experts are the opposite: Hugging Face saves one tensor per expert, and
 they are stacked here, once, into [experts, ...] arrays, so the forward picks experts by index.
+
+Weights dtype "int8" (weight-only): every dense layer matrix (qkv, o, gate_up, down) and the
+embedding table / LM head become {"q": int8 [out, in], "scale": float32 [out]} with w ~ q * scale,
+one scale per output channel (per vocabulary row of the embedding, which is the tied head's output
+channel, so one int8 table serves both). Each tensor is quantized as it is read, so no second full
+float32 copy is ever resident. Norms, biases, MoE routers and experts stay in the float dtype
+(float32 on CPU, bfloat16 on accelerators): engine.model._matmul computes with either form.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy before safetensors reads bf16 files)
 import numpy as np
@@ -48,6 +56,33 @@ from safetensors import safe_open
 from engine.config import MIXER_KINDS, ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
+
+
+# Weights dtypes the loader builds; "auto" is chosen per platform (engine.model.weights_dtype_for).
+WEIGHTS_DTYPES = ("float32", "bfloat16", "int8")
+# int8 values span -INT8_MAX..INT8_MAX (symmetric: -128 is never used, so q * scale is sign-exact).
+INT8_MAX = 127
+
+
+# Checkpoint tensors weights dtype int8 holds as int8, besides the embedding / LM head: dense layers'
+# attention and MLP projections. MoE experts (routed and shared), routers and linear-attention
+# layers stay float.
+_INT8_TENSOR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+
+
+def quantized_tensor(name: str) -> bool:
+    """Whether weights dtype int8 holds this checkpoint tensor as int8 (the others stay float)."""
+    return name in ("model.embed_tokens.weight", "lm_head.weight") or bool(_INT8_TENSOR.fullmatch(name))
+
+
+def quantize_int8(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[out, in] float -> (int8 [out, in], float32 scales [out]) with array ~ q * scale[:, None]:
+    each row's largest magnitude maps to INT8_MAX (an all-zero row gets scale 1)."""
+    a = np.asarray(array, dtype=np.float32)
+    amax = np.max(np.abs(a), axis=-1)
+    scale = np.where(amax > 0, amax / INT8_MAX, 1.0).astype(np.float32)
+    q = np.clip(np.rint(a / scale[:, None]), -INT8_MAX, INT8_MAX).astype(np.int8)
+    return q, scale
 
 
 class WeightsError(ValueError):
@@ -96,17 +131,26 @@ class _Reader:
         return array
 
 
-def load_weights(folder: str, cfg: ModelConfig, dtype) -> dict:
+def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None) -> dict:
     """Load a Hugging Face Qwen2/Qwen3/Qwen3-MoE/Qwen3-Next checkpoint as the pytree above, in
-    `dtype` (a jnp dtype)."""
+    `dtype` (a jnp dtype, or "int8": weight-only int8 matrices, the rest in float_dtype, float32
+    unless given)."""
     import jax.numpy as jnp
 
-    dtype = np.dtype(dtype)
+    int8 = str(dtype) == "int8"
+    dtype = np.dtype(float_dtype or np.float32) if int8 else np.dtype(dtype)
     r = _Reader(folder)
     h, q, kv, f = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
 
     def put(array: np.ndarray):
         return jnp.asarray(np.ascontiguousarray(array.astype(dtype, copy=False)))
+
+    def put_matrix(array: np.ndarray):
+        """A dense [out, in] matrix in the weights dtype (int8: quantized now, see the docstring)."""
+        if not int8:
+            return put(array)
+        values, scale = quantize_int8(array)
+        return {"q": jnp.asarray(values), "scale": jnp.asarray(scale)}
 
     def matrix(name: str, out_dim: int, in_dim: int) -> np.ndarray:
         return r.get(name, (out_dim, in_dim))          # nn.Linear's own [out, in]
@@ -174,18 +218,18 @@ def load_weights(folder: str, cfg: ModelConfig, dtype) -> dict:
         else:
             # Gated attention's q_proj holds each head's query rows then its gate rows.
             wide = 2 * q if kind == "gated_attention" else q
-            layer["qkv"] = put(np.concatenate([matrix(p + "self_attn.q_proj.weight", wide, h),
-                                               matrix(p + "self_attn.k_proj.weight", kv, h),
-                                               matrix(p + "self_attn.v_proj.weight", kv, h)]))
-            layer["o"] = put(matrix(p + "self_attn.o_proj.weight", h, q))
+            layer["qkv"] = put_matrix(np.concatenate([matrix(p + "self_attn.q_proj.weight", wide, h),
+                                                      matrix(p + "self_attn.k_proj.weight", kv, h),
+                                                      matrix(p + "self_attn.v_proj.weight", kv, h)]))
+            layer["o"] = put_matrix(matrix(p + "self_attn.o_proj.weight", h, q))
         if mlp == "moe":
             layer["moe"] = experts(p + "mlp.")
             if cfg.shared_expert_intermediate_size:
                 layer["moe"]["shared"] = shared_expert(p + "mlp.")
         else:
-            layer["gate_up"] = put(np.concatenate([matrix(p + "mlp.gate_proj.weight", f, h),
+            layer["gate_up"] = put_matrix(np.concatenate([matrix(p + "mlp.gate_proj.weight", f, h),
                                                    matrix(p + "mlp.up_proj.weight", f, h)]))
-            layer["down"] = put(matrix(p + "mlp.down_proj.weight", h, f))
+            layer["down"] = put_matrix(matrix(p + "mlp.down_proj.weight", h, f))
         if cfg.qkv_bias:
             layer["qkv_bias"] = put(np.concatenate([r.get(p + "self_attn.q_proj.bias", (q,)),
                                                     r.get(p + "self_attn.k_proj.bias", (kv,)),
@@ -195,11 +239,11 @@ def load_weights(folder: str, cfg: ModelConfig, dtype) -> dict:
             layer["k_norm"] = norm(p + "self_attn.k_norm.weight", cfg.head_dim)
         layers.append(layer)
 
-    embed = put(r.get("model.embed_tokens.weight", (cfg.vocab_size, h)))
+    embed = put_matrix(r.get("model.embed_tokens.weight", (cfg.vocab_size, h)))
     if cfg.tie_word_embeddings:
         lm_head = embed
     else:
-        lm_head = put(matrix("lm_head.weight", cfg.vocab_size, h))
+        lm_head = put_matrix(matrix("lm_head.weight", cfg.vocab_size, h))
     return {
         "embed": embed,
         "lm_head": lm_head,

@@ -25,7 +25,7 @@ import numpy as np
 from engine import certify, identity, prefix, sampler
 from engine.cache import copy_prefix, init_cache, read_slot, warm_host_copies, write_slot
 from engine.config import CHAT_FORMAT, load_config
-from engine.model import dtype_for, jit_forward, kv_dtype_for, routed_report
+from engine.model import dtype_for, jit_forward, kv_dtype_for, routed_report, weights_dtype_for
 from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Note, Ready, Shutdown, Stats, Step,
                              Submit)
 from engine.registry import cache_root
@@ -54,7 +54,9 @@ class WorkerArgs:
     chat_format: str | None = None        # "qwen3" | "qwen2.5"; None: from the model family
     weights_file: str | None = None       # what the facts name as loaded (e.g. the GGUF); None: folder
     bpw: float | None = None              # bits per weight of that file; None: the checkpoint dtype
-    dtype: str | None = None              # "float32" | "bfloat16"; None: by platform
+    # weights dtype: "float32" | "bfloat16" | "int8" (weight-only, engine.weights); None or "auto":
+    # by platform (engine.model.weights_dtype_for)
+    dtype: str | None = None
     kv_dtype: str | None = None           # the KV cache's dtype; None: by platform (kv_dtype_for)
     prefill_chunks: tuple[int, ...] = PREFILL_CHUNKS
     # Where compiled programs are kept between runs (a compile per shape costs seconds on CPU);
@@ -133,9 +135,10 @@ class Engine:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", COMPILE_CACHE_MIN_SECONDS)
         platform = jax.default_backend()
         self.cfg = cfg = load_config(args.weights_folder)
-        self.dtype = np.dtype(args.dtype) if args.dtype else np.dtype(dtype_for(platform))
+        # int8 here names the weights' format (int8 matrices, float norms): np.dtype("int8").name
+        self.dtype = np.dtype(weights_dtype_for(platform, args.dtype))
         progress("weights", 0, 1)
-        self.params = load_weights(args.weights_folder, cfg, self.dtype)
+        self.params = load_weights(args.weights_folder, cfg, self.dtype.name, float_dtype=dtype_for(platform))
         progress("weights", 1, 1)
         self.kv_dtype = np.dtype(args.kv_dtype) if args.kv_dtype else np.dtype(kv_dtype_for(platform))
         self.cache = init_cache(cfg, args.slots, args.ctx, self.kv_dtype)

@@ -1,0 +1,178 @@
+"""Weight-only int8 against float32 on XLA:CPU, on Qwen2.5-0.5B's shapes (run by hand).
+
+    flock /work/bench.lock python tests/bench/bench_narrow.py products      # formulations, random weights
+    flock /work/demo.lock  python tests/bench/bench_narrow.py kl [FOLDER]   # int8 vs float32 on the demo
+
+products: the 24 layers' matrix products (fused qkv, o, fused gate_up, down; no attention or head),
+chained as the model runs them, per forward, at 1, 4, 8 rows and a 512-row prefill chunk, for each
+formulation of the product. Prints ms per forward (best of REPEATS) and the load average.
+
+kl: the demo model loaded twice (float32 and int8 weights), a fixed ~2k-token text through both in
+512-token chunks; prints the mean KL divergence of the next-token distributions (float32 || int8),
+the largest one, and how often the greedy token agrees. Bound: KL_BOUND nats.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+HIDDEN, INTERMEDIATE, LAYERS = 896, 4864, 24
+QKV = HIDDEN + 2 * 128
+ROWS = (1, 4, 8, 512)
+REPEATS = 5
+KL_BOUND = 0.01
+F32 = jnp.float32
+
+
+def _dot(x, w):
+    return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+
+
+def _summed(x, w):
+    return jnp.sum(w * x[:, None, :], axis=-1)
+
+
+# Each formulation: (x [rows, in] float32, weight) -> [rows, out] float32. int8 weights are (q, scale).
+FORMS = {
+    "f32 dot": lambda x, w: _dot(x, w),
+    "f32 summed": lambda x, w: _summed(x, w),
+    "i8 dot(convert w)": lambda x, w: _dot(x, w[0].astype(F32)) * w[1],
+    "i8 dot(bf16)": lambda x, w: _dot(x.astype(jnp.bfloat16), w[0].astype(jnp.bfloat16)) * w[1],
+    "i8 summed": lambda x, w: _summed(x, w[0].astype(F32)) * w[1],
+    "i8 summed, scale in": lambda x, w: _summed(x, w[0].astype(F32) * w[1][:, None]),
+    # the int8 weight stored transposed, [in, out]: the reduction runs across rows of it
+    "i8T summed": lambda x, w: jnp.sum(w[2].astype(F32) * x[:, :, None], axis=1) * w[1],
+    "i8T pad2 summed": lambda x, w: (jnp.sum(w[2].astype(F32) * jnp.pad(x, ((0, 1), (0, 0)))[:, :, None],
+                                             axis=1) * w[1])[:1],
+    "i8 pad2 summed": lambda x, w: _summed(jnp.pad(x, ((0, 1), (0, 0))), w[0].astype(F32))[:1] * w[1],
+    "i8 pad4 summed": lambda x, w: _summed(jnp.pad(x, ((0, 3), (0, 0))), w[0].astype(F32))[:1] * w[1],
+}
+# Which formulations to time at which row counts (the summed forms are far too slow at 512 rows).
+PLAN = {
+    1: ["f32 dot", "i8 dot(convert w)", "i8 summed", "i8 pad2 summed", "i8 pad4 summed"],
+    4: ["f32 dot", "f32 summed", "i8 dot(convert w)", "i8 summed", "i8 summed, scale in"],
+    8: ["f32 summed", "i8 dot(convert w)", "i8 summed"],
+    512: ["f32 dot", "i8 dot(convert w)", "i8 dot(bf16)"],
+}
+
+
+def _layers(rng, int8: bool):
+    shapes = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTERMEDIATE, HIDDEN),
+              "down": (HIDDEN, INTERMEDIATE)}
+    out = []
+    for _ in range(LAYERS):
+        layer = {}
+        for name, shape in shapes.items():
+            w = rng.standard_normal(shape, dtype=np.float32) * 0.02
+            if int8:
+                scale = np.abs(w).max(axis=1) / 127
+                q = np.rint(w / scale[:, None]).astype(np.int8)
+                layer[name] = (jnp.asarray(q), jnp.asarray(scale), jnp.asarray(np.ascontiguousarray(q.T)))
+            else:
+                layer[name] = jnp.asarray(w)
+        out.append(layer)
+    return out
+
+
+def _forward(form):
+    product = FORMS[form]
+
+    def run(layers, x):
+        for layer in layers:
+            h = product(x, layer["qkv"])[:, :HIDDEN]
+            x = x + product(h, layer["o"])
+            gate, up = jnp.split(product(x, layer["gate_up"]), 2, axis=-1)
+            x = x + product(jax.nn.silu(gate) * up, layer["down"]) * 0.01
+        return x
+    return jax.jit(run)
+
+
+def products(only=None) -> None:
+    rng = np.random.default_rng(0)
+    weights = {"f32": _layers(rng, False), "i8": _layers(rng, True)}
+    print(f"# {LAYERS} layers of Qwen2.5-0.5B products, ms per forward (best of {REPEATS}); "
+          f"jax {jax.__version__}")
+    print("# load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    for rows in ROWS:
+        x = jnp.asarray(rng.standard_normal((rows, HIDDEN), dtype=np.float32))
+        if only and rows not in only[0]:
+            continue
+        for form in (only[1] if only else PLAN[rows]):
+            fn = _forward(form)
+            layers = weights["f32" if form.startswith("f32") else "i8"]
+            fn(layers, x).block_until_ready()
+            times = []
+            for _ in range(REPEATS if rows < 512 else 2):
+                t0 = time.perf_counter()
+                fn(layers, x).block_until_ready()
+                times.append(time.perf_counter() - t0)
+            best = min(times) * 1e3
+            print(f"rows {rows:4d}  {form:22s} {best:9.1f} ms" +
+                  (f"  ({rows / min(times):.0f} tok/s)" if rows == 512 else ""), flush=True)
+    print("# load after:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+
+
+def _text_tokens(folder: str, n: int) -> np.ndarray:
+    """A fixed text of n tokens: this project's engine sources, as the tokenizer reads them (a
+    mix of code and English prose, the demo's use)."""
+    from tokenizers import Tokenizer
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    text = ""
+    for name in ("model.py", "weights.py", "memory.py"):
+        with open(os.path.join(root, "engine", name), encoding="utf-8") as f:
+            text += f.read()
+    ids = Tokenizer.from_file(os.path.join(folder, "tokenizer.json")).encode(text).ids
+    return np.asarray(ids[:n], np.int32)
+
+
+def kl(folder: str, tokens: int = 2048, chunk: int = 512) -> None:
+    from engine.cache import init_cache
+    from engine.config import load_config
+    from engine.model import jit_forward
+    from engine.weights import load_weights
+
+    cfg = load_config(folder)
+    ids = _text_tokens(folder, tokens)
+    logits = {}
+    for dtype in ("float32", "int8"):
+        params = load_weights(folder, cfg, dtype)
+        cache = init_cache(cfg, 1, len(ids), np.float16)
+        outs = []
+        for start in range(0, len(ids), chunk):
+            part = ids[start:start + chunk][None]
+            out, cache = jit_forward(params, cache, part, np.zeros(1, np.int32),
+                                     np.array([start], np.int32), np.array([part.shape[1]], np.int32),
+                                     cfg=cfg, all_logits=True)
+            outs.append(np.asarray(jax.nn.log_softmax(out[0], axis=-1)))
+        logits[dtype] = np.concatenate(outs)
+        del params, cache
+    p, q = logits["float32"], logits["int8"]
+    per_token = np.sum(np.exp(p) * (p - q), axis=-1)
+    agree = float(np.mean(p.argmax(-1) == q.argmax(-1)))
+    print(f"# {len(ids)} tokens of engine/*.py through {folder}")
+    print(f"mean KL(float32 || int8) = {per_token.mean():.5f} nats (bound {KL_BOUND}), "
+          f"max {per_token.max():.4f}, greedy agreement {agree:.4f}")
+    if per_token.mean() >= KL_BOUND:
+        sys.exit(f"mean KL {per_token.mean():.5f} is over the bound {KL_BOUND}")
+
+
+if __name__ == "__main__":
+    what = sys.argv[1] if len(sys.argv) > 1 else "products"
+    if what == "products":
+        products()
+    elif what == "transposed":
+        products(((4, 8), ["f32 summed", "i8 summed", "i8T summed"]))
+        products(((1,), ["f32 dot", "i8 pad2 summed", "i8T pad2 summed"]))
+    elif what == "kl":
+        kl(sys.argv[2] if len(sys.argv) > 2 else
+           os.path.expanduser("~/.cache/mashbox/models/qwen2.5-coder-0.5b-instruct"))
+    else:
+        sys.exit(f"unknown mode {what!r}: products or kl")
