@@ -31,7 +31,9 @@ import numpy as np
 # the compute dtype and the KV cache dtype. float32 programs agree with the float64 reference to
 # about 2e-6 (tiny models) to 2e-4 (the demo); a float16 cache and bfloat16 weights and activations
 # cost more. A wrong RoPE, bias, norm or mask moves the logits by a whole deviation or more.
-TOLERANCE = {"float32": 2e-3, "bfloat16": 1e-1, "float16": 5e-2}
+# int8 weight-only weights (per-channel scales) round each weight to 1/254 of its row's range: the
+# demo's prefill logits moved 0.17 deviations (measured), so int8 gets 0.3, still well under a bug's.
+TOLERANCE = {"float32": 2e-3, "bfloat16": 1e-1, "float16": 5e-2, "int8": 3e-1}
 # The reference prompt: this many tokens, fixed ids spread over the vocabulary (the reference costs
 # one read of the weights, whatever the length).
 PROMPT_TOKENS = 8

@@ -129,3 +129,29 @@ def test_demo_first_token_logits_match_transformers(engine):
         order = np.argsort(-logits)[:5]
         assert order.tolist() == [i for i, _ in top5]
         np.testing.assert_allclose(logits[order], [v for _, v in top5], atol=LOGIT_ATOL)
+
+
+# ---- int8 weight-only weights (--weights-dtype int8) ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine_int8(demo_folder):
+    worker = pytest.importorskip("engine.worker")
+    args = worker.WorkerArgs(registry.default_id(), demo_folder, slots=2, ctx=CTX, prefill_chunks=(CHUNK,),
+                             certify_dir=None, golden=registry.resolve(registry.default_id()).golden,
+                             dtype="int8")
+    return worker.Engine(args)
+
+
+def test_int8_demo_passes_the_certification_gate(engine_int8):
+    """int8 weights against the float64 reference (the int8 tolerance) and the golden answer."""
+    assert engine_int8.dtype.name == "int8"
+    assert engine_int8.certification == "certified", engine_int8.certification_detail
+    assert "golden answer (7 tokens)" in engine_int8.certification_detail
+
+
+def test_int8_demo_greedy_answers_match_transformers_in_one_batch(engine_int8, demo_folder):
+    """int8 weights must not change the demo's greedy answers (float32 transformers' ids)."""
+    stop = registry.stop_token_ids(demo_folder)
+    got = run(engine_int8, {"prime": PRIME_PROMPT, "france": FRANCE_PROMPT}, 24, stop)
+    assert got["france"] == (FRANCE_ANSWER, "stop")
+    assert got["prime"] == (PRIME_ANSWER, "length")
