@@ -329,3 +329,16 @@ def test_one_spawn_path_and_the_worker_gets_one_blas_thread(monkeypatch):
         process.join(10)
         if process.is_alive():
             process.kill()
+
+
+def test_int8_weights_get_their_own_cache_namespace_and_deployment_id(engine):
+    """Guards against a float32 worker and an int8 one sharing saved prompt states (their KV values
+    differ) or reporting the same deployment: the weights dtype is part of both ids."""
+    narrow = Engine(WorkerArgs("tiny", str(TINY / "qwen3"), slots=4, ctx=CTX, prefix_cache=True,
+                               prefill_chunks=CHUNKS, compile_cache=None, certify_dir=None,
+                               cache_ram_mib=1, dtype="int8"))
+    assert narrow.facts.dtype == "int8" and engine.facts.dtype == "float32"
+    assert narrow.facts.cache_namespace != engine.facts.cache_namespace
+    assert narrow.deployment_id != engine.deployment_id
+    assert narrow.component_set_sha == engine.component_set_sha       # the same files on disk
+    assert narrow.facts.gb < 0.3 * engine.facts.gb

@@ -169,17 +169,20 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--weights-dtype", default="auto", help="auto, float32, bfloat16 or int8 (weight-only)")
     a = ap.parse_args()
     folder = a.folder or demo_folder()
     model = folder or "random Qwen2.5-0.5B shape"
     folder = folder or random_folder()
     bandwidth = copy_bandwidth()
     t = time.perf_counter()
-    engine = Engine(WorkerArgs("bench", folder, slots=a.slots, ctx=a.ctx))
+    engine = Engine(WorkerArgs("bench", folder, slots=a.slots, ctx=a.ctx, dtype=a.weights_dtype))
     start_s = time.perf_counter() - t
     params = engine.params
-    per_step = sum(x.nbytes for x in __import__("jax").tree_util.tree_leaves(params))
-    per_step -= params["embed"].nbytes          # decode gathers a few embedding rows, not the table
+    leaves = __import__("jax").tree_util.tree_leaves
+    per_step = sum(x.nbytes for x in leaves(params))
+    # decode gathers a few embedding rows, not the table (an int8 table: its values and scales)
+    per_step -= sum(x.nbytes for x in leaves(params["embed"]))
     ceiling = bandwidth / per_step
     print(f"model: {model}  ({engine.facts.dtype}, {engine.facts.device}, "
           f"{os.cpu_count()} cores, machine shared with other work)")
