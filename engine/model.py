@@ -90,6 +90,9 @@ SUMMED_PRODUCT_MAX_ROWS = 128
 #   8 rows   float32 summed 112-116; int8 summed 102; int8 dot 923
 #   512 rows float32 dot 3,634; int8 converted to float32 inside the dot 4,495; int8 and the rows
 #            both converted to bfloat16 inside the dot (float32 accumulation) 2,267
+# The demo's whole decode forward (bench_narrow.py forward, load 4-5, best of 8): 1 row float32
+# 99-105 ms, int8 114-120 (a float32 head: 107-113; padded to 4 rows: 117); 4 rows float32 141-237,
+# int8 127-138.
 # So one row is padded to SUMMED_PAD_ROWS and takes the summed form, like 2..128 rows (slower than
 # float32 at 1-4 rows on this CPU, faster at 8); a prefill chunk multiplies in bfloat16 where the CPU
 # has bfloat16 dot-product instructions (int8 is exact in bfloat16; the rows are rounded), else in

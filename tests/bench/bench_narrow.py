@@ -2,10 +2,14 @@
 
     flock /work/bench.lock python tests/bench/bench_narrow.py products      # formulations, random weights
     flock /work/demo.lock  python tests/bench/bench_narrow.py kl [FOLDER]   # int8 vs float32 on the demo
+    flock /work/demo.lock  python tests/bench/bench_narrow.py forward [FOLDER]
 
 products: the 24 layers' matrix products (fused qkv, o, fused gate_up, down; no attention or head),
 chained as the model runs them, per forward, at 1, 4, 8 rows and a 512-row prefill chunk, for each
 formulation of the product. Prints ms per forward (best of REPEATS) and the load average.
+
+forward: the demo's whole decode forward (1 and 4 rows, 1k-position cache), float32 against int8
+weights (and int8 with a float32 head), alternated in one process, best of 8 each, in ms.
 
 kl: the demo model loaded twice (float32 and int8 weights), a fixed ~2k-token text through both in
 512-token chunks; prints the mean KL divergence of the next-token distributions (float32 || int8),
@@ -164,6 +168,36 @@ def kl(folder: str, tokens: int = 2048, chunk: int = 512) -> None:
         sys.exit(f"mean KL {per_token.mean():.5f} is over the bound {KL_BOUND}")
 
 
+def forward(folder: str) -> None:
+    from engine import model
+    from engine.cache import init_cache
+    from engine.config import load_config
+    from engine.weights import load_weights
+
+    cfg = load_config(folder)
+    print("# load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    f32 = load_weights(folder, cfg, jnp.float32)
+    i8 = load_weights(folder, cfg, "int8")
+    weights = {"float32": f32, "int8": i8, "int8, float32 head": dict(i8, lm_head=f32["lm_head"])}
+
+    def best(params, rows, n=8):
+        cache = init_cache(cfg, 4, 1024, np.float16)
+        args = (np.zeros((rows, 1), np.int32), np.arange(rows, dtype=np.int32),
+                np.full(rows, 100, np.int32), np.ones(rows, np.int32))
+        times = []
+        for _ in range(n + 1):
+            t0 = time.perf_counter()
+            out, cache = model.jit_forward(params, cache, *args, cfg=cfg)
+            out.block_until_ready()
+            times.append(time.perf_counter() - t0)
+        return min(times[1:]) * 1e3
+
+    for rows in (1, 4):
+        print(f"rows {rows}: " + ", ".join(f"{name} {best(p, rows):.1f} ms" for name, p in weights.items()),
+              flush=True)
+    print("# load after:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "products"
     if what == "products":
@@ -171,8 +205,9 @@ if __name__ == "__main__":
     elif what == "transposed":
         products(((4, 8), ["f32 summed", "i8 summed", "i8T summed"]))
         products(((1,), ["f32 dot", "i8 pad2 summed", "i8T pad2 summed"]))
-    elif what == "kl":
-        kl(sys.argv[2] if len(sys.argv) > 2 else
-           os.path.expanduser("~/.cache/mashbox/models/qwen2.5-coder-0.5b-instruct"))
+    elif what in ("kl", "forward"):
+        folder = sys.argv[2] if len(sys.argv) > 2 else os.path.expanduser(
+            "~/.cache/mashbox/models/qwen2.5-coder-0.5b-instruct")
+        (kl if what == "kl" else forward)(folder)
     else:
-        sys.exit(f"unknown mode {what!r}: products or kl")
+        sys.exit(f"unknown mode {what!r}: products, transposed, forward or kl")
