@@ -192,3 +192,17 @@ def error_of(status: int, body: bytes, api: str) -> dict:
     else:
         assert err["type"] in OPENAI_ERROR_TYPES, (status, err)
     return err
+
+
+def read_answer(sock: socket.socket) -> tuple[int, dict, bytes]:
+    """The first response on a raw socket: (status, headers, body); status 0 if it closed with none."""
+    f = sock.makefile("rb")
+    line = f.readline()
+    if not line:
+        return 0, {}, b""
+    status = int(line.split(b" ", 2)[1])
+    headers = {}
+    while (line := f.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.lower()] = value.strip()
+    return status, headers, f.read(int(headers.get("content-length", 0)))

@@ -14,7 +14,7 @@ import pytest
 
 import mashbox
 from mashbox import ConnLimits
-from tests.harness import MODEL_ID, ROUTES, error_of, start_server, until
+from tests.harness import MODEL_ID, ROUTES, error_of, read_answer, start_server, until
 
 # Short timeouts so the timeout tests take a second or two; the code paths are the production ones.
 LIMITS = dict(header_s=1.0, body_s=1.0, keepalive_s=2.0, stall_s=2.0, linger_s=0.2)
@@ -34,20 +34,6 @@ def served_normally(server) -> None:
         "model": MODEL_ID, "max_tokens": 8, "messages": [{"role": "user", "content": "echo: still here"}]},
         timeout=ANSWER_S)
     assert status == 200 and json.loads(body)["choices"][0]["message"]["content"] == "still here"
-
-
-def read_answer(sock: socket.socket) -> tuple[int, dict, bytes]:
-    """The first response on a raw socket: (status, headers, body); status 0 if it closed with none."""
-    f = sock.makefile("rb")
-    line = f.readline()
-    if not line:
-        return 0, {}, b""
-    status = int(line.split(b" ", 2)[1])
-    headers = {}
-    while (line := f.readline()) not in (b"\r\n", b""):
-        name, _, value = line.decode("latin-1").partition(":")
-        headers[name.lower()] = value.strip()
-    return status, headers, f.read(int(headers.get("content-length", 0)))
 
 
 def closed_by_server(sock: socket.socket) -> bool:

