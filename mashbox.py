@@ -37,6 +37,7 @@ from typing import Any, Awaitable, Callable, Protocol
 
 from engine import chat, memory, protocol, registry
 from engine.config import ConfigError, load_config
+from engine.sharding import check_devices
 from engine.chat import Job, new_id
 
 
@@ -3095,6 +3096,8 @@ def health_document(bridge: "Bridge", admission: "Admission | None", namespace: 
         "routed_experts": bridge.facts.routed_experts if bridge.facts else None,
         "worker_restarts": bridge.restarts,
     }
+    if facts is not None and facts.devices is not None:
+        doc["devices"] = facts.devices        # what the model is split over (engine.sharding)
     if bridge.pid is not None:
         doc["worker_pid"] = bridge.pid
     if not ready and bridge.loading is not None:
@@ -3190,6 +3193,11 @@ class EngineLog:
         self.compiles_seen = 0            # a new worker process counts from zero
         f = msg.facts
         log.info("model %s (%s, %s on %s)", f.id, f.family, f.dtype, f.device)
+        if f.devices is not None:
+            d = f.devices
+            log.info("devices: %d %s device(s) in %d process(es), mesh %s, %d KV heads laid out",
+                     d["count"], d["platform"], d["processes"],
+                     " x ".join(f"{axis}={size}" for axis, size in d["mesh"].items()), d["kv_heads"])
         log.info("weights %s (%.2f GB, %.1f bits per weight)", f.weights, f.gb, f.bpw)
         log.info("slots %d, ctx %d tokens each, prefix cache %s, host cache %d MiB", f.slots,
                  f.max_model_len, "on" if f.prefix_cache else "off", f.cache_ram_mib)
@@ -4519,6 +4527,7 @@ class ServeConfig:
     recertify: bool = False          # run the certification gate even when its result is recorded
     ui: bool = False                 # serve the chat page at /
     weights_dtype: str | None = None  # --weights-dtype (None: models.json's, else auto)
+    devices: int | str = 1           # --devices: how many devices the model is split over, or "all"
 
 
 def _at_least(low: int, what: str) -> Callable[[str], int]:
@@ -4543,6 +4552,11 @@ def _path(what: str) -> Callable[[str], str]:
     return parse
 
 
+def _devices(text: str) -> int | str:
+    """--devices: a count >= 1, or "all" (every device of the platform, counted by the worker)."""
+    return "all" if text == "all" else _at_least(1, "--devices")(text)
+
+
 def _port(text: str) -> int:
     value = _at_least(0, "--port")(text)
     if value > 65535:
@@ -4565,6 +4579,9 @@ def arg_parser() -> argparse.ArgumentParser:
                      help="how the worker holds the weights: int8 = weight-only int8 with per-channel "
                           "scales (a quarter of float32's memory); auto = the platform's fastest "
                           "(float32 on CPU) unless models.json sets one")
+    run.add_argument("--devices", type=_devices, default=1, metavar="N",
+                     help="split the model over N devices of the platform (tensor parallel; default 1; "
+                          "all = every one); N must divide the model's attention heads")
     run.add_argument("--cache-ram", dest="cache_ram_mib", metavar="MIB", type=_at_least(0, "--cache-ram"),
                      help="host memory for saved prompt states, MiB (0 = off)")
     run.add_argument("--api-key-file", metavar="PATH", type=_path("--api-key-file"),
@@ -4594,7 +4611,7 @@ def config_from_args(argv: list[str] | None) -> ServeConfig:
                   log_prompts=args.log_prompts, max_waiting=args.max_waiting,
                   max_waiting_per_tenant=args.max_waiting_per_tenant,
                   max_connections=args.max_connections, recertify=args.recertify,
-                  ui=args.ui, weights_dtype=args.weights_dtype)
+                  ui=args.ui, weights_dtype=args.weights_dtype, devices=args.devices)
 
 
 def worker_args(spec: "registry.ModelSpec", config: ServeConfig, folder: str,
@@ -4610,7 +4627,7 @@ def worker_args(spec: "registry.ModelSpec", config: ServeConfig, folder: str,
     return {"model_id": spec.id, "weights_folder": folder, "slots": slots, "ctx": ctx,
             "chat_format": spec.chat_format, "cache_ram_mib": cache_ram_mib,
             "recertify": config.recertify, "golden": spec.golden,
-            "dtype": weights_dtype(spec, config)}
+            "dtype": weights_dtype(spec, config), "devices": config.devices}
 
 
 def weights_dtype(spec: "registry.ModelSpec", config: ServeConfig) -> str:
@@ -4725,8 +4742,11 @@ def main(argv: list[str] | None = None) -> int:
     def prepare() -> dict:
         folder = registry.prepare(spec, progress_display())
         # A model the engine cannot run (a family not built yet, an unsupported option) is a start-up
-        # error, not a worker that dies and is restarted forever. config.py reads JSON only (no jax).
-        load_config(folder)
+        # error, not a worker that dies and is restarted forever. config.py reads JSON only (no jax);
+        # so does the device check, for a count given ("all" is counted by the worker).
+        cfg = load_config(folder)
+        if config.devices != "all":
+            check_devices(cfg, config.devices)
         sizing = size_worker(spec, config, folder)
         app.planned_ctx = sizing.ctx        # the model card's context while the worker loads
         return worker_args(spec, config, folder, sizing)

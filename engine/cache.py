@@ -40,24 +40,29 @@ HOST_BLOCK = 1024
 _CTX_AXIS = {"k": 2, "v": 3}
 
 
-def init_cache(cfg: ModelConfig, slots: int, ctx: int, dtype) -> list[dict]:
-    """An empty pool of `slots` sequences of up to `ctx` tokens each."""
+def _zeros(name: str, shape: tuple, dtype):
+    return jnp.zeros(shape, dtype)
+
+
+def init_cache(cfg: ModelConfig, slots: int, ctx: int, dtype, zeros=_zeros) -> list[dict]:
+    """An empty pool of `slots` sequences of up to `ctx` tokens each. zeros(name, shape, dtype)
+    makes each array (engine.sharding: already split over the mesh's devices)."""
     if slots < 1 or ctx < 1:
         raise ValueError(f"init_cache needs slots >= 1 and ctx >= 1, got slots={slots} ctx={ctx}")
     cache = []
     for kind in cfg.layer_kinds:
         if kind == "linear":
             cache.append({
-                "conv": jnp.zeros((slots, cfg.linear_conv_dim, cfg.linear_conv_kernel - 1), jnp.float32),
-                "state": jnp.zeros((slots, cfg.linear_value_heads, cfg.linear_key_dim,
-                                    cfg.linear_value_dim), jnp.float32),
+                "conv": zeros("conv", (slots, cfg.linear_conv_dim, cfg.linear_conv_kernel - 1), jnp.float32),
+                "state": zeros("state", (slots, cfg.linear_value_heads, cfg.linear_key_dim,
+                                         cfg.linear_value_dim), jnp.float32),
             })
             continue
         if kind not in ("attention", "gated_attention"):
             raise ValueError(f"layer kind {kind!r} has no cache layout")
         cache.append({
-            "k": jnp.zeros((slots, cfg.num_kv_heads, ctx, cfg.head_dim), dtype),
-            "v": jnp.zeros((slots, cfg.num_kv_heads, cfg.head_dim, ctx), dtype),
+            "k": zeros("k", (slots, cfg.num_kv_heads, ctx, cfg.head_dim), dtype),
+            "v": zeros("v", (slots, cfg.num_kv_heads, cfg.head_dim, ctx), dtype),
         })
     return cache
 

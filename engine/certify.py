@@ -255,7 +255,8 @@ def run(engine, golden: dict | None = None) -> tuple[bool, str]:
     tolerance = max(TOLERANCE.get(engine.dtype.name, TOLERANCE["bfloat16"]),
                     TOLERANCE.get(engine.kv_dtype.name, TOLERANCE["bfloat16"]))
     tokens = fixed_prompt(cfg.vocab_size)
-    want = reference_logits(engine.args.weights_folder, cfg, tokens)
+    # The checkpoint's own shapes (engine.cfg may lay out more KV heads than it holds).
+    want = reference_logits(engine.args.weights_folder, engine.checkpoint_cfg, tokens)
     got_prefill = _prefill(engine, tokens[:-1])
     got_decode = _decode(engine, tokens[-1], len(tokens) - 1)
     if os.environ.get(CORRUPT_ENV):

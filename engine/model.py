@@ -292,14 +292,15 @@ def _attention(layer, kv, x, slots, positions, valid, live, *, cfg: ModelConfig,
     qkv = _matmul(x, layer["qkv"])
     if cfg.qkv_bias:
         qkv = qkv + layer["qkv_bias"].astype(F32)
-    q_width = 2 * cfg.q_size if gated else cfg.q_size
-    q, k, v = jnp.split(qkv, [q_width, q_width + cfg.kv_size], axis=-1)
+    # Rows grouped by KV head (engine.weights): its query heads (each with its gate when gated),
+    # then its key, then its value; a device of a tensor-parallel mesh holds whole groups.
+    group = heads // kv_heads
+    q_width = group * (2 * d if gated else d)
+    q, k, v = jnp.split(qkv.reshape(b, t, kv_heads, q_width + 2 * d), [q_width, q_width + d], axis=-1)
+    q = q.reshape(b, t, heads, -1)
     if gated:
-        q, gate = jnp.split(q.reshape(b, t, heads, 2 * d), 2, axis=-1)    # per head: query, gate
+        q, gate = jnp.split(q, 2, axis=-1)                                 # per head: query, gate
         gate = gate.reshape(b, t, cfg.q_size)
-    q = q.reshape(b, t, heads, d)
-    k = k.reshape(b, t, kv_heads, d)
-    v = v.reshape(b, t, kv_heads, d)
     if cfg.qk_norm:
         q = _rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
         k = _rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
@@ -315,7 +316,6 @@ def _attention(layer, kv, x, slots, positions, valid, live, *, cfg: ModelConfig,
     cache_k = kv["k"].at[rows, :, where, :].set(_to_cache(k, kv["k"].dtype), mode="drop")
     cache_v = kv["v"].at[rows, :, :, where].set(_to_cache(v, kv["v"].dtype), mode="drop")
 
-    group = heads // kv_heads
     q = q.reshape(b, t, kv_heads, group, d).transpose(0, 2, 3, 1, 4)      # [B, KV, G, T, D]
     out = _attend(q * (1.0 / np.sqrt(d)), cache_k, cache_v, slots, positions, live)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.q_size)
@@ -450,9 +450,15 @@ def _linear_attention(layer, state, x, slots, starts, lengths, valid, *, cfg: Mo
                  "state": state["state"].at[where].set(recurrent, mode="drop")}
 
 
+def _gated(y):
+    """silu(gate) * up from a gate_up product y [..., 2 f], gate and up interleaved row by row
+    (engine.weights: a device of a tensor-parallel mesh holds the gate and up of the same channels)."""
+    pairs = y.reshape(*y.shape[:-1], -1, 2)
+    return jax.nn.silu(pairs[..., 0]) * pairs[..., 1]
+
+
 def _swiglu(rows, gate_up, down):
-    gate, up = jnp.split(_matmul(rows, gate_up), 2, axis=-1)
-    return _matmul(jax.nn.silu(gate) * up, down)
+    return _matmul(_gated(_matmul(rows, gate_up)), down)
 
 
 def _mlp(layer, x):
@@ -569,8 +575,8 @@ def _routed_kernel(x, weights, experts, moe, product):
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.zeros(num + 1, jnp.int32).at[flat].add(1)[:num]
     rows = x[order // k].astype(moe["gate_up"].dtype)
-    gate, up = jnp.split(product(rows, moe["gate_up"], sizes), 2, axis=-1)
-    y = product((jax.nn.silu(gate) * up).astype(moe["down"].dtype), moe["down"], sizes)
+    gated = _gated(product(rows, moe["gate_up"], sizes)).astype(moe["down"].dtype)
+    y = product(gated, moe["down"], sizes)
     back = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
     y = y[back].reshape(n, k, -1)                                   # unsorted: [token, pick, hidden]
     return jnp.einsum("nk,nkh->nh", jnp.where(experts < num, weights, 0.0), y)

@@ -89,6 +89,9 @@ class ModelFacts:
     deployment_id: str | None = None       # engine.identity: the compiled programs and what shapes them
     certification: str = "not_certified"   # engine.certify's gate: "certified" | "not_certified"
     certification_detail: str = ""         # what the gate checked, or why it failed
+    # The devices the model is split over (engine.sharding.Layout.describe): count, platform, mesh
+    # axes, processes, KV heads laid out. None: a worker that does not say (the test fake).
+    devices: dict | None = None
 
 
 @dataclass

@@ -6,13 +6,15 @@ The pytree (all jax arrays in the compute dtype):
      "norm":    [hidden]                           final RMSNorm
      "layers":  [ per layer, a dict:
         "attn_norm": [hidden], "mlp_norm": [hidden],
-        "qkv":  [q + 2 kv, hidden]                 q, k, v projections stacked (one matmul)
+        "qkv":  [q + 2 kv, hidden]                 q, k, v projections stacked (one matmul),
+                                                   grouped by KV head: each KV head's query heads'
+                                                   rows, then its key's, then its value's
                 [2 q + 2 kv, hidden]               "gated_attention": each query head's rows are
                                                    followed by its output gate's (Qwen3-Next)
-        "qkv_bias": [q + 2 kv]                     Qwen2 only
+        "qkv_bias": [q + 2 kv]                     Qwen2 only (grouped the same way)
         "q_norm", "k_norm": [head_dim]             Qwen3 only
         "o":    [hidden, q]
-        "gate_up": [2 * intermediate, hidden]      gate and up stacked (one matmul)   dense layers
+        "gate_up": [2 * intermediate, hidden]      gate and up interleaved (one matmul)  dense layers
         "down": [hidden, intermediate]
         "moe": {                                                                          moe layers
             "router":  [experts, hidden]
@@ -27,6 +29,12 @@ The pytree (all jax arrays in the compute dtype):
             "A_log", "dt_bias": [vh]                  decay g = -exp(A_log) * softplus(a + dt_bias)
             "norm":    [value_dim]                    gated RMSNorm (a plain scale, never 1 + w)
             "out":     [hidden, vd] } ]}              (kd, vd: all key / value heads' widths)
+Stacked projections keep what one device of a tensor-parallel mesh needs together (engine.sharding
+splits their rows into N equal blocks): "qkv" grouped by KV head keeps each head's query, key and
+value rows in one block, and every "gate_up" (dense, routed and shared experts) interleaves gate and
+up row by row (gate_0, up_0, gate_1, up_1, ...), so a block holds the gate and up of the same
+channels. With more devices than KV heads (kv_heads > the checkpoint's), each KV head is repeated so
+that every device holds the key and value its query heads read. The layout is the same on one device.
 Zero-centred norms (Qwen3-Next's layer, final and q/k norms: scale = 1 + w) are stored as 1 + w,
 computed once here in float32, so the model multiplies by an ordinary scale.
 Matrices are stored [out, in], as the checkpoints hold them: each output is a dot product with one
@@ -131,56 +139,85 @@ class _Reader:
         return array
 
 
-def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None) -> dict:
+def interleave_gate_up(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gate, up [..., f, in] -> [..., 2 f, in], rows gate_0, up_0, gate_1, up_1, ... (the docstring)."""
+    *lead, f, width = gate.shape
+    return np.stack([gate, up], axis=-2).reshape(*lead, 2 * f, width)
+
+
+def group_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, kv: int, kv_heads: int) -> np.ndarray:
+    """Query rows [heads * width, ...] and key/value rows [kv * head_dim, ...] -> rows grouped by KV
+    head (the docstring). kv_heads, a multiple of kv, is how many KV heads to lay out: each of the kv
+    heads is repeated kv_heads / kv times, its query heads split among the copies in order."""
+    rest = q.shape[1:]
+    repeat = kv_heads // kv
+    k = np.repeat(k.reshape(kv, -1, *rest), repeat, axis=0)
+    v = np.repeat(v.reshape(kv, -1, *rest), repeat, axis=0)
+    return np.concatenate([q.reshape(kv_heads, -1, *rest), k, v], axis=1).reshape(-1, *rest)
+
+
+def place_on_default_device(path: str, tree):
+    """Every numpy leaf of a subtree as a jax array on the default device (no mesh)."""
+    import jax
+    return jax.tree_util.tree_map(jax.numpy.asarray, tree)
+
+
+def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_heads: int | None = None,
+                 place=place_on_default_device) -> dict:
     """Load a Hugging Face Qwen2/Qwen3/Qwen3-MoE/Qwen3-Next checkpoint as the pytree above, in
     `dtype` (a jnp dtype, or "int8": weight-only int8 matrices, the rest in float_dtype, float32
-    unless given)."""
-    import jax.numpy as jnp
-
+    unless given). kv_heads: KV heads to lay out (a multiple of the config's; None: the config's).
+    place(path, subtree of numpy arrays) puts each part on the device(s) as soon as it is read
+    (engine.sharding: straight into each device's shard), so the host holds one layer at a time."""
     int8 = str(dtype) == "int8"
     dtype = np.dtype(float_dtype or np.float32) if int8 else np.dtype(dtype)
+    kv_heads = kv_heads or cfg.num_kv_heads
+    if kv_heads % cfg.num_kv_heads:
+        raise WeightsError(f"kv_heads {kv_heads} is not a multiple of the config's {cfg.num_kv_heads}")
     r = _Reader(folder)
     h, q, kv, f = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
 
-    def put(array: np.ndarray):
-        return jnp.asarray(np.ascontiguousarray(array.astype(dtype, copy=False)))
+    def put(array: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(array.astype(dtype, copy=False))
 
     def put_matrix(array: np.ndarray):
         """A dense [out, in] matrix in the weights dtype (int8: quantized now, see the docstring)."""
         if not int8:
             return put(array)
         values, scale = quantize_int8(array)
-        return {"q": jnp.asarray(values), "scale": jnp.asarray(scale)}
+        return {"q": values, "scale": scale}
 
     def matrix(name: str, out_dim: int, in_dim: int) -> np.ndarray:
         return r.get(name, (out_dim, in_dim))          # nn.Linear's own [out, in]
 
+    def gate_up(p: str, width: int) -> np.ndarray:
+        return interleave_gate_up(matrix(p + "gate_proj.weight", width, h),
+                                  matrix(p + "up_proj.weight", width, h))
+
     def experts(p: str) -> dict:
         """A layer's router and experts, each expert's tensors stacked along a new first axis.
-        Checkpoints written by newer transformers may hold them stacked already (gate_up_proj)."""
+        Checkpoints written by newer transformers may hold them stacked already (gate_up_proj,
+        gate rows then up rows)."""
         e, m = cfg.num_experts, cfg.moe_intermediate_size
         if r.has(p + "experts.gate_up_proj"):
-            gate_up = r.get(p + "experts.gate_up_proj", (e, 2 * m, h))
+            stacked = r.get(p + "experts.gate_up_proj", (e, 2 * m, h))
+            both = interleave_gate_up(stacked[:, :m], stacked[:, m:])
             down = r.get(p + "experts.down_proj", (e, h, m))
         else:
-            gate_up = np.stack([np.concatenate([matrix(f"{p}experts.{j}.gate_proj.weight", m, h),
-                                                matrix(f"{p}experts.{j}.up_proj.weight", m, h)])
-                                for j in range(e)])
+            both = np.stack([gate_up(f"{p}experts.{j}.", m) for j in range(e)])
             down = np.stack([matrix(f"{p}experts.{j}.down_proj.weight", h, m) for j in range(e)])
-        return {"router": put(matrix(p + "gate.weight", e, h)), "gate_up": put(gate_up),
-                "down": put(down)}
+        return {"router": put(matrix(p + "gate.weight", e, h)), "gate_up": put(both), "down": put(down)}
 
-    def norm(name: str, size: int):
+    def norm(name: str, size: int) -> np.ndarray:
         """An RMSNorm scale; a zero-centred one becomes 1 + w, in float32 (the norm's own dtype)."""
         w = r.get(name, (size,))
         if cfg.zero_centred_norms:
-            return jnp.asarray(1.0 + w.astype(np.float32))
+            return 1.0 + w.astype(np.float32)
         return put(w)
 
     def shared_expert(p: str) -> dict:
         s = cfg.shared_expert_intermediate_size
-        return {"gate_up": put(np.concatenate([matrix(p + "shared_expert.gate_proj.weight", s, h),
-                                               matrix(p + "shared_expert.up_proj.weight", s, h)])),
+        return {"gate_up": put(gate_up(p + "shared_expert.", s)),
                 "down": put(matrix(p + "shared_expert.down_proj.weight", h, s)),
                 "gate": put(matrix(p + "shared_expert_gate.weight", 1, h))}
 
@@ -199,10 +236,16 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None) -> dict
         rows = [part.reshape(-1, h) for part in qkvz + ba]
         conv = r.get(p + "conv1d.weight", (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel))
         return {"in": put(np.concatenate(rows)), "conv": put(conv[:, 0]),
-                "A_log": jnp.asarray(r.get(p + "A_log", (vh,)).astype(np.float32)),
-                "dt_bias": jnp.asarray(r.get(p + "dt_bias", (vh,)).astype(np.float32)),
-                "norm": jnp.asarray(r.get(p + "norm.weight", (dv,)).astype(np.float32)),
+                "A_log": r.get(p + "A_log", (vh,)).astype(np.float32),
+                "dt_bias": r.get(p + "dt_bias", (vh,)).astype(np.float32),
+                "norm": r.get(p + "norm.weight", (dv,)).astype(np.float32),
                 "out": put(matrix(p + "out_proj.weight", h, vd))}
+
+    def qkv(p: str, wide: int, rows_of):
+        """The layer's q, k, v rows grouped by KV head (see group_qkv); rows_of(name, rows) reads
+        one projection's weight or bias."""
+        return group_qkv(rows_of(p + "q_proj", wide), rows_of(p + "k_proj", kv),
+                         rows_of(p + "v_proj", kv), cfg.num_kv_heads, kv_heads)
 
     layers = []
     for i, (kind, mlp) in enumerate(zip(cfg.layer_kinds, cfg.mlp_kinds or ("dense",) * cfg.num_layers)):
@@ -218,36 +261,32 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None) -> dict
         else:
             # Gated attention's q_proj holds each head's query rows then its gate rows.
             wide = 2 * q if kind == "gated_attention" else q
-            layer["qkv"] = put_matrix(np.concatenate([matrix(p + "self_attn.q_proj.weight", wide, h),
-                                                      matrix(p + "self_attn.k_proj.weight", kv, h),
-                                                      matrix(p + "self_attn.v_proj.weight", kv, h)]))
-            layer["o"] = put_matrix(matrix(p + "self_attn.o_proj.weight", h, q))
+            attn = p + "self_attn."
+            layer["qkv"] = put_matrix(qkv(attn, wide, lambda n, rows: matrix(n + ".weight", rows, h)))
+            layer["o"] = put_matrix(matrix(attn + "o_proj.weight", h, q))
+            if cfg.qkv_bias:
+                layer["qkv_bias"] = put(qkv(attn, wide, lambda n, rows: r.get(n + ".bias", (rows,))))
         if mlp == "moe":
             layer["moe"] = experts(p + "mlp.")
             if cfg.shared_expert_intermediate_size:
                 layer["moe"]["shared"] = shared_expert(p + "mlp.")
         else:
-            layer["gate_up"] = put_matrix(np.concatenate([matrix(p + "mlp.gate_proj.weight", f, h),
-                                                   matrix(p + "mlp.up_proj.weight", f, h)]))
+            layer["gate_up"] = put_matrix(gate_up(p + "mlp.", f))
             layer["down"] = put_matrix(matrix(p + "mlp.down_proj.weight", h, f))
-        if cfg.qkv_bias:
-            layer["qkv_bias"] = put(np.concatenate([r.get(p + "self_attn.q_proj.bias", (q,)),
-                                                    r.get(p + "self_attn.k_proj.bias", (kv,)),
-                                                    r.get(p + "self_attn.v_proj.bias", (kv,))]))
         if cfg.qk_norm and kind != "linear":
             layer["q_norm"] = norm(p + "self_attn.q_norm.weight", cfg.head_dim)
             layer["k_norm"] = norm(p + "self_attn.k_norm.weight", cfg.head_dim)
-        layers.append(layer)
+        layers.append(place(f"layers.{i}", layer))
 
-    embed = put_matrix(r.get("model.embed_tokens.weight", (cfg.vocab_size, h)))
+    embed = place("embed", put_matrix(r.get("model.embed_tokens.weight", (cfg.vocab_size, h))))
     if cfg.tie_word_embeddings:
         lm_head = embed
     else:
-        lm_head = put_matrix(matrix("lm_head.weight", cfg.vocab_size, h))
+        lm_head = place("lm_head", put_matrix(matrix("lm_head.weight", cfg.vocab_size, h)))
     return {
         "embed": embed,
         "lm_head": lm_head,
-        "norm": norm("model.norm.weight", h),
+        "norm": place("norm", norm("model.norm.weight", h)),
         "layers": layers,
     }
 

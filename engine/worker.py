@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from engine import certify, identity, prefix, sampler
+from engine import certify, identity, prefix, sampler, sharding
 from engine.cache import copy_prefix, init_cache, read_slot, warm_host_copies, write_slot
 from engine.config import CHAT_FORMAT, load_config
 from engine.model import dtype_for, jit_forward, kv_dtype_for, routed_report, weights_dtype_for
@@ -58,6 +58,8 @@ class WorkerArgs:
     # by platform (engine.model.weights_dtype_for)
     dtype: str | None = None
     kv_dtype: str | None = None           # the KV cache's dtype; None: by platform (kv_dtype_for)
+    # Devices the model is split over (engine.sharding: tensor parallel), or "all" of the platform's.
+    devices: int | str = 1
     prefill_chunks: tuple[int, ...] = PREFILL_CHUNKS
     # Where compiled programs are kept between runs (a compile per shape costs seconds on CPU);
     # None: off.
@@ -134,15 +136,21 @@ class Engine:
             jax.config.update("jax_compilation_cache_dir", args.compile_cache)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", COMPILE_CACHE_MIN_SECONDS)
         platform = jax.default_backend()
-        self.cfg = cfg = load_config(args.weights_folder)
+        # The checkpoint's config, and the one the programs run: the same but for the KV heads laid
+        # out when the mesh has more devices than the model has KV heads (engine.sharding).
+        self.checkpoint_cfg = load_config(args.weights_folder)
+        self.layout = sharding.Layout.build(self.checkpoint_cfg, args.devices)
+        self.cfg = cfg = self.layout.cfg
         # int8 here names the weights' format (int8 matrices, float norms): np.dtype("int8").name
         self.dtype = np.dtype(weights_dtype_for(platform, args.dtype))
         progress("weights", 0, 1)
-        self.params = load_weights(args.weights_folder, cfg, self.dtype.name, float_dtype=dtype_for(platform))
+        self.params = load_weights(args.weights_folder, self.checkpoint_cfg, self.dtype.name,
+                                   float_dtype=dtype_for(platform), kv_heads=cfg.num_kv_heads,
+                                   place=self.layout.place)
         progress("weights", 1, 1)
         self.kv_dtype = np.dtype(args.kv_dtype) if args.kv_dtype else np.dtype(kv_dtype_for(platform))
-        self.cache = init_cache(cfg, args.slots, args.ctx, self.kv_dtype)
-        self.state = sampler.init_state(args.slots, cfg.vocab_size)
+        self.cache = init_cache(cfg, args.slots, args.ctx, self.kv_dtype, zeros=self.layout.cache_zeros)
+        self.state = self.layout.replicate(sampler.init_state(args.slots, cfg.vocab_size))
         self.buckets = Buckets.for_ctx(args.ctx, tuple(args.prefill_chunks), args.slots)
         family = cfg.model_type
         chat_format = args.chat_format or CHAT_FORMAT[family]
@@ -172,6 +180,7 @@ class Engine:
             bpw=args.bpw or DTYPE_BITS.get(cfg.source_dtype, 16),
             max_model_len=args.ctx, slots=args.slots, prefix_cache=args.prefix_cache,
             cache_ram_mib=args.cache_ram_mib, vocab_size=cfg.vocab_size, device=platform,
+            devices=self.layout.describe(),
             dtype=self.dtype.name, compile_s=round(compile_s, 2),
             cache_namespace=namespace,
             # What the warm-up traced, so Health reports the path the programs really run.
@@ -199,16 +208,16 @@ class Engine:
         the device and the settings that shape the programs."""
         texts = [jit_forward.lower(*self._model_call(rows, t), cfg=self.cfg).as_text()
                  for _, rows, t in self.programs()]
-        device = jax.devices()[0]
+        device = self.layout.mesh.devices.flat[0]
         import jaxlib
         return identity.deployment_id(texts, {
             "jax": jax.__version__, "jaxlib": jaxlib.__version__, "platform": device.platform,
-            "device_kind": device.device_kind, "devices": jax.device_count(), "dtype": self.dtype.name,
+            "device_kind": device.device_kind, "devices": self.layout.describe(), "dtype": self.dtype.name,
             "kv_dtype": self.kv_dtype.name,
             "slots": self.args.slots, "ctx": self.args.ctx, "buckets": repr(self.buckets),
             "prefix_cache": self.args.prefix_cache, "host_cache": self.host is not None,
             # the sampler's and the cache copies' small programs: their source
-            "sources": [identity.file_sha256(m.__file__) for m in (sampler, prefix)]
+            "sources": [identity.file_sha256(m.__file__) for m in (sampler, prefix, sharding)]
             + [identity.file_sha256(init_cache.__code__.co_filename)]})
 
     def _warm_up(self, progress) -> None:

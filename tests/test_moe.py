@@ -149,7 +149,7 @@ def _reference(x, moe, cfg):
         picked = np.argsort(-probs, kind="stable")[:cfg.experts_per_token]
         weights = probs[picked] / (probs[picked].sum() if cfg.norm_topk_prob else 1.0)
         for e, w in zip(picked, weights):
-            gate, up = np.split(gate_up[e] @ row, 2)
+            gate, up = (gate_up[e] @ row).reshape(-1, 2).T     # interleaved rows (engine.weights)
             out[n] += w * (down[e] @ (gate / (1 + np.exp(-gate)) * up))
     return out
 

@@ -1,0 +1,204 @@
+"""Tensor parallelism inside one worker: one model instance over N devices of one mesh.
+
+    check_devices(cfg, n)          the KV heads the model lays out on n devices, or DevicesError
+    Layout.build(cfg, devices)     the mesh, the config the programs are traced with, and the
+                                   sharding of every weight and cache array
+
+One mesh axis, MODEL_AXIS, over the N devices. The weights and the cache are split along it where
+they are created (engine.weights places each tensor straight into its shards; the cache is made
+as zeros already split), the compiled programs take them as they are, and XLA's SPMD partitioner
+inserts the collectives: an all-reduce after each product whose input is split (attention's output
+projection, the MLP's and the experts' down projections) and gathers around the vocabulary-split
+embedding and logits. Activations (the residual stream) are replicated.
+
+What is split where is decided here only, in PARAM_SPECS and CACHE_SPECS: parameter path (the
+layer index written *) -> how each dimension is split (MODEL_AXIS) or not (None); an empty tuple is
+replicated. Each entry can be checked against engine.model and engine.weights's layout: stacked
+projections are laid out so that a block of rows is whole heads or whole channels (KV groups in
+"qkv", gate and up interleaved in "gate_up").
+
+Routed experts are split by channel inside every expert (each device holds 1/N of every expert), not
+whole experts per device (expert parallelism): the model picks an expert with a run-time index, and
+XLA's SPMD partitioner serves a run-time index into a split axis by gathering that axis onto every
+device, every expert on every chip at each step. Whole experts per device needs each token sent to
+its experts' device (an all-to-all inside shard_map): not built.
+
+This module imports jax only where it builds the mesh: the server checks --devices against the
+model's config.json without importing jax.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+from engine.config import ConfigError, ModelConfig
+
+MODEL_AXIS = "model"
+M = MODEL_AXIS
+
+PARAM_SPECS: dict[str, tuple] = {
+    # [vocab, hidden]: by vocabulary (when the vocabulary divides evenly, else replicated). The
+    # embedding is a row gather; the head's logits come out split by vocabulary.
+    "embed": (M, None),
+    "lm_head": (M, None),
+    "norm": (),
+    "layers.*.attn_norm": (),
+    "layers.*.mlp_norm": (),
+    # [rows grouped by KV head, hidden]: whole KV groups per device, each with its query heads,
+    # key and value (engine.weights.group_qkv), so attention runs on each device's own heads.
+    "layers.*.qkv": (M, None),
+    "layers.*.qkv_bias": (M,),
+    "layers.*.q_norm": (),                           # [head_dim]: the same for every head
+    "layers.*.k_norm": (),
+    "layers.*.o": (None, M),                         # [hidden, query heads x head_dim]
+    # [intermediate channels, gate and up interleaved, hidden] and [hidden, intermediate].
+    "layers.*.gate_up": (M, None),
+    "layers.*.down": (None, M),
+    # Routed experts: [experts, channels, ...], every expert's channels split (see the docstring).
+    "layers.*.moe.router": (),
+    "layers.*.moe.gate_up": (None, M, None),
+    "layers.*.moe.down": (None, None, M),
+    "layers.*.moe.shared.gate_up": (M, None),
+    "layers.*.moe.shared.down": (None, M),
+    "layers.*.moe.shared.gate": (),                  # [1, hidden]
+    # Gated DeltaNet layers: replicated (their head layout is not split yet).
+    "layers.*.linear.in": (),
+    "layers.*.linear.conv": (),
+    "layers.*.linear.A_log": (),
+    "layers.*.linear.dt_bias": (),
+    "layers.*.linear.norm": (),
+    "layers.*.linear.out": (),
+}
+# Names of PARAM_SPECS's vocabulary-split entries.
+VOCAB_SPLIT = ("embed", "lm_head")
+# The cache (engine.cache): K [slots, kv_heads, ctx, head_dim] and V [slots, kv_heads, head_dim, ctx]
+# by KV head, as "qkv" computes them; the Gated DeltaNet states replicated, like their weights.
+CACHE_SPECS: dict[str, tuple] = {
+    "k": (None, M, None, None),
+    "v": (None, M, None, None),
+    "conv": (),
+    "state": (),
+}
+# int8 weight-only matrices are {"q": [out, in], "scale": [out]}: "q" is split like the float
+# matrix, and the scales go with their output rows (replicated when the rows are not split).
+INT8_PARTS = ("q", "scale")
+
+
+class DevicesError(ConfigError):
+    """The model cannot be split over the devices asked for: the message says why, and what works."""
+
+
+def _problems(cfg: ModelConfig, n: int) -> list[str]:
+    """Why the model cannot be split n ways (empty: it can)."""
+    out = []
+    if cfg.num_heads % n:
+        out.append(f"{cfg.num_heads} attention heads")
+    if cfg.num_kv_heads % n and n % cfg.num_kv_heads:
+        out.append(f"{cfg.num_kv_heads} KV heads (neither divides the other)")
+    mlp_kinds = cfg.mlp_kinds or ("dense",) * cfg.num_layers
+    widths = [("MLP channels", cfg.intermediate_size, "dense"),
+              ("channels per expert", cfg.moe_intermediate_size, "moe"),
+              ("shared-expert channels", cfg.shared_expert_intermediate_size, "moe")]
+    for what, width, kind in widths:
+        if kind in mlp_kinds and width and width % n:
+            out.append(f"{width} {what}")
+    return out
+
+
+def check_devices(cfg: ModelConfig, n: int, available: int | None = None) -> int:
+    """The KV heads the model lays out on n devices: its own, or n when there are fewer (each KV
+    head is then repeated so that every device holds the one its query heads read). Raises
+    DevicesError when n does not divide the heads or the MLP channels."""
+    if n < 1:
+        raise DevicesError(f"--devices must be at least 1, got {n}")
+    problems = _problems(cfg, n)
+    if problems:
+        upto = available or max(cfg.num_heads, n)
+        fits = [str(m) for m in range(1, upto + 1) if not _problems(cfg, m)]
+        raise DevicesError(f"--devices {n} does not divide the model's {', '.join(problems)}; it "
+                           f"splits over {', '.join(fits)} device(s)"
+                           + (f" (of the {available} here)" if available else ""))
+    return max(cfg.num_kv_heads, n)
+
+
+def spec_of(path: str) -> tuple:
+    """PARAM_SPECS's entry for a parameter path ("layers.3.qkv", "layers.3.qkv.scale")."""
+    key = re.sub(r"\.\d+(\.|$)", r".*\1", path)
+    if key in PARAM_SPECS:
+        return PARAM_SPECS[key]
+    base, _, part = key.rpartition(".")
+    if part in INT8_PARTS and base in PARAM_SPECS:
+        spec = PARAM_SPECS[base]
+        return spec if part == "q" else spec[:1]
+    raise KeyError(f"no partition spec for parameter {path!r}: add it to engine.sharding.PARAM_SPECS")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One model instance's mesh: `cfg` is the config the programs are traced with (its
+    num_kv_heads as laid out, see check_devices)."""
+    mesh: object                      # jax.sharding.Mesh, one axis MODEL_AXIS
+    cfg: ModelConfig
+    vocab_split: bool
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, devices: int | str = 1) -> "Layout":
+        """devices: how many of this process's devices ("all": every one). With several processes
+        (jax.distributed), each brings that many and the mesh spans all of them."""
+        import jax
+        from jax.sharding import Mesh
+
+        local = jax.local_devices()
+        n = len(local) if devices == "all" else int(devices)
+        if n > len(local):
+            raise DevicesError(f"--devices {n}: this process sees {len(local)} "
+                               f"{jax.default_backend()} device(s)")
+        chips = [d for p in range(jax.process_count()) for d in jax.local_devices(process_index=p)[:n]]
+        kv_heads = check_devices(cfg, len(chips), available=len(local) * jax.process_count())
+        return cls(Mesh(np.array(chips), (MODEL_AXIS,)), dataclasses.replace(cfg, num_kv_heads=kv_heads),
+                   cfg.vocab_size % len(chips) == 0)
+
+    @property
+    def devices(self) -> int:
+        return self.mesh.size
+
+    def describe(self) -> dict:
+        """What Health and the log say: the device count, platform and mesh axes."""
+        return {"count": self.devices, "platform": self.mesh.devices.flat[0].platform,
+                "mesh": dict(self.mesh.shape), "processes": len({d.process_index for d in self.mesh.devices.flat}),
+                "kv_heads": self.cfg.num_kv_heads}
+
+    def sharding(self, spec: tuple):
+        from jax.sharding import NamedSharding, PartitionSpec
+        return NamedSharding(self.mesh, PartitionSpec(*spec))
+
+    def param_sharding(self, path: str):
+        spec = spec_of(path)
+        if path.split(".")[0] in VOCAB_SPLIT and not self.vocab_split:
+            spec = ()
+        return self.sharding(spec)
+
+    def place(self, path: str, tree):
+        """A subtree of numpy arrays (engine.weights's `place`) as jax arrays, each device given
+        only its own shard: no device ever holds a whole split tensor."""
+        import jax
+
+        def one(key_path, array):
+            name = ".".join([path] + [str(k.key) for k in key_path])
+            return jax.make_array_from_callback(array.shape, self.param_sharding(name),
+                                                lambda index: array[index])
+        return jax.tree_util.tree_map_with_path(one, tree)
+
+    def cache_zeros(self, name: str, shape: tuple, dtype):
+        """A zero cache array (engine.cache.init_cache's `zeros`), made already split on the devices."""
+        import jax
+        import jax.numpy as jnp
+        make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.sharding(CACHE_SPECS[name]))
+        return make()
+
+    def replicate(self, tree):
+        """Small state every device reads whole (the sampler's), on every device of the mesh."""
+        import jax
+        return jax.device_put(tree, self.sharding(()))

