@@ -23,12 +23,16 @@ XLA's SPMD partitioner serves a run-time index into a split axis by gathering th
 device, every expert on every chip at each step. Whole experts per device needs each token sent to
 its experts' device (an all-to-all inside shard_map): not built.
 
+Several hosts (jax.distributed, init_distributed): each process brings its --devices devices and
+the mesh spans all of them; every process must then run the same programs on the same inputs.
+
 This module imports jax only where it builds the mesh: the server checks --devices against the
 model's config.json without importing jax.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import numpy as np
@@ -84,6 +88,13 @@ CACHE_SPECS: dict[str, tuple] = {
 # int8 weight-only matrices are {"q": [out, in], "scale": [out]}: "q" is split like the float
 # matrix, and the scales go with their output rows (replicated when the rows are not split).
 INT8_PARTS = ("q", "scale")
+
+
+# jax.distributed's settings, read from the environment when no flag gives them: the coordinator's
+# host:port (process 0 listens there), how many processes, and this one's index.
+DISTRIBUTED_ENV = ("MASHBOX_COORDINATOR", "MASHBOX_NUM_PROCESSES", "MASHBOX_PROCESS_ID")
+# Collectives between processes on a CPU: gloo (TCP), which jaxlib ships; accelerators use their own.
+CPU_COLLECTIVES = "gloo"
 
 
 class DevicesError(ConfigError):
@@ -202,3 +213,34 @@ class Layout:
         """Small state every device reads whole (the sampler's), on every device of the mesh."""
         import jax
         return jax.device_put(tree, self.sharding(()))
+
+
+def distributed_settings(coordinator: str | None = None, processes: int | None = None,
+                         process_id: int | None = None) -> tuple[str, int, int] | None:
+    """(coordinator, processes, process id) from the arguments, else DISTRIBUTED_ENV; None when no
+    coordinator is named (one process). A partial or inconsistent setting is a DevicesError."""
+    env = [os.environ.get(name) or None for name in DISTRIBUTED_ENV]
+    coordinator = coordinator or env[0]
+    if not coordinator:
+        return None
+    try:
+        processes = int(processes if processes is not None else env[1])
+        process_id = int(process_id if process_id is not None else env[2])
+    except (TypeError, ValueError):
+        raise DevicesError(f"a coordinator ({coordinator}) needs the process count and this process's id "
+                           f"as integers (--num-processes/--process-id or {DISTRIBUTED_ENV[1]}/"
+                           f"{DISTRIBUTED_ENV[2]})") from None
+    if processes < 1 or not 0 <= process_id < processes:
+        raise DevicesError(f"process id {process_id} is not one of {processes} process(es)")
+    return coordinator, processes, process_id
+
+
+def init_distributed(settings: tuple[str, int, int] | None) -> None:
+    """Join the other processes of the mesh (jax.distributed), before this process touches a device."""
+    if settings is None:
+        return
+    import jax
+    coordinator, processes, process_id = settings
+    jax.config.update("jax_cpu_collectives_implementation", CPU_COLLECTIVES)
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=processes,
+                               process_id=process_id)

@@ -250,9 +250,6 @@ def test_health_and_the_log_say_the_devices_and_the_mesh(monkeypatch, compile_ca
     server = Server(app, args)
     try:
         server.call(__import__("asyncio").wait_for(app.wait_ready(), 600), 601)
-        status, _, raw = server.request("POST", "/v1/chat/completions", {
-            "model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
-        assert status == 200, raw
         doc = json.loads(server.request("GET", "/health")[2])
         assert doc["status"] == "ok" and doc["compiles_after_ready"] == 0
         assert doc["devices"] == {"count": 4, "platform": "cpu", "mesh": {MODEL_AXIS: 4}, "processes": 1,

@@ -1,12 +1,16 @@
 """One model split over 1, 2, 4 ... devices (engine.sharding) gives the logits of one device.
 
     python tests/tp_parity.py FOLDER [--devices 1 2 4] [--weights-dtype float32|int8]
+        [--coordinator HOST:PORT --num-processes P --process-id I]
 
 Prints one JSON object: for each device count, the largest logit difference from the first count
 in prefill (two chunks, every position) and in decode (a batch of every slot, one live row, three
 steps), and how the weights and the cache came out split (specs and each device's shard shape).
 On a CPU, run it with XLA_FLAGS=--xla_force_host_platform_device_count=4 (set before jax starts):
 tests/test_sharding.py does; tests/bench/device_check.sh runs it on an accelerator's chips.
+With a coordinator, P processes (one per host, or several on one machine) each bring --devices
+devices to one mesh (jax.distributed, engine.sharding.init_distributed), run the same programs, and
+each prints the logits gathered from every process.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import numpy as np  # noqa: E402
 from engine.cache import init_cache  # noqa: E402
 from engine.config import load_config  # noqa: E402
 from engine.model import jit_forward  # noqa: E402
-from engine.sharding import Layout  # noqa: E402
+from engine.sharding import Layout, distributed_settings, init_distributed  # noqa: E402
 from engine.weights import load_weights  # noqa: E402
 
 SLOTS, CTX = 4, 64
@@ -31,6 +35,14 @@ CHUNKS = ((0, 20), (20, 12))       # (start, tokens) of the two prefill chunks, 
 BUCKET = 32
 DECODE_STEPS = 3
 SLOT = 1
+
+
+def _host(array) -> np.ndarray:
+    """A global array as numpy on this process (gathered from the other processes' devices)."""
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
 def _spec(array) -> list:
@@ -54,7 +66,7 @@ def run(folder: str, devices: int, weights_dtype: str) -> dict:
         logits, cache = jit_forward(params, cache, tokens, np.array([SLOT], np.int32),
                                     np.array([start], np.int32), np.array([n], np.int32), cfg=cfg,
                                     all_logits=True)
-        prefill.append(np.asarray(logits)[0, :n])
+        prefill.append(_host(logits)[0, :n])
     decode, position, token = [], len(prompt), int(np.argmax(prefill[-1][-1]))
     for _ in range(DECODE_STEPS):
         tokens, starts, lengths = (np.zeros((SLOTS, 1), np.int32), np.zeros(SLOTS, np.int32),
@@ -62,7 +74,7 @@ def run(folder: str, devices: int, weights_dtype: str) -> dict:
         tokens[SLOT, 0], starts[SLOT], lengths[SLOT] = token, position, 1
         logits, cache = jit_forward(params, cache, tokens, np.arange(SLOTS, dtype=np.int32), starts,
                                     lengths, cfg=cfg)
-        decode.append(np.asarray(logits)[SLOT])
+        decode.append(_host(logits)[SLOT])
         # the tokens the first run would pick are fed to every run: the logits stay comparable
         token, position = int(np.argmax(decode[-1])), position + 1
     attention = next(i for i, layer in enumerate(cache) if "k" in layer)
@@ -86,15 +98,22 @@ def main() -> None:
     parser.add_argument("folder")
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--weights-dtype", default="float32")
+    parser.add_argument("--coordinator")
+    parser.add_argument("--num-processes", type=int)
+    parser.add_argument("--process-id", type=int)
     args = parser.parse_args()
+    init_distributed(distributed_settings(args.coordinator, args.num_processes, args.process_id))
     runs = {n: run(args.folder, n, args.weights_dtype) for n in args.devices}
     first = runs[args.devices[0]]
-    out = {"platform": jax.default_backend(), "visible": len(jax.devices()), "runs": {}}
+    out = {"platform": jax.default_backend(), "visible": len(jax.devices()),
+           "processes": jax.process_count(), "process": jax.process_index(), "runs": {}}
     for n, r in runs.items():
         out["runs"][str(n)] = dict(r["facts"],
                                    prefill_diff=float(np.max(np.abs(r["prefill"] - first["prefill"]))),
                                    decode_diff=float(np.max(np.abs(r["decode"] - first["decode"]))),
-                                   logit_std=float(first["prefill"].std()))
+                                   logit_std=float(first["prefill"].std()),
+                                   # the logits themselves, rounded, to compare separate runs
+                                   last=np.round(r["decode"][-1].astype(np.float64), 5).tolist())
     print(json.dumps(out))
 
 
