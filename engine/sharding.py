@@ -32,6 +32,7 @@ model's config.json without importing jax.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 
@@ -204,15 +205,21 @@ class Layout:
 
     def cache_zeros(self, name: str, shape: tuple, dtype):
         """A zero cache array (engine.cache.init_cache's `zeros`), made already split on the devices."""
-        import jax
-        import jax.numpy as jnp
-        make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.sharding(CACHE_SPECS[name]))
-        return make()
+        return _zeros_program(self.sharding(CACHE_SPECS[name]), tuple(shape), np.dtype(dtype))()
 
     def replicate(self, tree):
         """Small state every device reads whole (the sampler's), on every device of the mesh."""
         import jax
         return jax.device_put(tree, self.sharding(()))
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_program(sharding, shape: tuple, dtype):
+    """One program per cache array shape (every layer's K shares it): a fresh one per layer would
+    be compiled again, or loaded again from the persistent cache."""
+    import jax
+    import jax.numpy as jnp
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
 
 
 def distributed_settings(coordinator: str | None = None, processes: int | None = None,
