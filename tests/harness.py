@@ -14,9 +14,13 @@ import asyncio
 import contextlib
 import http.client
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Iterator
 
 import mashbox
@@ -25,6 +29,7 @@ from tests.fake_worker import MODEL_ID, FakeArgs
 
 WAIT_S = 30          # most a test waits for the worker or an answer; a pass takes far less
 HOST = "127.0.0.1"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def key_set(keys: dict[str, str | None]) -> Keys:
@@ -206,3 +211,44 @@ def read_answer(sock: socket.socket) -> tuple[int, dict, bytes]:
         name, _, value = line.decode("latin-1").partition(":")
         headers[name.lower()] = value.strip()
     return status, headers, f.read(int(headers.get("content-length", 0)))
+
+
+class CliServer:
+    """`python -m mashbox run` on a free port, serving the fake engine (MASHBOX_WORKER_ENTRY) with
+    `fake` (FakeArgs fields); `args` are more flags. Its log lines are kept in `lines`."""
+
+    def __init__(self, fake: dict, args: tuple[str, ...] = ()):
+        env = dict(os.environ, MASHBOX_WORKER_ENTRY="tests.fake_worker:main", MASHBOX_FAKE=json.dumps(fake),
+                   PYTHONPATH=str(ROOT))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mashbox", "run", str(ROOT / "tests" / "fixtures" / "tiny" / "qwen3"),
+             "--port", "0", *args], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+        self.port = None
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        until(lambda: self.port is not None or self.proc.poll() is not None, "listening on")
+        assert self.port, self.lines
+        until(lambda: self.health().get("status") == "ok", "the fake worker")
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if "listening on http://" in line:
+                self.port = int(line.rsplit(":", 1)[1])
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def health(self) -> dict:
+        try:
+            conn = http.client.HTTPConnection(HOST, self.port, timeout=5)
+            conn.request("GET", "/health")
+            return json.loads(conn.getresponse().read())
+        except OSError:
+            return {}
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)

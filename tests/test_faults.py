@@ -14,8 +14,6 @@ import http.client
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -26,7 +24,7 @@ import mashbox
 from engine import protocol
 from mashbox import App, ServeConfig, Guard
 from tests.fake_worker import MODEL_ID, FakeArgs, tokenizer_folder
-from tests.harness import HOST, WAIT_S, Server, error_of, key_set
+from tests.harness import HOST, WAIT_S, CliServer, Server, error_of, key_set
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma"
@@ -440,42 +438,6 @@ def _try_request(server: Server):
         return None, {}, repr(e)
 
 
-class Cli:
-    """`python -m mashbox run` on a free port, serving the fake engine (MASHBOX_WORKER_ENTRY)."""
-
-    def __init__(self, fake: dict):
-        env = dict(os.environ, MASHBOX_WORKER_ENTRY="tests.fake_worker:main", MASHBOX_FAKE=json.dumps(fake),
-                   PYTHONPATH=str(ROOT))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mashbox", "run", str(ROOT / "tests" / "fixtures" / "tiny" / "qwen3"),
-             "--port", "0"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-        self.port = None
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        until(lambda: self.port is not None or self.proc.poll() is not None, "listening on", every=0.05)
-        assert self.port, self.lines
-        until(lambda: self.health().get("status") == "ok", "the fake worker", every=0.1)
-
-    def _read(self):
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            if "listening on http://" in line:
-                self.port = int(line.rsplit(":", 1)[1])
-
-    def health(self) -> dict:
-        try:
-            conn = http.client.HTTPConnection(HOST, self.port, timeout=5)
-            conn.request("GET", "/health")
-            return json.loads(conn.getresponse().read())
-        except OSError:
-            return {}
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -488,7 +450,7 @@ def _alive(pid: int) -> bool:
 
 def test_sigterm_lets_a_running_stream_finish_stops_the_worker_and_exits_0():
     """Guards against SIGTERM cutting a running answer, leaving the worker behind, or a nonzero exit."""
-    cli = Cli({"delay_s": 0.05})
+    cli = CliServer({"delay_s": 0.05})
     try:
         worker_pid = cli.health()["worker_pid"]
         stream = Stream(cli, "chat", f"echo: {WORDS}")
@@ -505,7 +467,7 @@ def test_sigterm_lets_a_running_stream_finish_stops_the_worker_and_exits_0():
 def test_a_second_signal_exits_at_once():
     """Guards against a shutdown an operator cannot cut short: the second SIGINT ends the process (and
     its worker) now, while a long answer is still running."""
-    cli = Cli({"delay_s": 0.3})
+    cli = CliServer({"delay_s": 0.3})
     try:
         worker_pid = cli.health()["worker_pid"]
         stream = Stream(cli, "chat", f"echo: {WORDS} {WORDS}")

@@ -87,7 +87,7 @@ def test_health_of_a_server_whose_worker_never_started():
 def test_health_reads_the_workers_cache_figures():
     """Guards against cache_bytes that is not host_cache_bytes plus snapshot_bytes, or a cap taken from
     anything but the worker's report (and the --cache-ram it was given before the first report)."""
-    facts = SimpleNamespace(cache_ram_mib=64, routed_experts=None, deployment_id=None,
+    facts = SimpleNamespace(cache_ram_mib=64, routed_experts=None, deployment_id=None, devices=None,
                             component_set_sha=None, certification="not_certified", certification_detail="")
     bridge = SimpleNamespace(status="ok", stats=None, facts=facts, pid=99, restarts=2, loading=None,
                              compiles_after_ready=1)
