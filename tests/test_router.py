@@ -40,20 +40,23 @@ class Router:
 
     def __init__(self, replicas: list[CliServer], policy: str):
         self.port = _free_port()
+        # its Prometheus exporter listens on a fixed port unless told: two routers would collide
         self.proc = subprocess.Popen(
             [sys.executable, "-m", ROUTER_MODULE, "--host", HOST, "--port", str(self.port),
-             "--policy", policy, "--worker-urls", *[r.url for r in replicas]],
+             "--prometheus-port", str(_free_port()), "--policy", policy,
+             "--worker-urls", *[r.url for r in replicas]],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
-        until(lambda: self._models() or self.proc.poll() is not None, "the router to answer")
+        until(lambda: self._ready() or self.proc.poll() is not None, "the router to answer")
         assert self.proc.poll() is None, "".join(self.lines[-20:])
         self.url = f"http://{HOST}:{self.port}"
 
-    def _models(self) -> bool:
+    def _ready(self) -> bool:
+        """The router's own readiness: every replica passed its health check (/health)."""
         try:
             conn = http.client.HTTPConnection(HOST, self.port, timeout=2)
-            conn.request("GET", "/v1/models")
+            conn.request("GET", "/readiness")
             return conn.getresponse().status == 200
         except OSError:
             return False
@@ -66,11 +69,12 @@ class Router:
 
 @pytest.fixture
 def cluster(request):
-    """Two replicas and a router: request.param {"policy": the router's, "fake": FakeArgs fields}."""
-    fake, policy = request.param.get("fake", {}), request.param["policy"]
+    """Two replicas and a router: request.param {"policy": the router's, "fake": FakeArgs fields,
+    "args": the replicas' flags}."""
+    fake, policy, args = request.param.get("fake", {}), request.param["policy"], request.param.get("args", ())
     replicas = []
     try:
-        replicas = [CliServer(fake), CliServer(fake)]
+        replicas = [CliServer(fake, args), CliServer(fake, args)]
         router = Router(replicas, policy)
         try:
             yield router, replicas
@@ -109,13 +113,14 @@ def test_the_openai_and_anthropic_sdks_work_through_the_router(cluster):
     assert all(_served(r) for r in replicas), [r.lines for r in replicas]
 
 
-def _chat(url: str, messages: list[dict], session: str) -> dict:
+def _chat(url: str, messages: list[dict], session: str, headers: dict | None = None,
+          status: int = 200) -> dict:
     conn = http.client.HTTPConnection(HOST, int(url.rsplit(":", 1)[1]), timeout=WAIT_S)
     conn.request("POST", "/v1/chat/completions", json.dumps({"model": MODEL_ID, "messages": messages}),
-                 {"Content-Type": "application/json", "X-Session-Id": session})
+                 {"Content-Type": "application/json", "X-Session-Id": session, **(headers or {})})
     response = conn.getresponse()
     body = json.loads(response.read())
-    assert response.status == 200, body
+    assert response.status == status, body
     return body
 
 
@@ -170,3 +175,22 @@ def test_killing_a_replica_loses_no_request_that_had_not_started(cluster):
         t.join(WAIT_S)
     assert results == {i: ("ok", f"answer {i}") for i in range(6)}
     assert time.monotonic() - started < WAIT_S
+
+
+KEYS = ROOT / "tests" / "fixtures" / "router-keys.txt"
+
+
+@pytest.mark.parametrize("cluster", [{"policy": "consistent_hash", "args": ("--api-key-file", str(KEYS))}],
+                         indirect=True)
+def test_keys_and_tenants_pass_through_the_router(cluster):
+    """The router forwards the client's key (Authorization or x-api-key) as it came: every replica
+    with the same key file checks it, and its tenant's queues and limits apply there."""
+    router, _ = cluster
+    ask = [{"role": "user", "content": "echo: hello"}]
+    assert _chat(router.url, ask, "s1", {"Authorization": "Bearer router-key-alice"})["choices"][0][
+        "message"]["content"] == "hello"
+    assert _chat(router.url, ask, "s2", {"x-api-key": "router-key-bob"})["choices"][0]["message"][
+        "content"] == "hello"
+    assert "no API key" in _chat(router.url, ask, "s3", status=401)["error"]["message"]
+    assert "wrong API key" in _chat(router.url, ask, "s4", {"x-api-key": "router-key-eve"},
+                                    status=401)["error"]["message"]

@@ -257,3 +257,32 @@ def test_health_and_the_log_say_the_devices_and_the_mesh(monkeypatch, compile_ca
         assert "devices: 4 cpu device(s) in 1 process(es), mesh model=4, 4 KV heads laid out" in caplog.text
     finally:
         server.stop()
+
+
+# ---- two processes, one mesh ---------------------------------------------------------------------
+
+def test_two_processes_on_one_mesh_give_the_logits_of_one_device():
+    """Guards the multi-host path (jax.distributed, CPU collectives over gloo): two processes of two
+    devices each hold one 4-device mesh, each only its own shards, and compute what one device does."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    command = [sys.executable, str(ROOT / "tests" / "tp_parity.py"), str(TINY / "qwen3"), "--devices", "2",
+               "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id"]
+    processes = [subprocess.Popen(command + [str(i)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = []
+    for p in processes:
+        stdout, stderr = p.communicate(timeout=600)
+        assert p.returncode == 0, stderr[-3000:]
+        outs.append(json.loads(stdout.splitlines()[-1]))
+    one = _parity("qwen3", "--devices", "1")["runs"]["1"]["last"]
+    for i, out in enumerate(outs):
+        run = out["runs"]["2"]
+        assert out["processes"] == 2 and out["process"] == i
+        assert run["layout"] == {"count": 4, "platform": "cpu", "mesh": {MODEL_AXIS: 4}, "processes": 2,
+                                 "kv_heads": 4}
+        assert run["cache_k"]["spec"] == [None, MODEL_AXIS, None, None] and run["cache_k"]["shard"][1] == 1
+        np.testing.assert_allclose(run["last"], one, atol=TP_ATOL, rtol=0)

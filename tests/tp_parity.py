@@ -98,6 +98,8 @@ def main() -> None:
     parser.add_argument("folder")
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--weights-dtype", default="float32")
+    parser.add_argument("--check", type=float, metavar="TOLERANCE",
+                        help="print a line per count instead of JSON; exit 1 past this difference")
     parser.add_argument("--coordinator")
     parser.add_argument("--num-processes", type=int)
     parser.add_argument("--process-id", type=int)
@@ -114,7 +116,16 @@ def main() -> None:
                                    logit_std=float(first["prefill"].std()),
                                    # the logits themselves, rounded, to compare separate runs
                                    last=np.round(r["decode"][-1].astype(np.float64), 5).tolist())
-    print(json.dumps(out))
+    if args.check is None:
+        print(json.dumps(out))
+        return
+    worst = 0.0
+    for n, r in out["runs"].items():
+        worst = max(worst, r["prefill_diff"], r["decode_diff"])
+        print(f"{os.path.basename(args.folder)} {args.weights_dtype} on {n} {out['platform']} device(s): "
+              f"prefill {r['prefill_diff']:.2e}, decode {r['decode_diff']:.2e} (logit std "
+              f"{r['logit_std']:.2f}); cache K {r['cache_k']['spec']}, each device's shard {r['cache_k']['shard']}")
+    sys.exit(0 if worst <= args.check else 1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,37 @@
+#!/bin/sh
+# Tensor parallelism on an accelerator machine: the tiny dense, MoE and int8 models split over every
+# power-of-two count of the machine's chips give the logits of one chip (tests/tp_parity.py).
+#
+#     sh tests/bench/device_check.sh            (from the project folder, jax with the chips' plugin)
+#
+# On a machine with one chip there is nothing to compare: it says so and exits 0.
+set -eu
+cd "$(dirname "$0")/../.."
+PYTHON=${PYTHON:-python}
+# Split runs differ from one chip's logits by the order of the all-reduced sums only; accelerators
+# multiply float32 in reduced-precision passes (TF32) and int8 weights in bfloat16, hence not 1e-4.
+TOLERANCE=${TOLERANCE:-2e-2}
+
+chips=$("$PYTHON" -c 'import jax; print(len(jax.devices()))')
+platform=$("$PYTHON" -c 'import jax; print(jax.default_backend())')
+if [ "$chips" -lt 2 ]; then
+    echo "device_check: this machine has $chips $platform device(s): a split needs at least 2, nothing to compare"
+    exit 0
+fi
+counts=1
+n=2
+while [ "$n" -le "$chips" ]; do
+    counts="$counts $n"
+    n=$((n * 2))
+done
+echo "device_check: $chips $platform devices; comparing $counts"
+status=0
+for case in "qwen3 float32" "qwen3-moe float32" "qwen3 int8"; do
+    set -- $case
+    # shellcheck disable=SC2086
+    "$PYTHON" tests/tp_parity.py "tests/fixtures/tiny/$1" --weights-dtype "$2" --devices $counts \
+        --check "$TOLERANCE" || status=1
+done
+[ "$status" -eq 0 ] && echo "device_check: every split matches one chip within $TOLERANCE" \
+    || echo "device_check: a split differs from one chip by more than $TOLERANCE"
+exit "$status"
