@@ -177,10 +177,10 @@ class Layout:
         return self.mesh.size
 
     def describe(self) -> dict:
-        """What Health and the log say: the device count, platform and mesh axes."""
-        return {"count": self.devices, "platform": self.mesh.devices.flat[0].platform,
-                "mesh": dict(self.mesh.shape), "processes": len({d.process_index for d in self.mesh.devices.flat}),
-                "kv_heads": self.cfg.num_kv_heads}
+        """What Health and the log say: the device count, platform, mesh axes, processes, KV heads."""
+        chips = list(self.mesh.devices.flat)
+        return {"count": self.devices, "platform": chips[0].platform, "mesh": dict(self.mesh.shape),
+                "processes": len({d.process_index for d in chips}), "kv_heads": self.cfg.num_kv_heads}
 
     def sharding(self, spec: tuple):
         from jax.sharding import NamedSharding, PartitionSpec

@@ -139,11 +139,13 @@ def _parity(name: str, *extra: str) -> dict:
 
 
 @pytest.mark.parametrize("name, extra", [("qwen3", ()), ("qwen3-moe", ()),
-                                         ("qwen3", ("--weights-dtype", "int8", "--devices", "1", "4"))])
+                                         ("qwen3", ("--weights-dtype", "int8", "--devices", "1", "4")),
+                                         ("qwen3-next", ("--devices", "1", "4"))])
 def test_split_over_two_and_four_devices_gives_the_logits_of_one(name, extra):
     """Guards against a wrong split (a head, a channel or a vocabulary row on the wrong device gives
     other logits) in prefill (two chunks) and decode, and against the cache or the weights landing
-    whole on every device instead of split (the shardings and each device's shard are checked)."""
+    whole on every device instead of split (the shardings and each device's shard are checked).
+    Dense, MoE, int8 weights, and the hybrid model (its Gated DeltaNet layers replicated)."""
     out = _parity(name, *extra)
     assert out["visible"] == 4
     cfg = load_config(str(TINY / name), serving=False)
@@ -160,7 +162,8 @@ def test_split_over_two_and_four_devices_gives_the_logits_of_one(name, extra):
                 assert run[part]["shard"][1] == kv_heads // n
             assert run["qkv"]["spec"] == [MODEL_AXIS, None]
             assert run["embed"] == [MODEL_AXIS, None]
-        rows = (cfg.q_size + 2 * kv_heads * cfg.head_dim) // n
+        gated = 2 if "gated_attention" in cfg.layer_kinds else 1     # each query head with its gate
+        rows = (gated * cfg.q_size + 2 * kv_heads * cfg.head_dim) // n
         assert run["qkv"]["shard"] == [rows, cfg.hidden_size]
         if "int8" in extra:
             assert run["int8_scale"] == [MODEL_AXIS]

@@ -124,7 +124,8 @@ def main() -> None:
         worst = max(worst, r["prefill_diff"], r["decode_diff"])
         print(f"{os.path.basename(args.folder)} {args.weights_dtype} on {n} {out['platform']} device(s): "
               f"prefill {r['prefill_diff']:.2e}, decode {r['decode_diff']:.2e} (logit std "
-              f"{r['logit_std']:.2f}); cache K {r['cache_k']['spec']}, each device's shard {r['cache_k']['shard']}")
+              f"{r['logit_std']:.2f}); cache K {r['cache_k']['spec']}, "
+              f"each device's shard {r['cache_k']['shard']}")
     sys.exit(0 if worst <= args.check else 1)
 
 

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Tensor parallelism on an accelerator machine: the tiny dense, MoE and int8 models split over every
+# Tensor parallelism on an accelerator machine: the tiny dense, MoE, int8 and hybrid models split over every
 # power-of-two count of the machine's chips give the logits of one chip (tests/tp_parity.py).
 #
 #     sh tests/bench/device_check.sh            (from the project folder, jax with the chips' plugin)
@@ -26,7 +26,7 @@ while [ "$n" -le "$chips" ]; do
 done
 echo "device_check: $chips $platform devices; comparing $counts"
 status=0
-for case in "qwen3 float32" "qwen3-moe float32" "qwen3 int8"; do
+for case in "qwen3 float32" "qwen3-moe float32" "qwen3 int8" "qwen3-next float32"; do
     set -- $case
     # shellcheck disable=SC2086
     "$PYTHON" tests/tp_parity.py "tests/fixtures/tiny/$1" --weights-dtype "$2" --devices $counts \
