@@ -31,12 +31,12 @@ import threading
 import time
 import urllib.parse
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Protocol
 
 from engine import chat, memory, protocol, registry
-from engine.config import ConfigError, load_config
+from engine.config import ConfigError, ModelConfig, load_config
 from engine.sharding import check_devices
 from engine.chat import Job, new_id
 
@@ -4635,10 +4635,12 @@ def weights_dtype(spec: "registry.ModelSpec", config: ServeConfig) -> str:
     return config.weights_dtype or spec.weights_dtype
 
 
-def size_worker(spec: "registry.ModelSpec", config: ServeConfig, folder: str) -> "memory.Sizing":
+def size_worker(spec: "registry.ModelSpec", config: ServeConfig, folder: str,
+                cfg: ModelConfig | None = None) -> "memory.Sizing":
     """Slots, ctx and host cache that fit this machine's memory, logged with the numbers; raises
-    memory.DoesNotFit for a request that cannot fit."""
-    sizing = memory.size(load_config(folder), folder, slots=config.slots, ctx=config.ctx,
+    memory.DoesNotFit for a request that cannot fit. cfg: the model as the worker lays it out
+    (None: the folder's config.json)."""
+    sizing = memory.size(cfg or load_config(folder), folder, slots=config.slots, ctx=config.ctx,
                          cache_ram_mib=config.cache_ram_mib, default_slots=spec.slots,
                          default_ctx=spec.ctx, default_cache_ram_mib=spec.cache_ram_mib,
                          weights_dtype=weights_dtype(spec, config))
@@ -4746,8 +4748,10 @@ def main(argv: list[str] | None = None) -> int:
         # so does the device check, for a count given ("all" is counted by the worker).
         cfg = load_config(folder)
         if config.devices != "all":
-            check_devices(cfg, config.devices)
-        sizing = size_worker(spec, config, folder)
+            # and the KV cache is sized with the KV heads the worker lays out (repeated on more
+            # devices than the model has KV heads)
+            cfg = replace(cfg, num_kv_heads=check_devices(cfg, config.devices))
+        sizing = size_worker(spec, config, folder, cfg)
         app.planned_ctx = sizing.ctx        # the model card's context while the worker loads
         return worker_args(spec, config, folder, sizing)
     try:

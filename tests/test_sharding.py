@@ -289,3 +289,13 @@ def test_two_processes_on_one_mesh_give_the_logits_of_one_device():
                                  "kv_heads": 4}
         assert run["cache_k"]["spec"] == [None, MODEL_AXIS, None, None] and run["cache_k"]["shard"][1] == 1
         np.testing.assert_allclose(run["last"], one, atol=TP_ATOL, rtol=0)
+
+
+def test_the_server_refuses_a_device_count_the_model_cannot_split_at_start_up():
+    """Guards against a worker that fails on every start (restarted forever) for a count the
+    config.json already rules out: the server checks it before starting any worker."""
+    result = subprocess.run([sys.executable, "-m", "mashbox", "run", str(TINY / "qwen3"), "--devices", "3",
+                             "--port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert ("mashbox: --devices 3 does not divide the model's 4 attention heads, 2 KV heads (neither "
+            "divides the other), 128 MLP channels; it splits over 1, 2, 4 device(s)") in result.stderr
