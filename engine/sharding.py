@@ -8,8 +8,10 @@ One mesh axis, MODEL_AXIS, over the N devices. The weights and the cache are spl
 they are created (engine.weights places each tensor straight into its shards; the cache is made
 as zeros already split), the compiled programs take them as they are, and XLA's SPMD partitioner
 inserts the collectives: an all-reduce after each product whose input is split (attention's output
-projection, the MLP's and the experts' down projections) and gathers around the vocabulary-split
-embedding and logits. Activations (the residual stream) are replicated.
+projection, the MLP's and the experts' down projections) and after the vocabulary-split embedding
+lookup; the logits leave the forward split by vocabulary, as the sampler takes them. Activations (the
+residual stream) are replicated. Those all-reduces, of [rows, hidden] arrays, are the only
+cross-device operations in the compiled programs (tests/test_sharding.py reads them).
 
 What is split where is decided here only, in PARAM_SPECS and CACHE_SPECS: parameter path (the
 layer index written *) -> how each dimension is split (MODEL_AXIS) or not (None); an empty tuple is
@@ -20,7 +22,8 @@ projections are laid out so that a block of rows is whole heads or whole channel
 Routed experts are split by channel inside every expert (each device holds 1/N of every expert), not
 whole experts per device (expert parallelism): the model picks an expert with a run-time index, and
 XLA's SPMD partitioner serves a run-time index into a split axis by gathering that axis onto every
-device, every expert on every chip at each step. Whole experts per device needs each token sent to
+device, every expert on every chip at each step (seen in the compiled tiny MoE model: an all-gather of
+each layer's whole [experts, ...] arrays). Whole experts per device needs each token sent to
 its experts' device (an all-to-all inside shard_map): not built.
 
 Several hosts (jax.distributed, init_distributed): each process brings its --devices devices and

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -157,6 +158,12 @@ def test_split_over_two_and_four_devices_gives_the_logits_of_one(name, extra):
         kv_heads = max(cfg.num_kv_heads, n)
         assert run["layout"]["kv_heads"] == kv_heads and run["cache_k"]["shape"][1] == kv_heads
         if n > 1:
+            # XLA adds only all-reduces of activations (at most [rows, hidden] for the decode batch's
+            # 4 rows): no weight or cache array is ever gathered whole onto a device
+            collectives = run["decode_collectives"]
+            sizes = [np.prod([int(d) for d in re.findall(r"\d+", c.split("[")[1])]) for c in collectives]
+            assert collectives and all(c.startswith("all-reduce ") for c in collectives), collectives
+            assert max(sizes) <= 4 * cfg.hidden_size, collectives
             for part in ("cache_k", "cache_v"):
                 assert run[part]["spec"] == [None, MODEL_AXIS, None, None]
                 assert run[part]["shard"][1] == kv_heads // n

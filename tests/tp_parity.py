@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,6 +44,19 @@ def _host(array) -> np.ndarray:
         return np.asarray(array)
     from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+# Cross-device operations in a compiled program's text: "= <shape> <op>(" (or its async "-start").
+COLLECTIVE = re.compile(r"= (\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
+                        r"(?:-start)?\(")
+
+
+def _collectives(program) -> dict:
+    """{"op shape": count} of a compiled program: what XLA inserted between the devices."""
+    out: dict[str, int] = {}
+    for shape, op in COLLECTIVE.findall(program.as_text()):
+        out[f"{op} {shape.split('{')[0]}"] = out.get(f"{op} {shape.split('{')[0]}", 0) + 1
+    return out
 
 
 def _spec(array) -> list:
@@ -75,6 +89,7 @@ def run(folder: str, devices: int, weights_dtype: str) -> dict:
         logits, cache = jit_forward(params, cache, tokens, np.arange(SLOTS, dtype=np.int32), starts,
                                     lengths, cfg=cfg)
         decode.append(_host(logits)[SLOT])
+        decode_args = (params, cache, tokens, np.arange(SLOTS, dtype=np.int32), starts, lengths)
         # the tokens the first run would pick are fed to every run: the logits stay comparable
         token, position = int(np.argmax(decode[-1])), position + 1
     attention = next(i for i, layer in enumerate(cache) if "k" in layer)
@@ -90,6 +105,7 @@ def run(folder: str, devices: int, weights_dtype: str) -> dict:
         "qkv": {"spec": _spec(qkv), "shard": list(qkv.addressable_shards[0].data.shape)},
         "embed": _spec(params["embed"]["q"] if isinstance(params["embed"], dict) else params["embed"]),
         "int8_scale": _spec(layer["qkv"]["scale"]) if isinstance(layer["qkv"], dict) else None,
+        "decode_collectives": _collectives(jit_forward.lower(*decode_args, cfg=cfg).compile()),
     }}
 
 
