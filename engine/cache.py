@@ -36,7 +36,7 @@ COPY_BLOCK = 256
 # Host copies (read_slot/write_slot) move this many positions per call, at a run-time position: one
 # program each serves every length, and a call moves 12 MiB of the demo's float16 cache.
 HOST_BLOCK = 1024
-# Where ctx lives in each cache array.
+# Where ctx lives in each attention cache array (a linear layer's state has no ctx axis).
 _CTX_AXIS = {"k": 2, "v": 3}
 
 
@@ -77,6 +77,17 @@ def cache_bytes(cache) -> int:
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(cache))
 
 
+def has_state(cache) -> bool:
+    """Whether the pool has linear layers, whose state a prefix reuse must restore (snapshots)."""
+    return any("state" in layer for layer in cache)
+
+
+def _positional(layer: dict) -> bool:
+    """An attention layer: its arrays hold one entry per position (K/V), unlike a linear layer's
+    state, which holds the whole sequence at its end and moves only as a snapshot (read_state)."""
+    return "k" in layer
+
+
 @partial(jax.jit, donate_argnames=("cache",))
 def copy_prefix(cache, src_slot, dst_slot, n):
     """Copy positions [0, n) of `src_slot` into `dst_slot` (prefix reuse across slots).
@@ -91,6 +102,9 @@ def copy_prefix(cache, src_slot, dst_slot, n):
         start = jnp.minimum(i * block, ctx - block)
         out = []
         for layer in cache:
+            if not _positional(layer):
+                out.append(layer)
+                continue
             new = {}
             for name, arr in layer.items():
                 axis = _CTX_AXIS[name]
@@ -119,6 +133,11 @@ def warm_host_copies(cache):
     return write_slot(cache, 0, read_slot(cache, 0, 1))
 
 
+def warm_state_copies(cache):
+    """Compile the read_state/write_state programs now (start-up), the same way."""
+    return write_state(cache, 0, read_state(cache, 0))
+
+
 def _block_at(arr, slot, begin, axis: int, block: int):
     """Positions [begin, begin + block) of one slot of a cache array; `axis` is where ctx lives."""
     sizes = list(arr.shape)
@@ -130,7 +149,7 @@ def _block_at(arr, slot, begin, axis: int, block: int):
 @partial(jax.jit, static_argnames=("block",))
 def _read(cache, slot, begin, *, block):
     return [{name: _block_at(arr, slot, begin, _CTX_AXIS[name], block)[1][0]
-             for name, arr in layer.items()} for layer in cache]
+             for name, arr in layer.items()} for layer in cache if _positional(layer)]
 
 
 @partial(jax.jit, donate_argnames=("cache",))
@@ -138,9 +157,12 @@ def _write(cache, slot, begin, lo, hi, arrays):
     """Write one block at positions [begin, begin + block) of `slot`, keeping what the slot holds
     outside [lo, hi): a block shifted back to end at ctx, or one that starts inside a part the
     slot already holds, changes only the positions it was given."""
-    out = []
-    for layer, new in zip(cache, arrays):
-        updated = {}
+    out, given = [], iter(arrays)
+    for layer in cache:
+        if not _positional(layer):
+            out.append(layer)
+            continue
+        new, updated = next(given), {}
         for name, arr in layer.items():
             axis = _CTX_AXIS[name]
             block = new[name].shape[axis - 1]
@@ -162,7 +184,7 @@ def _blocks(start: int, n: int, ctx: int):
 
 
 def read_slot(cache, slot: int, n: int, start: int = 0) -> list[dict]:
-    """Positions [start, n) of one slot as host numpy arrays, per layer {"k": [kv, n - start, d],
+    """Positions [start, n) of one slot as host numpy arrays, per attention layer {"k": [kv, n - start, d],
     "v": [kv, d, n - start]} (the cache's own layout and dtype, so write_slot puts them back without
     reshuffling). A start lets a save copy only what the host does not hold yet. Moves
     host_block(ctx) positions per call: one compiled program serves every length."""
@@ -177,9 +199,10 @@ def read_slot(cache, slot: int, n: int, start: int = 0) -> list[dict]:
                        "v": layer["v"][:, :, lo - begin:hi - begin]} for layer in arrays])
     if not parts:
         return [{"k": np.zeros(layer["k"].shape[1:2] + (0,) + layer["k"].shape[3:], layer["k"].dtype),
-                 "v": np.zeros(layer["v"].shape[1:3] + (0,), layer["v"].dtype)} for layer in cache]
+                 "v": np.zeros(layer["v"].shape[1:3] + (0,), layer["v"].dtype)}
+                for layer in cache if _positional(layer)]
     return [{"k": np.concatenate([p[i]["k"] for p in parts], axis=1),
-             "v": np.concatenate([p[i]["v"] for p in parts], axis=2)} for i in range(len(cache))]
+             "v": np.concatenate([p[i]["v"] for p in parts], axis=2)} for i in range(len(parts[0]))]
 
 
 def write_slot(cache, slot: int, arrays: list[dict], start: int = 0):
@@ -187,8 +210,10 @@ def write_slot(cache, slot: int, arrays: list[dict], start: int = 0):
     positions of `slot`, and nothing else: what the slot holds before start, and from n on, stays.
     Returns the new cache (the old one is donated)."""
     slots, ctx = cache_dims(cache)
-    if len(arrays) != len(cache):
-        raise ValueError(f"write_slot: {len(arrays)} layers given, the cache has {len(cache)}")
+    layers = [layer for layer in cache if _positional(layer)]
+    if len(arrays) != len(layers):
+        raise ValueError(f"write_slot: {len(arrays)} layers given, the cache has {len(layers)} "
+                         f"attention layers")
     n = start + arrays[0]["k"].shape[1]
     if not 0 <= slot < slots or not 0 <= start <= n <= ctx:
         raise ValueError(f"write_slot: slot {slot} / positions [{start}, {n}) outside the pool "
@@ -196,7 +221,7 @@ def write_slot(cache, slot: int, arrays: list[dict], start: int = 0):
     block = host_block(ctx)
     for begin, lo, hi in _blocks(start, n, ctx):
         padded = []
-        for layer, host in zip(cache, arrays):
+        for layer, host in zip(layers, arrays):
             k = np.zeros(host["k"].shape[:1] + (block,) + host["k"].shape[2:], layer["k"].dtype)
             v = np.zeros(host["v"].shape[:2] + (block,), layer["v"].dtype)
             k[:, lo - begin:hi - begin] = host["k"][:, lo - start:hi - start]
@@ -204,3 +229,44 @@ def write_slot(cache, slot: int, arrays: list[dict], start: int = 0):
             padded.append({"k": k, "v": v})
         cache = _write(cache, jnp.int32(slot), jnp.int32(begin), jnp.int32(lo), jnp.int32(hi), padded)
     return cache
+
+
+# ---- linear layers' state: snapshots ------------------------------------------------------------
+
+@jax.jit
+def _read_state(cache, slot):
+    return [{"conv": layer["conv"][slot], "state": layer["state"][slot]}
+            for layer in cache if not _positional(layer)]
+
+
+@partial(jax.jit, donate_argnames=("cache",))
+def _write_state(cache, slot, snapshot):
+    given, out = iter(snapshot), []
+    for layer in cache:
+        if _positional(layer):
+            out.append(layer)
+            continue
+        new = next(given)
+        out.append({name: arr.at[slot].set(new[name].astype(arr.dtype)) for name, arr in layer.items()})
+    return out
+
+
+def read_state(cache, slot: int) -> list[dict]:
+    """The state a slot's sequence has reached, per linear layer {"conv": [conv_dim, kernel - 1],
+    "state": [heads, key_dim, value_dim]} as host numpy arrays: a snapshot, valid at exactly the
+    position the slot's sequence has reached when it is read."""
+    slots, _ = cache_dims(cache)
+    if not 0 <= slot < slots:
+        raise ValueError(f"read_state: slot {slot} outside the pool of {slots}")
+    return jax.device_get(_read_state(cache, jnp.int32(slot)))
+
+
+def write_state(cache, slot: int, snapshot: list[dict]):
+    """Put a snapshot (what read_state returned) into `slot`'s linear layers; K/V stay as they are.
+    Returns the new cache (the old one is donated)."""
+    slots, _ = cache_dims(cache)
+    linear = sum(1 for layer in cache if not _positional(layer))
+    if not 0 <= slot < slots or len(snapshot) != linear:
+        raise ValueError(f"write_state: slot {slot} of {slots}, {len(snapshot)} layers given for "
+                         f"{linear} linear layers")
+    return _write_state(cache, jnp.int32(slot), snapshot)

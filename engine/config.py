@@ -24,14 +24,6 @@ HYBRID_FAMILIES = ("qwen3_next",)
 SUPPORTED_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + HYBRID_FAMILIES
 # The chat format each family is rendered in (engine.chat knows these two); registry and worker read it.
 CHAT_FORMAT = {"qwen2": "qwen2.5", "qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen3_next": "qwen3"}
-# Families the engine runs but the server must not serve yet, with the reason. A Gated DeltaNet
-# layer's recurrent state cannot be cut back to an earlier position, so a prompt prefix reused from
-# a slot or the host cache is wrong unless the state was snapshotted at that position, and the
-# prompt cache does not snapshot yet.
-UNSERVED_FAMILIES = {
-    "qwen3_next": "its linear-attention layers keep a recurrent state that cannot be cut back to a "
-                  "shared prefix, and the prompt cache cannot snapshot that state yet",
-}
 # Token mixers (ModelConfig.layer_kinds): plain full attention, Qwen3-Next's full attention with a
 # sigmoid output gate from the query projection, and its Gated DeltaNet linear attention.
 MIXER_KINDS = ("attention", "gated_attention", "linear")
@@ -134,10 +126,8 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
-def load_config(folder: str, *, serving: bool = True) -> ModelConfig:
-    """Read `folder`/config.json (a Hugging Face model folder) into a ModelConfig. With serving
-    (the server's start-up and the worker), a family in UNSERVED_FAMILIES is refused with its
-    reason; engine-level code and tests pass serving=False to build the model itself."""
+def load_config(folder: str) -> ModelConfig:
+    """Read `folder`/config.json (a Hugging Face model folder) into a ModelConfig."""
     path = os.path.join(folder, "config.json")
     try:
         with open(path, encoding="utf-8") as f:
@@ -148,12 +138,6 @@ def load_config(folder: str, *, serving: bool = True) -> ModelConfig:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a JSON object")
-    if serving:
-        merged = {**raw, **raw["text_config"]} if isinstance(raw.get("text_config"), dict) else raw
-        family = merged.get("model_type")
-        if family in UNSERVED_FAMILIES:
-            raise ConfigError(f"config.json model_type {family!r} is not supported for serving yet: "
-                              f"{UNSERVED_FAMILIES[family]}")
     return config_from_dict(raw)
 
 

@@ -10,10 +10,11 @@ The host cache is a tree of segments (a radix tree over token ids). A segment ho
 of consecutive positions; its parent holds the positions before it, so two conversations that share
 a system prompt and tools share those bytes, and each copy is counted once. A saved sequence is cut
 into segments at the cut points the server sends with each request (the template's turn
-boundaries): eviction then drops the end of a conversation before its shared beginning, and the
-recurrent state of a hybrid model, which cannot be trimmed back to an earlier position, can be
-snapshotted at those same points (Segment.snapshot; always None for the dense models served now,
-so snapshot_bytes stays 0).
+boundaries): eviction then drops the end of a conversation before its shared beginning. A hybrid
+model's linear layers keep a recurrent state that cannot be trimmed back to an earlier position, so
+its segments also end at those points and carry the state there (Segment.snapshot, taken while the
+prompt was prefilled, and the live state at the end of a saved sequence); a hit for such a model
+ends at a segment end with a snapshot. Dense models have none, so their snapshot_bytes stays 0.
 
 Nothing here touches the device: the worker reads and writes slots (engine.cache) and hands this
 module numpy arrays.
@@ -61,7 +62,7 @@ def best_match(candidates: Sequence[tuple[int, Sequence[int], int]], prompt: Seq
 
 # Bumped whenever what a segment holds changes meaning (layout, cut rule): old states are then
 # never read by a new engine.
-CACHE_FORMAT = "kv-segments-1"
+CACHE_FORMAT = "kv-segments-2"
 
 
 def namespace_id(component_set_sha: str, model_id: str, family: str, dtype: str, prefix_cache: bool) -> str:
@@ -77,10 +78,15 @@ def namespace_id(component_set_sha: str, model_id: str, family: str, dtype: str,
 
 # ---- the host cache --------------------------------------------------------------------------------
 
+def snapshot_nbytes(snapshot: list[dict] | None) -> int:
+    return 0 if snapshot is None else sum(a.nbytes for layer in snapshot for a in layer.values())
+
+
 @dataclass(eq=False)
 class Segment:
     """Positions [start, start + len(tokens)) of a saved sequence whose earlier positions are its
-    parent's. kv: per layer {"k": [kv_heads, n, d], "v": [kv_heads, d, n]} (the slot layout)."""
+    parent's. kv: per attention layer {"k": [kv_heads, n, d], "v": [kv_heads, d, n]} (the slot
+    layout); snapshot: per linear layer {"conv", "state"} at position `end` (engine.cache.read_state)."""
     start: int
     tokens: np.ndarray                    # int32 token ids
     kv: list[dict]
@@ -89,7 +95,7 @@ class Segment:
     tenant: str                           # who saved it: eviction takes from the biggest holder first
     last_used: int = 0
     at_cut: bool = False                  # its end is a cut point (a turn boundary) of the prompt
-    snapshot: object = None               # recurrent state at its end (hybrid models; None: dense)
+    snapshot: list[dict] | None = None    # linear layers' state at its end (None: dense, or not taken)
     children: list["Segment"] = field(default_factory=list)
 
     @property
@@ -98,7 +104,9 @@ class Segment:
 
     @property
     def nbytes(self) -> int:
-        return self.tokens.nbytes + sum(a.nbytes for layer in self.kv for a in layer.values())
+        """Everything it holds: token ids, K/V and its snapshot (the cap counts them all)."""
+        return self.tokens.nbytes + sum(a.nbytes for layer in self.kv for a in layer.values()) \
+            + snapshot_nbytes(self.snapshot)
 
 
 @dataclass
@@ -133,7 +141,8 @@ class HostCache:
     gone. Bytes are checked before each insert (evicting first), so they never exceed the cap.
 
     trimmable: a sequence's state can be cut back to any earlier position (attention K/V). A hybrid
-    model's recurrent state cannot, so a hit would end at a segment end that has a snapshot.
+    model's recurrent state cannot, so a hit ends at a segment end that has a snapshot. `bytes`
+    counts everything held (the cap bounds it), `snapshot_bytes` the snapshots' part of it.
     """
 
     def __init__(self, cap_bytes: int, namespace: str, trimmable: bool = True):
@@ -219,13 +228,17 @@ class HostCache:
         return head
 
     def insert(self, tokens: Sequence[int], kv: list[dict], cuts: Sequence[int], tenant: str,
-               protect: Sequence[Segment] = (), kv_start: int = 0) -> int:
+               protect: Sequence[Segment] = (), kv_start: int = 0,
+               snapshots: dict[int, list[dict]] | None = None) -> int:
         """Save positions [0, len(tokens)) of a sequence; kv holds positions [kv_start, len(tokens)),
         and kv_start is at most what is saved already (covered()). The new part is cut into
-        segments at `cuts`. Evicts (never a segment in `protect`, nor one on this
+        segments at `cuts` and at the positions of `snapshots` (position -> the linear layers' state
+        there), and each segment ending at one of them carries it; a saved segment that ends at one
+        and has none yet is given it. Evicts (never a segment in `protect`, nor one on this
         sequence's own path) to stay under the cap; saves as much of the start as fits. Returns the
         number of leading positions saved now (old and new)."""
         tokens = np.asarray(tokens, np.int32)
+        snapshots = {p: s for p, s in (snapshots or {}).items() if 0 < p <= len(tokens)}
         path, pos = self._walk(tokens)
         if pos < kv_start:
             raise ValueError(f"insert: positions [{pos}, {kv_start}) are neither saved nor given")
@@ -233,22 +246,54 @@ class HostCache:
             path[-1] = self._split(path[-1], pos - path[-1].start)
         self.touch(path)
         keep = set(map(id, protect)) | set(map(id, path))
+        for at in sorted(p for p in snapshots if p <= pos):
+            path = self._attach(path, at, snapshots[at], keep)
         parent = path[-1] if path else None
         cuts = set(cuts)
-        ends = sorted({c for c in cuts if pos < c < len(tokens)} | {len(tokens)})
+        ends = sorted({c for c in cuts | set(snapshots) if pos < c < len(tokens)} | {len(tokens)})
         for end in ends:
             if end <= pos:
                 continue
             seg = Segment(pos, tokens[pos:end].copy(), _slice_kv(kv, pos - kv_start, end - kv_start),
-                          parent, self.namespace, tenant, self.tick, at_cut=end in cuts)
+                          parent, self.namespace, tenant, self.tick, at_cut=end in cuts,
+                          snapshot=snapshots.get(end))
             if not self._make_room(seg.nbytes, keep):
                 break
             self._children(parent).append(seg)
-            self.bytes += seg.nbytes
-            self.tenant_bytes[tenant] = self.tenant_bytes.get(tenant, 0) + seg.nbytes
+            self._count(seg, +1)
             keep.add(id(seg))
             parent, pos = seg, end
         return pos
+
+    def _attach(self, path: list[Segment], at: int, snapshot: list[dict], keep: set[int]
+                ) -> list[Segment]:
+        """Give the saved segment ending at position `at` of `path` its snapshot (cutting the one
+        that holds `at` there first) unless it has one; returns the path with the cut."""
+        i = next(i for i, s in enumerate(path) if s.start < at <= s.end)
+        seg = path[i]
+        if seg.end == at and seg.snapshot is not None:
+            return path
+        need = snapshot_nbytes(snapshot)
+        if not self._make_room(need, keep):
+            return path
+        if seg.end > at:
+            head = self._split(seg, at - seg.start)
+            path = path[:i] + [head] + path[i:]
+            keep.add(id(head))
+            seg = head
+        seg.snapshot = snapshot
+        self.bytes += need
+        self.snapshot_bytes += need
+        self.tenant_bytes[seg.tenant] = self.tenant_bytes.get(seg.tenant, 0) + need
+        return path
+
+    def _count(self, seg: Segment, sign: int) -> None:
+        """Add (+1) or take away (-1) a segment's bytes from the totals."""
+        self.bytes += sign * seg.nbytes
+        self.snapshot_bytes += sign * snapshot_nbytes(seg.snapshot)
+        self.tenant_bytes[seg.tenant] = self.tenant_bytes.get(seg.tenant, 0) + sign * seg.nbytes
+        if not self.tenant_bytes[seg.tenant]:
+            del self.tenant_bytes[seg.tenant]
 
     def _make_room(self, need: int, keep: set[int]) -> bool:
         """Evict until `need` more bytes fit under the cap; False if they cannot."""
@@ -269,10 +314,7 @@ class HostCache:
 
     def _evict(self, seg: Segment) -> None:
         self._children(seg.parent).remove(seg)
-        self.bytes -= seg.nbytes
-        self.tenant_bytes[seg.tenant] -= seg.nbytes
-        if not self.tenant_bytes[seg.tenant]:
-            del self.tenant_bytes[seg.tenant]
+        self._count(seg, -1)
         self.evictions += 1
 
     def segments(self) -> list[Segment]:

@@ -8,6 +8,13 @@ those tokens, and a later prompt that starts the same way reuses them instead of
 With a host cache (--cache-ram), what a slot holds is saved to host memory before the slot is given
 to a prompt that diverges from it, and a prompt whose start was saved there is loaded back into its
 slot instead of being run again (the worker does the copies the Plan names).
+
+A hybrid model's linear layers hold their sequence's state at its end, which cannot be cut back to
+an earlier position: its prompt cache reuses a prefix only where that state is known. Prefill chunks
+end at the prompt's cut points (turn boundaries) and the worker snapshots the state there
+(Slot.snapshots); a slot no request runs in also holds the exact state at its sequence's end. A
+prefix is reused up to the longest of those positions (or a host segment end with a snapshot), and
+the tokens shared beyond it that are run again are logged.
 """
 from __future__ import annotations
 
@@ -29,6 +36,12 @@ PREFILL_CHUNKS = (32, 128, 512)
 # and up to 4 rows run a 4-row program when there are more slots; more rows run the batch of every
 # slot (idle rows masked).
 SMALL_DECODE_BATCHES = (1, 4)
+# Snapshots a slot keeps of its sequence's linear-layer state (hybrid models), besides the exact
+# state at its end. Each is every linear layer's recurrent and conv state (about 75 MiB for
+# Qwen3-Next-80B), held in host memory until the slot is saved to the host cache. Past this many,
+# the oldest but the first go: the first is the system prompt and tools, which other sessions
+# share; the latest are where the next turn of the same conversation resumes.
+SLOT_SNAPSHOTS = 4
 
 
 @dataclass(frozen=True)
@@ -105,6 +118,19 @@ class Slot:
     last_used: int = 0
     cuts: list[int] = field(default_factory=list)     # cut points of the request that ran last
     tenant: str = ""
+    # Hybrid models: position -> the linear layers' state there (opaque here: the worker's arrays),
+    # for positions of `tokens` before its end.
+    snapshots: dict = field(default_factory=dict)
+
+    def keep_snapshot(self, position: int, snapshot) -> None:
+        self.snapshots[position] = snapshot
+        if len(self.snapshots) > SLOT_SNAPSHOTS:
+            del self.snapshots[sorted(self.snapshots)[1]]
+
+    def exact(self, n: int) -> bool:
+        """Whether the linear layers' state of the first n positions can be had here: a snapshot
+        there, or the live state of a sequence that has stopped at n."""
+        return n in self.snapshots or (self.request is None and n == len(self.tokens))
 
 
 # ---- what the worker runs --------------------------------------------------------------------------
@@ -115,6 +141,7 @@ class Prefill:
     start: int                    # position of the chunk's first token (tokens already in the slot)
     tokens: list[int]             # the chunk's real tokens (the worker pads them to `chunk`)
     chunk: int
+    snapshot: bool = False        # it ends at a cut point: the worker snapshots the state after it
 
     @property
     def last(self) -> bool:
@@ -135,6 +162,9 @@ class Save:
     tokens: list[int]
     cuts: list[int]
     tenant: str
+    # hybrid models: the slot's snapshots (position -> state); the worker adds the live state at
+    # the end. None: a dense model.
+    snapshots: dict | None = None
 
 
 @dataclass
@@ -150,18 +180,20 @@ class Load:
 
 @dataclass
 class Plan:
-    # Run in this order: saves (they read slots about to be overwritten), loads, copies, then the model.
+    # Run in this order: saves (they read slots about to be overwritten), loads, copies, restores,
+    # then the model.
     saves: list[Save] = field(default_factory=list)
     loads: list[Load] = field(default_factory=list)
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # (src slot, dst slot, tokens)
+    restores: list[tuple[int, object]] = field(default_factory=list)  # (slot, snapshot to write)
     started: list[Sequence] = field(default_factory=list)            # requests new in a slot
     prefill: Prefill | None = None
     decode: Decode | None = None
 
     @property
     def empty(self) -> bool:
-        return not (self.saves or self.loads or self.copies or self.started or self.prefill
-                    or self.decode)
+        return not (self.saves or self.loads or self.copies or self.restores or self.started
+                    or self.prefill or self.decode)
 
 
 @dataclass
@@ -176,8 +208,11 @@ class Emit:
 
 class Scheduler:
     def __init__(self, slots: int, ctx: int, vocab_size: int, buckets: Buckets | None = None,
-                 prefix_cache: bool = True, host: prefix.HostCache | None = None):
+                 prefix_cache: bool = True, host: prefix.HostCache | None = None,
+                 recurrent: bool = False):
         self.ctx = ctx
+        # The model has linear layers: a prefix is reused only where their state is known.
+        self.recurrent = recurrent
         self.vocab_size = vocab_size
         self.buckets = buckets or Buckets.for_ctx(ctx, slots=slots)
         self.prefix_cache = prefix_cache
@@ -237,44 +272,69 @@ class Scheduler:
             reading = self._assign(plan)
         if reading is not None:
             start = reading.done
-            chunk = self.buckets.chunk_for(len(reading.prompt) - start)
-            tokens = reading.prompt[start:start + chunk]
-            plan.prefill = Prefill(reading, start, tokens, chunk)
+            end = len(reading.prompt)
+            if self.snapshots:                       # the next cut point ends a chunk
+                end = min((c for c in reading.cuts if c > start), default=end)
+            chunk = self.buckets.chunk_for(end - start)
+            tokens = reading.prompt[start:min(start + chunk, end)]
+            plan.prefill = Prefill(reading, start, tokens, chunk,
+                                   snapshot=self.snapshots and start + len(tokens) in reading.cuts)
         return plan
+
+    @property
+    def snapshots(self) -> bool:
+        """Whether prefills snapshot the linear layers' state at cut points."""
+        return self.recurrent and self.prefix_cache
 
     def _assign(self, plan: Plan) -> Sequence | None:
         """Give the oldest waiting request a free slot, reusing the longest cached start of its
         prompt: a free slot that holds it is taken as is; one held by a running request is copied
         into the least recently used free slot; a longer start in the host cache is loaded into the
-        chosen slot. What the chosen slot held beyond the part kept is saved to the host cache first."""
+        chosen slot. What the chosen slot held beyond the part kept is saved to the host cache first.
+        For a hybrid model the start reused ends where the linear layers' state is known."""
         free = [s for s in self.slots if s.request is None]
         if not free:
             return None
         request = self.waiting.popleft()
         self.tick += 1
-        slot, reuse, source, load = min(free, key=lambda s: s.last_used), 0, None, None
+        slot, reuse, source, load, restore = min(free, key=lambda s: s.last_used), 0, None, None, None
         if self.prefix_cache:
-            key, reuse = prefix.best_match(
-                [(s.index, s.tokens, s.last_used) for s in self.slots], request.prompt)
+            key, reuse, shared = self._best_slot(request.prompt)
             if key is not None:
                 if self.slots[key].request is None:
                     slot = self.slots[key]
                 else:
                     # the running request's slot is never rewritten below what it already holds
                     source = key
+                held = self.slots[key]
+                if self.recurrent and reuse < len(held.tokens):   # not its live state: a snapshot
+                    restore = held.snapshots[reuse]
             stable = max((c for c in self.slots[key].cuts if c <= len(self.slots[key].tokens)),
                          default=0) if key is not None else 0
             if self.host is not None:
                 hit = self.host.lookup(request.prompt)
                 if hit.tokens > reuse:
-                    reuse, source, stable = hit.tokens, None, hit.stable
+                    reuse, source, restore, stable = hit.tokens, None, None, hit.stable
                     load = Load(request, hit.tokens, hit.path)
-            self._note_divergence(request, reuse, stable)
+                if self.recurrent:
+                    shared = max(shared, min(self.host.covered(request.prompt), len(request.prompt) - 1))
+            self._note_divergence(request, shared if self.recurrent else reuse, stable)
+            if shared > reuse:
+                self.notes.append((request.rid, f"prompt shares {shared} tokens with a cached sequence, "
+                                                f"but its linear layers' state is saved only up to "
+                                                f"token {reuse}: {shared - reuse} tokens are prefilled "
+                                                f"again for lack of a snapshot"))
         kept = prefix.common_prefix(slot.tokens, request.prompt[:reuse])
         if load is not None:
             load.start = kept
         if self.host is not None and len(slot.tokens) > kept:
-            plan.saves.append(Save(slot.index, list(slot.tokens), list(slot.cuts), slot.tenant))
+            plan.saves.append(Save(slot.index, list(slot.tokens), list(slot.cuts), slot.tenant,
+                                   dict(slot.snapshots) if self.recurrent else None))
+        snapshots = {p: v for p, v in slot.snapshots.items() if p <= kept}
+        if restore is not None:
+            plan.restores.append((slot.index, restore))
+            snapshots[reuse] = restore
+        slot.snapshots = snapshots
         slot.tokens = slot.tokens[:reuse] if source is None and load is None else list(request.prompt[:reuse])
         if source is not None:
             plan.copies.append((source, slot.index, reuse))
@@ -289,6 +349,22 @@ class Scheduler:
         plan.started.append(request)
         return request
 
+    def _best_slot(self, prompt: list[int]) -> tuple[int | None, int, int]:
+        """(slot index, tokens it can serve, tokens it shares with the prompt) of the slot serving
+        the most, the least recently used among equals. Dense: every shared token serves. Hybrid:
+        only up to the longest position whose linear state the slot has (Slot.exact)."""
+        if not self.recurrent:
+            key, reuse = prefix.best_match([(s.index, s.tokens, s.last_used) for s in self.slots], prompt)
+            return key, reuse, reuse
+        best, best_n, best_tick, shared = None, 0, 0, 0
+        for s in self.slots:
+            n = prefix.reusable(s.tokens, prompt)
+            shared = max(shared, n)
+            n = max((p for p in (*s.snapshots, len(s.tokens)) if p <= n and s.exact(p)), default=0)
+            if n > best_n or (n == best_n and n > 0 and s.last_used < best_tick):
+                best, best_n, best_tick = s.index, n, s.last_used
+        return best, best_n, shared
+
     def _note_divergence(self, request: Sequence, reuse: int, stable: int) -> None:
         """A prompt that continues a cached conversation past its first turn boundary but differs
         from it before that conversation's last turn boundary: an earlier turn rendered differently
@@ -301,12 +377,16 @@ class Scheduler:
 
     # -- results ----------------------------------------------------------------------------------
 
-    def prefilled(self, work: Prefill, token: int | None) -> list[Emit]:
-        """The chunk ran; `token` is the first new token when it was the prompt's last chunk."""
+    def prefilled(self, work: Prefill, token: int | None, snapshot=None) -> list[Emit]:
+        """The chunk ran; `token` is the first new token when it was the prompt's last chunk, and
+        `snapshot` the linear layers' state after it when the Prefill asked for one."""
         request = work.request
+        slot = self.slots[request.slot]
+        slot.tokens.extend(work.tokens)         # what the slot holds now, even if cancelled meanwhile
+        if snapshot is not None:
+            slot.keep_snapshot(len(slot.tokens), snapshot)
         if request.finish is not None:          # cancelled while the chunk ran
             return []
-        self.slots[request.slot].tokens.extend(work.tokens)
         request.done += len(work.tokens)
         if not work.last:
             return []

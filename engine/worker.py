@@ -23,7 +23,8 @@ import jax
 import numpy as np
 
 from engine import certify, identity, prefix, sampler, sharding
-from engine.cache import copy_prefix, init_cache, read_slot, warm_host_copies, write_slot
+from engine.cache import (copy_prefix, has_state, init_cache, read_slot, read_state, warm_host_copies,
+                          warm_state_copies, write_slot, write_state)
 from engine.config import CHAT_FORMAT, load_config
 from engine.model import dtype_for, jit_forward, kv_dtype_for, routed_report, weights_dtype_for
 from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Note, Ready, Shutdown, Stats, Step,
@@ -159,10 +160,12 @@ class Engine:
         namespace = args.cache_namespace or prefix.namespace_id(
             self.component_set_sha, args.model_id, family, f"{self.dtype.name}/kv-{self.kv_dtype.name}",
             args.prefix_cache)
-        self.host = prefix.HostCache(args.cache_ram_mib << 20, namespace) \
+        # Linear layers: a reused prefix needs their state at its end (snapshots, engine.scheduler).
+        self.recurrent = has_state(self.cache)
+        self.host = prefix.HostCache(args.cache_ram_mib << 20, namespace, trimmable=not self.recurrent) \
             if args.cache_ram_mib > 0 and args.prefix_cache else None
         self.scheduler = Scheduler(args.slots, args.ctx, cfg.vocab_size, self.buckets, args.prefix_cache,
-                                   self.host)
+                                   self.host, recurrent=self.recurrent)
         t0 = time.time()
         self._warm_up(progress)
         compile_s = time.time() - t0
@@ -255,6 +258,8 @@ class Engine:
         self.cache = copy_prefix(self.cache, np.int32(0), np.int32(0), np.int32(0))
         if self.host is not None:
             self.cache = warm_host_copies(self.cache)
+        if self.scheduler.snapshots:
+            self.cache = warm_state_copies(self.cache)
         jax.block_until_ready((self.cache, self.state))
         progress("compile", total, total)
 
@@ -314,11 +319,15 @@ class Engine:
             self._load(load)
         for src, dst, n in plan.copies:
             self.cache = copy_prefix(self.cache, np.int32(src), np.int32(dst), np.int32(n))
+        for slot, snapshot in plan.restores:
+            self.cache = write_state(self.cache, slot, snapshot)
         emits = []
         if plan.decode is not None:
             emits += self.scheduler.decoded(plan.decode, self._decode(plan.decode))
         if plan.prefill is not None:
-            emits += self.scheduler.prefilled(plan.prefill, self._prefill(plan.prefill))
+            token = self._prefill(plan.prefill)
+            snapshot = read_state(self.cache, plan.prefill.request.slot) if plan.prefill.snapshot else None
+            emits += self.scheduler.prefilled(plan.prefill, token, snapshot)
         now = time.time()
         # A request given a slot is told at once how much of its prompt came from a cache: the
         # server's first frames report it (Anthropic's message_start) before the first token.
@@ -331,12 +340,17 @@ class Engine:
         return steps
 
     def _save(self, save, protect) -> None:
-        """Copy what a slot holds to the host cache, unless it is saved there already."""
+        """Copy what a slot holds to the host cache, unless it is saved there already; for a hybrid
+        model with its snapshots and the state at its end (the slot's live state, exact there)."""
         covered = self.host.covered(save.tokens)
-        if covered >= len(save.tokens):
+        snapshots = None
+        if save.snapshots is not None:
+            snapshots = {**save.snapshots, len(save.tokens): read_state(self.cache, save.slot)}
+        elif covered >= len(save.tokens):
             return
         kv = read_slot(self.cache, save.slot, len(save.tokens), start=covered)
-        self.host.insert(save.tokens, kv, save.cuts, save.tenant, protect=protect, kv_start=covered)
+        self.host.insert(save.tokens, kv, save.cuts, save.tenant, protect=protect,
+                         kv_start=covered, snapshots=snapshots)
 
     def _load(self, load) -> None:
         """Write the saved start of a request's prompt into its slot: only the positions the slot
@@ -347,6 +361,8 @@ class Engine:
             raise RuntimeError(f"host cache lost {load.tokens - hit.tokens} planned tokens")
         self.cache = write_slot(self.cache, request.slot, self.host.gather(hit, load.start),
                                 start=load.start)
+        if self.recurrent:                  # a hybrid hit ends at a segment with a snapshot
+            self.cache = write_state(self.cache, request.slot, hit.path[-1].snapshot)
 
     def _prefill(self, work: Prefill) -> int | None:
         """Run one prompt chunk (one row); the first new token if the chunk ends the prompt."""
@@ -431,7 +447,7 @@ class Engine:
         return Stats(live_rows=s.live, waiting=len(s.waiting), kv_used_tokens=s.kv_used_tokens(),
                      kv_capacity_tokens=self.args.slots * self.args.ctx,
                      compiles_after_ready=self.compiles_after_ready(),
-                     host_cache_bytes=host.bytes if host else 0,
+                     host_cache_bytes=host.bytes - host.snapshot_bytes if host else 0,
                      snapshot_bytes=host.snapshot_bytes if host else 0,
                      host_cache_cap_bytes=host.cap_bytes if host else 0,
                      host_cache_evictions=host.evictions if host else 0,

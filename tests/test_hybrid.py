@@ -33,7 +33,7 @@ SLOTS, CTX = 3, 256
 
 @pytest.fixture(scope="module")
 def next_model():
-    cfg = load_config(FOLDER, serving=False)
+    cfg = load_config(FOLDER)
     reference = load_file(os.path.join(FOLDER, "reference.safetensors"))
     return cfg, load_weights(FOLDER, cfg, jnp.float32), reference
 
@@ -99,7 +99,7 @@ def test_serving_refuses_qwen3_next_until_the_prompt_cache_can_snapshot_its_stat
     with pytest.raises(ConfigError, match="model_type 'qwen3_next' is not supported for serving yet"
                                           ".*cannot snapshot"):
         load_config(FOLDER)
-    assert load_config(FOLDER, serving=False).model_type == "qwen3_next"
+    assert load_config(FOLDER).model_type == "qwen3_next"
 
 
 # ---- parity with transformers ------------------------------------------------------------------

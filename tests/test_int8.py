@@ -93,7 +93,7 @@ def test_tied_int8_head_is_the_int8_embedding_counted_once():
 def test_memory_formula_counts_the_weights_as_loaded(name, dtype):
     """Guards against the sizing (memory.held_weight_bytes) and the loaded weights disagreeing."""
     folder = os.path.join(TINY, name)
-    params = load_weights(folder, load_config(folder, serving=False), dtype)
+    params = load_weights(folder, load_config(folder), dtype)
     assert memory.held_weight_bytes(folder, dtype) == weights_bytes(params)
 
 
@@ -115,7 +115,7 @@ def test_int8_hybrid_model_runs_close_to_float32():
     a token's experts, so only the mean is bounded (measured 0.16 here; 0.09-0.10 on qwen3-moe)."""
     from safetensors.numpy import load_file
     folder = os.path.join(TINY, "qwen3-next")
-    cfg = load_config(folder, serving=False)
+    cfg = load_config(folder)
     tokens = np.asarray(load_file(os.path.join(folder, "reference.safetensors"))["tokens"])
     want = _logits(cfg, load_weights(folder, cfg, jnp.float32), tokens)
     got = _logits(cfg, load_weights(folder, cfg, "int8"), tokens)

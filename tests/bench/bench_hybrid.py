@@ -112,7 +112,7 @@ def main() -> None:
     folder = random_folder(shape(a.layers, a.hidden, a.experts, a.vocab))
     try:
         platform = jax.default_backend()
-        cfg = load_config(folder, serving=False)
+        cfg = load_config(folder)
         params = load_weights(folder, cfg, dtype_for(platform))
         slots, ctx = 4, 2 * PREFILL_TOKENS
         cache = init_cache(cfg, slots, ctx, kv_dtype_for(platform))
