@@ -2978,6 +2978,10 @@ class Metrics:
         add("compiles_after_ready_total", "counter", "Programs compiled after the server reported ready.").inc(0)
         add("worker_resident_memory_bytes", "gauge",
             "Resident memory of the engine's worker process (0 while none runs).")
+        add("host_cache_bytes", "gauge", "Bytes of the host memory prompt cache's K/V and token ids "
+            "(as /health's host_cache_bytes).")
+        add("snapshot_bytes", "gauge", "Hybrid models: bytes of linear-layer state snapshots in the host "
+            "memory prompt cache (as /health's snapshot_bytes).")
         add("routed_experts_info", "gauge", "Mixture-of-experts models: the path the routed experts run on "
             "(kernel, exact or mixed) and the kernel's id, version and package, as /health reports them.")
         add("routed_expert_sites", "gauge", "Mixture-of-experts models: routed-expert call sites traced on "
@@ -3033,6 +3037,8 @@ class Metrics:
             self.m["kv_cache_usage_perc"].set(stats.kv_used_tokens / stats.kv_capacity_tokens)
         else:
             self.m["kv_cache_usage_perc"].set(0)
+        self.m["host_cache_bytes"].set(stats.host_cache_bytes if stats else 0)
+        self.m["snapshot_bytes"].set(stats.snapshot_bytes if stats else 0)
         if facts is not None and facts.deployment_id:
             info = self.m["deployment_info"]
             info.values.clear()

@@ -3,7 +3,6 @@ expert) against transformers, and the recurrent state's behaviour across chunks,
 
 The reference (tests/fixtures/make_tiny.py) is transformers' Qwen3NextForCausalLM in float32 with its
 torch reference of the chunked delta rule, over 80 tokens (more than one 64-token delta-rule chunk).
-The server does not serve this family yet, so these tests build the model at the engine level.
 """
 from __future__ import annotations
 
@@ -91,15 +90,6 @@ def test_qwen3_next_reads_shared_expert_zero_centred_norms_and_partial_rotary():
                              "partial_rotary_factor": 0.25}).rope_dim == 16     # dense families: whole heads
     with pytest.raises(ConfigError, match="linear_num_value_heads"):
         config_from_dict({**NEXT, "linear_num_key_heads": 3, "linear_num_value_heads": 4})
-
-
-def test_serving_refuses_qwen3_next_until_the_prompt_cache_can_snapshot_its_state():
-    """Guards against serving a hybrid model whose reused prompt prefixes would be wrong: its
-    recurrent state cannot be cut back, and the prompt cache does not snapshot it yet."""
-    with pytest.raises(ConfigError, match="model_type 'qwen3_next' is not supported for serving yet"
-                                          ".*cannot snapshot"):
-        load_config(FOLDER)
-    assert load_config(FOLDER).model_type == "qwen3_next"
 
 
 # ---- parity with transformers ------------------------------------------------------------------
