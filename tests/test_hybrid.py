@@ -164,3 +164,83 @@ def test_idle_rows_and_padding_leave_linear_state_untouched(next_model):
                 np.testing.assert_array_equal(np.asarray(new[name])[1], old[name][1])
                 np.testing.assert_array_equal(np.asarray(new[name])[2], old[name][2])
                 assert not np.array_equal(np.asarray(new[name])[0], old[name][0])
+
+
+# ---- serving: the prompt cache with snapshots of the linear layers' state ----------------------
+
+def serving_engine(cache_ram_mib: int, slots: int = 1, prefix_cache: bool = True):
+    from engine.worker import Engine, WorkerArgs
+    return Engine(WorkerArgs("tiny-next", FOLDER, slots=slots, ctx=CTX, prefill_chunks=(8, 32),
+                             compile_cache=None, cache_ram_mib=cache_ram_mib, prefix_cache=prefix_cache))
+
+
+@pytest.fixture(scope="module")
+def hot():
+    return serving_engine(1)
+
+
+@pytest.fixture(scope="module")
+def cold():
+    return serving_engine(0, prefix_cache=False)
+
+
+def test_turns_reloaded_from_snapshots_match_a_cold_run(hot, cold):
+    """Guards against a reloaded prefix whose linear state is not the state at its end: one slot,
+    conversations taking turns, so every turn after the first reloads its conversation (K/V and
+    snapshot) from the host cache; greedy tokens must equal a run without any cache."""
+    from tests.test_prefix_cache import conversation_turns
+    host_hits = hot.scheduler.host_hits
+    cached = conversation_turns((hot, cold), seeds=[1, 2, 3])
+    for s, t, hit, n in cached:
+        if t > 0:       # the answer's last token was never fed: all but the new user turn and it
+            assert hit >= n - 12 - 1, f"conversation {s} turn {t + 1}: only {hit} of {n} cached"
+    assert hot.scheduler.host_hits > host_hits
+    assert hot.host.snapshot_bytes > 0 and hot.compiles_after_ready() == 0
+    stats = hot.stats()
+    assert stats.snapshot_bytes == hot.host.snapshot_bytes
+    assert stats.host_cache_bytes + stats.snapshot_bytes == hot.host.bytes <= hot.host.cap_bytes
+
+
+def test_tokens_match_a_cold_run_after_snapshots_are_evicted_and_reloaded(hot, cold):
+    """Guards against a partly evicted conversation loading a snapshot that does not belong to the
+    K/V it is loaded with."""
+    from tests.test_prefix_cache import conversation_turns
+    saved_cap = hot.host.cap_bytes
+    hot.host.cap_bytes = hot.host.bytes + hot.host.bytes // 3
+    try:
+        evictions = hot.host.evictions
+        conversation_turns((hot, cold), seeds=[11, 12, 13, 14], turns=3)
+        assert hot.host.evictions > evictions
+        assert hot.host.bytes <= hot.host.cap_bytes
+        assert hot.host.snapshot_bytes == sum(
+            sum(a.nbytes for layer in s.snapshot for a in layer.values())
+            for s in hot.host.segments() if s.snapshot is not None)
+    finally:
+        hot.host.cap_bytes = saved_cap
+
+
+def test_a_slot_reused_past_a_divergence_restarts_from_its_snapshot_and_logs_the_loss(cold):
+    """Guards against reusing a slot's shared prefix beyond its last snapshot (the live state has
+    moved past the divergence): reuse stops at the cut, the tokens lost are logged, and greedy
+    tokens equal a cold run. Also a prefix copied from a busy slot, with its snapshot."""
+    from tests.test_worker import prompt, run
+    from engine.protocol import Submit
+    engine = serving_engine(0, slots=2)
+    first = prompt(1, 50)
+    run(engine, Submit("a", first, 4, cuts=[20, 50]))
+    engine.take_notes()
+    second = first[:35] + prompt(2, 10)
+    got = run(engine, Submit("b", second, 5, cuts=[20]))["b"]
+    want = run(cold, Submit("b-cold", second, 5, cuts=[20]))["b-cold"]
+    assert got["tokens"] == want["tokens"] and got["first"].cached_tokens == 20
+    notes = [n.message for n in engine.take_notes() if n.rid == "b"]
+    assert any("shares 35 tokens" in m and "15 tokens are prefilled again" in m for m in notes), notes
+    # a long answer keeps slot "c" busy while "d" shares its first turn
+    assert engine.submit(Submit("c", first, 40, cuts=[20, 50])) == []
+    for _ in range(12):
+        engine.step()
+    third = first[:50] + prompt(3, 6)
+    out = run(engine, Submit("d", third, 5, cuts=[20, 50]))
+    want = run(cold, Submit("d-cold", third, 5, cuts=[20, 50]))["d-cold"]
+    assert out["d"]["tokens"] == want["tokens"] and out["d"]["first"].cached_tokens == 50
+    assert engine.compiles_after_ready() == 0

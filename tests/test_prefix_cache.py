@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine import chat
-from engine.prefix import HostCache, Segment, namespace_id
+from engine.prefix import HostCache, Segment, namespace_id, snapshot_nbytes
 from engine.protocol import Submit
 from engine.worker import Engine, WorkerArgs
 from tests.test_worker import TINY, prompt, run
@@ -159,6 +159,50 @@ def test_a_state_that_cannot_be_trimmed_is_used_only_whole_with_its_snapshot():
         s.snapshot = object()
     assert cache.lookup(list(range(50)) + [1]).tokens == 50
     assert cache.lookup(list(range(35)) + [9]).tokens == 20
+
+
+def snap(tag: int) -> list[dict]:
+    """A stand-in for a linear layers' snapshot (engine.cache.read_state) that names itself."""
+    return [{"conv": np.full((3, 2), tag, np.float32), "state": np.full((2, 2, 2), tag, np.float32)}]
+
+
+def check_snapshot_bytes(cache: HostCache) -> None:
+    check_bytes(cache)
+    assert cache.snapshot_bytes == sum(snapshot_nbytes(s.snapshot) for s in cache.segments())
+
+
+def test_snapshots_end_their_segments_are_counted_and_serve_only_whole():
+    """Guards against a snapshot saved at the wrong position or outside the byte count, and a
+    hybrid hit that ends anywhere but at a saved state."""
+    cache = HostCache(1 << 20, "ns", trimmable=False)
+    seq = list(range(100))
+    cache.insert(seq, kv(100), cuts=[30, 60], tenant="t", snapshots={30: snap(30), 60: snap(60), 100: snap(100)})
+    assert sorted((s.end, int(s.snapshot[0]["conv"][0, 0])) for s in cache.segments()) == \
+        [(30, 30), (60, 60), (100, 100)]
+    assert cache.snapshot_bytes == 3 * snapshot_nbytes(snap(0)) > 0
+    check_snapshot_bytes(cache)
+    hit = cache.lookup(seq[:80] + [7])
+    assert hit.tokens == 60 and hit.path[-1].snapshot[0]["conv"][0, 0] == 60
+    assert positions(cache.gather(hit)) == list(range(60))
+    assert cache.lookup(seq + [7]).tokens == 100
+    # A snapshot inside a saved segment cuts it there; one already saved is not counted twice.
+    cache.insert(seq[:50], kv(0, 50), cuts=[], tenant="t", kv_start=50, snapshots={45: snap(45), 50: snap(50)})
+    check_snapshot_bytes(cache)
+    assert cache.snapshot_bytes == 5 * snapshot_nbytes(snap(0))
+    assert cache.lookup(seq[:47] + [7]).tokens == 45
+    cache.insert(seq, kv(0, 100), cuts=[], tenant="t", kv_start=100, snapshots={60: snap(61)})
+    assert cache.snapshot_bytes == 5 * snapshot_nbytes(snap(0))
+
+
+def test_snapshots_are_evicted_with_their_segments_under_the_cap():
+    """Guards against snapshots escaping the cap or the count once their segment is evicted."""
+    per_seq = 40 * per_token(HostCache(1, "ns")) + 2 * snapshot_nbytes(snap(0))
+    cache = HostCache(3 * per_seq, "ns", trimmable=False)
+    for i in range(8):
+        seq = [1000 * i + j for j in range(40)]
+        cache.insert(seq, kv(40), cuts=[20], tenant=f"t{i % 2}", snapshots={20: snap(i), 40: snap(i)})
+        check_snapshot_bytes(cache)
+    assert cache.evictions > 0 and 0 < cache.snapshot_bytes <= cache.bytes <= cache.cap_bytes
 
 
 def test_the_namespace_changes_with_what_saved_states_depend_on():

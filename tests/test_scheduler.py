@@ -248,3 +248,95 @@ def test_prefix_reuse_can_be_turned_off():
     s.add(request("b", [1, 2, 3, 4]))
     plan, _ = run_round(s)
     assert plan.prefill.request.cached == 0 and plan.prefill.tokens == [1, 2, 3, 4]
+
+
+# ---- hybrid models: reuse only where the linear layers' state is known ---------------------------
+
+def hybrid(slots=2, ctx=256, chunks=(8, 32)):
+    return Scheduler(slots, ctx, VOCAB, Buckets.for_ctx(ctx, chunks, slots), True, recurrent=True)
+
+
+def run_hybrid(s, next_token=lambda r: 7, limit=1000):
+    """Run to the end as the worker does for a hybrid model: a Prefill that asks for a snapshot
+    gets one (a string naming the slot and position). Returns the Prefills run."""
+    prefills = []
+    for _ in range(limit):
+        if not s.busy:
+            return prefills
+        plan = s.schedule()
+        if plan.decode:
+            s.decoded(plan.decode, [next_token(r) for r in plan.decode.rows])
+        if plan.prefill:
+            p = plan.prefill
+            prefills.append(p)
+            end = p.start + len(p.tokens)
+            s.prefilled(p, next_token(p.request) if p.last else None,
+                        f"slot{p.request.slot}@{end}" if p.snapshot else None)
+    raise AssertionError("scheduler did not finish")
+
+
+def test_a_hybrid_prefill_ends_a_chunk_at_every_cut_point_and_snapshots_there():
+    """Guards against a cut point inside a prefill chunk: the state at a turn boundary would never
+    exist, and the next turn could reuse nothing."""
+    s = hybrid()
+    r = request("a", range(1, 71), max_tokens=2)
+    r.cuts = [10, 45]
+    s.add(r)
+    prefills = run_hybrid(s)
+    assert [(p.start, len(p.tokens), p.snapshot) for p in prefills] == [
+        (0, 8, False), (8, 2, True), (10, 32, False), (42, 3, True), (45, 25, False)]
+    assert s.slots[r.slot].snapshots == {10: "slot0@10", 45: "slot0@45"}
+
+
+def test_a_hybrid_slot_is_reused_only_at_a_snapshot_or_its_end_and_the_loss_is_logged():
+    """Guards against reusing a shared prefix whose linear state the slot no longer has (wrong
+    tokens), and against losing reuse silently: the tokens run again are logged."""
+    s = hybrid(slots=1)
+    a = request("a", range(1, 71), max_tokens=3)
+    a.cuts = [10, 45]
+    s.add(a)
+    run_hybrid(s, next_token=lambda r: 500)
+    held = list(s.slots[0].tokens)
+    assert held == list(range(1, 71)) + [500, 500]       # the last token drawn is never fed
+
+    b = request("b", list(range(1, 61)) + [900] * 5, max_tokens=1)
+    s.add(b)
+    plan = s.schedule()
+    assert b.cached == 45 and plan.restores == [(0, "slot0@45")]
+    assert any("shares 60 tokens" in text and "15 tokens are prefilled again" in text
+               for rid, text in s.notes if rid == "b")
+    run_hybrid(s)
+
+    dense = scheduler(slots=1)
+    d = request("d", range(1, 71), max_tokens=1)
+    dense.add(d)
+    run_until_done(dense)
+    dense.add(request("e", list(range(1, 61)) + [900] * 5, max_tokens=1))
+    assert dense.schedule().started[0].cached == 60      # K/V alone can be cut anywhere
+
+    s.notes.clear()
+    c = request("c", list(range(1, 61)) + [900] * 5 + [901, 902], max_tokens=1)
+    s.add(c)
+    plan = s.schedule()
+    assert c.cached == 65 and plan.restores == [] and not s.notes    # b's end: the live state
+
+
+def test_a_hybrid_prefix_copied_from_a_running_slot_comes_with_its_snapshot():
+    """Guards against copying K/V from a busy slot without the linear state at the copied end."""
+    s = hybrid(slots=2)
+    a = request("a", range(1, 41), max_tokens=50)
+    a.cuts = [20]
+    s.add(a)
+    for _ in range(4):                                  # prefilled, now decoding
+        plan = s.schedule()
+        if plan.decode:
+            s.decoded(plan.decode, [7] * len(plan.decode.rows))
+        if plan.prefill:
+            p = plan.prefill
+            s.prefilled(p, 7 if p.last else None, f"a@{p.start + len(p.tokens)}" if p.snapshot else None)
+    assert not a.prefilling and a.finish is None
+    b = request("b", list(range(1, 31)) + [900] * 3, max_tokens=1)
+    s.add(b)
+    plan = s.schedule()
+    assert plan.copies == [(a.slot, b.slot, 20)] and plan.restores == [(b.slot, "a@20")]
+    assert b.cached == 20
