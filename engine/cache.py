@@ -9,7 +9,9 @@ and for a Gated DeltaNet ("linear") layer, the state a slot's sequence has reach
     "state": [slots, value_heads, key_dim, value_dim]   the delta rule's recurrent state
 Both float32 whatever the KV dtype: they are small, and they are rewritten every token, so rounding
 would accumulate. Unlike K/V they hold the whole sequence at its end and cannot be cut back: the
-forward starts them from zero when a row starts at position 0.
+forward starts them from zero when a row starts at position 0, and a reused prefix brings its state
+along as a snapshot (read_state / write_state). The position copies (copy_prefix, read_slot,
+write_slot) move attention layers only.
 K and V are in the KV dtype (engine.model.kv_dtype_for: float16 on a CPU, bfloat16 on accelerators),
 and so is what read_slot hands the host cache. A slot holds one sequence: position p of that sequence
 lives at index p along ctx. What a slot

@@ -58,7 +58,8 @@ def test_models_json_lists_real_qwen3_models_with_consistent_fields():
     models = table["models"]
     assert table["default"] in models
     for required in ("qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "qwen3-30b-a3b-instruct-2507",
-                     "qwen3-coder-30b-a3b-instruct", "qwen3-next-80b-a3b"):
+                     "qwen3-coder-30b-a3b-instruct", "qwen3-next-80b-a3b-instruct",
+                     "qwen3-next-80b-a3b-thinking"):
         assert required in models
     for model_id, entry in models.items():
         assert entry["chat_format"] == registry.CHAT_FORMAT[entry["family"]], model_id
@@ -67,7 +68,8 @@ def test_models_json_lists_real_qwen3_models_with_consistent_fields():
         assert d["slots"] > 0 and d["cache_ram_mib"] >= 0, model_id
     for moe in ("qwen3-30b-a3b", "qwen3-30b-a3b-instruct-2507", "qwen3-coder-30b-a3b-instruct"):
         assert models[moe]["family"] == "qwen3_moe", moe
-    assert models["qwen3-next-80b-a3b"]["family"] == "qwen3_next"
+    for hybrid in ("qwen3-next-80b-a3b-instruct", "qwen3-next-80b-a3b-thinking"):
+        assert models[hybrid]["family"] == "qwen3_next", hybrid
 
 
 def test_unknown_model_id_lists_every_known_id(cache):
