@@ -40,7 +40,7 @@ TP_ATOL = 1e-4
 
 def _numpy_params(name: str, dtype="float32"):
     folder = TINY / name
-    cfg = load_config(str(folder), serving=False)
+    cfg = load_config(str(folder))
     return cfg, load_weights(str(folder), cfg, dtype, place=lambda path, tree: tree)
 
 
@@ -81,20 +81,20 @@ def test_int8_scales_go_with_their_output_rows():
 # ---- what can be split, and how ------------------------------------------------------------------
 
 def test_a_count_that_does_not_divide_the_heads_is_refused_with_the_counts_that_work():
-    cfg = load_config(str(TINY / "qwen3"), serving=False)          # 4 heads, 2 KV heads, 128 channels
+    cfg = load_config(str(TINY / "qwen3"))          # 4 heads, 2 KV heads, 128 channels
     with pytest.raises(DevicesError, match=r"--devices 3 does not divide the model's 4 attention heads.*"
                                            r"splits over 1, 2, 4 device\(s\)"):
         check_devices(cfg, 3)
     with pytest.raises(DevicesError, match="100 MLP channels"):
         check_devices(dataclasses.replace(cfg, num_heads=8, num_kv_heads=8, intermediate_size=100), 8)
-    moe = load_config(str(TINY / "qwen3-moe"), serving=False)
+    moe = load_config(str(TINY / "qwen3-moe"))
     with pytest.raises(DevicesError, match="32 channels per expert"):
         check_devices(dataclasses.replace(moe, num_heads=64, num_kv_heads=64), 64)
 
 
 def test_more_devices_than_kv_heads_repeat_each_kv_head():
     """Qwen3-235B has 4 KV heads for 64 query heads: on 8 chips each KV head is held twice."""
-    cfg = load_config(str(TINY / "qwen3"), serving=False)
+    cfg = load_config(str(TINY / "qwen3"))
     assert [check_devices(cfg, n) for n in (1, 2, 4)] == [2, 2, 4]
     cfg = dataclasses.replace(cfg, num_heads=12, num_kv_heads=3, intermediate_size=96)
     with pytest.raises(DevicesError, match="3 KV heads"):
@@ -106,7 +106,7 @@ def test_repeated_kv_heads_give_the_same_logits_on_one_device(name):
     """Guards the arithmetic of the repeat (engine.weights.group_qkv): query head h must read the
     copy of its own KV head, and Qwen2's biases must follow their rows."""
     folder = str(TINY / name)
-    cfg = load_config(folder, serving=False)
+    cfg = load_config(folder)
     tokens = jnp.asarray((np.arange(24) * 5 + 1) % cfg.vocab_size, jnp.int32)[None]
     out = []
     for kv_heads in (cfg.num_kv_heads, cfg.num_heads):
@@ -149,7 +149,7 @@ def test_split_over_two_and_four_devices_gives_the_logits_of_one(name, extra):
     Dense, MoE, int8 weights, and the hybrid model (its Gated DeltaNet layers replicated)."""
     out = _parity(name, *extra)
     assert out["visible"] == 4
-    cfg = load_config(str(TINY / name), serving=False)
+    cfg = load_config(str(TINY / name))
     runs = out["runs"]
     for n, run in runs.items():
         n = int(n)

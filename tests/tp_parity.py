@@ -66,7 +66,7 @@ def _spec(array) -> list:
 
 
 def run(folder: str, devices: int, weights_dtype: str) -> dict:
-    checkpoint = load_config(folder, serving=False)
+    checkpoint = load_config(folder)
     layout = Layout.build(checkpoint, devices)
     cfg = layout.cfg
     params = load_weights(folder, checkpoint, weights_dtype, float_dtype=np.float32,
