@@ -19,11 +19,16 @@ from dataclasses import dataclass
 DENSE_FAMILIES = ("qwen2", "qwen3")
 # Full attention followed by routed experts (some layers may keep a dense MLP).
 MOE_FAMILIES = ("qwen3_moe",)
-# Gated DeltaNet layers mixed with gated full attention, routed experts with a shared expert.
-HYBRID_FAMILIES = ("qwen3_next",)
+# Gated DeltaNet layers mixed with gated full attention: Qwen3-Next (routed experts with a shared
+# expert) and Qwen3.5 (a dense MLP in every layer).
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5")
+# The model_type a text-only checkpoint (or a multimodal one's text_config) gives its language
+# model, and the family it is.
+TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5"}
 SUPPORTED_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + HYBRID_FAMILIES
 # The chat format each family is rendered in (engine.chat knows these two); registry and worker read it.
-CHAT_FORMAT = {"qwen2": "qwen2.5", "qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen3_next": "qwen3"}
+CHAT_FORMAT = {"qwen2": "qwen2.5", "qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen3_next": "qwen3",
+               "qwen3_5": "qwen3"}
 # Token mixers (ModelConfig.layer_kinds): plain full attention, Qwen3-Next's full attention with a
 # sigmoid output gate from the query projection, and its Gated DeltaNet linear attention.
 MIXER_KINDS = ("attention", "gated_attention", "linear")
@@ -141,12 +146,17 @@ def load_config(folder: str) -> ModelConfig:
     return config_from_dict(raw)
 
 
+def family_of(model_type):
+    """The family of a config.json model_type (a text model's type names its family's)."""
+    return TEXT_MODEL_TYPES.get(model_type, model_type)
+
+
 def config_from_dict(raw: dict) -> ModelConfig:
     """The key-by-key reading of a config.json object (split out so tests can feed dicts)."""
     # Multimodal or nested checkpoints keep the language model's keys under text_config.
     if isinstance(raw.get("text_config"), dict):
         raw = {**raw, **raw["text_config"]}
-    model_type = raw.get("model_type")
+    model_type = family_of(raw.get("model_type"))
     if model_type not in SUPPORTED_FAMILIES:
         raise ConfigError(f"config.json model_type {model_type!r} is not supported "
                           f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
@@ -194,7 +204,7 @@ def config_from_dict(raw: dict) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases (its config has no key for it); Qwen3 reads attention_bias.
         qkv_bias=True if model_type == "qwen2" else bool(raw.get("attention_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_next"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe") + HYBRID_FAMILIES,
         max_position_embeddings=_int(raw, "max_position_embeddings", DEFAULT_MAX_POSITIONS),
         layer_kinds=layer_kinds,
         mlp_kinds=mlp_kinds,
@@ -266,7 +276,7 @@ def _experts(raw: dict, model_type: str) -> dict:
 def _hybrid(raw: dict) -> dict:
     """Qwen3-Next's Gated DeltaNet shapes; returns ModelConfig fields."""
     if raw.get("attention_bias", False):
-        raise ConfigError("config.json attention_bias=true is not supported for qwen3_next")
+        raise ConfigError("config.json attention_bias=true is not supported for hybrid models")
     key_heads = _int(raw, "linear_num_key_heads", DEFAULT_NEXT_LINEAR["linear_num_key_heads"])
     value_heads = _int(raw, "linear_num_value_heads", DEFAULT_NEXT_LINEAR["linear_num_value_heads"])
     if value_heads % key_heads:

@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from engine.config import CHAT_FORMAT
+from engine.config import CHAT_FORMAT, family_of
 
 MODELS_JSON = Path(__file__).resolve().parent.parent / "models.json"
 
@@ -209,7 +209,7 @@ def _read_config(folder: str) -> dict:
 
 
 def _family_of(config: dict, folder: str) -> str:
-    family = config.get("model_type")
+    family = family_of(config.get("model_type"))
     if family not in CHAT_FORMAT:
         raise RegistryError(f"{folder}/config.json: model_type {family!r} is not supported "
                             f"(supported: {', '.join(CHAT_FORMAT)})")

@@ -117,12 +117,22 @@ def tensor_files(folder: str) -> dict[str, str]:
     return where
 
 
+# Where a multimodal checkpoint keeps its language model's tensors.
+LANGUAGE_MODEL = "model.language_model."
+
+
 class _Reader:
     """Reads named tensors, keeping each file open once, checking shapes against the config."""
 
     def __init__(self, folder: str):
         self.where = tensor_files(folder)
         self.open: dict[str, object] = {}
+        # Multimodal checkpoints (Qwen3.5) keep the language model under model.language_model.;
+        # its tensors are read by their text-only names, the rest (vision) is never read.
+        nested = {"model." + name[len(LANGUAGE_MODEL):]: file for name, file in self.where.items()
+                  if name.startswith(LANGUAGE_MODEL)}
+        self.names = {name: LANGUAGE_MODEL + name[len("model."):] for name in nested}
+        self.where.update(nested)
 
     def has(self, name: str) -> bool:
         return name in self.where
@@ -133,7 +143,7 @@ class _Reader:
         file = self.where[name]
         if file not in self.open:
             self.open[file] = safe_open(file, framework="numpy")
-        array = self.open[file].get_tensor(name)
+        array = self.open[file].get_tensor(self.names.get(name, name))
         if tuple(array.shape) != shape:
             raise WeightsError(f"tensor {name} has shape {tuple(array.shape)}, config expects {shape}")
         return array
@@ -222,18 +232,23 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
                 "gate": put(matrix(p + "shared_expert_gate.weight", 1, h))}
 
     def delta_net(p: str) -> dict:
-        """Gated DeltaNet weights. The checkpoint interleaves in_proj_qkvz and in_proj_ba per key
-        head ([q, k, v, z] of each key head's group, then the next); they are regrouped here into
-        all heads' q, then k, v, z, b, a, the order the convolution and the heads read them."""
+        """Gated DeltaNet weights, as all heads' q, then k, v, z, b, a: the order the convolution
+        and the heads read them. Qwen3.5 stores them so, in four projections (in_proj_qkv, _z, _b,
+        _a); Qwen3-Next interleaves in_proj_qkvz and in_proj_ba per key head ([q, k, v, z] of each
+        key head's group, then the next), regrouped here."""
         kh, vh, dk, dv = (cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim,
                           cfg.linear_value_dim)
         per = vh // kh
         kd, vd = kh * dk, vh * dv
-        qkvz = matrix(p + "in_proj_qkvz.weight", 2 * kd + 2 * vd, h).reshape(kh, -1, h)
-        qkvz = np.split(qkvz, np.cumsum([dk, dk, per * dv]), axis=1)
-        ba = matrix(p + "in_proj_ba.weight", 2 * vh, h).reshape(kh, 2 * per, h)
-        ba = np.split(ba, [per], axis=1)
-        rows = [part.reshape(-1, h) for part in qkvz + ba]
+        if r.has(p + "in_proj_qkv.weight"):
+            rows = [matrix(p + "in_proj_qkv.weight", 2 * kd + vd, h), matrix(p + "in_proj_z.weight", vd, h),
+                    matrix(p + "in_proj_b.weight", vh, h), matrix(p + "in_proj_a.weight", vh, h)]
+        else:
+            qkvz = matrix(p + "in_proj_qkvz.weight", 2 * kd + 2 * vd, h).reshape(kh, -1, h)
+            qkvz = np.split(qkvz, np.cumsum([dk, dk, per * dv]), axis=1)
+            ba = matrix(p + "in_proj_ba.weight", 2 * vh, h).reshape(kh, 2 * per, h)
+            ba = np.split(ba, [per], axis=1)
+            rows = [part.reshape(-1, h) for part in qkvz + ba]
         conv = r.get(p + "conv1d.weight", (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel))
         return {"in": put(np.concatenate(rows)), "conv": put(conv[:, 0]),
                 "A_log": r.get(p + "A_log", (vh,)).astype(np.float32),

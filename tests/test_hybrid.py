@@ -1,5 +1,6 @@
 """Qwen3-Next (Gated DeltaNet layers around gated full attention, routed experts with a shared
-expert) against transformers, and the recurrent state's behaviour across chunks, rows and slots.
+expert) and Qwen3.5's text model against transformers, the recurrent state's behaviour across
+chunks, rows and slots, and the prompt cache's snapshots of it.
 
 The reference (tests/fixtures/make_tiny.py) is transformers' Qwen3NextForCausalLM in float32 with its
 torch reference of the chunked delta rule, over 80 tokens (more than one 64-token delta-rule chunk).
@@ -19,6 +20,9 @@ from engine.model import DELTA_CHUNK, jit_forward
 from engine.weights import load_weights
 
 FOLDER = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "qwen3-next")
+# Qwen3.5's text model (transformers' Qwen3_5ForCausalLM): the same layers with separate linear
+# projections and a dense MLP; its reference is made the same way.
+QWEN3_5 = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "qwen3-5")
 # float32 against float32 transformers. Measured at most 1.4e-4 over the 80 reference positions
 # (most below 3e-5): the chunked delta rule's triangular solve and scan sum in another order than
 # torch's, and the fixture's large random weights (logits std 1.7) amplify that.
@@ -35,6 +39,14 @@ def next_model():
     cfg = load_config(FOLDER)
     reference = load_file(os.path.join(FOLDER, "reference.safetensors"))
     return cfg, load_weights(FOLDER, cfg, jnp.float32), reference
+
+
+@pytest.fixture(scope="module", params=[FOLDER, QWEN3_5], ids=["qwen3-next", "qwen3.5"])
+def parity_model(request, next_model):
+    if request.param == FOLDER:
+        return next_model
+    cfg = load_config(QWEN3_5)
+    return cfg, load_weights(QWEN3_5, cfg, jnp.float32), load_file(os.path.join(QWEN3_5, "reference.safetensors"))
 
 
 def _run(params, cache, cfg, tokens, slots, starts, lengths, all_logits=False):
@@ -94,10 +106,10 @@ def test_qwen3_next_reads_shared_expert_zero_centred_norms_and_partial_rotary():
 
 # ---- parity with transformers ------------------------------------------------------------------
 
-def test_prefill_logits_match_transformers(next_model):
+def test_prefill_logits_match_transformers(parity_model):
     """Guards against any numerical difference in the gated attention, the Gated DeltaNet (conv,
     delta rule across a 64-token chunk boundary, gated norm), the shared expert or the norms."""
-    cfg, params, ref = next_model
+    cfg, params, ref = parity_model
     tokens = ref["tokens"]
     logits, _ = _run(params, init_cache(cfg, SLOTS, CTX, jnp.float32), cfg, tokens, [1], [0],
                      [len(tokens)], all_logits=True)
@@ -105,10 +117,10 @@ def test_prefill_logits_match_transformers(next_model):
     assert (np.asarray(logits[0]).argmax(-1) == ref["logits"].argmax(-1)).all()
 
 
-def test_step_by_step_decode_matches_transformers(next_model):
+def test_step_by_step_decode_matches_transformers(parity_model):
     """Guards against a one-step recurrence (conv state roll, delta step) that drifts from the
     chunked form: a short prefill, then one token per step in a batch whose other row is idle."""
-    cfg, params, ref = next_model
+    cfg, params, ref = parity_model
     tokens, prompt = ref["tokens"], 19
     cache = init_cache(cfg, SLOTS, CTX, jnp.float32)
     logits, cache = _prefill(params, cache, cfg, tokens[:prompt], slot=2, chunk=prompt, bucket=32)
@@ -117,6 +129,15 @@ def test_step_by_step_decode_matches_transformers(next_model):
         step, cache = _run(params, cache, cfg, [tokens[pos], 0], [2, 0], [pos, 0], [1, 0])
         got.append(np.asarray(step[0]))
     np.testing.assert_allclose(np.stack(got), ref["logits"][prompt - 1:], atol=PARITY_ATOL, rtol=0)
+
+
+def test_qwen3_5_reads_its_text_model_type_and_separate_linear_projections():
+    """Guards against Qwen3.5 read as another family or with Qwen3-Next's interleaved projections."""
+    cfg = load_config(QWEN3_5)
+    assert cfg.model_type == "qwen3_5" and cfg.layer_kinds[-1] == "gated_attention"
+    assert set(cfg.mlp_kinds) == {"dense"} and cfg.zero_centred_norms and cfg.rotary_dim == 4
+    assert config_from_dict({**NEXT, "model_type": "qwen3_5", "text_config": {
+        **NEXT, "model_type": "qwen3_5_text", "num_experts": 0}}).model_type == "qwen3_5"
 
 
 # ---- the recurrent state across chunks, rows and slots -----------------------------------------

@@ -70,6 +70,7 @@ def test_models_json_lists_real_qwen3_models_with_consistent_fields():
         assert models[moe]["family"] == "qwen3_moe", moe
     for hybrid in ("qwen3-next-80b-a3b-instruct", "qwen3-next-80b-a3b-thinking"):
         assert models[hybrid]["family"] == "qwen3_next", hybrid
+    assert models["qwen3.5-27b"]["family"] == "qwen3_5"
 
 
 def test_unknown_model_id_lists_every_known_id(cache):
