@@ -11,7 +11,8 @@ slot instead of being run again (the worker does the copies the Plan names).
 
 A hybrid model's linear layers hold their sequence's state at its end, which cannot be cut back to
 an earlier position: its prompt cache reuses a prefix only where that state is known. Prefill chunks
-end at the prompt's cut points (turn boundaries) and the worker snapshots the state there
+end at the prompt's cut points (turn boundaries) and the worker snapshots the state there and at
+the prompt's end
 (Slot.snapshots); a slot no request runs in also holds the exact state at its sequence's end. A
 prefix is reused up to the longest of those positions (or a host segment end with a snapshot), and
 the tokens shared beyond it that are run again are logged.
@@ -119,7 +120,7 @@ class Slot:
     cuts: list[int] = field(default_factory=list)     # cut points of the request that ran last
     tenant: str = ""
     # Hybrid models: position -> the linear layers' state there (opaque here: the worker's arrays),
-    # for positions of `tokens` before its end.
+    # for positions of `tokens` (its end too, while it is not running, is its live state).
     snapshots: dict = field(default_factory=dict)
 
     def keep_snapshot(self, position: int, snapshot) -> None:
@@ -141,7 +142,7 @@ class Prefill:
     start: int                    # position of the chunk's first token (tokens already in the slot)
     tokens: list[int]             # the chunk's real tokens (the worker pads them to `chunk`)
     chunk: int
-    snapshot: bool = False        # it ends at a cut point: the worker snapshots the state after it
+    snapshot: bool = False        # it ends at a cut point or the prompt: the worker snapshots there
 
     @property
     def last(self) -> bool:
@@ -277,8 +278,11 @@ class Scheduler:
                 end = min((c for c in reading.cuts if c > start), default=end)
             chunk = self.buckets.chunk_for(end - start)
             tokens = reading.prompt[start:min(start + chunk, end)]
-            plan.prefill = Prefill(reading, start, tokens, chunk,
-                                   snapshot=self.snapshots and start + len(tokens) in reading.cuts)
+            # The prompt's end is snapshotted too: the next turn shares it (it ends with the
+            # assistant turn's opening, which the answer follows) even when the answer differs.
+            ends = start + len(tokens)
+            plan.prefill = Prefill(reading, start, tokens, chunk, snapshot=self.snapshots and (
+                ends in reading.cuts or ends == len(reading.prompt)))
         return plan
 
     @property

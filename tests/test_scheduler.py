@@ -277,15 +277,16 @@ def run_hybrid(s, next_token=lambda r: 7, limit=1000):
 
 def test_a_hybrid_prefill_ends_a_chunk_at_every_cut_point_and_snapshots_there():
     """Guards against a cut point inside a prefill chunk: the state at a turn boundary would never
-    exist, and the next turn could reuse nothing."""
+    exist, and the next turn could reuse nothing. The prompt's end is snapshotted too: the next
+    turn shares it whatever the answer was."""
     s = hybrid()
     r = request("a", range(1, 71), max_tokens=2)
     r.cuts = [10, 45]
     s.add(r)
     prefills = run_hybrid(s)
     assert [(p.start, len(p.tokens), p.snapshot) for p in prefills] == [
-        (0, 8, False), (8, 2, True), (10, 32, False), (42, 3, True), (45, 25, False)]
-    assert s.slots[r.slot].snapshots == {10: "slot0@10", 45: "slot0@45"}
+        (0, 8, False), (8, 2, True), (10, 32, False), (42, 3, True), (45, 25, True)]
+    assert s.slots[r.slot].snapshots == {10: "slot0@10", 45: "slot0@45", 70: "slot0@70"}
 
 
 def test_a_hybrid_slot_is_reused_only_at_a_snapshot_or_its_end_and_the_loss_is_logged():

@@ -1,7 +1,7 @@
 """Agent sessions against the host-memory prompt cache (run by hand, not in CI).
 
     python tests/bench/bench_sessions.py [--quick] [--slots 1] [--ctx 32768] [--cache-ram 2048]
-                                         [--turns 10] [--max-tokens 4]
+                                         [--turns 10] [--max-tokens 4] [--tiny-hybrid]
 
 Starts `python -m mashbox run` (the demo model) as a subprocess and replays, over HTTP in each
 client's own API (Claude Code: Messages, Codex: Responses, Pi: Chat Completions), the sessions
@@ -15,6 +15,10 @@ Reports per turn: prompt tokens, cached tokens, and time to first token (the fir
 the stream; the end of the stream when the answer has no text). Targets: from turn 2 on >= 95% of
 prompt tokens from the cache and TTFT <= 10% of turn 1's; with 3x more live sessions than slots the
 hit rate of turns 2+ stays above 90%.
+
+--tiny-hybrid: serve the tiny random Qwen3-Next test model (its embedding widened to the Qwen3
+tokenizer: tests/test_hybrid.py served_folder) instead of the demo, to exercise the hybrid prompt
+cache (snapshots of the linear layers' state at turn boundaries); its answers are noise.
 
 --quick: the three clients' `default` sessions (a tool round trip each) extended to 4 turns.
 Full: every recorded session of the three clients (count_tokens calls skipped), plus a synthetic
@@ -128,7 +132,7 @@ def sessions(quick: bool, turns: int) -> list[dict]:
     return out
 
 
-def limited(request: dict, max_tokens: int) -> dict:
+def limited(request: dict, max_tokens: int, served_id: str = SERVED_ID) -> dict:
     """The request with its answer cut to max_tokens (every other field as the client sent it)."""
     r = copy.deepcopy(request)
     body = r["body"]
@@ -139,7 +143,7 @@ def limited(request: dict, max_tokens: int) -> dict:
     if r["path"] == "/v1/chat/completions":
         body["stream_options"] = {"include_usage": True}
     if r["path"] != "/v1/messages":
-        body["model"] = SERVED_ID
+        body["model"] = served_id
     return r
 
 
@@ -201,9 +205,9 @@ def run_turn(port: int, request: dict) -> dict:
 
 # ---- the server ---------------------------------------------------------------------------------
 
-def start_server(args) -> tuple[subprocess.Popen, int]:
-    cmd = [sys.executable, "-m", "mashbox", "run", "--port", "0", "--slots", str(args.slots),
-           "--ctx", str(args.ctx), "--cache-ram", str(args.cache_ram)]
+def start_server(args, model: str | None = None) -> tuple[subprocess.Popen, int]:
+    cmd = [sys.executable, "-m", "mashbox", "run", *([model] if model else []), "--port", "0",
+           "--slots", str(args.slots), "--ctx", str(args.ctx), "--cache-ram", str(args.cache_ram)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     deadline = time.monotonic() + SERVER_START_TIMEOUT_S
     port = None
@@ -262,6 +266,7 @@ def main() -> int:
     p.add_argument("--cache-ram", type=int, default=2048)
     p.add_argument("--turns", type=int, default=None, help="turns per synthetic session")
     p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--tiny-hybrid", action="store_true", help="serve the tiny Qwen3-Next test model")
     args = p.parse_args()
     if not CLIENTS.is_dir():
         print(f"no recorded sessions at {CLIENTS}: nothing to replay")
@@ -270,7 +275,14 @@ def main() -> int:
     todo = sessions(args.quick, turns)
     print(f"{len(todo)} live sessions on {args.slots} slot(s) ({len(todo) / args.slots:.1f}x), "
           f"--cache-ram {args.cache_ram} MiB, ctx {args.ctx}")
-    proc, port = start_server(args)
+    model, served_id = None, SERVED_ID
+    if args.tiny_hybrid:
+        import tempfile
+        sys.path.insert(0, str(ROOT))
+        from tests.test_hybrid import served_folder
+        model = served_folder(Path(tempfile.mkdtemp(prefix="mashbox-bench-sessions-")))
+        served_id = Path(model).name.lower()
+    proc, port = start_server(args, model)
     rows = []
     try:
         wait_ready(port)
@@ -278,7 +290,7 @@ def main() -> int:
         for turn in range(longest):
             for s in todo:
                 if turn < len(s["requests"]):
-                    r = run_turn(port, limited(s["requests"][turn], args.max_tokens))
+                    r = run_turn(port, limited(s["requests"][turn], args.max_tokens, served_id))
                     r.update(session=s["name"], turn=turn + 1)
                     rows.append(r)
                     print(f"  {s['name']:28s} turn {turn + 1:2d}: prompt {r['prompt']:6d}  cached "
@@ -309,7 +321,8 @@ def report(rows: list[dict], doc: dict) -> None:
         slow = max(r["ttft"] / first[r["session"]] for r in later)
         print(f"\nturns 2+: {100 * hit:.1f}% of prompt tokens from the cache (target >= 95%; "
               f"worst turn {100 * worst:.1f}%); slowest TTFT {100 * slow:.1f}% of its turn 1 (target <= 10%)")
-    print(f"health: host_cache_bytes {doc.get('host_cache_bytes')} of {doc.get('host_cache_cap_bytes')}, "
+    print(f"health: host_cache_bytes {doc.get('host_cache_bytes')} + snapshot_bytes {doc.get('snapshot_bytes')} "
+          f"of {doc.get('host_cache_cap_bytes')}, "
           f"evictions {doc.get('host_cache_evictions')}, namespace {doc.get('cache_namespace')}")
 
 
