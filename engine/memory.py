@@ -24,10 +24,13 @@ import struct
 from dataclasses import dataclass
 
 from engine.config import ModelConfig
+from engine.scheduler import SLOT_SNAPSHOTS
 
 # Bytes per key or value element in the KV cache: float16 on CPU, bfloat16 on accelerators
 # (engine.model.kv_dtype_for).
 KV_ELEMENT_BYTES = 2
+# Bytes per element of a linear layer's conv and recurrent state (float32 on every platform).
+STATE_ELEMENT_BYTES = 4
 # Bytes per float weight as the engine holds them on CPU: float32 (engine.model.dtype_for).
 CPU_WEIGHT_BYTES = 4
 # Bytes per weight of each weights dtype (engine.weights.WEIGHTS_DTYPES); int8 adds a float32 scale
@@ -51,8 +54,21 @@ class DoesNotFit(ValueError):
 
 
 def kv_bytes_per_token(cfg: ModelConfig) -> int:
-    """KV cache bytes of one position of one slot: a key and a value per layer and KV head."""
-    return len(cfg.layer_kinds) * 2 * cfg.num_kv_heads * cfg.head_dim * KV_ELEMENT_BYTES
+    """KV cache bytes of one position of one slot: a key and a value per attention layer and KV
+    head (a hybrid model's linear layers keep a state per slot instead: slot_state_bytes)."""
+    attention = sum(1 for kind in cfg.layer_kinds if kind != "linear")
+    return attention * 2 * cfg.num_kv_heads * cfg.head_dim * KV_ELEMENT_BYTES
+
+
+def slot_state_bytes(cfg: ModelConfig) -> int:
+    """A hybrid model's linear layers' state of one slot (conv and recurrent state, float32, as
+    engine.cache holds them); one snapshot of it is as big. 0 for a model without linear layers."""
+    linear = sum(1 for kind in cfg.layer_kinds if kind == "linear")
+    if not linear:
+        return 0
+    per_layer = cfg.linear_conv_dim * (cfg.linear_conv_kernel - 1) + \
+        cfg.linear_value_heads * cfg.linear_key_dim * cfg.linear_value_dim
+    return linear * per_layer * STATE_ELEMENT_BYTES
 
 
 def _model_tensors(folder: str):
@@ -152,21 +168,33 @@ class Sizing:
     available: int | None
     on_host: bool
     shrunk: bool = False          # defaults were lowered to fit
+    state_per_slot: int = 0       # hybrid models: the linear layers' state of one slot
 
     @property
     def kv(self) -> int:
-        return self.slots * self.ctx * self.kv_per_token if self.on_host else 0
+        """The slot pool: K/V, and a hybrid model's per-slot state (counted only on the CPU)."""
+        return self.slots * (self.ctx * self.kv_per_token + self.state_per_slot) if self.on_host else 0
+
+    @property
+    def snapshots(self) -> int:
+        """Snapshots a hybrid model's slots keep in host memory until they are saved to the host
+        cache (engine.scheduler.SLOT_SNAPSHOTS each), on every platform."""
+        return self.slots * SLOT_SNAPSHOTS * self.state_per_slot
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + (self.cache_ram_mib << 20) + RUNTIME_BYTES
+        return self.weights + self.kv + self.snapshots + (self.cache_ram_mib << 20) + RUNTIME_BYTES
 
     def describe(self) -> str:
         where = "host memory" if self.on_host else "host memory (weights and KV cache on the device)"
         have = f"{self.available / GIB:.1f} GiB available" if self.available is not None else \
             "available memory unknown"
-        kv = (f"KV cache {self.slots} slots x {self.ctx} tokens x {self.kv_per_token} B = "
+        state = f" + {self.slots} x {self.state_per_slot} B linear state" if self.state_per_slot else ""
+        kv = (f"KV cache {self.slots} slots x {self.ctx} tokens x {self.kv_per_token} B{state} = "
               f"{self.kv / GIB:.2f} GiB, " if self.on_host else "")
+        if self.state_per_slot:
+            kv += (f"slot snapshots {self.slots} x {SLOT_SNAPSHOTS} x {self.state_per_slot} B = "
+                   f"{self.snapshots / GIB:.2f} GiB, ")
         return (f"{where}: weights {self.weights / GIB:.2f} GiB + {kv}host cache "
                 f"{self.cache_ram_mib} MiB + runtime {RUNTIME_BYTES / GIB:.2f} GiB = "
                 f"{self.total / GIB:.2f} GiB; {have}")
@@ -186,7 +214,8 @@ def size(cfg: ModelConfig, folder: str, *, slots: int | None, ctx: int | None, c
     weights = held_weight_bytes(folder, held) if on_host else 0
     plan = Sizing(slots or default_slots, ctx or default_ctx,
                   default_cache_ram_mib if cache_ram_mib is None else cache_ram_mib,
-                  weights, kv_bytes_per_token(cfg), available, on_host)
+                  weights, kv_bytes_per_token(cfg), available, on_host,
+                  state_per_slot=slot_state_bytes(cfg))
     if available is None:
         return plan
     budget = int(available * DEFAULT_MEMORY_SHARE)

@@ -103,3 +103,27 @@ def test_the_server_lowers_its_defaults_to_the_memory_and_says_so(monkeypatch, c
         pass
     assert started and (started[0]["slots"], started[0]["ctx"], started[0]["cache_ram_mib"]) == (4, 16384, 0)
     assert any("defaults lowered" in r.getMessage() for r in caplog.records)
+
+
+def test_a_hybrid_model_counts_kv_of_its_attention_layers_and_the_linear_state_of_each_slot():
+    """Guards against sizing a hybrid model's linear layers as K/V (4x too much for Qwen3-Next) and
+    against forgetting their per-slot state and the snapshots slots keep until they are saved."""
+    from engine.scheduler import SLOT_SNAPSHOTS
+    folder = os.path.join(os.path.dirname(TINY), "qwen3-next")
+    cfg = load_config(folder)
+    attention = cfg.layer_kinds.count("gated_attention")
+    assert 0 < attention < len(cfg.layer_kinds)
+    assert memory.kv_bytes_per_token(cfg) == attention * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    linear = cfg.layer_kinds.count("linear")
+    state = linear * 4 * (cfg.linear_conv_dim * (cfg.linear_conv_kernel - 1)
+                          + cfg.linear_value_heads * cfg.linear_key_dim * cfg.linear_value_dim)
+    assert memory.slot_state_bytes(cfg) == state > 0
+    args = dict(slots=3, ctx=1024, cache_ram_mib=64, default_slots=4, default_ctx=32768,
+                default_cache_ram_mib=2048, available=100 * GIB)
+    host = memory.size(cfg, folder, on_host=True, **args)
+    assert host.total == memory.held_weight_bytes(folder, "float32") + 3 * (
+        1024 * memory.kv_bytes_per_token(cfg) + state) + 3 * SLOT_SNAPSHOTS * state + (64 << 20) \
+        + memory.RUNTIME_BYTES
+    device = memory.size(cfg, folder, on_host=False, **args)
+    assert device.total == 3 * SLOT_SNAPSHOTS * state + (64 << 20) + memory.RUNTIME_BYTES
+    assert "slot snapshots 3 x" in host.describe()
