@@ -6,9 +6,9 @@ A random-weight model shaped like Qwen3-Next-80B-A3B, scaled to fit a small CPU:
 DeltaNet layers to one gated full-attention layer, 16:2 query:key-value heads of 256 with a quarter
 rotary, 2 value heads per key head of 128 in the linear layers, a 4-wide conv, top-10 routed experts
 of width hidden/4 with a shared expert of the same width; fewer layers, a smaller hidden size,
-fewer experts and a smaller vocabulary. The server does not serve this family yet (its prompt cache
-cannot snapshot the recurrent state), so this times engine.model's jitted forward directly, through
-engine.weights' loader, on the slot pool of engine.cache. Measures, in one run:
+fewer experts and a smaller vocabulary. This times engine.model's jitted forward directly (the
+forward alone, no scheduler or prompt cache), through engine.weights' loader, on the slot pool of
+engine.cache. Measures, in one run:
   - prefill tokens/s of one PREFILL_TOKENS-token chunk (the chunked delta rule);
   - decode tokens/s at 1 and 4 busy rows (the one-step recurrence), each row PREFILL_TOKENS deep.
 """
