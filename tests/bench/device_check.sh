@@ -1,10 +1,14 @@
 #!/bin/sh
-# Tensor parallelism on an accelerator machine: the tiny dense, MoE, int8 and hybrid models split over every
-# power-of-two count of the machine's chips give the logits of one chip (tests/tp_parity.py).
+# The accelerator checks, one short run (at most about 8 minutes):
+#  1. one chip (tests/bench/device_bench.py): the tiny fixture models' logits against transformers', and
+#     decode tok/s at 1 and 8 rows and prefill tok/s of a random Qwen3-8B-shaped model in bfloat16 and
+#     int8, each beside the HBM-bandwidth bound of the chip's name;
+#  2. tensor parallelism: the tiny dense, MoE, int8 and hybrid models split over every power-of-two count
+#     of the machine's chips give the logits of one chip (tests/tp_parity.py).
 #
 #     sh tests/bench/device_check.sh            (from the project folder, jax with the chips' plugin)
 #
-# On a machine with one chip there is nothing to compare: it says so and exits 0.
+# On a CPU machine part 1 says it found no GPU; with one chip part 2 has nothing to compare. Both exit 0.
 set -eu
 cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python}
@@ -12,11 +16,14 @@ PYTHON=${PYTHON:-python}
 # multiply float32 in reduced-precision passes (TF32) and int8 weights in bfloat16, hence not 1e-4.
 TOLERANCE=${TOLERANCE:-2e-2}
 
+bench=0
+"$PYTHON" tests/bench/device_bench.py || bench=1
+
 chips=$("$PYTHON" -c 'import jax; print(len(jax.devices()))')
 platform=$("$PYTHON" -c 'import jax; print(jax.default_backend())')
 if [ "$chips" -lt 2 ]; then
     echo "device_check: this machine has $chips $platform device(s): a split needs at least 2, nothing to compare"
-    exit 0
+    exit "$bench"
 fi
 counts=1
 n=2
@@ -34,4 +41,5 @@ for case in "qwen3 float32" "qwen3-moe float32" "qwen3 int8" "qwen3-next float32
 done
 [ "$status" -eq 0 ] && echo "device_check: every split matches one chip within $TOLERANCE" \
     || echo "device_check: a split differs from one chip by more than $TOLERANCE"
+[ "$bench" -eq 0 ] || status=1
 exit "$status"
