@@ -12,8 +12,9 @@ flags) and the demo model's parts (`.[demo]`). Nothing is downloaded:
   - mashbox serves the demo model (built from the same GGUF) with `python -m mashbox run --slots 1
     --ctx N --weights-dtype D` for every `--weights-dtype` (default: auto), driven through its HTTP API
     (streamed Chat Completions, greedy).
-Each engine runs in a process of its own (peak RSS = that process's VmHWM; for mashbox the worker
-process, which holds the model), one after the other, llama.cpp and mashbox alternating; every
+Each engine runs in a process of its own (peak RSS = that process's VmHWM, RSS after = its VmRSS
+once the prompts are done; for mashbox the worker process, which holds the model: its peak includes
+start-up), one after the other, llama.cpp and mashbox alternating; every
 engine first answers one short warm-up prompt. Per prompt size (512, 2048, 8192 tokens; --quick: 512
 and 2048) the same token ids go to both: prefill tok/s = prompt tokens / time to the first new
 token; decode tok/s = (new tokens - 1) / (time from the first to the last new token). llama.cpp
@@ -59,6 +60,8 @@ CTX_MARGIN = 64                  # context beyond the longest prompt and its ans
 START_TIMEOUT_S = 1800
 REQUEST_TIMEOUT_S = 3600
 DERIVABLE = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "f32": "LLAMA_FTYPE_ALL_F32", "f16": "LLAMA_FTYPE_MOSTLY_F16"}
+# Tokens every prompt shares, a prefix cache may serve: the chat format's opening of the system turn.
+SHARED_OPENING = 3
 CORPUS = sorted((ROOT / "engine").glob("*.py")) + [ROOT / "mashbox.py"]
 ASK = "\n\nExplain the code above in detail, function by function, and list every possible bug you see."
 
@@ -86,10 +89,9 @@ def build_prompts(tok: chat.Tokenizer, sizes: list[int]) -> list[dict]:
     tokenizes it to exactly these ids), each opening with its own nonce and taking its code from
     another part of the corpus."""
     corpus = tok.encode("".join(p.read_text(encoding="utf-8") for p in CORPUS))
-    run = uuid.uuid4().hex[:12]
     prompts, offset = [], 0
-    for i, size in enumerate([WARMUP_TOKENS[0], *sizes]):
-        system = f"Review {run}-{i}. You are a senior Python engineer reviewing a code base."
+    for size in [WARMUP_TOKENS[0], *sizes]:
+        system = f"{uuid.uuid4().hex[:12]}: you are a senior Python engineer reviewing a code base."
         body = size
         for _ in range(8):        # the rendering adds a few tokens and re-tokenizes the joins
             if offset + body > len(corpus):
@@ -244,7 +246,7 @@ def run_mashbox(dtype: str, prompts: list[dict], ctx: int, new_tokens: int) -> d
     finally:
         server.stop()
     for r in results:
-        if r["cached"] > 16:
+        if r["cached"] > SHARED_OPENING:
             raise RuntimeError(f"mashbox served {r['cached']} prompt tokens from its cache: not a cold prefill")
     return {"results": results, **mem, "bpw": model.get("bpw"), "gb": model.get("gb")}
 
@@ -283,13 +285,13 @@ def rates(run: dict) -> dict:
 
 def table(runs: list[tuple[str, str, dict]], sizes: list[int], new_tokens: int) -> str:
     head = ("| engine, weights | " + " | ".join(f"prefill {s}" for s in sizes) + " | "
-            + " | ".join(f"decode after {s}" for s in sizes) + " | peak RSS |")
-    lines = [head, "|" + "---|" * (2 * len(sizes) + 2)]
+            + " | ".join(f"decode after {s}" for s in sizes) + " | peak RSS | RSS after |")
+    lines = [head, "|" + "---|" * (2 * len(sizes) + 3)]
     for kind, label, run in runs:
         r = rates(run)
         decode = [f"{r[s][1]:.1f}" + (f" ({r[s][2]} tok)" if r[s][2] != new_tokens else "") for s in sizes]
         lines.append(f"| {label} | " + " | ".join(f"{r[s][0]:.0f}" for s in sizes) + " | "
-                     + " | ".join(decode) + f" | {run['VmHWM'] / 1e9:.2f} GB |")
+                     + " | ".join(decode) + f" | {run['VmHWM'] / 1e9:.2f} GB | {run['VmRSS'] / 1e9:.2f} GB |")
     for mkind, mlabel, mrun in runs:
         if mkind != "mashbox":
             continue
@@ -300,7 +302,7 @@ def table(runs: list[tuple[str, str, dict]], sizes: list[int], new_tokens: int) 
             lines.append(f"| ratio {mlabel} / {llabel} | "
                          + " | ".join(f"{m[s][0] / ll[s][0]:.2f}x" for s in sizes) + " | "
                          + " | ".join(f"{m[s][1] / ll[s][1]:.2f}x" for s in sizes) + " | "
-                         + f"{mrun['VmHWM'] / lrun['VmHWM']:.2f}x |")
+                         + f"{mrun['VmHWM'] / lrun['VmHWM']:.2f}x | {mrun['VmRSS'] / lrun['VmRSS']:.2f}x |")
     return "\n".join(lines)
 
 
