@@ -19,16 +19,19 @@ from dataclasses import dataclass
 DENSE_FAMILIES = ("qwen2", "qwen3")
 # Full attention followed by routed experts (some layers may keep a dense MLP).
 MOE_FAMILIES = ("qwen3_moe",)
-# Gated DeltaNet layers mixed with gated full attention: Qwen3-Next (routed experts with a shared
-# expert) and Qwen3.5 (a dense MLP in every layer).
-HYBRID_FAMILIES = ("qwen3_next", "qwen3_5")
+# Gated DeltaNet layers mixed with gated full attention: Qwen3-Next and Qwen3.5's mixture of experts
+# (routed experts with a shared expert), Qwen3.5 (a dense MLP in every layer).
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 # The model_type a text-only checkpoint (or a multimodal one's text_config) gives its language
 # model, and the family it is.
-TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5"}
+TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+# Families whose router always renormalizes the picked experts' weights (their configs have no
+# norm_topk_prob key: transformers' Qwen3.5 router divides by their sum unconditionally).
+ALWAYS_NORM_TOPK = ("qwen3_5_moe",)
 SUPPORTED_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + HYBRID_FAMILIES
 # The chat format each family is rendered in (engine.chat knows these two); registry and worker read it.
 CHAT_FORMAT = {"qwen2": "qwen2.5", "qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen3_next": "qwen3",
-               "qwen3_5": "qwen3"}
+               "qwen3_5": "qwen3", "qwen3_5_moe": "qwen3"}
 # Token mixers (ModelConfig.layer_kinds): plain full attention, Qwen3-Next's full attention with a
 # sigmoid output gate from the query projection, and its Gated DeltaNet linear attention.
 MIXER_KINDS = ("attention", "gated_attention", "linear")
@@ -194,7 +197,9 @@ def config_from_dict(raw: dict) -> ModelConfig:
         model_type=model_type,
         vocab_size=_int(raw, "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=_int(raw, "intermediate_size"),
+        # Only dense MLP layers read it: Qwen3.5's mixture of experts has none and no key for it.
+        intermediate_size=_int(raw, "intermediate_size") if "dense" in mlp_kinds
+        else raw.get("intermediate_size") or 0,
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -264,7 +269,7 @@ def _experts(raw: dict, model_type: str) -> dict:
                           f"num_experts ({experts})")
     out = {"num_experts": experts, "experts_per_token": per_token,
            "moe_intermediate_size": _int(raw, "moe_intermediate_size"),
-           "norm_topk_prob": bool(raw.get("norm_topk_prob", False))}
+           "norm_topk_prob": model_type in ALWAYS_NORM_TOPK or bool(raw.get("norm_topk_prob", False))}
     if model_type in HYBRID_FAMILIES:
         out["shared_expert_intermediate_size"] = _int(raw, "shared_expert_intermediate_size")
     elif raw.get("shared_expert_intermediate_size"):

@@ -23,6 +23,8 @@ FOLDER = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "qwen3-next
 # Qwen3.5's text model (transformers' Qwen3_5ForCausalLM): the same layers with separate linear
 # projections and a dense MLP; its reference is made the same way.
 QWEN3_5 = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "qwen3-5")
+# Qwen3.5's mixture of experts (Qwen3_5MoeForCausalLM): routed experts and a shared expert everywhere.
+QWEN3_5_MOE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "qwen3-5-moe")
 # float32 against float32 transformers. Measured at most 1.4e-4 over the 80 reference positions
 # (most below 3e-5): the chunked delta rule's triangular solve and scan sum in another order than
 # torch's, and the fixture's large random weights (logits std 1.7) amplify that.
@@ -41,12 +43,13 @@ def next_model():
     return cfg, load_weights(FOLDER, cfg, jnp.float32), reference
 
 
-@pytest.fixture(scope="module", params=[FOLDER, QWEN3_5], ids=["qwen3-next", "qwen3.5"])
+@pytest.fixture(scope="module", params=[FOLDER, QWEN3_5, QWEN3_5_MOE], ids=["qwen3-next", "qwen3.5", "qwen3.5-moe"])
 def parity_model(request, next_model):
     if request.param == FOLDER:
         return next_model
-    cfg = load_config(QWEN3_5)
-    return cfg, load_weights(QWEN3_5, cfg, jnp.float32), load_file(os.path.join(QWEN3_5, "reference.safetensors"))
+    cfg = load_config(request.param)
+    return cfg, load_weights(request.param, cfg, jnp.float32), \
+        load_file(os.path.join(request.param, "reference.safetensors"))
 
 
 def _run(params, cache, cfg, tokens, slots, starts, lengths, all_logits=False):
@@ -131,13 +134,16 @@ def test_step_by_step_decode_matches_transformers(parity_model):
     np.testing.assert_allclose(np.stack(got), ref["logits"][prompt - 1:], atol=PARITY_ATOL, rtol=0)
 
 
-def test_qwen3_5_reads_its_text_model_type_and_separate_linear_projections():
+def test_qwen3_5_and_its_moe_read_their_text_model_types():
     """Guards against Qwen3.5 read as another family or with Qwen3-Next's interleaved projections."""
     cfg = load_config(QWEN3_5)
     assert cfg.model_type == "qwen3_5" and cfg.layer_kinds[-1] == "gated_attention"
     assert set(cfg.mlp_kinds) == {"dense"} and cfg.zero_centred_norms and cfg.rotary_dim == 4
     assert config_from_dict({**NEXT, "model_type": "qwen3_5", "text_config": {
         **NEXT, "model_type": "qwen3_5_text", "num_experts": 0}}).model_type == "qwen3_5"
+    moe = load_config(QWEN3_5_MOE)       # no intermediate_size, no norm_topk_prob: always normalized
+    assert moe.model_type == "qwen3_5_moe" and set(moe.mlp_kinds) == {"moe"}
+    assert moe.norm_topk_prob and moe.shared_expert_intermediate_size == 48
 
 
 # ---- the recurrent state across chunks, rows and slots -----------------------------------------

@@ -71,6 +71,7 @@ def test_models_json_lists_real_qwen3_models_with_consistent_fields():
     for hybrid in ("qwen3-next-80b-a3b-instruct", "qwen3-next-80b-a3b-thinking"):
         assert models[hybrid]["family"] == "qwen3_next", hybrid
     assert models["qwen3.5-27b"]["family"] == "qwen3_5"
+    assert models["qwen3.5-35b-a3b"]["family"] == "qwen3_5_moe"
 
 
 def test_unknown_model_id_lists_every_known_id(cache):
