@@ -62,7 +62,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model_type: str                  # "qwen2" | "qwen3" | "qwen3_moe" | "qwen3_next"
+    model_type: str                  # a family: DENSE_FAMILIES, MOE_FAMILIES or HYBRID_FAMILIES
     vocab_size: int
     hidden_size: int
     intermediate_size: int

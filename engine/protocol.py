@@ -68,7 +68,7 @@ class Loading:
 class ModelFacts:
     """What the worker loaded; the server's /v1/models and /health read it."""
     id: str
-    family: str                   # "qwen2", "qwen3", "qwen3_moe", "qwen3_next"
+    family: str                   # "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"
     weights: str                  # the weights folder or file loaded
     folder: str                   # the HF folder: the server loads tokenizer.json from here
     chat_format: str              # "qwen3" | "qwen2.5": which template engine.chat renders

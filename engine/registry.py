@@ -85,7 +85,7 @@ class DemoSource:
 @dataclass(frozen=True)
 class ModelSpec:
     id: str
-    family: str                   # "qwen2" | "qwen3" | "qwen3_moe" | "qwen3_next"
+    family: str                   # engine.config.SUPPORTED_FAMILIES
     chat_format: str              # "qwen2.5" | "qwen3"
     context_length: int           # the model's own maximum (config max_position_embeddings)
     weights: str                  # the HF folder (for the demo: where prepare() builds it)
