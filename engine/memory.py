@@ -23,6 +23,7 @@ import os
 import struct
 from dataclasses import dataclass
 
+from engine import cpu
 from engine.config import ModelConfig
 from engine.scheduler import SLOT_SNAPSHOTS
 
@@ -207,10 +208,11 @@ def size(cfg: ModelConfig, folder: str, *, slots: int | None, ctx: int | None, c
     """Slots, ctx and --cache-ram for a worker: the given ones as they are, the others from the
     defaults, shrunk to fit (see the module docstring). Raises DoesNotFit, naming the numbers, when
     what was given (or the smallest defaults) needs more than is available. weights_dtype: as
-    --weights-dtype ("auto": float32 on the CPU, engine.model.weights_dtype_for)."""
+    --weights-dtype ("auto": on a CPU engine.cpu.auto_weights_dtype, as the worker decides in
+    engine.model.weights_dtype_for; on accelerators the weights are not in host memory)."""
     on_host = engine_on_host() if on_host is None else on_host
     available = available_bytes() if available is None else available
-    held = "float32" if weights_dtype == "auto" else weights_dtype
+    held = cpu.auto_weights_dtype() if weights_dtype == "auto" else weights_dtype
     weights = held_weight_bytes(folder, held) if on_host else 0
     plan = Sizing(slots or default_slots, ctx or default_ctx,
                   default_cache_ram_mib if cache_ram_mib is None else cache_ram_mib,

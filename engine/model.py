@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from engine import cpu
 from engine.config import ROUTED_PATHS, ModelConfig
 
 F32 = jnp.float32
@@ -51,11 +52,11 @@ def dtype_for(platform: str):
 
 def weights_dtype_for(platform: str, asked: str | None = "auto") -> str:
     """The weights dtype a worker holds (engine.weights.WEIGHTS_DTYPES): the one asked for, or for
-    "auto" (or None) what is fastest on the platform. On the CPU that is float32: int8 weight-only
-    streams a quarter of the bytes but XLA:CPU converts int8 slower than it reads float32 at 1-4
-    rows (see _matmul's measurement); int8 is the choice when memory is short (--weights-dtype int8)."""
+    "auto" (or None) what is fastest on the platform: on a CPU with int8 dot-product instructions
+    int8 (a quarter of the bytes, and faster: see _matmul's measurement), on other CPUs float32
+    (engine.cpu.auto_weights_dtype), on accelerators bfloat16."""
     if asked in (None, "auto"):
-        return np.dtype(dtype_for(platform)).name
+        return cpu.auto_weights_dtype() if platform == "cpu" else np.dtype(dtype_for(platform)).name
     return asked
 
 
@@ -79,42 +80,44 @@ def kv_dtype_for(platform: str):
 # ran 1.3x faster as a dot, while 32- and 128-token chunks ran 1.2-1.4x faster summed.
 SUMMED_PRODUCT_MAX_ROWS = 128
 
-# int8 weight-only matrices (weights_dtype "int8") are {"q": int8 [..., out, in], "scale": float32
-# [..., out]}: w = q * scale, one scale per output channel, applied to the product's output. XLA:CPU
-# has no fast narrow matrix-vector product: tests/bench/bench_narrow.py, 24 layers of Qwen2.5-0.5B's
-# products, 2-core AMD EPYC (shared, load ~1), ms per forward against float32:
-#   1 row    float32 dot 89; int8 converted inside a dot 706; int8 summed 3,865 (the one-row
-#            reduction runs element by element); int8 summed on the row padded to 2 rows 80 (to 4: 79)
-#   4 rows   float32 summed 54-88, dot 100; int8 summed (the convert fused into the reduction, scale
-#            on the output) 80, scale applied to the weight 92, weight stored [in, out] 566, dot 507
-#   8 rows   float32 summed 112-116; int8 summed 102; int8 dot 923
-#   512 rows float32 dot 3,634; int8 converted to float32 inside the dot 4,495; int8 and the rows
-#            both converted to bfloat16 inside the dot (float32 accumulation) 2,267
-# The demo's whole decode forward (bench_narrow.py forward, load 4-5, best of 8): 1 row float32
-# 99-105 ms, int8 114-120 (a float32 head: 107-113; padded to 4 rows: 117); 4 rows float32 141-237,
-# int8 127-138.
-# So one row is padded to SUMMED_PAD_ROWS and takes the summed form, like 2..128 rows (slower than
-# float32 at 1-4 rows on this CPU, faster at 8); a prefill chunk multiplies in bfloat16 where the CPU
-# has bfloat16 dot-product instructions (int8 is exact in bfloat16; the rows are rounded), else in
-# float32. Accelerators take the dot in bfloat16 at every row count.
-SUMMED_PAD_ROWS = 2
+# int8 matrices (weights_dtype "int8") are {"q": int8 [..., out, in], "scale": float32 [..., out]}:
+# w = q * scale, one scale per output channel, applied to the product's output. XLA:CPU has no fast
+# product of float rows with int8 weights (every convert-then-multiply form ran at or below float32's
+# speed), but it hands an int8 x int8 -> int32 dot of at least 2 rows to YNNPACK, whose integer
+# kernels (AVX512-VNNI here) stream the int8 weights near the bandwidth. So a decode step quantizes
+# each row of activations to int8 on the fly (one scale per row: its largest magnitude / 127) and
+# multiplies integers; one row is padded to two (YNNPACK takes no matrix-vector product).
+# tests/bench/bench_narrow.py products, 24 layers of Qwen2.5-0.5B's products, 2-core AMD EPYC
+# (avx512_vnni, avx512_bf16, no AMX), quiet (load < 1.2), best of 5, ms per forward:
+#   rows        float32 (dot at 1 row, summed 2-128)   int8 rows x int8   int8 weight-only, summed
+#   1           36.3                                    23.7 (1.53x)        41.2
+#   4           52.8                                    26.3 (2.0x)         55.3
+#   8           57.1                                    31.5 (1.8x)         71.7
+#   32          97.6                                    69.2 (1.4x)        471
+#   512 (dot)   1,038                                   707                 bfloat16 dot: 733
+# Earlier forms, all slower at one row: int8 converted inside a float dot (706 ms on a loaded
+# machine), int8 summed unpadded (3,865), float16 or bfloat16 weights in a dot (800-1,040), an int8
+# dot of one unpadded row (396). A prefill chunk (more than INT8_ROWS_MAX_ROWS rows) keeps int8
+# weights exact in bfloat16 with float32 accumulation where the CPU has bfloat16 dot-product
+# instructions (as fast as the integer dot, and its rows rounded to 8 bits of mantissa instead of
+# quantized), else float32. Accelerators take the dot in bfloat16 at every row count.
+INT8_ROWS_MAX_ROWS = SUMMED_PRODUCT_MAX_ROWS
+INT8_PAD_ROWS = 2
 
 
-def _cpu_has_bf16() -> bool:
-    """Whether this CPU has bfloat16 dot-product instructions (AVX512-BF16 or AMX), from its flags."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = set(f.read().split())
-    except OSError:
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
-
-
-CPU_HAS_BF16 = _cpu_has_bf16()
+CPU_HAS_BF16 = cpu.has_bf16_dot()
 
 
 def is_quantized(w) -> bool:
     return isinstance(w, dict)
+
+
+def _quantize_rows(x):
+    """x [rows, in] float32 -> (int8 [rows, in], float32 [rows, 1]): each row rounded to int8 on its own
+    scale, so that x ~= q * scale. An all-zero row (padding) gets scale 1 and stays zero."""
+    peak = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scale = jnp.where(peak > 0, peak / 127.0, 1.0)
+    return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
 
 
 def _matmul(x, w):
@@ -126,9 +129,13 @@ def _matmul(x, w):
         q, scale = w["q"], w["scale"]
         flat = x.reshape(rows, q.shape[1]).astype(F32)
         cpu = jax.default_backend() == "cpu"
-        if cpu and rows <= SUMMED_PRODUCT_MAX_ROWS:
-            padded = jnp.pad(flat, ((0, max(0, SUMMED_PAD_ROWS - rows)), (0, 0)))
-            y = jnp.sum(q.astype(F32) * padded[:, None, :], axis=-1)[:rows]
+        if cpu and rows <= INT8_ROWS_MAX_ROWS:
+            # Two int8 terms per row: the row, then what its rounding left, on a scale 127x finer.
+            hi, hi_scale = _quantize_rows(flat)
+            lo, lo_scale = _quantize_rows(flat - hi.astype(F32) * hi_scale)
+            y = lax.dot_general(jnp.concatenate([hi, lo]), q, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.int32).astype(F32)
+            y = y[:rows] * hi_scale + y[rows:] * lo_scale
         else:
             wide = jnp.bfloat16 if CPU_HAS_BF16 or not cpu else F32
             y = lax.dot_general(flat.astype(wide), q.astype(wide), (((1,), (1,)), ((), ())),

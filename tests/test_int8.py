@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import memory, model
+from engine import cpu, memory, model
 from engine.cache import init_cache
 from engine.config import load_config
 from engine.model import jit_forward
@@ -102,11 +102,27 @@ def test_int8_weights_take_about_a_quarter_of_float32():
     assert memory.held_weight_bytes(folder, "int8") < 0.3 * memory.held_weight_bytes(folder, "float32")
 
 
-def test_auto_weights_dtype_is_float32_on_cpu_and_what_was_asked_otherwise():
+def test_auto_weights_dtype_is_int8_on_a_cpu_with_int8_dot_instructions(monkeypatch):
+    monkeypatch.setattr(cpu, "flags", lambda: frozenset({"avx2", "avx512f", "avx512_vnni"}))
+    assert model.weights_dtype_for("cpu", "auto") == "int8"
+    assert model.weights_dtype_for("cpu", None) == "int8"
+    monkeypatch.setattr(cpu, "flags", lambda: frozenset({"avx2", "fma"}))
     assert model.weights_dtype_for("cpu", "auto") == "float32"
-    assert model.weights_dtype_for("cpu", None) == "float32"
     assert model.weights_dtype_for("gpu", "auto") == "bfloat16"
     assert model.weights_dtype_for("cpu", "int8") == "int8"
+    assert model.weights_dtype_for("cpu", "float32") == "float32"
+
+
+def test_server_sizes_auto_weights_as_the_worker_will_hold_them(monkeypatch):
+    """memory.size (the server, no jax) and the worker must agree on what "auto" holds."""
+    folder = os.path.join(TINY, "qwen2")
+    cfg = load_config(folder, serving=False)
+    for cpu_flags, held in (({"avx512_vnni"}, "int8"), ({"avx2"}, "float32")):
+        monkeypatch.setattr(cpu, "flags", lambda f=frozenset(cpu_flags): f)
+        plan = memory.size(cfg, folder, slots=1, ctx=64, cache_ram_mib=0, default_slots=1, default_ctx=64,
+                           default_cache_ram_mib=0, available=None, on_host=True, weights_dtype="auto")
+        assert plan.weights == memory.held_weight_bytes(folder, held) == memory.held_weight_bytes(
+            folder, model.weights_dtype_for("cpu", "auto"))
 
 
 def test_int8_hybrid_model_runs_close_to_float32():

@@ -16,9 +16,10 @@ GIB = 1 << 30
 
 
 def sized(available, slots=None, ctx=None, cache_ram_mib=None, on_host=True, defaults=(4, 32768, 2048)):
+    """float32 weights (4 B per parameter), whatever this CPU's "auto" would hold."""
     return memory.size(load_config(TINY), TINY, slots=slots, ctx=ctx, cache_ram_mib=cache_ram_mib,
                        default_slots=defaults[0], default_ctx=defaults[1], default_cache_ram_mib=defaults[2],
-                       available=available, on_host=on_host)
+                       available=available, on_host=on_host, weights_dtype="float32")
 
 
 def test_the_formula_counts_weights_kv_cache_host_cache_and_runtime():

@@ -17,9 +17,10 @@ CTX = 256
 CHUNKS = (8, 32)
 
 
-def make_engine(folder="qwen3", slots=4, ctx=CTX, chunks=CHUNKS, prefix_cache=True):
+def make_engine(folder="qwen3", slots=4, ctx=CTX, chunks=CHUNKS, prefix_cache=True, dtype="float32"):
+    """float32 by default: these tests compare against float32 references (auto may pick int8)."""
     return Engine(WorkerArgs("tiny", str(TINY / folder), slots=slots, ctx=ctx, prefix_cache=prefix_cache,
-                             prefill_chunks=chunks, compile_cache=None))
+                             prefill_chunks=chunks, compile_cache=None, dtype=dtype))
 
 
 @pytest.fixture(scope="module")

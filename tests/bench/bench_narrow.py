@@ -9,7 +9,7 @@ chained as the model runs them, per forward, at 1, 4, 8 rows and a 512-row prefi
 formulation of the product. Prints ms per forward (best of REPEATS) and the load average.
 
 forward: the demo's whole decode forward (1 and 4 rows, 1k-position cache), float32 against int8
-weights (and int8 with a float32 head), alternated in one process, best of 8 each, in ms.
+weights (and int8 with a float32 head), run in turn in one process, best of 20 each, in ms.
 
 kl: the demo model loaded twice (float32 and int8 weights), a fixed ~2k-token text through both in
 512-token chunks; prints the mean KL divergence of the next-token distributions (float32 || int8),
@@ -21,6 +21,9 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # this checkout's engine, not an installed one
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +32,7 @@ from jax import lax
 
 HIDDEN, INTERMEDIATE, LAYERS = 896, 4864, 24
 QKV = HIDDEN + 2 * 128
-ROWS = (1, 4, 8, 512)
+ROWS = (1, 4, 8, 32, 128, 512)
 REPEATS = 5
 KL_BOUND = 0.01
 F32 = jnp.float32
@@ -43,12 +46,30 @@ def _summed(x, w):
     return jnp.sum(w * x[:, None, :], axis=-1)
 
 
+def _engine(x, w):
+    """The engine's own product (engine.model._matmul) on int8 weights: at up to 128 rows each row
+    as two int8 terms times the int8 weights (YNNPACK's integer dot), past that a bfloat16 dot."""
+    from engine.model import _matmul
+    return _matmul(x, {"q": w[0], "scale": w[1]})
+
+
+def _int8_one_term(x, w, pad=2):
+    """Rows quantized to int8 once (one scale per row), padded to `pad` rows, int8 x int8 -> int32."""
+    from engine.model import _quantize_rows
+    xq, xs = _quantize_rows(jnp.pad(x, ((0, max(0, pad - x.shape[0])), (0, 0))))
+    y = lax.dot_general(xq, w[0], (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    return (y.astype(F32) * xs)[:x.shape[0]] * w[1]
+
+
 # Each formulation: (x [rows, in] float32, weight) -> [rows, out] float32. int8 weights are (q, scale).
 FORMS = {
     "f32 dot": lambda x, w: _dot(x, w),
     "f32 summed": lambda x, w: _summed(x, w),
     "i8 dot(convert w)": lambda x, w: _dot(x, w[0].astype(F32)) * w[1],
     "i8 dot(bf16)": lambda x, w: _dot(x.astype(jnp.bfloat16), w[0].astype(jnp.bfloat16)) * w[1],
+    "i8 engine (2 terms)": _engine,
+    "i8 rows x i8, 1 term": _int8_one_term,
+    "i8 rows x i8, unpadded": lambda x, w: _int8_one_term(x, w, pad=1),
     "i8 summed": lambda x, w: _summed(x, w[0].astype(F32)) * w[1],
     "i8 summed, scale in": lambda x, w: _summed(x, w[0].astype(F32) * w[1][:, None]),
     # the int8 weight stored transposed, [in, out]: the reduction runs across rows of it
@@ -60,10 +81,13 @@ FORMS = {
 }
 # Which formulations to time at which row counts (the summed forms are far too slow at 512 rows).
 PLAN = {
-    1: ["f32 dot", "i8 dot(convert w)", "i8 summed", "i8 pad2 summed", "i8 pad4 summed"],
-    4: ["f32 dot", "f32 summed", "i8 dot(convert w)", "i8 summed", "i8 summed, scale in"],
-    8: ["f32 summed", "i8 dot(convert w)", "i8 summed"],
-    512: ["f32 dot", "i8 dot(convert w)", "i8 dot(bf16)"],
+    1: ["f32 dot", "i8 engine (2 terms)", "i8 rows x i8, 1 term", "i8 rows x i8, unpadded",
+        "i8 dot(convert w)", "i8 pad2 summed"],
+    4: ["f32 dot", "f32 summed", "i8 engine (2 terms)", "i8 rows x i8, 1 term", "i8 summed"],
+    8: ["f32 summed", "i8 engine (2 terms)", "i8 summed"],
+    32: ["f32 summed", "i8 engine (2 terms)", "i8 dot(bf16)"],
+    128: ["f32 summed", "i8 engine (2 terms)", "i8 dot(bf16)"],
+    512: ["f32 dot", "i8 engine (2 terms)", "i8 rows x i8, 1 term", "i8 dot(bf16)"],
 }
 
 
@@ -161,7 +185,7 @@ def kl(folder: str, tokens: int = 2048, chunk: int = 512) -> None:
     p, q = logits["float32"], logits["int8"]
     per_token = np.sum(np.exp(p) * (p - q), axis=-1)
     agree = float(np.mean(p.argmax(-1) == q.argmax(-1)))
-    print(f"# {len(ids)} tokens of engine/*.py through {folder}")
+    print(f"# {len(ids)} tokens of engine/*.py through {folder}, {chunk}-token chunks")
     print(f"mean KL(float32 || int8) = {per_token.mean():.5f} nats (bound {KL_BOUND}), "
           f"max {per_token.max():.4f}, greedy agreement {agree:.4f}")
     if per_token.mean() >= KL_BOUND:
@@ -180,20 +204,24 @@ def forward(folder: str) -> None:
     i8 = load_weights(folder, cfg, "int8")
     weights = {"float32": f32, "int8": i8, "int8, float32 head": dict(i8, lm_head=f32["lm_head"])}
 
-    def best(params, rows, n=8):
-        cache = init_cache(cfg, 4, 1024, np.float16)
+    def alternated(rows, n=20):
+        """Best (min) ms per forward of each weights set, the sets run in turn n times: on a shared
+        machine a load that comes and goes then hits every set alike."""
+        caches = {name: init_cache(cfg, 4, 1024, np.float16) for name in weights}
         args = (np.zeros((rows, 1), np.int32), np.arange(rows, dtype=np.int32),
                 np.full(rows, 100, np.int32), np.ones(rows, np.int32))
-        times = []
-        for _ in range(n + 1):
-            t0 = time.perf_counter()
-            out, cache = model.jit_forward(params, cache, *args, cfg=cfg)
-            out.block_until_ready()
-            times.append(time.perf_counter() - t0)
-        return min(times[1:]) * 1e3
+        times = {name: [] for name in weights}
+        for i in range(n + 1):
+            for name, params in weights.items():
+                t0 = time.perf_counter()
+                out, caches[name] = model.jit_forward(params, caches[name], *args, cfg=cfg)
+                out.block_until_ready()
+                if i:                                   # the first call compiles
+                    times[name].append(time.perf_counter() - t0)
+        return {name: min(t) * 1e3 for name, t in times.items()}
 
     for rows in (1, 4):
-        print(f"rows {rows}: " + ", ".join(f"{name} {best(p, rows):.1f} ms" for name, p in weights.items()),
+        print(f"rows {rows}: " + ", ".join(f"{name} {ms:.1f} ms" for name, ms in alternated(rows).items()),
               flush=True)
     print("# load after:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 
@@ -208,6 +236,9 @@ if __name__ == "__main__":
     elif what in ("kl", "forward"):
         folder = sys.argv[2] if len(sys.argv) > 2 else os.path.expanduser(
             "~/.cache/mashbox/models/qwen2.5-coder-0.5b-instruct")
-        (kl if what == "kl" else forward)(folder)
+        if what == "kl":
+            kl(folder, chunk=int(sys.argv[3]) if len(sys.argv) > 3 else 512)
+        else:
+            forward(folder)
     else:
         sys.exit(f"unknown mode {what!r}: products, transposed, forward or kl")

@@ -1,0 +1,44 @@
+"""What this CPU's instructions make fast, read once from its flags (/proc/cpuinfo). No jax: the
+server sizes a worker (engine.memory) before one starts, and the answer must be the worker's.
+
+The choices rest on measurements (engine.model, beside _matmul; tests/bench/bench_narrow.py), not on
+the platform's name: a product runs in a narrow type where the CPU has dot-product instructions for
+that type, else in float32.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+# Instruction sets with bfloat16 dot products (XLA:CPU's bfloat16 dot uses them for a prefill chunk).
+BF16_DOT_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# Instruction sets with int8 dot products (VNNI). YNNPACK's int8 x int8 -> int32 kernels on them made
+# int8 weights 1.4-1.8x faster than float32 at 1-4 decode rows (2-core AMD EPYC, avx512_vnni). CPUs
+# without them keep float32 by default: unmeasured there.
+INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+@lru_cache(maxsize=1)
+def flags() -> frozenset[str]:
+    """The CPU's feature flags (empty where /proc/cpuinfo cannot be read, e.g. not Linux)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def has_bf16_dot() -> bool:
+    return bool(flags() & BF16_DOT_FLAGS)
+
+
+def has_int8_dot() -> bool:
+    return bool(flags() & INT8_DOT_FLAGS)
+
+
+def auto_weights_dtype() -> str:
+    """--weights-dtype auto on a CPU: int8 where the CPU multiplies int8 fast (a quarter of float32's
+    bytes, and faster), else float32."""
+    return "int8" if has_int8_dot() else "float32"
