@@ -69,8 +69,11 @@ def test_golden_prompts_are_the_chat_template_rendering(demo_folder):
 def engine(demo_folder):
     worker = pytest.importorskip("engine.worker")
     # The certification gate runs at start-up, every time here (no record), with the golden answer.
+    # float32 weights, whatever "auto" picks on this CPU: transformers' logits are float32 (int8 has
+    # its own tests below).
     args = worker.WorkerArgs(registry.default_id(), demo_folder, slots=2, ctx=CTX, prefill_chunks=(CHUNK,),
-                             certify_dir=None, golden=registry.resolve(registry.default_id()).golden)
+                             certify_dir=None, golden=registry.resolve(registry.default_id()).golden,
+                             dtype="float32")
     return worker.Engine(args)
 
 
