@@ -116,7 +116,7 @@ def test_auto_weights_dtype_is_int8_on_a_cpu_with_int8_dot_instructions(monkeypa
 def test_server_sizes_auto_weights_as_the_worker_will_hold_them(monkeypatch):
     """memory.size (the server, no jax) and the worker must agree on what "auto" holds."""
     folder = os.path.join(TINY, "qwen2")
-    cfg = load_config(folder, serving=False)
+    cfg = load_config(folder)
     for cpu_flags, held in (({"avx512_vnni"}, "int8"), ({"avx2"}, "float32")):
         monkeypatch.setattr(cpu, "flags", lambda f=frozenset(cpu_flags): f)
         plan = memory.size(cfg, folder, slots=1, ctx=64, cache_ram_mib=0, default_slots=1, default_ctx=64,

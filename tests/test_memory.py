@@ -120,7 +120,7 @@ def test_a_hybrid_model_counts_kv_of_its_attention_layers_and_the_linear_state_o
                           + cfg.linear_value_heads * cfg.linear_key_dim * cfg.linear_value_dim)
     assert memory.slot_state_bytes(cfg) == state > 0
     args = dict(slots=3, ctx=1024, cache_ram_mib=64, default_slots=4, default_ctx=32768,
-                default_cache_ram_mib=2048, available=100 * GIB)
+                default_cache_ram_mib=2048, available=100 * GIB, weights_dtype="float32")
     host = memory.size(cfg, folder, on_host=True, **args)
     assert host.total == memory.held_weight_bytes(folder, "float32") + 3 * (
         1024 * memory.kv_bytes_per_token(cfg) + state) + 3 * SLOT_SNAPSHOTS * state + (64 << 20) \
