@@ -137,3 +137,20 @@ def test_int8_hybrid_model_runs_close_to_float32():
     got = _logits(cfg, load_weights(folder, cfg, "int8"), tokens)
     assert np.isfinite(got).all()
     assert np.abs(got - want).mean() < 0.25
+
+
+@pytest.mark.parametrize("rows", [1, 4, 200])
+def test_int8_product_matches_the_dequantized_weights_at_decode_and_prefill_rows(rows):
+    """Guards the CPU's integer decode path (activations as two int8 terms, engine.model._matmul)
+    against losing its second term: with an outlier in the row, one term errs by 0.12 of the output's
+    largest magnitude, two by 7e-4. 200 rows take the prefill path (rows rounded to bfloat16)."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((96, 256)).astype(np.float32)
+    w[:, 3] *= 40                                         # an outlier input channel, as real models have
+    q, scale = quantize_int8(w)
+    x = rng.standard_normal((rows, 256)).astype(np.float32)
+    x[:, 7] *= 30                                         # an outlier activation
+    want = x @ (np.asarray(q, np.float32) * np.asarray(scale)[:, None]).T
+    got = np.asarray(jax.jit(model._matmul)(jnp.asarray(x), {"q": jnp.asarray(q), "scale": jnp.asarray(scale)}))
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < (2e-3 if rows <= model.INT8_ROWS_MAX_ROWS else 1e-2), err
