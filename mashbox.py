@@ -3204,7 +3204,9 @@ class EngineLog:
             log.info("devices: %d %s device(s) in %d process(es), mesh %s, %d KV heads laid out",
                      d["count"], d["platform"], d["processes"],
                      " x ".join(f"{axis}={size}" for axis, size in d["mesh"].items()), d["kv_heads"])
-        log.info("weights %s (%.2f GB, %.1f bits per weight)", f.weights, f.gb, f.bpw)
+        # bpw is the file's (the spec's Model.bpw); gb what the worker holds, in its own dtype.
+        log.info("weights %s (file: %.1f bits per weight; held as %s: %.2f GB)", f.weights, f.bpw,
+                 f.dtype, f.gb)
         log.info("slots %d, ctx %d tokens each, prefix cache %s, host cache %d MiB", f.slots,
                  f.max_model_len, "on" if f.prefix_cache else "off", f.cache_ram_mib)
         log.info("deployment %s, components %s", f.deployment_id, f.component_set_sha)
