@@ -173,13 +173,21 @@ def place_on_default_device(path: str, tree):
 
 
 def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_heads: int | None = None,
-                 place=place_on_default_device) -> dict:
+                 place=place_on_default_device, held_cache: str | None = None) -> dict:
     """Load a Hugging Face Qwen2/Qwen3/Qwen3-MoE/Qwen3-Next checkpoint as the pytree above, in
     `dtype` (a jnp dtype, or "int8": weight-only int8 matrices, the rest in float_dtype, float32
     unless given). kv_heads: KV heads to lay out (a multiple of the config's; None: the config's).
     place(path, subtree of numpy arrays) puts each part on the device(s) as soon as it is read
-    (engine.sharding: straight into each device's shard), so the host holds one layer at a time."""
+    (engine.sharding: straight into each device's shard), so the host holds one layer at a time.
+    held_cache: a folder for int8 weights as they are held (HeldWeights): read from there when it
+    holds them, else quantized from the checkpoint and written there for the next start."""
     int8 = str(dtype) == "int8"
+    if held_cache and int8:
+        held = HeldWeights(held_cache)
+        parts = held.read(place)
+        if parts is not None:
+            return _assemble(parts, cfg)
+        place = held.writer(place)
     dtype = np.dtype(float_dtype or np.float32) if int8 else np.dtype(dtype)
     kv_heads = kv_heads or cfg.num_kv_heads
     if kv_heads % cfg.num_kv_heads:
@@ -293,17 +301,118 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
             layer["k_norm"] = norm(p + "self_attn.k_norm.weight", cfg.head_dim)
         layers.append(place(f"layers.{i}", layer))
 
-    embed = place("embed", put_matrix(r.get("model.embed_tokens.weight", (cfg.vocab_size, h))))
-    if cfg.tie_word_embeddings:
-        lm_head = embed
-    else:
-        lm_head = place("lm_head", put_matrix(matrix("lm_head.weight", cfg.vocab_size, h)))
+    parts = {f"layers.{i}": layer for i, layer in enumerate(layers)}
+    parts["embed"] = place("embed", put_matrix(r.get("model.embed_tokens.weight", (cfg.vocab_size, h))))
+    if not cfg.tie_word_embeddings:
+        parts["lm_head"] = place("lm_head", put_matrix(matrix("lm_head.weight", cfg.vocab_size, h)))
+    parts["norm"] = place("norm", norm("model.norm.weight", h))
+    if held_cache and int8:
+        place.finish()
+    return _assemble(parts, cfg)
+
+
+def _assemble(parts: dict, cfg: ModelConfig) -> dict:
+    """The weights pytree from its placed parts ("layers.I", "embed", "lm_head" unless tied, "norm")."""
     return {
-        "embed": embed,
-        "lm_head": lm_head,
-        "norm": place("norm", norm("model.norm.weight", h)),
-        "layers": layers,
+        "embed": parts["embed"],
+        "lm_head": parts["embed"] if cfg.tie_word_embeddings else parts["lm_head"],
+        "norm": parts["norm"],
+        "layers": [parts[f"layers.{i}"] for i in range(cfg.num_layers)],
     }
+
+
+# ---- int8 weights kept as they are held -------------------------------------------------------------
+
+# Quantizing the demo at load costs about 10 s of a start (reading 2.5 GB of float32 and rounding it);
+# a restarted worker must not pay it again. So int8 weights are written once, as they are held, one
+# .npy file per array with a manifest of the tree, under the cache root (engine.worker names the
+# folder after everything the arrays depend on), and later starts map them in as they are.
+HELD_FORMAT = "held-weights-1"       # bumped when the layout of what is written changes
+HELD_KEEP = 2                        # held copies kept under one cache folder (the newest used)
+HELD_TMP_STALE_S = 600               # an unfinished copy this old was left by a worker that died
+_MANIFEST = "manifest.json"
+
+
+def held_key(component_set_sha: str, dtype: str, float_dtype: str, kv_heads: int) -> str:
+    """The folder name of one held copy: the checkpoint's files, the dtypes, the KV heads laid out
+    and HELD_FORMAT (the layout code's version)."""
+    import hashlib
+    h = hashlib.sha256(json.dumps([HELD_FORMAT, component_set_sha, dtype, float_dtype, kv_heads]).encode())
+    return "int8-" + h.hexdigest()[:20]
+
+
+class HeldWeights:
+    """One held copy of a model's weights: a folder of .npy arrays and a manifest of the tree."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    def read(self, place) -> dict | None:
+        """Every part placed as load_weights would, or None when the copy is absent or unreadable
+        (then the weights are quantized again and the copy rewritten)."""
+        try:
+            with open(os.path.join(self.folder, _MANIFEST), encoding="utf-8") as f:
+                manifest = json.load(f)
+            if manifest.get("format") != HELD_FORMAT:
+                return None
+            parts = {path: place(path, self._load(tree)) for path, tree in manifest["parts"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        os.utime(self.folder)                   # the newest used is kept longest (HELD_KEEP)
+        return parts
+
+    def _load(self, tree):
+        if isinstance(tree, dict):
+            return {key: self._load(sub) for key, sub in tree.items()}
+        return np.load(os.path.join(self.folder, tree), mmap_mode="r")
+
+    def writer(self, place):
+        """A place function that also writes each part into a temporary folder; its finish() makes
+        the copy visible at once (a rename), so a reader never sees half a copy."""
+        tmp = f"{self.folder}.tmp-{os.getpid()}"
+        os.makedirs(tmp, exist_ok=True)
+        written = []
+
+        def dump(path: str, tree):
+            if isinstance(tree, dict):
+                return {key: dump(f"{path}.{key}", sub) for key, sub in tree.items()}
+            name = path + ".npy"
+            np.save(os.path.join(tmp, name), np.asarray(tree))
+            return name
+
+        def write_then_place(path: str, tree):
+            written.append((path, dump(path, tree)))
+            return place(path, tree)
+
+        def finish():
+            with open(os.path.join(tmp, _MANIFEST), "w", encoding="utf-8") as f:
+                json.dump({"format": HELD_FORMAT, "parts": written}, f)
+            try:
+                os.rename(tmp, self.folder)
+            except OSError:                     # another worker wrote it first: theirs is the same
+                import shutil
+                shutil.rmtree(tmp, ignore_errors=True)
+            self._evict()
+
+        write_then_place.finish = finish
+        return write_then_place
+
+    def _evict(self):
+        """Keep the HELD_KEEP newest used copies beside this one; an unfinished folder of a worker
+        that died is removed with them."""
+        import shutil
+        import time
+        root = os.path.dirname(self.folder)
+        try:
+            entries = sorted((e for e in os.scandir(root) if e.is_dir()), key=lambda e: e.stat().st_mtime,
+                             reverse=True)
+        except OSError:
+            return
+        done = [e for e in entries if ".tmp-" not in e.name]
+        stale = done[HELD_KEEP:] + [e for e in entries if ".tmp-" in e.name
+                                   and time.time() - e.stat().st_mtime > HELD_TMP_STALE_S]
+        for e in stale:
+            shutil.rmtree(e.path, ignore_errors=True)
 
 
 def weights_bytes(params) -> int:

@@ -31,7 +31,7 @@ from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Note, Ready, Sh
                              Submit)
 from engine.registry import cache_root
 from engine.scheduler import PREFILL_CHUNKS, Buckets, Decode, Prefill, Sequence, Scheduler
-from engine.weights import load_weights, weights_bytes
+from engine.weights import held_key, load_weights, weights_bytes
 
 # Every program goes to the persistent compile cache, however quick its compile: a restarted worker
 # then loads all of them and compiles none (dozens of quick compiles still add up to seconds).
@@ -65,6 +65,9 @@ class WorkerArgs:
     # Where compiled programs are kept between runs (a compile per shape costs seconds on CPU);
     # None: off.
     compile_cache: str | None = field(default_factory=lambda: str(cache_root() / "jax"))
+    # int8 weights as they are held, so a restart or the next start does not quantize again
+    # (engine.weights.HeldWeights); None: quantize at every start
+    weights_cache: str | None = field(default_factory=lambda: str(cache_root() / "weights"))
     cache_namespace: str | None = None    # None: computed here (prefix.namespace_id)
     # The certification gate: where its results are recorded (None: never), whether to run it even
     # when a result is recorded, and the golden greedy answer models.json records ({prompt, answer}).
@@ -144,19 +147,24 @@ class Engine:
         self.cfg = cfg = self.layout.cfg
         # int8 here names the weights' format (int8 matrices, float norms): np.dtype("int8").name
         self.dtype = np.dtype(weights_dtype_for(platform, args.dtype))
+        chat_format = args.chat_format or CHAT_FORMAT[cfg.model_type]
+        self.component_set_sha = identity.component_set_sha(args.weights_folder, chat_format)
+        float_dtype = dtype_for(platform)
+        held = None
+        if args.weights_cache and self.dtype.name == "int8":
+            held = os.path.join(args.weights_cache, held_key(
+                self.component_set_sha, self.dtype.name, np.dtype(float_dtype).name, cfg.num_kv_heads))
         progress("weights", 0, 1)
         self.params = load_weights(args.weights_folder, self.checkpoint_cfg, self.dtype.name,
-                                   float_dtype=dtype_for(platform), kv_heads=cfg.num_kv_heads,
-                                   place=self.layout.place)
+                                   float_dtype=float_dtype, kv_heads=cfg.num_kv_heads,
+                                   place=self.layout.place, held_cache=held)
         progress("weights", 1, 1)
         self.kv_dtype = np.dtype(args.kv_dtype) if args.kv_dtype else np.dtype(kv_dtype_for(platform))
         self.cache = init_cache(cfg, args.slots, args.ctx, self.kv_dtype, zeros=self.layout.cache_zeros)
         self.state = self.layout.replicate(sampler.init_state(args.slots, cfg.vocab_size))
         self.buckets = Buckets.for_ctx(args.ctx, tuple(args.prefill_chunks), args.slots)
         family = cfg.model_type
-        chat_format = args.chat_format or CHAT_FORMAT[family]
         weights = args.weights_file or args.weights_folder
-        self.component_set_sha = identity.component_set_sha(args.weights_folder, chat_format)
         namespace = args.cache_namespace or prefix.namespace_id(
             self.component_set_sha, args.model_id, family, f"{self.dtype.name}/kv-{self.kv_dtype.name}",
             args.prefix_cache)

@@ -154,3 +154,51 @@ def test_int8_product_matches_the_dequantized_weights_at_decode_and_prefill_rows
     got = np.asarray(jax.jit(model._matmul)(jnp.asarray(x), {"q": jnp.asarray(q), "scale": jnp.asarray(scale)}))
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err < (2e-3 if rows <= model.INT8_ROWS_MAX_ROWS else 1e-2), err
+
+
+# ---- int8 weights kept as they are held (engine.weights.HeldWeights) ---------------------------------
+
+def _leaves(params):
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(params)]
+
+
+def test_held_int8_weights_are_read_back_without_the_checkpoint(tmp_path, monkeypatch):
+    """Guards the restart path: the second load must not read (and quantize) the float checkpoint
+    again, and must give the same arrays."""
+    from engine import weights
+    folder = os.path.join(TINY, "qwen3")
+    cfg = load_config(folder)
+    held = str(tmp_path / "weights" / "int8-one")
+    first = load_weights(folder, cfg, "int8", held_cache=held)
+    assert os.path.exists(os.path.join(held, "manifest.json"))
+
+    def no_checkpoint(*_):
+        raise AssertionError("the checkpoint was read although a held copy exists")
+    monkeypatch.setattr(weights._Reader, "get", no_checkpoint)
+    second = load_weights(folder, cfg, "int8", held_cache=held)
+    assert jax.tree_util.tree_structure(first) == jax.tree_util.tree_structure(second)
+    for a, b in zip(_leaves(first), _leaves(second)):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def test_a_broken_held_copy_is_quantized_again(tmp_path):
+    folder = os.path.join(TINY, "qwen3")
+    cfg = load_config(folder)
+    held = tmp_path / "weights" / "int8-one"
+    want = _leaves(load_weights(folder, cfg, "int8", held_cache=str(held)))
+    (held / "manifest.json").write_text("{not json")
+    got = _leaves(load_weights(folder, cfg, "int8", held_cache=str(held)))
+    assert all(np.array_equal(a, b) for a, b in zip(want, got))
+
+
+def test_only_the_newest_held_copies_are_kept(tmp_path):
+    """Guards the disk: every model or dtype change writes a copy; old ones go."""
+    from engine import weights
+    folder = os.path.join(TINY, "qwen3")
+    cfg = load_config(folder)
+    root = tmp_path / "weights"
+    for i in range(weights.HELD_KEEP + 2):
+        load_weights(folder, cfg, "int8", held_cache=str(root / f"int8-{i}"))
+        os.utime(root / f"int8-{i}", (1000 + i, 1000 + i))
+    kept = sorted(p.name for p in root.iterdir())
+    assert len(kept) == weights.HELD_KEEP and f"int8-{weights.HELD_KEEP + 1}" in kept

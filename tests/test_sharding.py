@@ -36,6 +36,10 @@ FOUR_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
 # Split over N devices, only the order of the all-reduced sums changes (float32): measured up to
 # 7e-6 on logits whose standard deviation is ~1.6, so 1e-4 is far from both.
 TP_ATOL = 1e-4
+# int8 weights on a CPU round every decode and short-prefill row of activations to int8 (two terms,
+# engine.model._matmul): a last-bit difference from the sum order flips a rounding, which the later
+# layers carry (measured 6.5e-4). A wrong split moves logits by a whole deviation.
+TP_ATOL_INT8 = 5e-3
 
 
 def _numpy_params(name: str, dtype="float32"):
@@ -153,17 +157,19 @@ def test_split_over_two_and_four_devices_gives_the_logits_of_one(name, extra):
     runs = out["runs"]
     for n, run in runs.items():
         n = int(n)
-        assert run["prefill_diff"] <= TP_ATOL and run["decode_diff"] <= TP_ATOL, (n, run)
+        atol = TP_ATOL_INT8 if "int8" in extra else TP_ATOL
+        assert run["prefill_diff"] <= atol and run["decode_diff"] <= atol, (n, run)
         assert run["layout"]["count"] == n and run["layout"]["mesh"] == {MODEL_AXIS: n}
         kv_heads = max(cfg.num_kv_heads, n)
         assert run["layout"]["kv_heads"] == kv_heads and run["cache_k"]["shape"][1] == kv_heads
         if n > 1:
             # XLA adds only all-reduces of activations (at most [rows, hidden] for the decode batch's
-            # 4 rows): no weight or cache array is ever gathered whole onto a device
+            # 4 rows; twice the rows with int8 weights, whose products take each row as two int8
+            # terms): no weight or cache array is ever gathered whole onto a device
             collectives = run["decode_collectives"]
             sizes = [np.prod([int(d) for d in re.findall(r"\d+", c.split("[")[1])]) for c in collectives]
             assert collectives and all(c.startswith("all-reduce ") for c in collectives), collectives
-            assert max(sizes) <= 4 * cfg.hidden_size, collectives
+            assert max(sizes) <= 4 * cfg.hidden_size * (2 if "int8" in extra else 1), collectives
             for part in ("cache_k", "cache_v"):
                 assert run[part]["spec"] == [None, MODEL_AXIS, None, None]
                 assert run[part]["shard"][1] == kv_heads // n
