@@ -13,6 +13,7 @@ MASHBOX_FAULT makes the process exit abruptly at a chosen point, for tests of th
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import time
@@ -128,6 +129,17 @@ def _compile_together(calls, done=None) -> None:
 
 # ---- the engine --------------------------------------------------------------------------------
 
+def release_free_heap() -> None:
+    """Hand heap pages freed during start-up back to the kernel: the float checkpoint's tensors read
+    while quantizing and the certification gate's float64 reference are gone by now, but glibc keeps
+    their pages, which then count in the worker's resident memory for its whole life. A no-op where
+    the C library has no malloc_trim (not glibc)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class Engine:
     """The model, its cache and the scheduler, driven one round at a time. Not thread-safe."""
 
@@ -198,6 +210,7 @@ class Engine:
             routed_experts=routed_report(cfg, {rows * t for _, rows, t in self.programs()}),
             component_set_sha=self.component_set_sha, deployment_id=self.deployment_id,
             certification=self.certification, certification_detail=self.certification_detail)
+        release_free_heap()
 
     # -- start-up ---------------------------------------------------------------------------------
 
