@@ -60,8 +60,10 @@ CTX_MARGIN = 64                  # context beyond the longest prompt and its ans
 START_TIMEOUT_S = 1800
 REQUEST_TIMEOUT_S = 3600
 DERIVABLE = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "f32": "LLAMA_FTYPE_ALL_F32", "f16": "LLAMA_FTYPE_MOSTLY_F16"}
-# Tokens every prompt shares, a prefix cache may serve: the chat format's opening of the system turn.
-SHARED_OPENING = 3
+# Tokens two prompts may share, which a prefix cache may serve: the chat format's opening of the system
+# turn and the nonce's first characters (digits are one token each). Prefill rates count only the
+# tokens prefilled.
+SHARED_OPENING = 16
 CORPUS = sorted((ROOT / "engine").glob("*.py")) + [ROOT / "mashbox.py"]
 ASK = "\n\nExplain the code above in detail, function by function, and list every possible bug you see."
 
@@ -262,7 +264,9 @@ def demo_gguf(folder: Path) -> Path:
 
 def derive(source: Path, kind: str, folder: Path) -> Path:
     """The same weights in another GGUF type, made by llama.cpp's own quantizer."""
+    import logging
     import llama_cpp
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)    # not a line per tensor
     out = folder / f"demo-{kind}.gguf"
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, DERIVABLE[kind])
@@ -279,7 +283,7 @@ def rates(run: dict) -> dict:
     out = {}
     for r in run["results"]:
         decode = (r["new_tokens"] - 1) / r["decode_s"] if r["new_tokens"] > 1 and r["decode_s"] > 0 else 0.0
-        out[r["size"]] = (r["prompt_tokens"] / r["ttft"], decode, r["new_tokens"])
+        out[r["size"]] = ((r["prompt_tokens"] - r.get("cached", 0)) / r["ttft"], decode, r["new_tokens"])
     return out
 
 
