@@ -370,7 +370,7 @@ def main() -> int:
             else:
                 print(f"mashbox, --weights-dtype {what} ...", flush=True)
                 run = run_mashbox(what, prompts, ctx, args.new_tokens)
-                runs.append((kind, f"mashbox, {what} ({run['bpw']} bpw, {run['gb']} GB)", run))
+                runs.append((kind, f"mashbox, {what} ({run['gb']} GB of weights held)", run))
             loads += [r["load"] for r in run["results"]]
             print(f"  {json.dumps(rates(run))}", flush=True)
     print()
