@@ -55,7 +55,8 @@ def uptime() -> str:
         return "load average " + " ".join(f.read().split()[:3])
 
 
-def proc_status(pid: int) -> dict:
+def proc_status(pid: int | str = "self") -> dict:
+    """VmRSS and VmHWM (peak) of a process, in bytes."""
     out = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:

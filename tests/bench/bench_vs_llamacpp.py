@@ -49,6 +49,9 @@ sys.path.insert(0, str(ROOT))
 
 from engine import chat, registry  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_startup import proc_status  # noqa: E402
+
 # A quiet 2-core machine sits well under 1; one other busy process puts it above.
 LOAD_LIMIT = 1.0
 SIZES = (512, 2048, 8192)
@@ -71,17 +74,6 @@ ASK = "\n\nExplain the code above in detail, function by function, and list ever
 def load1() -> float:
     with open("/proc/loadavg") as f:
         return float(f.read().split()[0])
-
-
-def vm(pid: int | str = "self") -> dict:
-    """VmRSS and VmHWM (peak) of a process, in bytes."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            name, _, value = line.partition(":")
-            if name in ("VmRSS", "VmHWM"):
-                out[name] = int(value.split()[0]) * 1024
-    return out
 
 
 # ---- the prompts: the same token ids for both engines ------------------------------------------------
@@ -133,7 +125,7 @@ def llama_child(gguf: str, prompts_file: str, new_tokens: int) -> None:
         t_end = time.perf_counter()
         results.append({"size": p["size"], "prompt_tokens": len(p["ids"]), "new_tokens": n_new,
                         "ttft": t_first - t0, "decode_s": t_end - t_first, "load": load})
-    print(json.dumps({"results": results[1:], **vm()}), flush=True)
+    print(json.dumps({"results": results[1:], **proc_status()}), flush=True)
 
 
 def run_llama(gguf: str, prompts_file: str, new_tokens: int) -> dict:
@@ -244,7 +236,7 @@ def run_mashbox(dtype: str, prompts: list[dict], ctx: int, new_tokens: int) -> d
         model = server.get("/v1/models")["data"][0]
         server.generate(prompts[0], WARMUP_TOKENS[1])
         results = [server.generate(p, new_tokens) for p in prompts[1:]]
-        mem = vm(worker)
+        mem = proc_status(worker)
     finally:
         server.stop()
     for r in results:
