@@ -509,10 +509,10 @@ def test_serve_logs_the_bound_port_and_stops(caplog):
 def test_a_model_the_engine_cannot_run_stops_start_up_with_the_reason(tmp_path, capsys):
     """Guards against a worker that dies on an unsupported model and is restarted forever while
     /health says loading."""
-    (tmp_path / "config.json").write_text('{"model_type": "gemma3", "hidden_size": 64}')
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3", "hidden_act": "gelu", "hidden_size": 64}')
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert mashbox.main(["run", str(tmp_path), "--port", "0"]) == 1
-    assert "model_type 'gemma3' is not supported" in capsys.readouterr().err
+    assert "hidden_act 'gelu' is not supported" in capsys.readouterr().err
 
 
 def test_the_server_process_never_imports_jax():
