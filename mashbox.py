@@ -4584,9 +4584,10 @@ def arg_parser() -> argparse.ArgumentParser:
     run.add_argument("--slots", type=_at_least(1, "--slots"), help="requests decoded together")
     run.add_argument("--ctx", type=_at_least(16, "--ctx"), help="tokens of context per slot")
     run.add_argument("--weights-dtype", choices=registry.WEIGHTS_DTYPE_CHOICES,
-                     help="how the worker holds the weights: int8 = weight-only int8 with per-channel "
+                     help="how the worker holds the weights: int8 = int8 matrices with per-channel "
                           "scales (a quarter of float32's memory); auto = the platform's fastest "
-                          "(float32 on CPU) unless models.json sets one")
+                          "(int8 on CPUs with int8 dot instructions, else float32; bfloat16 on "
+                          "accelerators) unless models.json sets one")
     run.add_argument("--devices", type=_devices, default=1, metavar="N",
                      help="split the model over N devices of the platform (tensor parallel; default 1; "
                           "all = every one); N must divide the model's attention heads")
