@@ -143,9 +143,15 @@ def test_each_session_sticks_to_the_replica_that_holds_its_prefix(cluster):
         # turn 1's prompt but its last few tokens (the template renders the end of a turn anew);
         # on the other replica only the template's first tokens would match
         assert cached >= first["usage"]["prompt_tokens"] - 8, (s, cached)
-    # each session in one replica's log only, both turns
-    served = [[m.group(1) for line in _served(r) for m in [re.search(r"session=(\S+)", line)] if m]
-              for r in replicas]
+    # each session in one replica's log only, both turns. A replica writes its log line after the
+    # answer, and a thread reads it from the process, so wait (bounded) until all are in.
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        served = [[m.group(1) for line in _served(r) for m in [re.search(r"session=(\S+)", line)] if m]
+                  for r in replicas]
+        if sum(map(len, served)) >= 2 * len(sessions) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     for s in sessions:
         assert sorted(len([x for x in log if x == s]) for log in served) == [0, 2], (s, served)
 
