@@ -67,19 +67,22 @@ def proc_status(pid: int | str = "self") -> dict:
 
 
 class Server:
-    """`python -m mashbox run` with MASHBOX_CACHE=cache, its log collected."""
+    """`python -m mashbox run --port 0 [ARGS]` (with MASHBOX_CACHE=cache when given), its log
+    collected and, with echo, shown (progress bars left out)."""
 
-    def __init__(self, cache: Path):
-        env = dict(os.environ, MASHBOX_CACHE=str(cache))
+    def __init__(self, cache: Path | None = None, args: tuple[str, ...] = (), echo: bool = True):
+        env = dict(os.environ, MASHBOX_CACHE=str(cache)) if cache else None
+        self.echo = echo
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "mashbox", "run", "--port", "0"], cwd=ROOT,
+        self.proc = subprocess.Popen([sys.executable, "-m", "mashbox", "run", "--port", "0", *args], cwd=ROOT,
                                      env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         self.lines: list[str] = []
         self.port: int | None = None
         self._found = threading.Event()
         threading.Thread(target=self._drain, daemon=True).start()
-        if not self._found.wait(START_TIMEOUT_S):
-            raise RuntimeError("the server never said where it listens")
+        if not self._found.wait(START_TIMEOUT_S) or self.port is None:
+            self.stop()
+            raise RuntimeError("the server never said where it listens:\n" + self.tail())
 
     def _drain(self) -> None:
         for line in self.proc.stderr:
@@ -88,20 +91,26 @@ class Server:
             if found:
                 self.port = int(found.group(1))
                 self._found.set()
-            if "[#" not in line and "[-" not in line and "%|" not in line:
+            if self.echo and "[#" not in line and "[-" not in line and "%|" not in line:
                 sys.stderr.write("  server: " + line)
         self._found.set()
 
-    def health(self) -> dict:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-        conn.request("GET", "/health")
+    def tail(self, n: int = 20) -> str:
+        return "\n".join(self.lines[-n:])
+
+    def get(self, path: str) -> dict:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        conn.request("GET", path)
         return json.loads(conn.getresponse().read())
+
+    def health(self) -> dict:
+        return self.get("/health")
 
     def wait_ok(self, not_pid: int | None = None) -> dict:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode})")
+                raise RuntimeError(f"the server exited ({self.proc.returncode}):\n" + self.tail())
             try:
                 doc = self.health()
                 if doc.get("status") == "ok" and doc.get("worker_pid") != not_pid:

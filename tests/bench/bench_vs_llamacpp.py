@@ -33,13 +33,9 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
-import re
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -50,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 from engine import chat, registry  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_startup  # noqa: E402
 from bench_startup import proc_status  # noqa: E402
 
 # A quiet 2-core machine sits well under 1; one other busy process puts it above.
@@ -60,7 +57,6 @@ NEW_TOKENS = 128
 WARMUP_TOKENS = (64, 4)          # prompt tokens, new tokens
 THREADS = 2                      # llama.cpp's n_threads and n_threads_batch: the machine's cores
 CTX_MARGIN = 64                  # context beyond the longest prompt and its answer
-START_TIMEOUT_S = 1800
 REQUEST_TIMEOUT_S = 3600
 DERIVABLE = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "f32": "LLAMA_FTYPE_ALL_F32", "f16": "LLAMA_FTYPE_MOSTLY_F16"}
 # Tokens two prompts may share, which a prefix cache may serve: the chat format's opening of the system
@@ -138,48 +134,11 @@ def run_llama(gguf: str, prompts_file: str, new_tokens: int) -> dict:
 
 # ---- mashbox, through its HTTP API ------------------------------------------------------------------
 
-class Server:
+class Server(bench_startup.Server):
     """`python -m mashbox run --slots 1 --ctx N --weights-dtype D`, on a free port, its log collected."""
 
     def __init__(self, ctx: int, dtype: str):
-        cmd = [sys.executable, "-m", "mashbox", "run", "--port", "0", "--slots", "1", "--ctx", str(ctx),
-               "--weights-dtype", dtype]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-        self.lines: list[str] = []
-        self.port: int | None = None
-        self._found = threading.Event()
-        threading.Thread(target=self._drain, daemon=True).start()
-        if not self._found.wait(START_TIMEOUT_S) or self.port is None:
-            self.stop()
-            raise RuntimeError("the server never said where it listens:\n" + "\n".join(self.lines[-20:]))
-
-    def _drain(self) -> None:
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip())
-            found = re.search(r"listening on http://[^:]+:(\d+)", line)
-            if found:
-                self.port = int(found.group(1))
-                self._found.set()
-        self._found.set()
-
-    def get(self, path: str) -> dict:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        conn.request("GET", path)
-        return json.loads(conn.getresponse().read())
-
-    def wait_ok(self) -> dict:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode}):\n" + "\n".join(self.lines[-20:]))
-            try:
-                doc = self.get("/health")
-                if doc.get("status") == "ok":
-                    return doc
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("the server never became ready")
+        super().__init__(args=("--slots", "1", "--ctx", str(ctx), "--weights-dtype", dtype), echo=False)
 
     def generate(self, prompt: dict, new_tokens: int) -> dict:
         """One streamed greedy Chat Completions request: times of the first and last new token."""
@@ -219,14 +178,6 @@ class Server:
         return {"size": prompt["size"], "prompt_tokens": usage["prompt_tokens"],
                 "new_tokens": usage["completion_tokens"], "ttft": t_first - t0,
                 "decode_s": t_last - t_first, "load": load, "cached": cached}
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def run_mashbox(dtype: str, prompts: list[dict], ctx: int, new_tokens: int) -> dict:
