@@ -53,9 +53,12 @@ float32 copy is ever resident. Norms, biases, MoE routers and experts stay in th
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import shutil
+import time
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy before safetensors reads bf16 files)
 import numpy as np
@@ -182,12 +185,13 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
     held_cache: a folder for int8 weights as they are held (HeldWeights): read from there when it
     holds them, else quantized from the checkpoint and written there for the next start."""
     int8 = str(dtype) == "int8"
+    writer = None
     if held_cache and int8:
         held = HeldWeights(held_cache)
         parts = held.read(place)
         if parts is not None:
             return _assemble(parts, cfg)
-        place = held.writer(place)
+        place = writer = held.writer(place)
     dtype = np.dtype(float_dtype or np.float32) if int8 else np.dtype(dtype)
     kv_heads = kv_heads or cfg.num_kv_heads
     if kv_heads % cfg.num_kv_heads:
@@ -306,8 +310,8 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
     if not cfg.tie_word_embeddings:
         parts["lm_head"] = place("lm_head", put_matrix(matrix("lm_head.weight", cfg.vocab_size, h)))
     parts["norm"] = place("norm", norm("model.norm.weight", h))
-    if held_cache and int8:
-        place.finish()
+    if writer is not None:
+        writer.finish()
     return _assemble(parts, cfg)
 
 
@@ -336,7 +340,6 @@ _MANIFEST = "manifest.json"
 def held_key(component_set_sha: str, dtype: str, float_dtype: str, kv_heads: int) -> str:
     """The folder name of one held copy: the checkpoint's files, the dtypes, the KV heads laid out
     and HELD_FORMAT (the layout code's version)."""
-    import hashlib
     h = hashlib.sha256(json.dumps([HELD_FORMAT, component_set_sha, dtype, float_dtype, kv_heads]).encode())
     return "int8-" + h.hexdigest()[:20]
 
@@ -390,7 +393,6 @@ class HeldWeights:
             try:
                 os.rename(tmp, self.folder)
             except OSError:                     # another worker wrote it first: theirs is the same
-                import shutil
                 shutil.rmtree(tmp, ignore_errors=True)
             self._evict()
 
@@ -400,8 +402,6 @@ class HeldWeights:
     def _evict(self):
         """Keep the HELD_KEEP newest used copies beside this one; an unfinished folder of a worker
         that died is removed with them."""
-        import shutil
-        import time
         root = os.path.dirname(self.folder)
         try:
             entries = sorted((e for e in os.scandir(root) if e.is_dir()), key=lambda e: e.stat().st_mtime,
