@@ -37,7 +37,7 @@ from typing import Any, Awaitable, Callable, Protocol
 
 from engine import chat, memory, protocol, registry
 from engine.config import ConfigError, ModelConfig, load_config
-from engine.sharding import check_devices
+from engine.sharding import DevicesError, check_devices, distributed_settings
 from engine.chat import Job, new_id
 
 
@@ -3223,6 +3223,8 @@ class EngineLog:
 # sockets or threads. Its entry point is named as "module:function" and imported only in the child:
 # pickling a function reference would import its module here, and the real worker imports jax.
 WORKER_ENTRY = "engine.worker:main"
+# Several hosts: what `mashbox run --process-id I` (I > 0) runs instead of a server (follow_leader).
+FOLLOWER_ENTRY = "engine.worker:follow"
 # For tests only: `MASHBOX_WORKER_ENTRY=tests.fake_worker:main python -m mashbox run ...` serves the
 # fake engine, so the CLI's signals and shutdown can be tested on a real process without a model.
 WORKER_ENTRY_ENV = "MASHBOX_WORKER_ENTRY"
@@ -3279,6 +3281,14 @@ def _worker_trampoline(entry: str, conn, args) -> None:
     import importlib
     module, _, func = entry.partition(":")
     getattr(importlib.import_module(module), func)(conn, args)
+
+
+def restart_delay(failures: int, first_s: float = RESTART_BACKOFF_FIRST_S,
+                  most_s: float = RESTART_BACKOFF_MAX_S) -> float:
+    """Seconds before starting a worker after `failures` deaths in a row: 0, then doubling."""
+    if failures <= 1:
+        return 0.0
+    return min(most_s, first_s * 2.0 ** (failures - 2))
 
 
 class WorkerDied(Exception):
@@ -3483,10 +3493,7 @@ class Bridge:
         self._loop.call_later(delay, self._respawn)
 
     def restart_delay(self, failures: int) -> float:
-        """Seconds before starting a worker after `failures` deaths in a row: 0, then doubling."""
-        if failures <= 1:
-            return 0.0
-        return min(self.backoff_max_s, self.backoff_first_s * 2.0 ** (failures - 2))
+        return restart_delay(failures, self.backoff_first_s, self.backoff_max_s)
 
     def _respawn(self) -> None:
         if not self._stopping:
@@ -4536,6 +4543,15 @@ class ServeConfig:
     ui: bool = False                 # serve the chat page at /
     weights_dtype: str | None = None  # --weights-dtype (None: models.json's, else auto)
     devices: int | str = 1           # --devices: how many devices the model is split over, or "all"
+    # Several hosts (jax.distributed): process 0's host:port, how many processes, this one's id;
+    # None: MASHBOX_COORDINATOR, ... (engine.sharding.distributed_settings), else one process.
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    @property
+    def distributed(self) -> tuple[str, int, int] | None:
+        return (self.coordinator, self.num_processes, self.process_id) if self.coordinator else None
 
 
 def _at_least(low: int, what: str) -> Callable[[str], int]:
@@ -4591,6 +4607,14 @@ def arg_parser() -> argparse.ArgumentParser:
     run.add_argument("--devices", type=_devices, default=1, metavar="N",
                      help="split the model over N devices of the platform (tensor parallel; default 1; "
                           "all = every one); N must divide the model's attention heads")
+    run.add_argument("--coordinator", metavar="HOST:PORT",
+                     help="several hosts: process 0's address for jax.distributed; every host runs the "
+                          "same command but for --process-id (also MASHBOX_COORDINATOR)")
+    run.add_argument("--num-processes", type=_at_least(1, "--num-processes"), metavar="K",
+                     help="several hosts: how many (also MASHBOX_NUM_PROCESSES)")
+    run.add_argument("--process-id", type=_at_least(0, "--process-id"), metavar="I",
+                     help="several hosts: this one's index; 0 serves HTTP, the others follow it "
+                          "(also MASHBOX_PROCESS_ID)")
     run.add_argument("--cache-ram", dest="cache_ram_mib", metavar="MIB", type=_at_least(0, "--cache-ram"),
                      help="host memory for saved prompt states, MiB (0 = off)")
     run.add_argument("--api-key-file", metavar="PATH", type=_path("--api-key-file"),
@@ -4620,7 +4644,9 @@ def config_from_args(argv: list[str] | None) -> ServeConfig:
                   log_prompts=args.log_prompts, max_waiting=args.max_waiting,
                   max_waiting_per_tenant=args.max_waiting_per_tenant,
                   max_connections=args.max_connections, recertify=args.recertify,
-                  ui=args.ui, weights_dtype=args.weights_dtype, devices=args.devices)
+                  ui=args.ui, weights_dtype=args.weights_dtype, devices=args.devices,
+                  coordinator=args.coordinator, num_processes=args.num_processes,
+                  process_id=args.process_id)
 
 
 def worker_args(spec: "registry.ModelSpec", config: ServeConfig, folder: str,
@@ -4636,7 +4662,8 @@ def worker_args(spec: "registry.ModelSpec", config: ServeConfig, folder: str,
     return {"model_id": spec.id, "weights_folder": folder, "slots": slots, "ctx": ctx,
             "chat_format": spec.chat_format, "cache_ram_mib": cache_ram_mib,
             "recertify": config.recertify, "golden": spec.golden,
-            "dtype": weights_dtype(spec, config), "devices": config.devices}
+            "dtype": weights_dtype(spec, config), "devices": config.devices,
+            "distributed": config.distributed}
 
 
 def weights_dtype(spec: "registry.ModelSpec", config: ServeConfig) -> str:
@@ -4737,6 +4764,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mashbox: keys: {e}", file=sys.stderr)
         return 2
     config.model = spec.id
+    try:
+        distributed = distributed_settings(config.coordinator, config.num_processes, config.process_id)
+    except DevicesError as e:
+        print(f"mashbox: {e}", file=sys.stderr)
+        return 2
+    if distributed is not None:
+        config.coordinator, config.num_processes, config.process_id = distributed
+        if config.process_id != 0:
+            return follow_leader(spec, config)
     if not keys.enabled and not is_loopback(config.host):
         print(f"mashbox: --host {config.host} is not loopback: give keys with --api-key-file or "
               "MASHBOX_API_KEY", file=sys.stderr)
@@ -4758,8 +4794,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(folder)
         if config.devices != "all":
             # and the KV cache is sized with the KV heads the worker lays out (repeated on more
-            # devices than the model has KV heads)
-            cfg = replace(cfg, num_kv_heads=check_devices(cfg, config.devices))
+            # devices than the model has KV heads); with several hosts each brings --devices
+            cfg = replace(cfg, num_kv_heads=check_devices(cfg, config.devices * (config.num_processes or 1)))
         sizing = size_worker(spec, config, folder, cfg)
         app.planned_ctx = sizing.ctx        # the model card's context while the worker loads
         return worker_args(spec, config, folder, sizing)
@@ -4769,6 +4805,47 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mashbox: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def follow_leader(spec: "registry.ModelSpec", config: ServeConfig) -> int:
+    """`mashbox run --process-id I` with I > 0: no HTTP server; this host's worker joins the group and
+    runs process 0's device calls (engine.worker.follow; the rest of its arguments come from there).
+    A worker that fails, or ends because a peer is gone, is started again, after RESTART_BACKOFF_*
+    when it keeps failing before it follows: it then waits in jax.distributed.initialize until the
+    group forms again (process 0's server restarts its own worker too). Returns when process 0's
+    worker stops cleanly (its server shut down), or on SIGINT/SIGTERM."""
+    folder = registry.prepare(spec, progress_display())
+    args = {"model_id": spec.id, "weights_folder": folder, "distributed": config.distributed}
+    # a signal ends this process through its finally (the worker is killed with it)
+    signal.signal(signal.SIGTERM, lambda sig, frame: sys.exit(128 + sig))
+    failures = 0
+    while True:
+        process, conn = spawn_worker(FOLLOWER_ENTRY, args)
+        log.info("follower worker %d: process %d of %d, coordinator %s", process.pid, config.process_id,
+                 config.num_processes, config.coordinator)
+        try:
+            while True:
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    break
+                if isinstance(msg, protocol.Note):
+                    log.info("follower: %s", msg.message)
+                    failures = 0
+                elif isinstance(msg, protocol.Fault):
+                    log.warning("follower fault: %s", msg.message)
+            process.join()
+        finally:
+            if process.is_alive():
+                process.kill()
+        if process.exitcode == 0:
+            log.info("process 0 stopped: this follower stops too")
+            return 0
+        failures += 1
+        delay = restart_delay(failures)
+        log.warning("follower worker %d ended (%s); starting a new one in %g s", process.pid,
+                    _exit_status(process.exitcode), delay)
+        time.sleep(delay)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import numpy as np
 from jax import lax
 
 from engine.config import ModelConfig
+from engine.sharding import to_host
 
 # copy_prefix moves this many positions per loop step: big enough that the loop overhead is
 # nothing, small enough that a short prefix does not pay for a long block.
@@ -196,7 +197,7 @@ def read_slot(cache, slot: int, n: int, start: int = 0) -> list[dict]:
                          f"({slots} x {ctx})")
     parts = []
     for begin, lo, hi in _blocks(start, n, ctx):
-        arrays = jax.device_get(_read(cache, jnp.int32(slot), jnp.int32(begin), block=host_block(ctx)))
+        arrays = to_host(_read(cache, jnp.int32(slot), jnp.int32(begin), block=host_block(ctx)))
         parts.append([{"k": layer["k"][:, lo - begin:hi - begin, :],
                        "v": layer["v"][:, :, lo - begin:hi - begin]} for layer in arrays])
     if not parts:
@@ -260,7 +261,7 @@ def read_state(cache, slot: int) -> list[dict]:
     slots, _ = cache_dims(cache)
     if not 0 <= slot < slots:
         raise ValueError(f"read_state: slot {slot} outside the pool of {slots}")
-    return jax.device_get(_read_state(cache, jnp.int32(slot)))
+    return to_host(_read_state(cache, jnp.int32(slot)))
 
 
 def write_state(cache, slot: int, snapshot: list[dict]):

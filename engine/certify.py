@@ -177,31 +177,26 @@ def reference_logits(folder: str, cfg, tokens: list[int]) -> np.ndarray:
 def _prefill(engine, tokens: list[int], slot: int = 0) -> np.ndarray:
     """Prefill `tokens` into `slot` from position 0 with the programs requests use (the scheduler's
     chunks); the logits at the last token, float32 [vocab]."""
-    from engine.model import jit_forward
     b, start, logits = engine.buckets, 0, None
     while start < len(tokens):
         chunk = b.chunk_for(len(tokens) - start)
         piece = tokens[start:start + chunk]
         ids = np.zeros((1, chunk), np.int32)
         ids[0, :len(piece)] = piece
-        logits, engine.cache = jit_forward(
-            engine.params, engine.cache, ids, np.array([slot], np.int32), np.array([start], np.int32),
-            np.array([len(piece)], np.int32), cfg=engine.cfg)
+        logits = engine.logits(ids, np.array([slot], np.int32), np.array([start], np.int32),
+                               np.array([len(piece)], np.int32))
         start += len(piece)
-    return np.asarray(logits)[0]
+    return logits[0]
 
 
 def _decode(engine, token: int, position: int, slot: int = 0) -> np.ndarray:
     """One decode step of `slot` with the smallest decode batch (its other rows idle)."""
-    from engine.model import jit_forward
     b = engine.buckets
     rows = b.decode_batch(1)
     ids, slots = np.zeros((rows, 1), np.int32), np.arange(rows, dtype=np.int32)
     starts, lengths = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
     slots[0], ids[0, 0], starts[0], lengths[0] = slot, token, position, 1
-    logits, engine.cache = jit_forward(engine.params, engine.cache, ids, slots, starts, lengths,
-                                       cfg=engine.cfg)
-    return np.asarray(logits)[0]
+    return engine.logits(ids, slots, starts, lengths)[0]
 
 
 def compare(what: str, got: np.ndarray, want: np.ndarray, tolerance: float) -> str | None:
@@ -230,20 +225,12 @@ def routed_experts_check(engine) -> tuple[str | None, str | None]:
     kernel path and the exact path (engine.model.routed_experts, each forced by cfg.routed_path),
     must agree within the tolerance. (why they disagree or None, what was checked or None for a
     dense model)."""
-    import dataclasses
-
-    import jax
-    from engine.model import routed_experts
     cfg = engine.cfg
     if "moe" not in (cfg.mlp_kinds or ()):
         return None, None
-    layer = engine.params["layers"][list(cfg.mlp_kinds).index("moe")]["moe"]
     x = np.random.default_rng(0).standard_normal((ROUTED_ROWS, cfg.hidden_size)).astype(np.float32)
     valid = np.ones(ROUTED_ROWS, bool)
-    out = {}
-    for path in ("kernel", "exact"):
-        c = dataclasses.replace(cfg, routed_path=path)
-        out[path] = np.asarray(jax.jit(lambda a, m, v, c=c: routed_experts(a, m, v, cfg=c))(x, layer, valid))
+    out = {path: engine.routed_experts(x, valid, path) for path in ("kernel", "exact")}
     tolerance = TOLERANCE.get(engine.dtype.name, TOLERANCE["bfloat16"])
     why = compare("kernel against exact", out["kernel"].ravel(), out["exact"].ravel(), tolerance)
     return why, f"routed experts: kernel path against exact ({ROUTED_ROWS} rows)"

@@ -225,6 +225,20 @@ def _zeros_program(sharding, shape: tuple, dtype):
     return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
 
 
+def to_host(tree):
+    """A tree of jax arrays as numpy. An array split over several processes' devices is gathered
+    from all of them: a collective, so every process of the mesh must make the same call (the
+    worker's device calls do, engine.worker.device_call); a replicated one is read here."""
+    import jax
+
+    def one(array):
+        if not isinstance(array, jax.Array) or array.is_fully_addressable or array.is_fully_replicated:
+            return np.asarray(array)
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+    return jax.tree_util.tree_map(one, tree)
+
+
 def distributed_settings(coordinator: str | None = None, processes: int | None = None,
                          process_id: int | None = None) -> tuple[str, int, int] | None:
     """(coordinator, processes, process id) from the arguments, else DISTRIBUTED_ENV; None when no
@@ -254,3 +268,6 @@ def init_distributed(settings: tuple[str, int, int] | None) -> None:
     jax.config.update("jax_cpu_collectives_implementation", CPU_COLLECTIVES)
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=processes,
                                process_id=process_id)
+    # Starting the backend exchanges every process's devices through the coordinator: start it now,
+    # before this process waits for another one on anything else (which would then wait for this).
+    jax.devices()

@@ -8,14 +8,22 @@ Engine.step() is one round: schedule -> run the model (one prefill chunk, one de
 live slot) -> sample -> postprocess -> Steps. Every program a request can run is compiled before
 Ready (warm-up), so a compile after Ready is a bug; they are counted and reported in Stats.
 
+Several hosts (jax.distributed, WorkerArgs.distributed): process 0's worker runs main() behind the
+server and sends every device call to the other processes' workers, which run follow(): the
+methods marked device_call are the only code that runs programs, so the processes cannot drift
+apart (engine.mirror).
+
 MASHBOX_FAULT makes the process exit abruptly at a chosen point, for tests of the server's recovery:
 "warmup", "prefill", "first-token", or "decode:N" (at the N-th decode step). Off unless set.
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import functools
 import os
 import secrets
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -23,7 +31,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from engine import certify, identity, prefix, sampler, sharding
+from engine import certify, identity, mirror, prefix, sampler, sharding
 from engine.cache import (copy_prefix, has_state, init_cache, read_slot, read_state, warm_host_copies,
                           warm_state_copies, write_slot, write_state)
 from engine.config import CHAT_FORMAT, load_config
@@ -75,6 +83,14 @@ class WorkerArgs:
     certify_dir: str | None = field(default_factory=lambda: str(cache_root() / certify.RECORD_DIR))
     recertify: bool = False
     golden: dict | None = None
+    # (coordinator host:port, processes, this process's id) of a jax.distributed group (several
+    # hosts, engine.sharding.distributed_settings); None: this process alone.
+    distributed: tuple | None = None
+
+
+# What a follower keeps of its own arguments: where things are on its host, and who it is. Every
+# other field comes from the leader, so that both build the same programs.
+HOST_FIELDS = ("weights_folder", "compile_cache", "weights_cache", "certify_dir", "distributed")
 
 
 # ---- fault injection ---------------------------------------------------------------------------
@@ -127,6 +143,32 @@ def _compile_together(calls, done=None) -> None:
                 done()
 
 
+# ---- device calls ------------------------------------------------------------------------------
+
+DEVICE_CALLS: set[str] = set()
+
+
+def device_call(method):
+    """Marks an Engine method that runs programs on the devices: the only code that may. Its
+    arguments are host values (numpy, ints, small trees), what it returns is too, and it reads and
+    replaces the engine's device state (params, cache, sampler state) only. With several processes
+    the leader's engine sends each call's name and arguments to the followers before running it,
+    and each follower's engine runs the same method (engine.mirror): one list of calls for all. A
+    call made inside another is run by the followers inside theirs already: it is not sent."""
+    DEVICE_CALLS.add(method.__name__)
+
+    @functools.wraps(method)
+    def call(self, *args):
+        if self.mirror is not None and not self._in_call:
+            self.mirror.send(method.__name__, args)
+        outer, self._in_call = self._in_call, True
+        try:
+            return method(self, *args)
+        finally:
+            self._in_call = outer
+    return call
+
+
 # ---- the engine --------------------------------------------------------------------------------
 
 def release_free_heap() -> None:
@@ -143,10 +185,15 @@ def release_free_heap() -> None:
 class Engine:
     """The model, its cache and the scheduler, driven one round at a time. Not thread-safe."""
 
-    def __init__(self, args: WorkerArgs, progress=None):
-        progress = progress or (lambda phase, done, total: None)
+    def __init__(self, args: WorkerArgs, progress=None, follower: bool = False, on_lost=None):
+        """follower: a follower of a jax.distributed group (follow()): load the weights and make the
+        cache, then stop; the leader's calls do the rest (the warm-up among them). on_lost(why): a
+        follower is gone (engine.mirror.Leader; by default the process says why and exits)."""
+        self.progress = progress = progress or (lambda phase, done, total: None)
         self.args = args
         self.faults = _Faults(os.environ.get("MASHBOX_FAULT", ""))
+        self.mirror: mirror.Leader | None = None
+        self._in_call = False
         if args.compile_cache:
             os.makedirs(args.compile_cache, exist_ok=True)
             jax.config.update("jax_compilation_cache_dir", args.compile_cache)
@@ -162,6 +209,13 @@ class Engine:
         chat_format = args.chat_format or CHAT_FORMAT[cfg.model_type]
         self.component_set_sha = identity.component_set_sha(args.weights_folder, chat_format)
         float_dtype = dtype_for(platform)
+        if jax.process_count() > 1 and not follower:
+            # before the weights: the followers load theirs meanwhile
+            progress("followers", 0, 1)
+            self.mirror = mirror.Leader(args.distributed, {
+                "args": dataclasses.asdict(args), "component_set_sha": self.component_set_sha},
+                on_lost=on_lost or mirror.exit_lost)
+            progress("followers", 1, 1)
         held = None
         if args.weights_cache and self.dtype.name == "int8":
             held = os.path.join(args.weights_cache, held_key(
@@ -175,6 +229,8 @@ class Engine:
         self.cache = init_cache(cfg, args.slots, args.ctx, self.kv_dtype, zeros=self.layout.cache_zeros)
         self.state = self.layout.replicate(sampler.init_state(args.slots, cfg.vocab_size))
         self.buckets = Buckets.for_ctx(args.ctx, tuple(args.prefill_chunks), args.slots)
+        if follower:
+            return
         family = cfg.model_type
         weights = args.weights_file or args.weights_folder
         namespace = args.cache_namespace or prefix.namespace_id(
@@ -187,7 +243,7 @@ class Engine:
         self.scheduler = Scheduler(args.slots, args.ctx, cfg.vocab_size, self.buckets, args.prefix_cache,
                                    self.host, recurrent=self.recurrent)
         t0 = time.time()
-        self._warm_up(progress)
+        self._warm_up(self.host is not None, bool(self.scheduler.snapshots))
         compile_s = time.time() - t0
         self.deployment_id = self._deployment_id()
         progress("certify", 0, 1)
@@ -244,7 +300,8 @@ class Engine:
             "sources": [identity.file_sha256(m.__file__) for m in (sampler, prefix, sharding)]
             + [identity.file_sha256(init_cache.__code__.co_filename)]})
 
-    def _warm_up(self, progress) -> None:
+    @device_call
+    def _warm_up(self, host_copies: bool, state_copies: bool) -> None:
         """Compile every program; nothing big runs. Independent programs compile at the same time
         (XLA compiles one program mostly on one core), and jit keeps each compiled program for the
         calls that run it later; a program found in the persistent compile cache is loaded instead.
@@ -252,7 +309,7 @@ class Engine:
         (seconds of every restart on a CPU). The sampler is compiled for logits of the decode
         programs, one token per row (cheap): jit keys on where its inputs live, so logits made on the
         host would compile a different program than the one requests run."""
-        programs = self.programs()
+        programs, progress = self.programs(), self.progress
         self.faults.at("warmup")
         total = len(programs) + 1
         done = [0]
@@ -277,9 +334,9 @@ class Engine:
         _compile_together([(sampler.sample, (self.state,) + args, kw) for args, kw in samples])
         self.state = sampler.start_row(self.state, np.int32(0), np.zeros(self.cfg.vocab_size, bool))
         self.cache = copy_prefix(self.cache, np.int32(0), np.int32(0), np.int32(0))
-        if self.host is not None:
+        if host_copies:
             self.cache = warm_host_copies(self.cache)
-        if self.scheduler.snapshots:
+        if state_copies:
             self.cache = warm_state_copies(self.cache)
         jax.block_until_ready((self.cache, self.state))
         progress("compile", total, total)
@@ -333,21 +390,21 @@ class Engine:
             if sampler.batch_flags([request.sampling])["penalties"]:
                 seen = np.zeros(self.cfg.vocab_size, bool)
                 seen[request.prompt] = True
-                self.state = sampler.start_row(self.state, np.int32(request.slot), seen)
+                self._start_row(request.slot, seen)
         for save in plan.saves:
             self._save(save, protect=[seg for load in plan.loads for seg in load.path])
         for load in plan.loads:
             self._load(load)
         for src, dst, n in plan.copies:
-            self.cache = copy_prefix(self.cache, np.int32(src), np.int32(dst), np.int32(n))
+            self._copy_prefix(src, dst, n)
         for slot, snapshot in plan.restores:
-            self.cache = write_state(self.cache, slot, snapshot)
+            self._write_state(slot, snapshot)
         emits = []
         if plan.decode is not None:
             emits += self.scheduler.decoded(plan.decode, self._decode(plan.decode))
         if plan.prefill is not None:
             token = self._prefill(plan.prefill)
-            snapshot = read_state(self.cache, plan.prefill.request.slot) if plan.prefill.snapshot else None
+            snapshot = self._read_state(plan.prefill.request.slot) if plan.prefill.snapshot else None
             emits += self.scheduler.prefilled(plan.prefill, token, snapshot)
         now = time.time()
         # A request given a slot is told at once how much of its prompt came from a cache: the
@@ -366,10 +423,10 @@ class Engine:
         covered = self.host.covered(save.tokens)
         snapshots = None
         if save.snapshots is not None:
-            snapshots = {**save.snapshots, len(save.tokens): read_state(self.cache, save.slot)}
+            snapshots = {**save.snapshots, len(save.tokens): self._read_state(save.slot)}
         elif covered >= len(save.tokens):
             return
-        kv = read_slot(self.cache, save.slot, len(save.tokens), start=covered)
+        kv = self._read_slot(save.slot, len(save.tokens), covered)
         self.host.insert(save.tokens, kv, save.cuts, save.tenant, protect=protect,
                          kv_start=covered, snapshots=snapshots)
 
@@ -380,10 +437,9 @@ class Engine:
         hit = self.host.lookup(request.prompt[:load.tokens + 1])
         if hit.tokens != load.tokens:   # the plan's segments were protected: this cannot happen
             raise RuntimeError(f"host cache lost {load.tokens - hit.tokens} planned tokens")
-        self.cache = write_slot(self.cache, request.slot, self.host.gather(hit, load.start),
-                                start=load.start)
+        self._write_slot(request.slot, self.host.gather(hit, load.start), load.start)
         if self.recurrent:                  # a hybrid hit ends at a segment with a snapshot
-            self.cache = write_state(self.cache, request.slot, hit.path[-1].snapshot)
+            self._write_state(request.slot, hit.path[-1].snapshot)
 
     def _prefill(self, work: Prefill) -> int | None:
         """Run one prompt chunk (one row); the first new token if the chunk ends the prompt."""
@@ -391,20 +447,12 @@ class Engine:
         request = work.request
         tokens = np.zeros((1, work.chunk), np.int32)
         tokens[0, :len(work.tokens)] = work.tokens
-        slots = np.array([request.slot], np.int32)
-        logits, self.cache = jit_forward(
-            self.params, self.cache, tokens, slots, np.array([work.start], np.int32),
-            np.array([len(work.tokens)], np.int32), cfg=self.cfg)
-        if not work.last:
-            # Wait for the chunk: with asynchronous dispatch a long prompt's chunks would all be
-            # queued at once, and the worker would go silent (no Stats) for the whole prompt,
-            # minutes on a CPU, long enough for the server to take it for stuck.
-            jax.block_until_ready(logits)
-            return None
-        params = sampler.row_params([(request.sampling, request.seed, 0)])
-        token, self.state = sampler.sample(self.state, logits, slots, np.ones(1, bool), params,
-                                           every_slot=False, **sampler.batch_flags([request.sampling]))
-        return int(np.asarray(token)[0])
+        draw = None if not work.last else (
+            sampler.row_params([(request.sampling, request.seed, 0)]), False,
+            sampler.batch_flags([request.sampling]))
+        token = self._forward(tokens, np.array([request.slot], np.int32), np.array([work.start], np.int32),
+                              np.array([len(work.tokens)], np.int32), draw)
+        return None if token is None else int(token[0])
 
     def _decode(self, work: Decode) -> list[int]:
         """One token for every generating request. The batch of every slot puts slot i on row i
@@ -425,13 +473,73 @@ class Engine:
             starts[row] = len(self.scheduler.slots[r.slot].tokens)
             lengths[row] = 1
             rows[row] = (r.sampling, r.seed, len(r.output))
+        drawn = self._forward(tokens, slots, starts, lengths, (
+            sampler.row_params(rows), every, sampler.batch_flags([r.sampling for r in work.rows])))
+        return [int(drawn[row]) for row in where]
+
+    # -- the device calls (device_call): host values in and out -------------------------------------
+
+    @device_call
+    def _forward(self, tokens, slots, starts, lengths, draw):
+        """One model call on the rows given. draw None: wait for it (a prompt's chunk before its
+        last: with asynchronous dispatch a long prompt's chunks would all be queued at once, and
+        the worker would go silent, no Stats, for minutes on a CPU, long enough for the server to
+        take it for stuck) and return None. Else draw = (row params, every_slot, batch flags): the
+        token sampled for each row (rows with length 0 are idle)."""
         logits, self.cache = jit_forward(self.params, self.cache, tokens, slots, starts, lengths,
                                          cfg=self.cfg)
-        drawn, self.state = sampler.sample(
-            self.state, logits, slots, lengths > 0, sampler.row_params(rows), every_slot=every,
-            **sampler.batch_flags([r.sampling for r in work.rows]))
-        drawn = np.asarray(drawn)
-        return [int(drawn[row]) for row in where]
+        if draw is None:
+            jax.block_until_ready(logits)
+            return None
+        params, every, flags = draw
+        drawn, self.state = sampler.sample(self.state, logits, slots, lengths > 0, params,
+                                           every_slot=every, **flags)
+        return sharding.to_host(drawn)
+
+    @device_call
+    def logits(self, tokens, slots, starts, lengths) -> np.ndarray:
+        """A model call's last-position logits of every row, float32 [rows, vocab] (certify)."""
+        logits, self.cache = jit_forward(self.params, self.cache, tokens, slots, starts, lengths,
+                                         cfg=self.cfg)
+        return sharding.to_host(logits)
+
+    @device_call
+    def routed_experts(self, x, valid, path: str) -> np.ndarray:
+        """The first routed layer's experts on rows x through one path (certify's check)."""
+        from engine.model import routed_experts
+        cfg = dataclasses.replace(self.cfg, routed_path=path)
+        layer = self.params["layers"][list(cfg.mlp_kinds).index("moe")]["moe"]
+        return sharding.to_host(jax.jit(lambda a, m, v: routed_experts(a, m, v, cfg=cfg))(x, layer, valid))
+
+    @device_call
+    def _start_row(self, slot: int, seen) -> None:
+        self.state = sampler.start_row(self.state, np.int32(slot), seen)
+
+    @device_call
+    def _copy_prefix(self, src: int, dst: int, n: int) -> None:
+        self.cache = copy_prefix(self.cache, np.int32(src), np.int32(dst), np.int32(n))
+
+    @device_call
+    def _read_slot(self, slot: int, n: int, start: int) -> list[dict]:
+        return read_slot(self.cache, slot, n, start=start)
+
+    @device_call
+    def _write_slot(self, slot: int, kv: list[dict], start: int) -> None:
+        self.cache = write_slot(self.cache, slot, kv, start=start)
+
+    @device_call
+    def _read_state(self, slot: int) -> list[dict]:
+        return read_state(self.cache, slot)
+
+    @device_call
+    def _write_state(self, slot: int, snapshot: list[dict]) -> None:
+        self.cache = write_state(self.cache, slot, snapshot)
+
+    def run_call(self, name: str, args: tuple):
+        """A follower runs one of the leader's calls (follow())."""
+        if name not in DEVICE_CALLS:
+            raise ValueError(f"the leader sent {name!r}, which is not a device call")
+        return getattr(self, name)(*args)
 
     def _step(self, request: Sequence, tokens: list[int], finish: str | None) -> Step:
         step = Step(request.rid, tokens, finish)
@@ -490,35 +598,89 @@ def _inbox(conn, block: bool) -> list:
 def main(conn, args: WorkerArgs | dict) -> None:
     """The worker process: load and compile, send Ready, then serve the pipe until Shutdown or
     until the server's end of the pipe closes. An error it cannot recover from is sent as Fault.
-    args may be a dict of WorkerArgs's fields: the server builds it without importing this module."""
+    args may be a dict of WorkerArgs's fields: the server builds it without importing this module.
+    With several processes this is the leader's worker (process 0): a follower that is gone is a
+    Fault, and the process ends at once (it may be waiting in a collective for that follower)."""
+    lock = threading.Lock()           # engine.mirror's watch threads send a Fault too
+
+    def send(msg) -> None:
+        with lock:
+            conn.send(msg)
+
+    def lost(why: str) -> None:
+        try:
+            send(Fault(why))
+        finally:
+            mirror.exit_lost(why)
+
     try:
         if isinstance(args, dict):
             args = WorkerArgs(**args)
-        engine = Engine(args, progress=lambda phase, done, total: conn.send(Loading(phase, done, total)))
-        conn.send(Ready(engine.facts, os.getpid()))
+        _join(args, send)
+        engine = Engine(args, progress=lambda phase, done, total: send(Loading(phase, done, total)),
+                        on_lost=lost)
+        send(Ready(engine.facts, os.getpid()))
         last_stats, last_shape = 0.0, None
         while True:
             for msg in _inbox(conn, block=not engine.busy):
                 if isinstance(msg, Shutdown):
+                    if engine.mirror is not None:
+                        engine.mirror.close()       # only here: after a failure they restart
                     return
                 replies = engine.submit(msg) if isinstance(msg, Submit) else \
                     engine.cancel(msg.rid) if isinstance(msg, Cancel) else []
                 for reply in replies:
-                    conn.send(reply)
+                    send(reply)
             if engine.busy:
                 for step in engine.step():
-                    conn.send(step)
+                    send(step)
                 for note in engine.take_notes():
-                    conn.send(note)
+                    send(note)
             stats = engine.stats()
             shape = (stats.live_rows, stats.waiting, stats.compiles_after_ready, stats.host_cache_bytes,
                      stats.host_cache_evictions)
             if shape != last_shape or (engine.busy and time.time() - last_stats >= STATS_INTERVAL_S):
-                conn.send(stats)
+                send(stats)
                 last_stats, last_shape = time.time(), shape
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return                                  # the server is gone: nothing to tell
     except BaseException as e:                  # noqa: BLE001 - any failure ends the worker
+        try:
+            send(Fault(f"{type(e).__name__}: {e}"))
+        finally:
+            raise
+
+
+def _join(args: WorkerArgs, send) -> None:
+    """Join the jax.distributed group, if there is one: before anything touches a device. It waits
+    for every process of the group (jax's initialization timeout, then fails)."""
+    if args.distributed:
+        send(Loading("processes", 0, int(args.distributed[1])))
+        sharding.init_distributed(tuple(args.distributed))
+
+
+def follow(conn, args: WorkerArgs | dict) -> None:
+    """A follower's worker (process id > 0 of the group; `mashbox run --process-id`, which restarts
+    it): join the group, take the leader's arguments but for HOST_FIELDS, load the same weights,
+    then run the leader's device calls until it stops (return) or is gone (engine.mirror ends the
+    process). conn: the pipe to `mashbox run`, which logs the Notes and Faults."""
+    try:
+        if isinstance(args, dict):
+            args = WorkerArgs(**args)
+        _join(args, conn.send)
+        link = mirror.Follower(tuple(args.distributed))
+        ours = {name: getattr(args, name) for name in HOST_FIELDS}
+        engine = Engine(WorkerArgs(**dict(link.hello["args"], **ours)), follower=True,
+                        progress=lambda phase, done, total: conn.send(Loading(phase, done, total)))
+        if engine.component_set_sha != link.hello["component_set_sha"]:
+            raise ValueError(f"the model here ({args.weights_folder}) is not the leader's: component "
+                             f"set {engine.component_set_sha[:12]} here, "
+                             f"{link.hello['component_set_sha'][:12]} on process 0")
+        conn.send(Note(f"process {args.distributed[2]} of {args.distributed[1]} follows process 0: "
+                       f"mesh {dict(engine.layout.mesh.shape)}"))
+        for name, call_args in link.calls():
+            engine.run_call(name, call_args)
+    except BaseException as e:                  # noqa: BLE001 - any failure ends the follower
         try:
             conn.send(Fault(f"{type(e).__name__}: {e}"))
         finally:
