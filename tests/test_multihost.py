@@ -169,3 +169,18 @@ def test_a_follower_that_dies_ends_the_leaders_requests_and_a_new_one_rejoins(gr
     _, want = group["one"].request("POST", "/v1/completions", GREEDY)
     assert status == 200 and got["choices"][0]["text"] == want["choices"][0]["text"]
     assert leader.health()["worker_restarts"] == 1
+
+
+def test_the_leaders_worker_restarted_by_its_server_forms_the_group_again(group):
+    """Guards the restart rule with several hosts: a new worker of process 0 cannot join the old
+    group, so each follower's worker must end when the leader's is gone, and its `mashbox run` start
+    another, which joins the new one."""
+    leader, follower = group["leader"], group["follower2"]
+    os.kill(leader.health()["worker_pid"], signal.SIGKILL)
+    until(lambda: "the leader (process 0) is gone" in follower.log(), "the follower's worker to end", 60)
+    until(lambda: follower.log().count("follows process 0") == 2, "a new follower worker to join", START_S)
+    leader.wait_ready()
+    status, got = leader.request("POST", "/v1/completions", GREEDY)
+    _, want = group["one"].request("POST", "/v1/completions", GREEDY)
+    assert status == 200 and got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert leader.health()["worker_restarts"] == 2
