@@ -4772,7 +4772,13 @@ def main(argv: list[str] | None = None) -> int:
     if distributed is not None:
         config.coordinator, config.num_processes, config.process_id = distributed
         if config.process_id != 0:
-            return follow_leader(spec, config)
+            try:
+                return follow_leader(spec, config)
+            except (registry.RegistryError, OSError) as e:
+                print(f"mashbox: {e}", file=sys.stderr)
+                return 1
+            except KeyboardInterrupt:
+                return 128 + signal.SIGINT
     if not keys.enabled and not is_loopback(config.host):
         print(f"mashbox: --host {config.host} is not loopback: give keys with --api-key-file or "
               "MASHBOX_API_KEY", file=sys.stderr)

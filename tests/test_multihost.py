@@ -91,6 +91,24 @@ class Run:
             self.proc.wait(30)
 
 
+def test_the_flags_or_the_environment_name_the_group_and_reach_the_worker(monkeypatch):
+    """Guards against a coordinator the worker never hears of (the server would run alone), and a
+    partial setting taken for one process."""
+    from engine.registry import resolve
+    from mashbox import config_from_args, worker_args
+    spec = resolve(str(TINY))
+    config = config_from_args(["run", "--devices", "2", "--coordinator", "h0:7788", "--num-processes", "2",
+                               "--process-id", "0"])
+    assert worker_args(spec, config, str(TINY))["distributed"] == ("h0:7788", 2, 0)
+    assert worker_args(spec, config_from_args(["run"]), str(TINY))["distributed"] is None
+    monkeypatch.setenv("MASHBOX_COORDINATOR", "h0:7788")
+    result = subprocess.run([sys.executable, "-m", "mashbox", "run", str(TINY), "--port", "0"], cwd=ROOT,
+                            env=dict(os.environ, MASHBOX_NUM_PROCESSES="2"), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2
+    assert "a coordinator (h0:7788) needs the process count and this process's id" in result.stderr
+
+
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
     """A leader and a follower (two processes of two CPU devices each), and a server of one device."""
