@@ -27,7 +27,8 @@ each layer's whole [experts, ...] arrays). Whole experts per device needs each t
 its experts' device (an all-to-all inside shard_map): not built.
 
 Several hosts (jax.distributed, init_distributed): each process brings its --devices devices and
-the mesh spans all of them; every process must then run the same programs on the same inputs.
+the mesh spans all of them; every process must then run the same programs on the same inputs
+(engine.mirror sends process 0's calls to the others), and reads a split result with to_host.
 
 This module imports jax only where it builds the mesh: the server checks --devices against the
 model's config.json without importing jax.
