@@ -91,6 +91,38 @@ class Run:
             self.proc.wait(30)
 
 
+# What runs programs on the mesh (or waits on them); __init__ builds the same arrays in every process
+# on its own (weights, cache, sampler state), and _deployment_id only lowers.
+RUNS_PROGRAMS = {"jit_forward", "sample", "start_row", "copy_prefix", "read_slot", "write_slot", "read_state",
+                 "write_state", "warm_host_copies", "warm_state_copies", "block_until_ready", "jit",
+                 "_compile_together", "to_host"}
+BUILDS_ALIKE = {"__init__", "_deployment_id"}
+
+
+def _calls(node) -> set[str]:
+    import ast
+    return {c.func.attr if isinstance(c.func, ast.Attribute) else getattr(c.func, "id", "")
+            for c in ast.walk(node) if isinstance(c, ast.Call)}
+
+
+def test_only_device_calls_run_programs():
+    """Guards the one rule that keeps the followers in step: a program run outside a device_call
+    method runs on the leader alone, and the mesh hangs in its collective."""
+    import ast
+    tree = ast.parse((ROOT / "engine" / "worker.py").read_text())
+    engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine")
+    marked = set()
+    for method in engine.body:
+        if not isinstance(method, ast.FunctionDef):
+            continue
+        if any(getattr(d, "id", None) == "device_call" for d in method.decorator_list):
+            marked.add(method.name)
+        elif method.name not in BUILDS_ALIKE:
+            assert not _calls(method) & RUNS_PROGRAMS, (method.name, _calls(method) & RUNS_PROGRAMS)
+    assert {"_forward", "_warm_up", "_read_slot", "_write_slot", "logits"} <= marked
+    assert not _calls(ast.parse((ROOT / "engine" / "certify.py").read_text())) & RUNS_PROGRAMS
+
+
 def test_the_flags_or_the_environment_name_the_group_and_reach_the_worker(monkeypatch):
     """Guards against a coordinator the worker never hears of (the server would run alone), and a
     partial setting taken for one process."""
