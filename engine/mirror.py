@@ -70,7 +70,10 @@ class Leader:
     def __init__(self, settings: tuple[str, int, int], hello, on_lost=exit_lost):
         _, processes, _ = settings
         token = secrets.token_hex(16)
-        listener = socket.create_server(("", 0))       # every interface: followers are on other hosts
+        # every interface (followers are on other hosts), IPv6 too where the coordinator may be named so
+        dual = socket.has_dualstack_ipv6()
+        listener = socket.create_server(("", 0), family=socket.AF_INET6 if dual else socket.AF_INET,
+                                        dualstack_ipv6=dual)
         listener.settimeout(CONNECT_TIMEOUT_S)
         _client().key_value_set(ADDRESS_KEY, f"{listener.getsockname()[1]} {token}")
         self.followers: dict[int, socket.socket] = {}
