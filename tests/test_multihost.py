@@ -174,11 +174,13 @@ def group(tmp_path_factory):
 def test_two_processes_answer_what_one_device_answers_and_health_says_so(group):
     """Guards the follower loop: a follower that ran other calls, or in another order, than the
     leader would hang a collective or change the answer. Greedy and sampled completions, the second
-    reusing the first's prompt from the prefix cache (a cache copy on the mesh); nothing compiled
-    after ready on the leader."""
+    reusing the first's prompt (prefix cache); three prompts on two slots, so a slot's K/V is saved
+    to the host cache (gathered from both processes) and the first prompt, sent again, comes back
+    from there; nothing compiled after ready on the leader."""
     leader, one = group["leader"], group["one"]
     sampled = dict(GREEDY, prompt=PROMPT + "7;5+", temperature=0.8, seed=3)
-    for body in (GREEDY, sampled, GREEDY):
+    others = [dict(GREEDY, prompt=p) for p in ("2+2=4;5+6=7;8+", "3+3=6;7+8=9;1+")]
+    for body in (GREEDY, sampled, *others, GREEDY):
         status, got = leader.request("POST", "/v1/completions", body)
         assert status == 200, got
         status, want = one.request("POST", "/v1/completions", body)
@@ -188,7 +190,7 @@ def test_two_processes_answer_what_one_device_answers_and_health_says_so(group):
     doc = leader.health()
     assert doc["devices"] == {"count": 4, "platform": "cpu", "mesh": {"model": 4}, "processes": 2,
                               "kv_heads": 4}
-    assert doc["compiles_after_ready"] == 0 and doc["worker_restarts"] == 0
+    assert doc["compiles_after_ready"] == 0 and doc["worker_restarts"] == 0 and doc["host_cache_bytes"] > 0
     assert "devices: 4 cpu device(s) in 2 process(es), mesh model=4" in leader.log()
     assert "follower: process 1 of 2 follows process 0: mesh {'model': 4}" in group["follower"].log()
 
