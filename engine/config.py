@@ -114,6 +114,9 @@ class ModelConfig:
     linear_key_dim: int = 0
     linear_value_dim: int = 0
     linear_conv_kernel: int = 0
+    # Devices of the tensor-parallel mesh the programs are traced for (engine.sharding.Layout sets
+    # it; not from config.json): the routed experts run per device (expert parallelism) when > 1.
+    devices: int = 1
 
     @property
     def q_size(self) -> int:

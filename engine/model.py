@@ -30,9 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import AbstractMesh, PartitionSpec
 
 from engine import cpu
 from engine.config import ROUTED_PATHS, ModelConfig
+from engine.sharding import MODEL_AXIS
 
 F32 = jnp.float32
 
@@ -580,7 +582,7 @@ def _routed_kernel(x, weights, experts, moe, product):
     """Sort the (token, expert) pairs by expert, two grouped products, unsort. Pairs of no expert
     (experts == num_experts: padding) sort last, past every group: the kernel leaves them zero."""
     n, k = experts.shape
-    num = moe["router"].shape[0]
+    num = moe["gate_up"].shape[0]
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.zeros(num + 1, jnp.int32).at[flat].add(1)[:num]
@@ -598,7 +600,7 @@ def _routed_exact(x, weights, experts, moe, tile: int):
     the tiles multiplies each tile by its expert, read with a dynamic slice; the outputs are
     gathered back per (token, pick) and weighted. Tiles past the last used one are skipped."""
     n, k = experts.shape
-    num = moe["router"].shape[0]
+    num = moe["gate_up"].shape[0]
     pairs = n * k
     flat = experts.reshape(-1)                                       # num = no expert (padding)
     sizes = jnp.zeros(num + 1, jnp.int32).at[flat].add(1)[:num]
@@ -632,6 +634,37 @@ def _routed_exact(x, weights, experts, moe, tile: int):
     return jnp.einsum("nk,nkh->nh", jnp.where(experts < num, weights, 0.0), y[at])
 
 
+def _per_device(routed, x, weights, experts, moe, cfg: ModelConfig):
+    """routed(x, weights, experts, {"gate_up", "down"}) -> the routed sum, run where the experts are.
+    One device: as it is. On a mesh (expert parallelism, engine.sharding) each device holds
+    num_experts / devices whole experts, the consecutive block from device * that: inside shard_map
+    it runs `routed` on its own experts only, a pick of another device's expert becoming padding
+    (local index = expert - the device's first, the padding index where out of range), and a psum
+    over the mesh adds the devices' partial sums. Rows, routing and the sum are replicated; no
+    expert weight leaves its device. The cost of the split: every device sorts all of the step's
+    (token, pick) pairs and runs the tile loop's full trip count (a tile of padding is skipped by its
+    lax.cond, not read, so a decode step still reads only the picked experts, each on its own
+    device), the step waits for the device whose experts were picked most, and one all-reduce of
+    [rows, hidden] per layer combines the partial sums."""
+    local = {"gate_up": moe["gate_up"], "down": moe["down"]}
+    if cfg.devices == 1:
+        return routed(x, weights, experts, local)
+    per = cfg.num_experts // cfg.devices
+
+    def own_experts(x, weights, experts, local):
+        first = lax.axis_index(MODEL_AXIS) * per
+        mine = (experts >= first) & (experts < first + per)
+        return lax.psum(routed(x, weights, jnp.where(mine, experts - first, per), local), MODEL_AXIS)
+
+    split, whole = PartitionSpec(MODEL_AXIS), PartitionSpec()
+    # check_vma off: `routed` is the one-device code (a tile loop whose lax.cond returns either a
+    # tile read from the device's experts or zeros), which that check would refuse as mixing
+    # per-device and replicated values; the psum makes the output the same on every device.
+    return jax.shard_map(own_experts, mesh=AbstractMesh((cfg.devices,), (MODEL_AXIS,)),
+                         in_specs=(whole, whole, whole, split), out_specs=whole,
+                         check_vma=False)(x, weights, experts, local)
+
+
 def routed_experts(x, moe, valid, *, cfg: ModelConfig, site: int | None = None):
     """The routed-expert sum for rows x [N, hidden] (float32); valid [N] False for padding and idle
     rows, which take no expert. The path is chosen here, while tracing, and recorded for the layer
@@ -643,7 +676,7 @@ def routed_experts(x, moe, valid, *, cfg: ModelConfig, site: int | None = None):
     if path == "kernel":
         product, kernel = _kernel()
         try:
-            out = _routed_kernel(x, weights, experts, moe, product)
+            out = _per_device(lambda *a: _routed_kernel(*a, product), x, weights, experts, moe, cfg)
         except _NoKernel as e:                     # this site runs exact, and Health says why
             path, why = "exact", str(e)
         else:
@@ -654,7 +687,7 @@ def routed_experts(x, moe, valid, *, cfg: ModelConfig, site: int | None = None):
         ROUTED_SITES[(cfg, site, n)] = ("exact", None, why)
     # Decode (a few rows): a tile per (row, pick), a matrix-vector product per chosen expert.
     tile = 1 if n * cfg.experts_per_token <= ROUTED_TILE else ROUTED_TILE
-    return _routed_exact(x, weights, experts, moe, tile)
+    return _per_device(lambda *a: _routed_exact(*a, tile), x, weights, experts, moe, cfg)
 
 
 def routed_report(cfg: ModelConfig, rows=None) -> dict | None:

@@ -65,10 +65,12 @@ PARAM_SPECS: dict[str, tuple] = {
     # [intermediate channels, gate and up interleaved, hidden] and [hidden, intermediate].
     "layers.*.gate_up": (M, None),
     "layers.*.down": (None, M),
-    # Routed experts: [experts, channels, ...], every expert's channels split (see the docstring).
+    # Routed experts [experts, ...]: whole experts per device, device d the consecutive block
+    # d * E/N .. (d + 1) * E/N - 1 (expert parallelism: engine.model._per_device computes each
+    # device's own picks inside shard_map).
     "layers.*.moe.router": (),
-    "layers.*.moe.gate_up": (None, M, None),
-    "layers.*.moe.down": (None, None, M),
+    "layers.*.moe.gate_up": (M, None, None),
+    "layers.*.moe.down": (M, None, None),
     "layers.*.moe.shared.gate_up": (M, None),
     "layers.*.moe.shared.down": (None, M),
     "layers.*.moe.shared.gate": (),                  # [1, hidden]
@@ -115,7 +117,7 @@ def _problems(cfg: ModelConfig, n: int) -> list[str]:
         out.append(f"{cfg.num_kv_heads} KV heads (neither divides the other)")
     mlp_kinds = cfg.mlp_kinds or ("dense",) * cfg.num_layers
     widths = [("MLP channels", cfg.intermediate_size, "dense"),
-              ("channels per expert", cfg.moe_intermediate_size, "moe"),
+              ("routed experts", cfg.num_experts, "moe"),
               ("shared-expert channels", cfg.shared_expert_intermediate_size, "moe")]
     for what, width, kind in widths:
         if kind in mlp_kinds and width and width % n:
@@ -173,7 +175,8 @@ class Layout:
                                f"{jax.default_backend()} device(s)")
         chips = [d for p in range(jax.process_count()) for d in jax.local_devices(process_index=p)[:n]]
         kv_heads = check_devices(cfg, len(chips), available=len(local) * jax.process_count())
-        return cls(Mesh(np.array(chips), (MODEL_AXIS,)), dataclasses.replace(cfg, num_kv_heads=kv_heads),
+        return cls(Mesh(np.array(chips), (MODEL_AXIS,)),
+                   dataclasses.replace(cfg, num_kv_heads=kv_heads, devices=len(chips)),
                    cfg.vocab_size % len(chips) == 0)
 
     @property

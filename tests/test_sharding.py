@@ -91,9 +91,12 @@ def test_a_count_that_does_not_divide_the_heads_is_refused_with_the_counts_that_
         check_devices(cfg, 3)
     with pytest.raises(DevicesError, match="100 MLP channels"):
         check_devices(dataclasses.replace(cfg, num_heads=8, num_kv_heads=8, intermediate_size=100), 8)
-    moe = load_config(str(TINY / "qwen3-moe"))
-    with pytest.raises(DevicesError, match="32 channels per expert"):
-        check_devices(dataclasses.replace(moe, num_heads=64, num_kv_heads=64), 64)
+    moe = load_config(str(TINY / "qwen3-moe"))      # 8 routed experts, each 32 channels wide
+    with pytest.raises(DevicesError, match=r"--devices 16 does not divide the model's 8 routed experts; "
+                                           r"it splits over 1, 2, 4, 8 device\(s\)"):
+        check_devices(dataclasses.replace(moe, num_heads=64, num_kv_heads=64), 16)
+    # whole experts per device: the channels inside an expert need not divide
+    assert check_devices(dataclasses.replace(moe, num_heads=8, moe_intermediate_size=30), 8) == 8
 
 
 def test_more_devices_than_kv_heads_repeat_each_kv_head():
@@ -144,13 +147,16 @@ def _parity(name: str, *extra: str) -> dict:
 
 
 @pytest.mark.parametrize("name, extra", [("qwen3", ()), ("qwen3-moe", ()),
+                                         ("qwen3-moe", ("--routed-path", "kernel", "--devices", "1", "4")),
                                          ("qwen3", ("--weights-dtype", "int8", "--devices", "1", "4")),
-                                         ("qwen3-next", ("--devices", "1", "4"))])
+                                         ("qwen3-next", ())])
 def test_split_over_two_and_four_devices_gives_the_logits_of_one(name, extra):
-    """Guards against a wrong split (a head, a channel or a vocabulary row on the wrong device gives
-    other logits) in prefill (two chunks) and decode, and against the cache or the weights landing
-    whole on every device instead of split (the shardings and each device's shard are checked).
-    Dense, MoE, int8 weights, and the hybrid model (its Gated DeltaNet layers replicated)."""
+    """Guards against a wrong split (a head, a channel, an expert or a vocabulary row on the wrong
+    device gives other logits) in prefill (two chunks) and decode, and against the cache or the
+    weights landing whole on every device instead of split (the shardings and each device's shard
+    are checked), or gathered onto every device at run time (the compiled programs' collectives).
+    Dense, MoE (whole experts per device, on both routed-expert paths), int8 weights, and the
+    hybrid model (MoE beside Gated DeltaNet layers)."""
     out = _parity(name, *extra)
     assert out["visible"] == 4
     cfg = load_config(str(TINY / name))
@@ -162,14 +168,24 @@ def test_split_over_two_and_four_devices_gives_the_logits_of_one(name, extra):
         assert run["layout"]["count"] == n and run["layout"]["mesh"] == {MODEL_AXIS: n}
         kv_heads = max(cfg.num_kv_heads, n)
         assert run["layout"]["kv_heads"] == kv_heads and run["cache_k"]["shape"][1] == kv_heads
+        if cfg.num_experts:
+            # whole experts per device: device d holds experts d * E/n .. (d + 1) * E/n - 1
+            for part in ("gate_up", "down"):
+                split = run["experts"][part]
+                assert split["spec"] == [MODEL_AXIS, None, None], split
+                assert split["shard"] == [cfg.num_experts // n] + split["shape"][1:], split
+            path = "kernel" if "kernel" in extra else "exact"
+            assert run["routed"]["path"] == path and run["routed"]["sites"][path] > 0, run["routed"]
         if n > 1:
-            # XLA adds only all-reduces of activations (at most [rows, hidden] for the decode batch's
-            # 4 rows; twice the rows with int8 weights, whose products take each row as two int8
-            # terms): no weight or cache array is ever gathered whole onto a device
-            collectives = run["decode_collectives"]
-            sizes = [np.prod([int(d) for d in re.findall(r"\d+", c.split("[")[1])]) for c in collectives]
-            assert collectives and all(c.startswith("all-reduce ") for c in collectives), collectives
-            assert max(sizes) <= 4 * cfg.hidden_size * (2 if "int8" in extra else 1), collectives
+            # XLA adds only all-reduces of activations (at most [rows, hidden]: the decode batch's 4
+            # rows, the prefill bucket's 32; twice the rows with int8 weights, whose products take
+            # each row as two int8 terms): no weight or cache array is ever gathered onto a device
+            # (the routed experts' partial sums are all-reduced, their weights stay where they are)
+            for program, rows in (("decode_collectives", 4), ("prefill_collectives", 32)):
+                collectives = run[program]
+                sizes = [np.prod([int(d) for d in re.findall(r"\d+", c.split("[")[1])]) for c in collectives]
+                assert collectives and all(c.startswith("all-reduce ") for c in collectives), collectives
+                assert max(sizes) <= rows * cfg.hidden_size * (2 if "int8" in extra else 1), collectives
             for part in ("cache_k", "cache_v"):
                 assert run[part]["spec"] == [None, MODEL_AXIS, None, None]
                 assert run[part]["shard"][1] == kv_heads // n

@@ -1,11 +1,12 @@
 """One model split over 1, 2, 4 ... devices (engine.sharding) gives the logits of one device.
 
     python tests/tp_parity.py FOLDER [--devices 1 2 4] [--weights-dtype float32|int8]
-        [--coordinator HOST:PORT --num-processes P --process-id I]
+        [--routed-path auto|kernel|exact] [--coordinator HOST:PORT --num-processes P --process-id I]
 
 Prints one JSON object: for each device count, the largest logit difference from the first count
 in prefill (two chunks, every position) and in decode (a batch of every slot, one live row, three
-steps), and how the weights and the cache came out split (specs and each device's shard shape).
+steps), how the weights and the cache came out split (specs and each device's shard shape), and
+the collectives of the compiled prefill and decode programs.
 On a CPU, run it with XLA_FLAGS=--xla_force_host_platform_device_count=4 (set before jax starts):
 tests/test_sharding.py does; tests/bench/device_check.sh runs it on an accelerator's chips.
 With a coordinator, P processes (one per host, or several on one machine) each bring --devices
@@ -15,6 +16,7 @@ each prints the logits gathered from every process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -27,7 +29,7 @@ import numpy as np  # noqa: E402
 
 from engine.cache import init_cache  # noqa: E402
 from engine.config import load_config  # noqa: E402
-from engine.model import jit_forward  # noqa: E402
+from engine.model import jit_forward, routed_report  # noqa: E402
 from engine.sharding import Layout, distributed_settings, init_distributed  # noqa: E402
 from engine.weights import load_weights  # noqa: E402
 
@@ -46,16 +48,20 @@ def _host(array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
-# Cross-device operations in a compiled program's text: "= <shape> <op>(" (or its async "-start").
-COLLECTIVE = re.compile(r"= (\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
-                        r"(?:-start)?\(")
+# Cross-device operations in a compiled program's text: "= <shape> <op>(" (or its async "-start"),
+# the shape one array's or a tuple's (XLA combines neighbouring all-reduces into one of a tuple).
+COLLECTIVE = re.compile(r"^\s*(?:ROOT )?\S+ = ([^=\n]*?) (all-gather|all-reduce|all-to-all|"
+                        r"collective-permute|reduce-scatter)(?:-start)?\(", re.M)
+ARRAY = re.compile(r"\w+\[[\d,]*\]")
 
 
 def _collectives(program) -> dict:
-    """{"op shape": count} of a compiled program: what XLA inserted between the devices."""
+    """{"op shape": count} of a compiled program: what XLA inserted between the devices, each array
+    of a combined (tuple) collective counted on its own."""
     out: dict[str, int] = {}
     for shape, op in COLLECTIVE.findall(program.as_text()):
-        out[f"{op} {shape.split('{')[0]}"] = out.get(f"{op} {shape.split('{')[0]}", 0) + 1
+        for array in ARRAY.findall(shape):
+            out[f"{op} {array}"] = out.get(f"{op} {array}", 0) + 1
     return out
 
 
@@ -65,8 +71,13 @@ def _spec(array) -> list:
     return [s if s is None or isinstance(s, str) else list(s) for s in spec]
 
 
-def run(folder: str, devices: int, weights_dtype: str) -> dict:
-    checkpoint = load_config(folder)
+def _split(array) -> dict:
+    return {"spec": _spec(array), "shard": list(array.addressable_shards[0].data.shape),
+            "shape": list(array.shape)}
+
+
+def run(folder: str, devices: int, weights_dtype: str, routed_path: str = "auto") -> dict:
+    checkpoint = dataclasses.replace(load_config(folder), routed_path=routed_path)
     layout = Layout.build(checkpoint, devices)
     cfg = layout.cfg
     params = load_weights(folder, checkpoint, weights_dtype, float_dtype=np.float32,
@@ -81,6 +92,8 @@ def run(folder: str, devices: int, weights_dtype: str) -> dict:
                                     np.array([start], np.int32), np.array([n], np.int32), cfg=cfg,
                                     all_logits=True)
         prefill.append(_host(logits)[0, :n])
+        prefill_args = (params, cache, tokens, np.array([SLOT], np.int32), np.array([start], np.int32),
+                        np.array([n], np.int32))
     decode, position, token = [], len(prompt), int(np.argmax(prefill[-1][-1]))
     for _ in range(DECODE_STEPS):
         tokens, starts, lengths = (np.zeros((SLOTS, 1), np.int32), np.zeros(SLOTS, np.int32),
@@ -94,6 +107,8 @@ def run(folder: str, devices: int, weights_dtype: str) -> dict:
         token, position = int(np.argmax(decode[-1])), position + 1
     attention = next(i for i, layer in enumerate(cache) if "k" in layer)
     layer = params["layers"][attention]
+    moe = next((p["moe"] for p in params["layers"] if "moe" in p), None)
+    linear = next((i for i, p in enumerate(params["layers"]) if "linear" in p), None)
     qkv = layer["qkv"]["q"] if isinstance(layer["qkv"], dict) else layer["qkv"]
     return {"prefill": np.concatenate(prefill), "decode": np.stack(decode), "facts": {
         "layout": layout.describe(),
@@ -106,6 +121,13 @@ def run(folder: str, devices: int, weights_dtype: str) -> dict:
         "embed": _spec(params["embed"]["q"] if isinstance(params["embed"], dict) else params["embed"]),
         "int8_scale": _spec(layer["qkv"]["scale"]) if isinstance(layer["qkv"], dict) else None,
         "decode_collectives": _collectives(jit_forward.lower(*decode_args, cfg=cfg).compile()),
+        "prefill_collectives": _collectives(jit_forward.lower(*prefill_args, cfg=cfg,
+                                                              all_logits=True).compile()),
+        "experts": moe and {name: _split(moe[name]) for name in ("gate_up", "down")},
+        "routed": routed_report(cfg),
+        "linear": linear is not None and dict(
+            {name: _split(params["layers"][linear]["linear"][name]) for name in ("in", "conv", "out")},
+            **{f"cache_{name}": _split(cache[linear][name]) for name in ("conv", "state")}) or None,
     }}
 
 
@@ -114,6 +136,7 @@ def main() -> None:
     parser.add_argument("folder")
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--weights-dtype", default="float32")
+    parser.add_argument("--routed-path", default="auto")
     parser.add_argument("--check", type=float, metavar="TOLERANCE",
                         help="print a line per count instead of JSON; exit 1 past this difference")
     parser.add_argument("--coordinator")
@@ -121,7 +144,7 @@ def main() -> None:
     parser.add_argument("--process-id", type=int)
     args = parser.parse_args()
     init_distributed(distributed_settings(args.coordinator, args.num_processes, args.process_id))
-    runs = {n: run(args.folder, n, args.weights_dtype) for n in args.devices}
+    runs = {n: run(args.folder, n, args.weights_dtype, args.routed_path) for n in args.devices}
     first = runs[args.devices[0]]
     out = {"platform": jax.default_backend(), "visible": len(jax.devices()),
            "processes": jax.process_count(), "process": jax.process_index(), "runs": {}}
