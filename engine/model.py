@@ -422,8 +422,15 @@ def _linear_attention(layer, state, x, slots, starts, lengths, valid, *, cfg: Mo
     b, t, _ = x.shape
     lin = layer["linear"]
     kh, vh, dk, dv = cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim
-    kd, vd, kernel = kh * dk, vh * dv, cfg.linear_conv_kernel
-    qkv, z, beta, a = jnp.split(_matmul(x, lin["in"]), np.cumsum([2 * kd + vd, vd, vh]), axis=-1)
+    vd, kernel = vh * dv, cfg.linear_conv_kernel
+    per = vh // kh                       # each key head serves `per` consecutive value heads
+    # Rows grouped by key head (engine.weights): its q, k, then its value heads' v, z, b, a; the
+    # conv channels (and the conv state) grouped the same way, so a device of a tensor-parallel
+    # mesh holds whole key heads with their value heads.
+    mixed = _matmul(x, lin["in"]).reshape(b, t, kh, 2 * dk + 2 * per * dv + 2 * per)
+    qkv, z, beta, a = jnp.split(mixed, np.cumsum([2 * dk + per * dv, per * dv, per]), axis=-1)
+    qkv = qkv.reshape(b, t, kh * (2 * dk + per * dv))
+    beta, a = beta.reshape(b, t, vh), a.reshape(b, t, vh)
 
     # This row's slot state; a row starting at position 0 starts a new sequence from zero.
     fresh = (starts == 0)[:, None, None]
@@ -438,10 +445,9 @@ def _linear_attention(layer, state, x, slots, starts, lengths, valid, *, cfg: Mo
     conv = jax.nn.silu(sum(seq[:, j:j + t] * w[:, j] for j in range(kernel)))
     new_conv = jax.vmap(lambda s, n: lax.dynamic_slice_in_dim(s, n, kernel - 1, axis=0))(seq, lengths)
 
-    q, k, v = jnp.split(conv, [kd, 2 * kd], axis=-1)
-    per = vh // kh                       # each key head serves `per` consecutive value heads
-    q = jnp.repeat(q.reshape(b, t, kh, dk), per, axis=2)
-    k = jnp.repeat(k.reshape(b, t, kh, dk), per, axis=2)
+    q, k, v = jnp.split(conv.reshape(b, t, kh, -1), [dk, 2 * dk], axis=-1)
+    q = jnp.repeat(q, per, axis=2)
+    k = jnp.repeat(k, per, axis=2)
     q, k = _l2norm(q) * (1.0 / np.sqrt(dk)), _l2norm(k)
     v = v.reshape(b, t, vh, dv)
     real = valid[..., None]

@@ -74,24 +74,32 @@ PARAM_SPECS: dict[str, tuple] = {
     "layers.*.moe.shared.gate_up": (M, None),
     "layers.*.moe.shared.down": (None, M),
     "layers.*.moe.shared.gate": (),                  # [1, hidden]
-    # Gated DeltaNet layers: replicated (their head layout is not split yet).
-    "layers.*.linear.in": (),
-    "layers.*.linear.conv": (),
-    "layers.*.linear.A_log": (),
-    "layers.*.linear.dt_bias": (),
-    "layers.*.linear.norm": (),
-    "layers.*.linear.out": (),
+    # Gated DeltaNet layers, by key head (each with the value heads it serves), when the device
+    # count divides the key heads (else replicated: Layout.linear_split). engine.weights lays out
+    # "in" [rows, hidden] and "conv" [channels, kernel] grouped by key head (group_by_key_head:
+    # each key head's q, k, then its value heads' v, z, b, a rows; the conv's q, k, v channels
+    # reordered from the checkpoints' all-q, all-k, all-v), so a block of rows is whole key heads.
+    "layers.*.linear.in": (M, None),
+    "layers.*.linear.conv": (M, None),
+    "layers.*.linear.A_log": (M,),                   # [value heads]
+    "layers.*.linear.dt_bias": (M,),
+    "layers.*.linear.norm": (),                      # [value_dim]: the same for every head
+    "layers.*.linear.out": (None, M),                # [hidden, value heads x value_dim]
 }
 # Names of PARAM_SPECS's vocabulary-split entries.
 VOCAB_SPLIT = ("embed", "lm_head")
 # The cache (engine.cache): K [slots, kv_heads, ctx, head_dim] and V [slots, kv_heads, head_dim, ctx]
-# by KV head, as "qkv" computes them; the Gated DeltaNet states replicated, like their weights.
+# by KV head, as "qkv" computes them; a Gated DeltaNet layer's conv state [slots, channels grouped
+# by key head, kernel - 1] and recurrent state [slots, value heads, key_dim, value_dim] by key head,
+# like its weights (replicated with them when they are).
 CACHE_SPECS: dict[str, tuple] = {
     "k": (None, M, None, None),
     "v": (None, M, None, None),
-    "conv": (),
-    "state": (),
+    "conv": (None, M, None),
+    "state": (None, M, None, None),
 }
+# CACHE_SPECS's entries of the Gated DeltaNet layers (split or replicated with their weights).
+LINEAR_STATE = ("conv", "state")
 # int8 weight-only matrices are {"q": [out, in], "scale": [out]}: "q" is split like the float
 # matrix, and the scales go with their output rows (replicated when the rows are not split).
 INT8_PARTS = ("q", "scale")
@@ -141,6 +149,13 @@ def check_devices(cfg: ModelConfig, n: int, available: int | None = None) -> int
     return max(cfg.num_kv_heads, n)
 
 
+def linear_splits(cfg: ModelConfig, n: int) -> bool:
+    """Whether the Gated DeltaNet layers split over n devices: by key head, so n must divide the
+    key heads (the value heads, a multiple of them, then divide too). Else they stay replicated
+    (every device computes them whole; Qwen3-Next's and Qwen3.5's 16 key heads split over up to 16)."""
+    return cfg.linear_key_heads % n == 0 if "linear" in cfg.layer_kinds else True
+
+
 def spec_of(path: str) -> tuple:
     """PARAM_SPECS's entry for a parameter path ("layers.3.qkv", "layers.3.qkv.scale")."""
     key = re.sub(r"\.\d+(\.|$)", r".*\1", path)
@@ -160,6 +175,7 @@ class Layout:
     mesh: object                      # jax.sharding.Mesh, one axis MODEL_AXIS
     cfg: ModelConfig
     vocab_split: bool
+    linear_split: bool = True         # Gated DeltaNet layers split by key head (linear_splits)
 
     @classmethod
     def build(cls, cfg: ModelConfig, devices: int | str = 1) -> "Layout":
@@ -177,7 +193,7 @@ class Layout:
         kv_heads = check_devices(cfg, len(chips), available=len(local) * jax.process_count())
         return cls(Mesh(np.array(chips), (MODEL_AXIS,)),
                    dataclasses.replace(cfg, num_kv_heads=kv_heads, devices=len(chips)),
-                   cfg.vocab_size % len(chips) == 0)
+                   cfg.vocab_size % len(chips) == 0, linear_splits(cfg, len(chips)))
 
     @property
     def devices(self) -> int:
@@ -197,6 +213,8 @@ class Layout:
         spec = spec_of(path)
         if path.split(".")[0] in VOCAB_SPLIT and not self.vocab_split:
             spec = ()
+        if ".linear." in path and not self.linear_split:
+            spec = ()
         return self.sharding(spec)
 
     def place(self, path: str, tree):
@@ -212,7 +230,8 @@ class Layout:
 
     def cache_zeros(self, name: str, shape: tuple, dtype):
         """A zero cache array (engine.cache.init_cache's `zeros`), made already split on the devices."""
-        return _zeros_program(self.sharding(CACHE_SPECS[name]), tuple(shape), np.dtype(dtype))()
+        spec = () if name in LINEAR_STATE and not self.linear_split else CACHE_SPECS[name]
+        return _zeros_program(self.sharding(spec), tuple(shape), np.dtype(dtype))()
 
     def replicate(self, tree):
         """Small state every device reads whole (the sampler's), on every device of the mesh."""

@@ -24,8 +24,11 @@ The pytree (all jax arrays in the compute dtype):
                        "gate": [1, hidden]} }                          Qwen3-Next's shared expert
         "linear": {                                          "linear" layers (Gated DeltaNet) instead
             "in":      [2 kd + 2 vd + 2 vh, hidden]   q, k, v, z (output gate), b (beta), a (decay)
-                                                      projections, each over all heads in order
-            "conv":    [2 kd + vd, kernel]            depthwise causal conv over q, k, v channels
+                                                      projections, grouped by key head: each key
+                                                      head's q, k rows, then its value heads' v,
+                                                      z, b, a rows (group_by_key_head)
+            "conv":    [2 kd + vd, kernel]            depthwise causal conv over the q, k, v
+                                                      channels, grouped by key head the same way
             "A_log", "dt_bias": [vh]                  decay g = -exp(A_log) * softplus(a + dt_bias)
             "norm":    [value_dim]                    gated RMSNorm (a plain scale, never 1 + w)
             "out":     [hidden, vd] } ]}              (kd, vd: all key / value heads' widths)
@@ -33,7 +36,9 @@ Stacked projections keep what one device of a tensor-parallel mesh needs togethe
 splits their rows into N equal blocks): "qkv" grouped by KV head keeps each head's query, key and
 value rows in one block, and every "gate_up" (dense, routed and shared experts) interleaves gate and
 up row by row (gate_0, up_0, gate_1, up_1, ...), so a block holds the gate and up of the same
-channels. With more devices than KV heads (kv_heads > the checkpoint's), each KV head is repeated so
+channels; a Gated DeltaNet layer's "in" and "conv" are grouped by key head, each key head with the
+value heads it serves, so a block is whole key heads with their value heads (the checkpoints' conv
+runs over all heads' q, then all k, then all v: its rows are reordered here, as the projections'). With more devices than KV heads (kv_heads > the checkpoint's), each KV head is repeated so
 that every device holds the key and value its query heads read. The layout is the same on one device.
 Zero-centred norms (Qwen3-Next's layer, final and q/k norms: scale = 1 + w) are stored as 1 + w,
 computed once here in float32, so the model multiplies by an ordinary scale.
@@ -169,6 +174,14 @@ def group_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, kv: int, kv_heads: in
     return np.concatenate([q.reshape(kv_heads, -1, *rest), k, v], axis=1).reshape(-1, *rest)
 
 
+def group_by_key_head(parts: list[np.ndarray], key_heads: int) -> np.ndarray:
+    """Rows of a Gated DeltaNet layer's projections (or conv channels) [heads' rows, ...], each part
+    over all heads in head order -> one array grouped by key head: key head 0's rows of every part
+    in turn (its q, its k, the v of the value heads it serves, ...), then key head 1's, ..."""
+    rest = parts[0].shape[1:]
+    return np.concatenate([p.reshape(key_heads, -1, *rest) for p in parts], axis=1).reshape(-1, *rest)
+
+
 def place_on_default_device(path: str, tree):
     """Every numpy leaf of a subtree as a jax array on the default device (no mesh)."""
     import jax
@@ -244,25 +257,27 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
                 "gate": put(matrix(p + "shared_expert_gate.weight", 1, h))}
 
     def delta_net(p: str) -> dict:
-        """Gated DeltaNet weights, as all heads' q, then k, v, z, b, a: the order the convolution
-        and the heads read them. Qwen3.5 stores them so, in four projections (in_proj_qkv, _z, _b,
-        _a); Qwen3-Next interleaves in_proj_qkvz and in_proj_ba per key head ([q, k, v, z] of each
-        key head's group, then the next), regrouped here."""
+        """Gated DeltaNet weights grouped by key head (group_by_key_head). Qwen3.5 stores all
+        heads' q, then k, v in in_proj_qkv, and z, b, a in three more projections; Qwen3-Next
+        interleaves in_proj_qkvz and in_proj_ba per key head ([q, k, v, z] of each key head's
+        group, then the next). Both store the conv over all heads' q, then k, then v."""
         kh, vh, dk, dv = (cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim,
                           cfg.linear_value_dim)
         per = vh // kh
         kd, vd = kh * dk, vh * dv
         if r.has(p + "in_proj_qkv.weight"):
-            rows = [matrix(p + "in_proj_qkv.weight", 2 * kd + vd, h), matrix(p + "in_proj_z.weight", vd, h),
-                    matrix(p + "in_proj_b.weight", vh, h), matrix(p + "in_proj_a.weight", vh, h)]
+            rows = np.split(matrix(p + "in_proj_qkv.weight", 2 * kd + vd, h), [kd, 2 * kd]) + [
+                matrix(p + "in_proj_z.weight", vd, h), matrix(p + "in_proj_b.weight", vh, h),
+                matrix(p + "in_proj_a.weight", vh, h)]
         else:
             qkvz = matrix(p + "in_proj_qkvz.weight", 2 * kd + 2 * vd, h).reshape(kh, -1, h)
             qkvz = np.split(qkvz, np.cumsum([dk, dk, per * dv]), axis=1)
             ba = matrix(p + "in_proj_ba.weight", 2 * vh, h).reshape(kh, 2 * per, h)
             ba = np.split(ba, [per], axis=1)
             rows = [part.reshape(-1, h) for part in qkvz + ba]
-        conv = r.get(p + "conv1d.weight", (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel))
-        return {"in": put(np.concatenate(rows)), "conv": put(conv[:, 0]),
+        conv = r.get(p + "conv1d.weight", (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel))[:, 0]
+        return {"in": put(group_by_key_head(rows, kh)),
+                "conv": put(group_by_key_head(np.split(conv, [kd, 2 * kd]), kh)),
                 "A_log": r.get(p + "A_log", (vh,)).astype(np.float32),
                 "dt_bias": r.get(p + "dt_bias", (vh,)).astype(np.float32),
                 "norm": r.get(p + "norm.weight", (dv,)).astype(np.float32),
@@ -331,7 +346,7 @@ def _assemble(parts: dict, cfg: ModelConfig) -> dict:
 # a restarted worker must not pay it again. So int8 weights are written once, as they are held, one
 # .npy file per array with a manifest of the tree, under the cache root (engine.worker names the
 # folder after everything the arrays depend on), and later starts map them in as they are.
-HELD_FORMAT = "held-weights-1"       # bumped when the layout of what is written changes
+HELD_FORMAT = "held-weights-2"       # bumped when the layout of what is written changes
 HELD_KEEP = 2                        # held copies kept under one cache folder (the newest used)
 HELD_TMP_STALE_S = 600               # an unfinished copy this old was left by a worker that died
 _MANIFEST = "manifest.json"

@@ -139,6 +139,7 @@ def test_the_devices_flag_takes_a_count_or_all_and_refuses_the_rest(capsys):
 # ---- 1, 2 and 4 devices --------------------------------------------------------------------------
 
 def _parity(name: str, *extra: str) -> dict:
+    """tests/tp_parity.py's answer for a tiny model (a name under TINY, or a folder)."""
     result = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_parity.py"), str(TINY / name), *extra],
                             env=dict(os.environ, **FOUR_DEVICES), cwd=ROOT, capture_output=True,
                             text=True, timeout=600)
@@ -159,8 +160,12 @@ def test_split_over_two_and_four_devices_gives_the_logits_of_one(name, extra):
     hybrid model (MoE beside Gated DeltaNet layers)."""
     out = _parity(name, *extra)
     assert out["visible"] == 4
-    cfg = load_config(str(TINY / name))
-    runs = out["runs"]
+    _check_split(load_config(str(TINY / name)), out["runs"], extra)
+
+
+def _check_split(cfg, runs: dict, extra=()) -> None:
+    """tp_parity's runs: the logits of one device on each count, and everything split as
+    engine.sharding says, with only all-reduces of activations between the devices."""
     for n, run in runs.items():
         n = int(n)
         atol = TP_ATOL_INT8 if "int8" in extra else TP_ATOL
@@ -176,6 +181,17 @@ def test_split_over_two_and_four_devices_gives_the_logits_of_one(name, extra):
                 assert split["shard"] == [cfg.num_experts // n] + split["shape"][1:], split
             path = "kernel" if "kernel" in extra else "exact"
             assert run["routed"]["path"] == path and run["routed"]["sites"][path] > 0, run["routed"]
+        if "linear" in cfg.layer_kinds:
+            # Gated DeltaNet by key head when n divides the key heads, else replicated: the
+            # projections' rows, the conv's channels and its state, the recurrent state's value
+            # heads and the output projection's inputs
+            ways = n if cfg.linear_key_heads % n == 0 else 1
+            for part, axis in (("in", 0), ("conv", 0), ("out", 1), ("cache_conv", 1), ("cache_state", 1)):
+                split = run["linear"][part]
+                assert split["shard"][axis] == split["shape"][axis] // ways, (n, part, split)
+                if n > 1:
+                    assert split["spec"][axis] == (MODEL_AXIS if ways > 1 else None), (n, part, split)
+            assert run["linear"]["cache_state"]["shape"][1] == cfg.linear_value_heads
         if n > 1:
             # XLA adds only all-reduces of activations (at most [rows, hidden]: the decode batch's 4
             # rows, the prefill bucket's 32; twice the rows with int8 weights, whose products take
@@ -196,6 +212,53 @@ def test_split_over_two_and_four_devices_gives_the_logits_of_one(name, extra):
         assert run["qkv"]["shard"] == [rows, cfg.hidden_size]
         if "int8" in extra:
             assert run["int8_scale"] == [MODEL_AXIS]
+
+
+def _repeat_key_heads(source: Path, folder: Path, repeat: int) -> None:
+    """A copy of a Qwen3-Next checkpoint with each Gated DeltaNet key head repeated `repeat` times,
+    its value heads shared out among the copies in order: value head j still reads the query and
+    key of its own key head, so the model computes the same logits with more key heads to split."""
+    from safetensors.numpy import load_file, save_file
+    config = json.loads((source / "config.json").read_text())
+    kh, vh = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    dk, dv = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    per = vh // kh // repeat                    # value heads per new key head
+    tensors = load_file(str(source / "model.safetensors"))
+    for name in list(tensors):
+        w = tensors[name]
+        if name.endswith("in_proj_qkvz.weight"):          # per key head: q, k, its v, its z
+            q, k, v, z = np.split(w.reshape(kh, -1, w.shape[-1]), np.cumsum([dk, dk, per * repeat * dv]), axis=1)
+            copies = [np.repeat(q[:, None], repeat, axis=1), np.repeat(k[:, None], repeat, axis=1),
+                      v.reshape(kh, repeat, per * dv, -1), z.reshape(kh, repeat, per * dv, -1)]
+            tensors[name] = np.concatenate(copies, axis=2).reshape(-1, w.shape[-1])
+        elif name.endswith("in_proj_ba.weight"):          # per key head: its b, its a
+            b, a = np.split(w.reshape(kh, 2, repeat, per, -1), 2, axis=1)
+            tensors[name] = np.concatenate([b, a], axis=1).swapaxes(1, 2).reshape(-1, w.shape[-1])
+        elif name.endswith("conv1d.weight"):              # all q channels, all k, all v
+            q, k, v = np.split(w, [kh * dk, 2 * kh * dk])
+            again = [np.repeat(x.reshape(kh, dk, *w.shape[1:]), repeat, axis=0).reshape(-1, *w.shape[1:])
+                     for x in (q, k)]
+            tensors[name] = np.concatenate(again + [v])
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(dict(config, linear_num_key_heads=kh * repeat)))
+
+
+def test_gated_deltanet_layers_split_by_key_head_over_four_devices(tmp_path):
+    """Guards the Gated DeltaNet split where the tiny hybrid model's 2 key heads cannot show it: the
+    same model with 4 key heads (each repeated, which changes no logit: checked against the
+    original) on 1, 2 and 4 devices, each device holding one key head with its value head, its
+    conv channels and its recurrent state."""
+    folder = tmp_path / "qwen3-next-4"
+    _repeat_key_heads(TINY / "qwen3-next", folder, 2)
+    out = _parity(str(folder))
+    assert out["visible"] == 4
+    cfg = load_config(str(folder))
+    assert cfg.linear_key_heads == 4 and cfg.linear_value_heads == 4
+    _check_split(cfg, out["runs"])
+    assert out["runs"]["4"]["linear"]["cache_state"]["shard"][1] == 1
+    original = _parity("qwen3-next", "--devices", "1")["runs"]["1"]["last"]
+    np.testing.assert_allclose(out["runs"]["1"]["last"], original, atol=TP_ATOL, rtol=0)
 
 
 # ---- a worker and a server on 4 devices ----------------------------------------------------------
