@@ -261,6 +261,50 @@ def test_gated_deltanet_layers_split_by_key_head_over_four_devices(tmp_path):
     np.testing.assert_allclose(out["runs"]["1"]["last"], original, atol=TP_ATOL, rtol=0)
 
 
+# On 4 CPU devices (run in a fresh process): the exact path's routed sum of `rows` copies of one row,
+# with every expert that row does not pick poisoned (NaN), each device holding 2 of the 8 experts;
+# prints whether it stayed finite and its largest difference from one device, unpoisoned.
+_POISONED_EXPERTS = """
+import dataclasses, json, sys
+import jax, numpy as np
+from engine.config import load_config
+from engine.model import routed_experts
+from engine.sharding import Layout
+from engine.weights import load_weights
+folder, rows = sys.argv[1], int(sys.argv[2])
+cfg = dataclasses.replace(load_config(folder), routed_path="exact")
+moe = next(l["moe"] for l in load_weights(folder, cfg, np.float32, place=lambda p, t: t)["layers"] if "moe" in l)
+x = np.repeat(np.random.default_rng(7).standard_normal((1, cfg.hidden_size)).astype(np.float32), rows, 0)
+picked = np.argsort(-(moe["router"] @ x[0]))[:cfg.experts_per_token]
+unused = np.setdiff1d(np.arange(cfg.num_experts), picked)
+poisoned = dict(moe, gate_up=moe["gate_up"].copy(), down=moe["down"].copy())
+poisoned["gate_up"][unused] = np.nan
+poisoned["down"][unused] = np.nan
+layout = Layout.build(cfg, 4)
+valid = np.ones(rows, bool)
+one = jax.jit(lambda x, m, v: routed_experts(x, m, v, cfg=cfg))(x, moe, valid)
+four = jax.jit(lambda x, m, v: routed_experts(x, m, v, cfg=layout.cfg))(
+    x, layout.place("layers.0.moe", poisoned), valid)
+print(json.dumps({"devices": sorted({e // (cfg.num_experts // 4) for e in picked.tolist()}),
+                  "finite": bool(np.all(np.isfinite(four))),
+                  "diff": float(np.max(np.abs(np.asarray(four) - np.asarray(one))))}))
+"""
+
+
+@pytest.mark.parametrize("rows", [1, 4, 32])
+def test_each_device_reads_only_the_experts_the_rows_picked_among_its_own(rows):
+    """Guards expert parallelism against a device reading experts no row picked (a dense product
+    over its experts, or a masked pick that still reads the expert it was clamped to): those
+    experts hold NaN, which any read would spread into the psum of every device."""
+    result = subprocess.run([sys.executable, "-c", _POISONED_EXPERTS, str(TINY / "qwen3-moe"), str(rows)],
+                            env=dict(os.environ, **FOUR_DEVICES), cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.splitlines()[-1])
+    assert out["finite"] and out["diff"] <= TP_ATOL, out
+    assert len(out["devices"]) < 4, out       # some device holds none of the picks
+
+
 # ---- a worker and a server on 4 devices ----------------------------------------------------------
 
 @pytest.fixture(scope="module")
