@@ -497,6 +497,8 @@ def _mlp(layer, x):
 #           shapes tokamax refuses runs exact, and says so.
 #   exact   plain XLA operations: the (token, expert) pairs sorted by expert into tiles of one expert
 #           each, a loop over the tiles that reads each tile's expert once, then unsorted.
+# Both run on the experts one device holds: all of them on one device, its own block on a mesh
+# (expert parallelism: _per_device runs them inside shard_map and adds the devices' sums).
 # What counts as "kernel" is the spec's reading: a kernel package's routed-expert kernel. The tiled
 # loop groups tokens too, but it is this file's own arithmetic, so it reports as exact. XLA:CPU has
 # no such kernel: jax.lax.ragged_dot lowers there to a masked dense product over EVERY expert (its
@@ -586,7 +588,8 @@ def _route(x, router, cfg: ModelConfig):
 
 def _routed_kernel(x, weights, experts, moe, product):
     """Sort the (token, expert) pairs by expert, two grouped products, unsort. Pairs of no expert
-    (experts == num_experts: padding) sort last, past every group: the kernel leaves them zero."""
+    (experts == the experts held, num: padding) sort last, past every group: the kernel leaves them
+    zero."""
     n, k = experts.shape
     num = moe["gate_up"].shape[0]
     flat = experts.reshape(-1)

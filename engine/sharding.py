@@ -7,24 +7,31 @@
 One mesh axis, MODEL_AXIS, over the N devices. The weights and the cache are split along it where
 they are created (engine.weights places each tensor straight into its shards; the cache is made
 as zeros already split), the compiled programs take them as they are, and XLA's SPMD partitioner
-inserts the collectives: an all-reduce after each product whose input is split (attention's output
-projection, the MLP's and the experts' down projections) and after the vocabulary-split embedding
-lookup; the logits leave the forward split by vocabulary, as the sampler takes them. Activations (the
-residual stream) are replicated. Those all-reduces, of [rows, hidden] arrays, are the only
-cross-device operations in the compiled programs (tests/test_sharding.py reads them).
+inserts the collectives: an all-reduce after each product whose input is split (attention's and the
+Gated DeltaNet layers' output projections, the MLP's and the shared expert's down projections) and
+after the vocabulary-split embedding lookup; the logits leave the forward split by vocabulary, as
+the sampler takes them. Activations (the residual stream) are replicated.
+
+Routed experts are split whole (expert parallelism): each device holds num_experts / N consecutive
+experts, and the routed sum runs inside jax.shard_map (engine.model._per_device): every device
+routes all rows (the router is replicated), computes the picks that fall in its own experts, and a
+psum adds the devices' partial sums. The partitioner is not asked to serve a run-time expert index
+on a split axis (it would gather every expert onto every device). Those all-reduces, of
+[rows, hidden] arrays, are the only cross-device operations in the compiled programs
+(tests/test_sharding.py reads them, prefill and decode).
 
 What is split where is decided here only, in PARAM_SPECS and CACHE_SPECS: parameter path (the
 layer index written *) -> how each dimension is split (MODEL_AXIS) or not (None); an empty tuple is
 replicated. Each entry can be checked against engine.model and engine.weights's layout: stacked
 projections are laid out so that a block of rows is whole heads or whole channels (KV groups in
-"qkv", gate and up interleaved in "gate_up").
+"qkv", gate and up interleaved in "gate_up", key heads with their value heads in a Gated DeltaNet
+layer's "in" and "conv").
 
-Routed experts are split by channel inside every expert (each device holds 1/N of every expert), not
-whole experts per device (expert parallelism): the model picks an expert with a run-time index, and
-XLA's SPMD partitioner serves a run-time index into a split axis by gathering that axis onto every
-device, every expert on every chip at each step (seen in the compiled tiny MoE model: an all-gather of
-each layer's whole [experts, ...] arrays). Whole experts per device needs each token sent to
-its experts' device (an all-to-all inside shard_map): not built.
+Which counts work (check_devices): N must divide the attention heads, the MLP and shared-expert
+channels and the routed experts (a count that does not is refused, with the counts that work: the
+experts are not split by channel instead); the KV heads must divide N or be divided by it (fewer
+than N: each is repeated). The Gated DeltaNet layers split by key head when N divides the key heads
+(Qwen3-Next-80B's 16), else they and their state stay replicated (linear_splits).
 
 Several hosts (jax.distributed, init_distributed): each process brings its --devices devices and
 the mesh spans all of them; every process must then run the same programs on the same inputs
@@ -136,7 +143,7 @@ def _problems(cfg: ModelConfig, n: int) -> list[str]:
 def check_devices(cfg: ModelConfig, n: int, available: int | None = None) -> int:
     """The KV heads the model lays out on n devices: its own, or n when there are fewer (each KV
     head is then repeated so that every device holds the one its query heads read). Raises
-    DevicesError when n does not divide the heads or the MLP channels."""
+    DevicesError when n does not divide the heads, the MLP channels or the routed experts."""
     if n < 1:
         raise DevicesError(f"--devices must be at least 1, got {n}")
     problems = _problems(cfg, n)
@@ -152,7 +159,7 @@ def check_devices(cfg: ModelConfig, n: int, available: int | None = None) -> int
 def linear_splits(cfg: ModelConfig, n: int) -> bool:
     """Whether the Gated DeltaNet layers split over n devices: by key head, so n must divide the
     key heads (the value heads, a multiple of them, then divide too). Else they stay replicated
-    (every device computes them whole; Qwen3-Next's and Qwen3.5's 16 key heads split over up to 16)."""
+    (every device computes them whole)."""
     return cfg.linear_key_heads % n == 0 if "linear" in cfg.layer_kinds else True
 
 
