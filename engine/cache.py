@@ -1,9 +1,9 @@
 """The KV slot pool the model owns, and the few moves the runtime makes on it.
 
 The cache is a list with one dict per layer; for an attention layer:
-    "k": [slots, kv_heads, ctx, head_dim]
-    "v": [slots, kv_heads, head_dim, ctx]    stored TRANSPOSED: the attention-times-V product then
-                                             runs on XLA:CPU's fast dot (measured much faster)
+    "k", "v": [slots, kv_heads, head_dim, ctx]       positions last: attention's products read
+                                                     blocks of positions fastest that way (engine.model)
+    "k_scale", "v_scale": [slots, kv_heads, ctx]     an int8 cache only: each position's scale
 and for a Gated DeltaNet ("linear") layer, the state a slot's sequence has reached:
     "conv":  [slots, conv_dim, kernel - 1]   the last kernel - 1 inputs of the causal convolution
     "state": [slots, value_heads, key_dim, value_dim]   the delta rule's recurrent state
@@ -12,8 +12,8 @@ would accumulate. Unlike K/V they hold the whole sequence at its end and cannot 
 forward starts them from zero when a row starts at position 0, and a reused prefix brings its state
 along as a snapshot (read_state / write_state). The position copies (copy_prefix, read_slot,
 write_slot) move attention layers only.
-K and V are in the KV dtype (engine.model.kv_dtype_for: float16 on a CPU, bfloat16 on accelerators),
-and so is what read_slot hands the host cache. A slot holds one sequence: position p of that sequence
+K and V are in the KV dtype (engine.model.kv_dtype_for: int8 with float32 scales on CPUs with int8
+dot products, else float16; bfloat16 on accelerators), and so is what read_slot hands the host cache. A slot holds one sequence: position p of that sequence
 lives at index p along ctx. What a slot
 holds past its sequence's length is garbage that the forward never reads (its mask stops at each
 query's own position).
@@ -39,8 +39,8 @@ COPY_BLOCK = 256
 # Host copies (read_slot/write_slot) move this many positions per call, at a run-time position: one
 # program each serves every length, and a call moves 12 MiB of the demo's float16 cache.
 HOST_BLOCK = 1024
-# Where ctx lives in each attention cache array (a linear layer's state has no ctx axis).
-_CTX_AXIS = {"k": 2, "v": 3}
+# Every attention cache array keeps positions on its last axis (a linear layer's state has none).
+KV_SCALES = ("k_scale", "v_scale")
 
 
 def _zeros(name: str, shape: tuple, dtype):
@@ -63,17 +63,18 @@ def init_cache(cfg: ModelConfig, slots: int, ctx: int, dtype, zeros=_zeros) -> l
             continue
         if kind not in ("attention", "gated_attention"):
             raise ValueError(f"layer kind {kind!r} has no cache layout")
-        cache.append({
-            "k": zeros("k", (slots, cfg.num_kv_heads, ctx, cfg.head_dim), dtype),
-            "v": zeros("v", (slots, cfg.num_kv_heads, cfg.head_dim, ctx), dtype),
-        })
+        layer = {name: zeros(name, (slots, cfg.num_kv_heads, cfg.head_dim, ctx), dtype) for name in "kv"}
+        if np.dtype(dtype) == np.int8:
+            layer.update({name: zeros(name, (slots, cfg.num_kv_heads, ctx), jnp.float32)
+                          for name in KV_SCALES})
+        cache.append(layer)
     return cache
 
 
 def cache_dims(cache) -> tuple[int, int]:
     """(slots, ctx) of a pool (read from its first attention layer: linear layers have no ctx)."""
-    slots, _, ctx, _ = next(layer["k"] for layer in cache if "k" in layer).shape
-    return slots, ctx
+    shape = next(layer["k"] for layer in cache if "k" in layer).shape
+    return shape[0], shape[-1]
 
 
 def cache_bytes(cache) -> int:
@@ -110,7 +111,7 @@ def copy_prefix(cache, src_slot, dst_slot, n):
                 continue
             new = {}
             for name, arr in layer.items():
-                axis = _CTX_AXIS[name]
+                axis = arr.ndim - 1
                 sizes = list(arr.shape)
                 sizes[0], sizes[axis] = 1, block
                 at = lambda slot: tuple(slot if a == 0 else start if a == axis else 0
@@ -141,17 +142,17 @@ def warm_state_copies(cache):
     return write_state(cache, 0, read_state(cache, 0))
 
 
-def _block_at(arr, slot, begin, axis: int, block: int):
-    """Positions [begin, begin + block) of one slot of a cache array; `axis` is where ctx lives."""
+def _block_at(arr, slot, begin, block: int):
+    """Positions [begin, begin + block) of one slot of a cache array."""
     sizes = list(arr.shape)
-    sizes[0], sizes[axis] = 1, block
-    at = tuple(slot if a == 0 else begin if a == axis else 0 for a in range(arr.ndim))
+    sizes[0], sizes[-1] = 1, block
+    at = (slot,) + (0,) * (arr.ndim - 2) + (begin,)
     return at, lax.dynamic_slice(arr, at, sizes)
 
 
 @partial(jax.jit, static_argnames=("block",))
 def _read(cache, slot, begin, *, block):
-    return [{name: _block_at(arr, slot, begin, _CTX_AXIS[name], block)[1][0]
+    return [{name: _block_at(arr, slot, begin, block)[1][0]
              for name, arr in layer.items()} for layer in cache if _positional(layer)]
 
 
@@ -167,10 +168,9 @@ def _write(cache, slot, begin, lo, hi, arrays):
             continue
         new, updated = next(given), {}
         for name, arr in layer.items():
-            axis = _CTX_AXIS[name]
-            block = new[name].shape[axis - 1]
-            at, old = _block_at(arr, slot, begin, axis, block)
-            pos = begin + lax.broadcasted_iota(jnp.int32, old.shape, axis)
+            block = new[name].shape[-1]
+            at, old = _block_at(arr, slot, begin, block)
+            pos = begin + lax.broadcasted_iota(jnp.int32, old.shape, arr.ndim - 1)
             keep = (pos >= lo) & (pos < hi)
             updated[name] = lax.dynamic_update_slice(
                 arr, jnp.where(keep, new[name][None].astype(arr.dtype), old), at)
@@ -187,10 +187,10 @@ def _blocks(start: int, n: int, ctx: int):
 
 
 def read_slot(cache, slot: int, n: int, start: int = 0) -> list[dict]:
-    """Positions [start, n) of one slot as host numpy arrays, per attention layer {"k": [kv, n - start, d],
-    "v": [kv, d, n - start]} (the cache's own layout and dtype, so write_slot puts them back without
-    reshuffling). A start lets a save copy only what the host does not hold yet. Moves
-    host_block(ctx) positions per call: one compiled program serves every length."""
+    """Positions [start, n) of one slot as host numpy arrays, per attention layer {"k": [kv, d, n - start],
+    "v": [kv, d, n - start]} and an int8 cache's scales [kv, n - start] (the cache's own layout and dtype,
+    so write_slot puts them back without reshuffling). A start lets a save copy only what the host does
+    not hold yet. Moves host_block(ctx) positions per call: one compiled program serves every length."""
     slots, ctx = cache_dims(cache)
     if not 0 <= slot < slots or not 0 <= start <= n <= ctx:
         raise ValueError(f"read_slot: slot {slot} / positions [{start}, {n}) outside the pool "
@@ -198,14 +198,12 @@ def read_slot(cache, slot: int, n: int, start: int = 0) -> list[dict]:
     parts = []
     for begin, lo, hi in _blocks(start, n, ctx):
         arrays = to_host(_read(cache, jnp.int32(slot), jnp.int32(begin), block=host_block(ctx)))
-        parts.append([{"k": layer["k"][:, lo - begin:hi - begin, :],
-                       "v": layer["v"][:, :, lo - begin:hi - begin]} for layer in arrays])
+        parts.append([{name: a[..., lo - begin:hi - begin] for name, a in layer.items()} for layer in arrays])
     if not parts:
-        return [{"k": np.zeros(layer["k"].shape[1:2] + (0,) + layer["k"].shape[3:], layer["k"].dtype),
-                 "v": np.zeros(layer["v"].shape[1:3] + (0,), layer["v"].dtype)}
+        return [{name: np.zeros(a.shape[1:-1] + (0,), a.dtype) for name, a in layer.items()}
                 for layer in cache if _positional(layer)]
-    return [{"k": np.concatenate([p[i]["k"] for p in parts], axis=1),
-             "v": np.concatenate([p[i]["v"] for p in parts], axis=2)} for i in range(len(parts[0]))]
+    return [{name: np.concatenate([p[i][name] for p in parts], axis=-1) for name in parts[0][i]}
+            for i in range(len(parts[0]))]
 
 
 def write_slot(cache, slot: int, arrays: list[dict], start: int = 0):
@@ -217,7 +215,7 @@ def write_slot(cache, slot: int, arrays: list[dict], start: int = 0):
     if len(arrays) != len(layers):
         raise ValueError(f"write_slot: {len(arrays)} layers given, the cache has {len(layers)} "
                          f"attention layers")
-    n = start + arrays[0]["k"].shape[1]
+    n = start + arrays[0]["k"].shape[-1]
     if not 0 <= slot < slots or not 0 <= start <= n <= ctx:
         raise ValueError(f"write_slot: slot {slot} / positions [{start}, {n}) outside the pool "
                          f"({slots} x {ctx})")
@@ -225,11 +223,11 @@ def write_slot(cache, slot: int, arrays: list[dict], start: int = 0):
     for begin, lo, hi in _blocks(start, n, ctx):
         padded = []
         for layer, host in zip(layers, arrays):
-            k = np.zeros(host["k"].shape[:1] + (block,) + host["k"].shape[2:], layer["k"].dtype)
-            v = np.zeros(host["v"].shape[:2] + (block,), layer["v"].dtype)
-            k[:, lo - begin:hi - begin] = host["k"][:, lo - start:hi - start]
-            v[:, :, lo - begin:hi - begin] = host["v"][:, :, lo - start:hi - start]
-            padded.append({"k": k, "v": v})
+            blocks = {}
+            for name, arr in layer.items():
+                blocks[name] = np.zeros(arr.shape[1:-1] + (block,), arr.dtype)
+                blocks[name][..., lo - begin:hi - begin] = host[name][..., lo - start:hi - start]
+            padded.append(blocks)
         cache = _write(cache, jnp.int32(slot), jnp.int32(begin), jnp.int32(lo), jnp.int32(hi), padded)
     return cache
 

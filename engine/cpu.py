@@ -42,3 +42,9 @@ def auto_weights_dtype() -> str:
     """--weights-dtype auto on a CPU: int8 where the CPU multiplies int8 fast (a quarter of float32's
     bytes, and faster), else float32."""
     return "int8" if has_int8_dot() else "float32"
+
+
+def auto_kv_dtype() -> str:
+    """The KV cache's dtype on a CPU (engine.model.kv_dtype_for): int8 with a scale per position where
+    the CPU multiplies int8 fast (attention's products then run on integer kernels), else float16."""
+    return "int8" if has_int8_dot() else "float16"

@@ -27,9 +27,10 @@ from engine import cpu
 from engine.config import ModelConfig
 from engine.scheduler import SLOT_SNAPSHOTS
 
-# Bytes per key or value element in the KV cache: float16 on CPU, bfloat16 on accelerators
-# (engine.model.kv_dtype_for).
-KV_ELEMENT_BYTES = 2
+# Bytes per key or value element of each KV cache dtype (engine.model.kv_dtype_for); an int8 cache adds
+# a float32 scale per position, KV head and key or value (engine.cache).
+KV_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+KV_SCALE_BYTES = {"int8": 4}
 # Bytes per element of a linear layer's conv and recurrent state (float32 on every platform).
 STATE_ELEMENT_BYTES = 4
 # Bytes per float weight as the engine holds them on CPU: float32 (engine.model.dtype_for).
@@ -54,11 +55,14 @@ class DoesNotFit(ValueError):
     """The requested slots, context and host cache need more memory than the machine has."""
 
 
-def kv_bytes_per_token(cfg: ModelConfig) -> int:
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str | None = None) -> int:
     """KV cache bytes of one position of one slot: a key and a value per attention layer and KV
-    head (a hybrid model's linear layers keep a state per slot instead: slot_state_bytes)."""
+    head, in kv_dtype (None: what a worker on this CPU holds, engine.cpu.auto_kv_dtype), with their
+    scales (a hybrid model's linear layers keep a state per slot instead: slot_state_bytes)."""
+    kv_dtype = kv_dtype or cpu.auto_kv_dtype()
     attention = sum(1 for kind in cfg.layer_kinds if kind != "linear")
-    return attention * 2 * cfg.num_kv_heads * cfg.head_dim * KV_ELEMENT_BYTES
+    per_head = cfg.head_dim * KV_ELEMENT_BYTES[kv_dtype] + KV_SCALE_BYTES.get(kv_dtype, 0)
+    return attention * 2 * cfg.num_kv_heads * per_head
 
 
 def slot_state_bytes(cfg: ModelConfig) -> int:

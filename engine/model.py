@@ -64,11 +64,13 @@ def weights_dtype_for(platform: str, asked: str | None = "auto") -> str:
 
 def kv_dtype_for(platform: str):
     """KV cache dtype for a JAX platform: the narrowest one attention does not run slower with.
-    On XLA:CPU (2 cores, one decode row over 16k positions, 24 layers of Qwen2.5-0.5B's shape)
-    float16 blocks widened to float32 ran as fast as float32 (49-69 vs 74-80 ms; half the bytes
-    to read), while bfloat16 ran 3-5x slower, widened (213-300 ms: XLA:CPU converts bfloat16
-    slowly) or read by the product as it is (350 ms); accelerators store and read bfloat16."""
-    return jnp.float16 if platform == "cpu" else jnp.bfloat16
+    On XLA:CPU (2-core AMD EPYC, avx512_vnni; one decode row over 16k positions, 24 layers of
+    Qwen2.5-0.5B's attention) float16 blocks widened to float32 ran as fast as float32 (49-69 vs
+    74-80 ms; half the bytes to read), while bfloat16 ran 3-5x slower, widened (213-300 ms: XLA:CPU
+    converts bfloat16 slowly) or read by the product as it is (350 ms). int8 with integer products
+    (see KV_INT8_TERMS) ran at ... where the CPU has int8 dot products (engine.cpu.auto_kv_dtype);
+    accelerators store and read bfloat16."""
+    return jnp.dtype(cpu.auto_kv_dtype()) if platform == "cpu" else jnp.bfloat16
 
 
 # ---- building blocks ---------------------------------------------------------------------------
@@ -219,24 +221,36 @@ def _rope(x, positions, inv_freq, scale):
 # context pays for at most one block past its length.
 ATTENTION_BLOCK = 512
 
+# The int8 cache (kv_dtype_for): each position's key and value of a KV head are rounded to int8 on
+# their own scale (largest magnitude / 127, kept beside them as float32), and attention multiplies
+# integers, as _matmul does with int8 weights: the queries, and the probabilities times the values'
+# scales, each become two int8 terms (the rows, then their rounding error on a 127x finer scale)
+# and one int8 x int8 -> int32 product per block reads the int8 keys, one the int8 values.
+# XLA:CPU runs those products on YNNPACK's integer kernels; float keys and values widened to float32
+# keep attention compute-bound (a group of 7 query heads per KV head is a thin product).
+# Measured on a 2-core AMD EPYC (avx512_vnni), 24 layers of Qwen2.5-0.5B's attention, one decode row:
+# see kv_dtype_for. Both arrays keep positions on their last axis: the integer products ran 1.5-1.8x
+# faster reading [head_dim, positions] blocks than [positions, head_dim] ones.
+KV_INT8_TERMS = 2
 
-def _slot_block(arr, slots, start, axis: int, block: int):
-    """Positions [start, start + block) of each row's slot: [B, ...] with `block` along `axis`
-    (counted without the slot axis). One row is a plain dynamic slice; a row for every slot slices
+
+def _slot_block(arr, slots, start, block: int):
+    """Positions [start, start + block) of each row's slot (positions are every cache array's last
+    axis): [B, ...] with `block` last. One row is a plain dynamic slice; a row for every slot slices
     the block of every slot and picks the rows' order from it (a 4-row decode step of 4 slots at
     short context: 133 ms against 147 ms gathering, best of 12, as fast as the bucketed engine's
     133.6 ms); other batches gather one block per row, never a whole slot."""
     sizes = list(arr.shape)
-    sizes[0], sizes[axis + 1] = 1, block
+    sizes[0], sizes[-1] = 1, block
 
     def one(slot):
-        at = [slot if a == 0 else start if a == axis + 1 else 0 for a in range(arr.ndim)]
+        at = [slot] + [0] * (arr.ndim - 2) + [start]
         return lax.dynamic_slice(arr, at, sizes)[0]
 
     if slots.shape[0] == 1:
         return one(slots[0])[None]
     if slots.shape[0] == arr.shape[0]:
-        return jnp.take(lax.dynamic_slice_in_dim(arr, start, block, axis + 1), slots, axis=0)
+        return jnp.take(lax.dynamic_slice_in_dim(arr, start, block, arr.ndim - 1), slots, axis=0)
     return jax.vmap(one)(slots)
 
 
@@ -249,18 +263,56 @@ def _to_cache(x, dtype):
     return x.astype(dtype)
 
 
-def _attend(q, cache_k, cache_v, slots, positions, live):
+def _write_kv(kv, k, v, slots, where):
+    """The layer's cache with keys and values k, v [B, T, KV, D] written at positions where [B, T]
+    of the rows' slots (a position past ctx is dropped). An int8 cache also takes their scales."""
+    rows = slots[:, None]
+    out = {}
+    for name, x in (("k", k), ("v", v)):
+        if kv[name].dtype == jnp.int8:
+            x, scale = _quantize_rows(x)
+            out[name + "_scale"] = kv[name + "_scale"].at[rows, :, where].set(scale[..., 0], mode="drop")
+        out[name] = kv[name].at[rows, :, :, where].set(_to_cache(x, kv[name].dtype), mode="drop")
+    return out
+
+
+def _int8_terms(x):
+    """x [..., rows, n] float32 -> (int8 [..., KV_INT8_TERMS * rows, n], scales [..., same, 1]):
+    the rows, then (for two terms) what their rounding left, stacked along the rows."""
+    terms, scales = [], []
+    for _ in range(KV_INT8_TERMS):
+        q, scale = _quantize_rows(x)
+        terms.append(q)
+        scales.append(scale)
+        x = x - q.astype(F32) * scale
+    return jnp.concatenate(terms, axis=-2), jnp.concatenate(scales, axis=-2)
+
+
+def _int8_product(terms, scales, block, contract: int):
+    """Sum over the terms of (int8 terms [B, KV, n * R, c] x an int8 cache block [B, KV, ...]),
+    contracting the terms' last axis with the block's axis `contract`: [B, KV, R, out] float32."""
+    y = lax.dot_general(terms, block, (((3,), (contract,)), ((0, 1), (0, 1))),
+                        preferred_element_type=jnp.int32).astype(F32) * scales
+    return sum(jnp.split(y, KV_INT8_TERMS, axis=2))
+
+
+def _attend(q, kv, slots, positions, live):
     """Causal attention of q [B, KV, G, T, D] (float32, already scaled) over positions [0, live) of
     each row's slot, one block at a time with a running (online) softmax: a query at position p
-    sees keys 0..p. Returns [B, KV, G, T, D] float32."""
+    sees keys 0..p. kv: the layer's cache (engine.cache). Returns [B, KV, G, T, D] float32."""
     b, kv_heads, group, t, d = q.shape
-    ctx = cache_k.shape[2]
+    cache_k, cache_v = kv["k"], kv["v"]
+    ctx = cache_k.shape[-1]
     block = min(ATTENTION_BLOCK, ctx)
+    narrow = cache_k.dtype == jnp.int8
     # Group and tokens as one axis: XLA:CPU ran the 4-D product 5x faster than the 5-D einsum with a
     # T axis of 1 (decode, 16k positions, 24 layers, one pass: 54 vs 335 ms).
     q = q.reshape(b, kv_heads, group * t, d)
-    calc = _kv_compute_dtype(cache_k.dtype)
-    q = q.astype(calc)
+    calc = F32 if narrow else _kv_compute_dtype(cache_k.dtype)
+    if narrow:
+        q_terms = _int8_terms(q)
+    else:
+        q = q.astype(calc)
     batch = ((0, 1), (0, 1))
 
     def step(i, carry):
@@ -269,9 +321,14 @@ def _attend(q, cache_k, cache_v, slots, positions, live):
         # earlier block already covered are masked out below.
         begin = i * block
         start = jnp.minimum(begin, ctx - block)
-        keys = _slot_block(cache_k, slots, start, 1, block).astype(calc)   # [B, KV, S, D]
-        values = _slot_block(cache_v, slots, start, 2, block).astype(calc)  # [B, KV, D, S]
-        scores = lax.dot_general(q, keys, (((3,), (3,)), batch), preferred_element_type=F32)
+        keys = _slot_block(cache_k, slots, start, block)                   # [B, KV, D, S]
+        values = _slot_block(cache_v, slots, start, block)                 # [B, KV, D, S]
+        if narrow:
+            k_scale = _slot_block(kv["k_scale"], slots, start, block)[:, :, None, :]   # [B, KV, 1, S]
+            scores = _int8_product(*q_terms, keys, 2) * k_scale
+        else:
+            scores = lax.dot_general(q, keys.astype(calc), (((3,), (2,)), batch),
+                                     preferred_element_type=F32)
         key_pos = start + jnp.arange(block, dtype=jnp.int32)
         mask = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos >= begin)  # [B, T, S]
         mask = jnp.broadcast_to(mask[:, None, None], (b, 1, group, t, block))
@@ -282,9 +339,13 @@ def _attend(q, cache_k, cache_v, slots, positions, live):
         probs = jnp.exp(scores - safe[..., None])
         scale = jnp.exp(best - safe)
         total = total * scale + probs.sum(axis=-1)
-        acc = acc * scale[..., None] + lax.dot_general(
-            probs.astype(calc), values, (((3,), (3,)), batch), preferred_element_type=F32)
-        return new_best, total, acc
+        if narrow:
+            v_scale = _slot_block(kv["v_scale"], slots, start, block)[:, :, None, :]
+            weighted = _int8_product(*_int8_terms(probs * v_scale), values, 3)
+        else:
+            weighted = lax.dot_general(probs.astype(calc), values.astype(calc), (((3,), (3,)), batch),
+                                       preferred_element_type=F32)
+        return new_best, total, acc * scale[..., None] + weighted
 
     shape = (b, kv_heads, group * t)
     init = (jnp.full(shape, -jnp.inf, F32), jnp.zeros(shape, F32), jnp.zeros(shape + (d,), F32))
@@ -320,20 +381,21 @@ def _attention(layer, kv, x, slots, positions, valid, live, *, cfg: ModelConfig,
     q = _rope(q, positions, inv_freq, scale)
     k = _rope(k, positions, inv_freq, scale)
 
+    if kv["k"].dtype == jnp.int8:             # engine.weights.key_smoothing: exact scores, finer keys
+        smooth = layer["k_smooth"]                                         # [KV, D]
+        k = k / smooth
+        q = (q.reshape(b, t, kv_heads, group, d) * smooth[:, None, :]).reshape(q.shape)
     # Write the new keys/values. Padded tokens aim past the end of the slot and are dropped, so
     # idle rows and chunk padding never touch the cache.
-    ctx = kv["k"].shape[2]
-    where = jnp.where(valid, positions, ctx)                               # [B, T]
-    rows = slots[:, None]
-    cache_k = kv["k"].at[rows, :, where, :].set(_to_cache(k, kv["k"].dtype), mode="drop")
-    cache_v = kv["v"].at[rows, :, :, where].set(_to_cache(v, kv["v"].dtype), mode="drop")
+    ctx = kv["k"].shape[-1]
+    cache = _write_kv(kv, k, v, slots, jnp.where(valid, positions, ctx))
 
     q = q.reshape(b, t, kv_heads, group, d).transpose(0, 2, 3, 1, 4)      # [B, KV, G, T, D]
-    out = _attend(q * (1.0 / np.sqrt(d)), cache_k, cache_v, slots, positions, live)
+    out = _attend(q * (1.0 / np.sqrt(d)), cache, slots, positions, live)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.q_size)
     if gated:
         out = out * jax.nn.sigmoid(gate)
-    return _matmul(out, layer["o"]), {"k": cache_k, "v": cache_v}
+    return _matmul(out, layer["o"]), cache
 
 
 # ---- Gated DeltaNet (linear attention) ---------------------------------------------------------
@@ -735,7 +797,7 @@ def forward(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,
     Returns float32 logits [B, vocab] at each row's last valid token ([B, T, vocab] with
     all_logits), and the updated cache."""
     b, t = tokens.shape
-    ctx = next(layer["k"] for layer in cache if "k" in layer).shape[2]      # linear layers: no ctx
+    ctx = next(layer["k"] for layer in cache if "k" in layer).shape[-1]     # linear layers: no ctx
     if slots.shape != (b,) or starts.shape != (b,) or lengths.shape != (b,):
         raise ValueError(f"slots, starts and lengths must have shape ({b},) like tokens' rows")
     steps = jnp.arange(t, dtype=jnp.int32)

@@ -85,8 +85,8 @@ def snapshot_nbytes(snapshot: list[dict] | None) -> int:
 @dataclass(eq=False)
 class Segment:
     """Positions [start, start + len(tokens)) of a saved sequence whose earlier positions are its
-    parent's. kv: per attention layer {"k": [kv_heads, n, d], "v": [kv_heads, d, n]} (the slot
-    layout); snapshot: per linear layer {"conv", "state"} at position `end` (engine.cache.read_state)."""
+    parent's. kv: per attention layer {"k", "v": [kv_heads, d, n]} and an int8 cache's
+    {"k_scale", "v_scale": [kv_heads, n]} (the slot layout, positions last); snapshot: per linear layer {"conv", "state"} at position `end` (engine.cache.read_state)."""
     start: int
     tokens: np.ndarray                    # int32 token ids
     kv: list[dict]
@@ -121,14 +121,13 @@ class HostHit:
 def _slice_kv(kv: list[dict], a: int, b: int) -> list[dict]:
     """Positions [a, b) of per-layer arrays, as copies that own their bytes (a view would keep the
     whole source alive while counting only its slice)."""
-    return [{"k": np.ascontiguousarray(layer["k"][:, a:b, :]),
-             "v": np.ascontiguousarray(layer["v"][:, :, a:b])} for layer in kv]
+    return [{name: np.ascontiguousarray(x[..., a:b]) for name, x in layer.items()} for layer in kv]
 
 
 def concat_kv(parts: list[list[dict]]) -> list[dict]:
     """Join per-layer arrays of consecutive position runs into one run."""
-    return [{"k": np.concatenate([p[i]["k"] for p in parts], axis=1),
-             "v": np.concatenate([p[i]["v"] for p in parts], axis=2)} for i in range(len(parts[0]))]
+    return [{name: np.concatenate([p[i][name] for p in parts], axis=-1) for name in parts[0][i]}
+            for i in range(len(parts[0]))]
 
 
 class HostCache:

@@ -66,6 +66,7 @@ PARAM_SPECS: dict[str, tuple] = {
     # key and value (engine.weights.group_qkv), so attention runs on each device's own heads.
     "layers.*.qkv": (M, None),
     "layers.*.qkv_bias": (M,),
+    "layers.*.k_smooth": (M, None),                  # [KV, head_dim]: with its KV head
     "layers.*.q_norm": (),                           # [head_dim]: the same for every head
     "layers.*.k_norm": (),
     "layers.*.o": (None, M),                         # [hidden, query heads x head_dim]
@@ -95,13 +96,15 @@ PARAM_SPECS: dict[str, tuple] = {
 }
 # Names of PARAM_SPECS's vocabulary-split entries.
 VOCAB_SPLIT = ("embed", "lm_head")
-# The cache (engine.cache): K [slots, kv_heads, ctx, head_dim] and V [slots, kv_heads, head_dim, ctx]
-# by KV head, as "qkv" computes them; a Gated DeltaNet layer's conv state [slots, channels grouped
-# by key head, kernel - 1] and recurrent state [slots, value heads, key_dim, value_dim] by key head,
-# like its weights (replicated with them when they are).
+# The cache (engine.cache): K and V [slots, kv_heads, head_dim, ctx] and an int8 cache's scales
+# [slots, kv_heads, ctx] by KV head, as "qkv" computes them; a Gated DeltaNet layer's conv state
+# [slots, channels grouped by key head, kernel - 1] and recurrent state [slots, value heads, key_dim,
+# value_dim] by key head, like its weights (replicated with them when they are).
 CACHE_SPECS: dict[str, tuple] = {
     "k": (None, M, None, None),
     "v": (None, M, None, None),
+    "k_scale": (None, M, None),
+    "v_scale": (None, M, None),
     "conv": (None, M, None),
     "state": (None, M, None, None),
 }

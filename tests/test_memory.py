@@ -8,7 +8,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import mashbox
-from engine import memory
+from engine import cpu, memory
 from engine.config import load_config
 
 TINY = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "qwen3")
@@ -26,8 +26,12 @@ def test_the_formula_counts_weights_kv_cache_host_cache_and_runtime():
     """Guards against a sizing that forgets a term: weights + slots x ctx x bytes per token + host
     cache + runtime, with the KV bytes of a key and a value per layer and KV head."""
     cfg = load_config(TINY)
-    per_token = len(cfg.layer_kinds) * 2 * cfg.num_kv_heads * cfg.head_dim * 2
-    assert memory.kv_bytes_per_token(cfg) == per_token
+    keys_and_values = len(cfg.layer_kinds) * 2 * cfg.num_kv_heads
+    assert memory.kv_bytes_per_token(cfg, "float16") == keys_and_values * cfg.head_dim * 2
+    # int8: a byte per element and a float32 scale per key or value (engine.cache)
+    assert memory.kv_bytes_per_token(cfg, "int8") == keys_and_values * (cfg.head_dim + 4)
+    per_token = memory.kv_bytes_per_token(cfg)         # what a worker on this CPU holds
+    assert per_token == memory.kv_bytes_per_token(cfg, cpu.auto_kv_dtype())
     params = sum(a.size for a in load_file(os.path.join(TINY, "model.safetensors")).values())
     assert memory.parameter_count(TINY) == params
     plan = sized(100 * GIB)
@@ -114,7 +118,7 @@ def test_a_hybrid_model_counts_kv_of_its_attention_layers_and_the_linear_state_o
     cfg = load_config(folder)
     attention = cfg.layer_kinds.count("gated_attention")
     assert 0 < attention < len(cfg.layer_kinds)
-    assert memory.kv_bytes_per_token(cfg) == attention * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    assert memory.kv_bytes_per_token(cfg, "float16") == attention * 2 * cfg.num_kv_heads * cfg.head_dim * 2
     linear = cfg.layer_kinds.count("linear")
     state = linear * 4 * (cfg.linear_conv_dim * (cfg.linear_conv_kernel - 1)
                           + cfg.linear_value_heads * cfg.linear_key_dim * cfg.linear_value_dim)

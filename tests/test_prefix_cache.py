@@ -24,12 +24,12 @@ LAYERS, HEADS, DIM = 2, 1, 2
 def kv(n: int, offset: int = 0) -> list[dict]:
     """Per-layer arrays in the slot layout whose every value is its position (plus offset)."""
     pos = np.arange(n, dtype=np.float32) + offset
-    return [{"k": np.broadcast_to(pos[None, :, None], (HEADS, n, DIM)).copy(),
+    return [{"k": np.broadcast_to(pos[None, None, :], (HEADS, DIM, n)).copy(),
              "v": np.broadcast_to(pos[None, None, :], (HEADS, DIM, n)).copy()} for _ in range(LAYERS)]
 
 
 def positions(arrays: list[dict]) -> list[int]:
-    return [int(x) for x in arrays[0]["k"][0, :, 0]]
+    return [int(x) for x in arrays[0]["k"][0, 0, :]]
 
 
 def per_token(cache: HostCache) -> int:
@@ -352,7 +352,7 @@ def test_a_save_reads_only_the_positions_the_host_lacks(hot):
     for start, n in ((0, 10), (37, 60), (200, 254), (253, 254)):
         part = read_slot(hot.cache, 0, n, start=start)
         for got, want in zip(part, whole):
-            assert np.array_equal(got["k"], want["k"][:, start:n, :])
+            assert np.array_equal(got["k"], want["k"][:, :, start:n])
             assert np.array_equal(got["v"], want["v"][:, :, start:n])
 
 
@@ -365,7 +365,7 @@ def test_a_load_writes_only_what_the_slot_lacks_and_matches_a_cold_run(hot, cold
     real = worker.write_slot
 
     def spy(cache, slot, arrays, start=0):
-        writes.append((start, start + arrays[0]["k"].shape[1]))
+        writes.append((start, start + arrays[0]["k"].shape[-1]))
         return real(cache, slot, arrays, start=start)
 
     monkeypatch.setattr(worker, "write_slot", spy)
