@@ -6,6 +6,9 @@ server sizes the worker before it starts one.
                    int8:    1 B per parameter of the int8 tensors (engine.weights.quantized_tensor:
                             projections, embedding / head) + 4 B per output channel (its scale)
                             + 4 B per parameter of the rest (norms, biases, MoE experts)
+                   either: + 4 B per key channel of each attention layer (its key smoothing)
+    KV bytes     = per attention layer, KV head, key and value: head_dim x 2 B (float16), or
+                   head_dim x 1 B + a 4 B scale (int8; engine.cpu.auto_kv_dtype picks)
 
 On a CPU every term lives in host memory. On an accelerator the weights and the KV cache live in
 device memory, and only the host cache and the runtime count here.
@@ -106,10 +109,13 @@ def held_weight_bytes(folder: str, weights_dtype: str, float_bytes: int = CPU_WE
     """Bytes the worker holds the weights in (the formula in the module docstring); float_bytes is
     what the float tensors take beside int8 ones. A tied head is the embedding table: counted once."""
     from engine.weights import quantized_tensor
+    tensors = list(_model_tensors(folder))
+    # Each attention layer adds its keys' smoothing factors (engine.weights.key_smoothing): float32,
+    # one per key channel.
+    total = sum(shape[0] * 4 for name, shape in tensors if name.endswith("self_attn.k_proj.weight"))
     if weights_dtype != "int8":
-        return parameter_count(folder) * WEIGHT_BYTES[weights_dtype]
-    total = 0
-    for name, shape in _model_tensors(folder):
+        return total + parameter_count(folder) * WEIGHT_BYTES[weights_dtype]
+    for name, shape in tensors:
         if quantized_tensor(name) and len(shape) == 2:
             total += _count(shape) * WEIGHT_BYTES["int8"] + shape[0] * SCALE_BYTES
         else:

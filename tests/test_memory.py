@@ -23,8 +23,9 @@ def sized(available, slots=None, ctx=None, cache_ram_mib=None, on_host=True, def
 
 
 def test_the_formula_counts_weights_kv_cache_host_cache_and_runtime():
-    """Guards against a sizing that forgets a term: weights + slots x ctx x bytes per token + host
-    cache + runtime, with the KV bytes of a key and a value per layer and KV head."""
+    """Guards against a sizing that forgets a term: weights (with the keys' smoothing factors) +
+    slots x ctx x bytes per token + host cache + runtime, with the KV bytes of a key and a value per
+    layer and KV head in the cache's dtype."""
     cfg = load_config(TINY)
     keys_and_values = len(cfg.layer_kinds) * 2 * cfg.num_kv_heads
     assert memory.kv_bytes_per_token(cfg, "float16") == keys_and_values * cfg.head_dim * 2
@@ -36,7 +37,8 @@ def test_the_formula_counts_weights_kv_cache_host_cache_and_runtime():
     assert memory.parameter_count(TINY) == params
     plan = sized(100 * GIB)
     assert (plan.slots, plan.ctx, plan.cache_ram_mib, plan.shrunk) == (4, 32768, 2048, False)
-    assert plan.total == params * 4 + 4 * 32768 * per_token + (2048 << 20) + memory.RUNTIME_BYTES
+    smoothing = len(cfg.layer_kinds) * cfg.num_kv_heads * cfg.head_dim * 4   # a float32 per key channel
+    assert plan.total == params * 4 + smoothing + 4 * 32768 * per_token + (2048 << 20) + memory.RUNTIME_BYTES
 
 
 def test_defaults_shrink_to_half_the_available_memory_host_cache_first():
