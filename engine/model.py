@@ -64,12 +64,13 @@ def weights_dtype_for(platform: str, asked: str | None = "auto") -> str:
 
 def kv_dtype_for(platform: str):
     """KV cache dtype for a JAX platform: the narrowest one attention does not run slower with.
-    On XLA:CPU (2-core AMD EPYC, avx512_vnni; one decode row over 16k positions, 24 layers of
-    Qwen2.5-0.5B's attention) float16 blocks widened to float32 ran as fast as float32 (49-69 vs
-    74-80 ms; half the bytes to read), while bfloat16 ran 3-5x slower, widened (213-300 ms: XLA:CPU
-    converts bfloat16 slowly) or read by the product as it is (350 ms). int8 with integer products
-    (see KV_INT8_TERMS) ran at ... where the CPU has int8 dot products (engine.cpu.auto_kv_dtype);
-    accelerators store and read bfloat16."""
+    On XLA:CPU (2-core AMD EPYC, avx512_vnni): bfloat16 ran attention 3-5x slower than float32
+    (XLA:CPU converts it slowly), float16 widened to float32 as fast as float32 with half the bytes,
+    and int8 with integer products (QUERY_TERMS) faster still where the CPU has int8 dot products
+    (engine.cpu.auto_kv_dtype): the demo's whole decode step with int8 weights, one row, medians of
+    12 alternated in one process, three runs at load 1.2-1.7: at 16k positions 62-80 ms against
+    float16's 89-95, at 1k 40-47 against 51-53; a 512-token prefill chunk as fast (450 / 460 tok/s
+    from position 0, 133 / 131 from 7680). Accuracy: bench_narrow.py kl. Accelerators keep bfloat16."""
     return jnp.dtype(cpu.auto_kv_dtype()) if platform == "cpu" else jnp.bfloat16
 
 
@@ -222,16 +223,21 @@ def _rope(x, positions, inv_freq, scale):
 ATTENTION_BLOCK = 512
 
 # The int8 cache (kv_dtype_for): each position's key and value of a KV head are rounded to int8 on
-# their own scale (largest magnitude / 127, kept beside them as float32), and attention multiplies
+# their own scale (largest magnitude / 127, kept beside them as float32). A decode step multiplies
 # integers, as _matmul does with int8 weights: the queries, and the probabilities times the values'
-# scales, each become two int8 terms (the rows, then their rounding error on a 127x finer scale)
-# and one int8 x int8 -> int32 product per block reads the int8 keys, one the int8 values.
-# XLA:CPU runs those products on YNNPACK's integer kernels; float keys and values widened to float32
-# keep attention compute-bound (a group of 7 query heads per KV head is a thin product).
-# Measured on a 2-core AMD EPYC (avx512_vnni), 24 layers of Qwen2.5-0.5B's attention, one decode row:
-# see kv_dtype_for. Both arrays keep positions on their last axis: the integer products ran 1.5-1.8x
-# faster reading [head_dim, positions] blocks than [positions, head_dim] ones.
-KV_INT8_TERMS = 2
+# scales, become int8 terms (the rows, then their rounding error on a 127x finer scale: QUERY_TERMS,
+# PROB_TERMS) and one int8 x int8 -> int32 product per block reads the int8 keys, one the int8 values.
+# XLA:CPU runs those on YNNPACK's integer kernels, while float keys and values widened to float32
+# keep attention compute-bound (a group of 7 query heads per KV head is a thin product). Past
+# INT8_ATTENTION_MAX_ROWS query rows (a prefill chunk) the products are wide and the blocks are
+# widened to float32 instead: quantizing thousands of rows per block cost more than it saved.
+# Both arrays keep positions on their last axis: the integer products ran 1.5-1.8x faster reading
+# [head_dim, positions] blocks than [positions, head_dim] ones. Measured: see kv_dtype_for. Mean KL
+# from a float32 cache on the demo (2k tokens in 16-token chunks, so the integer products run):
+# two terms each 0.00105 nats; one probability term 0.00236 (5% faster at 16k); one of each 0.0034.
+QUERY_TERMS = 2
+PROB_TERMS = 2
+INT8_ATTENTION_MAX_ROWS = 128
 
 
 def _slot_block(arr, slots, start, block: int):
@@ -276,11 +282,11 @@ def _write_kv(kv, k, v, slots, where):
     return out
 
 
-def _int8_terms(x):
-    """x [..., rows, n] float32 -> (int8 [..., KV_INT8_TERMS * rows, n], scales [..., same, 1]):
-    the rows, then (for two terms) what their rounding left, stacked along the rows."""
+def _int8_terms(x, n: int):
+    """x [..., rows, c] float32 -> (int8 [..., n * rows, c], scales [..., n * rows, 1]): the rows,
+    then (n = 2) what their rounding left, stacked along the rows."""
     terms, scales = [], []
-    for _ in range(KV_INT8_TERMS):
+    for _ in range(n):
         q, scale = _quantize_rows(x)
         terms.append(q)
         scales.append(scale)
@@ -288,12 +294,12 @@ def _int8_terms(x):
     return jnp.concatenate(terms, axis=-2), jnp.concatenate(scales, axis=-2)
 
 
-def _int8_product(terms, scales, block, contract: int):
-    """Sum over the terms of (int8 terms [B, KV, n * R, c] x an int8 cache block [B, KV, ...]),
-    contracting the terms' last axis with the block's axis `contract`: [B, KV, R, out] float32."""
+def _int8_dot(terms, scales, n: int, block, contract: int):
+    """The sum of n int8 terms (_int8_terms of x [B, KV, R, c]) times an int8 cache block [B, KV, ...],
+    contracting x's last axis with the block's axis `contract`: [B, KV, R, out] float32."""
     y = lax.dot_general(terms, block, (((3,), (contract,)), ((0, 1), (0, 1))),
                         preferred_element_type=jnp.int32).astype(F32) * scales
-    return sum(jnp.split(y, KV_INT8_TERMS, axis=2))
+    return sum(jnp.split(y, n, axis=2))
 
 
 def _attend(q, kv, slots, positions, live):
@@ -304,16 +310,15 @@ def _attend(q, kv, slots, positions, live):
     cache_k, cache_v = kv["k"], kv["v"]
     ctx = cache_k.shape[-1]
     block = min(ATTENTION_BLOCK, ctx)
-    narrow = cache_k.dtype == jnp.int8
     # Group and tokens as one axis: XLA:CPU ran the 4-D product 5x faster than the 5-D einsum with a
     # T axis of 1 (decode, 16k positions, 24 layers, one pass: 54 vs 335 ms).
     q = q.reshape(b, kv_heads, group * t, d)
+    narrow = cache_k.dtype == jnp.int8
+    integer = narrow and b * group * t <= INT8_ATTENTION_MAX_ROWS
     calc = F32 if narrow else _kv_compute_dtype(cache_k.dtype)
-    if narrow:
-        q_terms = _int8_terms(q)
-    else:
-        q = q.astype(calc)
     batch = ((0, 1), (0, 1))
+    if integer:
+        q_terms = _int8_terms(q, QUERY_TERMS)
 
     def step(i, carry):
         best, total, acc = carry
@@ -325,10 +330,12 @@ def _attend(q, kv, slots, positions, live):
         values = _slot_block(cache_v, slots, start, block)                 # [B, KV, D, S]
         if narrow:
             k_scale = _slot_block(kv["k_scale"], slots, start, block)[:, :, None, :]   # [B, KV, 1, S]
-            scores = _int8_product(*q_terms, keys, 2) * k_scale
+            v_scale = _slot_block(kv["v_scale"], slots, start, block)[:, :, None, :]
+        if integer:
+            scores = _int8_dot(*q_terms, QUERY_TERMS, keys, 2) * k_scale
         else:
-            scores = lax.dot_general(q, keys.astype(calc), (((3,), (2,)), batch),
-                                     preferred_element_type=F32)
+            keys = keys.astype(F32) * k_scale if narrow else keys.astype(calc)
+            scores = lax.dot_general(q.astype(calc), keys, (((3,), (2,)), batch), preferred_element_type=F32)
         key_pos = start + jnp.arange(block, dtype=jnp.int32)
         mask = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos >= begin)  # [B, T, S]
         mask = jnp.broadcast_to(mask[:, None, None], (b, 1, group, t, block))
@@ -339,11 +346,11 @@ def _attend(q, kv, slots, positions, live):
         probs = jnp.exp(scores - safe[..., None])
         scale = jnp.exp(best - safe)
         total = total * scale + probs.sum(axis=-1)
-        if narrow:
-            v_scale = _slot_block(kv["v_scale"], slots, start, block)[:, :, None, :]
-            weighted = _int8_product(*_int8_terms(probs * v_scale), values, 3)
+        if integer:
+            weighted = _int8_dot(*_int8_terms(probs * v_scale, PROB_TERMS), PROB_TERMS, values, 3)
         else:
-            weighted = lax.dot_general(probs.astype(calc), values.astype(calc), (((3,), (3,)), batch),
+            values = values.astype(F32) * v_scale if narrow else values.astype(calc)
+            weighted = lax.dot_general(probs.astype(calc), values, (((3,), (3,)), batch),
                                        preferred_element_type=F32)
         return new_best, total, acc * scale[..., None] + weighted
 

@@ -401,7 +401,7 @@ def test_one_program_serves_every_context_length(tiny):
 # The float16 KV cache against float32: keys and values rounded to 11 significant bits. Measured on
 # the tiny fixtures: at most 1.0e-2 apart in the logits (qwen2; their values span about +-7).
 FLOAT16_KV_ATOL = 2e-2
-# The int8 cache (8 bits per key or value, engine.model's KV_INT8_TERMS) against float32 on the tiny
+# The int8 cache (8 bits per key or value, engine.model's QUERY_TERMS / PROB_TERMS) against float32 on the tiny
 # fixtures, whose random weights put top tokens near ties: measured mean |difference| 0.013-0.022,
 # max 0.10-0.29 (a tiny MoE model's router flips an expert on such changes: 1.26 there, not
 # checked), greedy agreement 23 or 24 of 24 positions. The real checks are the demo's KL
@@ -409,14 +409,14 @@ FLOAT16_KV_ATOL = 2e-2
 INT8_KV_ATOL, INT8_KV_MEAN_ATOL, INT8_KV_GREEDY_AGREEMENT = 0.5, 0.04, 0.9
 
 
-def _cached_logits(cfg, params, tokens, dtype):
+def _cached_logits(cfg, params, tokens, dtype, forward=jit_forward):
     """Logits at every position through a cache of `dtype`: a prefill of 24 tokens, then one decode
     step per token."""
     cache = init_cache(cfg, SLOTS, CTX, dtype)
-    logits, cache = _run(params, cache, cfg, tokens[:24], [0], [0], [24], all_logits=True)
+    logits, cache = _run(params, cache, cfg, tokens[:24], [0], [0], [24], all_logits=True, forward=forward)
     rows = list(np.asarray(logits[0]))
     for pos in range(24, len(tokens)):
-        logits, cache = _run(params, cache, cfg, tokens[pos:pos + 1], [0], [pos], [1])
+        logits, cache = _run(params, cache, cfg, tokens[pos:pos + 1], [0], [pos], [1], forward=forward)
         rows.append(np.asarray(logits[0]))
     return np.stack(rows)
 
@@ -432,12 +432,17 @@ def test_float16_kv_cache_stays_close_and_keeps_the_greedy_tokens(tiny):
     np.testing.assert_array_equal(got.argmax(-1), ref["logits"].argmax(-1))
 
 
-def test_int8_kv_cache_stays_close_to_float32(tiny):
-    """Guards against the int8 cache (its scales, smoothed keys, integer products) drifting from the
-    float32 cache or changing its tokens beyond the rounding of 8-bit keys and values."""
+@pytest.mark.parametrize("integer_rows", [model.INT8_ATTENTION_MAX_ROWS, 0])
+def test_int8_kv_cache_stays_close_to_float32(tiny, integer_rows, monkeypatch):
+    """Guards against the int8 cache (its scales, smoothed keys, integer products, and the blocks
+    widened to float32 when integer_rows is 0, as in a long prefill chunk) drifting from the float32
+    cache or changing its tokens beyond the rounding of 8-bit keys and values."""
     cfg, params, ref = tiny
-    got = _cached_logits(cfg, params, ref["tokens"], jnp.int8)
-    want = _cached_logits(cfg, params, ref["tokens"], jnp.float32)
+    monkeypatch.setattr(model, "INT8_ATTENTION_MAX_ROWS", integer_rows)
+    # a fresh function, so jit traces it again with the patched constant
+    forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
+    got = _cached_logits(cfg, params, ref["tokens"], jnp.int8, forward)
+    want = _cached_logits(cfg, params, ref["tokens"], jnp.float32, forward)
     if not cfg.num_experts:
         np.testing.assert_allclose(got, want, atol=INT8_KV_ATOL, rtol=0)
     assert np.abs(got - want).mean() < INT8_KV_MEAN_ATOL
