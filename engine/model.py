@@ -40,9 +40,10 @@ F32 = jnp.float32
 
 
 def _kv_compute_dtype(kv_dtype):
-    """The dtype attention multiplies cached keys/values in: float16 (the CPU's storage dtype, see
-    kv_dtype_for) is widened to float32, which XLA:CPU converts at full speed; other dtypes are used
-    as they are (bfloat16 on accelerators, float32)."""
+    """The dtype attention multiplies float cached keys/values in: float16 (a CPU's storage dtype
+    without int8 dot products, see kv_dtype_for) is widened to float32, which XLA:CPU converts at
+    full speed; other dtypes are used as they are (bfloat16 on accelerators, float32). An int8 cache
+    is read by _attend's integer products or widened there."""
     return F32 if kv_dtype == jnp.float16 else kv_dtype
 
 
@@ -319,6 +320,8 @@ def _attend(q, kv, slots, positions, live):
     batch = ((0, 1), (0, 1))
     if integer:
         q_terms = _int8_terms(q, QUERY_TERMS)
+    else:
+        q = q.astype(calc)
 
     def step(i, carry):
         best, total, acc = carry
@@ -335,7 +338,7 @@ def _attend(q, kv, slots, positions, live):
             scores = _int8_dot(*q_terms, QUERY_TERMS, keys, 2) * k_scale
         else:
             keys = keys.astype(F32) * k_scale if narrow else keys.astype(calc)
-            scores = lax.dot_general(q.astype(calc), keys, (((3,), (2,)), batch), preferred_element_type=F32)
+            scores = lax.dot_general(q, keys, (((3,), (2,)), batch), preferred_element_type=F32)
         key_pos = start + jnp.arange(block, dtype=jnp.int32)
         mask = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos >= begin)  # [B, T, S]
         mask = jnp.broadcast_to(mask[:, None, None], (b, 1, group, t, block))
