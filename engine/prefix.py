@@ -86,7 +86,8 @@ def snapshot_nbytes(snapshot: list[dict] | None) -> int:
 class Segment:
     """Positions [start, start + len(tokens)) of a saved sequence whose earlier positions are its
     parent's. kv: per attention layer {"k", "v": [kv_heads, d, n]} and an int8 cache's
-    {"k_scale", "v_scale": [kv_heads, n]} (the slot layout, positions last); snapshot: per linear layer {"conv", "state"} at position `end` (engine.cache.read_state)."""
+    {"k_scale", "v_scale": [kv_heads, n]} (the slot layout, positions last); snapshot: per linear
+    layer {"conv", "state"} at position `end` (engine.cache.read_state)."""
     start: int
     tokens: np.ndarray                    # int32 token ids
     kv: list[dict]

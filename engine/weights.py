@@ -40,7 +40,8 @@ value rows in one block, and every "gate_up" (dense, routed and shared experts) 
 up row by row (gate_0, up_0, gate_1, up_1, ...), so a block holds the gate and up of the same
 channels; a Gated DeltaNet layer's "in" and "conv" are grouped by key head, each key head with the
 value heads it serves, so a block is whole key heads with their value heads (the checkpoints' conv
-runs over all heads' q, then all k, then all v: its rows are reordered here, as the projections'). With more devices than KV heads (kv_heads > the checkpoint's), each KV head is repeated so
+runs over all heads' q, then all k, then all v: its rows are reordered here, as the projections').
+With more devices than KV heads (kv_heads > the checkpoint's), each KV head is repeated so
 that every device holds the key and value its query heads read. The layout is the same on one device.
 Zero-centred norms (Qwen3-Next's layer, final and q/k norms: scale = 1 + w) are stored as 1 + w,
 computed once here in float32, so the model multiplies by an ordinary scale.
@@ -336,11 +337,16 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
             layer["o"] = put_matrix(matrix(attn + "o_proj.weight", h, q))
             if bias is not None:
                 layer["qkv_bias"] = put(bias)
-            keys = lambda x: x.reshape(kv_heads, -1, *x.shape[1:])[:, wide // kv_heads:wide // kv_heads + cfg.head_dim]
-            layer["k_smooth"] = key_smoothing(
-                keys(rows).reshape(-1, h), None if bias is None else keys(bias).reshape(-1),
-                r.get(p + "input_layernorm.weight", (h,)).astype(np.float32) + (1.0 if cfg.zero_centred_norms else 0.0),
-                r.get(attn + "k_norm.weight", (cfg.head_dim,)) if cfg.qk_norm else None, cfg.head_dim)
+            if cfg.qk_norm:
+                layer["q_norm"] = norm(attn + "q_norm.weight", cfg.head_dim)
+                layer["k_norm"] = norm(attn + "k_norm.weight", cfg.head_dim)
+
+            def keys(x):                      # the key rows of each KV head's group (group_qkv)
+                first, rest = wide // kv_heads, x.shape[1:]
+                return x.reshape(kv_heads, -1, *rest)[:, first:first + cfg.head_dim].reshape(-1, *rest)
+
+            layer["k_smooth"] = key_smoothing(keys(rows), None if bias is None else keys(bias),
+                                              layer["attn_norm"], layer.get("k_norm"), cfg.head_dim)
         if mlp == "moe":
             layer["moe"] = experts(p + "mlp.")
             if cfg.shared_expert_intermediate_size:
@@ -348,9 +354,6 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
         else:
             layer["gate_up"] = put_matrix(gate_up(p + "mlp.", f))
             layer["down"] = put_matrix(matrix(p + "mlp.down_proj.weight", h, f))
-        if cfg.qk_norm and kind != "linear":
-            layer["q_norm"] = norm(p + "self_attn.q_norm.weight", cfg.head_dim)
-            layer["k_norm"] = norm(p + "self_attn.k_norm.weight", cfg.head_dim)
         layers.append(place(f"layers.{i}", layer))
 
     parts = {f"layers.{i}": layer for i, layer in enumerate(layers)}
