@@ -37,9 +37,10 @@ from engine.sharding import to_host
 # nothing, small enough that a short prefix does not pay for a long block.
 COPY_BLOCK = 256
 # Host copies (read_slot/write_slot) move this many positions per call, at a run-time position: one
-# program each serves every length, and a call moves 12 MiB of the demo's float16 cache.
+# program each serves every length, and a call moves 6.4 MiB of the demo's int8 cache (12 in float16).
 HOST_BLOCK = 1024
-# Every attention cache array keeps positions on its last axis (a linear layer's state has none).
+# An int8 cache's per-position scales. Every attention cache array, these too, keeps positions on
+# its last axis (a linear layer's state has none), so the position copies treat all alike.
 KV_SCALES = ("k_scale", "v_scale")
 
 
@@ -187,10 +188,11 @@ def _blocks(start: int, n: int, ctx: int):
 
 
 def read_slot(cache, slot: int, n: int, start: int = 0) -> list[dict]:
-    """Positions [start, n) of one slot as host numpy arrays, per attention layer {"k": [kv, d, n - start],
-    "v": [kv, d, n - start]} and an int8 cache's scales [kv, n - start] (the cache's own layout and dtype,
-    so write_slot puts them back without reshuffling). A start lets a save copy only what the host does
-    not hold yet. Moves host_block(ctx) positions per call: one compiled program serves every length."""
+    """Positions [start, n) of one slot as host numpy arrays, per attention layer {"k", "v":
+    [kv, d, n - start]} and an int8 cache's scales [kv, n - start] (the cache's own layout and dtype,
+    so write_slot puts them back without reshuffling). A start lets a save copy only what the host
+    does not hold yet. Moves host_block(ctx) positions per call: one compiled program serves every
+    length."""
     slots, ctx = cache_dims(cache)
     if not 0 <= slot < slots or not 0 <= start <= n <= ctx:
         raise ValueError(f"read_slot: slot {slot} / positions [{start}, {n}) outside the pool "
