@@ -129,6 +129,18 @@ def _quantize_rows(x):
     return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
 
 
+def _int8_terms(x, n: int):
+    """x [..., rows, c] float32 -> (int8 [..., n * rows, c], scales [..., n * rows, 1]): the rows,
+    then (n = 2) what their rounding left, stacked along the rows."""
+    terms, scales = [], []
+    for _ in range(n):
+        q, scale = _quantize_rows(x)
+        terms.append(q)
+        scales.append(scale)
+        x = x - q.astype(F32) * scale
+    return jnp.concatenate(terms, axis=-2), jnp.concatenate(scales, axis=-2)
+
+
 def _matmul(x, w):
     """x [..., in] times w [out, in] (each output a dot product with a row of w) -> [..., out],
     taking the weights in their own dtype and accumulating in float32. w may be int8 weight-only
@@ -140,11 +152,10 @@ def _matmul(x, w):
         on_cpu = jax.default_backend() == "cpu"
         if on_cpu and rows <= INT8_ROWS_MAX_ROWS:
             # Two int8 terms per row: the row, then what its rounding left, on a scale 127x finer.
-            hi, hi_scale = _quantize_rows(flat)
-            lo, lo_scale = _quantize_rows(flat - hi.astype(F32) * hi_scale)
-            y = lax.dot_general(jnp.concatenate([hi, lo]), q, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.int32).astype(F32)
-            y = y[:rows] * hi_scale + y[rows:] * lo_scale
+            terms, scales = _int8_terms(flat, 2)
+            y = lax.dot_general(terms, q, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.int32).astype(F32) * scales
+            y = sum(jnp.split(y, 2, axis=0))
         else:
             wide = jnp.bfloat16 if CPU_HAS_BF16 or not on_cpu else F32
             y = lax.dot_general(flat.astype(wide), q.astype(wide), (((1,), (1,)), ((), ())),
@@ -281,18 +292,6 @@ def _write_kv(kv, k, v, slots, where):
             out[name + "_scale"] = kv[name + "_scale"].at[rows, :, where].set(scale[..., 0], mode="drop")
         out[name] = kv[name].at[rows, :, :, where].set(_to_cache(x, kv[name].dtype), mode="drop")
     return out
-
-
-def _int8_terms(x, n: int):
-    """x [..., rows, c] float32 -> (int8 [..., n * rows, c], scales [..., n * rows, 1]): the rows,
-    then (n = 2) what their rounding left, stacked along the rows."""
-    terms, scales = [], []
-    for _ in range(n):
-        q, scale = _quantize_rows(x)
-        terms.append(q)
-        scales.append(scale)
-        x = x - q.astype(F32) * scale
-    return jnp.concatenate(terms, axis=-2), jnp.concatenate(scales, axis=-2)
 
 
 def _int8_dot(terms, scales, n: int, block, contract: int):
