@@ -112,7 +112,7 @@ def held_weight_bytes(folder: str, weights_dtype: str, float_bytes: int = CPU_WE
     tensors = list(_model_tensors(folder))
     # Each attention layer adds its keys' smoothing factors (engine.weights.key_smoothing): float32,
     # one per key channel.
-    total = sum(shape[0] * 4 for name, shape in tensors if name.endswith("self_attn.k_proj.weight"))
+    total = sum(shape[0] * SCALE_BYTES for name, shape in tensors if name.endswith("self_attn.k_proj.weight"))
     if weights_dtype != "int8":
         return total + parameter_count(folder) * WEIGHT_BYTES[weights_dtype]
     for name, shape in tensors:
