@@ -15,6 +15,11 @@ BF16_DOT_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 # int8 weights 1.4-1.8x faster than float32 at 1-4 decode rows (2-core AMD EPYC, avx512_vnni). CPUs
 # without them keep float32 by default: unmeasured there.
 INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+# Instruction sets YNNPACK has unsigned x signed int8 kernels for (VNNI's vpdpbusd multiplies an
+# unsigned byte by a signed one; AMX likewise). Its int8 x int8 kernels use plain AVX-512 instead,
+# so there an integer product runs faster with its rows shifted to uint8 (engine.model._int8_product).
+# avx_vnni alone has no such kernel (only a slow portable one).
+UINT8_DOT_FLAGS = frozenset({"avx512_vnni", "amx_int8"})
 
 
 @lru_cache(maxsize=1)
@@ -36,6 +41,10 @@ def has_bf16_dot() -> bool:
 
 def has_int8_dot() -> bool:
     return bool(flags() & INT8_DOT_FLAGS)
+
+
+def has_uint8_dot() -> bool:
+    return bool(flags() & UINT8_DOT_FLAGS)
 
 
 def auto_weights_dtype() -> str:

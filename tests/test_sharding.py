@@ -194,14 +194,16 @@ def _check_split(cfg, runs: dict, extra=()) -> None:
             assert run["linear"]["cache_state"]["shape"][1] == cfg.linear_value_heads
         if n > 1:
             # XLA adds only all-reduces of activations (at most [rows, hidden]: the decode batch's 4
-            # rows, the prefill bucket's 32; twice the rows with int8 weights, whose products take
-            # each row as two int8 terms): no weight or cache array is ever gathered onto a device
+            # rows, the prefill bucket's 32; with int8 weights 2 * rows + 1, whose products take
+            # each row as two int8 terms, plus a row of ones where they shift the terms to uint8,
+            # engine.model._int8_product): no weight or cache array is ever gathered onto a device
             # (the routed experts' partial sums are all-reduced, their weights stay where they are)
             for program, rows in (("decode_collectives", 4), ("prefill_collectives", 32)):
                 collectives = run[program]
                 sizes = [np.prod([int(d) for d in re.findall(r"\d+", c.split("[")[1])]) for c in collectives]
                 assert collectives and all(c.startswith("all-reduce ") for c in collectives), collectives
-                assert max(sizes) <= rows * cfg.hidden_size * (2 if "int8" in extra else 1), collectives
+                product_rows = 2 * rows + 1 if "int8" in extra else rows
+                assert max(sizes) <= product_rows * cfg.hidden_size, collectives
             for part in ("cache_k", "cache_v"):
                 assert run[part]["spec"] == [None, MODEL_AXIS, None, None]
                 assert run[part]["shard"][1] == kv_heads // n
