@@ -93,8 +93,8 @@ SUMMED_PRODUCT_MAX_ROWS = 128
 # int8 matrices (weights_dtype "int8") are {"q": int8 [..., out, in], "scale": float32 [..., out]}:
 # w = q * scale, one scale per output channel, applied to the product's output. XLA:CPU has no fast
 # product of float rows with int8 weights (every convert-then-multiply form ran at or below float32's
-# speed), but it hands an int8 x int8 -> int32 dot of at least 2 rows to YNNPACK, whose integer
-# kernels (AVX512-VNNI here) stream the int8 weights near the bandwidth. So a decode step quantizes
+# speed), but it hands an integer dot (int8 or, through _int8_product, uint8 rows) of at least 2 rows
+# to YNNPACK, whose integer kernels stream the int8 weights. So a decode step quantizes
 # each row of activations to int8 on the fly (one scale per row: its largest magnitude / 127) and
 # multiplies integers. One int8 term per row ("int8 rows x int8" below) cost accuracy: mean KL 0.0096
 # nats from float32 on the demo, 94.8% greedy agreement. So each row is two terms, the row and its

@@ -156,6 +156,52 @@ def test_int8_product_matches_the_dequantized_weights_at_decode_and_prefill_rows
     assert err < (2e-3 if rows <= model.INT8_ROWS_MAX_ROWS else 1e-2), err
 
 
+@pytest.mark.parametrize("uint8_rows", [True, False])
+def test_integer_product_is_exact_with_rows_signed_or_shifted_to_uint8(uint8_rows, monkeypatch):
+    """Guards the uint8 shift (engine.model._int8_product: rows + 128, less 128 times a row of ones'
+    product) against any rounding: both forms equal the int64 product, for a weight-shaped operand and
+    for attention's batched cache blocks, extreme values included."""
+    monkeypatch.setattr(model, "UINT8_ROWS", uint8_rows)
+    rng = np.random.default_rng(3)
+    cases = [((5, 300), (70, 300), (((1,), (1,)), ((), ())), "rc,oc->ro"),
+             ((2, 3, 6, 64), (2, 3, 64, 40), (((3,), (2,)), ((0, 1), (0, 1))), "bkrc,bkcs->bkrs"),
+             ((2, 3, 6, 40), (2, 3, 64, 40), (((3,), (3,)), ((0, 1), (0, 1))), "bkrc,bkdc->bkrd")]
+    for x_shape, w_shape, numbers, spec in cases:
+        x = rng.integers(-INT8_MAX, INT8_MAX + 1, x_shape, dtype=np.int8)
+        w = rng.integers(-INT8_MAX, INT8_MAX + 1, w_shape, dtype=np.int8)
+        x.flat[:20], w.flat[:20] = -INT8_MAX, -INT8_MAX    # the largest products, all of one sign
+        got = np.asarray(jax.jit(lambda a, b: model._int8_product(a, b, numbers))(x, w))
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, np.einsum(spec, x.astype(np.int64), w.astype(np.int64)))
+
+
+def test_uint8_rows_leave_the_int8_models_logits_bit_for_bit():
+    """The shift is exact, so int8 weights with an int8 KV cache give the same logits either way."""
+    from safetensors.numpy import load_file
+    folder = os.path.join(TINY, "qwen2")
+    cfg = load_config(folder)
+    params = load_weights(folder, cfg, "int8")
+    tokens = np.asarray(load_file(os.path.join(folder, "reference.safetensors"))["tokens"])
+    kept = model.UINT8_ROWS
+    runs = []
+    try:
+        for uint8_rows in (True, False):
+            model.UINT8_ROWS = uint8_rows
+            forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
+            cache = init_cache(cfg, SLOTS, CTX, jnp.int8)
+            i32 = lambda *v: jnp.asarray(v, jnp.int32)  # noqa: E731
+            split = len(tokens) - 2
+            first, cache = forward(params, cache, jnp.asarray(tokens[None, :split], jnp.int32), i32(1),
+                                   i32(0), i32(split), cfg=cfg, all_logits=True)
+            step, _ = forward(params, cache, jnp.asarray([[tokens[split]]], jnp.int32), i32(1),
+                              i32(split), i32(1), cfg=cfg)
+            runs.append((np.asarray(first), np.asarray(step)))
+    finally:
+        model.UINT8_ROWS = kept
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+
+
 # ---- int8 weights kept as they are held (engine.weights.HeldWeights) ---------------------------------
 
 def _leaves(params):

@@ -1,8 +1,8 @@
 """Weight-only int8 against float32 on XLA:CPU, on Qwen2.5-0.5B's shapes (run by hand).
 
-    flock /work/bench.lock python tests/bench/bench_narrow.py products      # formulations, random weights
-    flock /work/demo.lock  python tests/bench/bench_narrow.py kl [FOLDER]   # int8 weights/KV vs float32
-    flock /work/demo.lock  python tests/bench/bench_narrow.py forward [FOLDER]
+    python tests/bench/bench_narrow.py products         # formulations, random weights
+    python tests/bench/bench_narrow.py kl [FOLDER]      # int8 weights/KV vs float32
+    python tests/bench/bench_narrow.py forward [FOLDER]
 
 products: the 24 layers' matrix products (fused qkv, o, fused gate_up, down; no attention or head),
 chained as the model runs them, per forward, at 1, 4, 8 rows and a 512-row prefill chunk, for each
@@ -54,6 +54,27 @@ def _engine(x, w):
     return _matmul(x, {"q": w[0], "scale": w[1]})
 
 
+def _engine_signed_rows(x, w):
+    """The engine's product with its int8 rows kept signed (int8 x int8: YNNPACK's plain AVX-512
+    kernels) instead of shifted to uint8 (its VNNI kernels): engine.model.UINT8_ROWS off while tracing."""
+    from engine import model
+    kept, model.UINT8_ROWS = model.UINT8_ROWS, False
+    try:
+        return _engine(x, w)
+    finally:
+        model.UINT8_ROWS = kept
+
+
+def _int4_engine(x, w):
+    """int4 weights (w[3], jnp.int4, one scale per output channel) widened to int8 inside the program,
+    then the engine's two-term integer product. XLA:CPU 0.10 routes no int4 operand to YNNPACK, so
+    the widening runs as a separate XLA loop over the whole matrix."""
+    from engine.model import _int8_product, _int8_terms
+    terms, scales = _int8_terms(x, 2)
+    y = _int8_product(terms, w[3].astype(jnp.int8), (((1,), (1,)), ((), ()))).astype(F32) * scales
+    return sum(jnp.split(y, 2, axis=0)) * w[4]
+
+
 def _int8_one_term(x, w, pad=2):
     """Rows quantized to int8 once (one scale per row), padded to `pad` rows, int8 x int8 -> int32."""
     from engine.model import _quantize_rows
@@ -69,6 +90,8 @@ FORMS = {
     "i8 dot(convert w)": lambda x, w: _dot(x, w[0].astype(F32)) * w[1],
     "i8 dot(bf16)": lambda x, w: _dot(x.astype(jnp.bfloat16), w[0].astype(jnp.bfloat16)) * w[1],
     "i8 engine (2 terms)": _engine,
+    "i8 engine, signed rows": _engine_signed_rows,
+    "i4 widened, engine": _int4_engine,
     "i8 rows x i8, 1 term": _int8_one_term,
     "i8 rows x i8, unpadded": lambda x, w: _int8_one_term(x, w, pad=1),
     "i8 summed": lambda x, w: _summed(x, w[0].astype(F32)) * w[1],
@@ -82,10 +105,11 @@ FORMS = {
 }
 # Which formulations to time at which row counts (the summed forms are far too slow at 512 rows).
 PLAN = {
-    1: ["f32 dot", "i8 engine (2 terms)", "i8 rows x i8, 1 term", "i8 rows x i8, unpadded",
-        "i8 dot(convert w)", "i8 pad2 summed"],
-    4: ["f32 dot", "f32 summed", "i8 engine (2 terms)", "i8 rows x i8, 1 term", "i8 summed"],
-    8: ["f32 summed", "i8 engine (2 terms)", "i8 summed"],
+    1: ["f32 dot", "i8 engine (2 terms)", "i8 engine, signed rows", "i4 widened, engine",
+        "i8 rows x i8, 1 term", "i8 rows x i8, unpadded", "i8 dot(convert w)", "i8 pad2 summed"],
+    4: ["f32 dot", "f32 summed", "i8 engine (2 terms)", "i8 engine, signed rows", "i4 widened, engine",
+        "i8 rows x i8, 1 term", "i8 summed"],
+    8: ["f32 summed", "i8 engine (2 terms)", "i8 engine, signed rows", "i8 summed"],
     32: ["f32 summed", "i8 engine (2 terms)", "i8 dot(bf16)"],
     128: ["f32 summed", "i8 engine (2 terms)", "i8 dot(bf16)"],
     512: ["f32 dot", "i8 engine (2 terms)", "i8 rows x i8, 1 term", "i8 dot(bf16)"],
@@ -103,7 +127,10 @@ def _layers(rng, int8: bool):
             if int8:
                 scale = np.abs(w).max(axis=1) / 127
                 q = np.rint(w / scale[:, None]).astype(np.int8)
-                layer[name] = (jnp.asarray(q), jnp.asarray(scale), jnp.asarray(np.ascontiguousarray(q.T)))
+                scale4 = scale * 127 / 7                         # int4: -7..7 per output channel
+                q4 = jnp.asarray(np.rint(w / scale4[:, None]).astype(np.int8)).astype(jnp.int4)
+                layer[name] = (jnp.asarray(q), jnp.asarray(scale), jnp.asarray(np.ascontiguousarray(q.T)),
+                               q4, jnp.asarray(scale4))
             else:
                 layer[name] = jnp.asarray(w)
         out.append(layer)
