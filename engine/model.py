@@ -182,8 +182,9 @@ def _int8_product(terms, other, dimension_numbers):
     Where the CPU has unsigned x signed int8 kernels (engine.cpu.has_uint8_dot: VNNI) the rows are
     shifted by 128 to uint8, and a row of ones appended to them gives each output's sum over `other`,
     128 times which comes off again: sum((t + 128) w) - 128 sum(w) = sum(t w), exact in int32
-    (|sum| <= 255 * 127 * c). Demo decode products (24 layers, 2-core AMD EPYC with avx512_vnni, load
-    ~1): 2 / 4 / 8 rows 14.6 / 15.4 / 17.0 ms against int8 x int8's 16.2 / 19.7 / 21.9."""
+    (|sum| <= 255 * 127 * c). tests/bench/bench_narrow.py products (24 layers of the demo's products,
+    2-core AMD EPYC with avx512_vnni, load 1.1-1.6, ms per forward): 1 / 4 / 8 rows 17.6 / 22.7 / 26.5
+    against 20.6 / 26.9 / 44.1 with signed rows; the demo's decode step with 4 rows 34 against 45 ms."""
     if not UINT8_ROWS:
         return lax.dot_general(terms, other, dimension_numbers, preferred_element_type=jnp.int32)
     shifted = (terms.astype(jnp.int16) + 128).astype(jnp.uint8)
