@@ -33,10 +33,13 @@ import numpy as np
 # (the demo); a float16 cache and bfloat16 weights and activations cost more. A wrong RoPE, bias,
 # norm or mask moves the logits by a whole deviation or more. int8 weight-only weights (per-channel
 # scales) round each weight to 1/254 of its row's range: the demo's prefill logits moved 0.17
-# deviations (measured), so int8 gets 0.3; with an int8 cache too (a key or value rounded to 1/254 of
-# its range) 0.30 (measured), so an int8 cache adds 0.2: 0.5 in all, still well under a bug's.
+# deviations (measured), so int8 gets 0.3. An int8 cache rounds each key or value to 1/254 of its
+# range, and a prefill chunk over it rounds the queries and probabilities to bfloat16 where the CPU
+# multiplies bfloat16 (engine.model.WIDE_INT8_ATTENTION): with float32 weights the demo's prefill
+# logits moved 0.24 deviations (measured), so an int8 cache adds 0.3; with int8 weights too 0.27
+# (measured) against 0.6, still well under a bug's.
 TOLERANCE = {"float32": 2e-3, "bfloat16": 1e-1, "float16": 5e-2, "int8": 3e-1}
-KV_TOLERANCE = {"float32": 0.0, "bfloat16": 1e-1, "float16": 5e-2, "int8": 2e-1}
+KV_TOLERANCE = {"float32": 0.0, "bfloat16": 1e-1, "float16": 5e-2, "int8": 3e-1}
 # The reference prompt: this many tokens, fixed ids spread over the vocabulary (the reference costs
 # one read of the weights, whatever the length).
 PROMPT_TOKENS = 8

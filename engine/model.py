@@ -294,7 +294,8 @@ ATTENTION_BLOCK = 512
 # XLA:CPU runs those on YNNPACK's integer kernels, while float keys and values widened to float32
 # keep attention compute-bound (a group of 7 query heads per KV head is a thin product). Past
 # INT8_ATTENTION_MAX_ROWS query rows (a prefill chunk) the products are wide and the blocks are
-# widened to float32 instead: quantizing thousands of rows per block cost more than it saved.
+# widened instead (WIDE_INT8_ATTENTION): quantizing thousands of rows per block cost more than it
+# saved.
 # Both arrays keep positions on their last axis: the integer products ran 1.5-1.8x faster reading
 # [head_dim, positions] blocks than [positions, head_dim] ones. Measured: see kv_dtype_for. Mean KL
 # from a float32 cache on the demo (2k tokens in 16-token chunks, so the integer products run):
@@ -302,6 +303,13 @@ ATTENTION_BLOCK = 512
 QUERY_TERMS = 2
 PROB_TERMS = 2
 INT8_ATTENTION_MAX_ROWS = 128
+# Past that, the dtype the int8 blocks are widened to: bfloat16 where the CPU has bfloat16 dot
+# products (as _matmul's prefill product; the queries and probabilities are rounded to it), else
+# float32. A 512-token chunk of the demo, alternated in one process (2-core AMD EPYC with
+# avx512_bf16, load 0.8-1.5, medians of 4): from position 0 587 against float32's 544 tok/s, from
+# 4096 300 against 263, from 12288 156 against 133. Mean KL with int8 weights and cache, 2k tokens
+# in 512-token chunks: 0.0029 nats either way (tests/bench/bench_narrow.py kl).
+WIDE_INT8_ATTENTION = jnp.bfloat16 if CPU_HAS_BF16 else F32
 
 
 def _slot_block(arr, slots, start, block: int):
@@ -366,7 +374,9 @@ def _attend(q, kv, slots, positions, live):
     q = q.reshape(b, kv_heads, group * t, d)
     narrow = cache_k.dtype == jnp.int8
     integer = narrow and b * group * t <= INT8_ATTENTION_MAX_ROWS
-    calc = F32 if narrow else _kv_compute_dtype(cache_k.dtype)
+    # An int8 cache's blocks are widened exactly to `calc` (every int8 is a bfloat16) and their
+    # per-position scales multiply the scores and the probabilities instead.
+    calc = WIDE_INT8_ATTENTION if narrow else _kv_compute_dtype(cache_k.dtype)
     batch = ((0, 1), (0, 1))
     if integer:
         q_terms = _int8_terms(q, QUERY_TERMS)
@@ -387,8 +397,9 @@ def _attend(q, kv, slots, positions, live):
         if integer:
             scores = _int8_dot(*q_terms, QUERY_TERMS, keys, 2) * k_scale
         else:
-            keys = keys.astype(F32) * k_scale if narrow else keys.astype(calc)
-            scores = lax.dot_general(q, keys, (((3,), (2,)), batch), preferred_element_type=F32)
+            scores = lax.dot_general(q, keys.astype(calc), (((3,), (2,)), batch), preferred_element_type=F32)
+            if narrow:
+                scores = scores * k_scale
         key_pos = start + jnp.arange(block, dtype=jnp.int32)
         mask = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos >= begin)  # [B, T, S]
         mask = jnp.broadcast_to(mask[:, None, None], (b, 1, group, t, block))
@@ -402,8 +413,8 @@ def _attend(q, kv, slots, positions, live):
         if integer:
             weighted = _int8_dot(*_int8_terms(probs * v_scale, PROB_TERMS), PROB_TERMS, values, 3)
         else:
-            values = values.astype(F32) * v_scale if narrow else values.astype(calc)
-            weighted = lax.dot_general(probs.astype(calc), values, (((3,), (3,)), batch),
+            weights = probs * v_scale if narrow else probs
+            weighted = lax.dot_general(weights.astype(calc), values.astype(calc), (((3,), (3,)), batch),
                                        preferred_element_type=F32)
         return new_best, total, acc * scale[..., None] + weighted
 
