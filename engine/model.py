@@ -194,6 +194,13 @@ def _int8_product(terms, other, dimension_numbers):
     return y[..., :-1, :] - 128 * y[..., -1:, :]
 
 
+def _int8_terms_product(terms, scales, n: int, other, dimension_numbers):
+    """The sum of n int8 terms (_int8_terms of x [..., rows, c]) times int8 `other`, each term's
+    product times its scales: [..., rows, out] float32, x's product with `other`."""
+    y = _int8_product(terms, other, dimension_numbers).astype(F32) * scales
+    return sum(jnp.split(y, n, axis=-2))
+
+
 def _matmul(x, w):
     """x [..., in] times w [out, in] (each output a dot product with a row of w) -> [..., out],
     taking the weights in their own dtype and accumulating in float32. w may be int8 weight-only
@@ -205,9 +212,7 @@ def _matmul(x, w):
         on_cpu = jax.default_backend() == "cpu"
         if on_cpu and rows <= INT8_ROWS_MAX_ROWS:
             # Two int8 terms per row: the row, then what its rounding left, on a scale 127x finer.
-            terms, scales = _int8_terms(flat, 2)
-            y = _int8_product(terms, q, (((1,), (1,)), ((), ()))).astype(F32) * scales
-            y = sum(jnp.split(y, 2, axis=0))
+            y = _int8_terms_product(*_int8_terms(flat, 2), 2, q, (((1,), (1,)), ((), ())))
         else:
             wide = jnp.bfloat16 if CPU_HAS_BF16 or not on_cpu else F32
             y = lax.dot_general(flat.astype(wide), q.astype(wide), (((1,), (1,)), ((), ())),
@@ -355,10 +360,9 @@ def _write_kv(kv, k, v, slots, where):
 
 
 def _int8_dot(terms, scales, n: int, block, contract: int):
-    """The sum of n int8 terms (_int8_terms of x [B, KV, R, c]) times an int8 cache block [B, KV, ...],
-    contracting x's last axis with the block's axis `contract`: [B, KV, R, out] float32."""
-    y = _int8_product(terms, block, (((3,), (contract,)), ((0, 1), (0, 1)))).astype(F32) * scales
-    return sum(jnp.split(y, n, axis=2))
+    """n int8 terms of x [B, KV, R, c] times an int8 cache block [B, KV, ...], contracting x's last
+    axis with the block's axis `contract`: [B, KV, R, out] float32."""
+    return _int8_terms_product(terms, scales, n, block, (((3,), (contract,)), ((0, 1), (0, 1))))
 
 
 def _attend(q, kv, slots, positions, live):

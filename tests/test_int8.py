@@ -30,9 +30,9 @@ INT8_MEAN_ATOL = 0.08
 INT8_GREEDY_AGREEMENT = 0.9
 
 
-def _logits(cfg, params, tokens, forward=jit_forward):
+def _logits(cfg, params, tokens, forward=jit_forward, kv_dtype=jnp.float32):
     """Logits at every position: a prefill of all but the last 4 tokens, then 4 one-row decode steps."""
-    cache = init_cache(cfg, SLOTS, CTX, jnp.float32)
+    cache = init_cache(cfg, SLOTS, CTX, kv_dtype)
     split = len(tokens) - 4
     i32 = lambda *v: jnp.asarray(v, jnp.int32)  # noqa: E731
     logits, cache = forward(params, cache, jnp.asarray(tokens[None, :split], jnp.int32), i32(1), i32(0),
@@ -175,31 +175,20 @@ def test_integer_product_is_exact_with_rows_signed_or_shifted_to_uint8(uint8_row
         np.testing.assert_array_equal(got, np.einsum(spec, x.astype(np.int64), w.astype(np.int64)))
 
 
-def test_uint8_rows_leave_the_int8_models_logits_bit_for_bit():
+def test_uint8_rows_leave_the_int8_models_logits_bit_for_bit(monkeypatch):
     """The shift is exact, so int8 weights with an int8 KV cache give the same logits either way."""
     from safetensors.numpy import load_file
     folder = os.path.join(TINY, "qwen2")
     cfg = load_config(folder)
     params = load_weights(folder, cfg, "int8")
     tokens = np.asarray(load_file(os.path.join(folder, "reference.safetensors"))["tokens"])
-    kept = model.UINT8_ROWS
     runs = []
-    try:
-        for uint8_rows in (True, False):
-            model.UINT8_ROWS = uint8_rows
-            forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
-            cache = init_cache(cfg, SLOTS, CTX, jnp.int8)
-            i32 = lambda *v: jnp.asarray(v, jnp.int32)  # noqa: E731
-            split = len(tokens) - 2
-            first, cache = forward(params, cache, jnp.asarray(tokens[None, :split], jnp.int32), i32(1),
-                                   i32(0), i32(split), cfg=cfg, all_logits=True)
-            step, _ = forward(params, cache, jnp.asarray([[tokens[split]]], jnp.int32), i32(1),
-                              i32(split), i32(1), cfg=cfg)
-            runs.append((np.asarray(first), np.asarray(step)))
-    finally:
-        model.UINT8_ROWS = kept
-    for a, b in zip(*runs):
-        np.testing.assert_array_equal(a, b)
+    for uint8_rows in (True, False):
+        monkeypatch.setattr(model, "UINT8_ROWS", uint8_rows)
+        # a fresh function, so jit traces it again with the patched flag
+        forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
+        runs.append(_logits(cfg, params, tokens, forward, kv_dtype=jnp.int8))
+    np.testing.assert_array_equal(*runs)
 
 
 # ---- int8 weights kept as they are held (engine.weights.HeldWeights) ---------------------------------

@@ -69,10 +69,8 @@ def _int4_engine(x, w):
     """int4 weights (w[3], jnp.int4, one scale per output channel) widened to int8 inside the program,
     then the engine's two-term integer product. XLA:CPU 0.10 routes no int4 operand to YNNPACK, so
     the widening runs as a separate XLA loop over the whole matrix."""
-    from engine.model import _int8_product, _int8_terms
-    terms, scales = _int8_terms(x, 2)
-    y = _int8_product(terms, w[3].astype(jnp.int8), (((1,), (1,)), ((), ()))).astype(F32) * scales
-    return sum(jnp.split(y, 2, axis=0)) * w[4]
+    from engine.model import _int8_terms, _int8_terms_product
+    return _int8_terms_product(*_int8_terms(x, 2), 2, w[3].astype(jnp.int8), (((1,), (1,)), ((), ()))) * w[4]
 
 
 def _int8_one_term(x, w, pad=2):
