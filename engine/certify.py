@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.checkpoint import Checkpoint
+
 # Max |compiled - reference| over the vocabulary, in reference standard deviations: what the weights
 # dtype may cost (TOLERANCE) plus what the KV cache's may (KV_TOLERANCE), their roundings being
 # independent. float32 programs agree with the float64 reference to about 2e-6 (tiny models) to 2e-4
@@ -57,33 +59,11 @@ def fixed_prompt(vocab_size: int) -> list[int]:
 
 # ---- the reference forward (numpy, float64) --------------------------------------------------------
 
-class _Tensors:
-    """Tensors by their checkpoint names, as float64, from the folder's safetensors files."""
-
-    def __init__(self, folder: str):
-        import ml_dtypes  # noqa: F401  (bfloat16 files)
-        from safetensors import safe_open
-        self._open = safe_open
-        self.where: dict[str, str] = {}
-        for name in sorted(os.listdir(folder)):
-            if name.endswith(".safetensors"):
-                path = os.path.join(folder, name)
-                with safe_open(path, framework="numpy") as f:
-                    for key in f.keys():
-                        self.where.setdefault(key, path)
-        self.files: dict[str, object] = {}
-
-    def has(self, name: str) -> bool:
-        return name in self.where
-
-    def raw(self, name: str) -> np.ndarray:
-        path = self.where[name]
-        if path not in self.files:
-            self.files[path] = self._open(path, framework="numpy")
-        return self.files[path].get_tensor(name)
+class _Tensors(Checkpoint):
+    """Tensors by their checkpoint names (engine.checkpoint); [] gives them as float64."""
 
     def __getitem__(self, name: str) -> np.ndarray:
-        return self.raw(name).astype(np.float64)
+        return self.get(name).astype(np.float64)
 
 
 def _rms(x, w, eps):
@@ -132,7 +112,7 @@ def reference_logits(folder: str, cfg, tokens: list[int]) -> np.ndarray:
     """float64 logits [len(tokens), vocab] of the model in `folder` for one prompt from position 0."""
     t = _Tensors(folder)
     n, d = len(tokens), cfg.head_dim
-    embed = t.raw("model.embed_tokens.weight")
+    embed = t.get("model.embed_tokens.weight")
     x = embed[np.asarray(tokens)].astype(np.float64)                       # [T, hidden]
     inv, scale = _inverse_frequencies(cfg)
     angles = np.arange(n, dtype=np.float64)[:, None] * inv[None, :]       # [T, d/2]
@@ -173,7 +153,7 @@ def reference_logits(folder: str, cfg, tokens: list[int]) -> np.ndarray:
             x = x + _swiglu(h, t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"],
                             t[p + "mlp.down_proj.weight"])
     x = _rms(x, t["model.norm.weight"], cfg.rms_norm_eps)
-    head = embed if not t.has("lm_head.weight") else t.raw("lm_head.weight")
+    head = embed if not t.has("lm_head.weight") else t.get("lm_head.weight")
     return np.concatenate([x @ head[s:s + VOCAB_BLOCK].astype(np.float64).T
                            for s in range(0, head.shape[0], VOCAB_BLOCK)], axis=-1)
 

@@ -86,7 +86,6 @@ class ModelConfig:
     rope_beta_slow: float = DEFAULT_YARN_BETA_SLOW
     rope_truncate: bool = True
     eos_token_ids: tuple[int, ...] = ()
-    source_dtype: str = "bfloat16"   # the dtype the checkpoint was saved in
     # One per layer, what follows attention: "dense" (SwiGLU of intermediate_size) or "moe" (routed
     # experts). Empty means every layer is dense.
     mlp_kinds: tuple[str, ...] = ()
@@ -217,7 +216,6 @@ def config_from_dict(raw: dict) -> ModelConfig:
         layer_kinds=layer_kinds,
         mlp_kinds=mlp_kinds,
         eos_token_ids=tuple(int(i) for i in eos_ids),
-        source_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
         **rope,
         **(_experts(raw, model_type) if "moe" in mlp_kinds else {}),
         **(_hybrid(raw) if model_type in HYBRID_FAMILIES else {}),

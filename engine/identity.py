@@ -77,10 +77,10 @@ def file_sha256(path: str, cache: dict | None = None) -> str:
 
 
 def weight_files(folder: str) -> list[str]:
-    """The weight files the loader reads (engine.weights decides which), and the shard index."""
-    from engine.weights import INDEX_FILE, WeightsError, tensor_files
+    """The weight files the loader reads (engine.checkpoint decides which), and the shard index."""
+    from engine.checkpoint import INDEX_FILE, WeightsError, weight_files as files_of
     try:
-        files = set(tensor_files(folder).values())
+        files = set(files_of(folder)[1])
     except (WeightsError, OSError):
         files = set()
     index = os.path.join(folder, INDEX_FILE)

@@ -21,12 +21,11 @@ available: first the host cache, then the context (not below MIN_DEFAULT_CTX), t
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import struct
 from dataclasses import dataclass
 
 from engine import cpu
+from engine.checkpoint import Checkpoint
 from engine.config import ModelConfig
 from engine.scheduler import SLOT_SNAPSHOTS
 
@@ -80,17 +79,11 @@ def slot_state_bytes(cfg: ModelConfig) -> int:
 
 
 def _model_tensors(folder: str):
-    """(name, shape) of the model's tensors (model.*, lm_head.*) in a Hugging Face folder's
-    safetensors files, read from their headers (no tensor is loaded)."""
-    for name in sorted(os.listdir(folder)):
-        if not name.endswith(".safetensors"):
-            continue
-        with open(os.path.join(folder, name), "rb") as f:
-            size = struct.unpack("<Q", f.read(8))[0]
-            header = json.loads(f.read(size))
-        for key, info in header.items():
-            if key.startswith(("model.", "lm_head.")):
-                yield key, info["shape"]
+    """(name, shape) of the model's tensors (model.*, lm_head.*) in a weights folder, read from the
+    files' headers (engine.checkpoint; no tensor is loaded)."""
+    for key, shape in sorted(Checkpoint(folder).shapes.items()):
+        if key.startswith(("model.", "lm_head.")):
+            yield key, shape
 
 
 def _count(shape) -> int:
@@ -101,7 +94,7 @@ def _count(shape) -> int:
 
 
 def parameter_count(folder: str) -> int:
-    """Weights of the model's tensors, from the safetensors headers."""
+    """Weights of the model's tensors, from the files' headers."""
     return sum(_count(shape) for _, shape in _model_tensors(folder))
 
 

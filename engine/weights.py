@@ -1,4 +1,5 @@
-"""safetensors files -> the weights pytree engine.model reads. Names, dtypes and layout; no math.
+"""A checkpoint's tensors (engine.checkpoint) -> the weights pytree engine.model reads. Names,
+dtypes and layout; no math.
 
 The pytree (all jax arrays in the compute dtype):
     {"embed":   [vocab, hidden]                    token embedding table (a row gather)
@@ -68,14 +69,10 @@ import re
 import shutil
 import time
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy before safetensors reads bf16 files)
 import numpy as np
-from safetensors import safe_open
 
+from engine.checkpoint import Checkpoint, WeightsError
 from engine.config import MIXER_KINDS, ModelConfig
-
-INDEX_FILE = "model.safetensors.index.json"
-
 
 # Weights dtypes the loader builds; "auto" is chosen per platform (engine.model.weights_dtype_for).
 WEIGHTS_DTYPES = ("float32", "bfloat16", "int8")
@@ -128,60 +125,31 @@ def key_smoothing(k_rows, k_bias, attn_norm, k_norm, head_dim: int) -> np.ndarra
     return c.astype(np.float32)
 
 
-class WeightsError(ValueError):
-    """The checkpoint does not match its config: the message names the tensor."""
-
-
-def tensor_files(folder: str) -> dict[str, str]:
-    """Tensor name -> the safetensors file holding it (sharded via the index, or one file)."""
-    index = os.path.join(folder, INDEX_FILE)
-    if os.path.exists(index):
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise WeightsError(f"{index} has no weight_map")
-        return {name: os.path.join(folder, file) for name, file in weight_map.items()}
-    files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
-    if not files:
-        raise WeightsError(f"no .safetensors files in {folder}")
-    where = {}
-    for file in files:
-        with safe_open(os.path.join(folder, file), framework="numpy") as f:
-            for name in f.keys():
-                where[name] = os.path.join(folder, file)
-    return where
-
-
 # Where a multimodal checkpoint keeps its language model's tensors.
 LANGUAGE_MODEL = "model.language_model."
 
 
 class _Reader:
-    """Reads named tensors, keeping each file open once, checking shapes against the config."""
+    """Reads named tensors of a checkpoint (engine.checkpoint: safetensors or a GGUF), checking
+    shapes against the config."""
 
     def __init__(self, folder: str):
-        self.where = tensor_files(folder)
-        self.open: dict[str, object] = {}
+        self.checkpoint = Checkpoint(folder)
         # Multimodal checkpoints (Qwen3.5) keep the language model under model.language_model.;
         # its tensors are read by their text-only names, the rest (vision) is never read.
-        nested = {"model." + name[len(LANGUAGE_MODEL):]: file for name, file in self.where.items()
-                  if name.startswith(LANGUAGE_MODEL)}
-        self.names = {name: LANGUAGE_MODEL + name[len("model."):] for name in nested}
-        self.where.update(nested)
+        self.names = {"model." + name[len(LANGUAGE_MODEL):]: name for name in self.checkpoint.shapes
+                      if name.startswith(LANGUAGE_MODEL)}
 
     def has(self, name: str) -> bool:
-        return name in self.where
+        return self.checkpoint.has(self.names.get(name, name))
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in self.where:
+        stored = self.names.get(name, name)
+        if not self.checkpoint.has(stored):
             raise WeightsError(f"tensor {name} is missing from the checkpoint")
-        file = self.where[name]
-        if file not in self.open:
-            self.open[file] = safe_open(file, framework="numpy")
-        array = self.open[file].get_tensor(self.names.get(name, name))
-        if tuple(array.shape) != shape:
-            raise WeightsError(f"tensor {name} has shape {tuple(array.shape)}, config expects {shape}")
-        return array
+        if self.checkpoint.shapes[stored] != shape:
+            raise WeightsError(f"tensor {name} has shape {self.checkpoint.shapes[stored]}, config expects {shape}")
+        return self.checkpoint.get(stored)
 
 
 def interleave_gate_up(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -217,9 +185,10 @@ def place_on_default_device(path: str, tree):
 
 def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_heads: int | None = None,
                  place=place_on_default_device, held_cache: str | None = None) -> dict:
-    """Load a Hugging Face Qwen2/Qwen3/Qwen3-MoE/Qwen3-Next checkpoint as the pytree above, in
-    `dtype` (a jnp dtype, or "int8": weight-only int8 matrices, the rest in float_dtype, float32
-    unless given). kv_heads: KV heads to lay out (a multiple of the config's; None: the config's).
+    """Load a Qwen2/Qwen3/Qwen3-MoE/Qwen3-Next checkpoint (Hugging Face safetensors, or a GGUF beside
+    config.json: engine.checkpoint) as the pytree above, in `dtype` (a jnp dtype, or "int8":
+    weight-only int8 matrices, the rest in float_dtype, float32 unless given). kv_heads: KV heads to
+    lay out (a multiple of the config's; None: the config's).
     place(path, subtree of numpy arrays) puts each part on the device(s) as soon as it is read
     (engine.sharding: straight into each device's shard), so the host holds one layer at a time.
     held_cache: a folder for int8 weights as they are held (HeldWeights): read from there when it

@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from engine import certify, identity, mirror, prefix, sampler, sharding
+from engine.checkpoint import Checkpoint
 from engine.cache import (copy_prefix, has_state, init_cache, read_slot, read_state, warm_host_copies,
                           warm_state_copies, write_slot, write_state)
 from engine.config import CHAT_FORMAT, load_config
@@ -49,21 +50,17 @@ COMPILE_CACHE_MIN_SECONDS = 0.0
 FAULT_EXIT_CODE = 70
 # While busy, Stats go out at most this often unless the number of rows or waiting requests changed.
 STATS_INTERVAL_S = 1.0
-# Bits per weight by checkpoint dtype, for the model facts when the weights file does not say.
-DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
 
 
 @dataclass
 class WorkerArgs:
     model_id: str
-    weights_folder: str                   # the Hugging Face folder (config.json, safetensors)
+    weights_folder: str                   # config.json, tokenizer and weights (safetensors or a GGUF)
     slots: int = 4
     ctx: int = 4096
     cache_ram_mib: int = 0                # host memory for saved prompt states (MiB; 0 = off)
     prefix_cache: bool = True
     chat_format: str | None = None        # "qwen3" | "qwen2.5"; None: from the model family
-    weights_file: str | None = None       # what the facts name as loaded (e.g. the GGUF); None: folder
-    bpw: float | None = None              # bits per weight of that file; None: the checkpoint dtype
     # weights dtype: "float32" | "bfloat16" | "int8" (weight-only, engine.weights); None or "auto":
     # by platform (engine.model.weights_dtype_for)
     dtype: str | None = None
@@ -232,7 +229,7 @@ class Engine:
         if follower:
             return
         family = cfg.model_type
-        weights = args.weights_file or args.weights_folder
+        checkpoint = Checkpoint(args.weights_folder)     # headers only: what the facts name as loaded
         namespace = args.cache_namespace or prefix.namespace_id(
             self.component_set_sha, args.model_id, family, f"{self.dtype.name}/kv-{self.kv_dtype.name}",
             args.prefix_cache)
@@ -253,10 +250,10 @@ class Engine:
         progress("certify", 1, 1)
         self.late_compiles = 0            # programs compiled inside step() since ready
         self.facts = ModelFacts(
-            id=args.model_id, family=family, weights=weights, folder=args.weights_folder,
+            id=args.model_id, family=family, weights=checkpoint.file, folder=args.weights_folder,
             chat_format=chat_format,
             gb=round(weights_bytes(self.params) / 1e9, 3),
-            bpw=args.bpw or DTYPE_BITS.get(cfg.source_dtype, 16),
+            bpw=checkpoint.bits_per_weight,
             max_model_len=args.ctx, slots=args.slots, prefix_cache=args.prefix_cache,
             cache_ram_mib=args.cache_ram_mib, vocab_size=cfg.vocab_size, device=platform,
             devices=self.layout.describe(),

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import memory, registry
+from engine import checkpoint, memory, registry
 from engine.registry import RegistryError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,10 +141,15 @@ def test_prepare_refuses_weights_of_another_family(cache, tmp_path):
     assert registry.prepare(registry.resolve("qwen3-8b", str(folder))) == str(folder)
 
 
-def test_prepare_refuses_a_folder_without_safetensors(cache, tmp_path):
-    """A folder with only config.json must be a clear error, not an engine crash later."""
+def test_prepare_refuses_a_folder_without_weight_files(cache, tmp_path):
+    """A folder with only config.json, or with two GGUFs, must be a clear error, not an engine crash
+    later."""
     folder = hf_folder(tmp_path / "empty", "qwen3")
-    with pytest.raises(RegistryError, match="no \\*.safetensors"):
+    with pytest.raises(RegistryError, match="no .safetensors or .gguf files"):
+        registry.prepare(registry.resolve("qwen3-8b", str(folder)))
+    (folder / "a.gguf").write_bytes(b"")
+    (folder / "b.gguf").write_bytes(b"")
+    with pytest.raises(RegistryError, match="2 GGUF files"):
         registry.prepare(registry.resolve("qwen3-8b", str(folder)))
 
 
@@ -287,21 +292,22 @@ def tiny_demo(tmp_path, monkeypatch, cache):
         (package / "data" / f"part0{n}.bin").write_bytes(blob)
         parts.append(registry.DemoPart(f"tinydemo-part{n}==1.0", f"tinydemo_part{n}", f"data/part0{n}.bin"))
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    source = registry.DemoSource(tuple(parts), len(data), hashlib.sha256(data).hexdigest(), "float32")
+    source = registry.DemoSource(tuple(parts), len(data), hashlib.sha256(data).hexdigest())
     spec = registry.ModelSpec(id="tiny-demo", family="qwen2", chat_format="qwen2.5", context_length=64,
                               weights=str(registry.demo_home("tiny-demo")), slots=1, ctx=64,
                               cache_ram_mib=0, demo=source)
     return spec, made, gguf_path
 
 
-def test_demo_build_writes_a_whole_hf_folder(tiny_demo, monkeypatch):
-    """The build must produce config, weights, tokenizer and template files, and leave no temp files."""
+def test_demo_build_writes_a_whole_folder_around_the_gguf(tiny_demo, monkeypatch):
+    """The build must keep the GGUF, write config, tokenizer and template files, and leave no temp
+    files."""
     spec, made, _ = tiny_demo
     phases = []
     folder = Path(registry.prepare(spec, lambda phase, done, total: phases.append((phase, done, total))))
     assert folder == registry.demo_home("tiny-demo")
     assert sorted(p.name for p in folder.iterdir()) == sorted(
-        ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+        ["config.json", "generation_config.json", registry.DEMO_GGUF, "tokenizer.json",
          "tokenizer_config.json", registry.DEMO_MARKER])
     assert [p.name for p in folder.parent.iterdir() if p.name.startswith(".tiny-demo.tmp")] == []
     config = json.loads((folder / "config.json").read_text())
@@ -317,30 +323,33 @@ def test_demo_build_writes_a_whole_hf_folder(tiny_demo, monkeypatch):
     gen = json.loads((folder / "generation_config.json").read_text())
     assert gen["eos_token_id"] == [config["eos_token_id"], config["bos_token_id"]]
     names = {p for p, _, _ in phases}
-    assert names == {"demo: joining the GGUF parts", "demo: dequantizing the weights"}
+    assert names == {"demo: joining the GGUF parts"}
     assert all(done <= total for _, done, total in phases)
     assert phases[-1][1] == phases[-1][2]
 
 
-def test_demo_weights_equal_gguf_dequantized_in_hf_layout(tiny_demo, monkeypatch):
-    """Every tensor must be the GGUF's dequantized values, [out, in] like HF, even when converted in
-    row chunks; a transposed or shifted chunk would corrupt the model silently."""
+def test_demo_weights_read_as_the_gguf_dequantized_in_hf_layout(tiny_demo, monkeypatch):
+    """Every tensor must read as the GGUF's dequantized values, [out, in] like HF, even when decoded
+    in row chunks; a transposed or shifted chunk would corrupt the model silently. The header index
+    (engine.checkpoint's own parser) must agree with gguf's reader, and bpw is the file's."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
-    from safetensors.numpy import load_file
     spec, made, gguf_path = tiny_demo
-    monkeypatch.setattr(registry, "DEQUANT_CHUNK_BYTES", 3 * 32 * 4)   # 3 rows of 32 at a time
-    folder = Path(registry.prepare(spec))
-    tensors = load_file(str(folder / "model.safetensors"))
+    monkeypatch.setattr(checkpoint, "DEQUANT_CHUNK_BYTES", 3 * 32 * 4)   # 3 rows of 32 at a time
+    ck = checkpoint.Checkpoint(registry.prepare(spec))
     reader = GGUFReader(gguf_path)
-    assert len(tensors) == len(reader.tensors) == len(made)
+    assert len(ck.shapes) == len(reader.tensors) == len(made)
+    assert ck.file == str(registry.demo_home("tiny-demo") / registry.DEMO_GGUF)
     for t in reader.tensors:
-        name = registry.hf_name(t.name)
+        name = checkpoint.hf_name(t.name)
         expected = dequantize(t.data, t.tensor_type).reshape(made[name].shape)
-        assert tensors[name].dtype == np.float32 and tensors[name].shape == made[name].shape, name
-        np.testing.assert_array_equal(tensors[name], expected, err_msg=name)
+        got = ck.get(name)
+        assert got.dtype == np.float32 and got.shape == ck.shapes[name] == made[name].shape, name
+        np.testing.assert_array_equal(got, expected, err_msg=name)
         # and the quantization really is the only difference from the source values
-        np.testing.assert_allclose(tensors[name], made[name], atol=0.2, err_msg=name)
+        np.testing.assert_allclose(got, made[name], atol=0.2, err_msg=name)
+    file_bits = 8 * sum(int(t.n_bytes) for t in reader.tensors) / sum(int(t.n_elements) for t in reader.tensors)
+    assert ck.bits_per_weight == round(file_bits, 2) and ck.bits_per_weight < 32
 
 
 def test_demo_tokenizer_uses_gguf_merges_and_special_tokens(tiny_demo):
@@ -383,7 +392,7 @@ def test_crash_during_build_leaves_no_half_folder(tiny_demo, monkeypatch):
 
     def broken(*args, **kwargs):
         raise OSError("disk full")
-    monkeypatch.setattr(registry, "write_safetensors", broken)
+    monkeypatch.setattr(registry, "tokenizer_files", broken)
     with pytest.raises(OSError, match="disk full"):
         registry.prepare(spec)
     parent = registry.demo_home("tiny-demo").parent
@@ -393,11 +402,11 @@ def test_crash_during_build_leaves_no_half_folder(tiny_demo, monkeypatch):
 def test_damaged_parts_are_a_clear_error(tiny_demo):
     """A wrong checksum or size must say so and name the fix, and leave nothing behind."""
     spec, _, _ = tiny_demo
-    bad_sha = registry.DemoSource(spec.demo.parts, spec.demo.size, "0" * 64, "float32")
+    bad_sha = registry.DemoSource(spec.demo.parts, spec.demo.size, "0" * 64)
     with pytest.raises(RegistryError, match="sha256 is [0-9a-f]{64}, expected 0{64}.*reinstall"):
         registry.prepare(registry.ModelSpec(**{**spec.__dict__, "demo": bad_sha}))
     assert not registry.demo_home("tiny-demo").exists()
-    bad_size = registry.DemoSource(spec.demo.parts, spec.demo.size + 1, spec.demo.sha256, "float32")
+    bad_size = registry.DemoSource(spec.demo.parts, spec.demo.size + 1, spec.demo.sha256)
     with pytest.raises(RegistryError, match="expected [0-9,]+"):
         registry.prepare(registry.ModelSpec(**{**spec.__dict__, "demo": bad_size}))
 
@@ -406,7 +415,7 @@ def test_missing_demo_package_names_what_to_install(tiny_demo):
     """Without the part packages the error must name them and the mashbox[demo] extra."""
     spec, _, _ = tiny_demo
     parts = spec.demo.parts + (registry.DemoPart("nosuch-part==1.0", "nosuch_part_pkg", "data/x.bin"),)
-    source = registry.DemoSource(parts, spec.demo.size, spec.demo.sha256, "float32")
+    source = registry.DemoSource(parts, spec.demo.size, spec.demo.sha256)
     with pytest.raises(RegistryError, match=r"nosuch-part==1\.0.*mashbox\[demo\]"):
         registry.prepare(registry.ModelSpec(**{**spec.__dict__, "demo": source}))
 
@@ -421,11 +430,11 @@ def test_demo_weights_override_must_exist(tiny_demo, tmp_path):
 
 
 def test_unknown_gguf_tensor_is_an_error_not_dropped():
-    """A tensor the converter does not map must stop the build instead of vanishing."""
-    assert registry.hf_name("blk.23.ffn_down.weight") == "model.layers.23.mlp.down_proj.weight"
-    assert registry.hf_name("output.weight") == "lm_head.weight"
-    with pytest.raises(RegistryError, match="blk.0.attn_q_norm.weight"):
-        registry.hf_name("blk.0.attn_q_norm.weight")
+    """A tensor the reader does not map must stop the build instead of vanishing."""
+    assert checkpoint.hf_name("blk.23.ffn_down.weight") == "model.layers.23.mlp.down_proj.weight"
+    assert checkpoint.hf_name("output.weight") == "lm_head.weight"
+    with pytest.raises(checkpoint.WeightsError, match="blk.0.attn_q_norm.weight"):
+        checkpoint.hf_name("blk.0.attn_q_norm.weight")
 
 
 # ---- the real demo model --------------------------------------------------------------------------
@@ -518,12 +527,15 @@ def test_demo_folder_has_the_published_qwen25_coder_shape(demo_folder):
             config["num_key_value_heads"], config["intermediate_size"], config["vocab_size"]) == (
         24, 896, 14, 2, 4864, 151936)
     assert config["rope_theta"] == 1e6 and config["tie_word_embeddings"] is False
-    header = registry._safetensors_header(Path(demo_folder) / "model.safetensors")
-    assert header["lm_head.weight"]["shape"] == [151936, 896]
-    assert header["model.layers.23.mlp.down_proj.weight"]["shape"] == [896, 4864]
-    assert header["model.layers.0.self_attn.k_proj.bias"]["shape"] == [128]
-    assert len([k for k in header if k != "__metadata__"]) == 291
-    assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"F32"}
+    ck = checkpoint.Checkpoint(demo_folder)
+    assert ck.kind == "gguf" and ck.files == [str(Path(demo_folder) / registry.DEMO_GGUF)]
+    assert ck.shapes["lm_head.weight"] == (151936, 896)
+    assert ck.shapes["model.layers.23.mlp.down_proj.weight"] == (896, 4864)
+    assert ck.shapes["model.layers.0.self_attn.k_proj.bias"] == (128,)
+    assert len(ck.shapes) == 291
+    # "Q4_K_M" names the recipe: most of this small model's tensors are Q5_0 and Q8_0 (rows of 896
+    # and 4864 values are not whole 256-value K-quant blocks), 6.16 bits per weight in all.
+    assert ck.bits_per_weight == 6.16
     assert memory.parameter_count(demo_folder) == 630_167_424
     assert registry.stop_token_ids(demo_folder) == [151645, 151643]
     tc = json.loads((Path(demo_folder) / "tokenizer_config.json").read_text())

@@ -3,6 +3,7 @@
     python tests/bench/bench_narrow.py products         # formulations, random weights
     python tests/bench/bench_narrow.py kl [FOLDER]      # int8 weights/KV vs float32
     python tests/bench/bench_narrow.py forward [FOLDER]
+    python tests/bench/bench_narrow.py gguf [FOLDER]    # GGUF blocks -> int8 per channel: the error
 
 products: the 24 layers' matrix products (fused qkv, o, fused gate_up, down; no attention or head),
 chained as the model runs them, per forward, at 1, 4, 8 rows and a 512-row prefill chunk, for each
@@ -10,6 +11,11 @@ formulation of the product. Prints ms per forward (best of REPEATS) and the load
 
 forward: the demo's whole decode forward (1 and 4 rows, 1k-position cache), float32 against int8
 weights (and int8 with a float32 head), run in turn in one process, best of 20 each, in ms.
+
+gguf: each tensor the int8 weights dtype narrows (engine.weights.quantized_tensor), as the loader
+does it: dequantized from its GGUF blocks (engine.checkpoint), then int8 with one scale per output
+channel (engine.weights.quantize_int8). Prints, per GGUF block type, the tensors, their weights and
+the relative RMS error of the int8 values against the dequantized ones (sqrt(sum err^2 / sum w^2)).
 
 kl: the demo model with float32 weights and a float32 KV cache against narrower ones (KL_CONFIGS:
 int8 weights, an int8 cache, both), a fixed ~2k-token text through each in 512-token chunks; prints
@@ -263,6 +269,34 @@ def forward(folder: str) -> None:
     print("# load after:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 
 
+def gguf_conversion(folder: str) -> None:
+    from engine.checkpoint import Checkpoint
+    from engine.weights import quantize_int8, quantized_tensor
+
+    ck = Checkpoint(folder)
+    if ck.kind != "gguf":
+        sys.exit(f"{folder} holds no GGUF")
+    totals: dict[str, list] = {}
+    for name in sorted(ck.shapes):
+        if not quantized_tensor(name):
+            continue
+        w = ck.get(name)
+        q, scale = quantize_int8(w)
+        err = w - q.astype(np.float32) * scale[:, None]
+        t = totals.setdefault(ck.formats[name], [0, 0, 0.0, 0.0])
+        t[0] += 1
+        t[1] += w.size
+        t[2] += float(np.sum(np.square(err, dtype=np.float64)))
+        t[3] += float(np.sum(np.square(w, dtype=np.float64)))
+    print(f"# {ck.file}: {ck.bits_per_weight} bits per weight")
+    print("| GGUF type | tensors | weights | int8 per channel: relative RMS error |")
+    print("|---|---|---|---|")
+    for kind, (n, size, e2, w2) in sorted(totals.items()):
+        print(f"| {kind} | {n} | {size:,} | {np.sqrt(e2 / w2):.4f} |")
+    n, size, e2, w2 = (sum(t[i] for t in totals.values()) for i in range(4))
+    print(f"| all | {n} | {size:,} | {np.sqrt(e2 / w2):.4f} |")
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "products"
     if what == "products":
@@ -270,12 +304,14 @@ if __name__ == "__main__":
     elif what == "transposed":
         products(((4, 8), ["f32 summed", "i8 summed", "i8T summed"]))
         products(((1,), ["f32 dot", "i8 pad2 summed", "i8T pad2 summed"]))
-    elif what in ("kl", "forward"):
+    elif what in ("kl", "forward", "gguf"):
         folder = sys.argv[2] if len(sys.argv) > 2 else os.path.expanduser(
             "~/.cache/mashbox/models/qwen2.5-coder-0.5b-instruct")
         if what == "kl":
             kl(folder, chunk=int(sys.argv[3]) if len(sys.argv) > 3 else 512)
+        elif what == "gguf":
+            gguf_conversion(folder)
         else:
             forward(folder)
     else:
-        sys.exit(f"unknown mode {what!r}: products, transposed, forward or kl")
+        sys.exit(f"unknown mode {what!r}: products, transposed, forward, gguf or kl")

