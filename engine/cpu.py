@@ -17,8 +17,9 @@ BF16_DOT_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 # Instruction sets YNNPACK has unsigned x signed int8 kernels for (VNNI's vpdpbusd multiplies an
 # unsigned byte by a signed one; AMX likewise). Its int8 x int8 kernels use plain AVX-512 instead,
-# so there an integer product runs faster with its rows shifted to uint8 (engine.model._int8_product).
-# avx_vnni alone has no such kernel (only a slow portable one).
+# so there int8 weights are held offset as uint8 (engine.weights.OFFSET_INT8) and attention's rows are
+# shifted to uint8 (engine.model._int8_product). avx_vnni alone has no such kernel (only a slow
+# portable one).
 UINT8_DOT_FLAGS = frozenset({"avx512_vnni", "amx_int8"})
 
 

@@ -39,6 +39,7 @@ from jax.sharding import AbstractMesh, PartitionSpec
 from engine import cpu
 from engine.config import ROUTED_PATHS, ModelConfig
 from engine.sharding import MODEL_AXIS
+from engine.weights import INT8_OFFSET
 
 F32 = jnp.float32
 
@@ -90,31 +91,37 @@ def kv_dtype_for(platform: str):
 # ran 1.3x faster as a dot, while 32- and 128-token chunks ran 1.2-1.4x faster summed.
 SUMMED_PRODUCT_MAX_ROWS = 128
 
-# int8 matrices (weights_dtype "int8") are {"q": int8 [..., out, in], "scale": float32 [..., out]}:
-# w = q * scale, one scale per output channel, applied to the product's output. XLA:CPU has no fast
-# product of float rows with int8 weights (every convert-then-multiply form ran at or below float32's
-# speed), but it hands an integer dot (int8 or, through _int8_product, uint8 rows) of at least 2 rows
-# to YNNPACK, whose integer kernels stream the int8 weights. So a decode step quantizes
-# each row of activations to int8 on the fly (one scale per row: its largest magnitude / 127) and
-# multiplies integers. One int8 term per row ("int8 rows x int8" below) cost accuracy: mean KL 0.0096
-# nats from float32 on the demo, 94.8% greedy agreement. So each row is two terms, the row and its
-# rounding error on a 127x finer scale, stacked as rows of one product: KL 0.0017 and 97.9%, as with
-# exact activations, and one row then needs no padding (YNNPACK takes no matrix-vector product).
-# Two terms cost 1 / 4 / 8 rows 36.8 / 53.1 / 75.7 ms against float32's 56.2 / 82.2 / 104 (load 4).
+# int8 matrices (weights_dtype "int8") are {"q": [..., out, in], "scale": float32 [..., out]}: int8
+# values q, held as uint8 plus INT8_OFFSET where the CPU has unsigned x signed int8 kernels (VNNI:
+# engine.weights.OFFSET_INT8), else as int8; w = q * scale, one scale per output channel, applied to
+# the product's output. XLA:CPU has no fast product of float rows with int8 weights (every
+# convert-then-multiply form ran at or below float32's speed), but it hands an integer dot of at
+# least 2 rows to YNNPACK. So a decode step quantizes each row of activations to int8 on the fly
+# (one scale per row: its largest magnitude / 127) and multiplies integers. One int8 term per row
+# cost accuracy: mean KL 0.0096 nats from float32 on the demo, 94.8% greedy agreement. So each row
+# is two terms, the row and its rounding error on a 127x finer scale, stacked as rows of one
+# product: KL 0.0017 and 97.9%, as with exact activations.
+# Weights held offset are the product's first operand (_offset_weights_product): YNNPACK then
+# streams them as they are held and packs only the few rows of terms. Held as int8 they are the
+# second operand (_int8_product: the rows first, shifted to uint8 where the kernels exist), and
+# YNNPACK repacks the whole matrix on every call.
 # tests/bench/bench_narrow.py products, 24 layers of Qwen2.5-0.5B's products, 2-core AMD EPYC
-# (avx512_vnni, avx512_bf16, no AMX), quiet (load < 1.2), best of 5, ms per forward:
-#   rows        float32 (dot at 1 row, summed 2-128)   int8 rows x int8   int8 weight-only, summed
-#   1           36.3                                    23.7 (1.53x)        41.2
-#   4           52.8                                    26.3 (2.0x)         55.3
-#   8           57.1                                    31.5 (1.8x)         71.7
-#   32          97.6                                    69.2 (1.4x)        471
-#   512 (dot)   1,038                                   707                 bfloat16 dot: 733
-# Earlier forms, all slower at one row: int8 converted inside a float dot (706 ms on a loaded
-# machine), int8 summed unpadded (3,865), float16 or bfloat16 weights in a dot (800-1,040), an int8
-# dot of one unpadded row (396). A prefill chunk (more than INT8_ROWS_MAX_ROWS rows) keeps int8
-# weights exact in bfloat16 with float32 accumulation where the CPU has bfloat16 dot-product
-# instructions (as fast as the integer dot, and its rows rounded to 8 bits of mantissa instead of
-# quantized), else float32. Accelerators take the dot in bfloat16 at every row count.
+# (avx512_vnni, avx512_bf16, no AMX), best of 9, ms per forward, load 1.4-1.9:
+#   rows   weights first (held offset)   rows first, uint8 rows   rows first, signed   float32
+#   1      14.2                           17.2                     18.3                 36.6 (dot)
+#   4      23.5                           29.5                     27.4                 48.9 (summed)
+#   8      24.1                           26.9                     35.3                 54.4
+#   32     69.7                           51.7                                          86.8
+#   128    218.6                          148.3                                         270.0
+# Weights first lose at 32 and 128 rows (small prefill chunks), but rows first there would need the
+# weights held a second time as int8: decode, every token, is what they are held for. The demo's
+# decode step, the forms alternated in one process: 1 row 22.9 against 27.7 ms, 4 rows 31.5 against
+# 35.8. Forms that lost at one row: int8 converted inside a float dot, int8 summed, float16 or
+# bfloat16 weights in a dot, an int8 dot of one unpadded row (each slower than float32). A prefill
+# chunk (more than INT8_ROWS_MAX_ROWS rows) widens the int8 weights exactly to bfloat16 with float32
+# accumulation where the CPU has bfloat16 dot-product instructions (as fast as the integer dot, and
+# its rows rounded to 8 bits of mantissa instead of quantized), else float32. Accelerators take the
+# dot in bfloat16 at every row count.
 INT8_ROWS_MAX_ROWS = SUMMED_PRODUCT_MAX_ROWS
 
 
@@ -145,9 +152,10 @@ def _int8_terms(x, n: int):
     return jnp.concatenate(terms, axis=-2), jnp.concatenate(scales, axis=-2)
 
 
-# An unsigned x signed int8 product (rows uint8, the other operand int8) -> int32, as one HLO dot. JAX
-# would widen mixed operands to a common type first (int32, whose product XLA:CPU runs ~30x slower),
-# so this primitive emits the dot itself. Used only by _int8_product, where the CPU has the kernels.
+# An unsigned x signed int8 product (the first operand uint8, the second int8) -> int32, as one HLO
+# dot. JAX would widen mixed operands to a common type first (int32, whose product XLA:CPU runs ~30x
+# slower), so this primitive emits the dot itself: the stored int8 weights times int8 terms
+# (_offset_weights_product), and on CPUs with VNNI shifted terms times a cache block (_int8_product).
 _uint8_int8_dot_p = jax.extend.core.Primitive("uint8_int8_dot")
 
 
@@ -172,20 +180,25 @@ def _uint8_int8_dot_lowering(ctx, x, w, *, dimension_numbers):
 _uint8_int8_dot_p.def_abstract_eval(_uint8_int8_dot_shape)
 mlir.register_lowering(_uint8_int8_dot_p, _uint8_int8_dot_lowering)
 
-# Whether _int8_product shifts its rows to uint8 (read at trace time; tests compare both forms).
-UINT8_ROWS = cpu.has_uint8_dot()
+# Whether the integer products take the uint8 x int8 form (_offset_weights_product, _int8_product)
+# or, where the CPU has no such kernels (no VNNI), int8 x int8 (read at trace time; tests compare
+# both forms).
+UINT8_DOT = cpu.has_uint8_dot()
 
 
 def _int8_product(terms, other, dimension_numbers):
     """terms int8 [..., rows, c] times int8 `other` (lax.dot_general's dimension_numbers, contracting
-    terms' last axis, rows its only free axis) -> exact int32 [..., rows, out].
+    terms' last axis, rows its only free axis) -> exact int32 [..., rows, out]. Attention's products
+    with the int8 KV cache (the weights' are _offset_weights_product).
     Where the CPU has unsigned x signed int8 kernels (engine.cpu.has_uint8_dot: VNNI) the rows are
     shifted by 128 to uint8, and a row of ones appended to them gives each output's sum over `other`,
     128 times which comes off again: sum((t + 128) w) - 128 sum(w) = sum(t w), exact in int32
-    (|sum| <= 255 * 127 * c). tests/bench/bench_narrow.py products (24 layers of the demo's products,
-    2-core AMD EPYC with avx512_vnni, load 1.1-1.6, ms per forward): 1 / 4 / 8 rows 17.6 / 22.7 / 26.5
-    against 20.6 / 26.9 / 44.1 with signed rows; the demo's decode step with 4 rows 34 against 45 ms."""
-    if not UINT8_ROWS:
+    (|sum| <= 255 * 127 * c). YNNPACK runs the uint8 rows on its VNNI kernels, the int8 ones on plain
+    AVX-512 ones: int8-held weights' products at 1 / 4 / 8 rows 17.6 / 22.7 / 26.5 ms against
+    20.6 / 26.9 / 44.1 signed (the int8 note above); the demo's decode step with 4 rows 34 against
+    45 ms. Blocks as the first operand instead (the cache held offset) ran 6x slower: attention's
+    products have few positions per block and many rows."""
+    if not UINT8_DOT:
         return lax.dot_general(terms, other, dimension_numbers, preferred_element_type=jnp.int32)
     shifted = (terms.astype(jnp.int16) + 128).astype(jnp.uint8)
     ones = jnp.ones(terms.shape[:-2] + (1, terms.shape[-1]), jnp.uint8)
@@ -201,6 +214,27 @@ def _int8_terms_product(terms, scales, n: int, other, dimension_numbers):
     return sum(jnp.split(y, n, axis=-2))
 
 
+def int8_values(q):
+    """Held int8 weights (int8, or uint8 offset by INT8_OFFSET) -> their signed values (exact)."""
+    return q.astype(jnp.int16) - INT8_OFFSET if q.dtype == jnp.uint8 else q
+
+
+def _offset_weights_product(q, terms):
+    """int8 terms [rows, in] times int8 weights held offset (q uint8 [out, in], the values + 128) ->
+    exact int32 [rows, out]: the weights as the dot's first operand (see the int8 note above), and
+    128 times each term row's sum taken off: sum((w + 128) t) - 128 sum(t) = sum(w t)."""
+    if q.dtype != jnp.uint8:
+        raise TypeError(f"offset int8 weights are uint8, got {q.dtype}")
+    numbers = (((1,), (1,)), ((), ()))
+    if not UINT8_DOT:         # no uint8 kernels: the weights' signed values, converted on every call
+        return lax.dot_general(terms, int8_values(q).astype(jnp.int8), numbers,
+                               preferred_element_type=jnp.int32)
+    y = _uint8_int8_dot_p.bind(q, terms, dimension_numbers=numbers)      # [out, rows]
+    # Transposed last: with the transpose first, XLA gave the dot a layout YNNPACK does not take, and
+    # its own dot emitter has no mixed-type product (a compile error).
+    return (y - INT8_OFFSET * jnp.sum(terms.astype(jnp.int32), axis=-1)).T
+
+
 def _matmul(x, w):
     """x [..., in] times w [out, in] (each output a dot product with a row of w) -> [..., out],
     taking the weights in their own dtype and accumulating in float32. w may be int8 weight-only
@@ -212,10 +246,14 @@ def _matmul(x, w):
         on_cpu = jax.default_backend() == "cpu"
         if on_cpu and rows <= INT8_ROWS_MAX_ROWS:
             # Two int8 terms per row: the row, then what its rounding left, on a scale 127x finer.
-            y = _int8_terms_product(*_int8_terms(flat, 2), 2, q, (((1,), (1,)), ((), ())))
+            terms, scales = _int8_terms(flat, 2)
+            if q.dtype == jnp.uint8:
+                y = sum(jnp.split(_offset_weights_product(q, terms).astype(F32) * scales, 2, axis=-2))
+            else:
+                y = _int8_terms_product(terms, scales, 2, q, (((1,), (1,)), ((), ())))
         else:
             wide = jnp.bfloat16 if CPU_HAS_BF16 or not on_cpu else F32
-            y = lax.dot_general(flat.astype(wide), q.astype(wide), (((1,), (1,)), ((), ())),
+            y = lax.dot_general(flat.astype(wide), int8_values(q).astype(wide), (((1,), (1,)), ((), ())),
                                 preferred_element_type=F32)
         return (y * scale).reshape(*x.shape[:-1], q.shape[0])
     if w.dtype == F32 and 2 <= rows <= SUMMED_PRODUCT_MAX_ROWS:
@@ -230,7 +268,7 @@ def _matmul(x, w):
 def _embed(table, tokens):
     """Rows of the embedding table for tokens, in float32 (an int8 table: its rows times their scales)."""
     if is_quantized(table):
-        return table["q"][tokens].astype(F32) * table["scale"][tokens][..., None]
+        return int8_values(table["q"][tokens]).astype(F32) * table["scale"][tokens][..., None]
     return table[tokens].astype(F32)
 
 

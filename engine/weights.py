@@ -54,8 +54,9 @@ a Python list (not one stacked array): the forward loops over them in Python, wh
 they are stacked here, once, into [experts, ...] arrays, so the forward picks experts by index.
 
 Weights dtype "int8" (weight-only): every dense layer matrix (qkv, o, gate_up, down) and the
-embedding table / LM head become {"q": int8 [out, in], "scale": float32 [out]} with w ~ q * scale,
-one scale per output channel (per vocabulary row of the embedding, which is the tied head's output
+embedding table / LM head become {"q": [out, in], "scale": float32 [out]} with w ~ q * scale, q
+int8 values (held as uint8 plus 128 where the CPU's kernels want that: INT8_OFFSET), one scale per
+output channel (per vocabulary row of the embedding, which is the tied head's output
 channel, so one int8 table serves both). Each tensor is quantized as it is read, so no second full
 float32 copy is ever resident. Norms, biases, MoE routers and experts stay in the float dtype
 (float32 on CPU, bfloat16 on accelerators): engine.model._matmul computes with either form.
@@ -71,6 +72,7 @@ import time
 
 import numpy as np
 
+from engine import cpu
 from engine.checkpoint import Checkpoint, WeightsError
 from engine.config import MIXER_KINDS, ModelConfig
 
@@ -78,6 +80,11 @@ from engine.config import MIXER_KINDS, ModelConfig
 WEIGHTS_DTYPES = ("float32", "bfloat16", "int8")
 # int8 values span -INT8_MAX..INT8_MAX (symmetric: -128 is never used, so q * scale is sign-exact).
 INT8_MAX = 127
+# Where the CPU has unsigned x signed int8 kernels (engine.cpu.has_uint8_dot) they are held plus
+# INT8_OFFSET as uint8 (offset binary), the operand those kernels take unsigned: the weights then
+# stream as the first operand (engine.model._offset_weights_product). Elsewhere they are held as int8.
+INT8_OFFSET = 128
+OFFSET_INT8 = cpu.has_uint8_dot()        # read at load time (tests load both forms)
 
 
 # Checkpoint tensors weights dtype int8 holds as int8, besides the embedding / LM head: dense layers'
@@ -99,6 +106,16 @@ def quantize_int8(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scale = np.where(amax > 0, amax / INT8_MAX, 1.0).astype(np.float32)
     q = np.clip(np.rint(a / scale[:, None]), -INT8_MAX, INT8_MAX).astype(np.int8)
     return q, scale
+
+
+def offset_int8(values: np.ndarray) -> np.ndarray:
+    """int8 values -> plus INT8_OFFSET, as uint8."""
+    return (np.asarray(values, np.int16) + INT8_OFFSET).astype(np.uint8)
+
+
+def held_int8_dtype() -> np.dtype:
+    """How int8 weights are held on this machine (OFFSET_INT8)."""
+    return np.dtype(np.uint8 if OFFSET_INT8 else np.int8)
 
 
 def key_smoothing(k_rows, k_bias, attn_norm, k_norm, head_dim: int) -> np.ndarray:
@@ -194,6 +211,7 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
     held_cache: a folder for int8 weights as they are held (HeldWeights): read from there when it
     holds them, else quantized from the checkpoint and written there for the next start."""
     int8 = str(dtype) == "int8"
+    offset = held_int8_dtype() == np.uint8
     writer = None
     if held_cache and int8:
         held = HeldWeights(held_cache)
@@ -216,7 +234,7 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
         if not int8:
             return put(array)
         values, scale = quantize_int8(array)
-        return {"q": values, "scale": scale}
+        return {"q": offset_int8(values) if offset else values, "scale": scale}
 
     def matrix(name: str, out_dim: int, in_dim: int) -> np.ndarray:
         return r.get(name, (out_dim, in_dim))          # nn.Linear's own [out, in]
@@ -351,16 +369,17 @@ def _assemble(parts: dict, cfg: ModelConfig) -> dict:
 # a restarted worker must not pay it again. So int8 weights are written once, as they are held, one
 # .npy file per array with a manifest of the tree, under the cache root (engine.worker names the
 # folder after everything the arrays depend on), and later starts map them in as they are.
-HELD_FORMAT = "held-weights-3"       # bumped when the layout of what is written changes
+HELD_FORMAT = "held-weights-4"       # bumped when the layout of what is written changes
 HELD_KEEP = 2                        # held copies kept under one cache folder (the newest used)
 HELD_TMP_STALE_S = 600               # an unfinished copy this old was left by a worker that died
 _MANIFEST = "manifest.json"
 
 
 def held_key(component_set_sha: str, dtype: str, float_dtype: str, kv_heads: int) -> str:
-    """The folder name of one held copy: the checkpoint's files, the dtypes, the KV heads laid out
-    and HELD_FORMAT (the layout code's version)."""
-    h = hashlib.sha256(json.dumps([HELD_FORMAT, component_set_sha, dtype, float_dtype, kv_heads]).encode())
+    """The folder name of one held copy: the checkpoint's files, the dtypes (int8's as held here),
+    the KV heads laid out and HELD_FORMAT (the layout code's version)."""
+    h = hashlib.sha256(json.dumps([HELD_FORMAT, component_set_sha, dtype, held_int8_dtype().name,
+                                   float_dtype, kv_heads]).encode())
     return "int8-" + h.hexdigest()[:20]
 
 

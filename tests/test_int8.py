@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import cpu, memory, model
+from engine import cpu, memory, model, weights
 from engine.cache import init_cache
 from engine.config import load_config
 from engine.model import jit_forward
-from engine.weights import INT8_MAX, load_weights, quantize_int8, weights_bytes
+from engine.weights import INT8_MAX, load_weights, offset_int8, quantize_int8, weights_bytes
 
 TINY = os.path.join(os.path.dirname(__file__), "fixtures", "tiny")
 # Dense models: in a routed model an int8 rounding may flip a token's expert choice, which moves
@@ -47,9 +47,13 @@ def _logits(cfg, params, tokens, forward=jit_forward, kv_dtype=jnp.float32):
 
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("summed_max_rows", [model.SUMMED_PRODUCT_MAX_ROWS, 0])
-def test_int8_logits_stay_close_to_float32_and_keep_the_greedy_tokens(name, summed_max_rows, monkeypatch):
-    """Guards against the int8 products (the summed form with its padded single row, and the
-    prefill dot when summed_max_rows is 0) drifting from the float32 model or changing its tokens."""
+@pytest.mark.parametrize("offset", [True, False])
+def test_int8_logits_stay_close_to_float32_and_keep_the_greedy_tokens(name, summed_max_rows, offset,
+                                                                      monkeypatch):
+    """Guards against the int8 products (the integer decode product, and the prefill dot when
+    summed_max_rows is 0), with the weights held offset as uint8 or as int8, drifting from the
+    float32 model or changing its tokens."""
+    monkeypatch.setattr(weights, "OFFSET_INT8", offset)
     from safetensors.numpy import load_file
     folder = os.path.join(TINY, name)
     cfg = load_config(folder)
@@ -59,7 +63,7 @@ def test_int8_logits_stay_close_to_float32_and_keep_the_greedy_tokens(name, summ
     forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
     want = _logits(cfg, load_weights(folder, cfg, jnp.float32), tokens, forward)
     params = load_weights(folder, cfg, "int8")
-    assert params["layers"][0]["qkv"]["q"].dtype == jnp.int8
+    assert params["layers"][0]["qkv"]["q"].dtype == (jnp.uint8 if offset else jnp.int8)
     got = _logits(cfg, params, tokens, forward)
     np.testing.assert_allclose(got, want, atol=INT8_ATOL, rtol=0)
     assert np.abs(got - want).mean() < 0.25
@@ -84,7 +88,7 @@ def test_tied_int8_head_is_the_int8_embedding_counted_once():
     cfg = load_config(folder)
     params = load_weights(folder, cfg, "int8")
     assert params["lm_head"] is params["embed"]
-    assert params["embed"]["q"].dtype == jnp.int8
+    assert params["embed"]["q"].dtype == weights.held_int8_dtype()
     assert params["embed"]["scale"].shape == (cfg.vocab_size,)
 
 
@@ -151,17 +155,37 @@ def test_int8_product_matches_the_dequantized_weights_at_decode_and_prefill_rows
     x = rng.standard_normal((rows, 256)).astype(np.float32)
     x[:, 7] *= 30                                         # an outlier activation
     want = x @ (np.asarray(q, np.float32) * np.asarray(scale)[:, None]).T
-    got = np.asarray(jax.jit(model._matmul)(jnp.asarray(x), {"q": jnp.asarray(q), "scale": jnp.asarray(scale)}))
+    got = np.asarray(jax.jit(model._matmul)(jnp.asarray(x), {"q": jnp.asarray(offset_int8(q)),
+                                                              "scale": jnp.asarray(scale)}))
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err < (2e-3 if rows <= model.INT8_ROWS_MAX_ROWS else 1e-2), err
 
 
-@pytest.mark.parametrize("uint8_rows", [True, False])
-def test_integer_product_is_exact_with_rows_signed_or_shifted_to_uint8(uint8_rows, monkeypatch):
+@pytest.mark.parametrize("uint8_dot", [True, False])
+def test_offset_weights_product_is_exact(uint8_dot, monkeypatch):
+    """Guards the weights' integer product (engine.model._offset_weights_product: weights held plus
+    128, less 128 times each term row's sum; or, without uint8 kernels, their signed values) against
+    any rounding: it equals the int64 product at decode and prefill row counts, the largest products
+    included."""
+    monkeypatch.setattr(model, "UINT8_DOT", uint8_dot)
+    rng = np.random.default_rng(4)
+    for rows in (1, 2, 8, 128):
+        t = rng.integers(-INT8_MAX, INT8_MAX + 1, (rows, 300), dtype=np.int8)
+        w = rng.integers(-INT8_MAX, INT8_MAX + 1, (70, 300), dtype=np.int8)
+        t[:, :40], w[:, :40] = -INT8_MAX, -INT8_MAX         # the largest products, all of one sign
+        got = np.asarray(jax.jit(model._offset_weights_product)(offset_int8(w), t))
+        assert got.dtype == np.int32 and got.shape == (rows, 70)
+        np.testing.assert_array_equal(got, t.astype(np.int64) @ w.astype(np.int64).T)
+    with pytest.raises(TypeError, match="uint8"):
+        model._offset_weights_product(jnp.asarray(w), jnp.asarray(t))   # signed weights: refused
+
+
+@pytest.mark.parametrize("uint8_dot", [True, False])
+def test_integer_product_is_exact_with_rows_signed_or_shifted_to_uint8(uint8_dot, monkeypatch):
     """Guards the uint8 shift (engine.model._int8_product: rows + 128, less 128 times a row of ones'
-    product) against any rounding: both forms equal the int64 product, for a weight-shaped operand and
-    for attention's batched cache blocks, extreme values included."""
-    monkeypatch.setattr(model, "UINT8_ROWS", uint8_rows)
+    product) against any rounding: both forms equal the int64 product, for a plain matrix and for
+    attention's batched cache blocks, extreme values included."""
+    monkeypatch.setattr(model, "UINT8_DOT", uint8_dot)
     rng = np.random.default_rng(3)
     cases = [((5, 300), (70, 300), (((1,), (1,)), ((), ())), "rc,oc->ro"),
              ((2, 3, 6, 64), (2, 3, 64, 40), (((3,), (2,)), ((0, 1), (0, 1))), "bkrc,bkcs->bkrs"),
@@ -175,20 +199,24 @@ def test_integer_product_is_exact_with_rows_signed_or_shifted_to_uint8(uint8_row
         np.testing.assert_array_equal(got, np.einsum(spec, x.astype(np.int64), w.astype(np.int64)))
 
 
-def test_uint8_rows_leave_the_int8_models_logits_bit_for_bit(monkeypatch):
-    """The shift is exact, so int8 weights with an int8 KV cache give the same logits either way."""
+def test_uint8_products_leave_the_int8_models_logits_bit_for_bit(monkeypatch):
+    """The offsets are exact, so int8 weights with an int8 KV cache give the same logits whether the
+    weights are held offset as uint8 (weights first) or as int8 (rows first, shifted to uint8 or
+    signed)."""
     from safetensors.numpy import load_file
     folder = os.path.join(TINY, "qwen2")
     cfg = load_config(folder)
-    params = load_weights(folder, cfg, "int8")
     tokens = np.asarray(load_file(os.path.join(folder, "reference.safetensors"))["tokens"])
     runs = []
-    for uint8_rows in (True, False):
-        monkeypatch.setattr(model, "UINT8_ROWS", uint8_rows)
+    for offset, uint8_dot in ((True, True), (False, True), (False, False)):
+        monkeypatch.setattr(weights, "OFFSET_INT8", offset)
+        monkeypatch.setattr(model, "UINT8_DOT", uint8_dot)
+        params = load_weights(folder, cfg, "int8")
         # a fresh function, so jit traces it again with the patched flag
         forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
         runs.append(_logits(cfg, params, tokens, forward, kv_dtype=jnp.int8))
-    np.testing.assert_array_equal(*runs)
+    np.testing.assert_array_equal(runs[0], runs[1])
+    np.testing.assert_array_equal(runs[0], runs[2])
 
 
 # ---- int8 weights kept as they are held (engine.weights.HeldWeights) ---------------------------------
@@ -200,7 +228,6 @@ def _leaves(params):
 def test_held_int8_weights_are_read_back_without_the_checkpoint(tmp_path, monkeypatch):
     """Guards the restart path: the second load must not read (and quantize) the float checkpoint
     again, and must give the same arrays."""
-    from engine import weights
     folder = os.path.join(TINY, "qwen3")
     cfg = load_config(folder)
     held = str(tmp_path / "weights" / "int8-one")
@@ -228,7 +255,6 @@ def test_a_broken_held_copy_is_quantized_again(tmp_path):
 
 def test_only_the_newest_held_copies_are_kept(tmp_path):
     """Guards the disk: every model or dtype change writes a copy; old ones go."""
-    from engine import weights
     folder = os.path.join(TINY, "qwen3")
     cfg = load_config(folder)
     root = tmp_path / "weights"

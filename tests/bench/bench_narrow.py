@@ -40,7 +40,7 @@ from jax import lax
 HIDDEN, INTERMEDIATE, LAYERS = 896, 4864, 24
 QKV = HIDDEN + 2 * 128
 ROWS = (1, 4, 8, 32, 128, 512)
-REPEATS = 5
+REPEATS = 9
 KL_BOUND = 0.01
 F32 = jnp.float32
 
@@ -54,21 +54,23 @@ def _summed(x, w):
 
 
 def _engine(x, w):
-    """The engine's own product (engine.model._matmul) on int8 weights: at up to 128 rows each row
-    as two int8 terms times the int8 weights (YNNPACK's integer dot), past that a bfloat16 dot."""
+    """The engine's own product (engine.model._matmul) on int8 weights held offset as uint8 (w[5]): at
+    up to 128 rows the weights first times each row as two int8 terms (YNNPACK's integer dot), past
+    that a bfloat16 dot."""
     from engine.model import _matmul
-    return _matmul(x, {"q": w[0], "scale": w[1]})
+    return _matmul(x, {"q": w[5], "scale": w[1]})
 
 
-def _engine_signed_rows(x, w):
-    """The engine's product with its int8 rows kept signed (int8 x int8: YNNPACK's plain AVX-512
-    kernels) instead of shifted to uint8 (its VNNI kernels): engine.model.UINT8_ROWS off while tracing."""
+def _rows_first(x, w, uint8_dot=True):
+    """The engine's product on int8 weights held as int8 (CPUs without uint8 kernels): each row as two
+    int8 terms first, times the weights; the terms shifted to uint8 with a row of ones (uint8_dot) or
+    kept signed (int8 x int8: YNNPACK's plain AVX-512 kernels): engine.model.UINT8_DOT while tracing."""
     from engine import model
-    kept, model.UINT8_ROWS = model.UINT8_ROWS, False
+    kept, model.UINT8_DOT = model.UINT8_DOT, uint8_dot
     try:
-        return _engine(x, w)
+        return model._matmul(x, {"q": w[0], "scale": w[1]})
     finally:
-        model.UINT8_ROWS = kept
+        model.UINT8_DOT = kept
 
 
 def _int4_engine(x, w):
@@ -87,14 +89,16 @@ def _int8_one_term(x, w, pad=2):
     return (y.astype(F32) * xs)[:x.shape[0]] * w[1]
 
 
-# Each formulation: (x [rows, in] float32, weight) -> [rows, out] float32. int8 weights are (q, scale).
+# Each formulation: (x [rows, in] float32, weight) -> [rows, out] float32. int8 weights are the tuple
+# (q, scale, q transposed, int4 q, int4 scale, q offset as uint8) of _layers.
 FORMS = {
     "f32 dot": lambda x, w: _dot(x, w),
     "f32 summed": lambda x, w: _summed(x, w),
     "i8 dot(convert w)": lambda x, w: _dot(x, w[0].astype(F32)) * w[1],
     "i8 dot(bf16)": lambda x, w: _dot(x.astype(jnp.bfloat16), w[0].astype(jnp.bfloat16)) * w[1],
     "i8 engine (2 terms)": _engine,
-    "i8 engine, signed rows": _engine_signed_rows,
+    "i8 rows first, uint8": _rows_first,
+    "i8 rows first, signed": lambda x, w: _rows_first(x, w, uint8_dot=False),
     "i4 widened, engine": _int4_engine,
     "i8 rows x i8, 1 term": _int8_one_term,
     "i8 rows x i8, unpadded": lambda x, w: _int8_one_term(x, w, pad=1),
@@ -109,18 +113,20 @@ FORMS = {
 }
 # Which formulations to time at which row counts (the summed forms are far too slow at 512 rows).
 PLAN = {
-    1: ["f32 dot", "i8 engine (2 terms)", "i8 engine, signed rows", "i4 widened, engine",
-        "i8 rows x i8, 1 term", "i8 rows x i8, unpadded", "i8 dot(convert w)", "i8 pad2 summed"],
-    4: ["f32 dot", "f32 summed", "i8 engine (2 terms)", "i8 engine, signed rows", "i4 widened, engine",
-        "i8 rows x i8, 1 term", "i8 summed"],
-    8: ["f32 summed", "i8 engine (2 terms)", "i8 engine, signed rows", "i8 summed"],
-    32: ["f32 summed", "i8 engine (2 terms)", "i8 dot(bf16)"],
-    128: ["f32 summed", "i8 engine (2 terms)", "i8 dot(bf16)"],
+    1: ["f32 dot", "i8 engine (2 terms)", "i8 rows first, uint8", "i8 rows first, signed",
+        "i4 widened, engine", "i8 rows x i8, 1 term", "i8 rows x i8, unpadded", "i8 dot(convert w)",
+        "i8 pad2 summed"],
+    4: ["f32 dot", "f32 summed", "i8 engine (2 terms)", "i8 rows first, uint8", "i8 rows first, signed",
+        "i4 widened, engine", "i8 rows x i8, 1 term", "i8 summed"],
+    8: ["f32 summed", "i8 engine (2 terms)", "i8 rows first, uint8", "i8 rows first, signed", "i8 summed"],
+    32: ["f32 summed", "i8 engine (2 terms)", "i8 rows first, uint8", "i8 dot(bf16)"],
+    128: ["f32 summed", "i8 engine (2 terms)", "i8 rows first, uint8", "i8 dot(bf16)"],
     512: ["f32 dot", "i8 engine (2 terms)", "i8 rows x i8, 1 term", "i8 dot(bf16)"],
 }
 
 
 def _layers(rng, int8: bool):
+    from engine.weights import offset_int8
     shapes = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTERMEDIATE, HIDDEN),
               "down": (HIDDEN, INTERMEDIATE)}
     out = []
@@ -134,7 +140,7 @@ def _layers(rng, int8: bool):
                 scale4 = scale * 127 / 7                         # int4: -7..7 per output channel
                 q4 = jnp.asarray(np.rint(w / scale4[:, None]).astype(np.int8)).astype(jnp.int4)
                 layer[name] = (jnp.asarray(q), jnp.asarray(scale), jnp.asarray(np.ascontiguousarray(q.T)),
-                               q4, jnp.asarray(scale4))
+                               q4, jnp.asarray(scale4), jnp.asarray(offset_int8(q)))
             else:
                 layer[name] = jnp.asarray(w)
         out.append(layer)
