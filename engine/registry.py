@@ -9,8 +9,8 @@ packages. On first use, prepare() joins the parts (checking size and sha256) int
 cache and writes beside it the files of a Hugging Face folder made from the GGUF's metadata
 (config.json, tokenizer.json, tokenizer_config.json, generation_config.json). The engine reads the
 weights from the GGUF itself (engine.checkpoint), narrowing each tensor as it is dequantized: no
-float32 copy of the model is ever written, nor held for int8 weights. The folder is written under a temporary name and renamed at the
-end, so a crash never leaves a half-built model behind.
+float32 copy of the model is ever written, nor held for int8 weights. The folder is written under a
+temporary name and renamed at the end, so a crash never leaves a half-built model behind.
 
 This module must stay importable without jax: the server process reads it too. numpy and the
 standard library only; gguf and tokenizers are imported while building the demo.
@@ -45,7 +45,7 @@ ENV_CACHE = "MASHBOX_CACHE"       # the cache root; the demo model is built unde
 FOLDER_DEFAULTS = {"slots": 4, "ctx": 32768, "cache_ram_mib": 4096}
 
 # Bumped when the demo folder's contents change, so an old build in a user's cache is rebuilt.
-DEMO_BUILD_VERSION = 2         # 2: the GGUF itself is kept (1 held dequantized safetensors)
+DEMO_BUILD_VERSION = 2         # 2: the GGUF itself is kept (1: its weights dequantized to float32)
 DEMO_MARKER = "mashbox-demo.json"     # written last inside the demo folder: what it was built from
 DEMO_GGUF = "model.gguf"              # the joined parts, kept: the engine reads its weights
 

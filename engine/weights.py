@@ -164,8 +164,9 @@ class _Reader:
         stored = self.names.get(name, name)
         if not self.checkpoint.has(stored):
             raise WeightsError(f"tensor {name} is missing from the checkpoint")
-        if self.checkpoint.shapes[stored] != shape:
-            raise WeightsError(f"tensor {name} has shape {self.checkpoint.shapes[stored]}, config expects {shape}")
+        stored_shape = self.checkpoint.shapes[stored]
+        if stored_shape != shape:
+            raise WeightsError(f"tensor {name} has shape {stored_shape}, config expects {shape}")
         return self.checkpoint.get(stored)
 
 

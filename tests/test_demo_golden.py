@@ -158,3 +158,13 @@ def test_int8_demo_greedy_answers_match_transformers_in_one_batch(engine_int8, d
     got = run(engine_int8, {"prime": PRIME_PROMPT, "france": FRANCE_PROMPT}, 24, stop)
     assert got["france"] == (FRANCE_ANSWER, "stop")
     assert got["prime"] == (PRIME_ANSWER, "length")
+
+
+def test_demo_facts_name_the_gguf_its_bits_and_what_is_held(engine, engine_int8, demo_folder):
+    """/v1/models' weights, bpw and gb must tell the truth: the GGUF is what is read (6.16 bits per
+    weight: mostly Q5_0 and Q8_0 blocks), and gb is what each worker holds (float32: 4 bytes per
+    weight; int8: 1, plus float32 scales, norms and biases)."""
+    for worker in (engine, engine_int8):
+        assert worker.facts.weights == str(Path(demo_folder) / registry.DEMO_GGUF)
+        assert worker.facts.bpw == 6.16
+    assert 2.5 < engine.facts.gb < 2.55 and 0.6 < engine_int8.facts.gb < 0.65

@@ -348,7 +348,8 @@ def test_demo_weights_read_as_the_gguf_dequantized_in_hf_layout(tiny_demo, monke
         np.testing.assert_array_equal(got, expected, err_msg=name)
         # and the quantization really is the only difference from the source values
         np.testing.assert_allclose(got, made[name], atol=0.2, err_msg=name)
-    file_bits = 8 * sum(int(t.n_bytes) for t in reader.tensors) / sum(int(t.n_elements) for t in reader.tensors)
+    file_bits = 8 * sum(int(t.n_bytes) for t in reader.tensors) / sum(int(t.n_elements)
+                                                                     for t in reader.tensors)
     assert ck.bits_per_weight == round(file_bits, 2) and ck.bits_per_weight < 32
 
 
