@@ -330,8 +330,8 @@ def _rope(x, positions, inv_freq, scale):
 ATTENTION_BLOCK = 512
 
 # The int8 cache (kv_dtype_for): each position's key and value of a KV head are rounded to int8 on
-# their own scale (largest magnitude / 127, kept beside them as float32). A decode step (on a CPU
-# without bfloat16 dot products, below) multiplies integers, as _matmul does with int8 weights: the queries, and the probabilities times the values'
+# their own scale (largest magnitude / 127, kept beside them as float32). A decode step multiplies
+# integers, as _matmul does with int8 weights: the queries, and the probabilities times the values'
 # scales, become int8 terms (the rows, then their rounding error on a 127x finer scale: QUERY_TERMS,
 # PROB_TERMS) and one int8 x int8 -> int32 product per block reads the int8 keys, one the int8 values.
 # XLA:CPU runs those on YNNPACK's integer kernels, while float keys and values widened to float32
@@ -343,16 +343,14 @@ ATTENTION_BLOCK = 512
 # [head_dim, positions] blocks than [positions, head_dim] ones. Measured: see kv_dtype_for. Mean KL
 # from a float32 cache on the demo (2k tokens in 16-token chunks, so the integer products run):
 # two terms each 0.00105 nats; one probability term 0.00236 (5% faster at 16k); one of each 0.0034.
-# Where the CPU has bfloat16 dot products, decode widens the blocks too (INT8_ATTENTION_MAX_ROWS 0):
-# on a 2-core AMD EPYC of CPU family 26 (avx512_vnni, avx512_bf16) the demo's decode step, the two
-# alternated in one process, medians of 20, three runs at load 1.0-1.6: one row at 16k positions
-# 43-53 ms against 51-62 with the integer products, at 4k 31-35 against 33-37, at 1k 26-30 against
-# 28-30; four rows at 16k 129-135 against 133-146; the same accuracy (mean KL 0.00288 against
-# 0.00289 nats, 2k tokens in 16-token chunks, int8 weights and cache). The integer products are
-# kept for CPUs with int8 but no bfloat16 dot products, where widening means float32.
+# Measured and left out: decode widening its blocks to bfloat16 where the CPU has bfloat16 dot
+# products, as a long prefill chunk does. On a 2-core AMD EPYC of CPU family 26 it ran one row at 16k
+# positions in 43-53 ms against 51-62 (the same mean KL), but its float sums follow the rows of the
+# call, so a prompt served partly from the prompt cache no longer gave the tokens a cold run gives
+# (tests/test_prefix_cache.py, tests/test_hybrid.py): the integer sums here are exact.
 QUERY_TERMS = 2
 PROB_TERMS = 2
-INT8_ATTENTION_MAX_ROWS = 0 if CPU_HAS_BF16 else 128
+INT8_ATTENTION_MAX_ROWS = 128
 # Past that, the dtype the int8 blocks are widened to: bfloat16 where the CPU has bfloat16 dot
 # products (as _matmul's prefill product; the queries and probabilities are rounded to it), else
 # float32. A 512-token chunk of the demo, alternated in one process (2-core AMD EPYC with

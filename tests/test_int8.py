@@ -208,7 +208,6 @@ def test_uint8_products_leave_the_int8_models_logits_bit_for_bit(monkeypatch):
     cfg = load_config(folder)
     tokens = np.asarray(load_file(os.path.join(folder, "reference.safetensors"))["tokens"])
     runs = []
-    monkeypatch.setattr(model, "INT8_ATTENTION_MAX_ROWS", 128)      # attention's integer products too
     for offset, uint8_dot in ((True, True), (False, True), (False, False)):
         monkeypatch.setattr(weights, "OFFSET_INT8", offset)
         monkeypatch.setattr(model, "UINT8_DOT", uint8_dot)

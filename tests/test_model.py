@@ -432,12 +432,11 @@ def test_float16_kv_cache_stays_close_and_keeps_the_greedy_tokens(tiny):
     np.testing.assert_array_equal(got.argmax(-1), ref["logits"].argmax(-1))
 
 
-@pytest.mark.parametrize("integer_rows", [128, 0])
+@pytest.mark.parametrize("integer_rows", [model.INT8_ATTENTION_MAX_ROWS, 0])
 def test_int8_kv_cache_stays_close_to_float32(tiny, integer_rows, monkeypatch):
-    """Guards against the int8 cache (its scales, smoothed keys, integer products up to 128 rows as
-    on CPUs without bfloat16 dot products, and the blocks widened when integer_rows is 0, as in a
-    long prefill chunk or any step where the CPU has them) drifting from the float32 cache or
-    changing its tokens beyond the rounding of 8-bit keys and values."""
+    """Guards against the int8 cache (its scales, smoothed keys, integer products, and the blocks
+    widened to float32 when integer_rows is 0, as in a long prefill chunk) drifting from the float32
+    cache or changing its tokens beyond the rounding of 8-bit keys and values."""
     cfg, params, ref = tiny
     monkeypatch.setattr(model, "INT8_ATTENTION_MAX_ROWS", integer_rows)
     # a fresh function, so jit traces it again with the patched constant
