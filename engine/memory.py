@@ -107,7 +107,7 @@ def held_weight_bytes(folder: str, weights_dtype: str, float_bytes: int = CPU_WE
     # one per key channel.
     total = sum(shape[0] * SCALE_BYTES for name, shape in tensors if name.endswith("self_attn.k_proj.weight"))
     if weights_dtype != "int8":
-        return total + parameter_count(folder) * WEIGHT_BYTES[weights_dtype]
+        return total + sum(_count(shape) for _, shape in tensors) * WEIGHT_BYTES[weights_dtype]
     for name, shape in tensors:
         if quantized_tensor(name) and len(shape) == 2:
             total += _count(shape) * WEIGHT_BYTES["int8"] + shape[0] * SCALE_BYTES

@@ -207,11 +207,16 @@ def _int8_product(terms, other, dimension_numbers):
     return y[..., :-1, :] - 128 * y[..., -1:, :]
 
 
+def _sum_terms(products, scales, n: int):
+    """The int32 products of n int8 terms (_int8_terms of x [..., rows, c], stacked along the rows),
+    each times its scales, summed: [..., rows, out] float32, x's product."""
+    return sum(jnp.split(products.astype(F32) * scales, n, axis=-2))
+
+
 def _int8_terms_product(terms, scales, n: int, other, dimension_numbers):
     """The sum of n int8 terms (_int8_terms of x [..., rows, c]) times int8 `other`, each term's
     product times its scales: [..., rows, out] float32, x's product with `other`."""
-    y = _int8_product(terms, other, dimension_numbers).astype(F32) * scales
-    return sum(jnp.split(y, n, axis=-2))
+    return _sum_terms(_int8_product(terms, other, dimension_numbers), scales, n)
 
 
 def int8_values(q):
@@ -247,10 +252,9 @@ def _matmul(x, w):
         if on_cpu and rows <= INT8_ROWS_MAX_ROWS:
             # Two int8 terms per row: the row, then what its rounding left, on a scale 127x finer.
             terms, scales = _int8_terms(flat, 2)
-            if q.dtype == jnp.uint8:
-                y = sum(jnp.split(_offset_weights_product(q, terms).astype(F32) * scales, 2, axis=-2))
-            else:
-                y = _int8_terms_product(terms, scales, 2, q, (((1,), (1,)), ((), ())))
+            products = (_offset_weights_product(q, terms) if q.dtype == jnp.uint8
+                        else _int8_product(terms, q, (((1,), (1,)), ((), ()))))
+            y = _sum_terms(products, scales, 2)
         else:
             wide = jnp.bfloat16 if CPU_HAS_BF16 or not on_cpu else F32
             y = lax.dot_general(flat.astype(wide), int8_values(q).astype(wide), (((1,), (1,)), ((), ())),
