@@ -913,6 +913,30 @@ def _moe(layer, x, valid, cfg: ModelConfig, site: int):
 
 # ---- the model ---------------------------------------------------------------------------------
 
+def _layer(layer, kv, x, slots, starts, lengths, positions, valid, live, *, cfg: ModelConfig,
+           kind: str, mlp: str, site: int | None):
+    """One decoder layer on the residual stream x [B, T, hidden]: (x after it, its updated cache)."""
+    normed = _rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+    if kind == "linear":
+        h, kv = _linear_attention(layer, kv, normed, slots, starts, lengths, valid, cfg=cfg)
+    elif kind in ("attention", "gated_attention"):
+        h, kv = _attention(layer, kv, normed, slots, positions, valid, live, cfg=cfg,
+                           gated=kind == "gated_attention")
+    else:
+        raise ValueError(f"layer kind {kind!r} is not implemented")
+    x = x + h
+    normed = _rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+    return x + (_moe(layer, normed, valid, cfg, site) if mlp == "moe" else _mlp(layer, normed)), kv
+
+
+# Each layer as a jitted call inside forward: layers of one kind whose weights have the same shapes
+# share one trace and one lowered function, which XLA inlines again (the program is the same).
+# Tracing and lowering 24 layers one by one took most of a warm start (the executables themselves
+# come from the persistent cache). A routed-expert layer keeps a trace of its own (site): its path
+# is recorded per layer (ROUTED_SITES).
+_jit_layer = jax.jit(_layer, static_argnames=("cfg", "kind", "mlp", "site"))
+
+
 def forward(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,
             all_logits: bool = False):
     """See the module docstring. tokens int32 [B, T]; slots, starts, lengths int32 [B].
@@ -932,17 +956,8 @@ def forward(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,
     # A Python loop, not lax.scan: XLA:CPU runs the unrolled layers 2-4x faster.
     mlp_kinds = cfg.mlp_kinds or ("dense",) * cfg.num_layers
     for i, (kind, mlp, layer, kv) in enumerate(zip(cfg.layer_kinds, mlp_kinds, params["layers"], cache)):
-        normed = _rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-        if kind == "linear":
-            h, kv = _linear_attention(layer, kv, normed, slots, starts, lengths, valid, cfg=cfg)
-        elif kind in ("attention", "gated_attention"):
-            h, kv = _attention(layer, kv, normed, slots, positions, valid, live, cfg=cfg,
-                               gated=kind == "gated_attention")
-        else:
-            raise ValueError(f"layer kind {kind!r} is not implemented")
-        x = x + h
-        normed = _rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-        x = x + (_moe(layer, normed, valid, cfg, i) if mlp == "moe" else _mlp(layer, normed))
+        x, kv = _jit_layer(layer, kv, x, slots, starts, lengths, positions, valid, live, cfg=cfg,
+                           kind=kind, mlp=mlp, site=i if mlp == "moe" else None)
         new_cache.append(kv)
     if not all_logits:
         last = jnp.maximum(lengths - 1, 0)                                 # idle rows: any row

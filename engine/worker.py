@@ -128,12 +128,19 @@ def compiles_so_far() -> int:
     return _compiles
 
 
-def _compile_together(calls, done=None) -> None:
+def _compile_together(calls, done=None, then=None) -> None:
     """Compile jitted calls [(function, args, static kwargs)] at once, one thread per core: XLA
     releases the GIL while it compiles, and jit keeps each compiled program for the call that runs
-    it later (or the persistent cache serves it). Arguments are only looked at, never consumed."""
+    it later (or the persistent cache serves it). Arguments are only looked at, never consumed.
+    then(call): run in the compiling thread once that call's program is ready, while the other
+    threads still trace and compile (a program's first run overlaps the next one's compile)."""
+    def one(call) -> None:
+        call[0].lower(*call[1], **call[2]).compile()
+        if then is not None:
+            then(call)
+
     with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
-        futures = [pool.submit(lambda c=c: c[0].lower(*c[1], **c[2]).compile()) for c in calls]
+        futures = [pool.submit(one, c) for c in calls]
         for future in as_completed(futures):      # progress is reported from this thread only
             future.result()
             if done is not None:
@@ -318,11 +325,17 @@ class Engine:
             progress("compile", min(done[0], total - 1), total)
 
         progress("compile", 0, total)
+        cache_lock = threading.Lock()       # the first runs take turns with the cache they donate
+
+        def first_run(call) -> None:
+            rows, t = call[1][2].shape
+            if t > 1:                       # a prefill chunk (the decode programs run below, for the sampler)
+                with cache_lock:
+                    _, self.cache = jit_forward(*self._model_call(rows, t), cfg=self.cfg)
+                    jax.block_until_ready(self.cache)
+
         _compile_together([(jit_forward, self._model_call(rows, t), {"cfg": self.cfg})
-                           for _, rows, t in programs], compiled)
-        for kind, rows, t in programs:
-            if kind == "prefill":                   # (the decode programs run below, for the sampler)
-                _, self.cache = jit_forward(*self._model_call(rows, t), cfg=self.cfg)
+                           for _, rows, t in programs], compiled, then=first_run)
         samples = []
         for rows in self.buckets.decode_rows:      # every row count a prefill chunk has too (one)
             logits, self.cache = jit_forward(*self._model_call(rows, 1), cfg=self.cfg)
