@@ -113,6 +113,12 @@ SUMMED_PRODUCT_MAX_ROWS = 128
 #   8      24.1                           26.9                     35.3                 54.4
 #   32     69.7                           51.7                                          86.8
 #   128    218.6                          148.3                                         270.0
+# On a 2-core AMD EPYC of CPU family 25 (Zen 4, which runs 512-bit instructions in two halves) the
+# weights-first products took 28.1 / 31.9 / 42.3 ms at 1 / 4 / 8 rows: one row streams 12.8 GB/s of
+# weights where a float32 dot of one row streams 34 GB/s. YNNPACK's integer kernels are compute-bound
+# there in either operand order, even with the weights a constant of the program, packed once (13
+# GB/s). Tried there and no faster: batches of 16-608 output rows, [in, out] weights in either
+# operand, bfloat16 weights (8 G weights/s at best), XLA_FLAGS routing dots to oneDNN or XNNPACK.
 # Weights first lose at 32 and 128 rows (small prefill chunks), but rows first there would need the
 # weights held a second time as int8: decode, every token, is what they are held for. The demo's
 # decode step, the forms alternated in one process: 1 row 22.9 against 27.7 ms, 4 rows 31.5 against
@@ -930,10 +936,11 @@ def _layer(layer, kv, x, slots, starts, lengths, positions, valid, live, *, cfg:
 
 
 # Each layer as a jitted call inside forward: layers of one kind whose weights have the same shapes
-# share one trace and one lowered function, which XLA inlines again (the program is the same).
-# Tracing and lowering 24 layers one by one took most of a warm start (the executables themselves
-# come from the persistent cache). A routed-expert layer keeps a trace of its own (site): its path
-# is recorded per layer (ROUTED_SITES).
+# share one trace and one lowered function, which XLA inlines again (the same logits to the bit, the
+# same speed). Tracing and lowering comes before the persistent compile cache can even be asked, holds
+# the GIL, and ran again at every start: the demo's decode program 0.9 + 0.5 s with the 24 layers
+# traced one by one, 0.2 + 0.1 s now (2-core AMD EPYC, CPU family 25). A routed-expert layer keeps a
+# trace of its own (site): its path is recorded per layer (ROUTED_SITES).
 _jit_layer = jax.jit(_layer, static_argnames=("cfg", "kind", "mlp", "site"))
 
 

@@ -25,7 +25,7 @@ import os
 import secrets
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import jax
@@ -131,20 +131,18 @@ def compiles_so_far() -> int:
 def _compile_together(calls, done=None, then=None) -> None:
     """Compile jitted calls [(function, args, static kwargs)] at once, one thread per core: XLA
     releases the GIL while it compiles, and jit keeps each compiled program for the call that runs
-    it later (or the persistent cache serves it). Arguments are only looked at, never consumed.
-    then(call): run in the compiling thread once that call's program is ready, while the other
-    threads still trace and compile (a program's first run overlaps the next one's compile)."""
-    def one(call) -> None:
-        call[0].lower(*call[1], **call[2]).compile()
-        if then is not None:
-            then(call)
-
+    it later (or the persistent cache serves it). Arguments are only looked at (shapes, dtypes and
+    shardings, which a donated array keeps), never consumed. then(call) runs in this thread, in the
+    calls' order, as soon as that call's program is ready, while the pool still compiles the rest:
+    every process of a multi-host group runs its programs in the same order."""
     with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
-        futures = [pool.submit(one, c) for c in calls]
-        for future in as_completed(futures):      # progress is reported from this thread only
+        futures = [pool.submit(lambda c=c: c[0].lower(*c[1], **c[2]).compile()) for c in calls]
+        for call, future in zip(calls, futures):    # progress is reported from this thread only
             future.result()
             if done is not None:
                 done()
+            if then is not None:
+                then(call)
 
 
 # ---- device calls ------------------------------------------------------------------------------
@@ -311,8 +309,11 @@ class Engine:
         calls that run it later; a program found in the persistent compile cache is loaded instead.
         Every model program then runs once on idle rows (lengths 0: the cache is untouched): a
         program's first run costs far more than the next (on a CPU the demo's 512-token chunk took
-        2.2 s against 0.8 s, its 128-token chunk 1.0 against 0.4), and that first run belongs to the
-        start, not to the first request that needs it. The sampler is compiled for logits of the
+        2.2 s against 0.8 s, its 128-token chunk 1.0 against 0.4: YNNPACK sets up each of its
+        fusions on their first call), and that first run belongs to the start, not to the first
+        request that needs it. A prefill program runs as soon as it is compiled, while the pool still
+        traces and loads the others (a warm start of the demo on a 2-core EPYC of CPU family 25 spent
+        5.6 s in those runs after every program had loaded). The sampler is compiled for logits of the
         decode programs, one token per row (cheap): jit keys on where its inputs live, so logits
         made on the host would compile a different program than the one requests run."""
         programs, progress = self.programs(), self.progress
@@ -325,14 +326,12 @@ class Engine:
             progress("compile", min(done[0], total - 1), total)
 
         progress("compile", 0, total)
-        cache_lock = threading.Lock()       # the first runs take turns with the cache they donate
+        prefills = {(rows, t) for kind, rows, t in programs if kind == "prefill"}
 
-        def first_run(call) -> None:
-            rows, t = call[1][2].shape
-            if t > 1:                       # a prefill chunk (the decode programs run below, for the sampler)
-                with cache_lock:
-                    _, self.cache = jit_forward(*self._model_call(rows, t), cfg=self.cfg)
-                    jax.block_until_ready(self.cache)
+        def first_run(call) -> None:          # (the decode programs run below, for the sampler)
+            if call[1][2].shape in prefills:
+                _, self.cache = jit_forward(*self._model_call(*call[1][2].shape), cfg=self.cfg)
+                jax.block_until_ready(self.cache)
 
         _compile_together([(jit_forward, self._model_call(rows, t), {"cfg": self.cfg})
                            for _, rows, t in programs], compiled, then=first_run)
