@@ -222,6 +222,12 @@ class Engine:
         if args.weights_cache and self.dtype.name == "int8":
             held = os.path.join(args.weights_cache, held_key(
                 self.component_set_sha, self.dtype.name, np.dtype(float_dtype).name, cfg.num_kv_heads))
+        # A first start's certification gate will run: its float64 reference starts now, beside the
+        # weights and the compiles (a hybrid model's gate has no reference to compute).
+        reference = None
+        gate_runs = args.recertify or certify.nothing_recorded(args.certify_dir, self.component_set_sha)
+        if gate_runs and not follower and "linear" not in self.checkpoint_cfg.layer_kinds:
+            reference = certify.Reference(args.weights_folder, self.checkpoint_cfg)
         progress("weights", 0, 1)
         self.params = load_weights(args.weights_folder, self.checkpoint_cfg, self.dtype.name,
                                    float_dtype=float_dtype, kv_heads=cfg.num_kv_heads,
@@ -251,7 +257,7 @@ class Engine:
         progress("certify", 0, 1)
         # The server logs the outcome from the facts (Ready), the reason with it.
         self.certification, self.certification_detail = certify.gate(
-            self, args.certify_dir, args.recertify, args.golden)
+            self, args.certify_dir, args.recertify, args.golden, reference)
         progress("certify", 1, 1)
         self.late_compiles = 0            # programs compiled inside step() since ready
         self.facts = ModelFacts(
