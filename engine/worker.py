@@ -132,17 +132,17 @@ def _compile_together(calls, done=None, then=None) -> None:
     """Compile jitted calls [(function, args, static kwargs)] at once, one thread per core: XLA
     releases the GIL while it compiles, and jit keeps each compiled program for the call that runs
     it later (or the persistent cache serves it). Arguments are only looked at (shapes, dtypes and
-    shardings, which a donated array keeps), never consumed. then(call) runs in this thread, in the
-    calls' order, as soon as that call's program is ready, while the pool still compiles the rest:
+    shardings, which a donated array keeps), never consumed. then(i) runs in this thread, in the
+    calls' order, as soon as call i's program is ready, while the pool still compiles the rest:
     every process of a multi-host group runs its programs in the same order."""
     with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
         futures = [pool.submit(lambda c=c: c[0].lower(*c[1], **c[2]).compile()) for c in calls]
-        for call, future in zip(calls, futures):    # progress is reported from this thread only
+        for i, future in enumerate(futures):        # progress is reported from this thread only
             future.result()
             if done is not None:
                 done()
             if then is not None:
-                then(call)
+                then(i)
 
 
 # ---- device calls ------------------------------------------------------------------------------
@@ -332,11 +332,11 @@ class Engine:
             progress("compile", min(done[0], total - 1), total)
 
         progress("compile", 0, total)
-        prefills = {(rows, t) for kind, rows, t in programs if kind == "prefill"}
 
-        def first_run(call) -> None:          # (the decode programs run below, for the sampler)
-            if call[1][2].shape in prefills:
-                _, self.cache = jit_forward(*self._model_call(*call[1][2].shape), cfg=self.cfg)
+        def first_run(i: int) -> None:        # (the decode programs run below, for the sampler)
+            kind, rows, t = programs[i]
+            if kind == "prefill":
+                _, self.cache = jit_forward(*self._model_call(rows, t), cfg=self.cfg)
                 jax.block_until_ready(self.cache)
 
         _compile_together([(jit_forward, self._model_call(rows, t), {"cfg": self.cfg})
