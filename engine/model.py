@@ -341,9 +341,10 @@ ATTENTION_BLOCK = 512
 
 # The int8 cache (kv_dtype_for): each position's key and value of a KV head are rounded to int8 on
 # their own scale (largest magnitude / 127, kept beside them as float32). A decode step multiplies
-# integers, as _matmul does with int8 weights: the queries, and the probabilities times the values'
-# scales, become int8 terms (the rows, then their rounding error on a 127x finer scale: QUERY_TERMS,
-# PROB_TERMS) and one int8 x int8 -> int32 product per block reads the int8 keys, one the int8 values.
+# integers, as _matmul does with int8 weights: the queries become int8 terms (the rows, then their
+# rounding error on a 127x finer scale: QUERY_TERMS) and one int8 x int8 -> int32 product per block
+# reads the int8 keys; the probabilities times the values' scales, never negative, become one
+# unsigned 8-bit term per row (_probs_product) and one product reads the int8 values.
 # XLA:CPU runs those on YNNPACK's integer kernels, while float keys and values widened to float32
 # keep attention compute-bound (a group of 7 query heads per KV head is a thin product). Past
 # INT8_ATTENTION_MAX_ROWS query rows (a prefill chunk) the products are wide and the blocks are
@@ -352,14 +353,24 @@ ATTENTION_BLOCK = 512
 # Both arrays keep positions on their last axis: the integer products ran 1.5-1.8x faster reading
 # [head_dim, positions] blocks than [positions, head_dim] ones. Measured: see kv_dtype_for. Mean KL
 # from a float32 cache on the demo (2k tokens in 16-token chunks, so the integer products run):
-# two terms each 0.00105 nats; one probability term 0.00236 (5% faster at 16k); one of each 0.0034.
+# two signed terms each 0.00105 nats (0.00103 in a later run; with int8 weights too 0.00290); one
+# signed probability term 0.00236 (5% faster at 16k); one of each 0.0034; two query terms and one
+# unsigned probability term (PROB_LEVELS, what runs now) 0.00136 (with int8 weights 0.00338).
 # Measured and left out: decode widening its blocks to bfloat16 where the CPU has bfloat16 dot
 # products, as a long prefill chunk does. On a 2-core AMD EPYC of CPU family 26 it ran one row at 16k
 # positions in 43-53 ms against 51-62 (the same mean KL), but its float sums follow the rows of the
 # call, so a prompt served partly from the prompt cache no longer gave the tokens a cold run gives
 # (tests/test_prefix_cache.py, tests/test_hybrid.py): the integer sums here are exact.
 QUERY_TERMS = 2
-PROB_TERMS = 2
+# The probabilities' one term: 255 levels on CPUs with unsigned x signed int8 kernels (UINT8_DOT),
+# whose VNNI products take the unsigned rows as they are, with no shift and no row of ones (the
+# signed terms' _int8_product); else 127 in an int8. One decode row over 16k positions of random
+# int8 blocks, the 24 layers' attention alone alternated in one process (2-core AMD EPYC, CPU
+# family 25): 32.2 ms against 48.7 for two signed terms; two unsigned terms in two products 45.8,
+# stacked in one 60.3 (XLA fuses their quantization into one slow loop). The terms' quantization,
+# not the product, is what costs: a block's product of 7 rows takes 11 us, of 15 rows 15 us. Mean
+# KL: see QUERY_TERMS above.
+PROB_LEVELS = 255 if UINT8_DOT else 127
 INT8_ATTENTION_MAX_ROWS = 128
 # Past that, the dtype the int8 blocks are widened to: bfloat16 where the CPU has bfloat16 dot
 # products (as _matmul's prefill product; the queries and probabilities are rounded to it), else
@@ -418,6 +429,22 @@ def _int8_dot(terms, scales, n: int, block, contract: int):
     return _int8_terms_product(terms, scales, n, block, (((3,), (contract,)), ((0, 1), (0, 1))))
 
 
+def _probs_product(x, values):
+    """x [B, KV, R, S] >= 0 (probabilities times the values' scales) times an int8 value block
+    [B, KV, D, S] -> [B, KV, R, D] float32: each row rounded to PROB_LEVELS on its own scale (its
+    largest / PROB_LEVELS), one exact integer product, times the scales."""
+    peak = jnp.max(x, axis=-1, keepdims=True)
+    scale = jnp.where(peak > 0, peak / PROB_LEVELS, 1.0)
+    # x <= peak, so the rounded row stays within [0, PROB_LEVELS].
+    levels = jnp.round(x * jnp.where(peak > 0, PROB_LEVELS / peak, 0.0))
+    numbers = (((3,), (3,)), ((0, 1), (0, 1)))
+    if UINT8_DOT:
+        y = _uint8_int8_dot_p.bind(levels.astype(jnp.uint8), values, dimension_numbers=numbers)
+    else:
+        y = lax.dot_general(levels.astype(jnp.int8), values, numbers, preferred_element_type=jnp.int32)
+    return y.astype(F32) * scale
+
+
 def _attend(q, kv, slots, positions, live):
     """Causal attention of q [B, KV, G, T, D] (float32, already scaled) over positions [0, live) of
     each row's slot, one block at a time with a running (online) softmax: a query at position p
@@ -468,7 +495,7 @@ def _attend(q, kv, slots, positions, live):
         scale = jnp.exp(best - safe)
         total = total * scale + probs.sum(axis=-1)
         if integer:
-            weighted = _int8_dot(*_int8_terms(probs * v_scale, PROB_TERMS), PROB_TERMS, values, 3)
+            weighted = _probs_product(probs * v_scale, values)
         else:
             weights = probs * v_scale if narrow else probs
             weighted = lax.dot_general(weights.astype(calc), values.astype(calc), (((3,), (3,)), batch),

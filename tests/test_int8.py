@@ -199,6 +199,27 @@ def test_integer_product_is_exact_with_rows_signed_or_shifted_to_uint8(uint8_dot
         np.testing.assert_array_equal(got, np.einsum(spec, x.astype(np.int64), w.astype(np.int64)))
 
 
+@pytest.mark.parametrize("uint8_dot", [True, False])
+def test_probability_product_rounds_each_row_on_its_own_scale_and_sums_exactly(uint8_dot, monkeypatch):
+    """Guards attention's probability product (engine.model._probs_product): each row rounded to
+    PROB_LEVELS steps of its own largest value (a row of tiny probabilities keeps its precision, an
+    all-zero row stays zero), the integer product exact, so the result is within half a step per
+    position of the float product."""
+    levels = 255 if uint8_dot else 127
+    monkeypatch.setattr(model, "UINT8_DOT", uint8_dot)
+    monkeypatch.setattr(model, "PROB_LEVELS", levels)
+    rng = np.random.default_rng(5)
+    x = rng.random((2, 3, 7, 96)).astype(np.float32) * np.array([1, 1e-6, 0.3, 0, 1, 1, 1],
+                                                                 np.float32)[:, None]
+    x[0, 0, 0, :5] = 0.0                                    # masked positions
+    v = rng.integers(-INT8_MAX, INT8_MAX + 1, (2, 3, 64, 96), dtype=np.int8)
+    got = np.asarray(jax.jit(model._probs_product)(x, v))
+    want = np.einsum("bkrs,bkds->bkrd", x.astype(np.float64), v.astype(np.float64))
+    step = x.max(-1, keepdims=True) / levels               # one level of each row
+    bound = 0.5 * step * np.abs(v.astype(np.float64)).sum(-1)[:, :, None, :] + 1e-5 * np.abs(want)
+    assert np.all(np.abs(got - want) <= bound)
+    assert np.all(got[:, :, 3] == 0)
+
 def test_uint8_products_leave_the_int8_models_logits_bit_for_bit(monkeypatch):
     """The offsets are exact, so int8 weights with an int8 KV cache give the same logits whether the
     weights are held offset as uint8 (weights first) or as int8 (rows first, shifted to uint8 or
