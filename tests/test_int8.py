@@ -21,8 +21,8 @@ TINY = os.path.join(os.path.dirname(__file__), "fixtures", "tiny")
 MODELS = ["qwen3", "qwen3-tied", "qwen2"]
 SLOTS, CTX = 2, 64
 # int8 against float32 weights on the tiny fixtures (random weights; logits' standard deviation
-# about 1.7, span +-7): measured mean |difference| 0.04-0.05, max 0.34-0.47 in the summed form and
-# 0.38-0.51 with the bfloat16 prefill product. Random tiny models have near-ties between their top
+# about 1.7, span +-7): measured mean |difference| 0.04-0.05, max 0.34-0.47 with the integer terms
+# and 0.33-0.47 with the bfloat16 wide product at every row count. Random tiny models have near-ties between their top
 # tokens (most top-two margins are under 0.5), so the greedy token agrees at 92-96% of positions
 # (measured), not all; the demo's greedy answer and KL are the real model's checks.
 INT8_ATOL = 0.6
@@ -46,19 +46,19 @@ def _logits(cfg, params, tokens, forward=jit_forward, kv_dtype=jnp.float32):
 
 
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("summed_max_rows", [model.SUMMED_PRODUCT_MAX_ROWS, 0])
+@pytest.mark.parametrize("int8_max_rows", [model.INT8_ROWS_MAX_ROWS, 0])
 @pytest.mark.parametrize("offset", [True, False])
-def test_int8_logits_stay_close_to_float32_and_keep_the_greedy_tokens(name, summed_max_rows, offset,
+def test_int8_logits_stay_close_to_float32_and_keep_the_greedy_tokens(name, int8_max_rows, offset,
                                                                       monkeypatch):
-    """Guards against the int8 products (the integer decode product, and the prefill dot when
-    summed_max_rows is 0), with the weights held offset as uint8 or as int8, drifting from the
-    float32 model or changing its tokens."""
+    """Guards against the int8 products (the integer terms' product, and the wide prefill dot at
+    every row count when int8_max_rows is 0), with the weights held offset as uint8 or as int8,
+    drifting from the float32 model or changing its tokens."""
     monkeypatch.setattr(weights, "OFFSET_INT8", offset)
     from safetensors.numpy import load_file
     folder = os.path.join(TINY, name)
     cfg = load_config(folder)
     tokens = np.asarray(load_file(os.path.join(folder, "reference.safetensors"))["tokens"])
-    monkeypatch.setattr(model, "SUMMED_PRODUCT_MAX_ROWS", summed_max_rows)
+    monkeypatch.setattr(model, "INT8_ROWS_MAX_ROWS", int8_max_rows)
     # a fresh function, so jit traces it again with the patched constant
     forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
     want = _logits(cfg, load_weights(folder, cfg, jnp.float32), tokens, forward)
