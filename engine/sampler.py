@@ -3,7 +3,7 @@
 Each row carries its own parameters (temperature, top-k/p, min-p, penalties, seed), so requests with
 different settings share one device call. The order of operations, per row:
     penalties (repetition: HF; frequency/presence: OpenAI) -> greedy pick
-    -> temperature -> min-p, top-k, top-p masks -> Gumbel-max draw -> greedy if temperature == 0
+    -> temperature -> min-p, top-k, top-p masks -> inverse-CDF draw -> greedy if temperature == 0
 A row's random key is derived from (its seed, tokens it has generated so far) only, so a seeded
 request draws the same tokens whatever runs beside it and whichever slot it lands in.
 
@@ -155,6 +155,37 @@ def _uniform(key_data, step):
     return jax.random.uniform(key, (), jnp.float32)
 
 
+# The inverse CDF runs in two levels: the running sum over blocks of this many tokens' mass, then
+# over the one block the draw falls in. XLA:CPU's cumulative sum over a whole 152k vocabulary took
+# 1.4 ms for one row and 4.6 ms for four (the draw with it 1.5 and 9.2 ms: a 4-row decode step is
+# about 55 ms); the block masses and their running sum take 0.2 ms (2-core AMD EPYC, family 25).
+DRAW_BLOCK = 128
+
+
+def _last_positive(x):
+    """Index of the last entry > 0 along the last axis of x (the last index if none)."""
+    n = x.shape[-1]
+    return n - 1 - jnp.argmax(x[..., ::-1] > 0, axis=-1)
+
+
+def _inverse_cdf(probs, u):
+    """The first token whose running sum of probs [B, V] (>= 0) passes u [B, 1] in [0, mass): the
+    draw of a uniform u times the row's mass. Never a token of probability 0."""
+    b, vocab = probs.shape
+    blocks = -(-vocab // DRAW_BLOCK)
+    probs = jnp.pad(probs, ((0, 0), (0, blocks * DRAW_BLOCK - vocab))).reshape(b, blocks, DRAW_BLOCK)
+    mass = jnp.sum(probs, axis=-1)                                        # [B, blocks]
+    ends = jnp.cumsum(mass, axis=-1)
+    # The block the draw falls in: the first whose running sum passes u (a block of no mass never
+    # does). Rounding may put u past the last sum: then the last block with mass.
+    block = jnp.minimum(jnp.sum(ends <= u, axis=-1), _last_positive(mass))
+    inner = jnp.take_along_axis(probs, block[:, None, None], axis=1)[:, 0]   # [B, DRAW_BLOCK]
+    before = jnp.take_along_axis(ends - mass, block[:, None], axis=1)
+    within = jnp.sum(before + jnp.cumsum(inner, axis=-1) <= u, axis=-1)
+    # Likewise inside the block: at most its last token with probability above 0.
+    return (block * DRAW_BLOCK + jnp.minimum(within, _last_positive(inner))).astype(jnp.int32)
+
+
 def _draw(logits, p: RowParams, filtered: bool):
     """Sampled tokens for every row: filters (when some row has one), then inverse-CDF with one
     uniform per row."""
@@ -162,10 +193,8 @@ def _draw(logits, p: RowParams, filtered: bool):
     probs = jax.nn.softmax(logits / temperature, axis=-1)
     if filtered:
         probs = jnp.where(filter_mask(probs, p), probs, 0.0)
-    cdf = jnp.cumsum(probs, axis=-1)
-    u = jax.vmap(_uniform)(p.key, p.step)[:, None] * cdf[:, -1:]
-    tokens = jnp.sum(cdf <= u, axis=-1, dtype=jnp.int32)
-    return jnp.minimum(tokens, logits.shape[-1] - 1)
+    u = jax.vmap(_uniform)(p.key, p.step)[:, None] * jnp.sum(probs, axis=-1, keepdims=True)
+    return _inverse_cdf(probs, u)
 
 
 # How a batch draws: every row greedy; some row samples with no filter; some row has a filter.

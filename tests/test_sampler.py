@@ -149,3 +149,23 @@ def test_any_python_int_is_a_seed():
         hi, lo = sampler.seed_key(seed)
         assert 0 <= hi < 2**32 and 0 <= lo < 2**32
     assert sampler.seed_key(-1) != sampler.seed_key(1)
+
+
+def test_inverse_cdf_finds_the_token_a_uniform_lands_on_across_blocks():
+    """Guards the two-level draw (block masses, then the one block's running sum) against picking
+    the wrong block or token, or a token of probability 0 when rounding puts u past the last sum."""
+    rng = np.random.default_rng(4)
+    vocab = 3 * sampler.DRAW_BLOCK + 17                     # a partial last block
+    probs = rng.random((6, vocab)).astype(np.float32)
+    probs[:, rng.random(vocab) < 0.5] = 0.0                 # filtered-out tokens
+    probs[1, :] = 0.0
+    probs[1, sampler.DRAW_BLOCK - 1] = 1.0                  # one token, at a block's end
+    probs[2, sampler.DRAW_BLOCK:] = 0.0                     # mass in the first block only
+    u = rng.random((6, 1)).astype(np.float32) * probs.sum(-1, keepdims=True)
+    u[3] = probs[3].sum() * 1.001                           # past the last sum: the last positive token
+    got = np.asarray(sampler._inverse_cdf(probs, u))
+    cdf = np.cumsum(probs.astype(np.float64), axis=-1)
+    for row in range(6):
+        want = min(int(np.sum(cdf[row] <= u[row, 0])), int(np.flatnonzero(probs[row])[-1]))
+        assert got[row] == want, (row, got[row], want)
+        assert probs[row, got[row]] > 0
