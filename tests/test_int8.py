@@ -22,9 +22,10 @@ MODELS = ["qwen3", "qwen3-tied", "qwen2"]
 SLOTS, CTX = 2, 64
 # int8 against float32 weights on the tiny fixtures (random weights; logits' standard deviation
 # about 1.7, span +-7): measured mean |difference| 0.04-0.05, max 0.34-0.47 with the integer terms
-# and 0.33-0.47 with the bfloat16 wide product at every row count. Random tiny models have near-ties between their top
-# tokens (most top-two margins are under 0.5), so the greedy token agrees at 92-96% of positions
-# (measured), not all; the demo's greedy answer and KL are the real model's checks.
+# and 0.33-0.47 with the bfloat16 wide product at every row count. Random tiny models have near-ties
+# between their top tokens (most top-two margins are under 0.5), so the greedy token agrees at
+# 92-96% of positions (measured), not all; the demo's greedy answer and KL are the real model's
+# checks.
 INT8_ATOL = 0.6
 INT8_MEAN_ATOL = 0.08
 INT8_GREEDY_AGREEMENT = 0.9
@@ -219,6 +220,7 @@ def test_probability_product_rounds_each_row_on_its_own_scale_and_sums_exactly(u
     bound = 0.5 * step * np.abs(v.astype(np.float64)).sum(-1)[:, :, None, :] + 1e-5 * np.abs(want)
     assert np.all(np.abs(got - want) <= bound)
     assert np.all(got[:, :, 3] == 0)
+
 
 def test_uint8_products_leave_the_int8_models_logits_bit_for_bit(monkeypatch):
     """The offsets are exact, so int8 weights with an int8 KV cache give the same logits whether the
