@@ -133,16 +133,55 @@ def _threshold(probs, measure, target):
     return jax.lax.fori_loop(0, THRESHOLD_ROUNDS, halve, (lo, hi))[0]
 
 
+# Rows whose cuts fall among their FILTER_CANDIDATES largest probabilities (top-k at most that, and
+# a nucleus no wider) take exact thresholds from those, sorted by lax.top_k; only a batch with some
+# other row runs the bisections, and each row keeps its own kind of threshold whatever its
+# neighbours, so a seeded request draws the same beside any batch. A draw with top-k 20 and top-p
+# 0.8 over 152k tokens (2-core AMD EPYC, family 25): 0.74 ms for one row against 1.71 bisecting,
+# 2.90 for four against 8.58 (lax.top_k of 256 takes 0.5 / 1.8 ms of it).
+FILTER_CANDIDATES = 256
+
+
+def _bisected_thresholds(probs, p: RowParams, k):
+    """(top-k threshold, top-p threshold) per row [B, 1], by bisection over the whole vocabulary."""
+    t_k = _threshold(probs, lambda m: jnp.sum(m, axis=-1, keepdims=True, dtype=jnp.float32), k)
+    kept = jnp.where(probs >= t_k, probs, 0.0)
+    mass = jnp.sum(kept, axis=-1, keepdims=True)
+    t_p = _threshold(kept, lambda m: jnp.sum(jnp.where(m, kept, 0.0), axis=-1, keepdims=True),
+                     jnp.minimum(p.top_p[:, None], 1.0) * mass * (1 - TOP_P_ROUNDING))
+    return t_k, t_p
+
+
+def _candidate_thresholds(probs, p: RowParams, k):
+    """(top-k threshold, top-p threshold, exact) per row [B, 1] from the row's FILTER_CANDIDATES
+    largest probabilities: the k-th largest, and the value whose running sum (over what top-k kept,
+    largest first) first reaches top-p of the kept mass. exact: both cuts fell among them."""
+    top = jax.lax.top_k(probs, min(FILTER_CANDIDATES, probs.shape[-1]))[0]       # descending
+    n = top.shape[-1]
+    t_k = jnp.take_along_axis(top, jnp.clip(k.astype(jnp.int32) - 1, 0, n - 1), axis=-1)
+    top_k_on = p.top_k[:, None] > 0
+    t_k = jnp.where(top_k_on, t_k, 0.0)
+    mass = jnp.sum(jnp.where(probs >= t_k, probs, 0.0), axis=-1, keepdims=True)
+    kept = jnp.where(top >= t_k, top, 0.0)
+    target = jnp.minimum(p.top_p[:, None], 1.0) * mass * (1 - TOP_P_ROUNDING)
+    cut = jnp.sum(jnp.cumsum(kept, axis=-1) < target, axis=-1, keepdims=True)
+    t_p = jnp.take_along_axis(kept, jnp.minimum(cut, n - 1), axis=-1)
+    exact = (~top_k_on | (k <= n)) & ((p.top_p[:, None] >= 1.0) | (cut < n))
+    return t_k, t_p, exact
+
+
 def filter_mask(probs, p: RowParams):
     """bool [B, V]: tokens that survive top-k, then top-p (over what top-k kept, renormalized), and
     min-p (p >= min_p * p_max), on temperature-scaled probabilities. At least the top token survives."""
     vocab = probs.shape[-1]
     k = jnp.where(p.top_k > 0, jnp.minimum(p.top_k, vocab), vocab).astype(jnp.float32)[:, None]
-    t_k = _threshold(probs, lambda m: jnp.sum(m, axis=-1, keepdims=True, dtype=jnp.float32), k)
-    probs = jnp.where(probs >= t_k, probs, 0.0)
-    mass = jnp.sum(probs, axis=-1, keepdims=True)
-    t_p = _threshold(probs, lambda m: jnp.sum(jnp.where(m, probs, 0.0), axis=-1, keepdims=True),
-                     jnp.minimum(p.top_p[:, None], 1.0) * mass * (1 - TOP_P_ROUNDING))
+    t_k, t_p, exact = _candidate_thresholds(probs, p, k)
+
+    def bisect_the_rest():
+        b_k, b_p = _bisected_thresholds(probs, p, k)
+        return jnp.where(exact, t_k, b_k), jnp.where(exact, t_p, b_p)
+
+    t_k, t_p = jax.lax.cond(jnp.all(exact), lambda: (t_k, t_p), bisect_the_rest)
     t_min = p.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
     # A row whose filter is off keeps every token exactly, so it draws the same in any batch.
     t_k = jnp.where(p.top_k[:, None] > 0, t_k, 0.0)

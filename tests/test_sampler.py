@@ -169,3 +169,36 @@ def test_inverse_cdf_finds_the_token_a_uniform_lands_on_across_blocks():
         want = min(int(np.sum(cdf[row] <= u[row, 0])), int(np.flatnonzero(probs[row])[-1]))
         assert got[row] == want, (row, got[row], want)
         assert probs[row, got[row]] > 0
+
+
+def _reference_mask(probs, top_k, top_p):
+    """top-k then top-p over what top-k kept, in float64 with a full sort."""
+    order = np.sort(probs.astype(np.float64))[::-1]
+    t_k = order[top_k - 1] if top_k > 0 else 0.0
+    kept = np.sort(probs[probs >= t_k].astype(np.float64))[::-1]
+    cut = int(np.sum(np.cumsum(kept) < top_p * kept.sum())) if top_p < 1 else len(kept) - 1
+    return probs >= max(t_k, kept[min(cut, len(kept) - 1)])
+
+
+def test_filters_cut_exactly_among_the_candidates_or_by_bisection_whatever_the_neighbours():
+    """Guards the two ways a filter finds its cuts (the largest FILTER_CANDIDATES probabilities
+    sorted, or bisection when a cut lies beyond them) against keeping other tokens than a full sort
+    does, and against a row's cut depending on whether a neighbour needed the bisection."""
+    rng = np.random.default_rng(6)
+    vocab = 4 * sampler.FILTER_CANDIDATES
+    logits = rng.normal(size=(4, vocab)) * np.array([[3.0], [3.0], [0.2], [3.0]])
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs = (probs / probs.sum(-1, keepdims=True)).astype(np.float32)
+    rows = [dict(top_k=20, top_p=0.8),                       # both cuts among the candidates
+            dict(top_p=0.5),
+            dict(top_p=0.9),                                 # a flat row: its nucleus is wider
+            dict(top_k=sampler.FILTER_CANDIDATES + 50)]      # top-k past the candidates
+    samplings = [Sampling(temperature=1.0, **kw) for kw in rows]
+    p = sampler.row_params([(s, 0, 0) for s in samplings])
+    mask = np.asarray(sampler.filter_mask(probs, p))
+    for row, kw in enumerate(rows):
+        want = _reference_mask(probs[row], kw.get("top_k", 0), kw.get("top_p", 1.0))
+        assert (mask[row] == want).all(), (kw, mask[row].sum(), want.sum())
+    assert mask[2].sum() > sampler.FILTER_CANDIDATES and mask[3].sum() == sampler.FILTER_CANDIDATES + 50
+    alone = np.asarray(sampler.filter_mask(probs[:1], sampler.row_params([(samplings[0], 0, 0)])))
+    assert (alone[0] == mask[0]).all()
