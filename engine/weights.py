@@ -72,7 +72,7 @@ import time
 
 import numpy as np
 
-from engine import cpu
+from engine import cpu, native
 from engine.checkpoint import Checkpoint, WeightsError
 from engine.config import MIXER_KINDS, ModelConfig
 
@@ -202,7 +202,8 @@ def place_on_default_device(path: str, tree):
 
 
 def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_heads: int | None = None,
-                 place=place_on_default_device, held_cache: str | None = None) -> dict:
+                 place=place_on_default_device, held_cache: str | None = None,
+                 pack: bool = True) -> dict:
     """Load a Qwen2/Qwen3/Qwen3-MoE/Qwen3-Next checkpoint (Hugging Face safetensors, or a GGUF beside
     config.json: engine.checkpoint) as the pytree above, in `dtype` (a jnp dtype, or "int8":
     weight-only int8 matrices, the rest in float_dtype, float32 unless given). kv_heads: KV heads to
@@ -210,9 +211,12 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
     place(path, subtree of numpy arrays) puts each part on the device(s) as soon as it is read
     (engine.sharding: straight into each device's shard), so the host holds one layer at a time.
     held_cache: a folder for int8 weights as they are held (HeldWeights): read from there when it
-    holds them, else quantized from the checkpoint and written there for the next start."""
+    holds them, else quantized from the checkpoint and written there for the next start.
+    pack: int8 matrices in engine.native's packed layout where its kernel is available (False: never;
+    a caller splitting the weights over several devices passes False: the kernel is not split)."""
     int8 = str(dtype) == "int8"
     offset = held_int8_dtype() == np.uint8
+    pack = pack and int8 and offset and native.available()
     writer = None
     if held_cache and int8:
         held = HeldWeights(held_cache)
@@ -235,7 +239,8 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
         if not int8:
             return put(array)
         values, scale = quantize_int8(array)
-        return {"q": offset_int8(values) if offset else values, "scale": scale}
+        q = offset_int8(values) if offset else values
+        return {"q": native.pack(q) if pack and native.packable(q.shape) else q, "scale": scale}
 
     def matrix(name: str, out_dim: int, in_dim: int) -> np.ndarray:
         return r.get(name, (out_dim, in_dim))          # nn.Linear's own [out, in]
@@ -376,11 +381,12 @@ HELD_TMP_STALE_S = 600               # an unfinished copy this old was left by a
 _MANIFEST = "manifest.json"
 
 
-def held_key(component_set_sha: str, dtype: str, float_dtype: str, kv_heads: int) -> str:
+def held_key(component_set_sha: str, dtype: str, float_dtype: str, kv_heads: int, packed: bool) -> str:
     """The folder name of one held copy: the checkpoint's files, the dtypes (int8's as held here),
-    the KV heads laid out and HELD_FORMAT (the layout code's version)."""
+    the KV heads laid out, whether the matrices are packed (load_weights) and HELD_FORMAT (the
+    layout code's version)."""
     h = hashlib.sha256(json.dumps([HELD_FORMAT, component_set_sha, dtype, held_int8_dtype().name,
-                                   float_dtype, kv_heads]).encode())
+                                   float_dtype, kv_heads] + (["packed"] if packed else [])).encode())
     return "int8-" + h.hexdigest()[:20]
 
 

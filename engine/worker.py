@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from engine import certify, identity, mirror, prefix, sampler, sharding
+from engine import certify, identity, mirror, native, prefix, sampler, sharding
 from engine.checkpoint import Checkpoint
 from engine.cache import (copy_prefix, has_state, init_cache, read_slot, read_state, warm_host_copies,
                           warm_state_copies, write_slot, write_state)
@@ -218,10 +218,15 @@ class Engine:
                 "args": dataclasses.asdict(args), "component_set_sha": self.component_set_sha},
                 on_lost=on_lost or mirror.exit_lost)
             progress("followers", 1, 1)
+        # int8 matrices packed for engine.native's kernel where it runs: one device (a custom call
+        # is not split over several) on a CPU it is built for.
+        packed = (self.dtype.name == "int8" and self.layout.mesh.size == 1 and platform == "cpu"
+                  and native.available())
         held = None
         if args.weights_cache and self.dtype.name == "int8":
             held = os.path.join(args.weights_cache, held_key(
-                self.component_set_sha, self.dtype.name, np.dtype(float_dtype).name, cfg.num_kv_heads))
+                self.component_set_sha, self.dtype.name, np.dtype(float_dtype).name, cfg.num_kv_heads,
+                packed))
         # A first start's certification gate will run: its float64 reference starts now, beside the
         # weights and the compiles (a hybrid model's gate has no reference to compute).
         reference = None
@@ -231,7 +236,7 @@ class Engine:
         progress("weights", 0, 1)
         self.params = load_weights(args.weights_folder, self.checkpoint_cfg, self.dtype.name,
                                    float_dtype=float_dtype, kv_heads=cfg.num_kv_heads,
-                                   place=self.layout.place, held_cache=held)
+                                   place=self.layout.place, held_cache=held, pack=packed)
         progress("weights", 1, 1)
         self.kv_dtype = np.dtype(args.kv_dtype) if args.kv_dtype else np.dtype(kv_dtype_for(platform))
         self.cache = init_cache(cfg, args.slots, args.ctx, self.kv_dtype, zeros=self.layout.cache_zeros)

@@ -60,8 +60,10 @@ def test_int8_logits_stay_close_to_float32_and_keep_the_greedy_tokens(name, int8
     cfg = load_config(folder)
     tokens = np.asarray(load_file(os.path.join(folder, "reference.safetensors"))["tokens"])
     monkeypatch.setattr(model, "INT8_ROWS_MAX_ROWS", int8_max_rows)
-    # a fresh function, so jit traces it again with the patched constant
+    # fresh functions (the forward and its layers), so jit traces them again with the patched constant
     forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
+    monkeypatch.setattr(model, "_jit_layer", jax.jit(lambda *a, **k: model._layer(*a, **k),
+                                                     static_argnames=("cfg", "kind", "mlp", "site")))
     want = _logits(cfg, load_weights(folder, cfg, jnp.float32), tokens, forward)
     params = load_weights(folder, cfg, "int8")
     assert params["layers"][0]["qkv"]["q"].dtype == (jnp.uint8 if offset else jnp.int8)

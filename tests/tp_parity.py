@@ -81,7 +81,7 @@ def run(folder: str, devices: int, weights_dtype: str, routed_path: str = "auto"
     layout = Layout.build(checkpoint, devices)
     cfg = layout.cfg
     params = load_weights(folder, checkpoint, weights_dtype, float_dtype=np.float32,
-                          kv_heads=cfg.num_kv_heads, place=layout.place)
+                          kv_heads=cfg.num_kv_heads, place=layout.place, pack=False)
     cache = init_cache(cfg, SLOTS, CTX, np.float32, zeros=layout.cache_zeros)
     prompt = (np.arange(sum(n for _, n in CHUNKS)) * 7 + 3) % cfg.vocab_size
     prefill = []

@@ -10,7 +10,8 @@ chained as the model runs them, per forward, at 1, 4, 8 rows and a 512-row prefi
 formulation of the product. Prints ms per forward (best of REPEATS) and the load average.
 
 forward: the demo's whole decode forward (1 and 4 rows, 1k-position cache), float32 against int8
-weights (and int8 with a float32 head), run in turn in one process, best of 20 each, in ms.
+weights (XLA's products; int8 with a float32 head; int8 packed for engine.native's kernel where it
+runs), run in turn in one process, best of 20 each, in ms.
 
 gguf: each tensor the int8 weights dtype narrows (engine.weights.quantized_tensor), as the loader
 does it: dequantized from its GGUF blocks (engine.checkpoint), then int8 with one scale per output
@@ -61,6 +62,14 @@ def _engine(x, w):
     return _matmul(x, {"q": w[5], "scale": w[1]})
 
 
+def _kernel(x, w):
+    """The engine's product with engine.native's kernel (AVX-512 VNNI): the same two int8 terms per
+    row times the packed offset weights (w[6]); past INT8_ROWS_MAX_ROWS its widened weights in a
+    bfloat16 dot."""
+    from engine.model import _matmul
+    return _matmul(x, {"q": w[6], "scale": w[1]})
+
+
 def _rows_first(x, w, uint8_dot=True):
     """The engine's product on int8 weights held as int8 (CPUs without uint8 kernels): each row as two
     int8 terms first, times the weights; the terms shifted to uint8 with a row of ones (uint8_dot) or
@@ -90,13 +99,14 @@ def _int8_one_term(x, w, pad=2):
 
 
 # Each formulation: (x [rows, in] float32, weight) -> [rows, out] float32. int8 weights are the tuple
-# (q, scale, q transposed, int4 q, int4 scale, q offset as uint8) of _layers.
+# (q, scale, q transposed, int4 q, int4 scale, q offset as uint8, that packed (engine.native)) of _layers.
 FORMS = {
     "f32 dot": lambda x, w: _dot(x, w),
     "f32 summed": lambda x, w: _summed(x, w),
     "i8 dot(convert w)": lambda x, w: _dot(x, w[0].astype(F32)) * w[1],
     "i8 dot(bf16)": lambda x, w: _dot(x.astype(jnp.bfloat16), w[0].astype(jnp.bfloat16)) * w[1],
     "i8 engine (2 terms)": _engine,
+    "i8 kernel (2 terms)": _kernel,
     "i8 rows first, uint8": _rows_first,
     "i8 rows first, signed": lambda x, w: _rows_first(x, w, uint8_dot=False),
     "i4 widened, engine": _int4_engine,
@@ -113,19 +123,20 @@ FORMS = {
 }
 # Which formulations to time at which row counts (the summed forms are far too slow at 512 rows).
 PLAN = {
-    1: ["f32 dot", "i8 engine (2 terms)", "i8 rows first, uint8", "i8 rows first, signed",
+    1: ["f32 dot", "i8 engine (2 terms)", "i8 kernel (2 terms)", "i8 rows first, uint8", "i8 rows first, signed",
         "i4 widened, engine", "i8 rows x i8, 1 term", "i8 rows x i8, unpadded", "i8 dot(convert w)",
         "i8 pad2 summed"],
-    4: ["f32 dot", "f32 summed", "i8 engine (2 terms)", "i8 rows first, uint8", "i8 rows first, signed",
+    4: ["f32 dot", "f32 summed", "i8 engine (2 terms)", "i8 kernel (2 terms)", "i8 rows first, uint8", "i8 rows first, signed",
         "i4 widened, engine", "i8 rows x i8, 1 term", "i8 summed"],
-    8: ["f32 summed", "i8 engine (2 terms)", "i8 rows first, uint8", "i8 rows first, signed", "i8 summed"],
-    32: ["f32 summed", "i8 engine (2 terms)", "i8 rows first, uint8", "i8 dot(bf16)"],
-    128: ["f32 summed", "i8 engine (2 terms)", "i8 rows first, uint8", "i8 dot(bf16)"],
-    512: ["f32 dot", "i8 engine (2 terms)", "i8 rows x i8, 1 term", "i8 dot(bf16)"],
+    8: ["f32 summed", "i8 engine (2 terms)", "i8 kernel (2 terms)", "i8 rows first, uint8", "i8 rows first, signed", "i8 summed"],
+    32: ["f32 summed", "i8 engine (2 terms)", "i8 kernel (2 terms)", "i8 rows first, uint8", "i8 dot(bf16)"],
+    128: ["f32 summed", "i8 engine (2 terms)", "i8 kernel (2 terms)", "i8 kernel (2 terms)", "i8 rows first, uint8", "i8 dot(bf16)"],
+    512: ["f32 dot", "i8 engine (2 terms)", "i8 kernel (2 terms)", "i8 rows x i8, 1 term", "i8 dot(bf16)"],
 }
 
 
 def _layers(rng, int8: bool):
+    from engine import native
     from engine.weights import offset_int8
     shapes = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTERMEDIATE, HIDDEN),
               "down": (HIDDEN, INTERMEDIATE)}
@@ -140,7 +151,8 @@ def _layers(rng, int8: bool):
                 scale4 = scale * 127 / 7                         # int4: -7..7 per output channel
                 q4 = jnp.asarray(np.rint(w / scale4[:, None]).astype(np.int8)).astype(jnp.int4)
                 layer[name] = (jnp.asarray(q), jnp.asarray(scale), jnp.asarray(np.ascontiguousarray(q.T)),
-                               q4, jnp.asarray(scale4), jnp.asarray(offset_int8(q)))
+                               q4, jnp.asarray(scale4), jnp.asarray(offset_int8(q)),
+                               jnp.asarray(native.pack(offset_int8(q))))
             else:
                 layer[name] = jnp.asarray(w)
         out.append(layer)
@@ -161,6 +173,7 @@ def _forward(form):
 
 
 def products(only=None) -> None:
+    from engine import native
     rng = np.random.default_rng(0)
     weights = {"f32": _layers(rng, False), "i8": _layers(rng, True)}
     print(f"# {LAYERS} layers of Qwen2.5-0.5B products, ms per forward (best of {REPEATS}); "
@@ -171,6 +184,8 @@ def products(only=None) -> None:
         if only and rows not in only[0]:
             continue
         for form in (only[1] if only else PLAN[rows]):
+            if "kernel" in form and not native.available():
+                continue
             fn = _forward(form)
             layers = weights["f32" if form.startswith("f32") else "i8"]
             fn(layers, x).block_until_ready()
@@ -250,8 +265,9 @@ def forward(folder: str) -> None:
     cfg = load_config(folder)
     print("# load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     f32 = load_weights(folder, cfg, jnp.float32)
-    i8 = load_weights(folder, cfg, "int8")
-    weights = {"float32": f32, "int8": i8, "int8, float32 head": dict(i8, lm_head=f32["lm_head"])}
+    i8 = load_weights(folder, cfg, "int8", pack=False)
+    weights = {"float32": f32, "int8": i8, "int8, float32 head": dict(i8, lm_head=f32["lm_head"]),
+               "int8, kernel": load_weights(folder, cfg, "int8")}    # packed where it runs
 
     def alternated(rows, n=20):
         """Best (min) ms per forward of each weights set, the sets run in turn n times: on a shared

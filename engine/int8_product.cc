@@ -1,0 +1,301 @@
+// The engine's one native kernel: int8 weights times a few rows of int8 terms, on AVX-512 VNNI.
+//
+// XLA:CPU hands an integer dot to YNNPACK, whose kernels ran compute-bound on a 2-core AMD EPYC
+// (Zen 4): 12.8 GB/s of weights for one decode row, against 34 GB/s for a float32 dot. A decode
+// step reads every weight once for a handful of rows, so it should run at the memory's speed. This
+// kernel does: weights packed so that one 64-byte load holds 4 consecutive inputs of 16 outputs,
+// each term's 4 inputs broadcast to all 16 lanes, and vpdpbusd accumulates 16 outputs at once with
+// no horizontal sums; the weights stream in one sequential pass per thread. engine/native.py builds
+// and registers it; engine/model.py (_matmul) calls it.
+//
+// Operands (row-major):
+//   w      uint8 [N/16, K/4, 16, 4]: the int8 weight q[n, k] + 128 at [n/16, k/4, n%16, k%4]
+//   terms  int8  [R, K]
+//   out    int32 [R, N]: sum over k of q[n, k] * terms[r, k], exact
+// vpdpbusd multiplies unsigned by signed bytes, so the weights are held offset (uint8) and 128 times
+// each term row's sum comes off at the end. int32 cannot overflow for K < 65536 (|q| <= 127 is
+// stored as at most 255, |term| <= 127).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;          // outputs per packed block (int32 lanes of a 512-bit register)
+constexpr int kGroup = 4;           // inputs per lane and instruction (vpdpbusd)
+constexpr int kMaxTerms = 8;        // term rows per pass: 8 x 2 accumulators plus loads fit 32 registers
+// Blocks of 16 outputs a thread claims at a time: small enough to share out the smallest matrix
+// (896 outputs: 14 chunks of 64), large enough that claiming costs nothing. A chunk (at most 64
+// outputs x K bytes, 311 KB for K = 4864) stays in L2 while every pass of 8 terms reads it.
+constexpr int64_t kChunkBlocks = 4;
+// Software prefetch this many bytes ahead in the weights' stream (hardware prefetch alone left one
+// thread at 10 GB/s; 1024 reached 18, best among 256-4096).
+constexpr int64_t kPrefetch = 1024;
+
+// Outputs of NB consecutive blocks for R term rows: NB * R accumulators.
+template <int NB, int R>
+inline void Blocks(const uint8_t* w, const int8_t* terms, int32_t* out, int64_t K, int64_t N,
+                   int64_t block, const int32_t* offsets) {
+  __m512i acc[NB][R];
+  for (int i = 0; i < NB; i++)
+    for (int r = 0; r < R; r++) acc[i][r] = _mm512_setzero_si512();
+  const int64_t stride = kLanes * K;                       // bytes per block
+  const uint8_t* wb = w + block * stride;
+  for (int64_t k = 0; k < K; k += kGroup) {
+    for (int i = 0; i < NB; i++) {
+      const uint8_t* at = wb + i * stride + k * kLanes;
+      _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetch), _MM_HINT_T0);
+      const __m512i wv = _mm512_loadu_si512(at);
+      for (int r = 0; r < R; r++) {
+        int32_t four;                                      // terms[r, k .. k+3]
+        __builtin_memcpy(&four, terms + r * K + k, sizeof four);
+        acc[i][r] = _mm512_dpbusd_epi32(acc[i][r], wv, _mm512_set1_epi32(four));
+      }
+    }
+  }
+  for (int i = 0; i < NB; i++)
+    for (int r = 0; r < R; r++)
+      _mm512_storeu_si512(out + r * N + (block + i) * kLanes,
+                          _mm512_sub_epi32(acc[i][r], _mm512_set1_epi32(offsets[r])));
+}
+
+template <int R>
+void Pass(const uint8_t* w, const int8_t* terms, int32_t* out, int64_t K, int64_t N, int64_t b0,
+          int64_t b1, const int32_t* offsets) {
+  constexpr int NB = R <= 4 ? 2 : 1;     // two blocks share each term's broadcast where registers allow
+  int64_t b = b0;
+  for (; b + NB <= b1; b += NB) Blocks<NB, R>(w, terms, out, K, N, b, offsets);
+  for (; b < b1; b++) Blocks<1, R>(w, terms, out, K, N, b, offsets);
+}
+
+using PassFn = void (*)(const uint8_t*, const int8_t*, int32_t*, int64_t, int64_t, int64_t, int64_t,
+                        const int32_t*);
+constexpr PassFn kPasses[kMaxTerms + 1] = {nullptr, Pass<1>, Pass<2>, Pass<3>, Pass<4>,
+                                           Pass<5>, Pass<6>, Pass<7>, Pass<8>};
+
+// Runs fn(chunk) for chunks 0 .. chunks-1 on the calling thread and XLA's intra-op pool. Each
+// thread claims chunks until none is left; the caller works too and waits only for chunks another
+// thread claimed, so the call completes even when no pool thread is free to help (a helper that
+// starts late finds nothing left). fn must stay valid until then: it is shared with the helpers.
+void Parallel(ffi::ThreadPool& pool, int64_t chunks, std::function<void(int64_t)> fn) {
+  struct Shared {
+    std::function<void(int64_t)> fn;
+    int64_t chunks;
+    std::atomic<int64_t> next{0}, done{0};
+    void Work() {
+      for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+        fn(c);
+        done.fetch_add(1, std::memory_order_release);
+      }
+    }
+  };
+  auto shared = std::make_shared<Shared>();
+  shared->fn = std::move(fn);
+  shared->chunks = chunks;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks) - 1;
+  for (int64_t i = 0; i < helpers; i++) pool.Schedule([shared] { shared->Work(); });
+  shared->Work();
+  while (shared->done.load(std::memory_order_acquire) < chunks) _mm_pause();
+}
+
+bool Packed(const ffi::Span<const int64_t>& d) {
+  return d.size() == 4 && d[2] == kLanes && d[3] == kGroup;
+}
+
+// 128 times each term row's sum: what the offset weights add to its products.
+std::vector<int32_t> Offsets(const int8_t* terms, int64_t R, int64_t K) {
+  std::vector<int32_t> offsets(R);
+  for (int64_t r = 0; r < R; r++) {
+    int32_t sum = 0;
+    for (int64_t k = 0; k < K; k++) sum += terms[r * K + k];
+    offsets[r] = 128 * sum;
+  }
+  return offsets;
+}
+
+// The products of R term rows with blocks [b0, b1) of the weights, into out [R, N].
+void ProductBlocks(const uint8_t* w, const int8_t* terms, int32_t* out, int64_t K, int64_t N,
+                   int64_t R, int64_t b0, int64_t b1, const int32_t* offsets) {
+  for (int64_t r0 = 0; r0 < R; r0 += kMaxTerms) {
+    const int64_t n = std::min<int64_t>(kMaxTerms, R - r0);
+    kPasses[n](w, terms + r0 * K, out + r0 * N, K, N, b0, b1, offsets + r0);
+  }
+}
+
+int64_t Chunks(int64_t blocks) { return (blocks + kChunkBlocks - 1) / kChunkBlocks; }
+
+ffi::Error Int8Product(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S8> terms,
+                       ffi::ResultBuffer<ffi::S32> out) {
+  const auto wd = w.dimensions();
+  const auto td = terms.dimensions();
+  if (!Packed(wd) || td.size() != 2 || td[1] != wd[1] * kGroup)
+    return ffi::Error::InvalidArgument("int8_product: weights [N/16, K/4, 16, 4], terms [R, K]");
+  const int64_t blocks = wd[0], K = td[1], N = blocks * kLanes, R = td[0];
+  const uint8_t* wp = w.typed_data();
+  const int8_t* tp = terms.typed_data();
+  int32_t* op = out->typed_data();
+  const std::vector<int32_t> offsets = Offsets(tp, R, K);
+  Parallel(pool, Chunks(blocks), [&](int64_t c) {
+    const int64_t b0 = c * kChunkBlocks;
+    ProductBlocks(wp, tp, op, K, N, R, b0, std::min(b0 + kChunkBlocks, blocks), offsets.data());
+  });
+  return ffi::Error::Success();
+}
+
+// ---- the whole product of float rows: terms, products and scales in one call -------------------
+
+// Row x [K] -> int8 q [K] on its own scale (largest magnitude / 127; 1 for a zero row), so that
+// x ~= q * scale, rounded half to even; returns the scale. engine/model.py: _quantize_rows, exactly.
+float QuantizeRow(const float* x, int8_t* q, int64_t K) {
+  float peak = 0.0f;
+  for (int64_t k = 0; k < K; k++) peak = std::max(peak, std::fabs(x[k]));
+  const float scale = peak > 0.0f ? peak / 127.0f : 1.0f;
+  for (int64_t k = 0; k < K; k++)
+    q[k] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(x[k] / scale))));
+  return scale;
+}
+
+// x float32 [R, K] times the packed offset weights, each output times its channel's scale ->
+// float32 [R, N]. Each row becomes two int8 terms (the row, then what its rounding left, on its own
+// scale) as engine/model.py's _int8_terms makes them, and y = (p0 s0 + p1 s1) * scale in float32, in
+// that order: the same numbers as the XLA path's, and no separate XLA loops around the product (at
+// 1-4 decode rows those cost about as much as the product itself).
+ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                      ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> out) {
+  const auto wd = w.dimensions();
+  const auto xd = x.dimensions();
+  if (!Packed(wd) || xd.size() != 2 || xd[1] != wd[1] * kGroup ||
+      scale.element_count() != wd[0] * kLanes)
+    return ffi::Error::InvalidArgument("int8_matmul: x [R, K], weights [N/16, K/4, 16, 4], scale [N]");
+  const int64_t blocks = wd[0], K = xd[1], N = blocks * kLanes, R = xd[0], T = 2 * R;
+  const float* xp = x.typed_data();
+  std::vector<int8_t> terms(T * K);                         // row r's terms at 2r, 2r + 1
+  std::vector<float> term_scales(T), rest(K);
+  for (int64_t r = 0; r < R; r++) {
+    int8_t* q0 = terms.data() + 2 * r * K;
+    const float s0 = term_scales[2 * r] = QuantizeRow(xp + r * K, q0, K);
+    for (int64_t k = 0; k < K; k++) rest[k] = xp[r * K + k] - static_cast<float>(q0[k]) * s0;
+    term_scales[2 * r + 1] = QuantizeRow(rest.data(), q0 + K, K);
+  }
+  const std::vector<int32_t> offsets = Offsets(terms.data(), T, K);
+  std::vector<int32_t> products(T * N);
+  const float* sp = scale.typed_data();
+  float* op = out->typed_data();
+  Parallel(pool, Chunks(blocks), [&](int64_t c) {
+    const int64_t b0 = c * kChunkBlocks, b1 = std::min(b0 + kChunkBlocks, blocks);
+    ProductBlocks(w.typed_data(), terms.data(), products.data(), K, N, T, b0, b1, offsets.data());
+    for (int64_t r = 0; r < R; r++) {                        // the chunk's outputs, still in cache
+      const int32_t* p0 = products.data() + 2 * r * N;
+      const int32_t* p1 = p0 + N;
+      const float s0 = term_scales[2 * r], s1 = term_scales[2 * r + 1];
+      for (int64_t n = b0 * kLanes; n < b1 * kLanes; n++)
+        op[r * N + n] = (static_cast<float>(p0[n]) * s0 + static_cast<float>(p1[n]) * s1) * sp[n];
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// ---- the weights widened, for a prefill chunk's bfloat16 dot -----------------------------------
+
+// 16 vectors of 16 dwords -> their transpose, in place: v[r] lane i becomes the old v[i] lane r.
+inline void Transpose16(__m512i* v) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; i++) {           // u[4i + m], 128-bit lane L: v[4i .. 4i+3] at dword 4L + m
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int m = 0; m < 4; m++) {           // a 4 x 4 transpose of 128-bit lanes per m
+    const __m512i b0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44);
+    const __m512i b1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
+    const __m512i b2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44);
+    const __m512i b3 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
+    v[m] = _mm512_shuffle_i32x4(b0, b2, 0x88);
+    v[4 + m] = _mm512_shuffle_i32x4(b0, b2, 0xDD);
+    v[8 + m] = _mm512_shuffle_i32x4(b1, b3, 0x88);
+    v[12 + m] = _mm512_shuffle_i32x4(b1, b3, 0xDD);
+  }
+}
+
+// 16 offset bytes -> their int8 values as bfloat16 (exact: a float32 of |v| <= 128 keeps its value
+// in its top 16 bits).
+inline __m256i Bf16(__m128i bytes) {
+  const __m512i values = _mm512_cvtepi8_epi32(_mm_xor_si128(bytes, _mm_set1_epi8(-128)));
+  const __m512i bits = _mm512_castps_si512(_mm512_cvtepi32_ps(values));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
+}
+
+// Packed offset weights [N/16, K/4, 16, 4] -> their int8 values as bfloat16 [N, K]. XLA's own
+// transpose of the packed layout cost a 512-token prefill chunk of the demo 0.5 s (2.35 against
+// 1.86 s); this runs at the speed of writing the copy, as the plain layout's convert does.
+ffi::Error Int8Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::BF16> out) {
+  const auto wd = w.dimensions();
+  if (!Packed(wd)) return ffi::Error::InvalidArgument("int8_widen: weights [N/16, K/4, 16, 4]");
+  const int64_t blocks = wd[0], groups = wd[1], K = groups * kGroup;
+  const uint8_t* wp = w.typed_data();
+  uint16_t* op = reinterpret_cast<uint16_t*>(out->typed_data());
+  Parallel(pool, blocks, [&](int64_t b) {
+    const uint8_t* block = wp + b * groups * kLanes * kGroup;
+    uint16_t* rows = op + b * kLanes * K;
+    int64_t g = 0;
+    for (; g + 16 <= groups; g += 16) {   // 16 groups of 4 inputs x 16 outputs: 64 inputs of each
+      __m512i v[16];
+      for (int i = 0; i < 16; i++) v[i] = _mm512_loadu_si512(block + (g + i) * kLanes * kGroup);
+      Transpose16(v);                     // v[l]: output l's 64 inputs from 4g
+      for (int l = 0; l < kLanes; l++) {
+        __m256i* to = reinterpret_cast<__m256i*>(rows + l * K + g * kGroup);
+        _mm256_storeu_si256(to, Bf16(_mm512_extracti32x4_epi32(v[l], 0)));
+        _mm256_storeu_si256(to + 1, Bf16(_mm512_extracti32x4_epi32(v[l], 1)));
+        _mm256_storeu_si256(to + 2, Bf16(_mm512_extracti32x4_epi32(v[l], 2)));
+        _mm256_storeu_si256(to + 3, Bf16(_mm512_extracti32x4_epi32(v[l], 3)));
+      }
+    }
+    for (; g < groups; g++)
+      for (int l = 0; l < kLanes; l++)
+        for (int j = 0; j < kGroup; j++) {
+          const float value = static_cast<float>(block[(g * kLanes + l) * kGroup + j]) - 128.0f;
+          uint32_t bits;
+          __builtin_memcpy(&bits, &value, sizeof bits);
+          rows[l * K + g * kGroup + j] = static_cast<uint16_t>(bits >> 16);
+        }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxInt8Product, Int8Product,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxInt8Matmul, Int8Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxInt8Widen, Int8Widen,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());

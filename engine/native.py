@@ -1,0 +1,173 @@
+"""The engine's one native kernel (engine/int8_product.cc): int8 weights times a few rows of int8
+terms, at the memory's speed where XLA:CPU's integer dot is compute-bound (see engine.model, beside
+_matmul). It is built on first use with the host's C++ compiler against jaxlib's FFI headers, kept
+under the cache root (rebuilt when the source, the compiler or jaxlib changes) and registered with
+XLA as a custom call.
+
+It is optional: without AVX-512 VNNI, without a compiler, on several devices (the weights split
+over them: a custom call is not partitioned), or with MASHBOX_NATIVE=0, the weights stay in their
+plain [out, in] layout and XLA's own products serve, with the same results.
+
+Packed layout of an [N, K] matrix (N a multiple of 16, K of 4): [N/16, K/4, 16, 4], element
+[n, k] at [n // 16, k // 4, n % 16, k % 4]: one 64-byte load holds 4 inputs of 16 outputs.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from engine import cpu
+
+log = logging.getLogger("mashbox.engine")
+
+SOURCE = Path(__file__).with_name("int8_product.cc")
+# The custom calls it registers, and their symbols.
+TARGETS = {"mashbox_int8_product": "MashboxInt8Product", "mashbox_int8_matmul": "MashboxInt8Matmul",
+           "mashbox_int8_widen": "MashboxInt8Widen"}
+ENV_SWITCH = "MASHBOX_NATIVE"                      # "0": never build or use the kernel
+# The instructions the kernel is compiled for; a CPU without any of them keeps XLA's products.
+REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
+# No contraction into fused multiply-adds: int8_matmul rounds as XLA's own path does.
+COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-mavx512f", "-mavx512bw",
+                 "-mavx512vnni")
+BUILD_TIMEOUT_S = 300                              # about 5 s on 2 cores; a stuck compiler is given up
+LANES, GROUP = 16, 4                               # the packed block: 16 outputs x 4 inputs
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and (found := shutil.which(name)):
+            return found
+    return None
+
+
+def _build(compiler: str) -> Path:
+    """The shared library for this source, compiler and jaxlib: built now unless already there."""
+    import jax.ffi
+    import jaxlib
+
+    from engine.registry import cache_root
+
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), version.encode(), jaxlib.__version__.encode(),
+                                     " ".join(COMPILE_FLAGS).encode()])).hexdigest()[:20]
+    folder = cache_root() / "native"
+    library = folder / f"int8_product-{key}.so"
+    if library.exists():
+        return library
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *COMPILE_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE),
+                               "-o", tmp], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr.strip()[-2000:] or f"{compiler} exited {done.returncode}")
+        os.replace(tmp, library)          # whole or absent: two workers building at once both succeed
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return library
+
+
+@lru_cache(maxsize=1)
+def available() -> bool:
+    """Whether the kernel is built and registered in this process (built on the first call).
+    Says in the log why not when the CPU could run it."""
+    if os.environ.get(ENV_SWITCH, "1") == "0" or not REQUIRED_FLAGS <= cpu.flags():
+        return False
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("int8 kernel: no C++ compiler found (c++, g++, clang++ or $CXX); XLA's "
+                    "products serve int8 weights instead, about half as fast in decode")
+        return False
+    try:
+        import jax.ffi
+
+        library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
+        for target, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                        platform="cpu")
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+        log.warning("int8 kernel unavailable (%s); XLA's products serve int8 weights instead", e)
+        return False
+    return True
+
+
+def packable(shape) -> bool:
+    """Whether an [out, in] matrix can be packed (whole blocks of 16 outputs x 4 inputs)."""
+    return len(shape) == 2 and shape[0] % LANES == 0 and shape[1] % GROUP == 0
+
+
+def pack(q: np.ndarray) -> np.ndarray:
+    """[N, K] -> the packed layout [N/16, K/4, 16, 4] (the module docstring)."""
+    n, k = q.shape
+    return np.ascontiguousarray(q.reshape(n // LANES, LANES, k // GROUP, GROUP).transpose(0, 2, 1, 3))
+
+
+def is_packed(q) -> bool:
+    return q.ndim == 4
+
+
+def unpack(q):
+    """The packed layout -> [N, K] (a jax or numpy array: transposes in the array's own library)."""
+    blocks, groups, lanes, group = q.shape
+    return q.transpose(0, 2, 1, 3).reshape(blocks * lanes, groups * group)
+
+
+def packed_rows(q, rows):
+    """Rows `rows` (an integer array of any shape) of a packed [N, K] matrix: [*rows.shape, K]."""
+    blocks, groups, lanes, group = q.shape
+    return q[rows // LANES, :, rows % LANES, :].reshape(*rows.shape, groups * group)
+
+
+def int8_product(q, terms):
+    """Packed offset weights q (uint8 [N/16, K/4, 16, 4]) times int8 terms [R, K] -> exact int32
+    [R, N], sum_k (q[n, k] - 128) * terms[r, k]. Only where available()."""
+    import jax
+    import jax.numpy as jnp
+
+    _require()
+    n = q.shape[0] * LANES
+    return jax.ffi.ffi_call("mashbox_int8_product",
+                            jax.ShapeDtypeStruct((terms.shape[0], n), jnp.int32))(q, terms)
+
+
+def int8_matmul(x, q, scale):
+    """Float32 rows x [R, K] times packed offset weights q with their output channels' scales [N]
+    -> float32 [R, N]: engine.model._matmul's two int8 terms per row, their products and the scales,
+    in one call (int8_product is the product alone)."""
+    import jax
+    import jax.numpy as jnp
+
+    _require()
+    n = q.shape[0] * LANES
+    return jax.ffi.ffi_call("mashbox_int8_matmul",
+                            jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, q, scale)
+
+
+def widen(q):
+    """Packed offset weights q -> their int8 values as bfloat16 [N, K] (exact), for a product of
+    many rows (XLA's dot). The kernel's own pass: XLA's transpose of the packed layout ran slowly."""
+    import jax
+    import jax.numpy as jnp
+
+    _require()
+    blocks, groups, lanes, group = q.shape
+    return jax.ffi.ffi_call("mashbox_int8_widen",
+                            jax.ShapeDtypeStruct((blocks * lanes, groups * group), jnp.bfloat16))(q)
+
+
+def _require():
+    if not available():
+        raise RuntimeError("packed int8 weights, but the int8 kernel is not available here")

@@ -1,0 +1,156 @@
+"""The native int8 kernel (engine/int8_product.cc, built and registered by engine.native) against
+numpy, and the model with packed weights against the plain layout's XLA products."""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine import model, native, weights
+from engine.config import load_config
+from engine.weights import held_key, load_weights
+
+TINY = os.path.join(os.path.dirname(__file__), "fixtures", "tiny")
+
+needs_kernel = pytest.mark.skipif(not native.available(),
+                                  reason="the int8 kernel needs AVX-512 VNNI and a C++ compiler")
+
+
+def _offset_weights(rng, n, k):
+    return rng.integers(0, 256, (n, k), dtype=np.uint8)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, k", [(16, 4), (32, 64), (48, 68), (64, 900), (1152, 896)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 19])
+def test_int8_product_is_exact_for_every_row_count_and_shape(n, k, rows):
+    """Guards against a pass of terms (8 at a time, then the rest), a block pair, a chunk edge or the
+    offset's correction going wrong: the products are integers, so the kernel must be exact."""
+    rng = np.random.default_rng(n * 1000 + k + rows)
+    q = _offset_weights(rng, n, k)
+    terms = rng.integers(-127, 128, (rows, k), dtype=np.int8)
+    want = terms.astype(np.int64) @ (q.astype(np.int64) - 128).T
+    got = np.asarray(jax.jit(native.int8_product)(native.pack(q), terms))
+    np.testing.assert_array_equal(got, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, k", [(16, 4), (32, 64), (48, 68), (16, 260), (896, 4864)])
+def test_widen_gives_the_weights_int8_values_exactly(n, k):
+    """Guards against the 16 x 16 transpose or the tail of inputs (K/4 not a multiple of 16) putting
+    a weight in the wrong place, or the bfloat16 conversion rounding one."""
+    q = _offset_weights(np.random.default_rng(k), n, k)
+    got = np.asarray(jax.jit(native.widen)(native.pack(q))).astype(np.float32)
+    np.testing.assert_array_equal(got, q.astype(np.float32) - 128)
+
+
+def _terms(x):
+    """engine.model._int8_terms in numpy, in float32 with IEEE rounding: [(int8 term, its scales)] x 2."""
+    out = []
+    for _ in range(2):
+        peak = np.abs(x).max(-1, keepdims=True)
+        scale = np.where(peak > 0, peak / np.float32(127), np.float32(1)).astype(np.float32)
+        term = np.clip(np.round(x / scale), -127, 127).astype(np.int8)
+        out.append((term, scale))
+        x = (x - term.astype(np.float32) * scale).astype(np.float32)
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 4, 9])
+def test_int8_matmul_is_the_two_terms_products_and_scales_rounded_once_each(rows):
+    """Guards against the fused call's quantization (half to even, clipped, a zero row's scale 1) or
+    its float32 sum differing from what the terms define: the same numbers numpy computes."""
+    rng = np.random.default_rng(rows)
+    n, k = 64, 96
+    q = _offset_weights(rng, n, k)
+    scale = rng.random(n).astype(np.float32)
+    x = (rng.standard_normal((rows, k)) * rng.choice([1e-3, 1, 50], (rows, 1))).astype(np.float32)
+    x[0, :] = 0                                        # a padding row
+    got = np.asarray(jax.jit(native.int8_matmul)(x, native.pack(q), scale))
+    values = q.astype(np.int64) - 128
+    want = sum((term.astype(np.int64) @ values.T).astype(np.float32) * s for term, s in _terms(x))
+    np.testing.assert_array_equal(got, (want * scale).astype(np.float32))
+    assert not got[0].any()
+
+
+def test_packed_layout_round_trips_and_reads_rows():
+    """Guards against pack, unpack and packed_rows disagreeing about where element [n, k] lives."""
+    q = _offset_weights(np.random.default_rng(0), 48, 20)
+    packed = native.pack(q)
+    assert packed.shape == (3, 5, 16, 4) and native.is_packed(packed)
+    assert packed[2, 3, 5, 1] == q[2 * 16 + 5, 3 * 4 + 1]
+    np.testing.assert_array_equal(native.unpack(packed), q)
+    rows = np.array([[0, 47], [17, 17]])
+    np.testing.assert_array_equal(native.packed_rows(jnp.asarray(packed), jnp.asarray(rows)), q[rows])
+    assert not native.packable((48, 18)) and not native.packable((40, 20)) and native.packable((48, 20))
+
+
+def _logits(cfg, params, tokens, forward):
+    """Logits at every position: one prefill of all but the last 3 tokens, then 3 decode rows."""
+    from engine.cache import init_cache
+    cache = init_cache(cfg, 2, 64, jnp.float32)
+    i32 = lambda *v: jnp.asarray(v, jnp.int32)  # noqa: E731
+    split = len(tokens) - 3
+    logits, cache = forward(params, cache, jnp.asarray(tokens[None, :split], jnp.int32), i32(0), i32(0),
+                            i32(split), cfg=cfg, all_logits=True)
+    rows = list(np.asarray(logits[0]))
+    for pos in range(split, len(tokens)):
+        logits, cache = forward(params, cache, jnp.asarray([[tokens[pos]]], jnp.int32), i32(0),
+                                i32(pos), i32(1), cfg=cfg)
+        rows.append(np.asarray(logits[0]))
+    return np.stack(rows)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-tied", "qwen2"])
+@pytest.mark.parametrize("int8_max_rows", [model.INT8_ROWS_MAX_ROWS, 0])
+def test_packed_weights_give_the_plain_layouts_logits(name, int8_max_rows, monkeypatch):
+    """Guards against the kernel's path (the terms' product, the tied head, the embedding's packed
+    rows, and the widened weights of a prefill chunk when int8_max_rows is 0) computing anything but
+    what XLA's products compute from the same int8 weights. Not to the bit: XLA's fused loops round
+    the terms' float32 sums a unit in the last place differently (the kernel rounds as the previous
+    test's numpy does); measured on the tiny models up to 0.005 apart, the greedy tokens the same."""
+    from safetensors.numpy import load_file
+    monkeypatch.setattr(weights, "OFFSET_INT8", True)
+    monkeypatch.setattr(model, "INT8_ROWS_MAX_ROWS", int8_max_rows)
+    folder = os.path.join(TINY, name)
+    cfg = load_config(folder)
+    tokens = np.asarray(load_file(os.path.join(folder, "reference.safetensors"))["tokens"])[:24]
+    # fresh functions (the forward and its layers), so jit traces them again with the patched constant
+    forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
+    monkeypatch.setattr(model, "_jit_layer", jax.jit(lambda *a, **k: model._layer(*a, **k),
+                                                     static_argnames=("cfg", "kind", "mlp", "site")))
+    packed = load_weights(folder, cfg, "int8")
+    plain = load_weights(folder, cfg, "int8", pack=False)
+    assert native.is_packed(packed["layers"][0]["qkv"]["q"]) and native.is_packed(packed["embed"]["q"])
+    assert plain["layers"][0]["qkv"]["q"].ndim == 2
+    got, want = _logits(cfg, packed, tokens, forward), _logits(cfg, plain, tokens, forward)
+    np.testing.assert_allclose(got, want, atol=0.02, rtol=0)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_switched_off_or_without_vnni_the_weights_stay_plain(monkeypatch):
+    """Guards against packing (or a build) where the kernel cannot run: MASHBOX_NATIVE=0, or a CPU
+    without AVX-512 VNNI, keeps XLA's products on the plain layout."""
+    folder = os.path.join(TINY, "qwen2")
+    cfg = load_config(folder)
+    for env, flags in (({"MASHBOX_NATIVE": "0"}, None), ({}, frozenset({"avx2", "fma"}))):
+        native.available.cache_clear()
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                m.setenv(key, value)
+            if flags is not None:
+                m.setattr(native.cpu, "flags", lambda: flags)
+            assert not native.available()
+            assert load_weights(folder, cfg, "int8")["layers"][0]["down"]["q"].ndim == 2
+    native.available.cache_clear()
+
+
+def test_packed_and_plain_weights_are_held_apart():
+    """Guards against a start reading a held copy in the other layout (a worker on several devices
+    holds them plain, one on a single device packed)."""
+    assert held_key("sha", "int8", "float32", 2, True) != held_key("sha", "int8", "float32", 2, False)
