@@ -277,6 +277,183 @@ ffi::Error Int8Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::ResultBu
   return ffi::Error::Success();
 }
 
+// ---- decode attention over the int8 cache -----------------------------------------------------
+
+// Positions one task of Int8Attend covers: a row's context is cut at fixed multiples of this (never
+// where other rows end), so its sums run in the same order whatever the batch.
+constexpr int64_t kSplit = 2048;
+constexpr int kRows = 8;                 // query rows per pass (accumulators per 16 positions)
+
+// e^x for x <= 0, about 1 ulp: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial, times 2^n.
+inline __m512 Exp(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 Widen(const int8_t* at, __mmask16 m) {          // 16 int8 -> float32
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, at)));
+}
+
+inline __mmask16 Lanes(int64_t left) { return left >= 16 ? 0xFFFF : (1u << left) - 1; }
+
+// Scores of R query rows q [R, D] (R a constant: the accumulators stay in registers) over n
+// positions of keys k [D, C] from `begin`, times the keys' scales, into w (row stride `stride`).
+template <int R>
+void Scores(const float* q, const int8_t* k, const float* ks, int64_t D, int64_t C, int64_t begin,
+            int64_t n, float* w, int64_t stride) {
+  for (int64_t p = 0; p < n; p += 16) {
+    const __mmask16 m = Lanes(n - p);
+    __m512 s[R];
+    for (int r = 0; r < R; r++) s[r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+      const __m512 kd = Widen(k + d * C + begin + p, m);
+      for (int r = 0; r < R; r++) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + d]), kd, s[r]);
+    }
+    const __m512 scale = _mm512_maskz_loadu_ps(m, ks + begin + p);
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(w + r * stride + p, _mm512_mul_ps(s[r], scale));
+  }
+}
+
+// acc [R, D] = the weights w [R, padded] (zero past n) times values v [D, C] from `begin`: two
+// dimensions of every row at a time.
+template <int R>
+void Weighted(const float* w, int64_t stride, const int8_t* v, int64_t D, int64_t C, int64_t begin,
+              int64_t n, float* acc) {
+  for (int64_t d = 0; d < D; d += 2) {
+    const bool pair = d + 1 < D;
+    __m512 a0[R], a1[R];
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < n; p += 16) {
+      const __mmask16 m = Lanes(n - p);
+      const __m512 v0 = Widen(v + d * C + begin + p, m);
+      const __m512 v1 = pair ? Widen(v + (d + 1) * C + begin + p, m) : _mm512_setzero_ps();
+      for (int r = 0; r < R; r++) {
+        const __m512 wr = _mm512_loadu_ps(w + r * stride + p);
+        a0[r] = _mm512_fmadd_ps(wr, v0, a0[r]);
+        a1[r] = _mm512_fmadd_ps(wr, v1, a1[r]);
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      acc[r * D + d] = _mm512_reduce_add_ps(a0[r]);
+      if (pair) acc[r * D + d + 1] = _mm512_reduce_add_ps(a1[r]);
+    }
+  }
+}
+
+template <int R>
+void ScoresAndWeighted(bool scores, const float* q, const int8_t* kv, const float* scale, int64_t D,
+                       int64_t C, int64_t begin, int64_t n, float* w, int64_t stride, float* acc) {
+  if (scores)
+    Scores<R>(q, kv, scale, D, C, begin, n, w, stride);
+  else
+    Weighted<R>(w, stride, kv, D, C, begin, n, acc);
+}
+
+using SpanFn = void (*)(bool, const float*, const int8_t*, const float*, int64_t, int64_t, int64_t,
+                        int64_t, float*, int64_t, float*);
+constexpr SpanFn kSpans[kRows + 1] = {nullptr, ScoresAndWeighted<1>, ScoresAndWeighted<2>,
+                                      ScoresAndWeighted<3>, ScoresAndWeighted<4>, ScoresAndWeighted<5>,
+                                      ScoresAndWeighted<6>, ScoresAndWeighted<7>, ScoresAndWeighted<8>};
+
+// One task: query rows q [G, D] of one (row, KV head) over positions [begin, end) of its slot's keys
+// k and values v [D, C] (positions last) and their scales [C]. Leaves each query row's largest score,
+// its sum of e^(score - largest) and its weighted values [D] (not yet divided by the sum).
+void AttendSpan(const float* q, const int8_t* k, const int8_t* v, const float* ks, const float* vs,
+                int64_t G, int64_t D, int64_t C, int64_t begin, int64_t end, float* best,
+                float* total, float* acc) {
+  const int64_t n = end - begin, padded = (n + 15) / 16 * 16;
+  // Scores, then weights, per row (every lane written before it is read: no zeroing).
+  std::unique_ptr<float[]> w(new float[G * padded]);
+  for (int64_t g = 0; g < G; g += kRows)
+    kSpans[std::min<int64_t>(kRows, G - g)](true, q + g * D, k, ks, D, C, begin, n, &w[g * padded],
+                                            padded, nullptr);
+  for (int64_t g = 0; g < G; g++) {
+    float* row = &w[g * padded];
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t p = 0; p < n; p += 16)
+      top = _mm512_mask_max_ps(top, Lanes(n - p), top, _mm512_loadu_ps(row + p));
+    const float peak = _mm512_reduce_max_ps(top);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t p = 0; p < padded; p += 16) {
+      const __mmask16 m = Lanes(n - p);
+      const __m512 e = _mm512_maskz_mov_ps(m, Exp(_mm512_sub_ps(_mm512_loadu_ps(row + p), _mm512_set1_ps(peak))));
+      sum = _mm512_add_ps(sum, e);
+      _mm512_storeu_ps(row + p, _mm512_mul_ps(e, _mm512_maskz_loadu_ps(m, vs + begin + p)));
+    }
+    best[g] = peak;
+    total[g] = _mm512_reduce_add_ps(sum);
+  }
+  for (int64_t g = 0; g < G; g += kRows)
+    kSpans[std::min<int64_t>(kRows, G - g)](false, nullptr, v, nullptr, D, C, begin, n, &w[g * padded],
+                                            padded, acc + g * D);
+}
+
+// Decode attention (one token per row) over an int8 cache, in float32: q [B, KV, G, D] (scaled, and
+// multiplied by the keys' smoothing), the cache's k, v [slots, KV, D, C] int8 and k_scale, v_scale
+// [slots, KV, C], each row's slot and position [B] -> out [B, KV, G, D]: row b's queries attend to
+// positions 0 .. position[b] of slot slots[b]. Tasks of (row, KV head, kSplit positions) run on the
+// pool; their partial softmaxes are merged in a fixed order.
+ffi::Error Int8Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k,
+                      ffi::Buffer<ffi::S8> v, ffi::Buffer<ffi::F32> k_scale,
+                      ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> slots,
+                      ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || kd[1] != qd[1] || kd[2] != qd[3] ||
+      slots.element_count() != qd[0] || positions.element_count() != qd[0])
+    return ffi::Error::InvalidArgument("int8_attend: q [B, KV, G, D], cache [slots, KV, D, C]");
+  const int64_t B = qd[0], KV = qd[1], G = qd[2], D = qd[3], S = kd[0], C = kd[3];
+  const int32_t* slot = slots.typed_data();
+  const int32_t* position = positions.typed_data();
+  struct Task { int64_t b, h, begin, end; };
+  std::vector<Task> tasks;
+  for (int64_t b = 0; b < B; b++) {
+    const int64_t last = std::min<int64_t>(std::max<int32_t>(position[b], 0), C - 1);
+    if (slot[b] < 0 || slot[b] >= S) return ffi::Error::InvalidArgument("int8_attend: slot out of range");
+    for (int64_t h = 0; h < KV; h++)
+      for (int64_t begin = 0; begin <= last; begin += kSplit)
+        tasks.push_back({b, h, begin, std::min(begin + kSplit, last + 1)});
+  }
+  std::vector<float> best(tasks.size() * G), total(tasks.size() * G), acc(tasks.size() * G * D);
+  const float* qp = q.typed_data();
+  Parallel(pool, tasks.size(), [&](int64_t i) {
+    const Task& t = tasks[i];
+    const int64_t cache = (slot[t.b] * KV + t.h);
+    AttendSpan(qp + (t.b * KV + t.h) * G * D, k.typed_data() + cache * D * C, v.typed_data() + cache * D * C,
+               k_scale.typed_data() + cache * C, v_scale.typed_data() + cache * C, G, D, C, t.begin,
+               t.end, &best[i * G], &total[i * G], &acc[i * G * D]);
+  });
+  float* op = out->typed_data();
+  for (size_t i = 0; i < tasks.size();) {                    // a (row, KV head)'s tasks are adjacent
+    size_t j = i;
+    while (j < tasks.size() && tasks[j].b == tasks[i].b && tasks[j].h == tasks[i].h) j++;
+    float* o = op + (tasks[i].b * KV + tasks[i].h) * G * D;
+    for (int64_t g = 0; g < G; g++) {
+      float peak = -INFINITY, sum = 0.0f;
+      for (size_t t = i; t < j; t++) peak = std::max(peak, best[t * G + g]);
+      for (int64_t e = 0; e < D; e++) o[g * D + e] = 0.0f;
+      for (size_t t = i; t < j; t++) {
+        const float f = std::exp(best[t * G + g] - peak);
+        sum += total[t * G + g] * f;
+        for (int64_t e = 0; e < D; e++) o[g * D + e] += acc[(t * G + g) * D + e] * f;
+      }
+      for (int64_t e = 0; e < D; e++) o[g * D + e] /= sum;
+    }
+    i = j;
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxInt8Product, Int8Product,
@@ -292,6 +469,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxInt8Matmul, Int8Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxInt8Attend, Int8Attend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxInt8Widen, Int8Widen,

@@ -469,6 +469,15 @@ def _probs_product(x, values):
     return y.astype(F32) * scale
 
 
+# Where the weights are packed for engine.native's kernel (one device, a CPU it runs on) a decode
+# step's attention over the int8 cache is the kernel's too (native.int8_attend): float32 scores from
+# the int8 keys, an exact softmax, float32 sums of the int8 values, each row's context in tasks of
+# 2048 positions on both cores; no quantized queries or probabilities. The XLA path above streams
+# the cache at a few GB/s (its integer products are thin and the terms' quantization costs as much).
+def _packed(w) -> bool:
+    return is_quantized(w) and native.is_packed(w["q"])
+
+
 def _attend(q, kv, slots, positions, live):
     """Causal attention of q [B, KV, G, T, D] (float32, already scaled) over positions [0, live) of
     each row's slot, one block at a time with a running (online) softmax: a query at position p
@@ -570,7 +579,13 @@ def _attention(layer, kv, x, slots, positions, valid, live, *, cfg: ModelConfig,
     cache = _write_kv(kv, k, v, slots, jnp.where(valid, positions, ctx))
 
     q = q.reshape(b, t, kv_heads, group, d).transpose(0, 2, 3, 1, 4)      # [B, KV, G, T, D]
-    out = _attend(q * (1.0 / np.sqrt(d)), cache, slots, positions, live)
+    q = q * (1.0 / np.sqrt(d))
+    if t == 1 and cache["k"].dtype == jnp.int8 and _packed(layer["qkv"]):
+        # Decode on one device where the int8 kernel runs (its weights are packed): see _packed.
+        out = native.int8_attend(q[:, :, :, 0], cache["k"], cache["v"], cache["k_scale"], cache["v_scale"],
+                                 slots, positions[:, 0])[:, :, :, None]
+    else:
+        out = _attend(q, cache, slots, positions, live)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.q_size)
     if gated:
         out = out * jax.nn.sigmoid(gate)

@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -32,13 +33,13 @@ log = logging.getLogger("mashbox.engine")
 SOURCE = Path(__file__).with_name("int8_product.cc")
 # The custom calls it registers, and their symbols.
 TARGETS = {"mashbox_int8_product": "MashboxInt8Product", "mashbox_int8_matmul": "MashboxInt8Matmul",
-           "mashbox_int8_widen": "MashboxInt8Widen"}
+           "mashbox_int8_widen": "MashboxInt8Widen", "mashbox_int8_attend": "MashboxInt8Attend"}
 ENV_SWITCH = "MASHBOX_NATIVE"                      # "0": never build or use the kernel
 # The instructions the kernel is compiled for; a CPU without any of them keeps XLA's products.
-REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
-# No contraction into fused multiply-adds: int8_matmul rounds as XLA's own path does.
+REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+# No contraction into fused multiply-adds: int8_matmul rounds each operation once, as defined.
 COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-mavx512f", "-mavx512bw",
-                 "-mavx512vnni")
+                 "-mavx512vl", "-mavx512vnni")
 BUILD_TIMEOUT_S = 300                              # about 5 s on 2 cores; a stuck compiler is given up
 LANES, GROUP = 16, 4                               # the packed block: 16 outputs x 4 inputs
 
@@ -80,12 +81,31 @@ def _build(compiler: str) -> Path:
     return library
 
 
+_building = threading.Lock()            # one build at a time in a process (prepare and available)
+
+
+def prepare() -> None:
+    """Build and register the kernel in a thread of its own (where it can run), so that a first
+    start's compile overlaps the rest of start-up; available() then waits for it."""
+    if _runs_here():
+        threading.Thread(target=available, name="int8-kernel", daemon=True).start()
+
+
+def _runs_here() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") != "0" and REQUIRED_FLAGS <= cpu.flags()
+
+
 @lru_cache(maxsize=1)
 def available() -> bool:
     """Whether the kernel is built and registered in this process (built on the first call).
     Says in the log why not when the CPU could run it."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or not REQUIRED_FLAGS <= cpu.flags():
+    if not _runs_here():
         return False
+    with _building:
+        return _build_and_register()
+
+
+def _build_and_register() -> bool:
     compiler = _compiler()
     if compiler is None:
         log.warning("int8 kernel: no C++ compiler found (c++, g++, clang++ or $CXX); XLA's "
@@ -166,6 +186,19 @@ def widen(q):
     blocks, groups, lanes, group = q.shape
     return jax.ffi.ffi_call("mashbox_int8_widen",
                             jax.ShapeDtypeStruct((blocks * lanes, groups * group), jnp.bfloat16))(q)
+
+
+def int8_attend(q, k, v, k_scale, v_scale, slots, positions):
+    """Decode attention over an int8 cache (engine.cache), in float32: q [B, KV, G, D] float32 (one
+    token per row, scaled and smoothed), k, v int8 [slots, KV, D, ctx], k_scale, v_scale float32
+    [slots, KV, ctx], slots, positions int32 [B] -> [B, KV, G, D]: row b attends to positions
+    0 .. positions[b] of slot slots[b]."""
+    import jax
+    import jax.numpy as jnp
+
+    _require()
+    return jax.ffi.ffi_call("mashbox_int8_attend", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q, k, v, k_scale, v_scale, slots, positions)
 
 
 def _require():

@@ -196,6 +196,7 @@ class Engine:
         self.faults = _Faults(os.environ.get("MASHBOX_FAULT", ""))
         self.mirror: mirror.Leader | None = None
         self._in_call = False
+        native.prepare()                  # a first start builds the int8 kernel beside what follows
         if args.compile_cache:
             os.makedirs(args.compile_cache, exist_ok=True)
             jax.config.update("jax_compilation_cache_dir", args.compile_cache)
@@ -311,7 +312,9 @@ class Engine:
             "prefix_cache": self.args.prefix_cache, "host_cache": self.host is not None,
             # the sampler's and the cache copies' small programs: their source
             "sources": [identity.file_sha256(m.__file__) for m in (sampler, prefix, sharding)]
-            + [identity.file_sha256(init_cache.__code__.co_filename)]})
+            + [identity.file_sha256(init_cache.__code__.co_filename)]
+            # the int8 kernel the programs call by name
+            + ([identity.file_sha256(str(native.SOURCE))] if native.available() else [])})
 
     @device_call
     def _warm_up(self, host_copies: bool, state_copies: bool) -> None:

@@ -154,3 +154,39 @@ def test_packed_and_plain_weights_are_held_apart():
     """Guards against a start reading a held copy in the other layout (a worker on several devices
     holds them plain, one on a single device packed)."""
     assert held_key("sha", "int8", "float32", 2, True) != held_key("sha", "int8", "float32", 2, False)
+
+
+def _attention_reference(q, k, v, k_scale, v_scale, slots, positions):
+    """Decode attention over an int8 cache in float64: what native.int8_attend computes."""
+    out = np.zeros(q.shape)
+    for b, (slot, last) in enumerate(zip(slots, positions)):
+        keys = k[slot, :, :, :last + 1] * k_scale[slot, :, None, :last + 1]            # [KV, D, P]
+        values = v[slot, :, :, :last + 1] * v_scale[slot, :, None, :last + 1]
+        scores = np.einsum("hgd,hdp->hgp", q[b].astype(np.float64), keys)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        out[b] = np.einsum("hgp,hdp->hgd", probs / probs.sum(-1, keepdims=True), values)
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("group, d, positions", [(7, 64, [0, 17, 4095, 5000]), (2, 16, [1, 2047, 2048, 9]),
+                                                  (12, 8, [3, 3, 3000, 40])])
+def test_int8_attend_is_softmax_attention_over_each_rows_own_context(group, d, positions):
+    """Guards against a row reading past its own position or another slot, a task boundary (every
+    2048 positions) or a tail of fewer than 16 positions merging wrongly, or groups of more than 8
+    query rows losing some."""
+    rng = np.random.default_rng(group)
+    slots, kv, ctx = 3, 2, 5120
+    k = rng.integers(-127, 128, (slots, kv, d, ctx), dtype=np.int8)
+    v = rng.integers(-127, 128, (slots, kv, d, ctx), dtype=np.int8)
+    k_scale = (rng.random((slots, kv, ctx)) * 0.02).astype(np.float32)
+    v_scale = rng.random((slots, kv, ctx)).astype(np.float32)
+    q = (rng.standard_normal((len(positions), kv, group, d)) / 4).astype(np.float32)
+    rows = np.array([2, 0, 1, 0], np.int32)[:len(positions)]
+    where = np.array(positions, np.int32)
+    got = np.asarray(jax.jit(native.int8_attend)(q, k, v, k_scale, v_scale, rows, where))
+    np.testing.assert_allclose(got, _attention_reference(q, k, v, k_scale, v_scale, rows, where),
+                               rtol=2e-4, atol=2e-4)
+    k[rows[0], :, :, positions[0] + 1:] = 127                 # what lies past a row's position is not read
+    again = np.asarray(jax.jit(native.int8_attend)(q, k, v, k_scale, v_scale, rows, where))
+    np.testing.assert_array_equal(again[0], got[0])
