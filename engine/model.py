@@ -472,8 +472,11 @@ def _probs_product(x, values):
 # Where the weights are packed for engine.native's kernel (one device, a CPU it runs on) a decode
 # step's attention over the int8 cache is the kernel's too (native.int8_attend): float32 scores from
 # the int8 keys, an exact softmax, float32 sums of the int8 values, each row's context in tasks of
-# 2048 positions on both cores; no quantized queries or probabilities. The XLA path above streams
-# the cache at a few GB/s (its integer products are thin and the terms' quantization costs as much).
+# 2048 positions on both cores; no quantized queries or probabilities. The path below keeps
+# attention of many rows (prefill chunks) and other devices. The demo's decode step, one row,
+# alternated in one process (2-core AMD EPYC, CPU family 25): at 1k positions 27.8 ms, at 16k 42.3
+# (1.52x), against 47.1 and 83.4 with XLA's products and this path; the kernel's first form, its
+# accumulators in memory (the row count a run-time value), took 67 ms at 16k.
 def _packed(w) -> bool:
     return is_quantized(w) and native.is_packed(w["q"])
 

@@ -227,18 +227,23 @@ def test_probability_product_rounds_each_row_on_its_own_scale_and_sums_exactly(u
 def test_uint8_products_leave_the_int8_models_logits_bit_for_bit(monkeypatch):
     """The offsets are exact, so int8 weights with an int8 KV cache give the same logits whether the
     weights are held offset as uint8 (weights first) or as int8 (rows first, shifted to uint8 or
-    signed)."""
+    signed). XLA's products, all three (the native kernel's are tests/test_native.py's)."""
     from safetensors.numpy import load_file
     folder = os.path.join(TINY, "qwen2")
     cfg = load_config(folder)
     tokens = np.asarray(load_file(os.path.join(folder, "reference.safetensors"))["tokens"])
     runs = []
+    # The probabilities' levels as a CPU without VNNI has them (127 fits either operand type), so
+    # that attention's products are comparable too.
+    monkeypatch.setattr(model, "PROB_LEVELS", 127)
     for offset, uint8_dot in ((True, True), (False, True), (False, False)):
         monkeypatch.setattr(weights, "OFFSET_INT8", offset)
         monkeypatch.setattr(model, "UINT8_DOT", uint8_dot)
-        params = load_weights(folder, cfg, "int8")
-        # a fresh function, so jit traces it again with the patched flag
+        params = load_weights(folder, cfg, "int8", pack=False)
+        # fresh functions (the forward and its layers), so jit traces them again with the patched flag
         forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
+        monkeypatch.setattr(model, "_jit_layer", jax.jit(lambda *a, **k: model._layer(*a, **k),
+                                                         static_argnames=("cfg", "kind", "mlp", "site")))
         runs.append(_logits(cfg, params, tokens, forward, kv_dtype=jnp.int8))
     np.testing.assert_array_equal(runs[0], runs[1])
     np.testing.assert_array_equal(runs[0], runs[2])
