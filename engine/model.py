@@ -135,15 +135,17 @@ SUMMED_PRODUCT_MAX_ROWS = 128
 # float32 dot, no faster than the terms up to 128 rows (above).
 # Where engine.native's kernel runs (AVX-512 VNNI, a C++ compiler, one device) the weights are held
 # packed for it and the terms' product is its own: weights streamed at the memory's speed instead of
-# YNNPACK's compute-bound one. The 24 layers' products (random weights, median of 7 alternated in one
-# process, 2-core AMD EPYC of CPU family 25), ms per forward:
+# YNNPACK's compute-bound one. The call makes the rows' two int8 terms and applies the scales itself
+# (native.int8_matmul): no XLA loops around it. The 24 layers' products alone (native.int8_product,
+# random weights, median of 7 alternated in one process, 2-core AMD EPYC of CPU family 25), ms per
+# forward:
 #   terms (rows)     2 (1)   4 (2)   8 (4)   16 (8)   64 (a 32-token chunk)
 #   kernel           14.1    14.7    12.8    35.3     126
 #   YNNPACK          26.5    23.8    29.5    43.0     133
-# The demo's whole decode step, alternated (tests/bench ab, 1 / 4 rows): 28.9 / 45.8 ms against 39.8 /
-# 64.5. A prefill chunk's bfloat16 dot takes the packed weights widened by the kernel's second pass
-# (native.widen): XLA's transpose of the packed layout cost a 512-token chunk 2.35 s against 1.86;
-# widened there, 1.59 against 1.62.
+# The demo's whole decode step (the product alone, XLA making the terms), medians of 5 alternated in
+# one process, 1 / 4 rows: 28.9 / 45.8 ms against 39.8 / 64.5. A prefill chunk's bfloat16 dot takes
+# the packed weights widened by the kernel's second pass (native.widen): XLA's transpose of the
+# packed layout cost a 512-token chunk 2.35 s against 1.86; widened there, 1.59 against 1.62.
 CPU_HAS_BF16 = cpu.has_bf16_dot()
 INT8_ROWS_MAX_ROWS = 64 if CPU_HAS_BF16 else SUMMED_PRODUCT_MAX_ROWS
 

@@ -1,12 +1,15 @@
-"""The engine's one native kernel (engine/int8_product.cc): int8 weights times a few rows of int8
-terms, at the memory's speed where XLA:CPU's integer dot is compute-bound (see engine.model, beside
-_matmul). It is built on first use with the host's C++ compiler against jaxlib's FFI headers, kept
-under the cache root (rebuilt when the source, the compiler or jaxlib changes) and registered with
-XLA as a custom call.
+"""The engine's one native kernel (engine/int8_product.cc), for CPUs where XLA:CPU's integer dot is
+compute-bound (see engine.model, beside _matmul and _packed): int8 weights times a few rows (decode
+steps, small prefill chunks) at the memory's speed, decode attention over the int8 cache, and the
+packed weights widened for a prefill chunk's dot. It is built on first use with the host's C++
+compiler against jaxlib's FFI headers, kept under the cache root (rebuilt when the source, the
+compiler or jaxlib changes) and registered with XLA as custom calls.
 
 It is optional: without AVX-512 VNNI, without a compiler, on several devices (the weights split
 over them: a custom call is not partitioned), or with MASHBOX_NATIVE=0, the weights stay in their
-plain [out, in] layout and XLA's own products serve, with the same results.
+plain [out, in] layout and XLA's own products and attention serve: the same int8 weights and
+cache, the products equal to a float32 rounding, attention with quantized queries and
+probabilities where the kernel's is float32 (tests/test_native.py).
 
 Packed layout of an [N, K] matrix (N a multiple of 16, K of 4): [N/16, K/4, 16, 4], element
 [n, k] at [n // 16, k // 4, n % 16, k % 4]: one 64-byte load holds 4 inputs of 16 outputs.
