@@ -95,7 +95,12 @@ def prepare() -> None:
 
 
 def _runs_here() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0" and REQUIRED_FLAGS <= cpu.flags()
+    """Not switched off, a CPU with the instructions, and XLA computing on it (on an accelerator
+    host the weights stay XLA's, whatever the host CPU)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0" or not REQUIRED_FLAGS <= cpu.flags():
+        return False
+    import jax
+    return jax.default_backend() == "cpu"
 
 
 @lru_cache(maxsize=1)

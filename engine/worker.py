@@ -196,12 +196,12 @@ class Engine:
         self.faults = _Faults(os.environ.get("MASHBOX_FAULT", ""))
         self.mirror: mirror.Leader | None = None
         self._in_call = False
-        native.prepare()                  # a first start builds the int8 kernel beside what follows
         if args.compile_cache:
             os.makedirs(args.compile_cache, exist_ok=True)
             jax.config.update("jax_compilation_cache_dir", args.compile_cache)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", COMPILE_CACHE_MIN_SECONDS)
         platform = jax.default_backend()
+        native.prepare()                  # a first start builds the int8 kernel beside what follows
         # The checkpoint's config, and the one the programs run: the same but for the KV heads laid
         # out when the mesh has more devices than the model has KV heads (engine.sharding).
         self.checkpoint_cfg = load_config(args.weights_folder)
@@ -219,10 +219,9 @@ class Engine:
                 "args": dataclasses.asdict(args), "component_set_sha": self.component_set_sha},
                 on_lost=on_lost or mirror.exit_lost)
             progress("followers", 1, 1)
-        # int8 matrices packed for engine.native's kernel where it runs: one device (a custom call
-        # is not split over several) on a CPU it is built for.
-        packed = (self.dtype.name == "int8" and self.layout.mesh.size == 1 and platform == "cpu"
-                  and native.available())
+        # int8 matrices packed for engine.native's kernel where it runs: XLA on a CPU it is built for,
+        # one device (a custom call is not split over several).
+        packed = self.dtype.name == "int8" and self.layout.mesh.size == 1 and native.available()
         held = None
         if args.weights_cache and self.dtype.name == "int8":
             held = os.path.join(args.weights_cache, held_key(
