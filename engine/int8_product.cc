@@ -1,12 +1,14 @@
-// The engine's one native kernel: int8 weights times a few rows of int8 terms, on AVX-512 VNNI.
+// The engine's one native kernel, on AVX-512 VNNI: int8 weights times a few rows of int8 terms
+// (Int8Product; Int8Matmul makes the terms from float rows and applies the scales), the packed
+// weights widened for a prefill chunk's dot (Int8Widen), and decode attention over the int8 KV
+// cache (Int8Attend). engine/native.py builds and registers them; engine/model.py calls them.
 //
 // XLA:CPU hands an integer dot to YNNPACK, whose kernels ran compute-bound on a 2-core AMD EPYC
 // (Zen 4): 12.8 GB/s of weights for one decode row, against 34 GB/s for a float32 dot. A decode
 // step reads every weight once for a handful of rows, so it should run at the memory's speed. This
 // kernel does: weights packed so that one 64-byte load holds 4 consecutive inputs of 16 outputs,
 // each term's 4 inputs broadcast to all 16 lanes, and vpdpbusd accumulates 16 outputs at once with
-// no horizontal sums; the weights stream in one sequential pass per thread. engine/native.py builds
-// and registers it; engine/model.py (_matmul) calls it.
+// no horizontal sums; the weights stream in one sequential pass per thread.
 //
 // Operands (row-major):
 //   w      uint8 [N/16, K/4, 16, 4]: the int8 weight q[n, k] + 128 at [n/16, k/4, n%16, k%4]
@@ -387,7 +389,8 @@ void AttendSpan(const float* q, const int8_t* k, const int8_t* v, const float* k
     __m512 sum = _mm512_setzero_ps();
     for (int64_t p = 0; p < padded; p += 16) {
       const __mmask16 m = Lanes(n - p);
-      const __m512 e = _mm512_maskz_mov_ps(m, Exp(_mm512_sub_ps(_mm512_loadu_ps(row + p), _mm512_set1_ps(peak))));
+      const __m512 shifted = _mm512_sub_ps(_mm512_loadu_ps(row + p), _mm512_set1_ps(peak));
+      const __m512 e = _mm512_maskz_mov_ps(m, Exp(shifted));
       sum = _mm512_add_ps(sum, e);
       _mm512_storeu_ps(row + p, _mm512_mul_ps(e, _mm512_maskz_loadu_ps(m, vs + begin + p)));
     }

@@ -85,6 +85,7 @@ def _build(compiler: str) -> Path:
 
 
 _building = threading.Lock()            # one build at a time in a process (prepare and available)
+_registered = False                     # XLA takes one registration of a target name per process
 
 
 def prepare() -> None:
@@ -114,6 +115,9 @@ def available() -> bool:
 
 
 def _build_and_register() -> bool:
+    global _registered
+    if _registered:                       # available() asked again (its cache cleared): still there
+        return True
     compiler = _compiler()
     if compiler is None:
         log.warning("int8 kernel: no C++ compiler found (c++, g++, clang++ or $CXX); XLA's "
@@ -129,6 +133,7 @@ def _build_and_register() -> bool:
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
         log.warning("int8 kernel unavailable (%s); XLA's products serve int8 weights instead", e)
         return False
+    _registered = True
     return True
 
 

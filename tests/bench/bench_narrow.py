@@ -99,7 +99,8 @@ def _int8_one_term(x, w, pad=2):
 
 
 # Each formulation: (x [rows, in] float32, weight) -> [rows, out] float32. int8 weights are the tuple
-# (q, scale, q transposed, int4 q, int4 scale, q offset as uint8, that packed (engine.native)) of _layers.
+# (q, scale, q transposed, int4 q, int4 scale, q offset as uint8, that packed for engine.native) of
+# _layers.
 FORMS = {
     "f32 dot": lambda x, w: _dot(x, w),
     "f32 summed": lambda x, w: _summed(x, w),
@@ -123,14 +124,15 @@ FORMS = {
 }
 # Which formulations to time at which row counts (the summed forms are far too slow at 512 rows).
 PLAN = {
-    1: ["f32 dot", "i8 engine (2 terms)", "i8 kernel (2 terms)", "i8 rows first, uint8", "i8 rows first, signed",
-        "i4 widened, engine", "i8 rows x i8, 1 term", "i8 rows x i8, unpadded", "i8 dot(convert w)",
-        "i8 pad2 summed"],
-    4: ["f32 dot", "f32 summed", "i8 engine (2 terms)", "i8 kernel (2 terms)", "i8 rows first, uint8", "i8 rows first, signed",
-        "i4 widened, engine", "i8 rows x i8, 1 term", "i8 summed"],
-    8: ["f32 summed", "i8 engine (2 terms)", "i8 kernel (2 terms)", "i8 rows first, uint8", "i8 rows first, signed", "i8 summed"],
+    1: ["f32 dot", "i8 engine (2 terms)", "i8 kernel (2 terms)", "i8 rows first, uint8",
+        "i8 rows first, signed", "i4 widened, engine", "i8 rows x i8, 1 term", "i8 rows x i8, unpadded",
+        "i8 dot(convert w)", "i8 pad2 summed"],
+    4: ["f32 dot", "f32 summed", "i8 engine (2 terms)", "i8 kernel (2 terms)", "i8 rows first, uint8",
+        "i8 rows first, signed", "i4 widened, engine", "i8 rows x i8, 1 term", "i8 summed"],
+    8: ["f32 summed", "i8 engine (2 terms)", "i8 kernel (2 terms)", "i8 rows first, uint8",
+        "i8 rows first, signed", "i8 summed"],
     32: ["f32 summed", "i8 engine (2 terms)", "i8 kernel (2 terms)", "i8 rows first, uint8", "i8 dot(bf16)"],
-    128: ["f32 summed", "i8 engine (2 terms)", "i8 kernel (2 terms)", "i8 kernel (2 terms)", "i8 rows first, uint8", "i8 dot(bf16)"],
+    128: ["f32 summed", "i8 engine (2 terms)", "i8 kernel (2 terms)", "i8 rows first, uint8", "i8 dot(bf16)"],
     512: ["f32 dot", "i8 engine (2 terms)", "i8 kernel (2 terms)", "i8 rows x i8, 1 term", "i8 dot(bf16)"],
 }
 
