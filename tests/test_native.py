@@ -12,6 +12,7 @@ import pytest
 from engine import model, native, weights
 from engine.config import load_config
 from engine.weights import held_key, load_weights
+from tests.test_int8 import _logits
 
 TINY = os.path.join(os.path.dirname(__file__), "fixtures", "tiny")
 
@@ -87,22 +88,6 @@ def test_packed_layout_round_trips_and_reads_rows():
     rows = np.array([[0, 47], [17, 17]])
     np.testing.assert_array_equal(native.packed_rows(jnp.asarray(packed), jnp.asarray(rows)), q[rows])
     assert not native.packable((48, 18)) and not native.packable((40, 20)) and native.packable((48, 20))
-
-
-def _logits(cfg, params, tokens, forward):
-    """Logits at every position: one prefill of all but the last 3 tokens, then 3 decode rows."""
-    from engine.cache import init_cache
-    cache = init_cache(cfg, 2, 64, jnp.float32)
-    i32 = lambda *v: jnp.asarray(v, jnp.int32)  # noqa: E731
-    split = len(tokens) - 3
-    logits, cache = forward(params, cache, jnp.asarray(tokens[None, :split], jnp.int32), i32(0), i32(0),
-                            i32(split), cfg=cfg, all_logits=True)
-    rows = list(np.asarray(logits[0]))
-    for pos in range(split, len(tokens)):
-        logits, cache = forward(params, cache, jnp.asarray([[tokens[pos]]], jnp.int32), i32(0),
-                                i32(pos), i32(1), cfg=cfg)
-        rows.append(np.asarray(logits[0]))
-    return np.stack(rows)
 
 
 @needs_kernel
