@@ -245,7 +245,11 @@ inline __m256i Bf16(__m128i bytes) {
 // Packed offset weights [N/16, K/4, 16, 4] -> their int8 values as bfloat16 [N, K]. XLA's own
 // transpose of the packed layout cost a 512-token prefill chunk of the demo 0.5 s (2.35 against
 // 1.86 s); this runs at the speed of writing the copy, as the plain layout's convert does.
-ffi::Error Int8Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::BF16> out) {
+// `after` is not read: the product's input, so that XLA widens each matrix when its product is
+// next, instead of hoisting every layer's widening to the program's start and holding all the
+// copies at once (engine/native.py: widen).
+ffi::Error Int8Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::AnyBuffer after,
+                     ffi::ResultBuffer<ffi::BF16> out) {
   const auto wd = w.dimensions();
   if (!Packed(wd)) return ffi::Error::InvalidArgument("int8_widen: weights [N/16, K/4, 16, 4]");
   const int64_t blocks = wd[0], groups = wd[1], K = groups * kGroup;
@@ -496,4 +500,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxInt8Widen, Int8Widen,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::BF16>>());

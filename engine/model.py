@@ -286,7 +286,7 @@ def _matmul(x, w):
             y = _sum_terms(products, scales, 2)
         else:
             wide = jnp.bfloat16 if CPU_HAS_BF16 or not on_cpu else F32
-            values = native.widen(q) if packed else int8_values(q)
+            values = native.widen(q, after=flat) if packed else int8_values(q)
             y = lax.dot_general(flat.astype(wide), values.astype(wide), (((1,), (1,)), ((), ())),
                                 preferred_element_type=F32)
         return (y * scale).reshape(*x.shape[:-1], out_dim)

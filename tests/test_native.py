@@ -44,7 +44,7 @@ def test_widen_gives_the_weights_int8_values_exactly(n, k):
     """Guards against the 16 x 16 transpose or the tail of inputs (K/4 not a multiple of 16) putting
     a weight in the wrong place, or the bfloat16 conversion rounding one."""
     q = _offset_weights(np.random.default_rng(k), n, k)
-    got = np.asarray(jax.jit(native.widen)(native.pack(q))).astype(np.float32)
+    got = np.asarray(jax.jit(native.widen)(native.pack(q), np.zeros(1, np.float32))).astype(np.float32)
     np.testing.assert_array_equal(got, q.astype(np.float32) - 128)
 
 
