@@ -11,19 +11,14 @@ Measures, on the demo model (or a random Qwen2.5-0.5B-shaped model if the demo i
   - programs compiled after ready (must be 0).
 Targets on a 2-core CPU: batch-1 decode >= 70% of the ceiling; 4 busy slots >= 3.5x batch 1.
 
-Results (demo model Qwen2.5-Coder-0.5B, float32, 2-core shared CPU, defaults: 8 slots, ctx 2048):
-                                 weights [in, out], dot      weights [out, in], 2-128 rows summed
-    copy bandwidth               -                           26.7 GB/s
-    decode, 1 busy slot          12.2 tok/s                  13.7 tok/s  (72.9 ms; 101% of ceiling)
-    decode, 4 busy slots         26.2 tok/s                  32.7 tok/s  (122 ms; 8-row program)
-    decode, 8 busy slots         52.8 tok/s                  66.9 tok/s  (120 ms)
-    4 slots / 1 slot             2.16x                       2.39x
-    prefill, 512 tokens          -                           212 tok/s
-    host share of a step         -                           0.1 ms;  compiles after ready: 0
-  The left column is the earlier run of this script. The forward alone (alternated, quieter
-  moment): 2, 4 and 8 rows cost 1.22x, 1.15x and 1.38x one row (78 ms). 4 busy slots run the
-  8-row program here; a 4-row program would put them at ~3.5x batch 1. Timings on this shared
-  machine move by up to 2x between runs: compare ratios.
+Results: README, Performance. The latest run (demo model, int8 weights and KV cache, the native
+int8 kernel; 2-core AMD EPYC of CPU family 25, `--slots 4 --ctx 2048`):
+    copy bandwidth 23.7 GB/s; weights read per decode step 0.50 GB -> ceiling 47.7 steps/s
+    decode, 1 busy slot     37.9 tok/s  (26.4 ms/step; 79% of the ceiling)
+    decode, 4 busy slots   126.4 tok/s  (31.7 ms/step)
+    4 slots / 1 slot        3.34x
+    prefill, 512 tokens     279 tok/s;  compiles after ready: 0
+  Timings on this shared machine move by up to 2x between runs: compare ratios.
 """
 from __future__ import annotations
 
