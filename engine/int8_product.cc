@@ -290,7 +290,7 @@ ffi::Error Int8Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::AnyBuffe
 constexpr int64_t kSplit = 2048;
 constexpr int kRows = 8;                 // query rows per pass (accumulators per 16 positions)
 // The values' pass: rows x dimensions per pass, 16 accumulators. At 16k positions the 24 layers'
-// attention of one row took 13.2-13.6 ms against 14.0-15.6 with 8 rows x 2 dimensions (each row's
+// attention of one row took 12.0-13.6 ms against 13.5-15.6 with 8 rows x 2 dimensions (each row's
 // weights then loaded for every 2 dimensions); 7 x 3 and 7 x 4 spilled and ran slower.
 constexpr int kValueRows = 4;
 constexpr int kValueDims = 4;
@@ -408,8 +408,8 @@ void AttendSpan(const float* q, const int8_t* k, const int8_t* v, const float* k
     total[g] = _mm512_reduce_add_ps(sum);
   }
   for (int64_t g = 0; g < G; g += kValueRows)
-    kSpans[std::min<int64_t>(kValueRows, G - g)](false, nullptr, v, nullptr, D, C, begin, n, &w[g * padded],
-                                            padded, acc + g * D);
+    kSpans[std::min<int64_t>(kValueRows, G - g)](false, nullptr, v, nullptr, D, C, begin, n,
+                                                 &w[g * padded], padded, acc + g * D);
 }
 
 // Decode attention (one token per row) over an int8 cache, in float32: q [B, KV, G, D] (scaled, and

@@ -286,15 +286,17 @@ def _matmul(x, w):
             y = _sum_terms(products, scales, 2)
         else:
             wide = jnp.bfloat16 if CPU_HAS_BF16 or not on_cpu else F32
-            # Each matrix is widened when its product is next, not all at a program's start (XLA's
-            # scheduler hoists what reads only weights: a 512-token chunk of the demo held every
-            # layer's copy, 0.79 GB): the kernel's pass takes the input as an operand it does not
-            # read, XLA's convert adds a zero made from it (x * 0 is not folded for floats).
+            # On a CPU each matrix is widened when its product is next, not all at a program's start
+            # (XLA:CPU's scheduler hoists what reads only weights: a 512-token chunk of the demo
+            # held every layer's copy, 0.79 GB): the kernel's pass takes the input as an operand it
+            # does not read, XLA's convert adds a zero made from it (x * 0 is not folded for floats).
             if packed:
                 values = native.widen(q, after=flat)
-            else:
+            elif on_cpu:
                 zero = (jnp.where(jnp.isfinite(flat[0, 0]), flat[0, 0], 0.0) * 0.0).astype(wide)
                 values = int8_values(q).astype(wide) + zero
+            else:
+                values = int8_values(q)
             y = lax.dot_general(flat.astype(wide), values.astype(wide), (((1,), (1,)), ((), ())),
                                 preferred_element_type=F32)
         return (y * scale).reshape(*x.shape[:-1], out_dim)

@@ -194,7 +194,7 @@ def widen(q, after):
     many rows (XLA's dot). The kernel's own pass: XLA's transpose of the packed layout ran slowly.
     after: any array, not read, that the widening waits for (the product's input). With no such
     operand XLA moved every widening to the start of the program, so a prefill chunk of the demo
-    held all 24 layers' bfloat16 copies at once: 0.79 GB of temporaries (0.08 GB waiting)."""
+    held all 24 layers' bfloat16 copies at once: 0.79 GB of temporaries (0.09 GB waiting)."""
     import jax
     import jax.numpy as jnp
 
