@@ -216,7 +216,7 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
     a caller splitting the weights over several devices passes False: the kernel is not split)."""
     int8 = str(dtype) == "int8"
     offset = held_int8_dtype() == np.uint8
-    pack = pack and int8 and offset and native.available()
+    pack = packs_int8(dtype, pack)
     writer = None
     if held_cache and int8:
         held = HeldWeights(held_cache)
@@ -379,6 +379,13 @@ HELD_FORMAT = "held-weights-4"       # bumped when the layout of what is written
 HELD_KEEP = 2                        # held copies kept under one cache folder (the newest used)
 HELD_TMP_STALE_S = 600               # an unfinished copy this old was left by a worker that died
 _MANIFEST = "manifest.json"
+
+
+def packs_int8(dtype, allowed: bool = True) -> bool:
+    """Whether load_weights holds the int8 matrices in engine.native's packed layout: weights dtype
+    int8, held offset (the kernel's operand), the kernel available, and `allowed` (False where the
+    weights are split over several devices: the kernel is not)."""
+    return allowed and str(dtype) == "int8" and held_int8_dtype() == np.uint8 and native.available()
 
 
 def held_key(component_set_sha: str, dtype: str, float_dtype: str, kv_heads: int, packed: bool) -> str:

@@ -41,7 +41,7 @@ from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Note, Ready, Sh
                              Submit)
 from engine.registry import cache_root
 from engine.scheduler import PREFILL_CHUNKS, Buckets, Decode, Prefill, Sequence, Scheduler
-from engine.weights import held_key, load_weights, weights_bytes
+from engine.weights import held_key, load_weights, packs_int8, weights_bytes
 
 # Every program goes to the persistent compile cache, however quick its compile: a restarted worker
 # then loads all of them and compiles none (dozens of quick compiles still add up to seconds).
@@ -221,7 +221,7 @@ class Engine:
             progress("followers", 1, 1)
         # int8 matrices packed for engine.native's kernel where it runs: XLA on a CPU it is built for,
         # one device (a custom call is not split over several).
-        packed = self.dtype.name == "int8" and self.layout.mesh.size == 1 and native.available()
+        packed = packs_int8(self.dtype.name, allowed=self.layout.mesh.size == 1)
         held = None
         if args.weights_cache and self.dtype.name == "int8":
             held = os.path.join(args.weights_cache, held_key(
