@@ -7,6 +7,7 @@
         .file     str               what the model facts name as loaded: the GGUF, else the folder
         .bits_per_weight  float     the files' bytes x 8 / the weights they hold
         .get(name) -> ndarray       one tensor, read now
+        .q5_0(name) -> (levels, scales)   a GGUF's Q5_0 tensor as its blocks hold it (no floats)
 
 Two kinds of folder:
 - Hugging Face safetensors (one file, or shards listed by model.safetensors.index.json): get() returns
@@ -33,6 +34,7 @@ GGUF_SUFFIX = ".gguf"
 # A GGUF tensor is dequantized this many float32 bytes at a time: the decoders' temporaries scale
 # with the slice, so a 545 MB embedding table costs its float32 result, not several copies of it.
 DEQUANT_CHUNK_BYTES = 64 << 20
+Q5_0_BLOCK, Q5_0_BYTES = 32, 22         # GGUF's Q5_0: weights per block, bytes per block (q5_0)
 
 
 class WeightsError(ValueError):
@@ -228,6 +230,25 @@ class Checkpoint:
             from safetensors import safe_open
             self._open[path] = safe_open(path, framework="numpy")
         return self._open[path].get_tensor(name)
+
+    def q5_0(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """A GGUF tensor stored as Q5_0 [rows, cols] -> (levels uint8 [rows, cols] in 0..31, scales
+        float16 [rows, cols / 32]) with the weights = scales (levels - 16), each scale repeated over
+        its 32 columns: the file's own numbers, for weights held at 5 bits (engine.native.pack5).
+        A Q5_0 block is 22 bytes: the float16 scale, 4 bytes of fifth bits (bit j for column j of
+        the block), 16 bytes of nibbles (byte j: column j low, column j + 16 high)."""
+        if self.formats.get(name) != "Q5_0":
+            raise WeightsError(f"tensor {name} is not stored as Q5_0")
+        (_, offset, size), shape = self._tensors[name], self.shapes[name]
+        rows, cols = shape[0], int(np.prod(shape[1:]))
+        blocks = self._data[offset:offset + size].reshape(rows, cols // Q5_0_BLOCK, Q5_0_BYTES)
+        scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
+        fifth = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")[..., 0]
+        nibbles = blocks[..., 6:]
+        low = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)                   # [rows, blocks, 32]
+        bits = (fifth[..., None] >> np.arange(Q5_0_BLOCK, dtype=np.uint32)) & 1
+        levels = (low | (bits.astype(np.uint8) << 4)).reshape(rows, cols)
+        return levels, scales
 
     def _dequantize(self, name: str) -> np.ndarray:
         from gguf.quants import dequantize

@@ -283,6 +283,176 @@ ffi::Error Int8Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
+// ---- 5-bit weights: Q5_0's blocks as the file holds them ------------------------------------
+
+// A GGUF's Q5_0 matrix holds each weight as q in 0..31 with a float16 scale d per 32 inputs,
+// w = d (q - 16): 5.5 bits per weight, which per-channel int8 (8 bits) would widen and round
+// again. Held as they are (engine.native.pack5):
+//   nib    uint8  [N/16, K/8, 16, 4]: byte j of lane l in group g holds q[l, 8g + j] % 16 in its low
+//                 nibble and q[l, 8g + 4 + j] % 16 in its high one
+//   fifth  uint64 [N/16, K/8, 2]: the fifth bits, bit 4l + j of word 0 for the low nibbles' weights,
+//                 of word 1 for the high ones' (a mask over the bytes of a 64-byte load)
+//   d      float16 [N/16, K/32, 16]: the scales of the block's 16 outputs per 32 inputs
+// One 64-byte load holds 8 inputs of 16 outputs: two vpdpbusd per term row, as the int8 layout's
+// 4 inputs take one. Products are exact per 32-input block; each block's sum leaves as float32
+// times its scale.
+constexpr int kNibbleGroup = 8;          // inputs per lane in one 64-byte load of nibbles
+constexpr int kQ5Block = 32;             // inputs per scale
+constexpr int kQ5Offset = 16;            // q - 16 is the weight's level
+
+bool Packed5(const ffi::Span<const int64_t>& nib, const ffi::Span<const int64_t>& fifth,
+             const ffi::Span<const int64_t>& d) {
+  return nib.size() == 4 && nib[2] == kLanes && nib[3] == 4 && fifth.size() == 3 &&
+         fifth[0] == nib[0] && fifth[1] == nib[1] && fifth[2] == 4 && d.size() == 3 &&
+         d[0] == nib[0] && d[1] * kQ5Block == nib[1] * kNibbleGroup && d[2] == kLanes;
+}
+
+// 64 bytes of nibbles and their fifth bits -> the levels q (0..31) of the low and the high nibbles.
+inline void Levels(const uint8_t* nib, const uint64_t* fifth, __m512i* low, __m512i* high) {
+  const __m512i four = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(kQ5Offset);
+  const __m512i v = _mm512_loadu_si512(nib);
+  const __m512i lo = _mm512_and_si512(v, four);
+  const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), four);
+  *low = _mm512_mask_add_epi8(lo, _cvtu64_mask64(fifth[0]), lo, sixteen);
+  *high = _mm512_mask_add_epi8(hi, _cvtu64_mask64(fifth[1]), hi, sixteen);
+}
+
+// One block of 16 outputs for T term rows (two per float row, as Int8Matmul makes them): per 32
+// inputs, sum q t exactly, take 16 times the terms' sum off (the level is q - 16), and add it times
+// the scales in float32; then y = a0 s0 + a1 s1 per float row.
+template <int T>
+void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const int8_t* terms,
+            const int32_t* sums, const float* term_scales, float* out, int64_t K, int64_t N,
+            int64_t b) {
+  const int64_t groups = K / kNibbleGroup, blocks32 = K / kQ5Block;
+  const uint8_t* nb = nib + b * groups * 64;
+  const uint64_t* fb = fifth + b * groups * 2;
+  const uint16_t* db = d + b * blocks32 * kLanes;
+  __m512 total[T];
+  for (int t = 0; t < T; t++) total[t] = _mm512_setzero_ps();
+  for (int64_t g32 = 0; g32 < blocks32; g32++) {
+    __m512i acc[T];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_si512();
+    for (int i = 0; i < kQ5Block / kNibbleGroup; i++) {
+      const int64_t g = g32 * (kQ5Block / kNibbleGroup) + i;
+      _mm_prefetch(reinterpret_cast<const char*>(nb + g * 64 + kPrefetch), _MM_HINT_T0);
+      __m512i low, high;
+      Levels(nb + g * 64, fb + g * 2, &low, &high);
+      for (int t = 0; t < T; t++) {
+        int32_t first, second;                             // terms[t, 8g .. 8g+3], [8g+4 .. 8g+7]
+        __builtin_memcpy(&first, terms + t * K + g * kNibbleGroup, sizeof first);
+        __builtin_memcpy(&second, terms + t * K + g * kNibbleGroup + 4, sizeof second);
+        acc[t] = _mm512_dpbusd_epi32(acc[t], low, _mm512_set1_epi32(first));
+        acc[t] = _mm512_dpbusd_epi32(acc[t], high, _mm512_set1_epi32(second));
+      }
+    }
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(db + g32 * kLanes)));
+    for (int t = 0; t < T; t++) {
+      const __m512i level = _mm512_sub_epi32(acc[t], _mm512_set1_epi32(kQ5Offset * sums[t * blocks32 + g32]));
+      total[t] = _mm512_add_ps(total[t], _mm512_mul_ps(_mm512_cvtepi32_ps(level), scale));
+    }
+  }
+  for (int t = 0; t < T; t += 2) {
+    const __m512 y = _mm512_add_ps(_mm512_mul_ps(total[t], _mm512_set1_ps(term_scales[t])),
+                                   _mm512_mul_ps(total[t + 1], _mm512_set1_ps(term_scales[t + 1])));
+    _mm512_storeu_ps(out + (t / 2) * N + b * kLanes, y);
+  }
+}
+
+using Block5Fn = void (*)(const uint8_t*, const uint64_t*, const uint16_t*, const int8_t*, const int32_t*,
+                          const float*, float*, int64_t, int64_t, int64_t);
+constexpr Block5Fn kBlocks5[kMaxTerms / 2 + 1] = {nullptr, Block5<2>, Block5<4>, Block5<6>, Block5<8>};
+
+// x float32 [R, K] times 5-bit weights -> float32 [R, N]: each row's two int8 terms as Int8Matmul
+// makes them, every 32 inputs' product times its scale, then the terms' scales.
+ffi::Error Int5Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> nib,
+                      ffi::Buffer<ffi::U32> fifth, ffi::Buffer<ffi::F16> d,
+                      ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions();
+  if (!Packed5(nib.dimensions(), fifth.dimensions(), d.dimensions()) || xd.size() != 2 ||
+      xd[1] != nib.dimensions()[1] * kNibbleGroup)
+    return ffi::Error::InvalidArgument("int5_matmul: x [R, K], nib [N/16, K/8, 16, 4], fifth [N/16, K/8, 4], "
+                                       "d [N/16, K/32, 16]");
+  const int64_t blocks = nib.dimensions()[0], K = xd[1], N = blocks * kLanes, R = xd[0], T = 2 * R;
+  const int64_t blocks32 = K / kQ5Block;
+  const float* xp = x.typed_data();
+  std::vector<int8_t> terms(T * K);                         // row r's terms at 2r, 2r + 1
+  std::vector<float> term_scales(T), rest(K);
+  for (int64_t r = 0; r < R; r++) {
+    int8_t* q0 = terms.data() + 2 * r * K;
+    const float s0 = term_scales[2 * r] = QuantizeRow(xp + r * K, q0, K);
+    for (int64_t k = 0; k < K; k++) rest[k] = xp[r * K + k] - static_cast<float>(q0[k]) * s0;
+    term_scales[2 * r + 1] = QuantizeRow(rest.data(), q0 + K, K);
+  }
+  std::vector<int32_t> sums(T * blocks32, 0);               // each term's sum per 32 inputs
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t k = 0; k < K; k++) sums[t * blocks32 + k / kQ5Block] += terms[t * K + k];
+  const uint8_t* np_ = nib.typed_data();
+  const uint64_t* fp = reinterpret_cast<const uint64_t*>(fifth.typed_data());
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.typed_data());
+  float* op = out->typed_data();
+  Parallel(pool, Chunks(blocks), [&](int64_t c) {
+    const int64_t b0 = c * kChunkBlocks, b1 = std::min(b0 + kChunkBlocks, blocks);
+    for (int64_t t0 = 0; t0 < T; t0 += kMaxTerms) {        // 4 rows (8 terms) per pass over the chunk
+      const int64_t n = std::min<int64_t>(kMaxTerms, T - t0);
+      for (int64_t b = b0; b < b1; b++)
+        kBlocks5[n / 2](np_, fp, dp, terms.data() + t0 * K, sums.data() + t0 * blocks32,
+                        term_scales.data() + t0, op + (t0 / 2) * N, K, N, b);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// 5-bit weights -> their values d (q - 16) rounded to bfloat16 (nearest, ties to even) [N, K], for a
+// prefill chunk's dot: the scales change every 32 inputs, so they cannot wait until after the dot
+// as int8's per-channel ones do. `after` as Int8Widen's.
+ffi::Error Int5Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer<ffi::U32> fifth,
+                     ffi::Buffer<ffi::F16> d, ffi::AnyBuffer after, ffi::ResultBuffer<ffi::BF16> out) {
+  if (!Packed5(nib.dimensions(), fifth.dimensions(), d.dimensions()))
+    return ffi::Error::InvalidArgument("int5_widen: nib [N/16, K/8, 16, 4], fifth [N/16, K/8, 4], d [N/16, K/32, 16]");
+  const int64_t blocks = nib.dimensions()[0], groups = nib.dimensions()[1], K = groups * kNibbleGroup;
+  const int64_t blocks32 = K / kQ5Block;
+  const uint8_t* np_ = nib.typed_data();
+  const uint64_t* fp = reinterpret_cast<const uint64_t*>(fifth.typed_data());
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.typed_data());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out->typed_data());
+  Parallel(pool, blocks, [&](int64_t b) {
+    alignas(64) uint8_t lanes[kLanes][kQ5Block];           // one scale block's levels per output
+    alignas(64) uint8_t low[64], high[64];
+    for (int64_t g32 = 0; g32 < blocks32; g32++) {
+      for (int i = 0; i < kQ5Block / kNibbleGroup; i++) {
+        const int64_t g = g32 * (kQ5Block / kNibbleGroup) + i;
+        __m512i lo, hi;
+        Levels(np_ + (b * groups + g) * 64, fp + (b * groups + g) * 2, &lo, &hi);
+        _mm512_store_si512(low, lo);
+        _mm512_store_si512(high, hi);
+        for (int l = 0; l < kLanes; l++) {
+          __builtin_memcpy(&lanes[l][i * kNibbleGroup], low + 4 * l, 4);
+          __builtin_memcpy(&lanes[l][i * kNibbleGroup + 4], high + 4 * l, 4);
+        }
+      }
+      const __m512 scales = _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(dp + (b * blocks32 + g32) * kLanes)));
+      alignas(64) float scale[kLanes];
+      _mm512_store_ps(scale, scales);
+      for (int l = 0; l < kLanes; l++) {
+        uint16_t* row = op + (b * kLanes + l) * K + g32 * kQ5Block;
+        for (int h = 0; h < kQ5Block; h += 16) {
+          const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&lanes[l][h]));
+          const __m512i level = _mm512_sub_epi32(_mm512_cvtepu8_epi32(q), _mm512_set1_epi32(kQ5Offset));
+          const __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(level), _mm512_set1_ps(scale[l]));
+          __m512i bits = _mm512_castps_si512(value);        // round to nearest even, then the top half
+          const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+          bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + h),
+                              _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+        }
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 // ---- decode attention over the int8 cache -----------------------------------------------------
 
 // Positions one task of Int8Attend covers: a row's context is cut at fixed multiples of this (never
@@ -500,5 +670,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxInt8Widen, Int8Widen,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxInt5Matmul, Int5Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxInt5Widen, Int5Widen,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::BF16>>());

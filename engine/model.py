@@ -265,8 +265,20 @@ def _offset_weights_product(q, terms):
 def _matmul(x, w):
     """x [..., in] times w [out, in] (each output a dot product with a row of w) -> [..., out],
     taking the weights in their own dtype and accumulating in float32. w may be int8 weight-only
-    ({"q", "scale"}, see above), its q in engine.native's packed layout."""
+    ({"q", "scale"}, see above), its q in engine.native's packed layout, or a GGUF's 5-bit blocks
+    (engine.native.pack5)."""
     rows = int(np.prod(x.shape[:-1]))
+    if native.is_int5(w):
+        # A GGUF's Q5_0 blocks, held as the file has them (engine.native.pack5): the kernel's own
+        # product for a few rows, else its values in bfloat16 for XLA's dot (scales applied).
+        out_dim, in_dim = w["nib"].shape[0] * native.LANES, w["nib"].shape[1] * native.NIBBLE_GROUP
+        flat = x.reshape(rows, in_dim).astype(F32)
+        if rows <= INT8_ROWS_MAX_ROWS:
+            return native.int5_matmul(flat, w).reshape(*x.shape[:-1], out_dim)
+        wide = jnp.bfloat16 if CPU_HAS_BF16 else F32
+        y = lax.dot_general(flat.astype(wide), native.widen5(w, after=flat).astype(wide),
+                            (((1,), (1,)), ((), ())), preferred_element_type=F32)
+        return y.reshape(*x.shape[:-1], out_dim)
     if is_quantized(w):
         q, scale = w["q"], w["scale"]
         packed = native.is_packed(q)
@@ -490,7 +502,7 @@ def _probs_product(x, values):
 # (1.52x), against 47.1 and 83.4 with XLA's products and this path; the kernel's first form, its
 # accumulators in memory (the row count a run-time value), took 67 ms at 16k.
 def _packed(w) -> bool:
-    return is_quantized(w) and native.is_packed(w["q"])
+    return native.is_int5(w) or (is_quantized(w) and native.is_packed(w["q"]))
 
 
 def _attend(q, kv, slots, positions, live):

@@ -13,6 +13,9 @@ probabilities where the kernel's is float32 (tests/test_native.py).
 
 Packed layout of an [N, K] matrix (N a multiple of 16, K of 4): [N/16, K/4, 16, 4], element
 [n, k] at [n // 16, k // 4, n % 16, k % 4]: one 64-byte load holds 4 inputs of 16 outputs.
+5-bit weights (a GGUF's Q5_0 blocks, held as the file has them: pack5) are a dict {"nib", "fifth",
+"d"}: levels 0..31 as nibbles and fifth bits, 8 inputs of 16 outputs per 64-byte load, and a
+float16 scale per 32 inputs (the layout is spelled out in the kernel's source).
 """
 from __future__ import annotations
 
@@ -36,7 +39,8 @@ log = logging.getLogger("mashbox.engine")
 SOURCE = Path(__file__).with_name("int8_product.cc")
 # The custom calls it registers, and their symbols.
 TARGETS = {"mashbox_int8_product": "MashboxInt8Product", "mashbox_int8_matmul": "MashboxInt8Matmul",
-           "mashbox_int8_widen": "MashboxInt8Widen", "mashbox_int8_attend": "MashboxInt8Attend"}
+           "mashbox_int8_widen": "MashboxInt8Widen", "mashbox_int8_attend": "MashboxInt8Attend",
+           "mashbox_int5_matmul": "MashboxInt5Matmul", "mashbox_int5_widen": "MashboxInt5Widen"}
 ENV_SWITCH = "MASHBOX_NATIVE"                      # "0": never build or use the kernel
 # The instructions the kernel is compiled for; a CPU without any of them keeps XLA's products.
 REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
@@ -45,6 +49,7 @@ COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "
                  "-mavx512vl", "-mavx512vnni")
 BUILD_TIMEOUT_S = 300                              # about 5 s on 2 cores; a stuck compiler is given up
 LANES, GROUP = 16, 4                               # the packed block: 16 outputs x 4 inputs
+NIBBLE_GROUP, Q5_BLOCK = 8, 32                     # 5-bit: 8 inputs per load, a scale per 32
 
 
 def _compiler() -> str | None:
@@ -162,6 +167,53 @@ def packed_rows(q, rows):
     """Rows `rows` (an integer array of any shape) of a packed [N, K] matrix: [*rows.shape, K]."""
     blocks, groups, lanes, group = q.shape
     return q[rows // LANES, :, rows % LANES, :].reshape(*rows.shape, groups * group)
+
+
+def pack5(levels: np.ndarray, scales: np.ndarray) -> dict:
+    """Q5_0 blocks of an [N, K] matrix, w = scales (levels - 16) (levels uint8 [N, K] in 0..31, scales
+    float16 [N, K/32]; N a multiple of 16, K of 32) -> the kernel's 5-bit form (the source's layout)."""
+    n, k = levels.shape
+    blocked = levels.reshape(n // LANES, LANES, k // NIBBLE_GROUP, 2, GROUP).transpose(0, 2, 1, 3, 4)
+    nib = (blocked[..., 0, :] & 15) | ((blocked[..., 1, :] & 15) << 4)          # [N/16, K/8, 16, 4]
+    bits = ((blocked >> 4) & 1).transpose(0, 1, 3, 2, 4).reshape(n // LANES, k // NIBBLE_GROUP, 2, 64)
+    fifth = np.packbits(bits.astype(np.uint8), axis=-1, bitorder="little").view("<u8")[..., 0]
+    d = scales.reshape(n // LANES, LANES, k // Q5_BLOCK).transpose(0, 2, 1)
+    return {"nib": np.ascontiguousarray(nib.astype(np.uint8)),
+            "fifth": np.ascontiguousarray(fifth).view(np.uint32),
+            "d": np.ascontiguousarray(d.astype(np.float16))}
+
+
+def is_int5(w) -> bool:
+    return isinstance(w, dict) and "nib" in w
+
+
+def packable5(shape) -> bool:
+    """Whether an [out, in] matrix fits pack5's blocks (16 outputs x 32 inputs)."""
+    return len(shape) == 2 and shape[0] % LANES == 0 and shape[1] % Q5_BLOCK == 0
+
+
+def int5_matmul(x, w):
+    """Float32 rows x [R, K] times 5-bit weights w (pack5) -> float32 [R, N]: the two int8 terms per
+    row of int8_matmul, each 32 inputs' exact product times its scale."""
+    import jax
+    import jax.numpy as jnp
+
+    _require()
+    n = w["nib"].shape[0] * LANES
+    return jax.ffi.ffi_call("mashbox_int5_matmul", jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
+        x, w["nib"], w["fifth"], w["d"])
+
+
+def widen5(w, after):
+    """5-bit weights (pack5) -> their values rounded to bfloat16 [N, K], for a prefill chunk's dot
+    (the scales change along the inputs, so unlike int8's they are applied here). after: as widen's."""
+    import jax
+    import jax.numpy as jnp
+
+    _require()
+    blocks, groups = w["nib"].shape[:2]
+    return jax.ffi.ffi_call("mashbox_int5_widen", jax.ShapeDtypeStruct(
+        (blocks * LANES, groups * NIBBLE_GROUP), jnp.bfloat16))(w["nib"], w["fifth"], w["d"], after)
 
 
 def int8_product(q, terms):

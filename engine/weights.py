@@ -160,14 +160,25 @@ class _Reader:
     def has(self, name: str) -> bool:
         return self.checkpoint.has(self.names.get(name, name))
 
-    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def format(self, name: str) -> str | None:
+        return self.checkpoint.formats.get(self.names.get(name, name))
+
+    def q5_0(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        self.check_shape(name, shape)
+        return self.checkpoint.q5_0(self.names.get(name, name))
+
+    def check_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        """Raise WeightsError unless the checkpoint holds the tensor in this shape."""
         stored = self.names.get(name, name)
         if not self.checkpoint.has(stored):
             raise WeightsError(f"tensor {name} is missing from the checkpoint")
         stored_shape = self.checkpoint.shapes[stored]
         if stored_shape != shape:
             raise WeightsError(f"tensor {name} has shape {stored_shape}, config expects {shape}")
-        return self.checkpoint.get(stored)
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        self.check_shape(name, shape)
+        return self.checkpoint.get(self.names.get(name, name))
 
 
 def interleave_gate_up(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -244,6 +255,21 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
 
     def matrix(name: str, out_dim: int, in_dim: int) -> np.ndarray:
         return r.get(name, (out_dim, in_dim))          # nn.Linear's own [out, in]
+
+    def q5_0_matrix(combine, parts: list[tuple[str, tuple[int, int]]]):
+        """The matrix combine(*tensors) (a row operation: stacking, interleaving) in 5-bit blocks
+        (engine.native.pack5) when every (name, shape) of `parts` is a GGUF's Q5_0 tensor and the
+        int8 matrices are packed: the file's own levels and scales, exact. Else None."""
+        if not pack or any(r.format(name) != "Q5_0" for name, _ in parts):
+            return None
+        blocks = [r.q5_0(name, shape) for name, shape in parts]
+        levels = combine(*(b[0] for b in blocks))
+        scales = combine(*(b[1] for b in blocks))
+        return native.pack5(levels, scales) if native.packable5(levels.shape) else None
+
+    def narrow_or(five, array_of):
+        """five (q5_0_matrix's answer) when it is there, else put_matrix of array_of()."""
+        return five if five is not None else put_matrix(array_of())
 
     def gate_up(p: str, width: int) -> np.ndarray:
         return interleave_gate_up(matrix(p + "gate_proj.weight", width, h),
@@ -326,8 +352,12 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
             attn = p + "self_attn."
             rows = qkv(attn, wide, lambda n, rows: matrix(n + ".weight", rows, h))
             bias = qkv(attn, wide, lambda n, rows: r.get(n + ".bias", (rows,))) if cfg.qkv_bias else None
-            layer["qkv"] = put_matrix(rows)
-            layer["o"] = put_matrix(matrix(attn + "o_proj.weight", h, q))
+            layer["qkv"] = narrow_or(q5_0_matrix(
+                lambda *qkv: group_qkv(*qkv, cfg.num_kv_heads, kv_heads),
+                [(attn + "q_proj.weight", (wide, h)), (attn + "k_proj.weight", (kv, h)),
+                 (attn + "v_proj.weight", (kv, h))]), lambda: rows)
+            layer["o"] = narrow_or(q5_0_matrix(lambda o: o, [(attn + "o_proj.weight", (h, q))]),
+                                   lambda: matrix(attn + "o_proj.weight", h, q))
             if bias is not None:
                 layer["qkv_bias"] = put(bias)
             if cfg.qk_norm:
@@ -345,8 +375,11 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
             if cfg.shared_expert_intermediate_size:
                 layer["moe"]["shared"] = shared_expert(p + "mlp.")
         else:
-            layer["gate_up"] = put_matrix(gate_up(p + "mlp.", f))
-            layer["down"] = put_matrix(matrix(p + "mlp.down_proj.weight", h, f))
+            layer["gate_up"] = narrow_or(q5_0_matrix(interleave_gate_up, [
+                (p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h))]),
+                lambda: gate_up(p + "mlp.", f))
+            layer["down"] = narrow_or(q5_0_matrix(lambda d: d, [(p + "mlp.down_proj.weight", (h, f))]),
+                                      lambda: matrix(p + "mlp.down_proj.weight", h, f))
         layers.append(place(f"layers.{i}", layer))
 
     parts = {f"layers.{i}": layer for i, layer in enumerate(layers)}
@@ -375,7 +408,7 @@ def _assemble(parts: dict, cfg: ModelConfig) -> dict:
 # a restarted worker must not pay it again. So int8 weights are written once, as they are held, one
 # .npy file per array with a manifest of the tree, under the cache root (engine.worker names the
 # folder after everything the arrays depend on), and later starts map them in as they are.
-HELD_FORMAT = "held-weights-4"       # bumped when the layout of what is written changes
+HELD_FORMAT = "held-weights-5"       # bumped when the layout of what is written changes
 HELD_KEEP = 2                        # held copies kept under one cache folder (the newest used)
 HELD_TMP_STALE_S = 600               # an unfinished copy this old was left by a worker that died
 _MANIFEST = "manifest.json"

@@ -14,6 +14,7 @@ from engine.cache import init_cache
 from engine.config import load_config
 from engine.weights import held_key, load_weights
 from tests.test_int8 import _logits
+from tests.test_registry import cache, tiny_demo  # noqa: F401  (fixtures)
 
 TINY = os.path.join(os.path.dirname(__file__), "fixtures", "tiny")
 
@@ -79,6 +80,59 @@ def test_int8_matmul_is_the_two_terms_products_and_scales_rounded_once_each(rows
     assert not got[0].any()
 
 
+def _q5_0(rng, n, k):
+    """Random Q5_0 blocks of an [n, k] matrix: levels 0..31, a float16 scale per 32 inputs (some
+    negative, one block all zero as in a pruned row)."""
+    levels = rng.integers(0, 32, (n, k)).astype(np.uint8)
+    scales = (rng.standard_normal((n, k // 32)) * 0.01).astype(np.float16)
+    scales[0, 0] = 0
+    return levels, scales
+
+
+def _q5_0_values(levels, scales):
+    return (levels.astype(np.float32) - 16) * np.repeat(scales.astype(np.float32), 32, axis=1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, k", [(16, 32), (48, 96), (896, 4864)])
+@pytest.mark.parametrize("rows", [1, 4, 5, 9])
+def test_int5_matmul_is_each_blocks_exact_product_times_its_scale(n, k, rows):
+    """Guards against the nibble and fifth-bit layout, a pass of 4 rows (then the rest), the level's
+    offset of 16 or the scales' order going wrong: per 32 inputs the terms' product is an integer,
+    then float32 times the block's scale, summed over blocks in order, then the terms' scales."""
+    rng = np.random.default_rng(n + k + rows)
+    levels, scales = _q5_0(rng, n, k)
+    x = (rng.standard_normal((rows, k)) * rng.choice([1e-3, 1, 50], (rows, 1))).astype(np.float32)
+    x[0, :] = 0                                        # a padding row
+    got = np.asarray(jax.jit(native.int5_matmul)(x, native.pack5(levels, scales)))
+    values = levels.astype(np.int64) - 16
+    totals = []
+    for term, _ in _terms(x):
+        total = np.zeros((rows, n), np.float32)
+        for b in range(k // 32):
+            block = slice(32 * b, 32 * b + 32)
+            exact = term[:, block].astype(np.int64) @ values[:, block].T
+            total = total + exact.astype(np.float32) * scales[:, b].astype(np.float32)
+        totals.append(total)
+    (_, s0), (_, s1) = _terms(x)
+    np.testing.assert_array_equal(got, totals[0] * s0 + totals[1] * s1)
+    assert not got[0].any()
+    np.testing.assert_allclose(got, x.astype(np.float64) @ _q5_0_values(levels, scales).T.astype(np.float64),
+                               rtol=0, atol=1e-4 * np.abs(got).max())
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, k", [(16, 32), (48, 96), (896, 4864)])
+def test_widen5_rounds_each_weight_to_bfloat16(n, k):
+    """Guards against a weight in the wrong place or rounded other than to the nearest bfloat16 (ties
+    to even) when 5-bit weights are widened for a prefill chunk's dot."""
+    import ml_dtypes
+    levels, scales = _q5_0(np.random.default_rng(k), n, k)
+    got = np.asarray(jax.jit(native.widen5)(native.pack5(levels, scales), np.zeros(1, np.float32)))
+    want = _q5_0_values(levels, scales).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
 def test_packed_layout_round_trips_and_reads_rows():
     """Guards against pack, unpack and packed_rows disagreeing about where element [n, k] lives."""
     q = _offset_weights(np.random.default_rng(0), 48, 20)
@@ -117,6 +171,47 @@ def test_packed_weights_give_the_plain_layouts_logits(name, int8_max_rows, monke
     got, want = _logits(cfg, packed, tokens, forward), _logits(cfg, plain, tokens, forward)
     np.testing.assert_allclose(got, want, atol=0.02, rtol=0)
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("int8_max_rows", [model.INT8_ROWS_MAX_ROWS, 0])
+def test_a_ggufs_q5_0_matrices_are_held_at_5_bits_and_compute_their_values(tiny_demo, int8_max_rows,
+                                                                          tmp_path, monkeypatch):
+    """Guards against a GGUF's Q5_0 matrices losing their exact values (int8 per channel rounds them
+    again) or a matrix with any other block type in it (the tiny GGUF's qkv: Q8_0 values; gate_up: a
+    Q8_0 up) being held at 5 bits; and the 5-bit path (the kernel's product, or the widened weights
+    of a prefill chunk when int8_max_rows is 0), or its held copy, computing other logits than the
+    same weights in float32."""
+    from tests.test_registry import registry
+    monkeypatch.setattr(weights, "OFFSET_INT8", True)
+    monkeypatch.setattr(model, "INT8_ROWS_MAX_ROWS", int8_max_rows)
+    forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
+    monkeypatch.setattr(model, "_jit_layer", jax.jit(lambda *a, **k: model._layer(*a, **k),
+                                                     static_argnames=("cfg", "kind", "mlp", "site")))
+    spec, _, _ = tiny_demo
+    folder = registry.prepare(spec)
+    cfg = load_config(folder)
+    held = str(tmp_path / "held")
+    narrow = load_weights(folder, cfg, "int8", held_cache=held)
+    layer = narrow["layers"][0]
+    assert native.is_int5(layer["down"])
+    assert not any(native.is_int5(layer[name]) for name in ("qkv", "o", "gate_up"))
+    again = load_weights(folder, cfg, "int8", held_cache=held)                   # the held copy
+    assert native.is_int5(again["layers"][0]["down"])
+    # The same model with the down projection in float32 (the file's values exactly: Q5_0 decodes
+    # into float32 without rounding), the rest as held.
+    down = load_weights(folder, cfg, jnp.float32)["layers"][0]["down"]
+    wide = {**narrow, "layers": [{**layer, "down": down}]}
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, cfg.intermediate_size)), jnp.float32)
+    tolerance = 2e-2 if int8_max_rows == 0 else 1e-4                        # bfloat16 rows and weights
+    got = np.asarray(jax.jit(model._matmul)(x, layer["down"]))
+    want = np.asarray(x) @ np.asarray(down).T
+    np.testing.assert_allclose(got, want, rtol=0, atol=tolerance * np.abs(want).max())
+    tokens = np.arange(2, 26) % cfg.vocab_size
+    logits = _logits(cfg, narrow, tokens, forward)
+    np.testing.assert_array_equal(_logits(cfg, again, tokens, forward), logits)
+    want = _logits(cfg, wide, tokens, forward)
+    np.testing.assert_allclose(logits, want, atol=tolerance * np.abs(want).max(), rtol=0)
 
 
 def test_switched_off_or_without_vnni_the_weights_stay_plain(monkeypatch):

@@ -353,6 +353,22 @@ def test_demo_weights_read_as_the_gguf_dequantized_in_hf_layout(tiny_demo, monke
     assert ck.bits_per_weight == round(file_bits, 2) and ck.bits_per_weight < 32
 
 
+def test_q5_0_tensors_read_as_blocks_are_the_files_own_values(tiny_demo):
+    """Guards against 5-bit weights held from a GGUF's Q5_0 blocks differing from what the file's
+    own decoder gives (a fifth bit or nibble misplaced, a scale of the wrong block)."""
+    spec, _, _ = tiny_demo
+    ck = checkpoint.Checkpoint(registry.prepare(spec))
+    five = [name for name, kind in ck.formats.items() if kind == "Q5_0"]
+    assert len(five) == 5
+    for name in five:
+        levels, scales = ck.q5_0(name)
+        assert levels.dtype == np.uint8 and levels.max() <= 31 and scales.dtype == np.float16
+        values = (levels.astype(np.float32) - 16) * np.repeat(scales.astype(np.float32), 32, axis=1)
+        np.testing.assert_array_equal(values, ck.get(name), err_msg=name)
+    with pytest.raises(checkpoint.WeightsError, match="lm_head.weight is not stored as Q5_0"):
+        ck.q5_0("lm_head.weight")
+
+
 def test_demo_tokenizer_uses_gguf_merges_and_special_tokens(tiny_demo):
     """Merges, added tokens (control and user-defined) and skipped unused ids must come from the GGUF."""
     from tokenizers import Tokenizer
