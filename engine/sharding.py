@@ -113,6 +113,9 @@ LINEAR_STATE = ("conv", "state")
 # int8 weight-only matrices are {"q": [out, in], "scale": [out]}: "q" is split like the float
 # matrix, and the scales go with their output rows (replicated when the rows are not split).
 INT8_PARTS = ("q", "scale")
+# A GGUF's 5-bit matrices (engine.native.pack5) are held only on one device (the kernel is not
+# split): their parts, each with the output blocks first, follow the matrix's output axis.
+INT5_PARTS = ("nib", "fifth", "d")
 
 
 # jax.distributed's settings, read from the environment when no flag gives them: the coordinator's
@@ -172,7 +175,7 @@ def spec_of(path: str) -> tuple:
     if key in PARAM_SPECS:
         return PARAM_SPECS[key]
     base, _, part = key.rpartition(".")
-    if part in INT8_PARTS and base in PARAM_SPECS:
+    if part in INT8_PARTS + INT5_PARTS and base in PARAM_SPECS:
         spec = PARAM_SPECS[base]
         return spec if part == "q" else spec[:1]
     raise KeyError(f"no partition spec for parameter {path!r}: add it to engine.sharding.PARAM_SPECS")

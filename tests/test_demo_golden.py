@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import registry
+from engine import native, registry
 
 # <|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n
 SYSTEM = [151644, 8948, 198, 2610, 525, 1207, 16948, 11, 3465, 553, 54364, 14817, 13, 1446, 525, 264,
@@ -163,8 +163,11 @@ def test_int8_demo_greedy_answers_match_transformers_in_one_batch(engine_int8, d
 def test_demo_facts_name_the_gguf_its_bits_and_what_is_held(engine, engine_int8, demo_folder):
     """/v1/models' weights, bpw and gb must tell the truth: the GGUF is what is read (6.16 bits per
     weight: mostly Q5_0 and Q8_0 blocks), and gb is what each worker holds (float32: 4 bytes per
-    weight; int8: 1, plus float32 scales, norms and biases)."""
+    weight; int8: 1, plus float32 scales, norms and biases; where the int8 kernel runs, the layers'
+    matrices that are wholly Q5_0 keep their 5-bit blocks: 0.69 bytes per weight)."""
     for worker in (engine, engine_int8):
         assert worker.facts.weights == str(Path(demo_folder) / registry.DEMO_GGUF)
         assert worker.facts.bpw == 6.16
-    assert 2.5 < engine.facts.gb < 2.55 and 0.6 < engine_int8.facts.gb < 0.65
+    assert 2.5 < engine.facts.gb < 2.55
+    low, high = (0.55, 0.57) if native.available() else (0.6, 0.65)
+    assert low < engine_int8.facts.gb < high
