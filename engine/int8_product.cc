@@ -331,8 +331,8 @@ void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const 
   __m512 total[T];
   for (int t = 0; t < T; t++) total[t] = _mm512_setzero_ps();
   for (int64_t g32 = 0; g32 < blocks32; g32++) {
-    __m512i acc[T];
-    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_si512();
+    __m512i acc[T];                  // starts at -16 x the terms' sum: it ends at the levels' product
+    for (int t = 0; t < T; t++) acc[t] = _mm512_set1_epi32(-kQ5Offset * sums[t * blocks32 + g32]);
     for (int i = 0; i < kQ5Block / kNibbleGroup; i++) {
       const int64_t g = g32 * (kQ5Block / kNibbleGroup) + i;
       _mm_prefetch(reinterpret_cast<const char*>(nb + g * 64 + kPrefetch), _MM_HINT_T0);
@@ -347,10 +347,7 @@ void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const 
       }
     }
     const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(db + g32 * kLanes)));
-    for (int t = 0; t < T; t++) {
-      const __m512i level = _mm512_sub_epi32(acc[t], _mm512_set1_epi32(kQ5Offset * sums[t * blocks32 + g32]));
-      total[t] = _mm512_add_ps(total[t], _mm512_mul_ps(_mm512_cvtepi32_ps(level), scale));
-    }
+    for (int t = 0; t < T; t++) total[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t]), scale, total[t]);
   }
   for (int t = 0; t < T; t += 2) {
     const __m512 y = _mm512_add_ps(_mm512_mul_ps(total[t], _mm512_set1_ps(term_scales[t])),

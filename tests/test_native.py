@@ -99,7 +99,8 @@ def _q5_0_values(levels, scales):
 def test_int5_matmul_is_each_blocks_exact_product_times_its_scale(n, k, rows):
     """Guards against the nibble and fifth-bit layout, a pass of 4 rows (then the rest), the level's
     offset of 16 or the scales' order going wrong: per 32 inputs the terms' product is an integer,
-    then float32 times the block's scale, summed over blocks in order, then the terms' scales."""
+    then float32, times the block's scale and added to the sum of the blocks before it in one
+    rounding, then the terms' scales."""
     rng = np.random.default_rng(n + k + rows)
     levels, scales = _q5_0(rng, n, k)
     x = (rng.standard_normal((rows, k)) * rng.choice([1e-3, 1, 50], (rows, 1))).astype(np.float32)
@@ -112,7 +113,9 @@ def test_int5_matmul_is_each_blocks_exact_product_times_its_scale(n, k, rows):
         for b in range(k // 32):
             block = slice(32 * b, 32 * b + 32)
             exact = term[:, block].astype(np.int64) @ values[:, block].T
-            total = total + exact.astype(np.float32) * scales[:, b].astype(np.float32)
+            # a fused multiply-add: exact in float64 (a 24-bit level times an 11-bit scale), one rounding
+            total = (total.astype(np.float64) + exact.astype(np.float32).astype(np.float64)
+                     * scales[:, b].astype(np.float64)).astype(np.float32)
         totals.append(total)
     (_, s0), (_, s1) = _terms(x)
     np.testing.assert_array_equal(got, totals[0] * s0 + totals[1] * s1)
