@@ -4601,7 +4601,8 @@ def arg_parser() -> argparse.ArgumentParser:
     run.add_argument("--ctx", type=_at_least(16, "--ctx"), help="tokens of context per slot")
     run.add_argument("--weights-dtype", choices=registry.WEIGHTS_DTYPE_CHOICES,
                      help="how the worker holds the weights: int8 = int8 matrices with per-channel "
-                          "scales (a quarter of float32's memory); auto = the platform's fastest "
+                          "scales (a quarter of float32's memory; where the native kernel runs, a "
+                          "GGUF's Q5_0 matrices keep their own 5-bit blocks); auto = the platform's fastest "
                           "(int8 on CPUs with int8 dot instructions, else float32; bfloat16 on "
                           "accelerators) unless models.json sets one")
     run.add_argument("--devices", type=_devices, default=1, metavar="N",

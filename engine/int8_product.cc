@@ -1,7 +1,8 @@
 // The engine's one native kernel, on AVX-512 VNNI: int8 weights times a few rows of int8 terms
 // (Int8Product; Int8Matmul makes the terms from float rows and applies the scales), the packed
-// weights widened for a prefill chunk's dot (Int8Widen), and decode attention over the int8 KV
-// cache (Int8Attend). engine/native.py builds and registers them; engine/model.py calls them.
+// weights widened for a prefill chunk's dot (Int8Widen), the same two for a GGUF's 5-bit Q5_0
+// blocks (Int5Matmul, Int5Widen), and decode attention over the int8 KV cache (Int8Attend).
+// engine/native.py builds and registers them; engine/model.py calls them.
 //
 // XLA:CPU hands an integer dot to YNNPACK, whose kernels ran compute-bound on a 2-core AMD EPYC
 // (Zen 4): 12.8 GB/s of weights for one decode row, against 34 GB/s for a float32 dot. A decode

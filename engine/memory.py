@@ -7,6 +7,8 @@ server sizes the worker before it starts one.
                             projections, embedding / head) + 4 B per output channel (its scale)
                             + 4 B per parameter of the rest (norms, biases, MoE experts)
                    either: + 4 B per key channel of each attention layer (its key smoothing)
+                   (a GGUF's Q5_0 matrices held at 5 bits take 0.69 B per weight, not 1: the plan
+                   counts 1, a bound that holds whether the kernel runs or not)
     KV bytes     = per attention layer, KV head, key and value: head_dim x 2 B (float16), or
                    head_dim x 1 B + a 4 B scale (int8; engine.cpu.auto_kv_dtype picks)
 

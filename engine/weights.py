@@ -60,6 +60,10 @@ output channel (per vocabulary row of the embedding, which is the tied head's ou
 channel, so one int8 table serves both). Each tensor is quantized as it is read, so no second full
 float32 copy is ever resident. Norms, biases, MoE routers and experts stay in the float dtype
 (float32 on CPU, bfloat16 on accelerators): engine.model._matmul computes with either form.
+Where the int8 matrices are packed for engine.native's kernel, a layer matrix made only of a GGUF's
+Q5_0 tensors (the demo's gate_up and o, and qkv where v is Q5_0 too) keeps the file's own blocks
+instead, read without floats (engine.checkpoint: q5_0) and held at 5.5 bits (engine.native.pack5):
+int8 per channel would round the file's values a second time, in more bytes.
 """
 from __future__ import annotations
 
