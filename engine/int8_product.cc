@@ -168,6 +168,18 @@ float QuantizeRow(const float* x, int8_t* q, int64_t K) {
   return scale;
 }
 
+// Float rows x [R, K] -> two int8 terms per row, row r's at 2r and 2r + 1 of terms [2R, K]: the row
+// on its own scale, then what its rounding left on its own (about 14 bits in all), and their scales.
+void MakeTerms(const float* x, int64_t R, int64_t K, int8_t* terms, float* term_scales) {
+  std::vector<float> rest(K);
+  for (int64_t r = 0; r < R; r++) {
+    int8_t* q0 = terms + 2 * r * K;
+    const float s0 = term_scales[2 * r] = QuantizeRow(x + r * K, q0, K);
+    for (int64_t k = 0; k < K; k++) rest[k] = x[r * K + k] - static_cast<float>(q0[k]) * s0;
+    term_scales[2 * r + 1] = QuantizeRow(rest.data(), q0 + K, K);
+  }
+}
+
 // x float32 [R, K] times the packed offset weights, each output times its channel's scale ->
 // float32 [R, N]. Each row becomes two int8 terms (the row, then what its rounding left, on its own
 // scale) as engine/model.py's _int8_terms makes them, and y = (p0 s0 + p1 s1) * scale in float32, in
@@ -183,13 +195,8 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const int64_t blocks = wd[0], K = xd[1], N = blocks * kLanes, R = xd[0], T = 2 * R;
   const float* xp = x.typed_data();
   std::vector<int8_t> terms(T * K);                         // row r's terms at 2r, 2r + 1
-  std::vector<float> term_scales(T), rest(K);
-  for (int64_t r = 0; r < R; r++) {
-    int8_t* q0 = terms.data() + 2 * r * K;
-    const float s0 = term_scales[2 * r] = QuantizeRow(xp + r * K, q0, K);
-    for (int64_t k = 0; k < K; k++) rest[k] = xp[r * K + k] - static_cast<float>(q0[k]) * s0;
-    term_scales[2 * r + 1] = QuantizeRow(rest.data(), q0 + K, K);
-  }
+  std::vector<float> term_scales(T);
+  MakeTerms(xp, R, K, terms.data(), term_scales.data());
   const std::vector<int32_t> offsets = Offsets(terms.data(), T, K);
   std::vector<int32_t> products(T * N);
   const float* sp = scale.typed_data();
@@ -375,13 +382,8 @@ ffi::Error Int5Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const int64_t blocks32 = K / kQ5Block;
   const float* xp = x.typed_data();
   std::vector<int8_t> terms(T * K);                         // row r's terms at 2r, 2r + 1
-  std::vector<float> term_scales(T), rest(K);
-  for (int64_t r = 0; r < R; r++) {
-    int8_t* q0 = terms.data() + 2 * r * K;
-    const float s0 = term_scales[2 * r] = QuantizeRow(xp + r * K, q0, K);
-    for (int64_t k = 0; k < K; k++) rest[k] = xp[r * K + k] - static_cast<float>(q0[k]) * s0;
-    term_scales[2 * r + 1] = QuantizeRow(rest.data(), q0 + K, K);
-  }
+  std::vector<float> term_scales(T);
+  MakeTerms(xp, R, K, terms.data(), term_scales.data());
   std::vector<int32_t> sums(T * blocks32, 0);               // each term's sum per 32 inputs
   for (int64_t t = 0; t < T; t++)
     for (int64_t k = 0; k < K; k++) sums[t * blocks32 + k / kQ5Block] += terms[t * K + k];

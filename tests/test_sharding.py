@@ -78,6 +78,8 @@ def test_every_parameter_of_every_fixture_has_one_spec_and_every_spec_is_used():
 def test_int8_scales_go_with_their_output_rows():
     assert spec_of("layers.0.qkv.q") == (MODEL_AXIS, None) and spec_of("layers.0.qkv.scale") == (MODEL_AXIS,)
     assert spec_of("layers.5.o.q") == (None, MODEL_AXIS) and spec_of("layers.5.o.scale") == (None,)
+    # 5-bit blocks (held on one device only): every part's first axis is the output blocks
+    assert all(spec_of(f"layers.2.gate_up.{part}") == (MODEL_AXIS,) for part in ("nib", "fifth", "d"))
     with pytest.raises(KeyError, match="PARAM_SPECS"):
         spec_of("layers.0.mystery")
 
