@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import model, native, weights
+from engine import model, native, registry, weights
 from engine.cache import init_cache
 from engine.config import load_config
 from engine.weights import held_key, load_weights
@@ -185,7 +185,6 @@ def test_a_ggufs_q5_0_matrices_are_held_at_5_bits_and_compute_their_values(tiny_
     Q8_0 up) being held at 5 bits; and the 5-bit path (the kernel's product, or the widened weights
     of a prefill chunk when int8_max_rows is 0), or its held copy, computing other logits than the
     same weights in float32."""
-    from tests.test_registry import registry
     monkeypatch.setattr(weights, "OFFSET_INT8", True)
     monkeypatch.setattr(model, "INT8_ROWS_MAX_ROWS", int8_max_rows)
     forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
