@@ -17,6 +17,7 @@ gguf: each tensor the int8 weights dtype narrows (engine.weights.quantized_tenso
 does it: dequantized from its GGUF blocks (engine.checkpoint), then int8 with one scale per output
 channel (engine.weights.quantize_int8). Prints, per GGUF block type, the tensors, their weights and
 the relative RMS error of the int8 values against the dequantized ones (sqrt(sum err^2 / sum w^2)).
+(Where the native kernel runs, matrices wholly of Q5_0 blocks keep them instead: no error.)
 
 kl: the demo model with float32 weights and a float32 KV cache against narrower ones (KL_CONFIGS:
 int8 weights, an int8 cache, both), a fixed ~2k-token text through each in 512-token chunks; prints
