@@ -20,6 +20,7 @@ that part compiles nothing the warm-up did not (the routed-expert check compiles
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -223,28 +224,69 @@ def routed_experts_check(engine) -> tuple[str | None, str | None]:
     return why, f"routed experts: kernel path against exact ({ROUTED_ROWS} rows)"
 
 
-class Reference:
-    """reference_logits of the fixed prompt, computed in a thread of its own from the moment it is
-    made: a first start runs it beside the weights' quantization and the compiles (on the demo, 2-core
-    EPYC of CPU family 25, it took 7-11 s, most of it decoding the GGUF's blocks again)."""
+# The reference's logits depend only on the checkpoint (its component set) and this module's code,
+# not on the deployment (--ctx, --slots): they are kept per component set, beside the records, so a
+# new deployment of a known model does not compute them again. On the demo that computation took
+# 8 s and raised the worker's peak RSS from 1.2 to 2.9 GB (a start with a new --ctx, measured).
+_CODE_KEY = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
 
-    def __init__(self, folder: str, cfg):
+
+def reference_path(folder: str, component_set_sha: str) -> Path:
+    """Where the reference logits of this component set are kept (this module's code in the name:
+    changed code computes them again)."""
+    return Path(folder) / f"{component_set_sha[:24]}-reference-{_CODE_KEY}.npy"
+
+
+class Reference:
+    """The gate's float64 logits at the fixed prompt's last two positions (reference_logits), read
+    from `saved` when it holds them, else computed in a thread of its own from the moment it is made
+    (a first start runs it beside the weights' quantization and the compiles: on the demo, 2-core EPYC
+    of CPU family 25, 7-11 s, most of it decoding the GGUF's blocks again) and written there."""
+
+    def __init__(self, folder: str, cfg, saved: Path | None = None, fresh: bool = False):
         self.tokens = fixed_prompt(cfg.vocab_size)
         self._result: np.ndarray | BaseException | None = None
+        self._thread = None
+        if saved is not None and not fresh:
+            try:
+                kept = np.load(saved)
+                if kept.shape == (2, cfg.vocab_size) and kept.dtype == np.float64:
+                    self._result = kept
+                    return
+            except (OSError, ValueError):
+                pass
 
         def work() -> None:
             try:
-                self._result = reference_logits(folder, cfg, self.tokens)
+                self._result = reference_logits(folder, cfg, self.tokens)[-2:]
+                if saved is not None:
+                    _keep(saved, self._result)
             except BaseException as e:  # noqa: BLE001 - raised again by logits(), in the gate
                 self._result = e
         self._thread = threading.Thread(target=work, name="certify-reference", daemon=True)
         self._thread.start()
 
     def logits(self) -> np.ndarray:
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         if isinstance(self._result, BaseException):
             raise self._result
         return self._result
+
+
+def _keep(path: Path, logits: np.ndarray) -> None:
+    """Write the logits whole or not at all, and drop this component set's older ones (other code)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        with open(tmp, "wb") as f:
+            np.save(f, logits)
+        os.replace(tmp, path)
+        for old in path.parent.glob(path.name.rsplit("-", 1)[0] + "-*.npy"):
+            if old != path:
+                old.unlink(missing_ok=True)
+    except OSError:
+        pass                       # not kept: the next new deployment computes them again
 
 
 def nothing_recorded(folder: str | None, component_set_sha: str) -> bool:
@@ -254,9 +296,10 @@ def nothing_recorded(folder: str | None, component_set_sha: str) -> bool:
     return folder is None or not any(Path(folder).glob(f"{component_set_sha[:24]}-*.json"))
 
 
-def run(engine, golden: dict | None = None, reference: Reference | None = None) -> tuple[bool, str]:
+def run(engine, golden: dict | None = None, reference: Reference | None = None,
+        saved: Path | None = None, fresh: bool = False) -> tuple[bool, str]:
     """Run every check; (passed, what was checked or why it failed). reference: the float64 logits,
-    already under way (else computed here)."""
+    already under way (else read from `saved` or computed here; fresh: computed)."""
     cfg = engine.cfg
     if "linear" in cfg.layer_kinds:
         return False, ("the float64 reference has no Gated DeltaNet (linear-attention) layers: hybrid "
@@ -265,7 +308,7 @@ def run(engine, golden: dict | None = None, reference: Reference | None = None) 
         KV_TOLERANCE.get(engine.kv_dtype.name, KV_TOLERANCE["bfloat16"])
     # The checkpoint's own shapes (engine.cfg may lay out more KV heads than it holds).
     if reference is None:
-        reference = Reference(engine.args.weights_folder, engine.checkpoint_cfg)
+        reference = Reference(engine.args.weights_folder, engine.checkpoint_cfg, saved, fresh)
     tokens = reference.tokens
     want = reference.logits()
     got_prefill = _prefill(engine, tokens[:-1])
@@ -314,7 +357,8 @@ def gate(engine, folder: str | None, recertify: bool = False, golden: dict | Non
             pass
     t0 = time.time()
     try:
-        passed, detail = run(engine, golden, reference)
+        saved = reference_path(folder, engine.component_set_sha) if folder else None
+        passed, detail = run(engine, golden, reference, saved, fresh=recertify)
     except Exception as e:   # noqa: BLE001 - a gate that cannot run certifies nothing
         passed, detail = False, f"the gate could not run: {type(e).__name__}: {e}"
     status = "certified" if passed else "not_certified"

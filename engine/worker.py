@@ -232,7 +232,10 @@ class Engine:
         reference = None
         gate_runs = args.recertify or certify.nothing_recorded(args.certify_dir, self.component_set_sha)
         if gate_runs and not follower and "linear" not in self.checkpoint_cfg.layer_kinds:
-            reference = certify.Reference(args.weights_folder, self.checkpoint_cfg)
+            saved = (certify.reference_path(args.certify_dir, self.component_set_sha)
+                     if args.certify_dir else None)
+            reference = certify.Reference(args.weights_folder, self.checkpoint_cfg, saved,
+                                          fresh=args.recertify)
         progress("weights", 0, 1)
         self.params = load_weights(args.weights_folder, self.checkpoint_cfg, self.dtype.name,
                                    float_dtype=float_dtype, kv_heads=cfg.num_kv_heads,

@@ -77,6 +77,26 @@ def test_the_numpy_reference_matches_the_transformers_logits(model):
     assert np.max(np.abs(got - want)) < 1e-4 * max(1.0, np.abs(want).max())
 
 
+def test_the_reference_logits_are_kept_per_component_set(tmp_path, monkeypatch):
+    """Guards against a new deployment of a known model (another --ctx) computing the float64
+    reference again (on the demo 8 s, and the worker's peak RSS 2.9 GB instead of 1.2), against a
+    kept copy written by other code being read or left behind, and --recertify not computing it."""
+    folder = str(TINY / "qwen3")
+    cfg = load_config(folder)
+    sha = "ab" * 32
+    stale = tmp_path / f"{sha[:24]}-reference-000000000000.npy"        # another version's
+    np.save(stale, np.zeros((2, cfg.vocab_size)))
+    saved = certify.reference_path(str(tmp_path), sha)
+    first = certify.Reference(folder, cfg, saved).logits()
+    want = certify.reference_logits(folder, cfg, certify.fixed_prompt(cfg.vocab_size))[-2:]
+    np.testing.assert_array_equal(first, want)
+    assert saved.exists() and not stale.exists()
+    monkeypatch.setattr(certify, "reference_logits", lambda *a: pytest.fail("computed again"))
+    np.testing.assert_array_equal(certify.Reference(folder, cfg, saved).logits(), first)
+    with pytest.raises(pytest.fail.Exception, match="computed again"):
+        certify.Reference(folder, cfg, saved, fresh=True).logits()
+
+
 def test_compare_names_what_differs():
     want = np.linspace(-5, 5, 100)
     assert certify.compare("prefill", want + 1e-6, want, 2e-3) is None
