@@ -224,15 +224,17 @@ def routed_experts_check(engine) -> tuple[str | None, str | None]:
     return why, f"routed experts: kernel path against exact ({ROUTED_ROWS} rows)"
 
 
-# The reference's logits depend only on the checkpoint (its component set) and this module's code,
-# not on the deployment (--ctx, --slots): they are kept per component set, beside the records, so a
-# new deployment of a known model does not compute them again. On the demo that computation took
-# 8 s and raised the worker's peak RSS from 1.2 to 2.9 GB (a start with a new --ctx, measured).
-_CODE_KEY = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+# The reference's logits depend only on the checkpoint (its component set) and the code that reads
+# and computes it (this module, engine/checkpoint.py), not on the deployment (--ctx, --slots): they
+# are kept per component set, beside the records, so a new deployment of a known model does not
+# compute them again. On the demo that computation took 8 s and raised the worker's peak RSS from
+# 1.2 to 2.9 GB (a start with a new --ctx, measured).
+_CODE_KEY = hashlib.sha256(Path(__file__).read_bytes() +
+                           Path(__file__).with_name("checkpoint.py").read_bytes()).hexdigest()[:12]
 
 
 def reference_path(folder: str, component_set_sha: str) -> Path:
-    """Where the reference logits of this component set are kept (this module's code in the name:
+    """Where the reference logits of this component set are kept (the code's hash in the name:
     changed code computes them again)."""
     return Path(folder) / f"{component_set_sha[:24]}-reference-{_CODE_KEY}.npy"
 
