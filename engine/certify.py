@@ -233,9 +233,11 @@ _CODE_KEY = hashlib.sha256(Path(__file__).read_bytes() +
                            Path(__file__).with_name("checkpoint.py").read_bytes()).hexdigest()[:12]
 
 
-def reference_path(folder: str, component_set_sha: str) -> Path:
+def reference_path(folder: str | None, component_set_sha: str) -> Path | None:
     """Where the reference logits of this component set are kept (the code's hash in the name:
-    changed code computes them again)."""
+    changed code computes them again); None where nothing is recorded (folder None)."""
+    if folder is None:
+        return None
     return Path(folder) / f"{component_set_sha[:24]}-reference-{_CODE_KEY}.npy"
 
 
@@ -359,8 +361,8 @@ def gate(engine, folder: str | None, recertify: bool = False, golden: dict | Non
             pass
     t0 = time.time()
     try:
-        saved = reference_path(folder, engine.component_set_sha) if folder else None
-        passed, detail = run(engine, golden, reference, saved, fresh=recertify)
+        passed, detail = run(engine, golden, reference, reference_path(folder, engine.component_set_sha),
+                             fresh=recertify)
     except Exception as e:   # noqa: BLE001 - a gate that cannot run certifies nothing
         passed, detail = False, f"the gate could not run: {type(e).__name__}: {e}"
     status = "certified" if passed else "not_certified"

@@ -260,20 +260,20 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
     def matrix(name: str, out_dim: int, in_dim: int) -> np.ndarray:
         return r.get(name, (out_dim, in_dim))          # nn.Linear's own [out, in]
 
-    def q5_0_matrix(combine, parts: list[tuple[str, tuple[int, int]]]):
-        """The matrix combine(*tensors) (a row operation: stacking, interleaving) in 5-bit blocks
-        (engine.native.pack5) when every (name, shape) of `parts` is a GGUF's Q5_0 tensor and the
-        int8 matrices are packed: the file's own levels and scales, exact. Else None."""
-        if not pack or any(r.format(name) != "Q5_0" for name, _ in parts):
-            return None
-        blocks = [r.q5_0(name, shape) for name, shape in parts]
-        levels = combine(*(b[0] for b in blocks))
-        scales = combine(*(b[1] for b in blocks))
-        return native.pack5(levels, scales) if native.packable5(levels.shape) else None
-
-    def narrow_or(five, array_of):
-        """five (q5_0_matrix's answer) when it is there, else put_matrix of array_of()."""
-        return five if five is not None else put_matrix(array_of())
+    def projection(combine, parts: list[tuple[str, tuple[int, int]]], floats=None):
+        """A layer's matrix combine(*tensors) of the named tensors [(name, shape)] (combine is a row
+        operation: stacking, interleaving), as held: in 5-bit blocks (engine.native.pack5) when every
+        part is a GGUF's Q5_0 tensor and the int8 matrices are packed (the file's own levels and
+        scales, exact), else put_matrix of the floats. floats: the combined matrix, when the caller
+        has read it already."""
+        if pack and all(r.format(name) == "Q5_0" for name, _ in parts):
+            blocks = [r.q5_0(name, shape) for name, shape in parts]
+            levels = combine(*(b[0] for b in blocks))
+            if native.packable5(levels.shape):
+                return native.pack5(levels, combine(*(b[1] for b in blocks)))
+        if floats is None:
+            floats = combine(*(matrix(name, *shape) for name, shape in parts))
+        return put_matrix(floats)
 
     def gate_up(p: str, width: int) -> np.ndarray:
         return interleave_gate_up(matrix(p + "gate_proj.weight", width, h),
@@ -356,12 +356,10 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
             attn = p + "self_attn."
             rows = qkv(attn, wide, lambda n, rows: matrix(n + ".weight", rows, h))
             bias = qkv(attn, wide, lambda n, rows: r.get(n + ".bias", (rows,))) if cfg.qkv_bias else None
-            layer["qkv"] = narrow_or(q5_0_matrix(
-                lambda *qkv: group_qkv(*qkv, cfg.num_kv_heads, kv_heads),
-                [(attn + "q_proj.weight", (wide, h)), (attn + "k_proj.weight", (kv, h)),
-                 (attn + "v_proj.weight", (kv, h))]), lambda: rows)
-            layer["o"] = narrow_or(q5_0_matrix(lambda o: o, [(attn + "o_proj.weight", (h, q))]),
-                                   lambda: matrix(attn + "o_proj.weight", h, q))
+            layer["qkv"] = projection(lambda *qkv: group_qkv(*qkv, cfg.num_kv_heads, kv_heads),
+                                      [(attn + "q_proj.weight", (wide, h)), (attn + "k_proj.weight", (kv, h)),
+                                       (attn + "v_proj.weight", (kv, h))], floats=rows)
+            layer["o"] = projection(lambda o: o, [(attn + "o_proj.weight", (h, q))])
             if bias is not None:
                 layer["qkv_bias"] = put(bias)
             if cfg.qk_norm:
@@ -379,11 +377,9 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
             if cfg.shared_expert_intermediate_size:
                 layer["moe"]["shared"] = shared_expert(p + "mlp.")
         else:
-            layer["gate_up"] = narrow_or(q5_0_matrix(interleave_gate_up, [
-                (p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h))]),
-                lambda: gate_up(p + "mlp.", f))
-            layer["down"] = narrow_or(q5_0_matrix(lambda d: d, [(p + "mlp.down_proj.weight", (h, f))]),
-                                      lambda: matrix(p + "mlp.down_proj.weight", h, f))
+            layer["gate_up"] = projection(interleave_gate_up, [(p + "mlp.gate_proj.weight", (f, h)),
+                                                               (p + "mlp.up_proj.weight", (f, h))])
+            layer["down"] = projection(lambda d: d, [(p + "mlp.down_proj.weight", (h, f))])
         layers.append(place(f"layers.{i}", layer))
 
     parts = {f"layers.{i}": layer for i, layer in enumerate(layers)}

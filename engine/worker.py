@@ -232,9 +232,8 @@ class Engine:
         reference = None
         gate_runs = args.recertify or certify.nothing_recorded(args.certify_dir, self.component_set_sha)
         if gate_runs and not follower and "linear" not in self.checkpoint_cfg.layer_kinds:
-            saved = (certify.reference_path(args.certify_dir, self.component_set_sha)
-                     if args.certify_dir else None)
-            reference = certify.Reference(args.weights_folder, self.checkpoint_cfg, saved,
+            reference = certify.Reference(args.weights_folder, self.checkpoint_cfg,
+                                          certify.reference_path(args.certify_dir, self.component_set_sha),
                                           fresh=args.recertify)
         progress("weights", 0, 1)
         self.params = load_weights(args.weights_folder, self.checkpoint_cfg, self.dtype.name,
