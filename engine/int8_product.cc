@@ -455,15 +455,28 @@ ffi::Error Int5Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer
 
 // ---- decode attention over the int8 cache -----------------------------------------------------
 
+// Both products run on vpdpwssd (int16 pairs into int32, exact): the query rows are rounded to int16
+// on their own scales, and per task each row's softmax weights (times the values' scales) on
+// theirs, while the keys and values are widened from int8 as they are read. One instruction then
+// takes two of the int8 cache's numbers per lane where a float32 multiply-add took one and a
+// conversion besides. The roundings are 14 and 15 bits, against the 8 bits the cache keeps of each
+// key and value: the demo's mean KL divergence from float32 (int8 weights and cache, 2,048 tokens
+// decoded one at a time, tests/bench/bench_narrow.py kl FOLDER 1) was 0.00211 nats, 0.00213 with
+// float32 products. The 24 layers' attention of one row over 16k positions of random int8 (2-core
+// AMD EPYC, CPU family 25, alternated in one process, medians of 21) took 9.4-10.1 ms against
+// 13.7-14.0 for float32 products; the demo's decode step at 16k positions 1.45x the step at 1k
+// (1.62x). Measured and left out: vpdpbusd's 4 bytes per lane, with the weights in two unsigned
+// bytes, was slower (each dimension re-read the task's weights from L2), as were 3 or 4 dimensions
+// per pass of the values and tasks of 512 or 1024 positions.
+//
 // Positions one task of Int8Attend covers: a row's context is cut at fixed multiples of this (never
 // where other rows end), so its sums run in the same order whatever the batch.
 constexpr int64_t kSplit = 2048;
-constexpr int kRows = 8;                 // query rows per pass (accumulators per 16 positions)
-// The values' pass: rows x dimensions per pass, 16 accumulators. At 16k positions the 24 layers'
-// attention of one row took 12.0-13.6 ms against 13.5-15.6 with 8 rows x 2 dimensions (each row's
-// weights then loaded for every 2 dimensions); 7 x 3 and 7 x 4 spilled and ran slower.
-constexpr int kValueRows = 4;
-constexpr int kValueDims = 4;
+constexpr int kRows = 8;                 // query rows per pass (2 accumulators each)
+constexpr int64_t kStep = 32;            // positions per step of both passes (two 16-lane halves)
+constexpr int64_t kMaxHeadDim = 1024;    // int16 queries: 16383 * 127 * D stays below 2^31
+constexpr float kQueryLevels = 16383.0f;
+constexpr float kWeightLevels = 32767.0f;  // the weights are never negative: all of int16's range
 
 // e^x for x <= 0, about 1 ulp: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial, times 2^n.
 inline __m512 Exp(__m512 x) {
@@ -482,71 +495,96 @@ inline __m512 Exp(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-inline __m512 Widen(const int8_t* at, __mmask16 m) {          // 16 int8 -> float32
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, at)));
+inline __mmask16 Lanes(int64_t left) { return left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1; }
+inline __mmask32 Words(int64_t left) { return left >= 32 ? ~0u : left <= 0 ? 0 : (1u << left) - 1; }
+
+// 32 int8 at `at` (zero past the mask) -> int16.
+inline __m512i Words16(const int8_t* at, __mmask32 m) {
+  return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, at));
 }
 
-inline __mmask16 Lanes(int64_t left) { return left >= 16 ? 0xFFFF : (1u << left) - 1; }
+// acc += the pairwise int16 products of a and b (vpdpwssd), in asm: around the intrinsic GCC 12
+// copied every accumulator through another register, about doubling the loops' instructions.
+inline void Dpwssd(__m512i& acc, __m512i a, __m512i b) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+}
 
-// Scores of R query rows q [R, D] (R a constant: the accumulators stay in registers) over n
+// Scores of R query rows (int16, as pairs of dimensions: qp [R, D/2], scales qs [R]) over n
 // positions of keys k [D, C] from `begin`, times the keys' scales, into w (row stride `stride`).
+// Each step widens two dimensions of 32 positions to int16 and interleaves them per position
+// (vpermt2w), so that one vpdpwssd adds both dimensions' products for 16 positions. `later`: the
+// values [D, C], fetched ahead for Weighted (9.4-10.1 ms against 10.6-11.1 at 16k positions, see
+// above; keys fetched ahead gained nothing).
 template <int R>
-void Scores(const float* q, const int8_t* k, const float* ks, int64_t D, int64_t C, int64_t begin,
-            int64_t n, float* w, int64_t stride) {
-  for (int64_t p = 0; p < n; p += 16) {
-    const __mmask16 m = Lanes(n - p);
-    __m512 s[R];
-    for (int r = 0; r < R; r++) s[r] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d++) {
-      const __m512 kd = Widen(k + d * C + begin + p, m);
-      for (int r = 0; r < R; r++) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + d]), kd, s[r]);
-    }
-    const __m512 scale = _mm512_maskz_loadu_ps(m, ks + begin + p);
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(w + r * stride + p, _mm512_mul_ps(s[r], scale));
-  }
-}
-
-// acc [R, D] = the weights w [R, padded] (zero past n) times values v [D, C] from `begin`:
-// kValueDims dimensions of every row at a time, so that each row's weights are loaded once for
-// them all (R * kValueDims accumulators; AttendSpan passes at most kValueRows rows).
-template <int R>
-void Weighted(const float* w, int64_t stride, const int8_t* v, int64_t D, int64_t C, int64_t begin,
-              int64_t n, float* acc) {
-  for (int64_t d = 0; d < D; d += kValueDims) {
-    const int64_t dims = std::min<int64_t>(kValueDims, D - d);
-    __m512 a[kValueDims][R];
-    for (int j = 0; j < kValueDims; j++)
-      for (int r = 0; r < R; r++) a[j][r] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < n; p += 16) {
-      const __mmask16 m = Lanes(n - p);
-      __m512 values[kValueDims];
-      for (int j = 0; j < kValueDims; j++)
-        values[j] = j < dims ? Widen(v + (d + j) * C + begin + p, m) : _mm512_setzero_ps();
+void Scores(const int32_t* qp, const float* qs, const int8_t* k, const float* ks, int64_t D, int64_t C,
+            int64_t begin, int64_t n, float* w, int64_t stride, const int8_t* later) {
+  alignas(64) int16_t order[2][32];
+  for (int i = 0; i < 16; i++)
+    for (int h = 0; h < 2; h++) order[h][2 * i] = 16 * h + i, order[h][2 * i + 1] = 32 + 16 * h + i;
+  const __m512i first = _mm512_load_si512(order[0]), second = _mm512_load_si512(order[1]);
+  const int64_t pairs = D / 2;
+  for (int64_t p = 0; p < n; p += kStep) {
+    const __mmask32 m = Words(n - p);
+    __m512i s[2][R];
+    for (int r = 0; r < R; r++) s[0][r] = s[1][r] = _mm512_setzero_si512();
+    const int8_t* at = k + begin + p;
+    if (later && p % 64 == 0)         // into L2: the values' pass reads these positions next
+      for (int64_t d = 0; d < D; d++)
+        _mm_prefetch(reinterpret_cast<const char*>(later + d * C + begin + p), _MM_HINT_T1);
+    for (int64_t d = 0; d < pairs; d++, at += 2 * C) {
+      const __m512i a = Words16(at, m), b = Words16(at + C, m);
+      const __m512i lo = _mm512_permutex2var_epi16(a, first, b);    // positions p .. p+15
+      const __m512i hi = _mm512_permutex2var_epi16(a, second, b);   // p+16 .. p+31
       for (int r = 0; r < R; r++) {
-        const __m512 wr = _mm512_loadu_ps(w + r * stride + p);
-        for (int j = 0; j < kValueDims; j++) a[j][r] = _mm512_fmadd_ps(wr, values[j], a[j][r]);
+        const __m512i q = _mm512_set1_epi32(qp[r * pairs + d]);
+        Dpwssd(s[0][r], lo, q);
+        Dpwssd(s[1][r], hi, q);
       }
     }
-    for (int j = 0; j < kValueDims; j++)      // a constant bound keeps a[][] in registers
-      if (j < dims)
-        for (int r = 0; r < R; r++) acc[r * D + d + j] = _mm512_reduce_add_ps(a[j][r]);
+    for (int h = 0; h < 2; h++) {
+      const __m512 scale = _mm512_maskz_loadu_ps(Lanes(n - p - 16 * h), ks + begin + p + 16 * h);
+      for (int r = 0; r < R; r++)
+        _mm512_storeu_ps(w + r * stride + p + 16 * h,
+                         _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s[h][r]), _mm512_set1_ps(qs[r])), scale));
+    }
   }
 }
 
+// acc [R, D] = the int16 weights wq [R, stride] (zero past n) times values v [D, C] over n
+// positions from `begin`: each lane adds a pair of positions per vpdpwssd, two dimensions at a
+// time, and its 16 partial sums are added at the end (in float32: they may pass 2^31 together).
 template <int R>
-void ScoresAndWeighted(bool scores, const float* q, const int8_t* kv, const float* scale, int64_t D,
-                       int64_t C, int64_t begin, int64_t n, float* w, int64_t stride, float* acc) {
-  if (scores)
-    Scores<R>(q, kv, scale, D, C, begin, n, w, stride);
-  else
-    Weighted<R>(w, stride, kv, D, C, begin, n, acc);
+void Weighted(const int16_t* wq, int64_t stride, const int8_t* v, int64_t D, int64_t C, int64_t begin,
+              int64_t n, float* acc) {
+  for (int64_t d = 0; d < D; d += 2) {
+    __m512i a[2][R];
+    for (int r = 0; r < R; r++) a[0][r] = a[1][r] = _mm512_setzero_si512();
+    const int8_t* at = v + d * C + begin;
+    for (int64_t p = 0; p < n; p += kStep) {
+      const __mmask32 m = Words(n - p);
+      const __m512i v0 = Words16(at + p, m), v1 = Words16(at + C + p, m);
+      for (int r = 0; r < R; r++) {
+        const __m512i wr = _mm512_loadu_si512(wq + r * stride + p);
+        Dpwssd(a[0][r], v0, wr);
+        Dpwssd(a[1][r], v1, wr);
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      acc[r * D + d] = _mm512_reduce_add_ps(_mm512_cvtepi32_ps(a[0][r]));
+      acc[r * D + d + 1] = _mm512_reduce_add_ps(_mm512_cvtepi32_ps(a[1][r]));
+    }
+  }
 }
 
-using SpanFn = void (*)(bool, const float*, const int8_t*, const float*, int64_t, int64_t, int64_t,
-                        int64_t, float*, int64_t, float*);
-constexpr SpanFn kSpans[kRows + 1] = {nullptr, ScoresAndWeighted<1>, ScoresAndWeighted<2>,
-                                      ScoresAndWeighted<3>, ScoresAndWeighted<4>, ScoresAndWeighted<5>,
-                                      ScoresAndWeighted<6>, ScoresAndWeighted<7>, ScoresAndWeighted<8>};
+using ScoresFn = void (*)(const int32_t*, const float*, const int8_t*, const float*, int64_t, int64_t,
+                          int64_t, int64_t, float*, int64_t, const int8_t*);
+using WeightedFn = void (*)(const int16_t*, int64_t, const int8_t*, int64_t, int64_t, int64_t, int64_t,
+                            float*);
+constexpr ScoresFn kScores[kRows + 1] = {nullptr, Scores<1>, Scores<2>, Scores<3>, Scores<4>,
+                                         Scores<5>, Scores<6>, Scores<7>, Scores<8>};
+constexpr WeightedFn kWeighted[kRows + 1] = {nullptr, Weighted<1>, Weighted<2>, Weighted<3>,
+                                             Weighted<4>, Weighted<5>, Weighted<6>, Weighted<7>,
+                                             Weighted<8>};
 
 // One task: query rows q [G, D] of one (row, KV head) over positions [begin, end) of its slot's keys
 // k and values v [D, C] (positions last) and their scales [C]. Leaves each query row's largest score,
@@ -554,35 +592,61 @@ constexpr SpanFn kSpans[kRows + 1] = {nullptr, ScoresAndWeighted<1>, ScoresAndWe
 void AttendSpan(const float* q, const int8_t* k, const int8_t* v, const float* ks, const float* vs,
                 int64_t G, int64_t D, int64_t C, int64_t begin, int64_t end, float* best,
                 float* total, float* acc) {
-  const int64_t n = end - begin, padded = (n + 15) / 16 * 16;
+  const int64_t n = end - begin, padded = (n + kStep - 1) / kStep * kStep, pairs = D / 2;
+  // The queries as int16 on each row's own scale, two dimensions to an int32.
+  std::vector<int32_t> qp(G * pairs);
+  std::vector<float> qs(G), unit(G);
+  for (int64_t g = 0; g < G; g++) {
+    const float* row = q + g * D;
+    float peak = 0.0f;
+    for (int64_t d = 0; d < D; d++) peak = std::max(peak, std::fabs(row[d]));
+    qs[g] = peak > 0.0f ? peak / kQueryLevels : 1.0f;
+    for (int64_t d = 0; d < pairs; d++) {
+      const auto level = [&](int64_t e) {
+        return static_cast<uint16_t>(static_cast<int16_t>(std::nearbyint(row[e] / qs[g])));
+      };
+      qp[g * pairs + d] = static_cast<int32_t>(level(2 * d) | static_cast<uint32_t>(level(2 * d + 1)) << 16);
+    }
+  }
   // Scores, then weights, per row (every lane written before it is read: no zeroing).
   std::unique_ptr<float[]> w(new float[G * padded]);
+  std::unique_ptr<int16_t[]> wq(new int16_t[G * padded]);
   for (int64_t g = 0; g < G; g += kRows)
-    kSpans[std::min<int64_t>(kRows, G - g)](true, q + g * D, k, ks, D, C, begin, n, &w[g * padded],
-                                            padded, nullptr);
+    kScores[std::min<int64_t>(kRows, G - g)](&qp[g * pairs], &qs[g], k, ks, D, C, begin, n,
+                                             &w[g * padded], padded, g == 0 ? v : nullptr);
   for (int64_t g = 0; g < G; g++) {
     float* row = &w[g * padded];
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int64_t p = 0; p < n; p += 16)
       top = _mm512_mask_max_ps(top, Lanes(n - p), top, _mm512_loadu_ps(row + p));
     const float peak = _mm512_reduce_max_ps(top);
-    __m512 sum = _mm512_setzero_ps();
+    __m512 sum = _mm512_setzero_ps(), largest = _mm512_setzero_ps();
     for (int64_t p = 0; p < padded; p += 16) {
       const __mmask16 m = Lanes(n - p);
       const __m512 shifted = _mm512_sub_ps(_mm512_loadu_ps(row + p), _mm512_set1_ps(peak));
       const __m512 e = _mm512_maskz_mov_ps(m, Exp(shifted));
       sum = _mm512_add_ps(sum, e);
-      _mm512_storeu_ps(row + p, _mm512_mul_ps(e, _mm512_maskz_loadu_ps(m, vs + begin + p)));
+      const __m512 weight = _mm512_mul_ps(e, _mm512_maskz_loadu_ps(m, vs + begin + p));
+      largest = _mm512_max_ps(largest, weight);
+      _mm512_storeu_ps(row + p, weight);
     }
     best[g] = peak;
     total[g] = _mm512_reduce_add_ps(sum);
+    // The weights (e^(score - largest) times the values' scales) as int16 on the row's own scale.
+    const float top_weight = _mm512_reduce_max_ps(largest);
+    unit[g] = top_weight > 0.0f ? top_weight / kWeightLevels : 0.0f;
+    const __m512 levels = _mm512_set1_ps(top_weight > 0.0f ? kWeightLevels / top_weight : 0.0f);
+    for (int64_t p = 0; p < padded; p += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&wq[g * padded + p]),
+                          _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + p), levels))));
   }
-  for (int64_t g = 0; g < G; g += kValueRows)
-    kSpans[std::min<int64_t>(kValueRows, G - g)](false, nullptr, v, nullptr, D, C, begin, n,
-                                                 &w[g * padded], padded, acc + g * D);
+  for (int64_t g = 0; g < G; g += kRows)
+    kWeighted[std::min<int64_t>(kRows, G - g)](&wq[g * padded], padded, v, D, C, begin, n, acc + g * D);
+  for (int64_t g = 0; g < G; g++)
+    for (int64_t e = 0; e < D; e++) acc[g * D + e] *= unit[g];
 }
 
-// Decode attention (one token per row) over an int8 cache, in float32: q [B, KV, G, D] (scaled, and
+// Decode attention (one token per row) over an int8 cache: q [B, KV, G, D] float32 (scaled, and
 // multiplied by the keys' smoothing), the cache's k, v [slots, KV, D, C] int8 and k_scale, v_scale
 // [slots, KV, C], each row's slot and position [B] -> out [B, KV, G, D]: row b's queries attend to
 // positions 0 .. position[b] of slot slots[b]. Tasks of (row, KV head, kSplit positions) run on the
@@ -593,8 +657,9 @@ ffi::Error Int8Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
                       ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || kd[1] != qd[1] || kd[2] != qd[3] ||
-      slots.element_count() != qd[0] || positions.element_count() != qd[0])
-    return ffi::Error::InvalidArgument("int8_attend: q [B, KV, G, D], cache [slots, KV, D, C]");
+      slots.element_count() != qd[0] || positions.element_count() != qd[0] || qd[3] % 2 != 0 ||
+      qd[3] > kMaxHeadDim)
+    return ffi::Error::InvalidArgument("int8_attend: q [B, KV, G, D], cache [slots, KV, D, C], D even, at most 1024");
   const int64_t B = qd[0], KV = qd[1], G = qd[2], D = qd[3], S = kd[0], C = kd[3];
   const int32_t* slot = slots.typed_data();
   const int32_t* position = positions.typed_data();

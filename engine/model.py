@@ -494,13 +494,14 @@ def _probs_product(x, values):
 
 
 # Where the weights are packed for engine.native's kernel (one device, a CPU it runs on) a decode
-# step's attention over the int8 cache is the kernel's too (native.int8_attend): float32 scores from
-# the int8 keys, an exact softmax, float32 sums of the int8 values, each row's context in tasks of
-# 2048 positions on both cores; no quantized queries or probabilities. The path below keeps
-# attention of many rows (prefill chunks) and other devices. The demo's decode step, one row,
-# alternated in one process (2-core AMD EPYC, CPU family 25): at 1k positions 27.8 ms, at 16k 42.3
-# (1.52x), against 47.1 and 83.4 with XLA's products and this path; the kernel's first form, its
-# accumulators in memory (the row count a run-time value), took 67 ms at 16k.
+# step's attention over the int8 cache is the kernel's too (native.int8_attend): exact integer
+# products of the int8 keys and values with the query rows and the softmax weights rounded to int16
+# (14 and 15 bits, against the cache's 8), an exact softmax, each row's context in tasks of 2048
+# positions on both cores. The path below keeps attention of many rows (prefill chunks) and other
+# devices. The demo's decode step, one row, alternated in one process (2-core AMD EPYC, CPU family
+# 25): at 1k positions 27.8 ms, at 16k 42.3 (1.52x), against 47.1 and 83.4 with XLA's products and
+# this path, when the kernel multiplied in float32; with its int16 products (and the 5-bit weights)
+# 23.0-24.3 and 33.7-35.2 ms (1.45-1.46x) against float32's 25.4 and 41.0 (1.62x).
 def _packed(w) -> bool:
     return native.is_int5(w) or (is_quantized(w) and native.is_packed(w["q"]))
 

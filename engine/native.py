@@ -257,10 +257,11 @@ def widen(q, after):
 
 
 def int8_attend(q, k, v, k_scale, v_scale, slots, positions):
-    """Decode attention over an int8 cache (engine.cache), in float32: q [B, KV, G, D] float32 (one
-    token per row, scaled and smoothed), k, v int8 [slots, KV, D, ctx], k_scale, v_scale float32
-    [slots, KV, ctx], slots, positions int32 [B] -> [B, KV, G, D]: row b attends to positions
-    0 .. positions[b] of slot slots[b]."""
+    """Decode attention over an int8 cache (engine.cache), its products in int16 (the kernel's
+    Int8Attend): q [B, KV, G, D] float32 (one token per row, scaled and smoothed; D even, at most
+    1024), k, v int8 [slots, KV, D, ctx], k_scale, v_scale float32 [slots, KV, ctx], slots,
+    positions int32 [B] -> [B, KV, G, D]: row b attends to positions 0 .. positions[b] of slot
+    slots[b]."""
     import jax
     import jax.numpy as jnp
 
