@@ -193,8 +193,8 @@ def packable5(shape) -> bool:
 
 
 def int5_matmul(x, w):
-    """Float32 rows x [R, K] times 5-bit weights w (pack5) -> float32 [R, N]: the two int8 terms per
-    row of int8_matmul, each 32 inputs' exact product times its scale."""
+    """Float32 rows x [R, K] times 5-bit weights w (pack5) -> float32 [R, N]: each row rounded to
+    int8 per 32 inputs on each block's own scale, each block's exact product times both scales."""
     import jax
     import jax.numpy as jnp
 
