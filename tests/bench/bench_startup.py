@@ -47,8 +47,8 @@ import bench_sessions  # noqa: E402  (the recorded sessions and one turn over HT
 START_TIMEOUT_S = 1800
 CLAUDE_SESSION = bench_sessions.CLIENTS / "claude-code" / "default.jsonl"
 DECODE_CONTEXTS = (1024, 16384)
-# Steps per context length: with 12 the ratio moved between 1.43x and 1.57x from run to run on a
-# shared 2-core machine, about what separated it from its target.
+# Steps per context length: with 12 one run read 1.57x where two runs of 30 minutes later read 1.43x
+# and 1.47x (a shared 2-core machine): the noise was about what separated the ratio from its target.
 DECODE_STEPS = 30
 
 
