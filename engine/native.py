@@ -40,7 +40,8 @@ SOURCE = Path(__file__).with_name("int8_product.cc")
 # The custom calls it registers, and their symbols.
 TARGETS = {"mashbox_int8_product": "MashboxInt8Product", "mashbox_int8_matmul": "MashboxInt8Matmul",
            "mashbox_int8_widen": "MashboxInt8Widen", "mashbox_int8_attend": "MashboxInt8Attend",
-           "mashbox_int5_matmul": "MashboxInt5Matmul", "mashbox_int5_widen": "MashboxInt5Widen"}
+           "mashbox_int5_matmul": "MashboxInt5Matmul", "mashbox_int5_widen": "MashboxInt5Widen",
+           "mashbox_first_max": "MashboxFirstMax"}
 ENV_SWITCH = "MASHBOX_NATIVE"                      # "0": never build or use the kernel
 # The instructions the kernel is compiled for; a CPU without any of them keeps XLA's products.
 REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
@@ -268,6 +269,16 @@ def int8_attend(q, k, v, k_scale, v_scale, slots, positions):
     _require()
     return jax.ffi.ffi_call("mashbox_int8_attend", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q, k, v, k_scale, v_scale, slots, positions)
+
+
+def first_max(logits):
+    """float32 [R, V] -> int32 [R]: each row's first index of its largest value, NaN never picked (a
+    row of NaN and -inf gives 0), in one pass over the logits."""
+    import jax
+    import jax.numpy as jnp
+
+    _require()
+    return jax.ffi.ffi_call("mashbox_first_max", jax.ShapeDtypeStruct(logits.shape[:1], jnp.int32))(logits)
 
 
 def _require():

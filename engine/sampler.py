@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine import native
 from engine.protocol import Sampling
 
 # A temperature below this is treated as greedy; dividing by it would overflow float32.
@@ -111,8 +112,16 @@ TOP_P_ROUNDING = 1e-6
 
 
 def _first_max(x):
-    """argmax along the last axis (first index of the maximum); two plain reductions run much
-    faster than XLA:CPU's argmax over a 152k vocabulary."""
+    """argmax along the last axis (first index of the maximum) of logits [B, V]. On one CPU device
+    with engine.native's kernel, its one pass (4 rows of 152k: 0.13 ms against 0.65 for the
+    reductions below, 1 row 0.05 against 0.26; 2-core AMD EPYC, CPU family 25, alternated); else two
+    plain reductions, which run much faster than XLA:CPU's argmax over a 152k vocabulary."""
+    if native.available() and jax.device_count() == 1:
+        return native.first_max(x)
+    return _first_max_reduced(x)
+
+
+def _first_max_reduced(x):
     top = jnp.max(x, axis=-1, keepdims=True)
     idx = jnp.arange(x.shape[-1], dtype=jnp.int32)
     return jnp.min(jnp.where(x == top, idx, x.shape[-1]), axis=-1).astype(jnp.int32)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import model, native, registry, weights
+from engine import model, native, registry, sampler, weights
 from engine.cache import init_cache
 from engine.config import load_config
 from engine.weights import held_key, load_weights
@@ -64,12 +64,13 @@ def _terms(x, count=2):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 4, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
 def test_int8_matmul_is_the_two_terms_products_and_scales_rounded_once_each(rows):
     """Guards against the fused call's quantization (half to even, clipped, a zero row's scale 1) or
-    its float32 sum differing from what the terms define: the same numbers numpy computes."""
+    its float32 sum differing from what the terms define: the same numbers numpy computes. 5 blocks
+    of 16 outputs: pairs of blocks and one left over; 9 rows: passes of 4, 4 and 1."""
     rng = np.random.default_rng(rows)
-    n, k = 64, 96
+    n, k = 80, 96
     q = _offset_weights(rng, n, k)
     scale = rng.random(n).astype(np.float32)
     x = (rng.standard_normal((rows, k)) * rng.choice([1e-3, 1, 50], (rows, 1))).astype(np.float32)
@@ -79,6 +80,25 @@ def test_int8_matmul_is_the_two_terms_products_and_scales_rounded_once_each(rows
     want = sum((term.astype(np.int64) @ values.T).astype(np.float32) * s for term, s in _terms(x))
     np.testing.assert_array_equal(got, (want * scale).astype(np.float32))
     assert not got[0].any()
+
+
+@needs_kernel
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 16384, 40000])
+def test_first_max_takes_each_rows_first_largest_logit(vocab):
+    """Guards the greedy pick: ties go to the first index, also across the kernel's pieces of 16384;
+    a row of -inf picks 0; a NaN is never picked (XLA's reductions differ there: theirs is compared
+    on the other rows); lanes past V never win."""
+    rng = np.random.default_rng(vocab)
+    x = rng.standard_normal((6, vocab)).astype(np.float32)
+    x[1] = np.float32(-np.inf)
+    x[2, :] = 0.0
+    x[3, vocab // 2:] = 7.0                               # the first of many equal maxima
+    x[4, rng.integers(vocab)] = np.nan
+    x[5, -1] = 1e30                                       # the very last logit
+    got = np.asarray(jax.jit(native.first_max)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.argmax(np.nan_to_num(x, nan=-np.inf), -1))
+    reduced = np.asarray(jax.jit(sampler._first_max_reduced)(x))
+    np.testing.assert_array_equal(np.delete(got, 4), np.delete(reduced, 4))
 
 
 def _q5_0(rng, n, k):
