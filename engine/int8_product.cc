@@ -688,16 +688,20 @@ void AttendSpan(const float* q, const int8_t* k, const int8_t* v, const float* k
   // The queries as int16 on each row's own scale, two dimensions to an int32.
   std::vector<int32_t> qp(G * pairs);
   std::vector<float> qs(G), unit(G);
+  int16_t* levels = reinterpret_cast<int16_t*>(qp.data());
   for (int64_t g = 0; g < G; g++) {
     const float* row = q + g * D;
-    float peak = 0.0f;
-    for (int64_t d = 0; d < D; d++) peak = std::max(peak, std::fabs(row[d]));
+    __m512 top = _mm512_setzero_ps();
+    for (int64_t e = 0; e < D; e += kLanes)
+      top = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(Lanes(D - e), row + e)), top);
+    const float peak = _mm512_reduce_max_ps(top);
     qs[g] = peak > 0.0f ? peak / kQueryLevels : 1.0f;
-    for (int64_t d = 0; d < pairs; d++) {
-      const auto level = [&](int64_t e) {
-        return static_cast<uint16_t>(static_cast<int16_t>(std::nearbyint(row[e] / qs[g])));
-      };
-      qp[g * pairs + d] = static_cast<int32_t>(level(2 * d) | static_cast<uint32_t>(level(2 * d + 1)) << 16);
+    const __m512 divisor = _mm512_set1_ps(qs[g]);
+    for (int64_t e = 0; e < D; e += kLanes) {
+      const __mmask16 m = Lanes(D - e);
+      const __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(m, row + e), divisor),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm512_mask_cvtepi32_storeu_epi16(levels + g * D + e, m, _mm512_cvtps_epi32(v));
     }
   }
   // Scores, then weights, per row (every lane written before it is read: no zeroing).
