@@ -1,9 +1,9 @@
-// The engine's one native kernel, on AVX-512 VNNI: int8 weights times a few rows of int8 terms
-// (Int8Product; Int8Matmul makes the terms from float rows and applies the scales), the packed
-// weights widened for a prefill chunk's dot (Int8Widen), the same two for a GGUF's 5-bit Q5_0
-// blocks (Int5Matmul, Int5Widen), decode attention over the int8 KV cache (Int8Attend), and the
-// greedy pick of each row's largest logit (FirstMax).
-// engine/native.py builds and registers them; engine/model.py calls them.
+// The engine's one native kernel, on AVX-512 VNNI: float rows times packed int8 weights (Int8Matmul:
+// the rows as int8 terms, their exact products, the scales), the packed weights widened for a
+// prefill chunk's dot (Int8Widen), the same two for a GGUF's 5-bit Q5_0 blocks (Int5Matmul,
+// Int5Widen), decode attention over the int8 KV cache (Int8Attend), and the greedy pick of each
+// row's largest logit (FirstMax). engine/native.py builds and registers them; engine/model.py and
+// engine/sampler.py call them.
 //
 // XLA:CPU hands an integer dot to YNNPACK, whose kernels ran compute-bound on a 2-core AMD EPYC
 // (Zen 4): 12.8 GB/s of weights for one decode row, against 34 GB/s for a float32 dot. A decode
@@ -12,13 +12,10 @@
 // each term's 4 inputs broadcast to all 16 lanes, and vpdpbusd accumulates 16 outputs at once with
 // no horizontal sums; the weights stream in one sequential pass per thread.
 //
-// Operands (row-major):
-//   w      uint8 [N/16, K/4, 16, 4]: the int8 weight q[n, k] + 128 at [n/16, k/4, n%16, k%4]
-//   terms  int8  [R, K]
-//   out    int32 [R, N]: sum over k of q[n, k] * terms[r, k], exact
-// vpdpbusd multiplies unsigned by signed bytes, so the weights are held offset (uint8) and 128 times
-// each term row's sum comes off at the end. int32 cannot overflow for K < 65536 (|q| <= 127 is
-// stored as at most 255, |term| <= 127).
+// Packed weights (row-major): uint8 [N/16, K/4, 16, 4], the int8 weight q[n, k] + 128 at
+// [n/16, k/4, n%16, k%4]. vpdpbusd multiplies unsigned by signed bytes, so the weights are held
+// offset (uint8) and 128 times each term row's sum comes off. int32 cannot overflow for K < 65536
+// (|q| <= 127 is stored as at most 255, |term| <= 127).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -37,7 +34,7 @@ namespace {
 
 constexpr int kLanes = 16;          // outputs per packed block (int32 lanes of a 512-bit register)
 constexpr int kGroup = 4;           // inputs per lane and instruction (vpdpbusd)
-constexpr int kMaxTerms = 8;        // term rows per pass: 8 x 2 accumulators plus loads fit 32 registers
+constexpr int kMaxTerms = 8;        // rows of int8 terms per pass: 8 accumulators plus loads
 // Blocks of 16 outputs a thread claims at a time: small enough to share out the smallest matrix
 // (896 outputs: 14 chunks of 64), large enough that claiming costs nothing. A chunk (at most 64
 // outputs x K bytes, 311 KB for K = 4864) stays in L2 while every pass of 8 terms reads it.
@@ -54,47 +51,6 @@ inline __mmask16 Lanes(int64_t left) { return left >= 16 ? 0xFFFF : left <= 0 ? 
 inline void Dpbusd(__m512i& acc, __m512i a, __m512i b) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
 }
-
-// Outputs of NB consecutive blocks for R term rows: NB * R accumulators.
-template <int NB, int R>
-inline void Blocks(const uint8_t* w, const int8_t* terms, int32_t* out, int64_t K, int64_t N,
-                   int64_t block, const int32_t* offsets) {
-  __m512i acc[NB][R];
-  for (int i = 0; i < NB; i++)
-    for (int r = 0; r < R; r++) acc[i][r] = _mm512_setzero_si512();
-  const int64_t stride = kLanes * K;                       // bytes per block
-  const uint8_t* wb = w + block * stride;
-  for (int64_t k = 0; k < K; k += kGroup) {
-    for (int i = 0; i < NB; i++) {
-      const uint8_t* at = wb + i * stride + k * kLanes;
-      _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetch), _MM_HINT_T0);
-      const __m512i wv = _mm512_loadu_si512(at);
-      for (int r = 0; r < R; r++) {
-        int32_t four;                                      // terms[r, k .. k+3]
-        __builtin_memcpy(&four, terms + r * K + k, sizeof four);
-        acc[i][r] = _mm512_dpbusd_epi32(acc[i][r], wv, _mm512_set1_epi32(four));
-      }
-    }
-  }
-  for (int i = 0; i < NB; i++)
-    for (int r = 0; r < R; r++)
-      _mm512_storeu_si512(out + r * N + (block + i) * kLanes,
-                          _mm512_sub_epi32(acc[i][r], _mm512_set1_epi32(offsets[r])));
-}
-
-template <int R>
-void Pass(const uint8_t* w, const int8_t* terms, int32_t* out, int64_t K, int64_t N, int64_t b0,
-          int64_t b1, const int32_t* offsets) {
-  constexpr int NB = R <= 4 ? 2 : 1;     // two blocks share each term's broadcast where registers allow
-  int64_t b = b0;
-  for (; b + NB <= b1; b += NB) Blocks<NB, R>(w, terms, out, K, N, b, offsets);
-  for (; b < b1; b++) Blocks<1, R>(w, terms, out, K, N, b, offsets);
-}
-
-using PassFn = void (*)(const uint8_t*, const int8_t*, int32_t*, int64_t, int64_t, int64_t, int64_t,
-                        const int32_t*);
-constexpr PassFn kPasses[kMaxTerms + 1] = {nullptr, Pass<1>, Pass<2>, Pass<3>, Pass<4>,
-                                           Pass<5>, Pass<6>, Pass<7>, Pass<8>};
 
 // Runs fn(chunk) for chunks 0 .. chunks-1 on the calling thread and XLA's intra-op pool. Each
 // thread claims chunks until none is left; the caller works too and waits only for chunks another
@@ -125,45 +81,7 @@ bool Packed(const ffi::Span<const int64_t>& d) {
   return d.size() == 4 && d[2] == kLanes && d[3] == kGroup;
 }
 
-// 128 times each term row's sum: what the offset weights add to its products.
-std::vector<int32_t> Offsets(const int8_t* terms, int64_t R, int64_t K) {
-  std::vector<int32_t> offsets(R);
-  for (int64_t r = 0; r < R; r++) {
-    int32_t sum = 0;
-    for (int64_t k = 0; k < K; k++) sum += terms[r * K + k];
-    offsets[r] = 128 * sum;
-  }
-  return offsets;
-}
-
-// The products of R term rows with blocks [b0, b1) of the weights, into out [R, N].
-void ProductBlocks(const uint8_t* w, const int8_t* terms, int32_t* out, int64_t K, int64_t N,
-                   int64_t R, int64_t b0, int64_t b1, const int32_t* offsets) {
-  for (int64_t r0 = 0; r0 < R; r0 += kMaxTerms) {
-    const int64_t n = std::min<int64_t>(kMaxTerms, R - r0);
-    kPasses[n](w, terms + r0 * K, out + r0 * N, K, N, b0, b1, offsets + r0);
-  }
-}
-
 int64_t Chunks(int64_t blocks) { return (blocks + kChunkBlocks - 1) / kChunkBlocks; }
-
-ffi::Error Int8Product(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S8> terms,
-                       ffi::ResultBuffer<ffi::S32> out) {
-  const auto wd = w.dimensions();
-  const auto td = terms.dimensions();
-  if (!Packed(wd) || td.size() != 2 || td[1] != wd[1] * kGroup)
-    return ffi::Error::InvalidArgument("int8_product: weights [N/16, K/4, 16, 4], terms [R, K]");
-  const int64_t blocks = wd[0], K = td[1], N = blocks * kLanes, R = td[0];
-  const uint8_t* wp = w.typed_data();
-  const int8_t* tp = terms.typed_data();
-  int32_t* op = out->typed_data();
-  const std::vector<int32_t> offsets = Offsets(tp, R, K);
-  Parallel(pool, Chunks(blocks), [&](int64_t c) {
-    const int64_t b0 = c * kChunkBlocks;
-    ProductBlocks(wp, tp, op, K, N, R, b0, std::min(b0 + kChunkBlocks, blocks), offsets.data());
-  });
-  return ffi::Error::Success();
-}
 
 // ---- the whole product of float rows: terms, products and scales in one call -------------------
 
@@ -213,53 +131,42 @@ void MakeTerms(const float* x, int64_t R, int64_t K, int8_t* terms, float* term_
   }
 }
 
-// NB blocks of 16 outputs for R float rows, each row's two int8 terms at term rows 2r and 2r + 1:
+// One block of 16 outputs for R float rows, each row's two int8 terms at term rows 2r and 2r + 1:
 // each output leaves the accumulators as (p0 s0 + p1 s1) * scale in float32. Before, the int32
 // products went through a buffer of [2R, N] (4.9 MB for the demo's head at 4 rows, allocated and
-// written on every call): the head at 4 rows took 8.5 ms against 7.3 now, as long as at 1 row (2-core
-// AMD EPYC, CPU family 25, alternated in one process, medians of 25).
-template <int NB, int R>
-inline void ScaledBlocks(const uint8_t* w, const int8_t* terms, const float* term_scales,
-                         const int32_t* offsets, const float* scale, float* out, int64_t K, int64_t N,
-                         int64_t block) {
+// written on every call): the head at 4 rows took 8.5 ms against 7.3 without it, as at 1 row
+// (2-core AMD EPYC, CPU family 25, alternated in one process, medians of 25). One block at a time
+// reads one stream of weights: two blocks sharing each term's broadcast (two streams) took the head
+// 6.4-6.5 ms at 1 row against 5.5-5.6, and 8.4 against 5.6 at 4 rows (16 accumulators).
+template <int R>
+void ScaledBlock(const uint8_t* w, const int8_t* terms, const float* term_scales, const int32_t* offsets,
+                 const float* scale, float* out, int64_t K, int64_t N, int64_t block) {
   constexpr int T = 2 * R;
-  __m512i acc[NB][T];                    // start at minus the offsets: they end at the products
-  for (int i = 0; i < NB; i++)
-    for (int t = 0; t < T; t++) acc[i][t] = _mm512_set1_epi32(-offsets[t]);
-  const int64_t stride = kLanes * K;
-  const uint8_t* wb = w + block * stride;
+  __m512i acc[T];                        // start at minus the offsets: they end at the products
+  for (int t = 0; t < T; t++) acc[t] = _mm512_set1_epi32(-offsets[t]);
+  const uint8_t* wb = w + block * kLanes * K;
   for (int64_t k = 0; k < K; k += kGroup) {
-    for (int i = 0; i < NB; i++) {
-      const uint8_t* at = wb + i * stride + k * kLanes;
-      _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetch), _MM_HINT_T0);
-      const __m512i wv = _mm512_loadu_si512(at);
-      for (int t = 0; t < T; t++) {
-        int32_t four;                                      // terms[t, k .. k+3]
-        __builtin_memcpy(&four, terms + t * K + k, sizeof four);
-        Dpbusd(acc[i][t], wv, _mm512_set1_epi32(four));
-      }
+    const uint8_t* at = wb + k * kLanes;
+    _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetch), _MM_HINT_T0);
+    const __m512i wv = _mm512_loadu_si512(at);
+    for (int t = 0; t < T; t++) {
+      int32_t four;                                        // terms[t, k .. k+3]
+      __builtin_memcpy(&four, terms + t * K + k, sizeof four);
+      Dpbusd(acc[t], wv, _mm512_set1_epi32(four));
     }
   }
-  for (int i = 0; i < NB; i++) {
-    const __m512 sc = _mm512_loadu_ps(scale + (block + i) * kLanes);
-    for (int r = 0; r < R; r++) {
-      const __m512 p0 = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][2 * r]), _mm512_set1_ps(term_scales[2 * r]));
-      const __m512 p1 = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][2 * r + 1]),
-                                      _mm512_set1_ps(term_scales[2 * r + 1]));
-      _mm512_storeu_ps(out + r * N + (block + i) * kLanes, _mm512_mul_ps(_mm512_add_ps(p0, p1), sc));
-    }
+  const __m512 sc = _mm512_loadu_ps(scale + block * kLanes);
+  for (int r = 0; r < R; r++) {
+    const __m512 p0 = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[2 * r]), _mm512_set1_ps(term_scales[2 * r]));
+    const __m512 p1 = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[2 * r + 1]), _mm512_set1_ps(term_scales[2 * r + 1]));
+    _mm512_storeu_ps(out + r * N + block * kLanes, _mm512_mul_ps(_mm512_add_ps(p0, p1), sc));
   }
 }
 
 template <int R>
 void ScaledPass(const uint8_t* w, const int8_t* terms, const float* term_scales, const int32_t* offsets,
                 const float* scale, float* out, int64_t K, int64_t N, int64_t b0, int64_t b1) {
-  // Two blocks share each term's broadcast up to 2 rows; at 4 rows (8 terms) 16 accumulators
-  // spilled: the head at 4 rows took 8.4 ms against 5.6 with one block.
-  constexpr int NB = R <= 2 ? 2 : 1;
-  int64_t b = b0;
-  for (; b + NB <= b1; b += NB) ScaledBlocks<NB, R>(w, terms, term_scales, offsets, scale, out, K, N, b);
-  for (; b < b1; b++) ScaledBlocks<1, R>(w, terms, term_scales, offsets, scale, out, K, N, b);
+  for (int64_t b = b0; b < b1; b++) ScaledBlock<R>(w, terms, term_scales, offsets, scale, out, K, N, b);
 }
 
 constexpr int kMaxRows = kMaxTerms / 2;  // float rows per pass: two terms each
@@ -854,13 +761,6 @@ ffi::Error FirstMax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Res
 }
 
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxInt8Product, Int8Product,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxInt8Matmul, Int8Matmul,
                               ffi::Ffi::Bind()

@@ -136,9 +136,9 @@ SUMMED_PRODUCT_MAX_ROWS = 128
 # Where engine.native's kernel runs (AVX-512 VNNI, a C++ compiler, one device) the weights are held
 # packed for it and the terms' product is its own: weights streamed at the memory's speed instead of
 # YNNPACK's compute-bound one. The call makes the rows' two int8 terms and applies the scales itself
-# (native.int8_matmul): no XLA loops around it. The 24 layers' products alone (native.int8_product,
-# random weights, median of 7 alternated in one process, 2-core AMD EPYC of CPU family 25), ms per
-# forward:
+# (native.int8_matmul): no XLA loops around it. The 24 layers' products alone (the kernel's integer
+# product, when it had a call of its own; random weights, median of 7 alternated in one process,
+# 2-core AMD EPYC of CPU family 25), ms per forward:
 #   terms (rows)     2 (1)   4 (2)   8 (4)   16 (8)   64 (a 32-token chunk)
 #   kernel           14.1    14.7    12.8    35.3     126
 #   YNNPACK          26.5    23.8    29.5    43.0     133

@@ -38,7 +38,7 @@ log = logging.getLogger("mashbox.engine")
 
 SOURCE = Path(__file__).with_name("int8_product.cc")
 # The custom calls it registers, and their symbols.
-TARGETS = {"mashbox_int8_product": "MashboxInt8Product", "mashbox_int8_matmul": "MashboxInt8Matmul",
+TARGETS = {"mashbox_int8_matmul": "MashboxInt8Matmul",
            "mashbox_int8_widen": "MashboxInt8Widen", "mashbox_int8_attend": "MashboxInt8Attend",
            "mashbox_int5_matmul": "MashboxInt5Matmul", "mashbox_int5_widen": "MashboxInt5Widen",
            "mashbox_first_max": "MashboxFirstMax"}
@@ -217,22 +217,10 @@ def widen5(w, after):
         (blocks * LANES, groups * NIBBLE_GROUP), jnp.bfloat16))(w["nib"], w["fifth"], w["d"], after)
 
 
-def int8_product(q, terms):
-    """Packed offset weights q (uint8 [N/16, K/4, 16, 4]) times int8 terms [R, K] -> exact int32
-    [R, N], sum_k (q[n, k] - 128) * terms[r, k]. Only where available()."""
-    import jax
-    import jax.numpy as jnp
-
-    _require()
-    n = q.shape[0] * LANES
-    return jax.ffi.ffi_call("mashbox_int8_product",
-                            jax.ShapeDtypeStruct((terms.shape[0], n), jnp.int32))(q, terms)
-
-
 def int8_matmul(x, q, scale):
     """Float32 rows x [R, K] times packed offset weights q with their output channels' scales [N]
     -> float32 [R, N]: engine.model._matmul's two int8 terms per row, their products and the scales,
-    in one call (int8_product is the product alone)."""
+    in one call."""
     import jax
     import jax.numpy as jnp
 
