@@ -96,13 +96,15 @@ float QuantizeRow(const float* x, int8_t* q, int64_t K, int32_t* sum) {
     top = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(Lanes(K - k), x + k)), top);
   const float peak = _mm512_reduce_max_ps(top);
   const float scale = peak > 0.0f ? peak / 127.0f : 1.0f;
-  const __m512 divisor = _mm512_set1_ps(scale), low = _mm512_set1_ps(-127.0f), high = _mm512_set1_ps(127.0f);
+  const __m512 divisor = _mm512_set1_ps(scale);
+  const __m512 low = _mm512_set1_ps(-127.0f), high = _mm512_set1_ps(127.0f);
   __m512i levels = _mm512_setzero_si512();
   for (int64_t k = 0; k < K; k += kLanes) {
     const __mmask16 m = Lanes(K - k);
     const __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(m, x + k), divisor),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512i level = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, low), high));  // NaN: -127
+    // Clipped to +-127 (a NaN to -127, as std::max(-127.f, NaN) gives).
+    const __m512i level = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, low), high));
     levels = _mm512_add_epi32(levels, level);
     _mm512_mask_cvtepi32_storeu_epi8(q + k, m, level);
   }
@@ -141,8 +143,10 @@ void MakeTerms(const float* x, int64_t R, int64_t K, int8_t* terms, float* term_
 // inlined: called on its own, GCC 12 kept the 8 accumulators of 4 rows on the stack (the head at 4
 // rows 9.7 ms against 6.2).
 template <int R>
-__attribute__((always_inline)) inline void ScaledBlock(const uint8_t* w, const int8_t* terms, const float* term_scales, const int32_t* offsets,
-                 const float* scale, float* out, int64_t K, int64_t N, int64_t block) {
+__attribute__((always_inline)) inline void ScaledBlock(const uint8_t* w, const int8_t* terms,
+                                                       const float* term_scales, const int32_t* offsets,
+                                                       const float* scale, float* out, int64_t K,
+                                                       int64_t N, int64_t block) {
   constexpr int T = 2 * R;
   __m512i acc[T];                        // start at minus the offsets: they end at the products
   for (int t = 0; t < T; t++) acc[t] = _mm512_set1_epi32(-offsets[t]);
@@ -160,7 +164,8 @@ __attribute__((always_inline)) inline void ScaledBlock(const uint8_t* w, const i
   const __m512 sc = _mm512_loadu_ps(scale + block * kLanes);
   for (int r = 0; r < R; r++) {
     const __m512 p0 = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[2 * r]), _mm512_set1_ps(term_scales[2 * r]));
-    const __m512 p1 = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[2 * r + 1]), _mm512_set1_ps(term_scales[2 * r + 1]));
+    const __m512 p1 = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[2 * r + 1]),
+                                    _mm512_set1_ps(term_scales[2 * r + 1]));
     _mm512_storeu_ps(out + r * N + block * kLanes, _mm512_mul_ps(_mm512_add_ps(p0, p1), sc));
   }
 }
@@ -323,7 +328,6 @@ inline void Levels(const uint8_t* nib, const uint64_t* fifth, __m512i* low, __m5
   *high = _mm512_mask_add_epi8(hi, _cvtu64_mask64(fifth[1]), hi, sixteen);
 }
 
-
 // One block of 16 outputs for R rows, each quantized per 32 inputs (Int5Matmul): per 32 inputs, sum
 // q t exactly, take 16 times the terms' sum off (the level is q - 16), and add it times the weights'
 // and the row's scales in float32.
@@ -387,7 +391,8 @@ ffi::Error Int5Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   for (int64_t r = 0; r < R; r++)
     for (int64_t j = 0; j < blocks32; j++) {
       const int64_t at = r * K + j * kQ5Block;
-      term_scales[r * blocks32 + j] = QuantizeRow(xp + at, terms.data() + at, kQ5Block, &sums[r * blocks32 + j]);
+      term_scales[r * blocks32 + j] =
+          QuantizeRow(xp + at, terms.data() + at, kQ5Block, &sums[r * blocks32 + j]);
     }
   const uint8_t* np_ = nib.typed_data();
   const uint64_t* fp = reinterpret_cast<const uint64_t*>(fifth.typed_data());
@@ -727,8 +732,7 @@ Pick PickPiece(const float* x, int64_t begin, int64_t end) {
   __m512 best = _mm512_set1_ps(-INFINITY);
   __m512i where = at;
   for (int64_t i = begin; i < end; i += kLanes) {
-    const __mmask16 live = end - i >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << (end - i)) - 1);
-    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, x + i);
+    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), Lanes(end - i), x + i);
     const __mmask16 more = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
     best = _mm512_mask_mov_ps(best, more, v);
     where = _mm512_mask_mov_epi32(where, more, at);
