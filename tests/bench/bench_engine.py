@@ -12,13 +12,12 @@ Measures, on the demo model (or a random Qwen2.5-0.5B-shaped model if the demo i
 Targets on a 2-core CPU: batch-1 decode >= 70% of the ceiling; 4 busy slots >= 3.5x batch 1.
 
 Results: README, Performance. A latest run (demo model, int8 weights and KV cache with its Q5_0
-matrices at 5 bits, the native kernel with its rows in int8 per 32 inputs for them; 2-core AMD EPYC
-of CPU family 25, `--slots 4 --ctx 2048 --rounds 5`; 3.26-3.41x in four runs of five, 2.87x in one):
-    copy bandwidth 23.6 GB/s; weights read per decode step 0.42 GB -> ceiling 56.3 steps/s
-    decode, 1 busy slot     41.1 tok/s  (24.3 ms/step; 73% of the ceiling)
-    decode, 4 busy slots   139.9 tok/s  (28.6 ms/step)
-    4 slots / 1 slot        3.41x
-    prefill, 512 tokens     323 tok/s;  compiles after ready: 0
+matrices at 5 bits, the native kernel with the int8 products' outputs scaled from its registers;
+2-core AMD EPYC of CPU family 25, `--slots 4 --ctx 2048 --rounds 6`; 3.03-3.59x in eight runs):
+    decode, 1 busy slot     48.4 tok/s  (20.7 ms/step)
+    decode, 4 busy slots   154.6 tok/s  (25.9 ms/step)
+    4 slots / 1 slot        3.20x
+    prefill, 512 tokens     298-322 tok/s (other runs);  compiles after ready: 0
   Timings on this shared machine move by up to 2x between runs: compare ratios.
 """
 from __future__ import annotations
