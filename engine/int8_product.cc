@@ -46,6 +46,20 @@ constexpr int64_t kPrefetch = 1024;
 // A mask of the first `left` of 16 lanes.
 inline __mmask16 Lanes(int64_t left) { return left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1; }
 
+// The largest magnitude of x [K]; a NaN never wins (max_ps returns its second operand).
+inline float Peak(const float* x, int64_t K) {
+  __m512 top = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += kLanes)
+    top = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(Lanes(K - k), x + k)), top);
+  return _mm512_reduce_max_ps(top);
+}
+
+// The lanes m of x divided by `divisor`, rounded half to even (zero in the others).
+inline __m512 Rounded(const float* x, __mmask16 m, __m512 divisor) {
+  return _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(m, x), divisor),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
 // acc += unsigned bytes a times signed bytes b, 4 to a lane (vpdpbusd), in asm: around the
 // intrinsic GCC 12 copied every accumulator through another register.
 inline void Dpbusd(__m512i& acc, __m512i a, __m512i b) {
@@ -91,18 +105,14 @@ int64_t Chunks(int64_t blocks) { return (blocks + kChunkBlocks - 1) / kChunkBloc
 // threads start: 24 products of 4 rows of 4864 inputs with 16 outputs (the terms, nearly alone)
 // took 1.00 ms one number at a time, 0.34 ms now (2-core AMD EPYC, CPU family 25).
 float QuantizeRow(const float* x, int8_t* q, int64_t K, int32_t* sum) {
-  __m512 top = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += kLanes)        // a NaN never wins (max_ps returns its second)
-    top = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(Lanes(K - k), x + k)), top);
-  const float peak = _mm512_reduce_max_ps(top);
+  const float peak = Peak(x, K);
   const float scale = peak > 0.0f ? peak / 127.0f : 1.0f;
   const __m512 divisor = _mm512_set1_ps(scale);
   const __m512 low = _mm512_set1_ps(-127.0f), high = _mm512_set1_ps(127.0f);
   __m512i levels = _mm512_setzero_si512();
   for (int64_t k = 0; k < K; k += kLanes) {
     const __mmask16 m = Lanes(K - k);
-    const __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(m, x + k), divisor),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 v = Rounded(x + k, m, divisor);
     // Clipped to +-127 (a NaN to -127, as std::max(-127.f, NaN) gives).
     const __m512i level = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, low), high));
     levels = _mm512_add_epi32(levels, level);
@@ -605,17 +615,13 @@ void AttendSpan(const float* q, const int8_t* k, const int8_t* v, const float* k
   int16_t* levels = reinterpret_cast<int16_t*>(qp.data());
   for (int64_t g = 0; g < G; g++) {
     const float* row = q + g * D;
-    __m512 top = _mm512_setzero_ps();
-    for (int64_t e = 0; e < D; e += kLanes)
-      top = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(Lanes(D - e), row + e)), top);
-    const float peak = _mm512_reduce_max_ps(top);
+    const float peak = Peak(row, D);
     qs[g] = peak > 0.0f ? peak / kQueryLevels : 1.0f;
     const __m512 divisor = _mm512_set1_ps(qs[g]);
     for (int64_t e = 0; e < D; e += kLanes) {
       const __mmask16 m = Lanes(D - e);
-      const __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(m, row + e), divisor),
-                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      _mm512_mask_cvtepi32_storeu_epi16(levels + g * D + e, m, _mm512_cvtps_epi32(v));
+      const __m512i level = _mm512_cvtps_epi32(Rounded(row + e, m, divisor));
+      _mm512_mask_cvtepi32_storeu_epi16(levels + g * D + e, m, level);
     }
   }
   // Scores, then weights, per row (every lane written before it is read: no zeroing).
