@@ -1,9 +1,9 @@
 // The engine's one native kernel, on AVX-512 VNNI: float rows times packed int8 weights (Int8Matmul:
 // the rows as int8 terms, their exact products, the scales), the packed weights widened for a
 // prefill chunk's dot (Int8Widen), the same two for a GGUF's 5-bit Q5_0 blocks (Int5Matmul,
-// Int5Widen), decode attention over the int8 KV cache (Int8Attend), and the greedy pick of each
-// row's largest logit (FirstMax). engine/native.py builds and registers them; engine/model.py and
-// engine/sampler.py call them.
+// Int5Widen), decode attention over the int8 KV cache (Int8Attend), the greedy pick of each row's
+// largest logit (FirstMax) and the sampling filters' cuts (FilterCuts). engine/native.py builds and
+// registers them; engine/model.py and engine/sampler.py call them.
 //
 // XLA:CPU hands an integer dot to YNNPACK, whose kernels ran compute-bound on a 2-core AMD EPYC
 // (Zen 4): 12.8 GB/s of weights for one decode row, against 34 GB/s for a float32 dot. A decode
@@ -42,12 +42,15 @@ constexpr int64_t kChunkBlocks = 4;
 // Software prefetch this many bytes ahead in the weights' stream (hardware prefetch alone left one
 // thread at 10 GB/s; 1024 reached 18, best among 256-4096).
 constexpr int64_t kPrefetch = 1024;
-// And into L2 this far ahead as well. At 1 row the stream runs at the memory's speed either way; at 4
-// rows a 64-byte load takes 8 vpdpbusd, and with the near prefetch alone the product's loads waited
-// for the memory and then for the arithmetic, in turn: the head at 4 rows took 7.7 ms against 5.7
-// with both (5.8 at 1 row), down 5.4 against 4.7 (4.4 at 1 row), and the 5-bit gate/up 7.5 against
-// 6.5-6.9 (2-core AMD EPYC, CPU family 25, alternated in one process, medians of 31). 3072 bytes
-// ahead gained less; 12288 about as much.
+// And into L2 this far ahead as well. At 4 rows a 64-byte load of int8 weights feeds 8 vpdpbusd
+// (2.4 ns on one core with the weights in L2, against 3.1-3.3 ns per load from memory at 1 row), and
+// with the near prefetch alone the loads waited for the memory and then the arithmetic, in turn
+// (4.0 ns). Fetched into L2 ahead, they overlap. The products chained as the model calls them (2-core
+// AMD EPYC, CPU family 25, alternated in one process, medians of 25; two runs) at 4 rows, in ms:
+//   head 5.0 / 5.1 against 5.6 / 5.5 (1 row 5.0 / 5.0 against 5.2 / 5.1);
+//   down 5.2 / 4.7 against 5.4 / 5.3 (1 row 4.8 / 4.5 against 4.7 / 4.3);
+//   the 5-bit gate/up 6.7 / 7.3 against 7.1 / 8.3 (1 row 5.9 / 6.2 against 6.6 / 7.1).
+// 3072 bytes ahead gained less; 12288 about as much.
 constexpr int64_t kPrefetchL2 = 6144;
 
 // A mask of the first `left` of 16 lanes.
@@ -785,6 +788,111 @@ ffi::Error FirstMax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Res
   return ffi::Error::Success();
 }
 
+// ---- the sampling filters' cuts: top-k, then top-p over what top-k kept ---------------------------
+
+// XLA:CPU found a cut beyond a row's 256 largest probabilities (a wide nucleus, a large top-k) by
+// bisection, 48 passes over the vocabulary (engine/sampler.py: _bisected_thresholds), and the others
+// from lax.top_k of 256. This finds both exactly, from one histogram of the row's float bits (a
+// probability's bits order as its value): the bucket each cut falls in is gathered and sorted.
+constexpr int kCutShift = 16;                         // bucket = bits >> 16: 7 bits of mantissa
+constexpr int64_t kCutBuckets = (0x3F800000 >> kCutShift) + 1;   // probabilities are at most 1
+
+// A probability's value as the filters see it (a NaN, or anything not above 0, is 0) and its bucket.
+inline float CutValue(float p) { return p > 0.0f ? p : 0.0f; }
+
+inline int64_t CutBucket(float v) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &v, sizeof bits);
+  return std::min<int64_t>(bits >> kCutShift, kCutBuckets - 1);
+}
+
+// One row of probabilities p [V] -> (t_k, t_p): the k-th largest (k = min(top_k, V); 0 when top_k
+// <= 0), and among the values >= t_k sorted largest first, the first whose running sum (float64)
+// reaches top_p of their sum (the smallest of them if rounding never gets there; 0 when top_p >= 1).
+// probs >= max(t_k, t_p) is then what the two filters keep, ties included.
+void RowCuts(const float* p, int64_t V, int32_t top_k, float top_p, float* t_k, float* t_p) {
+  std::vector<int64_t> count(kCutBuckets, 0);
+  std::vector<double> mass(kCutBuckets, 0.0);
+  for (int64_t i = 0; i < V; i++) {
+    const float v = CutValue(p[i]);
+    const int64_t b = CutBucket(v);
+    count[b]++;
+    mass[b] += v;
+  }
+  // Bucket b's values that are at least `floor`, largest first (16 at a time: CutValue and
+  // CutBucket as above, then the matching lanes compressed out; `in` has room for a whole store).
+  auto sorted = [&](int64_t b, float floor) {
+    std::vector<float> in(count[b] + kLanes);
+    int64_t n = 0;
+    const __m512i last = _mm512_set1_epi32(kCutBuckets - 1), want = _mm512_set1_epi32(b);
+    const __m512 zero = _mm512_setzero_ps(), at_least = _mm512_set1_ps(floor);
+    for (int64_t i = 0; i < V; i += kLanes) {
+      const __mmask16 m = Lanes(V - i);
+      const __m512 v = _mm512_max_ps(_mm512_maskz_loadu_ps(m, p + i), zero);   // NaN, -0 -> 0
+      const __m512i bucket = _mm512_min_epu32(_mm512_srli_epi32(_mm512_castps_si512(v), kCutShift), last);
+      const __mmask16 in_b = _mm512_mask_cmpeq_epi32_mask(m, bucket, want) &
+                             _mm512_cmp_ps_mask(v, at_least, _CMP_GE_OQ);
+      if (in_b) {             // compressed in a register, then stored: Zen 4's compress to memory is slow
+        _mm512_storeu_ps(&in[n], _mm512_maskz_compress_ps(in_b, v));
+        n += __builtin_popcount(in_b);
+      }
+    }
+    in.resize(n);
+    std::sort(in.begin(), in.end(), [](float a, float c) { return a > c; });
+    return in;
+  };
+  // top-k: the bucket where the count from the top reaches k, then the value it takes there.
+  *t_k = *t_p = 0.0f;
+  int64_t lowest = 0;                                    // the lowest bucket top-k keeps values of
+  double kept = 0.0;                                     // their sum
+  if (top_k > 0) {
+    const int64_t k = std::min<int64_t>(top_k, V);
+    int64_t above = 0;
+    for (lowest = kCutBuckets - 1; lowest > 0 && above + count[lowest] < k; lowest--)
+      above += count[lowest];
+    const std::vector<float> edge = sorted(lowest, 0.0f);
+    *t_k = edge[k - above - 1];
+    for (float v : edge)
+      if (v >= *t_k) kept += v;                          // ties with the k-th are kept too
+  } else {
+    kept = mass[0];
+  }
+  if (!(top_p < 1.0f)) return;
+  for (int64_t b = kCutBuckets - 1; b > lowest; b--) kept += mass[b];
+  // top-p: skip whole buckets while the running sum stays below the target, then walk the bucket
+  // it crosses in, largest first.
+  const double target = static_cast<double>(top_p) * kept;
+  double run = 0.0;
+  for (int64_t b = kCutBuckets - 1; b >= lowest; b--) {
+    if (count[b] == 0) continue;
+    if (b > lowest && run + mass[b] < target) {
+      run += mass[b];
+      continue;
+    }
+    for (float v : sorted(b, b == lowest ? *t_k : 0.0f)) {
+      run += v;
+      *t_p = v;
+      if (run >= target) return;
+    }
+  }
+}
+
+// probs float32 [R, V], top_k int32 [R] (<= 0: off), top_p float32 [R] (>= 1: off) -> cuts float32
+// [R, 2]: each row's (t_k, t_p), as RowCuts. One task per row.
+ffi::Error FilterCuts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> probs, ffi::Buffer<ffi::S32> top_k,
+                      ffi::Buffer<ffi::F32> top_p, ffi::ResultBuffer<ffi::F32> out) {
+  const auto d = probs.dimensions();
+  if (d.size() != 2 || d[1] < 1 || top_k.element_count() != d[0] || top_p.element_count() != d[0])
+    return ffi::Error::InvalidArgument("filter_cuts: probs [R, V], top_k [R], top_p [R]");
+  const int64_t V = d[1];
+  const float* p = probs.typed_data();
+  float* o = out->typed_data();
+  Parallel(pool, d[0], [&](int64_t r) {
+    RowCuts(p + r * V, V, top_k.typed_data()[r], top_p.typed_data()[r], &o[2 * r], &o[2 * r + 1]);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxInt8Matmul, Int8Matmul,
@@ -837,3 +945,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxFirstMax, FirstMax,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxFilterCuts, FilterCuts,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,9 +1,10 @@
 """The engine's one native kernel (engine/int8_product.cc), for CPUs where XLA:CPU's integer dot is
 compute-bound (see engine.model, beside _matmul and _packed): int8 weights times a few rows (decode
-steps, small prefill chunks) at the memory's speed, decode attention over the int8 cache, and the
-packed weights widened for a prefill chunk's dot. It is built on first use with the host's C++
-compiler against jaxlib's FFI headers, kept under the cache root (rebuilt when the source, the
-compiler or jaxlib changes) and registered with XLA as custom calls.
+steps, small prefill chunks) at the memory's speed, decode attention over the int8 cache, the
+packed weights widened for a prefill chunk's dot, and the sampler's greedy pick and filter cuts.
+It is built on first use with the host's C++ compiler against jaxlib's FFI headers, kept under the
+cache root (rebuilt when the source, the compiler or jaxlib changes) and registered with XLA as
+custom calls.
 
 It is optional: without AVX-512 VNNI, without a compiler, on several devices (the weights split
 over them: a custom call is not partitioned), or with MASHBOX_NATIVE=0, the weights stay in their
@@ -41,7 +42,7 @@ SOURCE = Path(__file__).with_name("int8_product.cc")
 TARGETS = {"mashbox_int8_matmul": "MashboxInt8Matmul",
            "mashbox_int8_widen": "MashboxInt8Widen", "mashbox_int8_attend": "MashboxInt8Attend",
            "mashbox_int5_matmul": "MashboxInt5Matmul", "mashbox_int5_widen": "MashboxInt5Widen",
-           "mashbox_first_max": "MashboxFirstMax"}
+           "mashbox_first_max": "MashboxFirstMax", "mashbox_filter_cuts": "MashboxFilterCuts"}
 ENV_SWITCH = "MASHBOX_NATIVE"                      # "0": never build or use the kernel
 # The instructions the kernel is compiled for; a CPU without any of them keeps XLA's products.
 REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
@@ -267,6 +268,19 @@ def first_max(logits):
 
     _require()
     return jax.ffi.ffi_call("mashbox_first_max", jax.ShapeDtypeStruct(logits.shape[:1], jnp.int32))(logits)
+
+
+def filter_cuts(probs, top_k, top_p):
+    """probs float32 [R, V] (>= 0), top_k int32 [R] (0: off), top_p float32 [R] (1: off) -> float32
+    [R, 2]: each row's top-k cut (its k-th largest probability) and top-p cut (among those >= the
+    first, largest first, the one whose running sum reaches top_p of their sum), 0 where a filter is
+    off; probs >= both cuts is what the filters keep. Exact, from a histogram of the row."""
+    import jax
+    import jax.numpy as jnp
+
+    _require()
+    return jax.ffi.ffi_call("mashbox_filter_cuts", jax.ShapeDtypeStruct((probs.shape[0], 2), jnp.float32))(
+        probs, top_k, top_p)
 
 
 def _require():

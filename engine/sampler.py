@@ -181,7 +181,28 @@ def _candidate_thresholds(probs, p: RowParams, k):
 
 def filter_mask(probs, p: RowParams):
     """bool [B, V]: tokens that survive top-k, then top-p (over what top-k kept, renormalized), and
-    min-p (p >= min_p * p_max), on temperature-scaled probabilities. At least the top token survives."""
+    min-p (p >= min_p * p_max), on temperature-scaled probabilities. At least the top token survives.
+    On one CPU device with engine.native's kernel, its exact cuts (native.filter_cuts); else XLA's
+    (_xla_cuts). A draw over 152k tokens (random logits: normal x 3 at temperature 0.7; 2-core AMD
+    EPYC, CPU family 25, alternated in turn, two runs), four rows / one row, in ms: top-p 0.95
+    1.8-2.8 / 0.8-1.0 with the kernel's cuts against 7.6-8.1 / 3.0-4.2 with XLA's; top-k 20 and
+    top-p 0.8 1.4-1.6 / 0.75-0.79 against 3.2-3.5 / 0.86-1.39."""
+    if native.available() and jax.device_count() == 1:
+        reach = jnp.where(p.top_p < 1.0, p.top_p * (1 - TOP_P_ROUNDING), 1.0)
+        cuts = native.filter_cuts(probs, p.top_k, reach)
+        t_k, t_p = cuts[:, :1], cuts[:, 1:]
+    else:
+        t_k, t_p = _xla_cuts(probs, p)
+    t_min = p.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    # A row whose filter is off keeps every token exactly, so it draws the same in any batch.
+    t_k = jnp.where(p.top_k[:, None] > 0, t_k, 0.0)
+    t_p = jnp.where(p.top_p[:, None] < 1.0, t_p, 0.0)
+    return probs >= jnp.maximum(jnp.maximum(t_k, t_p), t_min)
+
+
+def _xla_cuts(probs, p: RowParams):
+    """(top-k cut, top-p cut) [B, 1] each, from the candidates where both fall among them, else by
+    bisection (only a batch with such a row runs the bisections)."""
     vocab = probs.shape[-1]
     k = jnp.where(p.top_k > 0, jnp.minimum(p.top_k, vocab), vocab).astype(jnp.float32)[:, None]
     t_k, t_p, exact = _candidate_thresholds(probs, p, k)
@@ -190,12 +211,7 @@ def filter_mask(probs, p: RowParams):
         b_k, b_p = _bisected_thresholds(probs, p, k)
         return jnp.where(exact, t_k, b_k), jnp.where(exact, t_p, b_p)
 
-    t_k, t_p = jax.lax.cond(jnp.all(exact), lambda: (t_k, t_p), bisect_the_rest)
-    t_min = p.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
-    # A row whose filter is off keeps every token exactly, so it draws the same in any batch.
-    t_k = jnp.where(p.top_k[:, None] > 0, t_k, 0.0)
-    t_p = jnp.where(p.top_p[:, None] < 1.0, t_p, 0.0)
-    return probs >= jnp.maximum(jnp.maximum(t_k, t_p), t_min)
+    return jax.lax.cond(jnp.all(exact), lambda: (t_k, t_p), bisect_the_rest)
 
 
 def _uniform(key_data, step):

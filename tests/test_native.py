@@ -88,6 +88,33 @@ def test_first_max_takes_each_rows_first_largest_logit(vocab):
     np.testing.assert_array_equal(np.delete(got, 4), np.delete(reduced, 4))
 
 
+@needs_kernel
+def test_filter_cuts_keep_what_a_full_sort_keeps():
+    """Guards the sampling filters' cuts against keeping other tokens than a float64 full sort does
+    (tests/test_sampler.py: _reference_mask): peaked, flat and tied rows, cuts inside the histogram's
+    buckets, top-k past the vocabulary, underflowed zeros; each filter off gives a cut of 0."""
+    from tests.test_sampler import _reference_mask
+    rng = np.random.default_rng(9)
+    vocab = 3000
+    rows = []
+    for spread, top_k, top_p in [(3.0, 20, 0.8), (3.0, 0, 0.5), (0.2, 0, 0.9), (3.0, 2000, 1.0),
+                                 (0.0, 5, 0.3), (8.0, 0, 0.999), (3.0, 1, 0.1), (3.0, 0, 1e-6),
+                                 (60.0, 0, 0.95), (1.0, 5000, 0.99)]:
+        logits = rng.normal(size=vocab) * spread
+        probs = np.exp(logits - logits.max())
+        rows.append(((probs / probs.sum()).astype(np.float32), top_k, top_p))
+    probs = np.stack([r[0] for r in rows])
+    probs[4, :100] = probs[4, 0]                      # ties at the top-k cut
+    top_k = np.array([r[1] for r in rows], np.int32)
+    top_p = np.array([r[2] for r in rows], np.float32)
+    cuts = np.asarray(jax.jit(native.filter_cuts)(probs, top_k, top_p))
+    for row, (_, k, tp) in enumerate(rows):
+        got = probs[row] >= cuts[row].max()
+        want = _reference_mask(probs[row], min(k, vocab), float(np.float32(tp)))
+        assert (got == want).all(), (row, got.sum(), want.sum())
+        assert (cuts[row, 0] == 0) == (k == 0) and (cuts[row, 1] == 0) == (tp >= 1)
+
+
 def _q5_0(rng, n, k):
     """Random Q5_0 blocks of an [n, k] matrix: levels 0..31, a float16 scale per 32 inputs (some
     negative, one block all zero as in a pruned row)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import sampler
+from engine import native, sampler
 from engine.protocol import Sampling
 
 
@@ -25,6 +25,16 @@ def draw(logits, samplings, seeds=None, steps=None, state=None, slots=None, acti
 
 def params(**kw):
     return sampler.row_params([(Sampling(**kw), 0, 0)])
+
+
+@pytest.fixture(params=["native", "xla"])
+def cut_path(request, monkeypatch):
+    """filter_mask's two ways to its cuts: engine.native's kernel (where it runs) and XLA's."""
+    if request.param == "native" and not native.available():
+        pytest.skip("the native kernel does not run here")
+    if request.param == "xla":
+        monkeypatch.setattr(native, "available", lambda: False)
+    return request.param
 
 
 def test_greedy_is_the_default_and_takes_the_first_maximum():
@@ -75,7 +85,7 @@ def test_penalties_steer_greedy_and_count_only_active_rows():
     (dict(top_k=1, top_p=0.1, min_p=0.9), [0]),
     (dict(), [0, 1, 2, 3]),
 ])
-def test_filters_keep_the_hand_computed_tokens(kw, kept):
+def test_filters_keep_the_hand_computed_tokens(kw, kept, cut_path):
     """Guards against off-by-one nucleus cuts and filters applied in the wrong order."""
     probs = np.array([[0.5, 0.25, 0.15, 0.1]], np.float32)
     mask = np.asarray(sampler.filter_mask(probs, params(**kw)))[0]
@@ -125,7 +135,7 @@ def test_seeded_draw_depends_only_on_seed_and_step():
     assert other_seed != alone
 
 
-def test_row_without_filters_keeps_its_whole_tail_in_a_filtered_batch():
+def test_row_without_filters_keeps_its_whole_tail_in_a_filtered_batch(cut_path):
     """Guards against a neighbour's top-p trimming this row's rare tokens, which would make a seeded
     request draw differently depending on what runs beside it."""
     probs = np.array([[0.9999998, 1e-7, 1e-7], [0.5, 0.3, 0.2]], np.float32)
@@ -180,7 +190,7 @@ def _reference_mask(probs, top_k, top_p):
     return probs >= max(t_k, kept[min(cut, len(kept) - 1)])
 
 
-def test_filters_cut_exactly_among_the_candidates_or_by_bisection_whatever_the_neighbours():
+def test_filters_cut_exactly_among_the_candidates_or_by_bisection_whatever_the_neighbours(cut_path):
     """Guards the two ways a filter finds its cuts (the largest FILTER_CANDIDATES probabilities
     sorted, or bisection when a cut lies beyond them) against keeping other tokens than a full sort
     does, and against a row's cut depending on whether a neighbour needed the bisection."""

@@ -12,12 +12,12 @@ Measures, on the demo model (or a random Qwen2.5-0.5B-shaped model if the demo i
 Targets on a 2-core CPU: batch-1 decode >= 70% of the ceiling; 4 busy slots >= 3.5x batch 1.
 
 Results: README, Performance. A latest run (demo model, int8 weights and KV cache with its Q5_0
-matrices at 5 bits, the native kernel with the int8 products' outputs scaled from its registers;
-2-core AMD EPYC of CPU family 25, `--slots 4 --ctx 2048 --rounds 6`; 3.03-3.59x in eight runs):
-    decode, 1 busy slot     48.4 tok/s  (20.7 ms/step)
-    decode, 4 busy slots   154.6 tok/s  (25.9 ms/step)
-    4 slots / 1 slot        3.20x
-    prefill, 512 tokens     298-322 tok/s (other runs);  compiles after ready: 0
+matrices at 5 bits, the native kernel with its weights prefetched into L2 ahead; 2-core AMD EPYC of
+CPU family 25, `--slots 4 --ctx 2048 --rounds 6`; 3.55-3.62x in five runs):
+    decode, 1 busy slot     49.9 tok/s  (20.0 ms/step)
+    decode, 4 busy slots   178.9 tok/s  (22.4 ms/step)
+    4 slots / 1 slot        3.58x
+    prefill, 512 tokens     364.1 tok/s;  compiles after ready: 0
   Timings on this shared machine move by up to 2x between runs: compare ratios.
 """
 from __future__ import annotations
