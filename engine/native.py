@@ -285,4 +285,5 @@ def filter_cuts(probs, top_k, top_p):
 
 def _require():
     if not available():
-        raise RuntimeError("packed int8 weights, but the int8 kernel is not available here")
+        raise RuntimeError("a native kernel call (packed weights, attention or the sampler's), but the "
+                           "kernel is not available here")

@@ -111,12 +111,18 @@ THRESHOLD_ROUNDS = 24
 TOP_P_ROUNDING = 1e-6
 
 
+def _native_here() -> bool:
+    """Whether engine.native's kernel serves the sampler: built here, and one device (a custom call
+    is not partitioned)."""
+    return native.available() and jax.device_count() == 1
+
+
 def _first_max(x):
     """argmax along the last axis (first index of the maximum) of logits [B, V]. On one CPU device
     with engine.native's kernel, its one pass (4 rows of 152k: 0.13 ms against 0.65 for the
     reductions below, 1 row 0.05 against 0.26; 2-core AMD EPYC, CPU family 25, alternated); else two
     plain reductions, which run much faster than XLA:CPU's argmax over a 152k vocabulary."""
-    if native.available() and jax.device_count() == 1:
+    if _native_here():
         return native.first_max(x)
     return _first_max_reduced(x)
 
@@ -187,7 +193,7 @@ def filter_mask(probs, p: RowParams):
     EPYC, CPU family 25, alternated in turn, two runs), four rows / one row, in ms: top-p 0.95
     1.8-2.8 / 0.8-1.0 with the kernel's cuts against 7.6-8.1 / 3.0-4.2 with XLA's; top-k 20 and
     top-p 0.8 1.4-1.6 / 0.75-0.79 against 3.2-3.5 / 0.86-1.39."""
-    if native.available() and jax.device_count() == 1:
+    if _native_here():
         reach = jnp.where(p.top_p < 1.0, p.top_p * (1 - TOP_P_ROUNDING), 1.0)
         cuts = native.filter_cuts(probs, p.top_k, reach)
         t_k, t_p = cuts[:, :1], cuts[:, 1:]
