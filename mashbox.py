@@ -2954,6 +2954,7 @@ class Metrics:
     """Every metric the server exports. No label ever names a user, a key, a tenant or a session."""
 
     FINISH_REASONS = ("stop", "length", "tool_calls", "abort", "error")
+    CONSTRAINT_MODES = ("auto", "required", "named", "none")
 
     def __init__(self):
         m = self.m = {}
@@ -2991,6 +2992,12 @@ class Metrics:
         rejections = add("admission_rejections_total", "counter", "Requests refused by admission, by reason.")
         for reason in ("tenant_queue_full", "queue_full", "loading"):
             rejections.inc(0, reason=reason)
+        constrained = add("constrained_requests_total", "counter", "Requests whose tool calls were "
+                          "constrained by a grammar, by tool_choice mode (auto, required, named, none).")
+        for mode in self.CONSTRAINT_MODES:
+            constrained.inc(0, mode=mode)
+        add("grammar_mask_seconds_total", "counter", "Host time spent computing constrained requests' "
+            "token masks.").inc(0)
         add("time_to_first_token_seconds", "histogram", "Time to the first new token.", TTFT_BUCKETS)
         add("request_queue_time_seconds", "histogram", "Time waiting for a slot.", LATENCY_BUCKETS)
         add("e2e_request_latency_seconds", "histogram", "Time from request to its last byte.", LATENCY_BUCKETS)
@@ -3020,6 +3027,12 @@ class Metrics:
         self.m["e2e_request_latency_seconds"].observe(e2e_s)
         if ttft_s is not None:
             self.m["time_to_first_token_seconds"].observe(ttft_s)
+
+    def constrained_done(self, mode: str | None, mask_s: float) -> None:
+        """Account one finished request's tool-call constraint (mode None: it ran unconstrained)."""
+        if mode is not None:
+            self.m["constrained_requests_total"].inc(mode=mode)
+            self.m["grammar_mask_seconds_total"].inc(mask_s)
 
     def _grow(self, name: str, total: float) -> None:
         """Set a counter kept elsewhere as a running total, never lowering it."""
@@ -3181,6 +3194,7 @@ class EngineLog:
     def __init__(self, progress: Callable[[str, int, int], None] | None = None):
         self.progress = progress if progress is not None else progress_display()
         self.compiles_seen = 0            # compiles after ready reported by the current worker
+        self.grammar_said = False         # the tool-call constraint's state, logged once
 
     def __call__(self, msg: Any) -> None:
         if isinstance(msg, protocol.Loading):
@@ -3210,6 +3224,14 @@ class EngineLog:
         log.info("slots %d, ctx %d tokens each, prefix cache %s, host cache %d MiB", f.slots,
                  f.max_model_len, "on" if f.prefix_cache else "off", f.cache_ram_mib)
         log.info("deployment %s, components %s", f.deployment_id, f.component_set_sha)
+        if not self.grammar_said and (f.grammar or f.grammar_off):
+            self.grammar_said = True
+            if f.grammar:
+                log.info("tool calls: constrained by %s (every call names a tool, with valid arguments)",
+                         f.grammar)
+            else:
+                log.warning("tool calls: unconstrained, %s; calls are read from what the model writes",
+                            f.grammar_off)
         line = log.info if f.certification == "certified" else log.warning
         line("%s: %s", f.certification, f.certification_detail or "no certification gate ran")
         log.info("compiled in %.1f s; worker pid %d; ready", f.compile_s, msg.pid)
@@ -3650,6 +3672,8 @@ class Outcome:
     admitted_at: float | None = None   # time.monotonic() when admission let it run
     queue_s: float = 0.0               # arrival to admitted: parse, render and the admission queue
     prompt_tokens: int = 0             # the rendered prompt's length, once rendered
+    constrained: str | None = None     # the Constraint mode its tool calls ran under (engine.grammar)
+    mask_s: float = 0.0                # host time its token masks took
 
 
 async def _wait_for_worker(app, gone: asyncio.Event, keepalive: Callable[[], Awaitable[None]] | None,
@@ -3780,10 +3804,12 @@ async def run_attempt(app, req, fmt: "ApiFormat", job: Job, prompt: list[int], m
     usage = chat.Usage(prompt_tokens=len(prompt))
     outcome.usage = usage   # so far: a request that ends early is still counted and logged
     await _wait_for_worker(app, out.gone, delivery.keepalive, fmt.anthropic)
+    facts = bridge.facts
     q = bridge.submit(protocol.Submit(
         rid=sub_id, prompt=prompt, max_tokens=max_tokens, sampling=job.sampling,
         stop_ids=list(tok.stop_ids), submitted_at=time.time(),
-        cuts=chat.turn_boundaries(prompt, tok), tenant=cache_tenant_label(req)))
+        cuts=chat.turn_boundaries(prompt, tok), tenant=cache_tenant_label(req),
+        constraint=chat.tool_constraint(job, facts.chat_format) if facts.grammar else None))
     while True:
         step = await _next_step(q, out.gone, KEEPALIVE_S)
         if step is None:
@@ -3811,6 +3837,7 @@ async def run_attempt(app, req, fmt: "ApiFormat", job: Job, prompt: list[int], m
             finish = "stop"
         if finish is not None:
             outcome.timings = _timings(step.timings, usage, outcome)
+            outcome.constrained, outcome.mask_s = step.constrained, step.mask_ms / 1000
             events += parser.finish(finish, usage, outcome.timings)
         for ev in events:
             frames = encoder.feed(ev)
@@ -4036,6 +4063,7 @@ async def handle_generation(app, req, out, fmt: "ApiFormat", tenant: str) -> Non
             ttft = outcome.first_token_at - t0 if outcome.first_token_at else None
             decode = (time.monotonic() - outcome.first_token_at) if outcome.first_token_at else None
             app.metrics.request_done(outcome.finish or "stop", outcome.usage, waited, e2e, ttft, decode)
+            app.metrics.constrained_done(outcome.constrained, outcome.mask_s)
         app.log(request_log_line(req.method, req.path, outcome, outcome.prompt_tokens, waited, e2e,
                                  job.session if job is not None else None))
 

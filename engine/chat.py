@@ -6,6 +6,7 @@ The one place that knows what a prompt looks like and what the model's output me
     render(job, tok, fmt)  Job -> prompt token ids (the chat template, hand-written Python);
                          render_text is the same prompt as text, answer_prefix its answer opening
     OutputParser         generated token ids -> neutral events (text, reasoning, tool calls, done)
+    tool_constraint(job, fmt)  what the answer's tool calls must be (engine.grammar masks the tokens)
 Every API's encoder in mashbox.py turns those events into its own JSON or SSE; a fix to tool-call
 or thinking handling is made here once for all four APIs.
 """
@@ -18,7 +19,7 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
-from engine.protocol import Sampling
+from engine.protocol import Constraint, Sampling
 
 
 # ---- the request model, shared by every API ----------------------------------------------------
@@ -229,6 +230,12 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 EMPTY_THOUGHT = "<think>\n\n</think>\n\n"
 # The start of a Hermes-style call, as the templates write calls in history; tool_choice forces it.
 CALL_HEAD = '<tool_call>\n{"name": "'
+# Small models also write a call without the tags: the same object in a ```json (or bare ```) fence,
+# and Qwen3-Coder its XML form with no <tool_call> before it. Both are read as calls when they name an
+# offered tool, and engine.grammar constrains them from where they open.
+FENCE = "```"
+FENCE_HEAD = re.compile(r"```(?:json)?[ \t]*\r?\n?[ \t]*")
+XML_OPEN = "<function="
 QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 TOOLS_INTRO = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
                "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
@@ -280,6 +287,22 @@ def answer_prefix(job: Job, fmt: str) -> str:
     forced = _forced_call(job)
     thought = EMPTY_THOUGHT if fmt == "qwen3" and (forced or not job.thinking) else ""
     return thought + forced
+
+
+def tool_constraint(job: Job, fmt: str) -> Constraint | None:
+    """What the answer's tool calls must be, from where answer_prefix leaves off (engine.grammar), or
+    None when the model writes freely: no tools, or Completions. tool_choice none keeps calls out;
+    required and a named tool continue the call the prompt opened; auto lets a call start wherever
+    the model starts one."""
+    if job.prompt is not None or not job.tools:
+        return None
+    think = fmt == "qwen3" and job.thinking and not _forced_call(job)
+    if job.tool_choice == "none":
+        return Constraint("none", think=think)
+    tools = [(t.name, t.parameters) for t in job.tools]
+    if isinstance(job.tool_choice, dict):
+        return Constraint("named", tools, name=job.tool_choice["name"])
+    return Constraint("required" if job.tool_choice == "required" else "auto", tools, think=think)
 
 
 def _is_tool_response(text: str) -> bool:
@@ -657,13 +680,16 @@ class _CallReader:
     (xml_function -> xml_params <-> xml_value) -> tail (up to </tool_call>). A phase returns None
     after moving on, or the status when it must wait or is done.
 
-    A bare call (a Hermes object the model wrote without the tags) is read the same way, except that
-    the body ends where the object's braces close (and at a </tool_call> right after, if one comes).
+    The forms (`form`): "tagged" (after <tool_call>, up to </tool_call>); the untagged ones read the
+    same way, but "bare" and "fenced" (a Hermes object alone, or in a ``` fence) end where the object's
+    braces close, and "xml" (<function=...> alone) at </function>; then a </tool_call> right after is
+    skipped, for a fenced call the closing ``` instead.
     """
 
-    def __init__(self, parser: "OutputParser", bare: bool = False):
+    def __init__(self, parser: "OutputParser", form: str = "tagged"):
         self.p = parser
-        self.bare = bare
+        self.form = form
+        self.bare = form != "tagged"
         self.phase = "detect"
         self.pos = 0              # read position in the body
         self.used = 0
@@ -823,10 +849,12 @@ class _CallReader:
                 self.send("}" if self.args else "")
                 self.end()
                 self.pos += skipped + (len(tag) if tag != CALL_CLOSE else 0)
+                self.closed = True
                 return None
         if final:
             self.send("}" if self.args else "")
             self.end()
+            self.closed = True
             return None
         incomplete_tag = head.startswith("<parameter=") or any(
             tag.startswith(head) for tag in ("<parameter=", "</function>", CALL_CLOSE))
@@ -891,7 +919,8 @@ class _CallReader:
         return "more"
 
     def _bare_tail(self, body: str, final: bool) -> str | None:
-        """After a bare call's value: the rest of its object, then a </tool_call> if the model adds one."""
+        """After an untagged call's value: the rest of its object, then a </tool_call> if the model
+        adds one (a fenced call: the closing ```)."""
         if not self.closed:
             if self.object_scan is None:       # the value ended inside the object
                 self.object_scan = _JsonScanner(self.pos, depth=1)
@@ -906,10 +935,11 @@ class _CallReader:
                 self.used = self.pos
                 return "done"
         head = body[self.pos:].lstrip()
-        if head.startswith(CALL_CLOSE):
-            self.used = len(body) - len(head) + len(CALL_CLOSE)
+        closer = FENCE if self.form == "fenced" else CALL_CLOSE
+        if head.startswith(closer):
+            self.used = len(body) - len(head) + len(closer)
             return "done"
-        if not final and CALL_CLOSE.startswith(head):
+        if not final and closer.startswith(head):
             return "more"
         self.used = self.pos
         return "done"
@@ -925,10 +955,12 @@ class OutputParser:
     reasoning without the newlines around it, text without newlines after </think> or whitespace
     before a call. Stop strings apply to the text (not to reasoning or arguments).
 
-    Small models often write a call's JSON without the tags. An answer that begins (after thinking
-    and whitespace, or right after another call) with `{"name": "N"` for an offered tool N is read
-    as if `<tool_call>` came before it; a leading `{` is held back only while it can still become
-    that, and is text the moment it cannot.
+    Small models often write a call without the tags, and these are read as calls too: an answer
+    that begins (after thinking and whitespace, or right after another call) with `{"name": "N"` for
+    an offered tool N; a ```json (or bare ```) fence anywhere whose object opens the same way; and
+    `<function=N>` anywhere. What may still become one of them is held back (a leading `{`, a fence,
+    `<function=`) and is text the moment it cannot: a ```python block, JSON without "name" first,
+    a name no tool has.
     """
 
     def __init__(self, tok: Tokenizer, job: Job, fmt: str):
@@ -946,6 +978,7 @@ class OutputParser:
         self._strip = "" if raw else "\n"               # characters dropped where the text begins
         self._dropped = ""                              # whitespace dropped before <tool_call>
         self._bare_ok = self._calls_on                  # a bare call may begin: no text yet
+        self._judged = 0                                # _buf before this: no untagged call starts
         self._call: _CallReader | None = None
         self._ncalls = 0
         self._reasoning_tokens = 0
@@ -1016,6 +1049,7 @@ class OutputParser:
         if self._stops is not None:
             self._stops.reset()
         self._stops_read = 0
+        self._judged = 0
 
     def _advance_text(self, final: bool) -> bool:
         buf = self._buf
@@ -1030,11 +1064,13 @@ class OutputParser:
                 return False
             if verdict == "call":
                 self._buf, self._mode = buf.lstrip(), _CALL
-                self._call = _CallReader(self, bare=True)
+                self._call = _CallReader(self, "bare")
                 self._at_start = False
+                self._dropped = ""
                 self._leave_text()
                 return True
             self._bare_ok = False
+        untagged = self._untagged_call(buf, final) if self._calls_on else None
         found = []
         if self._stops is not None:
             hit = self._stops.feed(buf, self._stops_read)
@@ -1047,11 +1083,20 @@ class OutputParser:
             i = buf.find(THINK_OPEN)
             if i >= 0 and not buf[:i].strip():
                 found.append((i, 1, THINK_OPEN))
+        if untagged is not None and untagged[1] == "call":
+            found.append((untagged[0], 1, untagged[2]))
         found = [f for f in found if f[0] >= 0]
         if found:
             i, _, what = min(found)
             self._leave_text()
-            if what == CALL_OPEN:
+            if what in ("fenced", "xml"):          # the fence's head is not part of the call
+                before = buf[:i].rstrip()
+                self._text(before)
+                self._dropped = buf[len(before):untagged[3]]
+                self._buf, self._mode = buf[untagged[3]:], _CALL
+                self._call = _CallReader(self, what)
+                self._at_start = False
+            elif what == CALL_OPEN:
                 before = buf[:i].rstrip()
                 self._text(before)
                 self._dropped = buf[len(before):i]
@@ -1070,12 +1115,14 @@ class OutputParser:
             self._text(buf)
             self._buf, self._stops_read = "", 0
             return False
-        markers = [CALL_OPEN] if self._calls_on else []
+        markers = [CALL_OPEN, FENCE, XML_OPEN] if self._calls_on else []
         markers += [THINK_OPEN] if self._at_start else []
         hold = max((_partial_suffix(buf, m) for m in markers), default=0)
         if self._stops is not None:
             hold = max(hold, self._stops.pending)
         keep = len(buf) - hold
+        if untagged is not None:                # "more": it may still open a call
+            keep = min(keep, untagged[0])
         if self._calls_on:              # trailing whitespace is dropped if a call follows
             keep = len(buf[:keep].rstrip())
         if self._at_start and not buf[:keep].strip():
@@ -1083,7 +1130,42 @@ class OutputParser:
         self._text(buf[:keep])
         self._buf = buf[keep:]
         self._stops_read = len(buf) - keep      # what is held back was read: never read again
+        self._judged = max(0, self._judged - keep)
         return False
+
+    def _untagged_call(self, buf: str, final: bool) -> tuple[int, str, str, int] | None:
+        """The first place in buf, past what was judged already, that opens a call without
+        <tool_call> (a fence, <function=): (where, "call" or "more", its form, where the call's body
+        begins), or None. What cannot open one is judged text and never read for this again."""
+        while True:
+            found = [(i, m) for i, m in ((buf.find(m, self._judged), m) for m in (FENCE, XML_OPEN)) if i >= 0]
+            if not found:
+                return None
+            i, marker = min(found)
+            if marker == FENCE:
+                body = FENCE_HEAD.match(buf, i).end()
+                rest, label = buf[body:], buf[i + len(FENCE):]
+                if rest.startswith("{"):
+                    verdict = self._bare_call(rest, final)
+                elif not final and (not rest or len(label) < 4 and "json".startswith(label)):
+                    verdict = "more"               # the fence's head is still being written
+                else:
+                    verdict = "text"
+            else:
+                body, verdict = i, self._xml_call(buf[i:], final)
+            if verdict != "text":
+                return i, verdict, "fenced" if marker == FENCE else "xml", body
+            self._judged = i + len(marker)
+
+    def _xml_call(self, text: str, final: bool) -> str:
+        """Whether text that begins with <function= opens a call of an offered tool (as _bare_call)."""
+        match = _XML_FUNCTION.match(text)
+        if match:
+            return "call" if match.group(1).strip() in self._tools else "text"
+        name = text[len(XML_OPEN):]
+        if not final and "\n" not in name and any(tool.startswith(name) for tool in self._tools):
+            return "more"
+        return "text"
 
     def _bare_call(self, head: str, final: bool) -> str:
         """Whether text that begins with `{` is a call written without its tags: "call" once it
@@ -1125,9 +1207,9 @@ class OutputParser:
         if status == "more":
             return False
         if status == "text":                     # not a call after all: it is text
-            if not self._call.bare:
-                self._text(self._dropped + CALL_OPEN)
+            self._text(self._dropped + ("" if self._call.bare else CALL_OPEN))
             self._bare_ok = False
+            self._judged = len(XML_OPEN) if self._call.form == "xml" else 0
         else:
             self._buf = self._buf[self._call.used:]
             self._strip = _WHITESPACE

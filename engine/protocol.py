@@ -27,6 +27,18 @@ class Sampling:
     presence_penalty: float = 0.0    # [-2, 2]
 
 
+@dataclass
+class Constraint:
+    """What a request's answer may be beyond what the model writes: its tool calls, each naming one of
+    the request's tools with arguments valid for that tool's JSON schema (engine.grammar; made by
+    engine.chat.tool_constraint). The worker masks the tokens that would break it."""
+    mode: str                     # "auto": calls start where the model starts one; "required": the
+                                  # answer is calls; "named": one call of `name`; "none": no call
+    tools: list[tuple[str, dict]] = field(default_factory=list)   # (name, arguments' JSON schema)
+    name: str | None = None       # "named": the tool called
+    think: bool = False           # the answer may open with a <think> block (Qwen3, thinking on)
+
+
 # ---- server -> worker -------------------------------------------------------------------------
 
 @dataclass
@@ -43,6 +55,7 @@ class Submit:
     # An opaque label of who sent it (a hash, never a key or a name): the host cache evicts from the
     # label holding the most bytes first. Never exported or logged.
     tenant: str = ""
+    constraint: Constraint | None = None   # None: the model writes freely
 
 
 @dataclass
@@ -92,6 +105,10 @@ class ModelFacts:
     # The devices the model is split over (engine.sharding.Layout.describe): count, platform, mesh
     # axes, processes, KV heads laid out. None: a worker that does not say (the test fake).
     devices: dict | None = None
+    # Constrained tool calls (engine.grammar): the library that masks tokens ("llguidance 1.9.1"), or
+    # None with the reason in grammar_off (the server logs it once).
+    grammar: str | None = None
+    grammar_off: str = ""
 
 
 @dataclass
@@ -112,6 +129,10 @@ class Step:
     # timings in ms, set on the last Step: queue_ms, prompt_ms (run start -> first token),
     # predicted_ms (first -> last token)
     timings: dict | None = None
+    # Set on the last Step of a request that ran under its Constraint: the mode, and the host time
+    # its token masks took (ms). None: it ran unconstrained (none asked, or it could not be).
+    constrained: str | None = None
+    mask_ms: float = 0.0
 
 
 @dataclass

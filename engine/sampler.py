@@ -267,6 +267,18 @@ def _draw(logits, p: RowParams, filtered: bool):
     return _inverse_cdf(probs, u)
 
 
+@partial(jax.jit, donate_argnums=0)
+def allowed_only(logits: jax.Array, bits: jax.Array) -> jax.Array:
+    """logits [B, V] with every token a row's mask does not allow set to -inf, so the draw that
+    follows (greedy or sampled, penalties and filters alike) picks an allowed token. bits: int32
+    [B, ceil(V / 32)], token t allowed where bit t % 32 of word t // 32 is set (llguidance's layout;
+    engine.grammar). The worker calls it only for a batch with a constrained row."""
+    rows, vocab = logits.shape
+    lanes = jnp.arange(32, dtype=jnp.int32)
+    allowed = ((bits[:, :, None] >> lanes) & 1).reshape(rows, -1)[:, :vocab]
+    return jnp.where(allowed != 0, logits, -jnp.inf)
+
+
 # How a batch draws: every row greedy; some row samples with no filter; some row has a filter.
 DRAW_MODES = ("greedy", "plain", "filtered")
 

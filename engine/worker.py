@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from engine import certify, identity, mirror, native, prefix, sampler, sharding
+from engine import certify, grammar, identity, mirror, native, prefix, sampler, sharding
 from engine.checkpoint import Checkpoint
 from engine.cache import (copy_prefix, has_state, init_cache, read_slot, read_state, warm_host_copies,
                           warm_state_copies, write_slot, write_state)
@@ -50,6 +50,9 @@ COMPILE_CACHE_MIN_SECONDS = 0.0
 FAULT_EXIT_CODE = 70
 # While busy, Stats go out at most this often unless the number of rows or waiting requests changed.
 STATS_INTERVAL_S = 1.0
+# With only requests whose grammar is compiling, a round waits this long for one (the pipe is read
+# between rounds, so a Cancel is not kept waiting).
+GRAMMAR_POLL_S = 0.05
 
 
 @dataclass
@@ -257,6 +260,9 @@ class Engine:
             if args.cache_ram_mib > 0 and args.prefix_cache else None
         self.scheduler = Scheduler(args.slots, args.ctx, cfg.vocab_size, self.buckets, args.prefix_cache,
                                    self.host, recurrent=self.recurrent)
+        # Tool-call constraints (engine.grammar): its tokenizer loads beside the warm-up.
+        self.grammars = grammar.Grammars(args.weights_folder, cfg.vocab_size)
+        self.held: dict[str, Sequence] = {}      # requests waiting for their grammar, in arrival order
         t0 = time.time()
         self._warm_up(self.host is not None, bool(self.scheduler.snapshots))
         compile_s = time.time() - t0
@@ -280,7 +286,8 @@ class Engine:
             # What the warm-up traced, so Health reports the path the programs really run.
             routed_experts=routed_report(cfg, {rows * t for _, rows, t in self.programs()}),
             component_set_sha=self.component_set_sha, deployment_id=self.deployment_id,
-            certification=self.certification, certification_detail=self.certification_detail)
+            certification=self.certification, certification_detail=self.certification_detail,
+            grammar=self.grammars.version, grammar_off=self.grammars.off or "")
         release_free_heap()
 
     # -- start-up ---------------------------------------------------------------------------------
@@ -328,9 +335,10 @@ class Engine:
         fusions on their first call), and that first run belongs to the start, not to the first
         request that needs it. A prefill program runs as soon as it is compiled, while the pool still
         traces and loads the others (a warm start of the demo on a 2-core EPYC of CPU family 25 spent
-        5.6 s in those runs after every program had loaded). The sampler is compiled for logits of the
-        decode programs, one token per row (cheap): jit keys on where its inputs live, so logits
-        made on the host would compile a different program than the one requests run."""
+        5.6 s in those runs after every program had loaded). The sampler, and the token mask of
+        constrained rows, are compiled for logits of the decode programs, one token per row (cheap):
+        jit keys on where its inputs live, so logits made on the host would compile a different
+        program than the one requests run."""
         programs, progress = self.programs(), self.progress
         self.faults.at("warmup")
         total = len(programs) + 1
@@ -350,7 +358,7 @@ class Engine:
 
         _compile_together([(jit_forward, self._model_call(rows, t), {"cfg": self.cfg})
                            for _, rows, t in programs], compiled, then=first_run)
-        samples = []
+        samples, masks = [], []
         for rows in self.buckets.decode_rows:      # every row count a prefill chunk has too (one)
             logits, self.cache = jit_forward(*self._model_call(rows, 1), cfg=self.cfg)
             params = sampler.row_params([(sampler.Sampling(), 0, 0)] * rows)
@@ -360,7 +368,8 @@ class Engine:
                 for flags in sampler.FLAG_COMBINATIONS:
                     samples.append(((logits, np.arange(rows, dtype=np.int32), np.zeros(rows, bool),
                                      params), dict(every_slot=every, **flags)))
-        _compile_together([(sampler.sample, (self.state,) + args, kw) for args, kw in samples])
+            masks.append((sampler.allowed_only, (logits, np.zeros((rows, self.grammars.words), np.int32)), {}))
+        _compile_together([(sampler.sample, (self.state,) + args, kw) for args, kw in samples] + masks)
         self.state = sampler.start_row(self.state, np.int32(0), np.zeros(self.cfg.vocab_size, bool))
         self.cache = copy_prefix(self.cache, np.int32(0), np.int32(0), np.int32(0))
         if host_copies:
@@ -374,7 +383,7 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return self.scheduler.busy
+        return self.scheduler.busy or bool(self.held)
 
     def submit(self, msg: Submit) -> list[Step]:
         """Queue a request; a bad one is answered at once with finish="error"."""
@@ -392,11 +401,25 @@ class Engine:
         request = Sequence(msg.rid, list(msg.prompt), msg.max_tokens, s, frozenset(msg.stop_ids), seed,
                           cuts=sorted(set(msg.cuts)), tenant=msg.tenant)
         request.times["arrived"] = msg.submitted_at or now
-        self.scheduler.add(request)
+        if msg.constraint is not None:
+            self.grammars.open(msg.rid, msg.constraint)
+            self.held[msg.rid] = request
+            self._release_held()
+        else:
+            self.scheduler.add(request)
         return []
 
+    def _release_held(self) -> None:
+        """Requests whose grammar is settled join the scheduler's queue, in the order they came."""
+        for rid in [rid for rid in self.held if self.grammars.settled(rid)]:
+            self.scheduler.add(self.held.pop(rid))
+
     def cancel(self, rid: str) -> list[Step]:
-        request = self.scheduler.cancel(rid)
+        request = self.held.pop(rid, None)
+        if request is not None:
+            request.finish = "abort"
+        else:
+            request = self.scheduler.cancel(rid)
         return [] if request is None else [self._step(request, [], "abort")]
 
     # -- one round --------------------------------------------------------------------------------
@@ -412,6 +435,11 @@ class Engine:
             self.late_compiles += compiles_so_far() - before
 
     def _round(self) -> list[Step]:
+        if self.held:
+            self._release_held()
+            if not self.scheduler.busy:          # nothing to run until a grammar is ready
+                self.grammars.wait(GRAMMAR_POLL_S)
+                return []
         plan = self.scheduler.schedule()
         now = time.time()
         for request in plan.started:
@@ -478,10 +506,13 @@ class Engine:
         tokens[0, :len(work.tokens)] = work.tokens
         draw = None if not work.last else (
             sampler.row_params([(request.sampling, request.seed, 0)]), False,
-            sampler.batch_flags([request.sampling]))
+            sampler.batch_flags([request.sampling]), self.grammars.masks([request.rid]))
         token = self._forward(tokens, np.array([request.slot], np.int32), np.array([work.start], np.int32),
                               np.array([len(work.tokens)], np.int32), draw)
-        return None if token is None else int(token[0])
+        if token is None:
+            return None
+        self.grammars.advance(request.rid, int(token[0]))
+        return int(token[0])
 
     def _decode(self, work: Decode) -> list[int]:
         """One token for every generating request. The batch of every slot puts slot i on row i
@@ -496,14 +527,19 @@ class Engine:
         starts = np.zeros(n, np.int32)
         lengths = np.zeros(n, np.int32)
         rows = [(sampler.Sampling(), 0, 0)] * n
+        rids: list[str | None] = [None] * n
         for row, r in zip(where, work.rows):
+            rids[row] = r.rid
             slots[row] = r.slot
             tokens[row, 0] = r.output[-1]
             starts[row] = len(self.scheduler.slots[r.slot].tokens)
             lengths[row] = 1
             rows[row] = (r.sampling, r.seed, len(r.output))
         drawn = self._forward(tokens, slots, starts, lengths, (
-            sampler.row_params(rows), every, sampler.batch_flags([r.sampling for r in work.rows])))
+            sampler.row_params(rows), every, sampler.batch_flags([r.sampling for r in work.rows]),
+            self.grammars.masks(rids)))
+        for row, r in zip(where, work.rows):
+            self.grammars.advance(r.rid, int(drawn[row]))
         return [int(drawn[row]) for row in where]
 
     # -- the device calls (device_call): host values in and out -------------------------------------
@@ -513,14 +549,17 @@ class Engine:
         """One model call on the rows given. draw None: wait for it (a prompt's chunk before its
         last: with asynchronous dispatch a long prompt's chunks would all be queued at once, and
         the worker would go silent, no Stats, for minutes on a CPU, long enough for the server to
-        take it for stuck) and return None. Else draw = (row params, every_slot, batch flags): the
-        token sampled for each row (rows with length 0 are idle)."""
+        take it for stuck) and return None. Else draw = (row params, every_slot, batch flags, token
+        masks or None): the token sampled for each row (rows with length 0 are idle), among the
+        tokens its mask allows (engine.grammar)."""
         logits, self.cache = jit_forward(self.params, self.cache, tokens, slots, starts, lengths,
                                          cfg=self.cfg)
         if draw is None:
             jax.block_until_ready(logits)
             return None
-        params, every, flags = draw
+        params, every, flags, masks = draw
+        if masks is not None:
+            logits = sampler.allowed_only(logits, masks)
         drawn, self.state = sampler.sample(self.state, logits, slots, lengths > 0, params,
                                            every_slot=every, **flags)
         return sharding.to_host(drawn)
@@ -572,6 +611,8 @@ class Engine:
 
     def _step(self, request: Sequence, tokens: list[int], finish: str | None) -> Step:
         step = Step(request.rid, tokens, finish)
+        if finish is not None:
+            step.constrained, step.mask_ms = self.grammars.close(request.rid)
         if not request.first_sent:
             if tokens:
                 self.faults.at("first-token")
@@ -591,8 +632,9 @@ class Engine:
 
     def take_notes(self) -> list[Note]:
         """What the server should log about the requests scheduled since the last call."""
-        notes = [Note(text, rid) for rid, text in self.scheduler.notes]
+        notes = [Note(text, rid) for rid, text in self.scheduler.notes + self.grammars.notes]
         self.scheduler.notes.clear()
+        self.grammars.notes.clear()
         return notes
 
     # -- numbers ----------------------------------------------------------------------------------
@@ -602,8 +644,8 @@ class Engine:
 
     def stats(self) -> Stats:
         s, host = self.scheduler, self.host
-        return Stats(live_rows=s.live, waiting=len(s.waiting), kv_used_tokens=s.kv_used_tokens(),
-                     kv_capacity_tokens=self.args.slots * self.args.ctx,
+        return Stats(live_rows=s.live, waiting=len(s.waiting) + len(self.held),
+                     kv_used_tokens=s.kv_used_tokens(), kv_capacity_tokens=self.args.slots * self.args.ctx,
                      compiles_after_ready=self.compiles_after_ready(),
                      host_cache_bytes=host.bytes - host.snapshot_bytes if host else 0,
                      snapshot_bytes=host.snapshot_bytes if host else 0,

@@ -424,3 +424,77 @@ def test_demo_model_bare_call_fed_token_by_token(demo_folder):
     assert canonical(events) == [
         ("start", 0, "get_weather"), ("args", 0, '{"city": "Paris"}'), ("end", 0, '{"city": "Paris"}'),
         ("done", "tool_calls", None)]
+
+
+# ---- calls in a fence, and XML calls without their tags -----------------------------------------
+
+def test_fenced_calls_split_anywhere(tok):
+    """Guards against a call written in a ```json fence (how Qwen2.5-Coder writes calls) reaching
+    clients as text: the fence is markup, the text around it stays."""
+    text = ('Let me look.\n```json\n{"name": "run_shell", "arguments": {"cmd": "ls ```"}}\n```\n'
+            '```\n{\n  "name": "get_weather",\n  "arguments": {"city": "Oslo"}\n}\n```\nDone.')
+    weather = '{"city": "Oslo"}'
+    assert events_everywhere(tok, job_with(), "qwen2.5", text) == [
+        ("text", "Let me look."),
+        ("start", 0, "run_shell"), ("args", 0, '{"cmd": "ls ```"}'), ("end", 0, '{"cmd": "ls ```"}'),
+        ("start", 1, "get_weather"), ("args", 1, weather), ("end", 1, weather),
+        ("text", "Done."), ("done", "tool_calls", None)]
+
+
+@pytest.mark.parametrize("text", [
+    "Here:\n```python\nprint({'name': 1})\n```\nbye",         # a code block
+    '```json\n{"users": [{"name": "Ann"}]}\n```',             # JSON that is not a call
+    '```json\n{"name": "Ann", "age": 3}\n```',                # "name" first, but no tool has it
+    "``` not a fence",
+    "inline `code` and ``double`` ticks",
+    "a fence cut off: ```js",
+    "```",
+])
+def test_fenced_text_that_is_not_a_call_stays_text(tok, text):
+    """Guards against code blocks and JSON answers becoming calls, vanishing, or being held back."""
+    assert events_everywhere(tok, job_with(), "qwen2.5", text) == [("text", text), ("done", "stop", None)]
+
+
+def test_fence_is_held_only_while_it_can_open_a_call(tok):
+    """Guards against a fence delaying the text before it, or a fenced call's start being sent late."""
+    parser = OutputParser(tok, job_with(), "qwen2.5")
+    assert canonical(parser.feed(tok.encode("Run:\n```js"))) == [("text", "Run:")]   # the blank too
+    assert canonical(parser.feed(tok.encode("on\n{\"name\": \"run_sh"))) == []
+    assert canonical(parser.feed(tok.encode('ell", "arguments": {'))) == [
+        ("start", 0, "run_shell"), ("args", 0, "{")]
+    parser = OutputParser(tok, job_with(), "qwen2.5")
+    assert canonical(parser.feed(tok.encode("Run:\n```python\n"))) == [("text", "Run:\n```python")]
+
+
+def test_fenced_call_cut_off_by_length_is_a_closed_call(tok):
+    """Guards against a fenced call left open when max_tokens ends it before its fence closes."""
+    text = 'x\n```json\n{"name": "run_shell", "arguments": {"cmd": "l'
+    assert events_everywhere(tok, job_with(), "qwen2.5", text, finish="length") == [
+        ("text", "x"), ("start", 0, "run_shell"), ("args", 0, '{"cmd": "l'), ("end", 0, '{"cmd": "l'),
+        ("done", "length", None)]
+
+
+def test_xml_call_without_tags_is_a_call(tok):
+    """Guards against Qwen3-Coder's XML call, written without <tool_call>, reaching clients as text."""
+    text = ('Running it.\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n'
+            '<parameter=days>\n2\n</parameter>\n</function>\nThen <function=nobody> stays text.')
+    args = '{"city": "Oslo", "days": 2}'
+    assert events_everywhere(tok, job_with(), "qwen3", text) == [
+        ("text", "Running it."), ("start", 0, "get_weather"), ("args", 0, args), ("end", 0, args),
+        ("text", "Then <function=nobody> stays text."), ("done", "tool_calls", None)]
+
+
+def test_random_fences_give_the_same_events_however_split(tok):
+    """Guards against fence detection that depends on where the tokens happen to split."""
+    import random
+    pieces = ["```", "json", "\n", " ", '{"name": "', "run_shell", "get", '"', ", ", '"arguments": ',
+              "{", "}", "python", "`", "<function=", "run_shell>", "</function>", "x", '"cmd"', ": "]
+    rng = random.Random(7)
+    for _ in range(150):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 24)))
+        ids = tok.encode(text)
+        whole = canonical(run(tok, job_with(), "qwen2.5", [ids])[0])
+        assert canonical(run(tok, job_with(), "qwen2.5", [[i] for i in ids])[0]) == whole, text
+        k = rng.randint(0, len(text))
+        split = [[i] for i in tok.encode(text[:k]) + tok.encode(text[k:])]
+        assert canonical(run(tok, job_with(), "qwen2.5", split)[0]) == whole, (text, k)
