@@ -42,6 +42,8 @@ FAMILIES = {
     "deployment_info": "gauge",       # mashbox's own: what runs, and its certification
     # mashbox's own: the host prompt cache's bytes, as /health reports them
     "host_cache_bytes": "gauge", "snapshot_bytes": "gauge",
+    # mashbox's own: requests whose tool calls a grammar constrained, by mode, and their masks' time
+    "constrained_requests_total": "counter", "grammar_mask_seconds_total": "counter",
 }
 # vLLM's bucket boundaries (vllm/v1/metrics/loggers.py), which dashboards built for it assume.
 VLLM_BUCKETS = {
@@ -56,7 +58,7 @@ VLLM_BUCKETS["request_queue_time_seconds"] = VLLM_BUCKETS["e2e_request_latency_s
 # Every label a family may carry. Anything else could be a user's text.
 LABELS = {"finished_reason", "reason", "le", "block_size", "num_gpu_blocks", "enable_prefix_caching",
           "cache_ram_mib", "path", "kernel", "kernel_version", "kernel_package",
-          "deployment_id", "component_set_sha", "certification"}
+          "deployment_id", "component_set_sha", "certification", "mode"}
 
 
 @pytest.fixture(scope="module")
