@@ -205,6 +205,11 @@ SCHEMA_TOOLS_MAX = 512
 SCHEMA_BYTES_MAX = 1 << 20
 
 
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one row's token mask: a bit per token."""
+    return (vocab_size + 31) // 32
+
+
 def cache_key(c: Constraint) -> str:
     """The compiled grammar's key: everything lark() reads."""
     text = json.dumps([c.mode, c.name, c.think, c.tools], ensure_ascii=False, sort_keys=True, default=str)
@@ -227,7 +232,7 @@ class Grammars:
 
     def __init__(self, folder: str, vocab_size: int):
         self.vocab_size = vocab_size
-        self.words = (vocab_size + 31) // 32        # one bit per token, 32 to an int32
+        self.words = mask_words(vocab_size)
         self.notes: list[tuple[str, str]] = []
         self.rows: dict[str, _Row] = {}
         self._jobs: dict[str, tuple[Constraint, Future, float]] = {}

@@ -368,7 +368,8 @@ class Engine:
                 for flags in sampler.FLAG_COMBINATIONS:
                     samples.append(((logits, np.arange(rows, dtype=np.int32), np.zeros(rows, bool),
                                      params), dict(every_slot=every, **flags)))
-            masks.append((sampler.allowed_only, (logits, np.zeros((rows, self.grammars.words), np.int32)), {}))
+            bits = np.zeros((rows, grammar.mask_words(self.cfg.vocab_size)), np.int32)
+            masks.append((sampler.allowed_only, (logits, bits), {}))
         _compile_together([(sampler.sample, (self.state,) + args, kw) for args, kw in samples] + masks)
         self.state = sampler.start_row(self.state, np.int32(0), np.zeros(self.cfg.vocab_size, bool))
         self.cache = copy_prefix(self.cache, np.int32(0), np.int32(0), np.int32(0))
