@@ -1906,16 +1906,27 @@ def _tool_definition(tool: chat.Tool) -> str:
         "name": tool.name, "description": tool.description, "parameters": tool.parameters}})
 
 
-def _tool_reference(block: dict, where: str, deferred: dict[str, chat.Tool]) -> str:
+@dataclass
+class DeferredTools:
+    """A Messages request's tools with defer_loading, and those a tool search's tool_reference has
+    shown the model in the conversation: it may call those, though the system prompt lists none."""
+    tools: dict[str, chat.Tool]
+    referenced: dict[str, chat.Tool] = field(default_factory=dict)
+
+
+def _tool_reference(block: dict, where: str, deferred: DeferredTools) -> str:
     """A tool_reference (a tool search's answer): the tool's name, or its whole definition when it is a
     deferred tool, which the model has not seen anywhere else."""
     name = _block_str(block, "tool_name", where)
-    tool = deferred.get(name)
-    return _tool_definition(tool) if tool else name
+    tool = deferred.tools.get(name)
+    if tool is None:
+        return name
+    deferred.referenced[name] = tool
+    return _tool_definition(tool)
 
 
 def _tool_result(block: dict, where: str, call_names: dict[str, str],
-                 deferred: dict[str, chat.Tool]) -> chat.Message:
+                 deferred: DeferredTools) -> chat.Message:
     call_id = _block_str(block, "tool_use_id", where)
     content = block.get("content")
     if content is None:
@@ -1943,7 +1954,7 @@ def _tool_result(block: dict, where: str, call_names: dict[str, str],
 
 
 def _user_turn(content: Any, where: str, call_names: dict[str, str],
-               deferred: dict[str, chat.Tool]) -> list[chat.Message]:
+               deferred: DeferredTools) -> list[chat.Message]:
     """A user message: each tool_result becomes a tool message, the text blocks between them user
     messages, in the order they came."""
     if isinstance(content, str):
@@ -1999,7 +2010,7 @@ def _assistant_turn(content: Any, where: str, call_names: dict[str, str]) -> cha
     return msg
 
 
-def _conversation(value: Any, deferred: dict[str, chat.Tool]) -> list[chat.Message]:
+def _conversation(value: Any, deferred: DeferredTools) -> list[chat.Message]:
     """`messages` -> Messages. A system or developer message stays where it stands (Claude Code sends
     one after the first user message; moving it would change what the model reads)."""
     if not isinstance(value, list) or not value:
@@ -2022,7 +2033,7 @@ def _conversation(value: Any, deferred: dict[str, chat.Tool]) -> list[chat.Messa
     return out
 
 
-def _messages_tool_choice(value: Any, job: Job, deferred: dict[str, chat.Tool]) -> None:
+def _messages_tool_choice(value: Any, job: Job, deferred: DeferredTools) -> None:
     if value is None:
         return
     if not isinstance(value, dict):
@@ -2032,8 +2043,8 @@ def _messages_tool_choice(value: Any, job: Job, deferred: dict[str, chat.Tool]) 
         name = value.get("name")
         if not isinstance(name, str):
             raise bad_field("tool_choice.name", "must be a string")
-        if name in deferred:
-            job.tools.append(deferred[name])     # the model must see the tool it is made to call
+        if name in deferred.tools:
+            job.tools.append(deferred.tools[name])     # the model must see the tool it is made to call
         elif not any(t.name == name for t in job.tools):
             raise bad_field("tool_choice.name", f"no tool named {name!r} in tools")
         job.tool_choice = {"name": name}
@@ -2072,7 +2083,8 @@ def parse_messages(body: dict) -> Job:
     """A Messages (or count_tokens) request -> Job. Fields not named here (metadata, safeguards,
     service_tier, container, mcp_servers, cache_control on any block...) are accepted and ignored."""
     job = parse_common(body, Job(), ("max_tokens", "max_completion_tokens"))
-    job.tools, deferred = _messages_tools(body.get("tools"))
+    job.tools, found = _messages_tools(body.get("tools"))
+    deferred = DeferredTools(found)
     _messages_tool_choice(body.get("tool_choice"), job, deferred)
     job.thinking = _messages_thinking(body.get("thinking"))
     job.preserve_thinking = _keeps_all_thinking(body.get("context_management"))
@@ -2088,6 +2100,8 @@ def parse_messages(body: dict) -> Job:
         if text:
             messages.append(chat.Message("system", text))
     job.messages = messages + _conversation(body.get("messages"), deferred)
+    listed = {t.name for t in job.tools}
+    job.extra_tools = [t for name, t in deferred.referenced.items() if name not in listed]
     return job
 
 

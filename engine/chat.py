@@ -66,6 +66,9 @@ class Job:
     session: str | None = None        # X-Session-Id / prompt_cache_key, for the log only
     prompt: str | None = None         # Completions: raw text, no template
     preserve_thinking: bool = False   # keep reasoning of every earlier assistant turn in the prompt
+    # Tools the model may call that the prompt's tool list leaves out (Messages: deferred tools that
+    # a tool search showed it in the conversation)
+    extra_tools: list[Tool] = field(default_factory=list)
 
 
 # ---- neutral output events ----------------------------------------------------------------------
@@ -269,6 +272,11 @@ def offered_tools(job: Job) -> list[Tool]:
     return [] if job.tool_choice == "none" else job.tools
 
 
+def callable_tools(job: Job) -> list[Tool]:
+    """The tools a call may name: those offered, and those the conversation showed the model."""
+    return [] if job.tool_choice == "none" else job.tools + job.extra_tools
+
+
 def _forced_call(job: Job) -> str:
     if not job.tools or job.tool_choice in ("auto", "none"):
         return ""
@@ -299,7 +307,7 @@ def tool_constraint(job: Job, fmt: str) -> Constraint | None:
     think = fmt == "qwen3" and job.thinking and not _forced_call(job)
     if job.tool_choice == "none":
         return Constraint("none", think=think)
-    tools = [(t.name, t.parameters) for t in job.tools]
+    tools = [(t.name, t.parameters) for t in callable_tools(job)]
     if isinstance(job.tool_choice, dict):
         return Constraint("named", tools, name=job.tool_choice["name"])
     return Constraint("required" if job.tool_choice == "required" else "auto", tools, think=think)
@@ -966,8 +974,8 @@ class OutputParser:
     def __init__(self, tok: Tokenizer, job: Job, fmt: str):
         self._decoder = StreamDecoder(tok)
         raw = job.prompt is not None                    # Completions: plain text, no markup
-        self._calls_on = not raw and bool(offered_tools(job))
-        self._tools = {t.name: t for t in job.tools}
+        self._calls_on = not raw and bool(callable_tools(job))
+        self._tools = {t.name: t for t in callable_tools(job)}
         stops = [s for s in job.stop if s]
         self._stops = StopStrings(stops) if stops else None
         self._stops_read = 0                            # characters of _buf the automaton has read

@@ -151,6 +151,22 @@ def test_deferred_tools_stay_out_of_the_tool_list_and_load_where_referenced():
     assert named == "Bash"
 
 
+def test_a_deferred_tool_a_search_showed_can_be_called():
+    """Guards against a tool found by a tool search being read as text when the model calls it, or
+    refused by its tool-call grammar (it is not in the prompt's tool list)."""
+    deferred = dict(TOOL, name="WebFetch", description="Fetch a URL.", defer_loading=True)
+    unseen = dict(TOOL, name="Unseen", defer_loading=True)
+    job = parse_messages(body(tools=[TOOL, deferred, unseen], messages=[
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "tool_reference", "tool_name": "WebFetch"}]}]}]))
+    assert [t.name for t in job.tools] == ["Bash"] and [t.name for t in job.extra_tools] == ["WebFetch"]
+    assert [name for name, _ in chat.tool_constraint(job, "qwen2.5").tools] == ["Bash", "WebFetch"]
+    tok = qwen3_tokenizer()
+    parser = chat.OutputParser(tok, job, "qwen2.5")
+    events = parser.feed(tok.encode('{"name": "WebFetch", "arguments": {"command": "x"}}')) + parser.finish("stop")
+    assert [e.name for e in events if isinstance(e, chat.ToolCallStart)] == ["WebFetch"]
+
+
 def test_client_tools_accept_their_optional_keys():
     """Guards against refusing Claude Code's or Pi's tool keys (defer_loading, eager_input_streaming)."""
     schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object",
