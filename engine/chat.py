@@ -964,8 +964,8 @@ class OutputParser:
     before a call. Stop strings apply to the text (not to reasoning or arguments).
 
     Small models often write a call without the tags, and these are read as calls too: an answer
-    that begins (after thinking and whitespace, or right after another call) with `{"name": "N"` for
-    an offered tool N; a ```json (or bare ```) fence anywhere whose object opens the same way; and
+    that begins (after thinking and whitespace), or goes on right after any call, with `{"name": "N"`
+    for an offered tool N; a ```json (or bare ```) fence anywhere whose object opens the same way; and
     `<function=N>` anywhere. What may still become one of them is held back (a leading `{`, a fence,
     `<function=`) and is text the moment it cannot: a ```python block, JSON without "name" first,
     a name no tool has.
@@ -985,7 +985,7 @@ class OutputParser:
         self._at_start = not raw                        # <think> opens reasoning only before any text
         self._strip = "" if raw else "\n"               # characters dropped where the text begins
         self._dropped = ""                              # whitespace dropped before <tool_call>
-        self._bare_ok = self._calls_on                  # a bare call may begin: no text yet
+        self._bare_ok = self._calls_on                  # a bare call may begin: no text since the start or a call
         self._judged = 0                                # _buf before this: no untagged call starts
         self._call: _CallReader | None = None
         self._ncalls = 0
@@ -1221,5 +1221,6 @@ class OutputParser:
         else:
             self._buf = self._buf[self._call.used:]
             self._strip = _WHITESPACE
+            self._bare_ok = True                 # right after a call, a bare one may follow
         self._mode, self._call = _TEXT, None
         return True

@@ -13,7 +13,8 @@ request runs unconstrained and the output parser reads whatever the model wrote,
 The modes (engine.chat.tool_constraint picks one):
   auto      lazy: the model writes freely until it starts a call in one of the forms small Qwen models
             write calls in: <tool_call>, a ```json (or bare ```) fence whose object opens with "name",
-            such an object at the very start of the answer, or <function=. From there the call must
+            such an object at the very start of the answer or right after another call, or
+            <function=. From there the call must
             name an offered tool and give arguments valid for its schema; after it, text again. Text
             that is not a call (a ```python block, JSON that does not open with "name") stays text.
   required  the prompt opened the call already (chat.answer_prefix): its name and arguments, then
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -175,7 +177,9 @@ def lark(c: Constraint, plain: frozenset[str] = frozenset()) -> str:
     opening = '"{" WS "\\"name\\"" WS ":" WS "\\"" hermes'
     call = f'{CALL_OPEN} WS ({opening}{" | " + chr(34) + XML_OPEN + chr(34) + " xml" if xml else ""}) WS {CALL_CLOSE}'
     if c.mode == "auto":
-        head = (f"start: {start}bare? (tagged | fenced{' | xml_bare' if xml else ''})* TEXT\n{think}"
+        # A bare object opens a call only where engine.chat reads one: at the start, or right after
+        # another call.
+        head = (f"start: {start}bare* ((tagged | fenced{' | xml_bare' if xml else ''}) bare*)* TEXT\n{think}"
                 f"tagged: TEXT {call}\n"
                 'fenced: fenced_head hermes WS "```"\n'
                 "bare: bare_head hermes\n"
@@ -243,6 +247,9 @@ class Grammars:
         except ImportError:
             self.off, self.version = "llguidance is not installed (pip install 'mashbox[tools]')", None
             return
+        if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+            self.off, self.version = f"{folder} has no tokenizer.json", None
+            return
         self.off, self.version = None, f"llguidance {getattr(llguidance, '__version__', '')}".strip()
         self._llg = llguidance
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
@@ -252,7 +259,8 @@ class Grammars:
 
     def _load_tokenizer(self, folder: str):
         stop_ids = Tokenizer.from_folder(folder).stop_ids
-        return self._llg.LLTokenizer(f"{folder}/tokenizer.json", n_vocab=self.vocab_size, eos_token=stop_ids)
+        return self._llg.LLTokenizer(os.path.join(folder, "tokenizer.json"), n_vocab=self.vocab_size,
+                                     eos_token=stop_ids)
 
     # -- a request's grammar ---------------------------------------------------------------------
 
@@ -293,8 +301,15 @@ class Grammars:
 
     def _compiled(self, c: Constraint) -> tuple[object | None, str | None]:
         """(pristine matcher, note for the log) for a Constraint, compiled now or from the cache. Runs
-        on the grammar thread. A tool whose schema the library refuses is constrained by name only;
-        so is every tool of a set too large to compile schema by schema."""
+        on the grammar thread, and never raises: what fails leaves the request unconstrained."""
+        try:
+            return self._compile(c)
+        except Exception as e:       # noqa: BLE001 - a request runs unconstrained, the worker lives
+            return None, f"tool-call grammar failed; the request runs unconstrained: {type(e).__name__}: {e}"
+
+    def _compile(self, c: Constraint) -> tuple[object | None, str | None]:
+        """A tool whose schema the library refuses is constrained by name only; so is every tool of a
+        set too large to compile schema by schema."""
         key = cache_key(c)
         with self._lock:
             if key in self._cache:

@@ -6,6 +6,7 @@ persistent compile cache on later runs).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -125,3 +126,59 @@ def test_responses_and_completions_answer(demo_server):
     c = client.completions.create(model="qwen2.5-coder-0.5b-instruct", prompt="def add(a, b):\n    return",
                                   max_tokens=4)
     assert c.choices[0].text.strip().startswith("a + b")
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def test_the_readme_tool_example_is_a_real_call_on_every_api(demo_server):
+    """Guards against the README's own tool example coming back as text (the demo writes its calls
+    bare or in a ```json fence, not in <tool_call> tags), on Chat, Messages and Responses."""
+    import anthropic
+    import jsonschema
+    import openai
+    client = openai.OpenAI(base_url=demo_server + "/v1", api_key="local")
+    question = "What is the weather in Paris?"
+    r = client.chat.completions.create(
+        model="qwen2.5-coder-0.5b-instruct", messages=[{"role": "user", "content": question}], max_tokens=48,
+        tools=[{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                                 "parameters": WEATHER}}])
+    call = r.choices[0].message.tool_calls[0].function
+    assert r.choices[0].finish_reason == "tool_calls" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    m = anthropic.Anthropic(base_url=demo_server, api_key="local").messages.create(
+        model="claude-any", max_tokens=48, messages=[{"role": "user", "content": question}],
+        tools=[{"name": "get_weather", "description": "Weather for a city", "input_schema": WEATHER}])
+    use = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and use[0].name == "get_weather"
+    jsonschema.validate(use[0].input, WEATHER)
+    resp = client.responses.create(model="qwen2.5-coder-0.5b-instruct", input=question, max_output_tokens=48,
+                                   tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER}])
+    calls = [item for item in resp.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
+
+
+def test_forced_calls_fit_their_schema_and_are_counted(demo_server):
+    """Guards against tool_choice required or a named tool letting the model name a tool that does
+    not exist or break its schema, and /metrics not counting the constrained requests."""
+    import jsonschema
+    import openai
+    import urllib.request
+    client = openai.OpenAI(base_url=demo_server + "/v1", api_key="local")
+    tools = [{"type": "function", "function": {"name": name, "parameters": schema}} for name, schema in (
+        ("get_weather", WEATHER),
+        ("convert", {"type": "object", "additionalProperties": False, "required": ["amount", "unit"],
+                     "properties": {"amount": {"type": "number"}, "unit": {"enum": ["km", "mi"]}}}))]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for choice in ("required", {"type": "function", "function": {"name": "convert"}}):
+        r = client.chat.completions.create(
+            model="qwen2.5-coder-0.5b-instruct", max_tokens=64, tools=tools, tool_choice=choice,
+            messages=[{"role": "user", "content": "Hello! How far is 10 miles?"}])
+        for call in r.choices[0].message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        assert isinstance(choice, str) or r.choices[0].message.tool_calls[0].function.name == "convert"
+    with urllib.request.urlopen(demo_server + "/metrics", timeout=5) as resp:
+        metrics = resp.read().decode()
+    assert 'mashbox:constrained_requests_total{mode="required"} 1' in metrics
+    assert 'mashbox:constrained_requests_total{mode="named"} 1' in metrics

@@ -498,3 +498,15 @@ def test_random_fences_give_the_same_events_however_split(tok):
         k = rng.randint(0, len(text))
         split = [[i] for i in tok.encode(text[:k]) + tok.encode(text[k:])]
         assert canonical(run(tok, job_with(), "qwen2.5", split)[0]) == whole, (text, k)
+
+
+def test_a_bare_call_right_after_any_call_is_a_call(tok):
+    """Guards against the parser and the tool-call grammar disagreeing on where a bare call may stand:
+    right after a call, even one that followed text, a bare object naming a tool is a call."""
+    text = ('Listing.\n```json\n{"name": "run_shell", "arguments": {"cmd": "a"}}\n```\n'
+            '{"name": "run_shell", "arguments": {"cmd": "b"}} then {"name": "run_shell"}')
+    assert events_everywhere(tok, job_with(), "qwen2.5", text) == [
+        ("text", "Listing."),
+        ("start", 0, "run_shell"), ("args", 0, '{"cmd": "a"}'), ("end", 0, '{"cmd": "a"}'),
+        ("start", 1, "run_shell"), ("args", 1, '{"cmd": "b"}'), ("end", 1, '{"cmd": "b"}'),
+        ("text", 'then {"name": "run_shell"}'), ("done", "tool_calls", None)]

@@ -91,6 +91,7 @@ CALL = '{"name": "Bash", "arguments": {"command": "ls"}}'
     "Here is code:\n```python\nprint({'name': 1})\n```\n",                  # code stays text
     '```json\n{"users": [{"name": "Ann"}]}\n```',                            # JSON that is not a call
     f"A call mid-sentence is text: {CALL}",
+    f"Two: <tool_call>\n{CALL}\n</tool_call>\n{CALL}\n{CALL} and text",             # bare ones right after
     "Plain text, no call at all.",
 ])
 def test_auto_allows_text_and_real_calls(grammars, tok, text):
@@ -109,6 +110,7 @@ def test_auto_allows_text_and_real_calls(grammars, tok, text):
     '<tool_call>\n{"name": "Bash", "arguments": {"command": "ls"}',         # cut off before the end
     "<function=Agent>\n</function>",
     "<tool_call>\nls -la\n</tool_call>",                                     # not a call at all
+    f'<tool_call>\n{CALL}\n</tool_call>\n{{"name": "Bash", "arguments": {{"command": 5}}}}',  # bare after a call
 ])
 def test_auto_refuses_calls_that_break_the_tools(grammars, tok, text):
     """Guards against a call that names no offered tool, or breaks its schema, getting through."""
@@ -247,7 +249,8 @@ ADVERSARIAL = ['<tool_call>', '</tool_call>', '```', '```json\n', '```python\n',
                '<parameter=', 'command>', '</parameter>', 'ls -la', '\n', ' ', 'null', 'Sure, ', '.',
                '<tool_call>\n{"name": "', '```json\n{"name": "', '{"name": "Agent", "arguments": {',
                'Bash", "arguments": {"command": ', 'Read", "arguments": {"path": "', '"}}\n</tool_call>',
-               '<function=Bash>\n<parameter=command>\n', '"mode": "lines"', '"cmd": "ls"', '}}\n```']
+               '<function=Bash>\n<parameter=command>\n', '"mode": "lines"', '"cmd": "ls"', '}}\n```',
+               '\n{"name": "Bash", "arguments": {"command": ', '\n{"name": "Read", "arguments": {"path": 01}}']
 
 
 # Pieces that end what a call has open, tried in this order once an answer should end: the end of an
@@ -499,3 +502,19 @@ def test_a_grammar_slower_than_the_wait_leaves_its_request_unconstrained(tiny_en
     assert time.monotonic() - t0 < 1.0 and not busy.done()
     assert out["slow"]["last"].constrained is None and len(out["slow"]["tokens"]) == 5
     assert any("not compiled after 0.2 s" in n.message for n in tiny_engine.take_notes())
+
+
+def test_without_a_tokenizer_or_with_a_broken_one_requests_run_unconstrained(tmp_path, folder):
+    """Guards against a worker whose grammar cannot load failing a constrained request (or dying)."""
+    c = constraint()
+    bare = grammar.Grammars(str(tmp_path), VOCAB)
+    assert bare.off and "tokenizer.json" in bare.off and bare.version is None
+    bare.open("r", c)
+    assert bare.settled("r") and bare.masks(["r"]) is None and bare.close("r") == (None, 0.0)
+    (tmp_path / "tokenizer.json").write_text("not a tokenizer")
+    broken = grammar.Grammars(str(tmp_path), VOCAB)
+    broken.open("r", c)
+    while not broken.settled("r"):
+        broken.wait(0.05)
+    assert broken.masks(["r"]) is None and broken.close("r") == (None, 0.0)
+    assert "unconstrained" in broken.notes[0][1]
