@@ -518,3 +518,21 @@ def test_without_a_tokenizer_or_with_a_broken_one_requests_run_unconstrained(tmp
         broken.wait(0.05)
     assert broken.masks(["r"]) is None and broken.close("r") == (None, 0.0)
     assert "unconstrained" in broken.notes[0][1]
+
+
+def test_hostile_tool_sets_run_in_the_engine_and_it_lives(tiny_engine):
+    """Guards against a tool set that the grammar cannot take failing its request or the worker: each
+    request runs to its end (constrained by name, or unconstrained) and the engine serves on."""
+    from engine.protocol import Submit
+    hostile = [
+        [Tool(f"t{i}", "", {"type": "object", "properties": {"x": {"type": "string"}}}) for i in range(10_000)],
+        [Tool("pick", "", {"type": "object", "properties": {"v": {"enum": [f"v{i}" for i in range(100_000)]}}})],
+        [Tool("loop", "", {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}},
+                           "$defs": {"a": {"$ref": "#/$defs/a"}}})],
+    ]
+    for i, tools in enumerate(hostile):
+        c = chat.tool_constraint(Job(messages=[Message("user", "x")], tools=tools), "qwen3")
+        out = _run(tiny_engine, Submit(f"hostile-{i}", [1, 2, 3], 8, constraint=c))
+        assert out[f"hostile-{i}"]["last"].finish in ("length", "stop")
+    tiny_engine.take_notes()
+    assert _run(tiny_engine, Submit("after", [1, 2, 3], 4))["after"]["last"].finish == "length"
