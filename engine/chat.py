@@ -985,7 +985,8 @@ class OutputParser:
         self._at_start = not raw                        # <think> opens reasoning only before any text
         self._strip = "" if raw else "\n"               # characters dropped where the text begins
         self._dropped = ""                              # whitespace dropped before <tool_call>
-        self._bare_ok = self._calls_on                  # a bare call may begin: no text since the start or a call
+        self._bare_ok = self._calls_on                  # a bare call may begin: no text since
+                                                        # the start or the last call
         self._judged = 0                                # _buf before this: no untagged call starts
         self._call: _CallReader | None = None
         self._ncalls = 0
@@ -1146,7 +1147,8 @@ class OutputParser:
         <tool_call> (a fence, <function=): (where, "call" or "more", its form, where the call's body
         begins), or None. What cannot open one is judged text and never read for this again."""
         while True:
-            found = [(i, m) for i, m in ((buf.find(m, self._judged), m) for m in (FENCE, XML_OPEN)) if i >= 0]
+            found = [(buf.find(m, self._judged), m) for m in (FENCE, XML_OPEN)]
+            found = [(i, m) for i, m in found if i >= 0]
             if not found:
                 return None
             i, marker = min(found)

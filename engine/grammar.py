@@ -174,8 +174,8 @@ def lark(c: Constraint, plain: frozenset[str] = frozenset()) -> str:
     if c.mode == "named":
         tools = [t for t in tools if t[0] == c.name]
     rules, xml = _tool_rules(tools, plain)
-    opening = '"{" WS "\\"name\\"" WS ":" WS "\\"" hermes'
-    call = f'{CALL_OPEN} WS ({opening}{" | " + chr(34) + XML_OPEN + chr(34) + " xml" if xml else ""}) WS {CALL_CLOSE}'
+    forms = ['"{" WS "\\"name\\"" WS ":" WS "\\"" hermes'] + ([f"{_literal(XML_OPEN)} xml"] if xml else [])
+    call = f"{CALL_OPEN} WS ({' | '.join(forms)}) WS {CALL_CLOSE}"
     if c.mode == "auto":
         # A bare object opens a call only where engine.chat reads one: at the start, or right after
         # another call.

@@ -182,7 +182,8 @@ def _spec_from_entry(key: str, entry: dict, weights: str | None) -> ModelSpec:
 
 def _demo_source(d: dict) -> DemoSource:
     parts = tuple(DemoPart(p["requirement"], p["module"], p["file"]) for p in d["parts"])
-    return DemoSource(parts=parts, size=int(d["bytes"]), sha256=d["sha256"].lower(), extra=d.get("extra", "demo"))
+    return DemoSource(parts=parts, size=int(d["bytes"]), sha256=d["sha256"].lower(),
+                      extra=d.get("extra", "demo"))
 
 
 def _spec_from_folder(folder: str) -> ModelSpec:
