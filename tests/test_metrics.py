@@ -4,6 +4,7 @@ The exposition is parsed with prometheus_client's text parser (a test dependency
 what the answers told the clients; a label audit runs the server with a key file of named tenants.
 The log is read with caplog. The server runs tests/fake_worker.py through tests/harness.py.
 """
+import dataclasses
 import io
 import json
 import logging
@@ -431,6 +432,25 @@ def test_start_up_lines_and_progress_come_from_the_workers_messages(caplog):
     for piece in ("model qwen3-tiny", "weights /models/tiny", "slots 4", "ctx 8192", "compiled in 12.3 s",
                   "worker pid 4321"):
         assert piece in text, piece
+
+
+def test_unconstrained_tool_calls_are_said_once_with_the_reason(caplog):
+    """Guards against a server without llguidance failing quietly (calls then are read from whatever
+    the model wrote), or saying so again at every worker restart; and a constrained one not saying which."""
+    caplog.set_level(logging.INFO, logger="mashbox")
+    engine_log = mashbox.EngineLog(progress=lambda *a: None)
+    facts = protocol.ModelFacts(id="m", family="qwen3", weights="w", folder="f", chat_format="qwen3", gb=0,
+                                bpw=16, max_model_len=64, slots=1, prefix_cache=False, cache_ram_mib=0,
+                                vocab_size=10, device="cpu", dtype="float32",
+                                grammar_off="llguidance is not installed (pip install 'mashbox[tools]')")
+    engine_log(protocol.Ready(facts, pid=1))
+    engine_log(protocol.Ready(facts, pid=2))
+    said = [r for r in caplog.records if "tool calls" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING and "mashbox[tools]" in said[0].getMessage()
+    caplog.clear()
+    mashbox.EngineLog(progress=lambda *a: None)(protocol.Ready(
+        dataclasses.replace(facts, grammar="llguidance 1.9.1", grammar_off=""), pid=3))
+    assert any("constrained by llguidance 1.9.1" in r.getMessage() for r in caplog.records)
 
 
 def test_progress_is_a_redrawn_bar_on_a_terminal():
