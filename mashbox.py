@@ -112,6 +112,33 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 MAX_LENGTH_DIGITS = 19
 # A chunk-size line with its extensions (nobody sends extensions; the size is at most 16 hex digits).
 MAX_CHUNK_LINE = 1024
+# Reading a chunk costs the event loop about 2 us whatever its size: a body may have CHUNKS_FREE chunks
+# and one more per MIN_CHUNK_BYTES it holds (clients send kilobytes a chunk), so a body sent a byte a
+# chunk is refused instead of costing the loop a second per 500,000 chunks.
+CHUNKS_FREE = 1024
+MIN_CHUNK_BYTES = 1024
+# A request that takes no body (GET /health and the other reads) may still carry this much: nothing
+# reads it, so a client without a key cannot make the server hold (or reserve room for) more.
+MAX_UNREAD_BODY = 4 * 1024
+
+# ---- request bodies as JSON: what a parse may cost, and names as the APIs define them ----
+
+# Values in a body, counted (from above) by its brackets and commas before it is parsed: json.loads
+# holds the GIL about 0.2 us a value whatever thread it runs in, and a value costs about 100 bytes
+# parsed. An agent's 250 KB request has 10-30 thousand; 500,000 bound a parse to about 0.1 s and 50 MB,
+# and a prompt with that much punctuation could not fit any context anyway.
+MAX_JSON_VALUES = 500_000
+# Nesting of objects and arrays: the agents' requests nest 12 deep (a tool schema's properties within
+# properties); every walk of a body (templates, schemas, the grammar) stays far from Python's recursion
+# limit below this.
+MAX_JSON_DEPTH = 64
+# Tools in one request: agents send 4-60 (Claude Code with MCP servers some hundreds, and defers the
+# rest to tool search). Past 512 the grammar holds only names; this bounds what one list costs to
+# check, render and echo.
+MAX_TOOLS = 2048
+# Tool names as both OpenAI and Anthropic define them. A name is written into the prompt and into the
+# grammar, so nothing in it can close a string or a tag.
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}\Z")
 
 # ---- connection timeouts, seconds (ConnLimits carries them, so tests can shorten them) ----
 
@@ -135,6 +162,11 @@ READ_AHEAD_BYTES = 1024 * 1024
 # After an error that ends a connection, unread input is drained this long before closing, so the
 # client's TCP stack does not reset the connection and drop the error response unread.
 LINGER_S = 2.0
+# At MAX_CONNECTIONS a new connection takes the place of one that has waited this long with nothing
+# to do (the oldest that never sent a key first): a flood of idle keep-alive connections cannot lock
+# anyone out for the keep-alive window. Closing an idle connection is always allowed (RFC 9112 s9.8),
+# and the wait leaves a client that just took a connection from its pool time to send on it.
+EVICT_IDLE_S = 1.0
 # Seconds a client refused for MAX_CONNECTIONS or MAX_BUFFERED_BYTES is told to wait (Retry-After).
 RETRY_AFTER_CONNECTIONS_S = 1
 # A client refused for MAX_CONNECTIONS is answered in its route's error shape: its request line is
@@ -143,8 +175,9 @@ RETRY_AFTER_CONNECTIONS_S = 1
 # time, so a flood holds few descriptors; beyond that, or when no line came, the OpenAI shape.
 CAP_PEEK_S = 0.005
 CAP_PEEKS = 16
-# Request bytes held across all connections at once: buffers, bodies being read (a declared
-# Content-Length is reserved when its head arrives) and bodies of requests being handled. Eight
+# Bytes held across all connections at once: buffers, bodies being read (a declared Content-Length
+# is reserved when its head arrives), bodies of requests being handled, and answer bytes written but
+# not yet taken by a slow reader (a Responses echo of a large tool list). Eight
 # bodies of the largest size, or hundreds of agent requests; without it, MAX_CONNECTIONS bodies of
 # MAX_BODY_BYTES could make the server hold 32 GiB. Beyond it a request gets 503 with Retry-After.
 MAX_BUFFERED_BYTES = 256 * 1024 * 1024
@@ -158,6 +191,10 @@ MAX_LINGERING_REFUSALS = 256
 # =================================================================================================
 # HTTP/1.1: parsing and serializing, pure functions on bytes (no I/O)
 # =================================================================================================
+
+class JsonText(str):
+    """Text already written as JSON: sent as it is where an object would be serialized."""
+
 
 def sse(data: Any, event: str | None = None) -> bytes:
     """One server-sent event: optional `event:` line, one `data:` line (compact JSON, or a str as is)."""
@@ -263,6 +300,18 @@ class RequestReader:
             held += max(0, self._length - len(self._buf))
         return held
 
+    def limit_body(self, req: Request, most: int, why: str) -> None:
+        """Hold req to at most `most` body bytes (413 beyond): at its head, before a declared body is
+        reserved or read, or once it was read whole."""
+        if req is not self._req:
+            size = len(req.body)
+        elif self._chunked is not None:
+            self._chunked.max_body, size = most, len(self._chunked.body)
+        else:
+            size = self._length
+        if size > most:
+            raise _bad(f"{why}: a body of at most {most} bytes, got {size}", 413)
+
     def take_continue(self) -> bool:
         """True once when the client sent `Expect: 100-continue` and waits for an interim answer."""
         wanted, self._continue = self._continue, False
@@ -364,9 +413,9 @@ class RequestReader:
             if codings[-1] != "chunked" or "chunked" in codings[:-1]:
                 if "chunked" in codings:
                     raise _bad("chunked must be the last transfer coding, once")
-                raise _bad(f"Transfer-Encoding {', '.join(codings)} is not supported (only chunked)", 501)
+                raise _bad(f"Transfer-Encoding {_shown(codings)} is not supported (only chunked)", 501)
             if len(codings) > 1:
-                raise _bad(f"Transfer-Encoding {', '.join(codings)} is not supported (only chunked)", 501)
+                raise _bad(f"Transfer-Encoding {_shown(codings)} is not supported (only chunked)", 501)
             self._chunked = _ChunkedBody(self.max_body)
         elif lengths:
             if len(lengths) > 1:
@@ -383,6 +432,12 @@ class RequestReader:
         has_body = self._chunked is not None or self._length > 0
         expect = (req.header("expect") or "").lower()
         self._continue = has_body and not http10 and expect == "100-continue"
+
+
+def _shown(codings: list[str]) -> str:
+    """Transfer codings as an error names them: a few, each cut short (the header may be 64 KB)."""
+    shown = ", ".join(c[:32] for c in codings[:3])
+    return shown + (f", ... ({len(codings)} in all)" if len(codings) > 3 else "")
 
 
 def _parse_header_lines(block: bytes) -> list[tuple[str, str]]:
@@ -423,6 +478,7 @@ class _ChunkedBody:
         self.body = bytearray()
         self.left = 0                        # bytes of the current chunk still to read
         self.stage = "size"                  # size -> data -> crlf -> size ... -> trailer
+        self.chunks = 0
 
     def read(self, buf: bytearray) -> bytes | None:
         """Consume from buf; the whole body once its end was read, else None."""
@@ -440,6 +496,11 @@ class _ChunkedBody:
                 self.left = int(m.group(1), 16)
                 if len(self.body) + self.left > self.max_body:
                     raise _bad(f"request body larger than the limit of {self.max_body} bytes", 413)
+                self.chunks += 1
+                if self.chunks > CHUNKS_FREE + (len(self.body) + self.left) // MIN_CHUNK_BYTES:
+                    raise _bad(f"chunked body in too many small chunks ({self.chunks} for "
+                               f"{len(self.body) + self.left} bytes; send {MIN_CHUNK_BYTES} bytes or more "
+                               "a chunk)")
                 self.stage = "data" if self.left else "trailer"
             elif self.stage == "data":
                 if not buf:
@@ -610,15 +671,16 @@ class Responder:
         self.finished = True
 
     async def json(self, status: int, obj: Any, headers: Any = ()) -> None:
-        body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+        text = obj if isinstance(obj, JsonText) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+        body = text.encode()
         await self.send(status, body, "application/json", headers)
 
-    async def start_stream(self, headers: Any = (), status: int = 200) -> None:
+    async def start_stream(self, headers: Any = (), status: int = 200, wait: bool = True) -> None:
         self._start()
         self._streaming = True
         if not self._chunked:
             self.keep_alive = False   # an unframed stream ends when the connection does
-        await self._conn.write(stream_head(status, headers, self.keep_alive, self._chunked))
+        await self._conn.write(stream_head(status, headers, self.keep_alive, self._chunked), wait)
 
     async def event(self, frame: bytes, wait: bool = True) -> None:
         """Write one SSE frame and wait until the socket takes it. wait=False: leave it in the
@@ -677,7 +739,10 @@ class Connection:
         self._over_budget = False            # app.buffered had no room for what arrived
         self._stalled: tuple[float, int] | None = None   # (since, bytes sent then) while the client lags
         self._written = 0                    # bytes given to the transport so far
+        self._unsent = 0                     # of them still in its buffer when last looked: in app.buffered
         self._checked: tuple[Request, Route] | None = None   # a head that passed _check
+        self.keyed = False                   # a request of it carried a valid key (kept longest)
+        self.idle_since: float | None = None   # waiting for a next request since (App's idle lists)
 
     async def run(self) -> None:
         pump = asyncio.create_task(self._pump())
@@ -695,8 +760,9 @@ class Connection:
         finally:
             pump.cancel()
             self.transport.close()
-            self.app.buffered -= self._held
-            self._held = 0
+            self.app.connection_busy(self)
+            self.app.buffered -= self._held + self._unsent
+            self._held = self._unsent = 0
 
     def close(self) -> None:
         """Server shutdown: drop the connection now."""
@@ -715,6 +781,8 @@ class Connection:
                 data = await self.reader.read(READ_SIZE)
                 if not data:
                     break
+                if self.idle_since is not None:
+                    self.app.connection_busy(self)
                 if not self._discard:
                     self.parser.feed(data)
                     if not self._account():
@@ -799,6 +867,9 @@ class Connection:
         guard = self.app.guard
         req.tenant = guard.check_head(req, _needs_key(req.path)) if guard is not None else DEFAULT_TENANT
         route = self.app.router.match(req)
+        self.keyed = self.keyed or (guard is not None and guard.keys.enabled and route.needs_key)
+        if not route.reads_body:     # nothing reads it: a client without a key cannot make it held
+            self.parser.limit_body(req, MAX_UNREAD_BODY, f"{req.method} {req.path} reads no body")
         if guard is not None:
             guard.check_content_type(req)
         return route
@@ -831,6 +902,8 @@ class Connection:
             self._account()
             self._resume.set()
             self._idle_since = self._loop.time()
+            if self.parser.state == "idle" and not self.eof:
+                self.app.connection_idle(self)
         return out.keep_alive and not self.transport.is_closing()
 
     async def _fail(self, out: Responder, err: ApiError, errors: Callable[[ApiError], dict]) -> bool:
@@ -862,6 +935,14 @@ class Connection:
 
     # ---- writing ---------------------------------------------------------------------------------
 
+    def _count_unsent(self) -> int:
+        """Answer bytes the client has not taken yet count in the server's byte budget like request
+        bytes (a client that reads nothing holds them until the stall timeout): their number now."""
+        size = self.transport.get_write_buffer_size()
+        self.app.buffered += size - self._unsent
+        self._unsent = size
+        return size
+
     async def write(self, data: bytes, wait: bool = True) -> None:
         """Write and wait while the socket's buffer is full; a client that takes nothing for stall_s is
         cut off. wait=False: return at once (the data stays buffered), with the same cut-off."""
@@ -870,7 +951,7 @@ class Connection:
             raise ClientGone()
         self.writer.write(data)
         self._written += len(data)
-        size = self.transport.get_write_buffer_size()
+        size = self._count_unsent()
         if size <= self.transport.get_write_buffer_limits()[1]:
             self._stalled = None
             return
@@ -888,6 +969,7 @@ class Connection:
         while True:
             try:
                 await asyncio.wait_for(self.writer.drain(), self.limits.stall_s)
+                self._count_unsent()
                 return
             except asyncio.TimeoutError:
                 now_sent = self._written - self.transport.get_write_buffer_size()
@@ -1119,6 +1201,11 @@ class Guard:
                 raise ApiError(401, self._no_key_message(req), code="invalid_api_key")
         return tenant
 
+    def keyed(self, req) -> bool:
+        """Whether keys are off or req carries a valid one (open routes say more to a keyed caller)."""
+        keys = self.keys
+        return not keys.enabled or any(keys.tenant_for(k) is not None for k in request_keys(req))
+
     @staticmethod
     def check_content_type(req) -> None:
         """415 for a POST whose body is not JSON."""
@@ -1296,7 +1383,7 @@ class Encoder(Protocol):
         """A frame sent while a long prompt is prefilled (a comment or a ping)."""
         ...
 
-    def body(self) -> dict:
+    def body(self) -> "dict | JsonText":
         """The non-streamed response, after Done was fed."""
         ...
 
@@ -1510,6 +1597,22 @@ def _function_part(obj: Any, where: str, shape: str) -> tuple[dict, str]:
     return fn, name
 
 
+def tool_list(value: Any, field: str = "tools") -> list:
+    """A request's tool definitions: a list of at most MAX_TOOLS."""
+    tools = _as(value, list, field, [])
+    if len(tools) > MAX_TOOLS:
+        raise bad_field(field, f"{len(tools)} tools; at most {MAX_TOOLS} may be offered at once")
+    return tools
+
+
+def tool_name(value: Any, field: str) -> str:
+    """A tool definition's name, as the APIs define it (TOOL_NAME)."""
+    if not isinstance(value, str) or not TOOL_NAME.match(value):
+        raise bad_field(field, "must be 1-64 letters, digits, underscores or hyphens, got "
+                               f"{value if not isinstance(value, str) else value[:80]!r}")
+    return value
+
+
 def _chat_history_calls(calls: Any, field: str) -> list[chat.ToolCall]:
     """An assistant message's earlier tool_calls; arguments stay the JSON text the client sent."""
     out = []
@@ -1554,9 +1657,10 @@ def _chat_messages(messages: Any) -> list[chat.Message]:
 def _chat_tools(tools: Any) -> list[chat.Tool]:
     out: list[chat.Tool] = []
     names: set[str] = set()         # a set: a list of 10,000 tools is checked in one pass
-    for i, t in enumerate(_as(tools, list, "tools", [])):
+    for i, t in enumerate(tool_list(tools)):
         where = f"tools[{i}]"
-        fn, name = _function_part(t, where, "type, function: {name, description, parameters}")
+        fn, _ = _function_part(t, where, "type, function: {name, description, parameters}")
+        name = tool_name(fn.get("name"), f"{where}.function.name")
         if name in names:
             raise bad_field(f"{where}.function.name", f"{name!r} names two tools")
         names.add(name)
@@ -1861,14 +1965,10 @@ def _messages_tools(value: Any) -> tuple[list[chat.Tool], dict[str, chat.Tool]]:
     once a tool search found them, and listing them up front would change the start of the prompt
     (and lose the prefix cache) at that moment. The model learns a deferred tool where a tool_result
     references it (see _tool_reference)."""
-    if value is None:
-        return [], {}
-    if not isinstance(value, list):
-        raise bad_field("tools", "must be a list of tools")
     shown: list[chat.Tool] = []
     deferred: dict[str, chat.Tool] = {}
     names: set[str] = set()         # of the shown tools (a set: one pass over 10,000 tools)
-    for i, spec in enumerate(value):
+    for i, spec in enumerate(tool_list(value)):
         at = f"tools[{i}]"
         if not isinstance(spec, dict):
             raise bad_field(at, "must be an object")
@@ -1876,9 +1976,7 @@ def _messages_tools(value: Any) -> tuple[list[chat.Tool], dict[str, chat.Tool]]:
         if kind not in CLIENT_TOOL_TYPES:
             raise bad_field(f"{at}.type", f"server tool {kind!r} is not supported: only client tools "
                                           "(type custom or absent)")
-        name = spec.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad_field(f"{at}.name", "must be a non-empty string")
+        name = tool_name(spec.get("name"), f"{at}.name")
         if name in deferred or name in names:
             raise bad_field(f"{at}.name", f"{name!r} names two tools")
         names.add(name)
@@ -2291,7 +2389,7 @@ LOCAL_SHELL_TOOL = "local_shell"
 @dataclass
 class ResponsesJob(Job):
     """A Job plus what a Response echoes back and how the client names its tools."""
-    tools_echo: list | None = None            # the request's tools, as sent
+    tools_echo: str = "[]"                    # the request's tools, as sent, written as JSON once
     tool_choice_echo: Any = "auto"            # the request's tool_choice, as sent
     parallel_tool_calls: bool = False
     client_names: dict | None = None          # name the model sees -> the client's tool name
@@ -2332,18 +2430,21 @@ def _responses_tools(tools: Any) -> tuple[list[chat.Tool], dict]:
     its own field. A name that two tools share is shown as "namespace__name", the MCP convention.
     """
     found = []     # (where, namespace, tool object)
-    for i, t in enumerate(_as(tools, list, "tools", [])):
+    for i, t in enumerate(tool_list(tools)):
         where = f"tools[{i}]"
         if not isinstance(t, dict) or not isinstance(t.get("type"), str):
             raise bad_field(where, 'must be an object with a type ("function", "custom", "namespace", ...)')
         if t["type"] == "namespace":
             ns = _tool_name(t, where)
-            for j, inner in enumerate(_typed(t, "tools", list, f"{where}.tools", [])):
+            for j, inner in enumerate(tool_list(t.get("tools"), f"{where}.tools")):
                 if not isinstance(inner, dict) or inner.get("type", "function") not in ("function", "custom"):
                     raise bad_field(f"{where}.tools[{j}]", "a namespace holds function and custom tools")
                 found.append((f"{where}.tools[{j}]", ns, inner))
         elif t["type"] in RESPONSES_CLIENT_TOOLS:
             found.append((where, None, t))
+    if len(found) > MAX_TOOLS:
+        raise bad_field("tools", f"{len(found)} tools with the namespaces' own; at most {MAX_TOOLS} may "
+                                 "be offered at once")
     counts: dict[str, int] = {}
     for where, _, t in found:
         name = _tool_name(t, where)
@@ -2360,10 +2461,7 @@ def _responses_tools(tools: Any) -> tuple[list[chat.Tool], dict]:
 
 
 def _tool_name(t: dict, where: str) -> str:
-    name = t.get("name")
-    if not isinstance(name, str) or not name:
-        raise bad_field(f"{where}.name", "must be a non-empty string")
-    return name
+    return tool_name(t.get("name"), f"{where}.name")
 
 
 def _responses_tool_choice(choice: Any, job: Job, seen_names: dict) -> str | dict:
@@ -2546,7 +2644,8 @@ def parse_responses(body: dict) -> Job:
                                        "(json_object, json_schema) is not")
     job.tools, seen_names = _responses_tools(body.get("tools"))
     job.client_names = {seen: name for (_, name), seen in seen_names.items()}
-    job.tools_echo = body.get("tools") or []
+    # Written once here (off the loop for a large body): every Response event echoes it.
+    job.tools_echo = json.dumps(body.get("tools") or [], ensure_ascii=False, separators=(",", ":"))
     job.tool_choice_echo = body.get("tool_choice") or "auto"
     job.tool_choice = _responses_tool_choice(body.get("tool_choice"), job, seen_names)
     job.parallel_tool_calls = _typed(body, "parallel_tool_calls", bool, "parallel_tool_calls", False)
@@ -2686,23 +2785,29 @@ class ResponsesEncoder(Encoder):
         self.seq += 1
         return sse({"type": kind, "sequence_number": self.seq, **fields}, event=kind)
 
-    def _response(self) -> dict:
-        """The Response as it stands; incomplete_details and error appear only when they apply."""
+    def _response_event(self, kind: str) -> bytes:
+        self.seq += 1
+        return sse(JsonText(f'{{"type":"{kind}","sequence_number":{self.seq},"response":{self._response()}}}'),
+                   event=kind)
+
+    def _response(self) -> "JsonText":
+        """The Response as it stands, as JSON; incomplete_details and error appear only when they
+        apply. The tools' echo was written at parse time: it is joined in, never written again (a
+        large tool list would cost the event loop a serialization per event)."""
         job = self.job
         out = {"id": self.meta.id, "object": "response", "created_at": self.meta.created,
                "status": self.status, "model": self.meta.model, "output": self.output,
                "parallel_tool_calls": getattr(job, "parallel_tool_calls", False),
-               "tool_choice": getattr(job, "tool_choice_echo", job.tool_choice),
-               "tools": getattr(job, "tools_echo", None) or [], "usage": self.usage}
+               "tool_choice": getattr(job, "tool_choice_echo", job.tool_choice), "usage": self.usage}
         if self.incomplete:
             out["incomplete_details"] = self.incomplete
         if self.failure:
             out["error"] = self.failure
-        return out
+        text = json.dumps(out, ensure_ascii=False, separators=(",", ":"))
+        return JsonText(f'{text[:-1]},"tools":{getattr(job, "tools_echo", "[]")}}}')
 
     def start(self) -> list[bytes]:
-        return [self._event("response.created", response=self._response()),
-                self._event("response.in_progress", response=self._response())]
+        return [self._response_event("response.created"), self._response_event("response.in_progress")]
 
     def keepalive(self) -> bytes:
         return SSE_COMMENT
@@ -2843,9 +2948,9 @@ class ResponsesEncoder(Encoder):
         self.status = status     # an aborted answer's client is gone: completed is as good as any
         if cut:
             self.incomplete = {"reason": "max_output_tokens"}
-        return frames + [self._event(f"response.{status}", response=self._response())]
+        return frames + [self._response_event(f"response.{status}")]
 
-    def body(self) -> dict:
+    def body(self) -> "JsonText":
         """The Response; raises the ApiError of an answer that ended in an error."""
         if self.status == "failed":
             raise ApiError(500, self.failure["message"], type="server_error", code=self.failure["code"])
@@ -2859,7 +2964,7 @@ class ResponsesEncoder(Encoder):
         self.failure = {"code": code, "message": err.message}
         return [self._event("error", code=code, message=err.message, param=err.param,
                             request_id=self.meta.id),
-                self._event("response.failed", response=self._response())]
+                self._response_event("response.failed")]
 
 
 @dataclass(frozen=True)
@@ -3743,10 +3848,12 @@ class _Delivery:
             self.keepalive = lambda: out.event(encoder.keepalive() if self.started else SSE_COMMENT, False)
 
     async def begin(self) -> None:
-        await self.out.start_stream()
+        """The stream's head and start frames, left in the connection's buffer: the request holds its
+        slot, and a client that reads nothing must not keep it (the stall timeout cuts it off)."""
+        await self.out.start_stream(wait=False)
         if self.started:
             for frame in self.enc.start():
-                await self.out.event(frame)
+                await self.out.event(frame, False)
 
 
 async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list[int],
@@ -3870,33 +3977,56 @@ async def run_attempt(app, req, fmt: "ApiFormat", job: Job, prompt: list[int], m
             return
 
 
-# What can put a lone surrogate in the parsed body: a \uD800-\uDFFF escape (a valid pair becomes one
-# character), or UTF-8-encoded surrogates, which Python's json decodes with surrogatepass. Such text
-# cannot be tokenized, logged or sent back, so the body is searched only when one of these occurs.
-_SURROGATE_HINT = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+# A lone surrogate (half of a UTF-16 pair) can only come from a \uD800-\uDFFF escape: a valid pair
+# becomes one character, and the body is strict UTF-8. Such text cannot be tokenized, logged or sent
+# back, so strings are searched for one only when an escape like it occurs.
+_SURROGATE_HINT = re.compile(r"\\u[dD][89a-fA-F]")
+LONE_SURROGATE = "with a lone UTF-16 surrogate (half of a pair) is not valid Unicode"
+DEEPER = f"nested deeper than {MAX_JSON_DEPTH} levels of objects and arrays"
 
 
-def _lone_surrogate(doc: Any) -> str | None:
-    """The path of the first string (or key) in doc that holds a lone surrogate, e.g. messages[0].content."""
-    stack: list[tuple[Any, str]] = [(doc, "")]
+def _check_tree(doc: Any, strings: bool) -> tuple[str, str] | None:
+    """Where and why a parsed body cannot be served (place e.g. `messages[0].content`): nesting
+    deeper than MAX_JSON_DEPTH, or (strings=True) a lone surrogate in a string or key. One walk, linear
+    in the body: a place's name is made only for the value found."""
+    stack: list[tuple[Any, int, Any]] = [(doc, 1, None)]   # (value, depth, (parent's link, key))
     while stack:
-        node, path = stack.pop()
-        if isinstance(node, str):
-            try:
-                node.encode("utf-8")
-            except UnicodeEncodeError:
-                return path or "body"
-        elif isinstance(node, dict):
+        node, depth, link = stack.pop()
+        if isinstance(node, dict):
+            if depth > MAX_JSON_DEPTH:
+                return _place(link, 3), DEEPER
             for key, value in node.items():
-                where = f"{path}.{key}" if path else str(key)
-                try:
-                    key.encode("utf-8")
-                except UnicodeEncodeError:
-                    return path or "body"
-                stack.append((value, where))
+                if strings and not _utf8(key):
+                    return _place(link), f"a key {LONE_SURROGATE}"
+                stack.append((value, depth + 1, (link, key)))
         elif isinstance(node, list):
-            stack.extend((value, f"{path}[{i}]") for i, value in enumerate(node))
+            if depth > MAX_JSON_DEPTH:
+                return _place(link, 3), DEEPER
+            stack.extend((value, depth + 1, (link, i)) for i, value in enumerate(node))
+        elif strings and isinstance(node, str) and not _utf8(node):
+            return _place(link), f"text {LONE_SURROGATE}"
     return None
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _place(link: Any, most: int = MAX_JSON_DEPTH) -> str:
+    """messages[0].content from the links (parent's link, key) of _check_tree: its first `most` keys."""
+    keys = []
+    while link is not None:
+        link, key = link
+        keys.append(key)
+    keys.reverse()
+    out = ""
+    for key in keys[:most]:
+        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
+    return (out + ("..." if len(keys) > most else "")) or "body"
 
 
 # A body this large is parsed in a thread, and every prompt is rendered in one: Python hands the GIL
@@ -3913,19 +4043,31 @@ async def parse_body(req, fmt: "ApiFormat") -> Job:
 
 
 def json_body(req) -> dict:
-    """The request body as a JSON object, or a 400 that says what is wrong with it."""
+    """The request body as a JSON object, or a 400 that says what is wrong with it: not UTF-8 (a
+    UTF-16 or UTF-32 body, which json.loads would otherwise guess), more than MAX_JSON_VALUES values
+    (counted before the parse), not JSON, nested too deeply, or a lone surrogate."""
+    raw = req.body
     try:
-        body = json.loads(req.body)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ApiError(400, f"body: not valid JSON ({e})")
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"body: not UTF-8 (byte {e.start}: {raw[e.start:e.start + 4]!r}); JSON "
+                            "bodies must be UTF-8") from None
+    values = raw.count(b"{") + raw.count(b"[") + raw.count(b",")
+    if values > MAX_JSON_VALUES:
+        raise ApiError(400, f"body: more than {MAX_JSON_VALUES} JSON values ({values} brackets and "
+                            "commas)")
+    try:
+        body = json.loads(text)
+    except ValueError as e:
+        raise ApiError(400, f"body: not valid JSON ({e})") from None
     except RecursionError:   # json's decoder recurses once per level: thousands of [ overflow it
-        raise ApiError(400, "body: JSON nested too deeply") from None
+        raise ApiError(400, f"body: {DEEPER}") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"body: must be a JSON object, got {type(body).__name__}")
-    if _SURROGATE_HINT.search(req.body):
-        where = _lone_surrogate(body)
-        if where is not None:
-            raise bad_field(where, "text with a lone UTF-16 surrogate (half of a pair) is not valid Unicode")
+    found = _check_tree(body, strings=_SURROGATE_HINT.search(text) is not None)
+    if found is not None:
+        place, why = found
+        raise ApiError(400, f"{place}: {why}", param=None if place == "body" else place)
     return body
 
 
@@ -4195,6 +4337,10 @@ class Route:
     errors: Callable[[ApiError], dict]         # the route's error shape: openai_ or anthropic_error_body
     needs_key: bool
 
+    @property
+    def reads_body(self) -> bool:
+        return self.method == "POST"
+
 
 class Router:
     """(method, path pattern) -> Route. Unknown path: 404; known path, other method: 405 with Allow.
@@ -4258,7 +4404,10 @@ class Router:
 
 async def route_health(req: Request, out: Responder) -> None:
     app = out.app
-    await out.json(200 if app.ready else 503, app.health())
+    doc = app.health()
+    if app.guard is not None and not app.guard.keyed(req):
+        doc.pop("worker_pid", None)     # a process id is for the operator, not for any prober
+    await out.json(200 if app.ready else 503, doc)
 
 
 async def route_ui(req: Request, out: Responder) -> None:
@@ -4432,6 +4581,10 @@ class App:
         self.port: int | None = None
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[Connection] = set()
+        # Connections waiting for their next request, oldest first: those that never sent a key, and
+        # those that did (dicts as ordered sets). At the connection bound the oldest gives way.
+        self._idle: dict[Connection, None] = {}
+        self._idle_keyed: dict[Connection, None] = {}
         self._peeking = 0                      # refused connections whose request line is awaited
         self._lingering = 0                    # refused connections being drained before closing
         self.buffered = 0                      # request bytes held by every connection (max_buffered)
@@ -4519,12 +4672,34 @@ class App:
         if self._server is not None:
             await self._server.wait_closed()
 
+    def connection_idle(self, conn: Connection) -> None:
+        conn.idle_since = asyncio.get_running_loop().time()
+        (self._idle_keyed if conn.keyed else self._idle)[conn] = None
+
+    def connection_busy(self, conn: Connection) -> None:
+        conn.idle_since = None
+        self._idle.pop(conn, None)
+        self._idle_keyed.pop(conn, None)
+
+    def _evict_idle(self) -> bool:
+        """Close the connection idle longest (EVICT_IDLE_S at least), unkeyed first; False if none."""
+        now = asyncio.get_running_loop().time()
+        for idle in (self._idle, self._idle_keyed):
+            conn = next(iter(idle), None)
+            if conn is not None and now - conn.idle_since >= EVICT_IDLE_S:
+                self.connection_busy(conn)
+                self._connections.discard(conn)     # its place is taken now; its task ends soon
+                conn.transport.close()              # a FIN: the client's pool sees it closed
+                return True
+        return False
+
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._connections) >= self.limits.max_connections:
+        if len(self._connections) >= self.limits.max_connections and not self._evict_idle():
             await self._refuse_connection(reader, writer)
             return
         conn = Connection(self, reader, writer)
         self._connections.add(conn)
+        self.connection_idle(conn)    # until its first bytes: a connection that sends nothing gives way
         try:
             await conn.run()
         except Exception:

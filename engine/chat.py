@@ -318,7 +318,10 @@ def _is_tool_response(text: str) -> bool:
 
 
 def _call_text(call: ToolCall, arguments: str) -> str:
-    return f'{CALL_HEAD}{call.name}", "arguments": {arguments}}}\n{CALL_CLOSE}'
+    # The name as a JSON string's inside: what the template writes for every real tool name, and a
+    # name from an earlier turn (sent back by the client) cannot close the string.
+    name = json.dumps(call.name, ensure_ascii=False)[1:-1]
+    return f'{CALL_HEAD}{name}", "arguments": {arguments}}}\n{CALL_CLOSE}'
 
 
 def _tool_results(messages: list[Message], i: int) -> str:

@@ -36,7 +36,10 @@ def openai_sdk_client(codec: Callable[[str, dict], tuple[Any, Any]], events: lis
             frames += enc.feed(ev)
         if job.stream:
             return httpx.Response(200, content=b"".join(frames), headers={"content-type": "text/event-stream"})
-        return httpx.Response(200, json=enc.body())
+        body = enc.body()      # an object, or JSON already written (mashbox.JsonText)
+        if isinstance(body, str):
+            return httpx.Response(200, content=body.encode(), headers={"content-type": "application/json"})
+        return httpx.Response(200, json=body)
 
     return openai.OpenAI(base_url="http://mashbox.test/v1", api_key="unused", max_retries=0,
                          http_client=httpx.Client(transport=httpx.MockTransport(answer)))

@@ -508,7 +508,7 @@ def test_reasoning_then_text_stream_is_exact(ids):
     for n, event in enumerate(want, 1):
         event["sequence_number"] = n
     assert got == want
-    assert enc.body() == response("completed", [rs, msg], USAGE_JSON)
+    assert json.loads(enc.body()) == response("completed", [rs, msg], USAGE_JSON)
 
 
 def test_frames_are_exact_bytes(ids):
@@ -550,7 +550,7 @@ def test_function_call_stream_is_exact_and_echoes_the_request(ids):
     final = got[-1]["response"]
     assert final["output"][1] == call and final["status"] == "completed"
     assert (final["tools"], final["tool_choice"], final["parallel_tool_calls"]) == (tools, "required", True)
-    assert enc.body() == final
+    assert json.loads(enc.body()) == final
 
 
 def test_namespace_call_answers_with_the_client_name_and_its_namespace(ids):
@@ -563,7 +563,7 @@ def test_namespace_call_answers_with_the_client_name_and_its_namespace(ids):
                        chat.ToolCallStart(1, "call_2", "spawn"), chat.ToolCallEnd(1, '{"a": 1}'),
                        chat.ToolCallStart(2, "call_3", "close"), chat.ToolCallEnd(2, "{}"),
                        chat.Done("tool_calls", USAGE)])
-    out = enc.body()["output"]
+    out = json.loads(enc.body())["output"]
     assert [(o["name"], o.get("namespace")) for o in out] == [("close", "agents"), ("spawn", "agents"), ("close", None)]
     assert [o["call_id"] for o in out] == ["call_1", "call_2", "call_3"]
 
@@ -586,7 +586,7 @@ def test_custom_tool_call_streams_its_raw_input(ids):
         assert done["input"] == patch and done["item_id"] == item["id"] and item["id"].startswith("ctc_")
         assert item == {"id": item["id"], "type": "custom_tool_call", "status": "completed", "call_id": "call_1",
                         "name": "apply_patch", "input": patch}
-        assert enc.body()["output"] == [item]
+        assert json.loads(enc.body())["output"] == [item]
 
 
 @pytest.mark.parametrize("arguments, want", [
@@ -602,14 +602,14 @@ def test_custom_tool_input_shapes(ids, arguments, want):
     enc, got = run(job, [chat.ToolCallStart(0, "call_1", "p"), chat.ToolCallArgs(0, arguments),
                          chat.ToolCallEnd(0, arguments), chat.Done("tool_calls", USAGE)])
     assert "".join(e["delta"] for e in got if e["type"] == "response.custom_tool_call_input.delta") == want
-    assert enc.body()["output"][0]["input"] == want
+    assert json.loads(enc.body())["output"][0]["input"] == want
 
 
 def test_length_finish_is_incomplete_with_its_reason(ids):
     """Guards against a cut-off answer reported as completed (the client would trust a partial text)."""
     enc, got = run(parse_responses({"input": "x"}), [chat.TextDelta("Par"), chat.Done("length", USAGE)])
     assert [e["type"] for e in got][-2:] == ["response.output_item.done", "response.incomplete"]
-    body = enc.body()
+    body = json.loads(enc.body())
     assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
     assert body["output"][0]["status"] == "incomplete" and got[-2]["item"]["status"] == "incomplete"
     assert body["usage"] == USAGE_JSON
@@ -624,7 +624,7 @@ def test_a_call_cut_off_by_the_limit_is_closed_with_what_streamed(ids):
     done = [e["item"] for e in got if e["type"] == "response.output_item.done"]
     assert [(d["status"], d.get("arguments"), d.get("input")) for d in done] == [
         ("incomplete", '{"cmd": "l', None), ("incomplete", None, "ab")]
-    assert enc.body()["output"] == done
+    assert json.loads(enc.body())["output"] == done
 
 
 def test_whitespace_only_text_makes_no_message_item(ids):
@@ -632,9 +632,9 @@ def test_whitespace_only_text_makes_no_message_item(ids):
     job = parse_responses({"input": "x", "tools": [FUNCTION]})
     enc, got = run(job, [chat.ReasoningDelta("r"), chat.TextDelta("\n\n"), chat.ToolCallStart(0, "call_1", "exec_command"),
                          chat.ToolCallEnd(0, "{}"), chat.TextDelta("\n"), chat.Done("tool_calls", USAGE)])
-    assert [o["type"] for o in enc.body()["output"]] == ["reasoning", "function_call"]
+    assert [o["type"] for o in json.loads(enc.body())["output"]] == ["reasoning", "function_call"]
     enc, got = run(parse_responses({"input": "x"}), [chat.TextDelta("\n"), chat.TextDelta(" Hi"), chat.Done("stop", USAGE)])
-    assert enc.body()["output"][0]["content"][0]["text"] == "\n Hi"
+    assert json.loads(enc.body())["output"][0]["content"][0]["text"] == "\n Hi"
 
 
 def test_stream_error_sends_error_then_response_failed(ids):
@@ -656,7 +656,7 @@ def test_done_with_error_fails_the_stream_and_the_body_raises(ids):
     enc, got = run(parse_responses({"input": "x"}), [chat.TextDelta("Hi"), chat.Done("error", USAGE, error="oom")])
     assert [e["type"] for e in got][-2:] == ["error", "response.failed"]
     with pytest.raises(ApiError) as caught:
-        enc.body()
+        json.loads(enc.body())
     assert caught.value.status == 500 and "oom" in caught.value.message
 
 
@@ -691,7 +691,7 @@ def test_same_answer_split_at_every_boundary_streams_the_same_items(ids):
 
     def shape(events):
         kinds = [e["type"] for e in events if not e["type"].endswith(".delta")]
-        return kinds, [{k: v for k, v in o.items() if k != "id"} for o in enc.body()["output"]]
+        return kinds, [{k: v for k, v in o.items() if k != "id"} for o in json.loads(enc.body())["output"]]
 
     enc, got = run(job, split_events(segments, []) + tail)
     whole = shape(got)
@@ -719,9 +719,9 @@ def test_encoder_output_matches_the_spec_schemas():
     enc, got = run(parse_responses({"input": "x", "tools": ANSWER_TOOLS, "stream": True}), ANSWER)
     for event in got:
         event_schema.validate(event)
-    body_schema.validate(enc.body())
+    body_schema.validate(json.loads(enc.body()))
     enc, got = run(parse_responses({"input": "x"}), [chat.TextDelta("a"), chat.Done("length", USAGE)])
-    body_schema.validate(enc.body())
+    body_schema.validate(json.loads(enc.body()))
     for event in events_of(enc.error(ApiError(500, "boom", type="server_error"))):
         event_schema.validate({k: v for k, v in event.items() if k != "response"})
 
