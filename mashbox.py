@@ -2206,7 +2206,7 @@ def parse_messages(body: dict) -> Job:
 def _tool_input(arguments: str) -> dict:
     """tool_use.input from the arguments' JSON text; {} when it is not a JSON object."""
     try:
-        value = json.loads(arguments)
+        value = chat.read_json(arguments)
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
@@ -2738,7 +2738,7 @@ def _hex(text: str) -> int:
 def _custom_input(arguments: str) -> str:
     """The raw input of a custom tool call from the model's whole arguments text."""
     try:
-        value = json.JSONDecoder(strict=False).decode(arguments)
+        value = chat.read_json(arguments, strict=False)
     except ValueError:
         return arguments      # not JSON: the model wrote the raw input itself
     if isinstance(value, dict) and isinstance(value.get("input"), str):
@@ -3900,6 +3900,14 @@ async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list
             err = stopping_error(fmt.anthropic)
         except ApiError as e:                    # no worker came back in time
             err = e
+        except ClientGone:
+            bridge.cancel(sub_id)
+            outcome.finish = outcome.finish or "abort"
+            raise
+        except Exception:                        # a bug reading or encoding the output
+            bridge.cancel(sub_id)
+            log.exception("%s: the answer could not be written", rid)
+            err = ApiError(500, "internal server error", type="server_error")
         except BaseException:
             bridge.cancel(sub_id)   # client gone, stalled or server stopping: free the slot at once
             outcome.finish = outcome.finish or "abort"

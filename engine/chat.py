@@ -497,6 +497,7 @@ _HERMES_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _HERMES_ARGS_KEY = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 _HERMES_ARGS_KEYS = (',"arguments":', ',"parameters":')
 # XML calls (Qwen3-Coder and later): <function=NAME> <parameter=P>value</parameter> </function>
+_NAME_MAY_END = re.compile(r'["{}\[\]<]')
 _XML_FUNCTION = re.compile(r"\s*<function=([^>\n]*)>")
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]*)>")
 _XML_VALUE_ENDS = ("</parameter>", "<parameter=", "</function>", CALL_CLOSE)
@@ -585,8 +586,10 @@ def _decode_partial_string(body: str) -> str | None:
             text = json.loads(f'"{body[:cut]}"')
         except ValueError:
             continue
-        # Half of a surrogate pair: its other half is still to come.
-        return text[:-1] if text and "\ud800" <= text[-1] <= "\udbff" else text
+        # Half of a surrogate pair: its other half is still to come; any other half is no text.
+        if text and "\ud800" <= text[-1] <= "\udbff":
+            text = text[:-1]
+        return _whole_text(text)
     return None
 
 
@@ -645,16 +648,58 @@ class _JsonScanner:
         return None
 
 
-def _strict_json(text: str):
+# Model output read as JSON (a call's arguments) nests at most this deep: Python's parser recurses a
+# level at a time, and the encoders that write the value back out (an Anthropic tool_use.input) do
+# too, so a model writing a thousand `[` would otherwise fail the request far from where it began.
+MAX_OUTPUT_DEPTH = 64
+_JSON_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_OPENERS = re.compile(r"[\[{]")
+_BRACKETS = re.compile(r"[\[\]{}]")
+# A \uD800-\uDFFF escape: the only way JSON text can hold a lone half of a surrogate pair.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_LONE_HALF = re.compile(r"[\ud800-\udfff]")
+
+
+def _json_depth(text: str) -> int:
+    depth = most = 0
+    for ch in _BRACKETS.findall(_JSON_STRINGS.sub("", text)):
+        depth += 1 if ch in "{[" else -1
+        most = max(most, depth)
+    return most
+
+
+def _whole_text(value):
+    """value with every lone surrogate in its strings (keys too) made U+FFFD: model text that cannot
+    be written as UTF-8 must not reach an answer's encoder."""
+    if isinstance(value, str):
+        return _LONE_HALF.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_whole_text(v) for v in value]
+    if isinstance(value, dict):
+        return {_whole_text(k): _whole_text(v) for k, v in value.items()}
+    return value
+
+
+def read_json(text: str, strict: bool = True):
+    """Model output as a JSON value, or ValueError: NaN and Infinity refused, at most MAX_OUTPUT_DEPTH
+    deep, lone surrogates made U+FFFD. strict=False lets strings hold raw control characters (a
+    custom tool's raw input, newlines and all)."""
+    if len(_OPENERS.findall(text)) > MAX_OUTPUT_DEPTH and _json_depth(text) > MAX_OUTPUT_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_OUTPUT_DEPTH}")
+
     def refuse(constant):
         raise ValueError(f"{constant} is not JSON")
-    return json.loads(text, parse_constant=refuse)
+    try:
+        value = json.JSONDecoder(parse_constant=refuse, strict=strict).decode(text)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+    return _whole_text(value) if _SURROGATE_ESCAPE.search(text) else value
 
 
 def _json_string(body: str) -> str:
     """The text of a JSON string's body; written as it is when its escapes are not valid JSON."""
     try:
-        return json.loads(f'"{body}"')
+        return read_json(f'"{body}"')
     except ValueError:
         return body
 
@@ -676,7 +721,7 @@ def _param_json(raw: str, kind: str) -> str:
         if kind == "boolean" and text.lower() in ("true", "false"):
             text = text.lower()
         try:
-            return tojson(_strict_json(text))
+            return tojson(read_json(text))
         except (ValueError, RecursionError):
             pass
     return tojson(raw)
@@ -703,6 +748,7 @@ class _CallReader:
         self.bare = form != "tagged"
         self.phase = "detect"
         self.pos = 0              # read position in the body
+        self.name_read = 0        # how much of the body _hermes_name has read
         self.used = 0
         self.index: int | None = None
         self.name = ""
@@ -773,7 +819,7 @@ class _CallReader:
     def _finish_whole(self, body: str, stop: int, final: bool) -> str:
         """Read a whole Hermes body at once (keys in another order, or the closing tag already here)."""
         try:
-            call = _strict_json(body[:stop].strip())
+            call = read_json(body[:stop].strip())
         except (ValueError, RecursionError):
             call = None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
@@ -790,6 +836,13 @@ class _CallReader:
         return self._tail(body, final)
 
     def _hermes_name(self, body: str, final: bool) -> str | None:
+        # Nothing can change until a quote (the name's end), a bracket or `<` (a bare object's end or
+        # markup) or a closing tag arrives: a name that never ends is read once, not once a token.
+        if not final and not _NAME_MAY_END.search(body, self.name_read) and \
+                CALL_CLOSE not in body[max(self.name_read - len(CALL_CLOSE), 0):]:
+            self.name_read = len(body)
+            return "more"
+        self.name_read = len(body)
         close = body.find(CALL_CLOSE)
         match = _HERMES_NAME.match(body)
         if match and (close < 0 or match.end() <= close):

