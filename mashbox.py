@@ -4581,7 +4581,7 @@ class App:
         self.metrics = metrics if metrics is not None else Metrics()
         self.tokenizer: chat.Tokenizer | None = None   # loaded from the model's folder when it is ready
         self.tokenizer_process: TokenizerProcess | None = None   # long prompts; started on first use
-        self._tokenizer_folder: str | None = None
+        self.tokenizer_folder: str | None = None
         self.model_aliases: set[str] = set()   # other names of the served model (its HF repo)
         self.planned_ctx: int | None = None    # the context the worker will run (card before ready)
         self.namespace: str | None = None
@@ -4644,11 +4644,11 @@ class App:
 
     def _on_ready(self) -> None:
         facts = self.bridge.facts
-        if self.tokenizer is None or self._tokenizer_folder != facts.folder:
+        if self.tokenizer is None or self.tokenizer_folder != facts.folder:
             # Once per model folder (a restarted worker loads the same one); a fraction of a second.
             self.tokenizer = chat.Tokenizer.from_folder(facts.folder)
             self.tokenizer.max_token_bytes    # its byte table, built now rather than in a request
-            self._tokenizer_folder = facts.folder
+            self.tokenizer_folder = facts.folder
         # The worker's id (engine.prefix.namespace_id) is the one owner: it tags what it saves.
         self.namespace = facts.cache_namespace
         if self.admission is not None:
@@ -5049,6 +5049,18 @@ def main(argv: list[str] | None = None) -> int:
             cfg = replace(cfg, num_kv_heads=check_devices(cfg, config.devices * (config.num_processes or 1)))
         sizing = size_worker(spec, config, folder, cfg)
         app.planned_ctx = sizing.ctx        # the model card's context while the worker loads
+        # The tokenizer now, not when the worker is ready: a file missing (a weights-only folder) or
+        # not loading stops start-up with its name, before a minute of compiling.
+        path = Path(folder) / "tokenizer.json"
+        try:
+            app.tokenizer = chat.Tokenizer.from_folder(folder)
+        except FileNotFoundError:
+            raise registry.RegistryError(f"{path} is missing: a model folder holds its tokenizer "
+                                         "beside config.json") from None
+        except Exception as e:     # tokenizers raises its own Exception for a malformed file
+            raise registry.RegistryError(f"the tokenizer in {folder} does not load: {e}") from None
+        app.tokenizer.max_token_bytes      # its byte table, built now rather than in a request
+        app.tokenizer_folder = folder
         return worker_args(spec, config, folder, sizing)
     try:
         asyncio.run(serve(app, prepare=prepare))

