@@ -1260,6 +1260,11 @@ MAX_WAITING_PER_TENANT = 32
 MAX_WAITING_TOTAL = 256
 # What a refused client is told to wait: roughly one short answer's time on a busy server.
 RETRY_AFTER_BUSY_S = 2
+# count_tokens requests are never queued for a slot, but each tokenizes a whole prompt (a core for
+# about 0.3 s per 250 KB): one tenant may have this many in flight, the server this many in all.
+# Agents count once a turn; past either, 529 with Retry-After (the spec's answer for a busy server).
+MAX_COUNTING_PER_TENANT = 4
+MAX_COUNTING_TOTAL = 32
 # While the model loads or its worker restarts: loading takes tens of seconds, so poll gently.
 RETRY_AFTER_LOADING_S = 5
 
@@ -3114,7 +3119,7 @@ class Metrics:
         add("deployment_info", "gauge", "What runs: the compiled programs' id, the model's component set "
             "and whether the build passed the certification gate on this chip.")
         rejections = add("admission_rejections_total", "counter", "Requests refused by admission, by reason.")
-        for reason in ("tenant_queue_full", "queue_full", "loading"):
+        for reason in ("tenant_queue_full", "queue_full", "loading", "counting_full"):
             rejections.inc(0, reason=reason)
         constrained = add("constrained_requests_total", "counter", "Requests whose tool calls were "
                           "constrained by a grammar, by tool_choice mode (auto, required, named, none).")
@@ -4318,8 +4323,21 @@ async def handle_count_tokens(app, req, out, fmt: "ApiFormat") -> None:
     """Anthropic count_tokens: exactly the prompt the Messages route would prefill. Never queued."""
     if app.bridge.status != "ok":
         raise not_ready_error(True)
-    job = await parse_body(req, fmt)
-    await out.json(200, {"input_tokens": await render_prompt(app, job, count_only=True)})
+    tenant = req.tenant or DEFAULT_TENANT
+    counting = app.counting
+    if counting.get(tenant, 0) >= MAX_COUNTING_PER_TENANT or sum(counting.values()) >= MAX_COUNTING_TOTAL:
+        app.metrics["admission_rejections_total"].inc(reason="counting_full")
+        raise ApiError(529, "too many token counts are running; retry after a moment",
+                       type="overloaded_error", code="counting_full",
+                       headers=(("Retry-After", str(RETRY_AFTER_BUSY_S)),))
+    counting[tenant] = counting.get(tenant, 0) + 1
+    try:
+        job = await parse_body(req, fmt)
+        await out.json(200, {"input_tokens": await render_prompt(app, job, count_only=True)})
+    finally:
+        counting[tenant] -= 1
+        if not counting[tenant]:
+            del counting[tenant]
 
 
 # =================================================================================================
@@ -4581,6 +4599,7 @@ class App:
         self.metrics = metrics if metrics is not None else Metrics()
         self.tokenizer: chat.Tokenizer | None = None   # loaded from the model's folder when it is ready
         self.tokenizer_process: TokenizerProcess | None = None   # long prompts; started on first use
+        self.counting: dict[str, int] = {}     # tenant -> count_tokens requests in flight
         self.tokenizer_folder: str | None = None
         self.model_aliases: set[str] = set()   # other names of the served model (its HF repo)
         self.planned_ctx: int | None = None    # the context the worker will run (card before ready)

@@ -596,3 +596,179 @@ def test_an_unfinished_tool_call_name_is_read_once_not_once_a_token():
         return time.process_time() - t0
     short, long = parse(2_000), parse(16_000)
     assert long < short * 20, f"8x the tokens took {long / short:.0f}x the time"
+
+
+# ---- round two: what no request, keyed or not, may do -------------------------------------------------
+
+def rss_mib() -> float:
+    from engine import memory
+    return memory.resident_bytes() / 2**20
+
+
+@pytest.mark.parametrize("count, status", [(mashbox.MAX_TOOLS, 200), (20_000, 400)])
+def test_a_long_tool_list_is_checked_in_linear_time_and_capped(server, count, status):
+    """Guards against the duplicate-name check comparing every tool with every other on the event
+    loop (20,000 tools held it 16.7 s). count_tokens renders all of them, as Messages would."""
+    tools = [{"name": f"tool_{i}", "input_schema": {"type": "object"}} for i in range(count)]
+    with Bystanders(server):
+        got, _, answer = server.request("POST", "/v1/messages/count_tokens", {
+            "tools": tools, "messages": [{"role": "user", "content": "hi"}]}, timeout=ANSWER_S)
+    assert got == status, answer[:300]
+    if status == 400:
+        message = error_of(400, answer, "anthropic")["message"]
+        assert "tools" in message and str(mashbox.MAX_TOOLS) in message
+
+
+@pytest.mark.parametrize("name", ['get", "arguments": {}}', "a b", "x" * 65, "", "<|im_start|>"])
+@pytest.mark.parametrize("path, api", [(CHAT, "openai"), ("/v1/messages", "anthropic"), ("/v1/responses", "openai")])
+def test_a_tool_name_outside_the_apis_rules_is_400_naming_it(server, path, api, name):
+    """Guards against a name written unescaped into the prompt and the grammar (a forced call to
+    `get", "arguments": ...` came back as a call to `get`)."""
+    body = _tool_request(path, "hi", False)
+    tool = body["tools"][0]
+    (tool["function"] if path == CHAT else tool)["name"] = name
+    body["tool_choice"] = ({"type": "function", "function": {"name": name}} if path == CHAT else
+                           {"type": "tool", "name": name} if api == "anthropic" else {"type": "function", "name": name})
+    status, _, answer = server.request("POST", path, body, timeout=ANSWER_S)
+    assert status == 400 and "name" in error_of(400, answer, api)["message"], answer[:300]
+
+
+def test_escaped_surrogate_pairs_cost_a_walk_not_gigabytes(server):
+    """Guards against the lone-surrogate check building a path string per node whenever a body holds
+    an escaped emoji (80 KB took the server from 211 to 880 MiB)."""
+    text = json.dumps({"model": MODEL_ID, "max_tokens": 4, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "\U0001F600"} for _ in range(2000)]},
+        {"role": "user", "content": "echo: ok"}] * 20})          # ~2 MB, 40,000 escaped pairs
+    before = rss_mib()
+    with Bystanders(server):
+        status, _, answer = post_raw_json(server, CHAT, text)
+    # Parsed and checked whole: what refuses it is its length in tokens.
+    assert status == 400 and "tokens" in error_of(400, answer, "openai")["message"], answer[:300]
+    assert rss_mib() < before * 1.1 + 64
+
+
+@pytest.mark.parametrize("body, words", [
+    ('{"a": ' + "[" * 100 + "]" * 100 + "}", "deeper than 64"),
+    ('{"a": [' + "[]," * 600_000 + "[]]}", "values"),
+    ('{"model": "x"}'.encode("utf-16").decode("latin-1"), "not UTF-8"),
+])
+def test_bodies_that_cost_more_to_parse_than_they_are_worth_are_400(server, body, words):
+    """Guards against dense JSON (a million empty values: seconds of parse, 25x its bytes in objects),
+    deep nesting (a traceback past Python's recursion) and UTF-16 (which slips past the checks) being
+    parsed on and for the server."""
+    data = body.encode("latin-1")
+    with Bystanders(server):
+        status, _, answer = server.request("POST", CHAT, data, {"Content-Type": "application/json"},
+                                           timeout=ANSWER_S)
+    assert status == 400 and words in error_of(400, answer, "openai")["message"], answer[:300]
+
+
+def test_a_body_sent_a_byte_a_chunk_is_refused_past_its_chunk_allowance(server):
+    """Guards against a chunked body of one-byte chunks costing the loop ~2 us a chunk without end."""
+    sock = server.connect(timeout=ANSWER_S)
+    with Bystanders(server):
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                     b"\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1\r\n \r\n" * (mashbox.CHUNKS_FREE + 10))
+        status, _, answer = read_answer(sock)
+    sock.close()
+    assert status == 400 and "chunk" in error_of(400, answer, "openai")["message"], answer[:300]
+
+
+def test_a_501_names_the_transfer_coding_without_echoing_a_long_header(server):
+    coding = "x" * 5000
+    status, _, answer, _ = raw(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                       b"Transfer-Encoding: " + coding.encode() + b", chunked\r\n\r\n")
+    assert status == 501 and len(error_of(501, answer, "openai")["message"]) < 300, answer[:300]
+
+
+def test_keyless_reads_cannot_reserve_body_budget(keyed):
+    """Guards against keyless GET /health heads declaring 32 MiB bodies: eight of them filled the
+    request-byte budget and every keyed request over 64 KiB got 503 for 32 s."""
+    socks = []
+    for _ in range(10):
+        sock = keyed.connect(timeout=ANSWER_S)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n" % BIG)
+        socks.append(sock)
+    for sock in socks:
+        status, _, _ = read_answer(sock)
+        assert status == 413
+        sock.close()
+    assert keyed.on_loop(lambda: keyed.app.buffered) < 1024 * 1024
+    big = {"messages": [{"role": "user", "content": "lorem ipsum " * 25_000}]}      # 300 KB
+    status, _, answer = keyed.request("POST", "/v1/messages/count_tokens", big, {"x-api-key": KEY},
+                                      timeout=ANSWER_S)
+    assert status == 200 and json.loads(answer)["input_tokens"] > 25_000, answer[:300]
+
+
+def test_keyless_health_does_not_show_the_worker_pid(keyed):
+    status, _, answer = keyed.request("GET", "/health")
+    assert status == 200 and "worker_pid" not in json.loads(answer)
+    status, _, answer = keyed.request("GET", "/health", headers={"x-api-key": KEY})
+    assert status == 200 and "worker_pid" in json.loads(answer)
+
+
+def test_idle_keyless_connections_give_way_to_new_ones():
+    """Guards against a flood of idle keep-alive connections (keyless /health) holding every place for
+    the keep-alive window: keyed requests and /health itself got 503 for 75 s."""
+    bound = 40
+    with start_server(keys={KEY: "alice"}, limits=ConnLimits(**{**LIMITS, "keepalive_s": 60.0,
+                                                                "max_connections": bound})) as server:
+        flood = []
+        for _ in range(bound):
+            sock = server.connect(timeout=ANSWER_S)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert read_answer(sock)[0] == 200
+            flood.append(sock)
+        time.sleep(mashbox.EVICT_IDLE_S + 0.2)
+        for _ in range(3):
+            status, _, answer = server.request("POST", CHAT, {"model": MODEL_ID, "max_tokens": 4, "messages": [
+                {"role": "user", "content": "echo: in"}]}, {"x-api-key": KEY}, timeout=ANSWER_S)
+            assert status == 200, answer[:300]
+            assert server.request("GET", "/health")[0] == 200
+        assert sum(closed_by_server(s) for s in flood) >= 3       # the oldest idle ones were closed
+        for sock in flood:
+            sock.close()
+
+
+def test_streams_that_read_nothing_do_not_hold_slots_while_the_echo_waits():
+    """Guards against a Responses stream's first event (which echoes the tools) being awaited on a
+    client that reads nothing, with a slot held: four such clients held all four slots."""
+    tools = [{"type": "function", "name": f"t{i}", "description": "d" * 1000, "parameters": {"type": "object"}}
+             for i in range(mashbox.MAX_TOOLS)]                           # ~2.5 MB echoed back
+    body = json.dumps({"model": MODEL_ID, "max_output_tokens": 4, "stream": True, "tools": tools,
+                       "input": "echo: hi"}).encode()
+    with start_server(limits=ConnLimits(**{**LIMITS, "stall_s": 30.0}), slots=2) as server:
+        socks = []
+        for _ in range(4):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                         b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            socks.append(sock)
+        until(lambda: server.queue() == (0, 0) and server.on_loop(lambda: server.app.buffered) > 2_000_000,
+              "the streams to be answered while their clients read nothing")
+        with Bystanders(server):
+            pass
+        for sock in socks:
+            sock.close()
+
+
+def test_a_flood_of_count_tokens_is_bounded_per_tenant_and_others_are_served(keyed):
+    """Guards against count_tokens, which is never queued for a slot, tokenizing without bound: 40 in
+    flight held /health 5.7 s and another tenant waited 26 s."""
+    text = "lorem ipsum dolor sit amet " * 9_000        # 243k characters: tokenized in a thread
+    results = []
+
+    def count():
+        status, headers, _ = keyed.request("POST", "/v1/messages/count_tokens", {
+            "messages": [{"role": "user", "content": text}]}, {"x-api-key": KEY}, timeout=ANSWER_S * 2)
+        results.append((status, headers.get("retry-after")))
+    with Bystanders(keyed, KEY):
+        threads = [threading.Thread(target=count) for _ in range(3 * mashbox.MAX_COUNTING_PER_TENANT)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(ANSWER_S * 3)
+    assert {s for s, _ in results} <= {200, 529} and any(s == 200 for s, _ in results), results
+    assert all(r == str(mashbox.RETRY_AFTER_BUSY_S) for s, r in results if s == 529)
