@@ -205,8 +205,110 @@ def small_tricks(port):
     return None if got == [403, 403, 400, 401] else f"small tricks: {got}"
 
 
+def tool_lists(port):
+    many = [{"name": f"t{i}", "input_schema": {"type": "object"}} for i in range(20_000)]
+    most = many[:2048]
+    got = [request(port, "POST", "/v1/messages/count_tokens", {"tools": tools, "messages": [
+        {"role": "user", "content": "hi"}]}, MALLORY)[0] for tools in (many, most)]
+    injected = {"name": 'get", "arguments": {}}', "input_schema": {"type": "object"}}
+    got.append(request(port, "POST", "/v1/messages", {**chat("echo: hi"), "tools": [injected],
+                       "tool_choice": {"type": "tool", "name": injected["name"]}}, MALLORY)[0])
+    return None if got == [400, 200, 400] else f"tool lists (20,000, 2,048, an injected name): {got}"
+
+
+def costly_json(port):
+    bodies = ['{"a": ' + "[" * 5000 + "]" * 5000 + "}", '{"a": [' + "[]," * 3_000_000 + "[]]}",
+              '{"model": "x"}'.encode("utf-16").decode("latin-1"),
+              json.dumps(chat("\U0001F600" * 100_000))]          # escaped pairs, 1.2 MB
+    got = [request(port, "POST", "/v1/chat/completions", b.encode("latin-1") if i < 3 else b.encode(), MALLORY,
+                   {"Content-Type": "application/json"})[0] for i, b in enumerate(bodies)]
+    return None if got == [400] * 4 else f"deep, dense, UTF-16 and escaped-pair bodies: {got}"
+
+
+def byte_chunks(port):
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"x-api-key: " + MALLORY.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n")
+    got = [raw(port, head + b"1\r\n \r\n" * 5000),
+           raw(port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: "
+                     + b"x" * 5000 + b", chunked\r\n\r\n")]
+    return None if got == [400, 501] else f"one-byte chunks, a long transfer coding: {got}"
+
+
+def keyless_reads(port):
+    got = [raw(port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 33554432\r\n\r\n")
+           for _ in range(8)]
+    status, _, body = request(port, "GET", "/health")
+    shown = status == 200 and "worker_pid" in json.loads(body)
+    return None if got == [413] * 8 and not shown else f"keyless reads: {got}, worker pid shown: {shown}"
+
+
+def idle_flood(port):
+    """Keyless keep-alive /health connections, all left idle: new ones (keyed or not) take their places."""
+    socks = []
+    try:
+        for _ in range(MAX_CONNECTIONS):
+            s = socket.create_connection((HOST, port), timeout=ANSWER_S)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            socks.append(s)
+        time.sleep(1.5)
+        status = request(port, "POST", "/v1/chat/completions", chat("echo: hi"), MALLORY)[0]
+    finally:
+        for s in socks:
+            s.close()
+    return None if status in (200, 429) else f"idle flood: a keyed request got {status}"
+
+
+def unread_streams(port):
+    """Responses streams echoing ~2.5 MB of tools to clients that read nothing: they must not hold slots."""
+    tools = [{"type": "function", "name": f"t{i}", "description": "d" * 1000, "parameters": {"type": "object"}}
+             for i in range(2048)]
+    body = json.dumps({"max_output_tokens": 4, "stream": True, "tools": tools, "input": "echo: hi"}).encode()
+    socks = []
+    try:
+        for _ in range(4):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((HOST, port))
+            sock.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"x-api-key: %s\r\nContent-Length: %d\r\n\r\n%s" % (MALLORY.encode(), len(body), body))
+            socks.append(sock)
+        time.sleep(3)
+    finally:
+        for sock in socks:
+            sock.close()
+    return None
+
+
+def count_flood(port):
+    text = "lorem ipsum dolor sit amet " * 9_000
+    statuses = Counter()
+
+    def one():
+        statuses[request(port, "POST", "/v1/messages/count_tokens",
+                         {"messages": [{"role": "user", "content": text}]}, MALLORY)[0]] += 1
+    threads = [threading.Thread(target=one) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(ANSWER_S * 2)
+    return None if set(statuses) <= {200, 529, 503} and statuses[200] else f"count_tokens flood: {dict(statuses)}"
+
+
+def hostile_output(port):
+    """The model writes a call nested 985 deep and one with lone surrogates: 200s, never a 500."""
+    tools = [{"name": "f", "input_schema": {"type": "object"}}]
+    got = []
+    for text in ('<tool_call>\n{"name": "f", "arguments": {"a": ' + "[" * 985 + "]" * 985 + '}}\n</tool_call>',
+                 '<tool_call>\n{"name": "f\\ud800", "arguments": {"a": "\\udc00"}}\n</tool_call>'):
+        for stream in (False, True):
+            got.append(request(port, "POST", "/v1/messages", {**chat("echo: " + text), "tools": tools,
+                                                              "stream": stream}, MALLORY)[0])
+    return None if got == [200] * 4 else f"hostile model output: {got}"
+
+
 ATTACKS = (keyless_bodies, huge_stop_list, longest_stops, huge_prompt, long_prompt, bad_sampling, surrogates,
-           slow_reader, connection_flood, full_tenant_queue, small_tricks)
+           slow_reader, connection_flood, full_tenant_queue, small_tricks, tool_lists, costly_json, byte_chunks,
+           keyless_reads, idle_flood, unread_streams, count_flood, hostile_output)
 
 
 # ---- normal clients ----------------------------------------------------------------------------------
@@ -263,8 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     keys.close()
     env = dict(os.environ, MASHBOX_WORKER_ENTRY="tests.fake_worker:main", MASHBOX_FAKE=json.dumps(FAKE),
                PYTHONPATH=str(ROOT))
+    sys.path.insert(0, str(ROOT))
+    from tests.harness import servable
+    folder = servable(ROOT / "tests" / "fixtures" / "tiny" / "qwen3", Path(tempfile.mkdtemp()) / "qwen3")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mashbox", "run", str(ROOT / "tests" / "fixtures" / "tiny" / "qwen3"),
+        [sys.executable, "-m", "mashbox", "run", str(folder),
          "--port", "0", "--api-key-file", keys.name, "--max-connections", str(MAX_CONNECTIONS),
          "--slots", "4", "--ctx", "4096"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     port: list[int] = []
@@ -284,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError("the server did not start:\n" + "\n".join(log[-20:]))
             time.sleep(0.2) if port else time.sleep(0.05)
         p = port[0]
-        health0 = json.loads(request(p, "GET", "/health")[2])
+        health0 = json.loads(request(p, "GET", "/health", key=ALICE)[2])
 
         counts, bad, failed_attacks, attack_counts = Counter(), [], [], Counter()
         health_ms: list[float] = []
@@ -337,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_all.set()
         for w in workers:
             w.join(ANSWER_S)
-        health1 = json.loads(request(p, "GET", "/health")[2])
+        health1 = json.loads(request(p, "GET", "/health", key=ALICE)[2])
         ms = sorted(health_ms)
         report = {
             "minutes": args.minutes, "attacks": dict(attack_counts), "failed_attacks": failed_attacks[:20],
