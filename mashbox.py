@@ -121,6 +121,17 @@ MIN_CHUNK_BYTES = 1024
 # reads it, so a client without a key cannot make the server hold (or reserve room for) more.
 MAX_UNREAD_BODY = 4 * 1024
 
+# After a request with a body this large, the server hands the heap pages it freed back to the
+# system (memory.release_free_heap): its parse, rendering and tokenizing (about 150 bytes a
+# character) ran in threads whose glibc arenas would otherwise keep them: a few large tool lists, or
+# a count_tokens flood, left the server 100-250 MiB larger for good. A trim costs milliseconds in a
+# thread, and at most one runs each TRIM_DELAY_S, however many such requests end.
+TRIM_AFTER_BODY_BYTES = 128 * 1024
+TRIM_DELAY_S = 0.5
+# glibc heaps the server's threads share (memory.limit_heap_arenas): with its default of 8 a core,
+# the hostile soak's large bodies left the server at 350 MiB from 118; with 2, about 130.
+SERVER_HEAP_ARENAS = 2
+
 # ---- request bodies as JSON: what a parse may cost, and names as the APIs define them ----
 
 # Values in a body, counted (from above) by its brackets and commas before it is parsed: json.loads
@@ -898,6 +909,8 @@ class Connection:
                                     errors)
         finally:
             self._busy = False
+            if self._in_use >= TRIM_AFTER_BODY_BYTES:
+                self.app.trim_heap_soon()
             self._in_use = 0
             self._account()
             self._resume.set()
@@ -4600,6 +4613,8 @@ class App:
         self.tokenizer: chat.Tokenizer | None = None   # loaded from the model's folder when it is ready
         self.tokenizer_process: TokenizerProcess | None = None   # long prompts; started on first use
         self.counting: dict[str, int] = {}     # tenant -> count_tokens requests in flight
+        self._trim: asyncio.Future | None = None
+        self._trim_wanted = False
         self.tokenizer_folder: str | None = None
         self.model_aliases: set[str] = set()   # other names of the served model (its HF repo)
         self.planned_ctx: int | None = None    # the context the worker will run (card before ready)
@@ -4668,6 +4683,7 @@ class App:
             self.tokenizer = chat.Tokenizer.from_folder(facts.folder)
             self.tokenizer.max_token_bytes    # its byte table, built now rather than in a request
             self.tokenizer_folder = facts.folder
+        self.trim_heap_soon()      # what start-up took and freed (the tokenizer's load, the spec's parse)
         # The worker's id (engine.prefix.namespace_id) is the one owner: it tags what it saves.
         self.namespace = facts.cache_namespace
         if self.admission is not None:
@@ -4698,6 +4714,18 @@ class App:
             self.tokenizer_process.close()
         if self._server is not None:
             await self._server.wait_closed()
+
+    def trim_heap_soon(self) -> None:
+        """A trim in a thread TRIM_DELAY_S from now, covering every large request that ends before it
+        starts; one that ends while it runs asks for another."""
+        self._trim_wanted = True
+        if self._trim is None or self._trim.done():
+            async def trim():
+                while self._trim_wanted:
+                    await asyncio.sleep(TRIM_DELAY_S)
+                    self._trim_wanted = False
+                    await asyncio.to_thread(memory.release_free_heap)
+            self._trim = asyncio.ensure_future(trim())
 
     def connection_idle(self, conn: Connection) -> None:
         conn.idle_since = asyncio.get_running_loop().time()
@@ -5017,6 +5045,7 @@ async def serve(app: App, stop: asyncio.Event | None = None,
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    memory.limit_heap_arenas(SERVER_HEAP_ARENAS)
     config = config_from_args(argv)
     try:
         spec = registry.resolve(config.model, config.weights)

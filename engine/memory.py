@@ -22,6 +22,7 @@ available: first the host cache, then the context (not below MIN_DEFAULT_CTX), t
 """
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -239,3 +240,28 @@ def size(cfg: ModelConfig, folder: str, *, slots: int | None, ctx: int | None, c
             f"--cache-ram (the KV cache costs {plan.kv_per_token * plan.ctx / GIB:.2f} GiB per slot "
             f"of {plan.ctx} tokens)")
     return plan
+
+
+def release_free_heap() -> None:
+    """Hand freed heap pages back to the kernel. glibc keeps what a process freed (in every thread's
+    arena) for reuse, so a burst of large, short-lived objects (a worker's start-up tensors, a
+    server's parse of a large body) would count in resident memory for the process's whole life.
+    A no-op where the C library has no malloc_trim (not glibc)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+# glibc's mallopt parameter for the number of heap arenas (M_ARENA_MAX in malloc.h).
+_M_ARENA_MAX = -8
+
+
+def limit_heap_arenas(arenas: int) -> None:
+    """At most `arenas` glibc heaps for the process's threads (the default is 8 a core). Each thread
+    that parses or tokenizes a large request otherwise frees into an arena of its own, where the
+    pages stay: fewer arenas share and reuse them. Call before threads start; a no-op off glibc."""
+    try:
+        ctypes.CDLL(None).mallopt(_M_ARENA_MAX, arenas)
+    except (OSError, AttributeError):
+        pass

@@ -18,7 +18,6 @@ MASHBOX_FAULT makes the process exit abruptly at a chosen point, for tests of th
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import os
@@ -31,7 +30,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from engine import certify, grammar, identity, mirror, native, prefix, sampler, sharding
+from engine import certify, grammar, identity, memory, mirror, native, prefix, sampler, sharding
 from engine.checkpoint import Checkpoint
 from engine.cache import (copy_prefix, has_state, init_cache, read_slot, read_state, warm_host_copies,
                           warm_state_copies, write_slot, write_state)
@@ -176,17 +175,6 @@ def device_call(method):
 
 # ---- the engine --------------------------------------------------------------------------------
 
-def release_free_heap() -> None:
-    """Hand heap pages freed during start-up back to the kernel: the float checkpoint's tensors read
-    while quantizing and the certification gate's float64 reference are gone by now, but glibc keeps
-    their pages, which then count in the worker's resident memory for its whole life. A no-op where
-    the C library has no malloc_trim (not glibc)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 class Engine:
     """The model, its cache and the scheduler, driven one round at a time. Not thread-safe."""
 
@@ -288,7 +276,7 @@ class Engine:
             component_set_sha=self.component_set_sha, deployment_id=self.deployment_id,
             certification=self.certification, certification_detail=self.certification_detail,
             grammar=self.grammars.version, grammar_off=self.grammars.off or "")
-        release_free_heap()
+        memory.release_free_heap()   # what start-up freed (the float checkpoint, the gate's reference)
 
     # -- start-up ---------------------------------------------------------------------------------
 
