@@ -4107,10 +4107,11 @@ def rejected_error(fmt_anthropic: bool, reason: str) -> ApiError:
 
 # Prompts up to this many characters are tokenized in a thread of the server, with encode_batch
 # (chat.Tokenizer.encode_prompt): it lets go of the GIL for the whole call, where `encode` holds it
-# throughout (a 250k-character prompt paused the event loop 264 ms in a thread; encode_batch 1.1 ms,
-# the same ids), and a 250 KB agent prompt takes about 0.3 s and 40 MB. Longer ones go to the
-# tokenizer process (TokenizerProcess), one at a time: tokenizing takes about 150 bytes of memory a
-# character, which a process gives back to the system when it ends, and the server's heap would not.
+# throughout (a 250k-character prompt in a thread paused the event loop 190-300 ms with encode, 6-11
+# ms with encode_batch, the same ids; 2 shared cores, load 2.7). A 250 KB agent prompt takes about
+# 0.3 s and 40 MB. Longer ones go to the tokenizer process (TokenizerProcess), one at a time:
+# tokenizing takes about 150 bytes of memory a character, which a process gives back to the system
+# when it ends, and the server's heap would not.
 TOKENIZE_IN_THREAD_CHARS = 256 * 1024
 # The tokenizer process is replaced after a prompt this long, to give back what tokenizing it took.
 TOKENIZER_RECYCLE_CHARS = 1024 * 1024
