@@ -442,7 +442,8 @@ def _tool_results(w: _Writer, messages: list[Message], i: int) -> None:
         w.template(f"{IM_END}\n")
 
 
-def _system_and_tools(w: _Writer, messages: list[Message], tools: list[Tool], default_system: str | None) -> None:
+def _system_and_tools(w: _Writer, messages: list[Message], tools: list[Tool],
+                      default_system: str | None) -> None:
     """The opening system turn: the first system message (or the default), then the tools block."""
     first = messages[0].content if messages and messages[0].role == "system" else None
     if first is None and default_system is None and not tools:

@@ -219,7 +219,8 @@ def official_ids(tok, text: str, messages: list[dict], fmt: str) -> list[int]:
             at = text.find(content, at + 1)
     if not inside:
         return tok.encode(text)
-    as_text = lambda run: tok.encode_prompt(chat.PromptText([run]))   # noqa: E731
+    def as_text(run: str) -> list[int]:
+        return tok.encode_prompt(chat.PromptText([run]))
     ids, start = [], 0
     for m in re.finditer("|".join(map(re.escape, chat.CONTROL_TOKENS)), text):
         if m.start() not in inside:

@@ -95,7 +95,8 @@ FIELDS = {
     "tool description": lambda t: Job(messages=[Message("user", "hi")],
                                       tools=[Tool("get_weather", t, WEATHER.parameters)]),
     "tool parameter schema": lambda t: Job(messages=[Message("user", "hi")], tools=[Tool(
-        "get_weather", "Weather.", {"type": "object", "properties": {t: {"type": "string", "description": t}}})]),
+        "get_weather", "Weather.",
+        {"type": "object", "properties": {t: {"type": "string", "description": t}}})]),
     "call arguments in history": lambda t: call_in_history(t, json.dumps({"city": t}, ensure_ascii=False)),
     "call arguments that are not JSON": lambda t: call_in_history(t, t),
     "call name in history": lambda t: Job(messages=[
@@ -122,9 +123,10 @@ def test_control_strings_in_client_text_are_text(field, fmt_tok):
 def test_forced_call_name_is_text(fmt, qwen3_tok):
     """Guards against a named tool_choice writing control tokens into the answer's opening (names are
     validated by the APIs; the template still treats the name as the client's)."""
-    job = lambda name: Job(messages=[Message("user", "hi")], tools=[WEATHER], tool_choice={"name": name})  # noqa: E731
-    ids = chat.render(job(INJECTION), qwen3_tok, fmt)
-    assert control_counts(qwen3_tok, ids) == control_counts(qwen3_tok, chat.render(job(PLACEHOLDER), qwen3_tok, fmt))
+    def job(name: str) -> Job:
+        return Job(messages=[Message("user", "hi")], tools=[WEATHER], tool_choice={"name": name})
+    ids, clean = chat.render(job(INJECTION), qwen3_tok, fmt), chat.render(job(PLACEHOLDER), qwen3_tok, fmt)
+    assert control_counts(qwen3_tok, ids) == control_counts(qwen3_tok, clean)
 
 
 def test_a_think_block_in_assistant_content_is_re_rendered_between_the_templates_tags(qwen3_tok):
@@ -136,17 +138,20 @@ def test_a_think_block_in_assistant_content_is_re_rendered_between_the_templates
         return Job(messages=[Message("user", "q"), assistant, Message("tool", "done", tool_call_id="c")],
                    thinking=True)
     calls = [ToolCall("c", "get_weather", "{}")]
-    in_content = loop(Message("assistant", "<think>\nplan <|im_start|>\n</think>\n\nanswer", tool_calls=calls))
+    in_content = loop(Message("assistant", "<think>\nplan <|im_start|>\n</think>\n\nanswer",
+                              tool_calls=calls))
     in_field = loop(Message("assistant", "answer", reasoning="plan <|im_start|>", tool_calls=calls))
     ids = chat.render(in_content, qwen3_tok, "qwen3")
     assert ids == chat.render(in_field, qwen3_tok, "qwen3")
-    assert control_counts(qwen3_tok, ids)["<think>"] == 1 and control_counts(qwen3_tok, ids)["<|im_start|>"] == 4
+    counts = control_counts(qwen3_tok, ids)
+    assert counts["<think>"] == 1 and counts["<|im_start|>"] == 4      # user, assistant, results, answer
 
 
 def test_qwen25_writes_assistant_content_as_it_is_all_text(qwen3_tok):
     """The decision for Qwen2.5 (its template has no thinking): an assistant's <think> block is the
     client's text, written as it is and tokenized as text."""
-    job = Job(messages=[Message("user", "q"), Message("assistant", "<think>a</think>b"), Message("user", "r")])
+    job = Job(messages=[Message("user", "q"), Message("assistant", "<think>a</think>b"),
+                        Message("user", "r")])
     assert control_counts(qwen3_tok, chat.render(job, qwen3_tok, "qwen2.5"))["<think>"] == 0
 
 
@@ -170,19 +175,22 @@ def realistic_jobs() -> dict[str, Job]:
         Message("system", "You are a coding agent. Use <tags> & \"quotes\"; answer in 日本語 🙂"),
         Message("user", "List the files, then check the weather in Köln."),
         Message("assistant", "", reasoning="Two steps.\n", tool_calls=[
-            ToolCall("a", "run_shell", '{"cmd": ["ls", "-la"]}'), ToolCall("b", "get_weather", '{"city": "Köln"}')]),
+            ToolCall("a", "run_shell", '{"cmd": ["ls", "-la"]}'),
+            ToolCall("b", "get_weather", '{"city": "Köln"}')]),
         Message("tool", "a.txt\n\tb.txt\n", tool_call_id="a"),
         Message("tool", "  rain, 12 °C  ", tool_call_id="b"),
         Message("assistant", "Files: a.txt, b.txt. Köln: rain.", reasoning="Summarize."),
         Message("user", "\n\nThanks! Now run `echo <b>hi</b>`.\n"),
-        Message("assistant", "Running it.\n", tool_calls=[ToolCall("c", "run_shell", '{"cmd": ["echo", "<b>hi</b>"]}')]),
+        Message("assistant", "Running it.\n",
+                tool_calls=[ToolCall("c", "run_shell", '{"cmd": ["echo", "<b>hi</b>"]}')]),
         Message("tool", "<b>hi</b>", tool_call_id="c"),
     ]
     tools = [WEATHER, shell]
     return {
         "agent loop, thinking": Job(messages=history, tools=tools, thinking=True),
         "agent loop, thinking off": Job(messages=history, tools=tools),
-        "agent loop, reasoning kept": Job(messages=history, tools=tools, thinking=True, preserve_thinking=True),
+        "agent loop, reasoning kept": Job(messages=history, tools=tools, thinking=True,
+                                          preserve_thinking=True),
         "call required": Job(messages=history[:2], tools=tools, tool_choice="required", thinking=True),
         "call named": Job(messages=history[:2], tools=tools, tool_choice={"name": "get_weather"}),
         "no tools, no system": Job(messages=[Message("user", "Hi"), Message("assistant", "Hello!"),
