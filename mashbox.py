@@ -4131,10 +4131,13 @@ def rejected_error(fmt_anthropic: bool, reason: str) -> ApiError:
     return ApiError(429, why, type="unavailable", code=reason, headers=headers)
 
 
-# Prompts up to this many characters are tokenized in a thread of the server: `tokenizers` lets go of
-# the GIL while it works, and a 250 KB agent prompt takes about 0.3 s and 40 MB. Longer ones go to the
-# tokenizer process (TokenizerProcess), one at a time: tokenizing takes about 150 bytes of memory a
-# character, which a process gives back to the system when it ends, and the server's heap would not.
+# Prompts up to this many characters are tokenized in a thread of the server, with encode_batch
+# (chat.Tokenizer.encode_prompt): it lets go of the GIL for the whole call, where `encode` holds it
+# throughout (a 250k-character prompt in a thread paused the event loop 190-300 ms with encode, 6-11
+# ms with encode_batch, the same ids; 2 shared cores, load 2.7). A 250 KB agent prompt takes about
+# 0.3 s and 40 MB. Longer ones go to the tokenizer process (TokenizerProcess), one at a time:
+# tokenizing takes about 150 bytes of memory a character, which a process gives back to the system
+# when it ends, and the server's heap would not.
 TOKENIZE_IN_THREAD_CHARS = 256 * 1024
 # The tokenizer process is replaced after a prompt this long, to give back what tokenizing it took.
 TOKENIZER_RECYCLE_CHARS = 1024 * 1024
@@ -4152,12 +4155,12 @@ class TokenizerProcess:
         self._proc = None
         self._conn = None
 
-    async def encode(self, text: str, limit: int) -> tuple[int, list[int] | None]:
+    async def encode(self, prompt: chat.PromptText, limit: int) -> tuple[int, list[int] | None]:
         """(number of tokens, the ids, or None when there are more than limit)."""
         async with self._lock:
-            return await asyncio.to_thread(self._encode, text, limit)
+            return await asyncio.to_thread(self._encode, prompt, limit)
 
-    def _encode(self, text: str, limit: int) -> tuple[int, list[int] | None]:
+    def _encode(self, prompt: chat.PromptText, limit: int) -> tuple[int, list[int] | None]:
         import array
         import multiprocessing
         if self._proc is None or not self._proc.is_alive():
@@ -4169,12 +4172,12 @@ class TokenizerProcess:
             self._proc.start()
             theirs.close()
         try:
-            self._conn.send((text, limit))
+            self._conn.send((prompt, limit))
             count, data = self._conn.recv()
         except (EOFError, OSError) as e:
             self.close()
             raise ApiError(500, f"the tokenizer process failed: {e}", type="server_error") from None
-        if len(text) > TOKENIZER_RECYCLE_CHARS:
+        if prompt.chars > TOKENIZER_RECYCLE_CHARS:
             self.close()
         if not data:
             return count, None
@@ -4200,24 +4203,24 @@ async def render_prompt(app, job: Job, count_only: bool = False) -> list[int] | 
     """The one template (rendered in a thread), then its tokens, without stalling the event loop: a
     prompt that cannot fit the context (a token stands for at most max_token_bytes characters) is
     refused before any of it is tokenized; a short one is tokenized in a thread, a long one in the
-    tokenizer process. A prompt
-    longer than the context is a 400 with both numbers. count_only: the number of tokens, whatever it is
-    (count_tokens), under the same character bound."""
+    tokenizer process, both by chat.Tokenizer.encode_prompt (the client's text as text, the template's
+    control tokens as tokens). A prompt longer than the context is a 400 with both numbers.
+    count_only: the number of tokens, whatever it is (count_tokens), under the same character bound."""
     facts, tok = app.bridge.facts, app.tokenizer
     if not facts or tok is None:
         raise not_ready_error(False)
-    text = await asyncio.to_thread(chat.render_text, job, facts.chat_format)
-    ctx = facts.max_model_len
-    if len(text) > (ctx - 1) * tok.max_token_bytes:
-        least = -(-len(text) // tok.max_token_bytes)
-        raise prompt_too_long(f"{len(text)} characters, so at least {least}", ctx)
-    if len(text) <= TOKENIZE_IN_THREAD_CHARS:
-        ids = await asyncio.to_thread(tok.encode, text)
+    prompt = await asyncio.to_thread(chat.render_runs, job, facts.chat_format)
+    ctx, chars = facts.max_model_len, prompt.chars
+    if chars > (ctx - 1) * tok.max_token_bytes:
+        least = -(-chars // tok.max_token_bytes)
+        raise prompt_too_long(f"{chars} characters, so at least {least}", ctx)
+    if chars <= TOKENIZE_IN_THREAD_CHARS:
+        ids = await asyncio.to_thread(tok.encode_prompt, prompt)
         count = len(ids)
     else:
         if app.tokenizer_process is None or app.tokenizer_process.folder != facts.folder:
             app.tokenizer_process = TokenizerProcess(facts.folder)
-        count, ids = await app.tokenizer_process.encode(text, 0 if count_only else ctx - 1)
+        count, ids = await app.tokenizer_process.encode(prompt, 0 if count_only else ctx - 1)
     if count_only:
         return count
     if count >= ctx:

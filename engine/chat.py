@@ -4,7 +4,8 @@ The one place that knows what a prompt looks like and what the model's output me
     Job                  one request of any API, parsed into native types (mashbox.py's parse_*)
     Tokenizer            tokenizer.json: encode, decode, stop ids, each token's bytes
     render(job, tok, fmt)  Job -> prompt token ids (the chat template, hand-written Python);
-                         render_text is the same prompt as text, answer_prefix its answer opening
+                         render_runs the same prompt as text runs between the template's control
+                         tokens, render_text as one string, answer_prefix its answer opening
     OutputParser         generated token ids -> neutral events (text, reasoning, tool calls, done)
     tool_constraint(job, fmt)  what the answer's tool calls must be (engine.grammar masks the tokens)
 Every API's encoder in mashbox.py turns those events into its own JSON or SSE; a fix to tool-call
@@ -150,7 +151,19 @@ class Tokenizer:
     the ids that end an answer, and each token's raw bytes for streaming detokenization."""
 
     def __init__(self, inner, eos_token: str | None = None):
+        from tokenizers import Tokenizer as HFTokenizer
         self._tok = inner
+        # The same model, normalizer and pre-tokenizer with no added tokens: text that writes
+        # <|im_start|> or <think> is tokenized as the characters it is. It shares the model (no copy;
+        # built in microseconds), and gives what `inner` gives for text without added tokens.
+        self._plain = HFTokenizer(inner.model)
+        if inner.normalizer is not None:
+            self._plain.normalizer = inner.normalizer
+        if inner.pre_tokenizer is not None:
+            self._plain.pre_tokenizer = inner.pre_tokenizer
+        # Control strings that are one token here (Qwen2.5 has no <think> or <tool_response>: those
+        # it reads as text, in the template too).
+        self._added: dict[str, int] = {t.content: i for i, t in inner.get_added_tokens_decoder().items()}
         self.vocab_size: int = inner.get_vocab_size(with_added_tokens=True)
         self.stop_ids: list[int] = []
         for name in (*STOP_TOKENS, eos_token):
@@ -178,8 +191,36 @@ class Tokenizer:
         return cls(HFTokenizer.from_file(path), eos if isinstance(eos, str) else None)
 
     def encode(self, text: str) -> list[int]:
-        """Text -> ids; special tokens written in the text (<|im_start|>, <think>) become their ids."""
+        """Text -> ids; special tokens written in the text (<|im_start|>, <think>) become their ids.
+        For short pieces of the server's own (tests, turn_boundaries); prompts go through
+        encode_prompt, which keeps the client's text text."""
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, prompt: "PromptText") -> list[int]:
+        """A rendered prompt -> ids: each run of text as text (whatever control strings the client
+        wrote in it), each of the template's control tokens as its id. Added tokens split a text
+        before anything else reads it, so a prompt whose client text writes none gets exactly the ids
+        of encoding it whole. A Completions prompt (raw) is encoded whole, its control strings as
+        tokens. encode_batch, not encode: it lets go of the GIL for the whole call (encode holds it
+        throughout), with the same ids. One run a call: a batch of several is spread over every core,
+        which took the CPU from the event loop's thread (on 2 cores, 67 ms pauses against 6)."""
+        if prompt.raw:
+            return self._tok.encode_batch(prompt.runs, add_special_tokens=False)[0].ids
+        runs, between, run = [], [], [prompt.runs[0]]
+        for control, text in zip(prompt.controls, prompt.runs[1:]):
+            token = self._added.get(control)
+            if token is None:          # not a token in this vocabulary: text, as it always was
+                run += [control, text]
+            else:
+                runs.append("".join(run))
+                between.append(token)
+                run = [text]
+        runs.append("".join(run))
+        ids = self._plain.encode_batch(runs[:1], add_special_tokens=False)[0].ids
+        for token, text in zip(between, runs[1:]):
+            ids.append(token)
+            ids += self._plain.encode_batch([text], add_special_tokens=False)[0].ids
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
@@ -229,6 +270,13 @@ CHAT_FORMATS = ("qwen3", "qwen2.5")
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+# The control tokens the templates write. Only the template's own are tokens: the same strings in
+# the client's text (messages, tool results, tool definitions, call arguments) are tokenized as text,
+# so a message cannot open a turn, a call or a thought of its own.
+CONTROL_TOKENS = (IM_START, IM_END, THINK_OPEN, THINK_CLOSE, CALL_OPEN, CALL_CLOSE, RESPONSE_OPEN,
+                  RESPONSE_CLOSE)
+_CONTROL = re.compile("(" + "|".join(map(re.escape, CONTROL_TOKENS)) + ")")
 # Thinking off (Qwen3): the answer starts with an empty thought, as the model was trained to see it.
 EMPTY_THOUGHT = "<think>\n\n</think>\n\n"
 # The start of a Hermes-style call, as the templates write calls in history; tool_choice forces it.
@@ -277,12 +325,70 @@ def callable_tools(job: Job) -> list[Tool]:
     return [] if job.tool_choice == "none" else job.tools + job.extra_tools
 
 
-def _forced_call(job: Job) -> str:
+@dataclass
+class PromptText:
+    """A rendered prompt: runs of text with the template's own control tokens between them (runs[0],
+    controls[0], runs[1], ..., runs[-1]). A run is tokenized as text whatever it holds (the client's
+    text among the template's words); a control is its token. A Completions prompt is one run with
+    `raw` set: there the client writes the template, so its control strings are tokens."""
+    runs: list[str]
+    controls: list[str] = field(default_factory=list)
+    raw: bool = False
+
+    @property
+    def text(self) -> str:
+        return "".join(p for pair in zip(self.runs, self.controls + [""]) for p in pair)
+
+    @property
+    def chars(self) -> int:
+        return sum(map(len, self.runs)) + sum(map(len, self.controls))
+
+
+class _Writer:
+    """Builds a PromptText: template() for the template's own text, where a control string is its
+    control token; client() for what the request holds, which is text whatever it writes."""
+
+    def __init__(self):
+        self.runs: list[str] = []
+        self.controls: list[str] = []
+        self._run: list[str] = []      # the open run's parts, joined once when it ends
+
+    def template(self, *parts: str) -> None:
+        for part in parts:
+            for k, piece in enumerate(_CONTROL.split(part)):
+                if k % 2:
+                    self.runs.append("".join(self._run))
+                    self.controls.append(piece)
+                    self._run = []
+                elif piece:
+                    self._run.append(piece)
+
+    def client(self, text: str) -> None:
+        self._run.append(text)
+
+    def done(self) -> PromptText:
+        return PromptText(self.runs + ["".join(self._run)], self.controls)
+
+
+def _forced_call(w: _Writer, job: Job) -> None:
     if not job.tools or job.tool_choice in ("auto", "none"):
-        return ""
-    if isinstance(job.tool_choice, dict):
-        return f'{CALL_HEAD}{job.tool_choice["name"]}", "arguments": '
-    return CALL_HEAD     # "required": the model picks the name
+        return
+    w.template(CALL_HEAD)
+    if isinstance(job.tool_choice, dict):       # a named tool: the prompt writes its name too
+        w.client(job.tool_choice["name"])
+        w.template('", "arguments": ')
+
+
+def _is_forced(job: Job) -> bool:
+    return bool(job.tools) and job.tool_choice not in ("auto", "none")
+
+
+def _answer_prefix(w: _Writer, job: Job, fmt: str) -> None:
+    if job.prompt is not None:
+        return
+    if fmt == "qwen3" and (_is_forced(job) or not job.thinking):
+        w.template(EMPTY_THOUGHT)
+    _forced_call(w, job)
 
 
 def answer_prefix(job: Job, fmt: str) -> str:
@@ -290,11 +396,9 @@ def answer_prefix(job: Job, fmt: str) -> str:
     empty thought when thinking is off (Qwen3), the opening of a call that tool_choice forces. The
     OutputParser reads it first, so it starts in the state the model continues from. A forced call
     skips thinking: the model cannot think once the call has begun."""
-    if job.prompt is not None:
-        return ""
-    forced = _forced_call(job)
-    thought = EMPTY_THOUGHT if fmt == "qwen3" and (forced or not job.thinking) else ""
-    return thought + forced
+    w = _Writer()
+    _answer_prefix(w, job, fmt)
+    return w.done().text
 
 
 def tool_constraint(job: Job, fmt: str) -> Constraint | None:
@@ -304,7 +408,7 @@ def tool_constraint(job: Job, fmt: str) -> Constraint | None:
     the model starts one."""
     if job.prompt is not None or not job.tools:
         return None
-    think = fmt == "qwen3" and job.thinking and not _forced_call(job)
+    think = fmt == "qwen3" and job.thinking and not _is_forced(job)
     if job.tool_choice == "none":
         return Constraint("none", think=think)
     tools = [(t.name, t.parameters) for t in callable_tools(job)]
@@ -314,38 +418,54 @@ def tool_constraint(job: Job, fmt: str) -> Constraint | None:
 
 
 def _is_tool_response(text: str) -> bool:
-    return text.startswith("<tool_response>") and text.endswith("</tool_response>")
+    return text.startswith(RESPONSE_OPEN) and text.endswith(RESPONSE_CLOSE)
 
 
-def _call_text(call: ToolCall, arguments: str) -> str:
+def _call_text(w: _Writer, call: ToolCall, arguments: str) -> None:
     # The name as a JSON string's inside: what the template writes for every real tool name, and a
     # name from an earlier turn (sent back by the client) cannot close the string.
-    name = json.dumps(call.name, ensure_ascii=False)[1:-1]
-    return f'{CALL_HEAD}{name}", "arguments": {arguments}}}\n{CALL_CLOSE}'
+    w.template(CALL_HEAD)
+    w.client(json.dumps(call.name, ensure_ascii=False)[1:-1])
+    w.template('", "arguments": ')
+    w.client(arguments)
+    w.template(f"}}\n{CALL_CLOSE}")
 
 
-def _tool_results(messages: list[Message], i: int) -> str:
+def _tool_results(w: _Writer, messages: list[Message], i: int) -> None:
     """A tool result; consecutive results share one user turn."""
-    head = f"{IM_START}user" if i == 0 or messages[i - 1].role != "tool" else ""
-    last = i == len(messages) - 1 or messages[i + 1].role != "tool"
-    return f"{head}\n<tool_response>\n{messages[i].content}\n</tool_response>" + (f"{IM_END}\n" if last else "")
+    if i == 0 or messages[i - 1].role != "tool":
+        w.template(f"{IM_START}user")
+    w.template(f"\n{RESPONSE_OPEN}\n")
+    w.client(messages[i].content)
+    w.template(f"\n{RESPONSE_CLOSE}")
+    if i == len(messages) - 1 or messages[i + 1].role != "tool":
+        w.template(f"{IM_END}\n")
 
 
-def _system_and_tools(messages: list[Message], tools: list[Tool], default_system: str | None) -> str:
+def _system_and_tools(w: _Writer, messages: list[Message], tools: list[Tool],
+                      default_system: str | None) -> None:
     """The opening system turn: the first system message (or the default), then the tools block."""
     first = messages[0].content if messages and messages[0].role == "system" else None
+    if first is None and default_system is None and not tools:
+        return
+    w.template(f"{IM_START}system\n")
+    if first is not None:
+        w.client(first)
+    elif default_system is not None:
+        w.template(default_system)
     if tools:
-        system = first if first is not None else default_system
-        head = f"{system}\n\n" if system is not None else ""
-        listing = "".join("\n" + _tool_json(t) for t in tools)
-        return f"{IM_START}system\n{head}{TOOLS_INTRO}{listing}{TOOLS_OUTRO}{IM_END}\n"
-    system = first if first is not None else default_system
-    return f"{IM_START}system\n{system}{IM_END}\n" if system is not None else ""
+        w.template("\n\n" if first is not None or default_system is not None else "", TOOLS_INTRO)
+        for tool in tools:
+            w.template("\n")
+            w.client(_tool_json(tool))
+        w.template(TOOLS_OUTRO)
+    w.template(f"{IM_END}\n")
 
 
 def _split_thought(message: Message) -> tuple[str, str]:
     """(reasoning, content) of an assistant turn: its reasoning field, or a <think> block written
-    into its content."""
+    into its content. The split reads the client's text, as the official template does; what it
+    gives back is text again, between <think> and </think> tokens that the template writes."""
     content = message.content
     if message.reasoning is not None:
         return message.reasoning, content
@@ -355,12 +475,12 @@ def _split_thought(message: Message) -> tuple[str, str]:
     return "", content
 
 
-def _qwen3_turns(messages: list[Message], tools: list[Tool], preserve_thinking: bool) -> str:
+def _qwen3_turns(w: _Writer, messages: list[Message], tools: list[Tool], preserve_thinking: bool) -> None:
     """Qwen3's turns. Prefix stability: an answer re-renders as the model wrote it while it is after
     the last user query (a tool-use loop keeps its reasoning). At a new user query the official
     template drops earlier reasoning, and the empty thought of thinking-off answers, so the prompt
     changes there; preserve_thinking keeps non-empty reasoning and with it the prefix."""
-    out = [_system_and_tools(messages, tools, None)]
+    _system_and_tools(w, messages, tools, None)
     # Earlier reasoning is kept only after the last real user query (the current tool-use loop).
     last_query = len(messages) - 1
     for i in range(len(messages) - 1, -1, -1):
@@ -369,22 +489,26 @@ def _qwen3_turns(messages: list[Message], tools: list[Tool], preserve_thinking: 
             break
     for i, m in enumerate(messages):
         if m.role == "user" or (m.role == "system" and i > 0):
-            out.append(f"{IM_START}{m.role}\n{m.content}{IM_END}\n")
+            w.template(f"{IM_START}{m.role}\n")
+            w.client(m.content)
+            w.template(f"{IM_END}\n")
         elif m.role == "assistant":
             reasoning, content = _split_thought(m)
             keep = (i > last_query or preserve_thinking) and (i == len(messages) - 1 or reasoning)
+            w.template(f"{IM_START}assistant\n")
             if keep:
-                out.append(f"{IM_START}assistant\n{THINK_OPEN}\n{reasoning.strip(chr(10))}\n"
-                           f"{THINK_CLOSE}\n\n{content.lstrip(chr(10))}")
+                w.template(f"{THINK_OPEN}\n")
+                w.client(reasoning.strip("\n"))
+                w.template(f"\n{THINK_CLOSE}\n\n")
+                w.client(content.lstrip("\n"))
             else:
-                out.append(f"{IM_START}assistant\n{content}")
+                w.client(content)
             for k, call in enumerate(m.tool_calls):
-                out.append("\n" if k or content else "")
-                out.append(_call_text(call, call.arguments))
-            out.append(f"{IM_END}\n")
+                w.template("\n" if k or content else "")
+                _call_text(w, call, call.arguments)
+            w.template(f"{IM_END}\n")
         elif m.role == "tool":
-            out.append(_tool_results(messages, i))
-    return "".join(out)
+            _tool_results(w, messages, i)
 
 
 def _qwen25_arguments(text: str) -> str:
@@ -396,19 +520,24 @@ def _qwen25_arguments(text: str) -> str:
         return tojson(text)
 
 
-def _qwen25_turns(messages: list[Message], tools: list[Tool]) -> str:
-    out = [_system_and_tools(messages, tools, QWEN25_DEFAULT_SYSTEM)]
+def _qwen25_turns(w: _Writer, messages: list[Message], tools: list[Tool]) -> None:
+    _system_and_tools(w, messages, tools, QWEN25_DEFAULT_SYSTEM)
     for i, m in enumerate(messages):
         if m.role == "user" or (m.role == "system" and i > 0) or (m.role == "assistant" and not m.tool_calls):
-            out.append(f"{IM_START}{m.role}\n{m.content}{IM_END}\n")
+            w.template(f"{IM_START}{m.role}\n")
+            w.client(m.content)
+            w.template(f"{IM_END}\n")
         elif m.role == "assistant":
-            out.append(f"{IM_START}assistant" + (f"\n{m.content}" if m.content else ""))
+            w.template(f"{IM_START}assistant")
+            if m.content:
+                w.template("\n")
+                w.client(m.content)
             for call in m.tool_calls:
-                out.append("\n" + _call_text(call, _qwen25_arguments(call.arguments)))
-            out.append(f"{IM_END}\n")
+                w.template("\n")
+                _call_text(w, call, _qwen25_arguments(call.arguments))
+            w.template(f"{IM_END}\n")
         elif m.role == "tool":
-            out.append(_tool_results(messages, i))
-    return "".join(out)
+            _tool_results(w, messages, i)
 
 
 def _normalized(messages: list[Message]) -> list[Message]:
@@ -416,39 +545,49 @@ def _normalized(messages: list[Message]) -> list[Message]:
     return [Message(**{**m.__dict__, "role": "system"}) if m.role == "developer" else m for m in messages]
 
 
-def render_text(job: Job, fmt: str) -> str:
-    """The prompt as text: the conversation in the model's chat format, then the opening of the
-    assistant's answer. Completions (job.prompt set) use the prompt as it is."""
+def render_runs(job: Job, fmt: str) -> PromptText:
+    """The prompt: the conversation in the model's chat format, then the opening of the assistant's
+    answer, as text runs between the template's own control tokens. Completions (job.prompt set) use
+    the prompt as it is. The one rendering every API, count_tokens and the prefix cache see."""
     if job.prompt is not None:
-        return job.prompt
+        return PromptText([job.prompt], raw=True)
     messages, tools = _normalized(job.messages), offered_tools(job)
+    w = _Writer()
     if fmt == "qwen3":
-        turns = _qwen3_turns(messages, tools, job.preserve_thinking)
+        _qwen3_turns(w, messages, tools, job.preserve_thinking)
     elif fmt == "qwen2.5":
-        turns = _qwen25_turns(messages, tools)
+        _qwen25_turns(w, messages, tools)
     else:
         raise ValueError(f"unknown chat format {fmt!r}; known: {', '.join(CHAT_FORMATS)}")
-    return f"{turns}{IM_START}assistant\n{answer_prefix(job, fmt)}"
+    w.template(f"{IM_START}assistant\n")
+    _answer_prefix(w, job, fmt)
+    return w.done()
+
+
+def render_text(job: Job, fmt: str) -> str:
+    """The prompt as one string (to compare with the official templates, or to read): render_runs'
+    text, which does not say which of its control strings are tokens."""
+    return render_runs(job, fmt).text
 
 
 def render(job: Job, tok: Tokenizer, fmt: str) -> list[int]:
-    """Job -> prompt ids: the one rendering every API and count_tokens use."""
-    return tok.encode(render_text(job, fmt))
+    """Job -> prompt ids (what the server's render_prompt does, in one call)."""
+    return tok.encode_prompt(render_runs(job, fmt))
 
 
 def serve_tokenizer(conn, folder: str) -> None:
-    """The body of a tokenizer process (the server's TokenizerProcess): receives (text, limit), sends
-    back (number of tokens, their ids as int32 bytes, or b"" when there are more than limit). Large
-    prompts are tokenized here so that the memory tokenizing takes (about 150 bytes a character) is
-    this process's, returned to the system when it ends, and the server's event loop never waits."""
+    """The body of a tokenizer process (the server's TokenizerProcess): receives (PromptText, limit),
+    sends back (number of tokens, their ids as int32 bytes, or b"" when there are more than limit).
+    Large prompts are tokenized here so that the memory tokenizing takes (about 150 bytes a character)
+    is this process's, returned to the system when it ends, and the server's event loop never waits."""
     import array
     tok = Tokenizer.from_folder(folder)
     while True:
         try:
-            text, limit = conn.recv()
+            prompt, limit = conn.recv()
         except (EOFError, OSError):
             return
-        ids = tok.encode(text)
+        ids = tok.encode_prompt(prompt)
         conn.send((len(ids), array.array("i", ids).tobytes() if len(ids) <= limit else b""))
 
 

@@ -88,7 +88,7 @@ def build_prompts(tok: chat.Tokenizer, sizes: list[int]) -> list[dict]:
                 offset = 0
             user = tok.decode(corpus[offset:offset + body]) + ASK
             job = chat.Job(messages=[chat.Message("system", system), chat.Message("user", user)])
-            ids = tok.encode(chat.render_text(job, "qwen2.5"))
+            ids = chat.render(job, tok, "qwen2.5")
             if abs(len(ids) - size) <= 2:
                 break
             body += size - len(ids)
