@@ -4139,6 +4139,10 @@ def rejected_error(fmt_anthropic: bool, reason: str) -> ApiError:
 # tokenizing takes about 150 bytes of memory a character, which a process gives back to the system
 # when it ends, and the server's heap would not.
 TOKENIZE_IN_THREAD_CHARS = 256 * 1024
+# Prompts tokenized in threads at once, over all requests: each keeps a core busy, and the event loop
+# needs one too. Generation requests are bounded by admission and count_tokens by its own limits;
+# this bounds what all of them together take from the loop.
+TOKENIZING_THREADS = 2
 # The tokenizer process is replaced after a prompt this long, to give back what tokenizing it took.
 TOKENIZER_RECYCLE_CHARS = 1024 * 1024
 
@@ -4215,7 +4219,8 @@ async def render_prompt(app, job: Job, count_only: bool = False) -> list[int] | 
         least = -(-chars // tok.max_token_bytes)
         raise prompt_too_long(f"{chars} characters, so at least {least}", ctx)
     if chars <= TOKENIZE_IN_THREAD_CHARS:
-        ids = await asyncio.to_thread(tok.encode_prompt, prompt)
+        async with app.tokenizing:
+            ids = await asyncio.to_thread(tok.encode_prompt, prompt)
         count = len(ids)
     else:
         if app.tokenizer_process is None or app.tokenizer_process.folder != facts.folder:
@@ -4616,6 +4621,7 @@ class App:
         self.tokenizer: chat.Tokenizer | None = None   # loaded from the model's folder when it is ready
         self.tokenizer_process: TokenizerProcess | None = None   # long prompts; started on first use
         self.counting: dict[str, int] = {}     # tenant -> count_tokens requests in flight
+        self.tokenizing = asyncio.Semaphore(TOKENIZING_THREADS)
         self._trim: asyncio.Future | None = None
         self._trim_wanted = False
         self.tokenizer_folder: str | None = None
