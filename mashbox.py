@@ -808,6 +808,11 @@ class Connection:
             self.gone.set()
             self._wake.set()
 
+    @property
+    def busy(self) -> bool:
+        """A handler runs (a request is being answered)."""
+        return self._busy
+
     def _account(self) -> bool:
         """Bring this connection's share of the server's buffered bytes up to date; False when it grew
         past what the global budget has left (the share is then kept: the caller refuses). A head's
@@ -909,8 +914,7 @@ class Connection:
                                     errors)
         finally:
             self._busy = False
-            if self._in_use >= TRIM_AFTER_BODY_BYTES:
-                self.app.trim_heap_soon()
+            self.app.request_ended(self._in_use >= TRIM_AFTER_BODY_BYTES)
             self._in_use = 0
             self._account()
             self._resume.set()
@@ -4624,6 +4628,7 @@ class App:
         self.tokenizing = asyncio.Semaphore(TOKENIZING_THREADS)
         self._trim: asyncio.Future | None = None
         self._trim_wanted = False
+        self._heap_dirty = False       # a large request ended since the last trim, others in flight
         self.tokenizer_folder: str | None = None
         self.model_aliases: set[str] = set()   # other names of the served model (its HF repo)
         self.planned_ctx: int | None = None    # the context the worker will run (card before ready)
@@ -4724,6 +4729,16 @@ class App:
         if self._server is not None:
             await self._server.wait_closed()
 
+    def request_ended(self, large: bool) -> None:
+        """A trim after a large request, and another when the last request in flight after one ends
+        (what those requests held is freed only then)."""
+        self._heap_dirty = self._heap_dirty or large
+        if large or (self._heap_dirty and not self._handling()):
+            self.trim_heap_soon()
+
+    def _handling(self) -> bool:
+        return any(conn.busy for conn in self._connections)
+
     def trim_heap_soon(self) -> None:
         """A trim in a thread TRIM_DELAY_S from now, covering every large request that ends before it
         starts; one that ends while it runs asks for another."""
@@ -4733,6 +4748,7 @@ class App:
                 while self._trim_wanted:
                     await asyncio.sleep(TRIM_DELAY_S)
                     self._trim_wanted = False
+                    self._heap_dirty = self._handling()
                     await asyncio.to_thread(memory.release_free_heap)
             self._trim = asyncio.ensure_future(trim())
 
