@@ -3,13 +3,22 @@ Messages, from a hand-written asyncio HTTP/1.1 server in front of a JAX engine w
 
     python -m mashbox run [MODEL] [--slots N] [--ctx T] [--port 8000] ...
 
-This file is the whole server, in titled sections, read top to bottom:
-    limits and errors -> HTTP/1.1 (parse/serialize, no I/O) -> connection loop (asyncio)
-    -> security -> admission -> API formats (parse_* -> Job; Encoder: events -> JSON/SSE; pure)
-    -> metrics -> engine bridge (worker process) -> generation -> routes -> CLI
-A request's life is told by four functions of the generation section, in the order it meets them:
-handle_generation (parse; log and count), admit_and_run (refuse, admit, render), run_generation
-(the retry rule) and run_attempt (one attempt: submit, then tokens -> output parser -> encoder).
+This file is the whole server, in titled sections, in the order a request meets them (a test keeps
+this list and the sections' titles the same):
+    Limits and errors
+    HTTP/1.1                   parse and serialize, pure functions on bytes
+    Connection loop (asyncio)  every await and every socket
+    Security                   keys, tenants, Origin/Host, content type
+    Admission                  the waiting queues
+    Generation                 handle_generation -> admit_and_run -> run_generation -> run_attempt
+    Engine bridge              the worker process
+    Routes                     the routes table, the App
+    Metrics                    Prometheus text, the request log
+    API formats (appendix)     parse_* (JSON body -> Job) and one Encoder (events -> JSON/SSE) per API
+    CLI
+A request's life is told by the four functions of Generation, in that order: handle_generation
+(parse; log and count), admit_and_run (refuse, admit, render), run_generation (the retry rule) and
+run_attempt (one attempt: submit, then tokens -> output parser -> encoder).
 The server process never imports jax: the engine worker (engine/worker.py) owns the device; of the
 engine it imports only chat (templates, output parser), protocol, registry, config and memory (no jax).
 """
@@ -1278,10 +1287,11 @@ MAX_WAITING_TOTAL = 256
 # What a refused client is told to wait: roughly one short answer's time on a busy server.
 RETRY_AFTER_BUSY_S = 2
 # count_tokens requests are never queued for a slot, but each tokenizes a whole prompt (a core for
-# about 0.3 s per 250 KB): one tenant may have this many in flight, the server this many in all.
-# Agents count once a turn; past either, 529 with Retry-After (the spec's answer for a busy server).
-MAX_COUNTING_PER_TENANT = 4
-MAX_COUNTING_TOTAL = 32
+# about 0.3 s per 250 KB), one at a time (App.counting_lane): one tenant may have this many in flight,
+# the server this many in all. Claude Code sends bursts of 26 at its start; past either limit, 529
+# with Retry-After (the spec's answer for a busy server).
+MAX_COUNTING_PER_TENANT = 32
+MAX_COUNTING_TOTAL = 128
 # While the model loads or its worker restarts: loading takes tens of seconds, so poll gently.
 RETRY_AFTER_LOADING_S = 5
 
@@ -1366,7 +1376,1837 @@ class Admission:
 
 
 # =================================================================================================
-# API formats: parse_* (JSON body -> Job, or ApiError naming the field) and one Encoder per API
+# Generation: one request through the template, the engine, the output parser and its API's encoder
+# =================================================================================================
+
+# Anthropic and Responses clients run watchdogs on silent streams; a frame this often while a long
+# prompt is prefilled (a 15k-token Claude Code prompt takes about a minute on a CPU) keeps them calm.
+KEEPALIVE_S = 5.0
+
+# The spec's retry rule: a request whose client has received no output is sent again once.
+RETRIES_AFTER_FAULT = 1
+
+# A request whose worker died waits this long for the new one before it is answered 503/529: a restart
+# loads the weights and compiles again (tens of seconds on a CPU with the compile cache); a worker not
+# back by then is failing again and again, and the client is better told to come back later.
+RESTART_WAIT_S = 300.0
+
+
+async def handle_generation(app, req, out, fmt: "ApiFormat", tenant: str) -> None:
+    """One POST to a generation route: parse, then admit_and_run; whatever happened, log and count."""
+    t0 = time.monotonic()
+    outcome = Outcome()
+    job = None
+    try:
+        job = await parse_body(req, fmt)
+        job.session = job.session or req.header("x-session-id")
+        await admit_and_run(app, req, out, fmt, job, tenant, outcome, t0)
+    except ApiError as e:
+        outcome.status, outcome.finish = e.status, outcome.finish or "error"
+        raise
+    except ClientGone:
+        outcome.status, outcome.finish = 499, "abort"   # 499: nginx's "client closed request"
+        raise
+    finally:
+        e2e = time.monotonic() - t0
+        # The whole wait before the request ran: the server's queue and the worker's (from timings).
+        waited = outcome.timings["queue_ms"] / 1000 if outcome.timings else outcome.queue_s
+        if outcome.admitted:   # requests refused before they ran are counted by their rejection
+            ttft = outcome.first_token_at - t0 if outcome.first_token_at else None
+            decode = (time.monotonic() - outcome.first_token_at) if outcome.first_token_at else None
+            app.metrics.request_done(outcome.finish or "stop", outcome.usage, waited, e2e, ttft, decode)
+            app.metrics.constrained_done(outcome.constrained, outcome.mask_s)
+        app.log(request_log_line(req.method, req.path, outcome, outcome.prompt_tokens, waited, e2e,
+                                 job.session if job is not None else None))
+
+
+async def admit_and_run(app, req, out, fmt: "ApiFormat", job: Job, tenant: str, outcome: Outcome,
+                        t0: float) -> None:
+    """Refuse what cannot run now (stopping, loading, an unknown model, admission's limits), render the
+    prompt while the request waits for its slot, then run_generation; the slot goes back as soon as
+    the engine is done with the request."""
+    if app.bridge.closing:
+        raise stopping_error(fmt.anthropic)
+    if app.bridge.status != "ok":
+        app.metrics["admission_rejections_total"].inc(reason="loading")
+        raise not_ready_error(fmt.anthropic)
+    if not fmt.anthropic:
+        check_model(app, job.model)
+    # Admission first: a tenant past its limit (or a full server) is refused before its prompt
+    # costs any tokenizing; what is admitted is rendered while it waits for its slot.
+    try:
+        ticket = app.admission.enter(tenant)
+    except Rejected as r:
+        app.metrics["admission_rejections_total"].inc(reason=r.reason)
+        raise rejected_error(fmt.anthropic, r.reason)
+    released = False
+
+    def engine_done() -> None:
+        """The slot (or the queue place) goes back: at once when the engine is done with it."""
+        nonlocal released
+        if not released:
+            released = True
+            if ticket is None:
+                app.admission.release()
+            else:
+                app.admission.leave_queue(tenant, ticket)
+    app.bridge.enter()   # from here a shutdown waits for this request (its grace period)
+    try:
+        prompt = await render_prompt(app, job)
+        outcome.prompt_tokens = len(prompt)
+        if app.config.log_prompts:
+            log_prompt(app.tokenizer, prompt, req.path, job.session)
+        if ticket is not None:
+            try:
+                await _wait_admitted(ticket, out.gone, app.bridge.ended)
+            except ServerStopping:
+                raise stopping_error(fmt.anthropic) from None
+        outcome.queue_s = time.monotonic() - t0
+        outcome.admitted, outcome.admitted_at = True, t0 + outcome.queue_s
+        await run_generation(app, req, out, fmt, job, prompt, outcome, engine_done)
+    finally:
+        engine_done()
+        app.bridge.leave()
+
+
+async def _wait_admitted(ticket: asyncio.Future, gone: asyncio.Event, ended: asyncio.Event) -> None:
+    """Wait for a slot. Raises ClientGone if the client leaves first, ServerStopping if the shutdown's
+    grace period ends first (either way the caller gives its place up)."""
+    left = asyncio.ensure_future(gone.wait())
+    stopped = asyncio.ensure_future(ended.wait())
+    try:
+        done, _ = await asyncio.wait({ticket, left, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        stopped.cancel()
+    if ticket not in done:
+        raise ServerStopping() if stopped in done else ClientGone()
+
+
+async def handle_count_tokens(app, req, out, fmt: "ApiFormat") -> None:
+    """Anthropic count_tokens: exactly the prompt the Messages route would prefill. Never queued."""
+    if app.bridge.status != "ok":
+        raise not_ready_error(True)
+    tenant = req.tenant or DEFAULT_TENANT
+    counting = app.counting
+    if counting.get(tenant, 0) >= MAX_COUNTING_PER_TENANT or sum(counting.values()) >= MAX_COUNTING_TOTAL:
+        app.metrics["admission_rejections_total"].inc(reason="counting_full")
+        raise ApiError(529, "too many token counts are running; retry after a moment",
+                       type="overloaded_error", code="counting_full",
+                       headers=(("Retry-After", str(RETRY_AFTER_BUSY_S)),))
+    counting[tenant] = counting.get(tenant, 0) + 1
+    try:
+        job = await parse_body(req, fmt)
+        await out.json(200, {"input_tokens": await render_prompt(app, job, count_only=True)})
+    finally:
+        counting[tenant] -= 1
+        if not counting[tenant]:
+            del counting[tenant]
+
+
+# ---- the body: JSON parsed within bounds, off the loop when large ---------------------------------
+
+# A lone surrogate (half of a UTF-16 pair) can only come from a \uD800-\uDFFF escape: a valid pair
+# becomes one character, and the body is strict UTF-8. Such text cannot be tokenized, logged or sent
+# back, so strings are searched for one only when an escape like it occurs.
+_SURROGATE_HINT = re.compile(r"\\u[dD][89a-fA-F]")
+
+LONE_SURROGATE = "with a lone UTF-16 surrogate (half of a pair) is not valid Unicode"
+
+DEEPER = f"nested deeper than {MAX_JSON_DEPTH} levels of objects and arrays"
+
+
+def _check_tree(doc: Any, strings: bool) -> tuple[str, str] | None:
+    """Where and why a parsed body cannot be served (place e.g. `messages[0].content`): nesting
+    deeper than MAX_JSON_DEPTH, or (strings=True) a lone surrogate in a string or key. One walk, linear
+    in the body: a place's name is made only for the value found."""
+    stack: list[tuple[Any, int, Any]] = [(doc, 1, None)]   # (value, depth, (parent's link, key))
+    while stack:
+        node, depth, link = stack.pop()
+        if isinstance(node, dict):
+            if depth > MAX_JSON_DEPTH:
+                return _place(link, 3), DEEPER
+            for key, value in node.items():
+                if strings and not _utf8(key):
+                    return _place(link), f"a key {LONE_SURROGATE}"
+                stack.append((value, depth + 1, (link, key)))
+        elif isinstance(node, list):
+            if depth > MAX_JSON_DEPTH:
+                return _place(link, 3), DEEPER
+            stack.extend((value, depth + 1, (link, i)) for i, value in enumerate(node))
+        elif strings and isinstance(node, str) and not _utf8(node):
+            return _place(link), f"text {LONE_SURROGATE}"
+    return None
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _place(link: Any, most: int = MAX_JSON_DEPTH) -> str:
+    """messages[0].content from the links (parent's link, key) of _check_tree: its first `most` keys."""
+    keys = []
+    while link is not None:
+        link, key = link
+        keys.append(key)
+    keys.reverse()
+    out = ""
+    for key in keys[:most]:
+        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
+    return (out + ("..." if len(keys) > most else "")) or "body"
+
+# A body this large is parsed in a thread, and every prompt is rendered in one: Python hands the GIL
+# back to the event loop every few milliseconds, so /health and other requests wait for a slice, not
+# for the whole of it (10,000 tools: about 130 ms of parsing and rendering on a quiet 2-core CPU).
+PARSE_IN_THREAD_BYTES = 64 * 1024
+
+
+async def parse_body(req, fmt: "ApiFormat") -> Job:
+    """The request's Job (fmt.parse of its JSON body), off the event loop when the body is large."""
+    if len(req.body) > PARSE_IN_THREAD_BYTES:
+        return await asyncio.to_thread(lambda: fmt.parse(json_body(req)))
+    return fmt.parse(json_body(req))
+
+
+def json_body(req) -> dict:
+    """The request body as a JSON object, or a 400 that says what is wrong with it: not UTF-8 (a
+    UTF-16 or UTF-32 body, which json.loads would otherwise guess), more than MAX_JSON_VALUES values
+    (counted before the parse), not JSON, nested too deeply, or a lone surrogate."""
+    raw = req.body
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"body: not UTF-8 (byte {e.start}: {raw[e.start:e.start + 4]!r}); JSON "
+                            "bodies must be UTF-8") from None
+    values = raw.count(b"{") + raw.count(b"[") + raw.count(b",")
+    if values > MAX_JSON_VALUES:
+        raise ApiError(400, f"body: more than {MAX_JSON_VALUES} JSON values ({values} brackets and "
+                            "commas)")
+    try:
+        body = json.loads(text)
+    except ValueError as e:
+        raise ApiError(400, f"body: not valid JSON ({e})") from None
+    except RecursionError:   # json's decoder recurses once per level: thousands of [ overflow it
+        raise ApiError(400, f"body: {DEEPER}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"body: must be a JSON object, got {type(body).__name__}")
+    found = _check_tree(body, strings=_SURROGATE_HINT.search(text) is not None)
+    if found is not None:
+        place, why = found
+        raise ApiError(400, f"{place}: {why}", param=None if place == "body" else place)
+    return body
+
+
+# ---- refusals, in each API's words ----------------------------------------------------------------
+
+def _retry_shortly(fmt_anthropic: bool, why: str) -> ApiError:
+    """503 (OpenAI) / 529 overloaded (Anthropic) with Retry-After: the server will answer this request
+    again soon, so the client is told to retry (x-should-retry on Anthropic routes)."""
+    headers = (("Retry-After", str(RETRY_AFTER_LOADING_S)),)
+    if fmt_anthropic:
+        return ApiError(529, f"{why}; retry shortly", type="overloaded_error",
+                        headers=headers + (("x-should-retry", "true"),))
+    return ApiError(503, f"{why}; retry shortly", type="unavailable", headers=headers)
+
+
+def not_ready_error(fmt_anthropic: bool) -> ApiError:
+    """While the model loads or its worker restarts."""
+    return _retry_shortly(fmt_anthropic, "the model is loading")
+
+
+def stopping_error(fmt_anthropic: bool) -> ApiError:
+    """For a request that a shutting-down server will not run or finish (a restarted server will)."""
+    return _retry_shortly(fmt_anthropic, "the server is shutting down")
+
+
+def rejected_error(fmt_anthropic: bool, reason: str) -> ApiError:
+    """What admission's refusal sounds like in each API (the spec's 429 and 529): a tenant past its own
+    limit is rate-limited (429 everywhere, Anthropic's rate_limit_error); a full server queue is 429 on
+    OpenAI routes and Anthropic's 529 overloaded_error on Messages. Both with Retry-After."""
+    headers = (("Retry-After", str(RETRY_AFTER_BUSY_S)),)
+    if reason == "tenant_queue_full":
+        return ApiError(429, "too many of your requests are waiting for a slot", type="unavailable",
+                        code=reason, headers=headers)
+    why = "the server's queue is full"
+    if fmt_anthropic:
+        return ApiError(529, why, type="overloaded_error", code=reason, headers=headers)
+    return ApiError(429, why, type="unavailable", code=reason, headers=headers)
+
+
+def check_model(app, name: str | None) -> None:
+    """The spec's 404 on the OpenAI routes: a model id other than the one served (or its Hugging Face
+    repo name, spelled as models.json gives it) is model_not_found, and the message names the served
+    id so the user can fix the client's configuration. Leaving model out is accepted. Messages accepts
+    any name (Claude Code sends claude-*) and never calls this."""
+    served = app.bridge.facts.id
+    if name and name != served and name not in app.model_aliases:
+        raise model_not_found(name, served, f" (send model '{served}' or leave it out)")
+
+
+def model_not_found(name: str, served: str, hint: str = "") -> ApiError:
+    """The spec's 404 for a model id this server does not serve (generation routes, /v1/models/{id})."""
+    return ApiError(404, f"model: '{name}' is not served here; this server runs '{served}'{hint}",
+                    code="model_not_found", param="model")
+
+
+# ---- the prompt: the one template, then its tokens ------------------------------------------------
+
+# Prompts up to this many characters are tokenized in a thread of the server, with encode_batch
+# (chat.Tokenizer.encode_prompt): it lets go of the GIL for the whole call, where `encode` holds it
+# throughout (a 250k-character prompt in a thread paused the event loop 190-300 ms with encode, 6-11
+# ms with encode_batch, the same ids; 2 shared cores, load 2.7). A 250 KB agent prompt takes about
+# 0.3 s and 40 MB. Longer ones go to the tokenizer process (TokenizerProcess), one at a time:
+# tokenizing takes about 150 bytes of memory a character, which a process gives back to the system
+# when it ends, and the server's heap would not.
+TOKENIZE_IN_THREAD_CHARS = 256 * 1024
+
+# Prompts tokenized in threads at once: each keeps a core busy, and the event loop needs one too.
+# Generation requests (bounded by admission) take up to TOKENIZING_THREADS; count_tokens requests
+# take one lane of their own, so a flood of them never delays another tenant's generation.
+TOKENIZING_THREADS = 2
+COUNTING_THREADS = 1
+
+# The tokenizer process is replaced after a prompt this long, to give back what tokenizing it took.
+TOKENIZER_RECYCLE_CHARS = 1024 * 1024
+
+
+class TokenizerProcess:
+    """A process of its own that tokenizes long prompts (chat.serve_tokenizer), started on first use
+    and replaced after each very long prompt. One prompt at a time: long prompts wait their turn here
+    (each still holds its body, which the connections' byte budget bounds) instead of tokenizing
+    together; short prompts never come here."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self._lock = asyncio.Lock()
+        self._proc = None
+        self._conn = None
+
+    async def encode(self, prompt: chat.PromptText, limit: int) -> tuple[int, list[int] | None]:
+        """(number of tokens, the ids, or None when there are more than limit)."""
+        async with self._lock:
+            return await asyncio.to_thread(self._encode, prompt, limit)
+
+    def _encode(self, prompt: chat.PromptText, limit: int) -> tuple[int, list[int] | None]:
+        import array
+        import multiprocessing
+        if self._proc is None or not self._proc.is_alive():
+            self.close()
+            context = multiprocessing.get_context("spawn")
+            self._conn, theirs = context.Pipe()
+            self._proc = context.Process(target=chat.serve_tokenizer, args=(theirs, self.folder),
+                                         name="mashbox-tokenizer", daemon=True)
+            self._proc.start()
+            theirs.close()
+        try:
+            self._conn.send((prompt, limit))
+            count, data = self._conn.recv()
+        except (EOFError, OSError) as e:
+            self.close()
+            raise ApiError(500, f"the tokenizer process failed: {e}", type="server_error") from None
+        if prompt.chars > TOKENIZER_RECYCLE_CHARS:
+            self.close()
+        if not data:
+            return count, None
+        ids = array.array("i")
+        ids.frombytes(data)
+        return count, ids.tolist()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join(5)
+        self._proc = self._conn = None
+
+
+def prompt_too_long(tokens: str, ctx: int) -> ApiError:
+    return ApiError(400, f"messages: the prompt is {tokens} tokens, and the context holds {ctx} (with room "
+                         "for at least one new token)", param="messages")
+
+
+async def render_prompt(app, job: Job, count_only: bool = False) -> list[int] | int:
+    """The one template (rendered in a thread), then its tokens, without stalling the event loop: a
+    prompt that cannot fit the context (a token stands for at most max_token_bytes characters) is
+    refused before any of it is tokenized; a short one is tokenized in a thread, a long one in the
+    tokenizer process, both by chat.Tokenizer.encode_prompt (the client's text as text, the template's
+    control tokens as tokens). A prompt longer than the context is a 400 with both numbers.
+    count_only: the number of tokens, whatever it is (count_tokens), under the same character bound."""
+    facts, tok = app.bridge.facts, app.tokenizer
+    if not facts or tok is None:
+        raise not_ready_error(False)
+    prompt = await asyncio.to_thread(chat.render_runs, job, facts.chat_format)
+    ctx, chars = facts.max_model_len, prompt.chars
+    if chars > (ctx - 1) * tok.max_token_bytes:
+        least = -(-chars // tok.max_token_bytes)
+        raise prompt_too_long(f"{chars} characters, so at least {least}", ctx)
+    if chars <= TOKENIZE_IN_THREAD_CHARS:
+        async with app.counting_lane if count_only else app.tokenizing:
+            ids = await asyncio.to_thread(tok.encode_prompt, prompt)
+        count = len(ids)
+    else:
+        if app.tokenizer_process is None or app.tokenizer_process.folder != facts.folder:
+            app.tokenizer_process = TokenizerProcess(facts.folder)
+        count, ids = await app.tokenizer_process.encode(prompt, 0 if count_only else ctx - 1)
+    if count_only:
+        return count
+    if count >= ctx:
+        raise prompt_too_long(str(count), ctx)
+    return ids
+
+
+# ---- the answer: attempts, and each step from the engine to the client ----------------------------
+
+@dataclass
+class Outcome:
+    """What the request log line and the metrics need to know about a finished request."""
+    status: int = 200
+    finish: str = ""
+    usage: chat.Usage | None = None
+    timings: dict | None = None
+    first_token_at: float | None = None
+    retried: bool = False
+    admitted: bool = False
+    admitted_at: float | None = None   # time.monotonic() when admission let it run
+    queue_s: float = 0.0               # arrival to admitted: parse, render and the admission queue
+    prompt_tokens: int = 0             # the rendered prompt's length, once rendered
+    constrained: str | None = None     # the Constraint mode its tool calls ran under (engine.grammar)
+    mask_s: float = 0.0                # host time its token masks took
+
+
+def cache_tenant_label(req) -> str:
+    """The opaque label the host cache's fairness rule counts bytes by: a hash of the tenant, so the
+    worker never holds a tenant's name."""
+    import hashlib
+    return hashlib.sha256(str(getattr(req, "tenant", "") or "").encode()).hexdigest()[:16]
+
+
+class _Delivery:
+    """What one request has sent its client so far, across attempts (run_generation's retry rule reads
+    sent_output)."""
+
+    def __init__(self, out, job: Job, encoder):
+        self.out = out
+        self.enc = encoder if job.stream else None     # a stream's one encoder, across attempts
+        self.started = True          # the encoder's start frames were sent
+        self.sent_output = False     # a streamed client has text, reasoning or a tool call: never retry
+        self.keepalive = None
+        if job.stream:
+            self.started = not encoder.starts_on_admission
+            # Before the start frames, an SSE comment: every client skips it (an Anthropic ping
+            # before message_start would break the SDK's stream accumulator).
+            self.keepalive = lambda: out.event(encoder.keepalive() if self.started else SSE_COMMENT, False)
+
+    async def begin(self) -> None:
+        """The stream's head and start frames, left in the connection's buffer: the request holds its
+        slot, and a client that reads nothing must not keep it (the stall timeout cuts it off)."""
+        await self.out.start_stream(wait=False)
+        if self.started:
+            for frame in self.enc.start():
+                await self.out.event(frame, False)
+
+
+async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list[int],
+                         outcome: Outcome, engine_done: Callable[[], None] = lambda: None) -> None:
+    """Generate for one parsed, rendered, admitted request and write its answer (JSON or SSE).
+
+    Owns the spec's retry rule (one attempt is run_attempt). When the worker dies (or the device fails
+    this request) before the client has received any output, the request is sent again once, from the
+    start, to the next worker: not streamed, until its response is written; streamed, until its first
+    output is sent (the frames of enc.start() are not output). A failure after that, or of the retry,
+    is a 500 in the route's shape; a started stream ends with its encoder's error frames, which carry
+    the response id. A shutdown whose grace period ran out ends the request the same way with 503/529.
+
+    Frames are left in the connection's buffer while the engine works (a slow reader does not hold the
+    engine's answer back), and engine_done() is called as soon as the engine has finished with the
+    request, before the rest is written: its slot goes to the next request, and what a slow client has
+    still to read is bounded output, cut off by the stall timeout like any other.
+    """
+    bridge = app.bridge
+    facts = bridge.facts
+    room = facts.max_model_len - len(prompt)
+    max_tokens = room if job.max_tokens is None else min(job.max_tokens, room)
+    rid = new_id(fmt.id_prefix)
+    answer_model = (job.model or facts.id) if fmt.echoes_model else facts.id
+    meta = Meta(id=rid, created=int(time.time()), model=answer_model, prompt_tokens=len(prompt))
+    delivery = _Delivery(out, job, fmt.encoder(job, meta) if job.stream else None)
+    if job.stream:
+        await delivery.begin()
+    err: ApiError | None = None
+    for attempt in range(RETRIES_AFTER_FAULT + 1):
+        encoder = delivery.enc if job.stream else fmt.encoder(job, meta)
+        sub_id = rid if attempt == 0 else f"{rid}-retry{attempt}"
+        try:
+            await run_attempt(app, req, fmt, job, prompt, max_tokens, sub_id, encoder, delivery, outcome)
+        except WorkerDied as died:
+            bridge.cancel(sub_id)
+            if not delivery.sent_output and attempt < RETRIES_AFTER_FAULT:
+                outcome.retried = True
+                app.log(f"{rid}: {died}; nothing was sent yet, so it runs again from the start")
+                continue
+            err = ApiError(500, f"the request failed on the device: {died}", type="server_error")
+        except ServerStopping:
+            bridge.cancel(sub_id)
+            err = stopping_error(fmt.anthropic)
+        except ApiError as e:                    # no worker came back in time
+            err = e
+        except ClientGone:
+            bridge.cancel(sub_id)
+            outcome.finish = outcome.finish or "abort"
+            raise
+        except Exception:                        # a bug reading or encoding the output
+            bridge.cancel(sub_id)
+            log.exception("%s: the answer could not be written", rid)
+            err = ApiError(500, "internal server error", type="server_error")
+        except BaseException:
+            bridge.cancel(sub_id)   # client gone, stalled or server stopping: free the slot at once
+            outcome.finish = outcome.finish or "abort"
+            raise
+        break
+    engine_done()
+    if err is None:
+        if job.stream:
+            await out.end_stream()
+        else:
+            await out.json(200, encoder.body())
+        return
+    outcome.status, outcome.finish = err.status, "error"
+    if not job.stream:
+        raise err
+    for frame in delivery.enc.error(err):
+        await out.event(frame)
+    await out.end_stream()
+
+
+async def _wait_for_worker(app, gone: asyncio.Event, keepalive: Callable[[], Awaitable[None]] | None,
+                           anthropic: bool) -> None:
+    """Return once the worker is ready (at once when it is). Meanwhile a stream gets a keep-alive frame
+    every KEEPALIVE_S. Raises ClientGone, ServerStopping, or the not-ready error after RESTART_WAIT_S."""
+    bridge = app.bridge
+    deadline = time.monotonic() + RESTART_WAIT_S
+    while bridge.status != "ok":
+        if bridge.ended.is_set():
+            raise ServerStopping()
+        if gone.is_set():
+            raise ClientGone()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise not_ready_error(anthropic)
+        waits = [asyncio.ensure_future(w) for w in (app.wait_ready(), gone.wait(), bridge.ended.wait())]
+        try:
+            await asyncio.wait(waits, timeout=min(KEEPALIVE_S, left), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if bridge.status != "ok" and keepalive is not None and not gone.is_set():
+            await keepalive()
+
+
+async def run_attempt(app, req, fmt: "ApiFormat", job: Job, prompt: list[int], max_tokens: int,
+                      sub_id: str, encoder, delivery: _Delivery, outcome: Outcome) -> None:
+    """One attempt: wait for a ready worker, submit, and feed each Step through the output parser and
+    the encoder until the request finishes. Raises WorkerDied (the worker died, or the device failed
+    this request), ServerStopping, or ApiError (no worker came back in time)."""
+    bridge, tok, out = app.bridge, app.tokenizer, delivery.out
+    parser = chat.OutputParser(tok, job, bridge.facts.chat_format)
+    usage = chat.Usage(prompt_tokens=len(prompt))
+    outcome.usage = usage   # so far: a request that ends early is still counted and logged
+    await _wait_for_worker(app, out.gone, delivery.keepalive, fmt.anthropic)
+    facts = bridge.facts
+    q = bridge.submit(protocol.Submit(
+        rid=sub_id, prompt=prompt, max_tokens=max_tokens, sampling=job.sampling,
+        stop_ids=list(tok.stop_ids), submitted_at=time.time(),
+        cuts=chat.turn_boundaries(prompt, tok), tenant=cache_tenant_label(req),
+        constraint=chat.tool_constraint(job, facts.chat_format) if facts.grammar else None))
+    while True:
+        step = await _next_step(q, out.gone, KEEPALIVE_S)
+        if step is None:
+            if delivery.keepalive is not None:
+                await delivery.keepalive()
+            continue
+        if isinstance(step, BaseException):
+            raise step                   # WorkerDied or ServerStopping
+        if step.finish == "error":
+            raise WorkerDied(f"device error: {step.error or 'unknown'}")
+        if step.prompt_tokens:
+            usage.prompt_tokens, usage.cached_tokens = step.prompt_tokens, step.cached_tokens
+        if not delivery.started:         # the worker gave the prompt a slot (or answered already)
+            delivery.started = True
+            encoder.admitted(usage)
+            for frame in encoder.start():
+                await out.event(frame, False)
+        if step.tokens and outcome.first_token_at is None:
+            outcome.first_token_at = time.monotonic()
+        usage.completion_tokens += len(step.tokens)
+        events = parser.feed(step.tokens)
+        finish = step.finish
+        if parser.stop_hit and finish is None:
+            bridge.cancel(sub_id)        # a stop string ended the text: free the slot now
+            finish = "stop"
+        if finish is not None:
+            outcome.timings = _timings(step.timings, usage, outcome)
+            outcome.constrained, outcome.mask_s = step.constrained, step.mask_ms / 1000
+            events += parser.finish(finish, usage, outcome.timings)
+        for ev in events:
+            frames = encoder.feed(ev)
+            if isinstance(ev, chat.Done):
+                outcome.finish, outcome.usage = ev.finish_reason, ev.usage
+            if job.stream and frames:
+                delivery.sent_output = delivery.sent_output or not isinstance(ev, chat.Done)
+                for frame in frames:
+                    await out.event(frame, False)
+        if finish is not None:
+            return
+
+
+async def _next_step(q: asyncio.Queue, gone: asyncio.Event, timeout: float):
+    """The next Step (or WorkerDied) for a request; None on timeout; raises ClientGone if the client left."""
+    if gone.is_set():
+        raise ClientGone()
+    get = asyncio.ensure_future(q.get())
+    left = asyncio.ensure_future(gone.wait())
+    try:
+        done, _ = await asyncio.wait({get, left}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        if not get.done():
+            get.cancel()
+    if get in done:
+        return get.result()
+    if left in done:
+        raise ClientGone()
+    return None
+
+
+def _timings(step_timings: dict | None, usage: chat.Usage, outcome: "Outcome | None" = None) -> dict:
+    """llama-server's timings block (ChatTimings) from what the worker measured, with queue_ms counting
+    the wait in the server's admission queue too. Where the worker sent no timings (a stop string ended
+    the answer before its last Step), the server's clock measures the same spans."""
+    t = step_timings or {}
+    now = time.monotonic()
+    first = outcome.first_token_at if outcome is not None else None
+    admitted = outcome.admitted_at if outcome is not None else None
+    if "prompt_ms" in t:
+        prompt_ms = float(t["prompt_ms"])
+    else:
+        prompt_ms = (first - admitted) * 1000 if first is not None and admitted is not None else 0.0
+    if "predicted_ms" in t:
+        predicted_ms = float(t["predicted_ms"])
+    else:
+        predicted_ms = (now - first) * 1000 if first is not None else 0.0
+    waited_ms = outcome.queue_s * 1000 if outcome is not None else 0.0
+    prompt_n = usage.prompt_tokens - usage.cached_tokens
+    n = usage.completion_tokens
+    return {
+        "prompt_n": prompt_n,
+        "prompt_ms": round(prompt_ms, 3),
+        "prompt_per_second": round(prompt_n / (prompt_ms / 1000), 3) if prompt_ms > 0 else None,
+        "predicted_n": n,
+        "predicted_ms": round(predicted_ms, 3),
+        "predicted_per_second": round((n - 1) / (predicted_ms / 1000), 3) if predicted_ms > 0 and n > 1 else None,
+        "cache_n": usage.cached_tokens,
+        "queue_ms": round(waited_ms + float(t.get("queue_ms", 0.0)), 3),
+    }
+
+
+# =================================================================================================
+# Engine bridge: the worker process, its messages, supervision
+# =================================================================================================
+
+# The worker is started with multiprocessing's "spawn" so it never inherits the server's event loop,
+# sockets or threads. Its entry point is named as "module:function" and imported only in the child:
+# pickling a function reference would import its module here, and the real worker imports jax.
+WORKER_ENTRY = "engine.worker:main"
+# Several hosts: what `mashbox run --process-id I` (I > 0) runs instead of a server (follow_leader).
+FOLLOWER_ENTRY = "engine.worker:follow"
+# For tests only: `MASHBOX_WORKER_ENTRY=tests.fake_worker:main python -m mashbox run ...` serves the
+# fake engine, so the CLI's signals and shutdown can be tested on a real process without a model.
+WORKER_ENTRY_ENV = "MASHBOX_WORKER_ENTRY"
+# A worker that dies again and again before it is ready is started again at once the first time, then
+# after 1, 2, 4 ... s, at most RESTART_BACKOFF_MAX_S: a broken device or model must not spin the CPU,
+# and the server itself never exits because its worker did.
+RESTART_BACKOFF_FIRST_S = 1.0
+RESTART_BACKOFF_MAX_S = 30.0
+# A worker whose batch makes no progress for this long is treated as stuck and replaced. The longest
+# legitimate silence is one prefill chunk on a slow CPU, which the worker bounds to a few seconds.
+STUCK_WORKER_S = 120.0
+# How long a worker asked to shut down may take to finish its current step and exit before it is
+# killed; and how long a dead worker's process is waited for, to read its exit status.
+WORKER_EXIT_WAIT_S = 5.0
+# How often the watchdog looks for a stuck worker: a hang is noticed within stuck_s and a few seconds.
+WATCHDOG_POLL_S = 5.0
+
+
+# One BLAS thread in the worker: the host does small numpy bookkeeping between device calls, and a
+# BLAS pool would only compete with XLA's own threads for the cores. Measured with bench_engine on a
+# 2-core CPU, 1 vs 2 BLAS threads side by side: decode and prefill speeds the same within the shared
+# machine's noise (XLA's CPU kernels do not use the BLAS pool), so this is a guard, not a speed-up.
+# It must be in the environment before numpy is first imported in the child, and a spawned child
+# imports this module (numpy among its imports) before it runs the worker: so the parent puts it in
+# the environment the child starts with.
+WORKER_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def spawn_worker(entry: str, args) -> tuple[Any, Any]:
+    """Start the worker process, the one way it is started: spawned (a fresh interpreter, never a fork
+    of the server's threads), with WORKER_THREAD_ENV, running `entry` ("module:function", called with
+    (connection, args)). Returns (process, connection); the connection speaks engine.protocol."""
+    import multiprocessing
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    process = context.Process(target=_worker_trampoline, args=(entry, theirs, args),
+                              name="mashbox-worker", daemon=True)
+    saved = {name: os.environ.get(name) for name in WORKER_THREAD_ENV}
+    os.environ.update(WORKER_THREAD_ENV)
+    try:
+        process.start()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    theirs.close()
+    return process, ours
+
+
+def _worker_trampoline(entry: str, conn, args) -> None:
+    """Runs in the child process: import the worker's module there, and run it."""
+    import importlib
+    module, _, func = entry.partition(":")
+    getattr(importlib.import_module(module), func)(conn, args)
+
+
+def restart_delay(failures: int, first_s: float = RESTART_BACKOFF_FIRST_S,
+                  most_s: float = RESTART_BACKOFF_MAX_S) -> float:
+    """Seconds before starting a worker after `failures` deaths in a row: 0, then doubling."""
+    if failures <= 1:
+        return 0.0
+    return min(most_s, first_s * 2.0 ** (failures - 2))
+
+
+class WorkerDied(Exception):
+    """The worker process went away while a request was in it."""
+
+
+class ServerStopping(Exception):
+    """The server is shutting down and the request's grace period ran out."""
+
+
+def _exit_status(code: int | None) -> str:
+    """A worker's exit code as a person reads it: "exit code 1", "killed by SIGKILL"."""
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class Bridge:
+    """The only owner of the worker process: starts it, sends it Submit/Cancel, routes its Steps to the
+    request that waits for them, notices when it dies or hangs, and starts a new one.
+
+    Threads: a reader thread per worker blocks on its pipe and hands each message to the event loop
+    with call_soon_threadsafe; one writer thread sends (and closes pipes), so a worker busy with a long
+    prefill never blocks the event loop. Everything else runs on the event loop.
+
+    A death (pipe closed, a crash signal, an unreadable message, or no progress for stuck_s while
+    requests wait) delivers WorkerDied to every live request, sets status "loading", counts a restart and
+    starts a new worker. The requests themselves decide whether to run again (run_generation).
+
+    It also counts the generation requests in flight (enter/leave), so that a shutting-down server can
+    wait for them, and end the ones still running when its grace period is over (end_all).
+    """
+
+    def __init__(self, worker_args, entry: str = WORKER_ENTRY, log=log.warning, stuck_s: float = STUCK_WORKER_S,
+                 backoff_first_s: float = RESTART_BACKOFF_FIRST_S,
+                 backoff_max_s: float = RESTART_BACKOFF_MAX_S):
+        self.worker_args, self.entry, self.log = worker_args, entry, log
+        self.stuck_s, self.backoff_first_s, self.backoff_max_s = stuck_s, backoff_first_s, backoff_max_s
+        self.status = "loading"          # "loading" until Ready, and again while a new worker starts
+        self.facts = None                # protocol.ModelFacts once ready
+        self.pid: int | None = None
+        self.restarts = 0
+        self.loading: tuple[str, int, int] | None = None   # (phase, done, total) for progress
+        self.stats = None                # last protocol.Stats
+        self.compiles_after_ready_before = 0   # summed over earlier worker processes
+        self.closing = False             # the server takes no new requests (shutting down)
+        self.ended = asyncio.Event()     # the grace period is over: requests still here end now
+        self.in_flight = 0               # generation requests between enter() and leave()
+        self._idle = asyncio.Event()     # set while in_flight == 0
+        self._idle.set()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._proc = None
+        self._conn = None
+        self._outbox: "queue.Queue" = queue.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self._failures = 0               # consecutive deaths before a Ready, for the backoff
+        self._generation = 0             # which worker process a message came from
+        self._last_progress = time.monotonic()
+        self.on_ready: list[Callable[[], None]] = []
+        # Called with every message but a Step, after the bridge has taken it in (the server log's
+        # progress, start-up lines and warnings: EngineLog).
+        self.watchers: list[Callable[[Any], None]] = []
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the first worker; call from the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        threading.Thread(target=self._writer, name="bridge-writer", daemon=True).start()
+        self._spawn()
+        self._loop.create_task(self._watchdog())
+
+    def _spawn(self) -> None:
+        proc, parent = spawn_worker(self.entry, self.worker_args)
+        self._generation += 1
+        self._proc, self._conn, self.pid = proc, parent, proc.pid
+        self._last_progress = time.monotonic()
+        threading.Thread(target=self._reader, args=(parent, proc, self._generation),
+                         name="bridge-reader", daemon=True).start()
+
+    def stop(self) -> None:
+        """Ask the worker to exit, then make sure it did. Blocks up to WORKER_EXIT_WAIT_S (plus a kill);
+        safe to call from any thread."""
+        self._stopping = True
+        proc = self._proc
+        if proc is None:
+            return
+        self._outbox.put((self._conn, protocol.Shutdown()))
+        proc.join(WORKER_EXIT_WAIT_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(WORKER_EXIT_WAIT_S)
+
+    def kill(self) -> None:
+        """End the worker at once (the server is exiting without a clean shutdown)."""
+        self._stopping = True
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+
+    # ---- threads -----------------------------------------------------------------------------------
+
+    def _reader(self, conn, proc, generation: int) -> None:
+        why = "worker pipe closed"
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            except Exception as e:  # an unpicklable message: the worker is broken
+                why = f"bad message from worker: {e!r}"
+                break
+            self._call(self._on_message, generation, msg)
+        # The pipe is done with: the writer closes it (it may be sending on it right now). The process
+        # is reaped here, off the event loop, so its exit status can be logged.
+        self._outbox.put((conn, None))
+        if generation == self._generation and not self._stopping:
+            proc.join(WORKER_EXIT_WAIT_S)
+        self._call(self._on_death, generation, why, proc)
+
+    def _writer(self) -> None:
+        while True:
+            conn, msg = self._outbox.get()
+            try:
+                if msg is None:
+                    conn.close()
+                else:
+                    conn.send(msg)
+            except (OSError, EOFError, BrokenPipeError):
+                pass  # the reader notices the death and answers the requests
+
+    def _call(self, fn, *args) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:
+                pass  # loop closed during shutdown
+
+    # ---- messages from the worker (event loop) ---------------------------------------------------
+
+    def _on_message(self, generation: int, msg) -> None:
+        if generation != self._generation:
+            return  # a message from a worker that was already replaced
+        self._last_progress = time.monotonic()
+        if isinstance(msg, protocol.Step):
+            q = self._streams.get(msg.rid)
+            if q is not None:
+                q.put_nowait(msg)
+                if msg.finish is not None:
+                    self._streams.pop(msg.rid, None)
+        elif isinstance(msg, protocol.Stats):
+            self.stats = msg
+        elif isinstance(msg, protocol.Loading):
+            self.loading = (msg.phase, msg.done, msg.total)
+        elif isinstance(msg, protocol.Ready):
+            self.facts = msg.facts
+            if msg.pid:
+                self.pid = msg.pid
+            self.status = "ok"
+            self.loading = None
+            if self._failures:
+                self.log(f"worker {self.pid} is ready again after {self.restarts} restart(s)")
+            self._failures = 0
+            for fn in self.on_ready:
+                fn()
+        elif isinstance(msg, protocol.Fault):
+            self.log(f"worker fault: {msg.message}")
+        if not isinstance(msg, protocol.Step):
+            for fn in self.watchers:
+                fn(msg)
+
+    def _on_death(self, generation: int, why: str, proc=None) -> None:
+        if generation != self._generation or self._stopping:
+            return
+        self._generation += 1  # ignore anything else the dead worker's threads deliver
+        proc = proc or self._proc
+        status = _exit_status(proc.exitcode if proc is not None else None)
+        if proc is not None and proc.is_alive():
+            proc.kill()        # stuck, or it broke its pipe and lives on: it must not hold the device
+            status = "killed by the server"
+        self.log(f"worker {self.pid} died ({why}; {status}); starting a new one")
+        if self.stats is not None:
+            self.compiles_after_ready_before += self.stats.compiles_after_ready
+        self.stats = None
+        self.status = "loading"
+        self.loading = None
+        streams, self._streams = self._streams, {}
+        for q in streams.values():
+            q.put_nowait(WorkerDied(why))
+        self._failures += 1
+        self.restarts += 1
+        delay = self.restart_delay(self._failures)
+        if delay:
+            self.log(f"worker failed {self._failures} times in a row without becoming ready; "
+                     f"next start in {delay:g} s")
+        self._loop.call_later(delay, self._respawn)
+
+    def restart_delay(self, failures: int) -> float:
+        return restart_delay(failures, self.backoff_first_s, self.backoff_max_s)
+
+    def _respawn(self) -> None:
+        if not self._stopping:
+            self._spawn()
+
+    async def _watchdog(self) -> None:
+        """A worker with requests in it that sends nothing for stuck_s is stuck: replace it."""
+        while not self._stopping:
+            await asyncio.sleep(min(WATCHDOG_POLL_S, self.stuck_s / 4))   # tests shorten stuck_s
+            if (self.status == "ok" and self._streams
+                    and time.monotonic() - self._last_progress > self.stuck_s):
+                self._on_death(self._generation, f"no progress for {self.stuck_s:g} s")
+
+    # ---- requests ----------------------------------------------------------------------------------
+
+    def submit(self, submit: "protocol.Submit") -> asyncio.Queue:
+        """Hand a request to the worker. Its Steps (and a WorkerDied if the worker dies, or
+        ServerStopping when the shutdown's grace period ends) arrive on the returned queue; the last
+        Step has finish set."""
+        q: asyncio.Queue = asyncio.Queue()
+        if self.ended.is_set():
+            q.put_nowait(ServerStopping())
+            return q
+        if self.status != "ok":
+            q.put_nowait(WorkerDied("worker not ready"))
+            return q
+        if not self._streams:
+            self._last_progress = time.monotonic()  # the stuck clock starts when work arrives
+        self._streams[submit.rid] = q
+        self._outbox.put((self._conn, submit))
+        return q
+
+    def cancel(self, rid: str) -> None:
+        if self._streams.pop(rid, None) is not None and self.status == "ok":
+            self._outbox.put((self._conn, protocol.Cancel(rid)))
+
+    @property
+    def live_requests(self) -> int:
+        """Requests handed to the current worker and not finished."""
+        return len(self._streams)
+
+    @property
+    def compiles_after_ready(self) -> int | None:
+        if self.stats is None:
+            return None if self.status != "ok" else self.compiles_after_ready_before
+        return self.compiles_after_ready_before + self.stats.compiles_after_ready
+
+    # ---- shutdown ----------------------------------------------------------------------------------
+
+    def enter(self) -> None:
+        """A generation request begins (counted until leave())."""
+        self.in_flight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no generation request is in flight; False if some still are after timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def end_all(self) -> None:
+        """The grace period is over: every request in the worker, waiting for a slot or for a worker
+        ends now with ServerStopping (each answers its client in its route's shape)."""
+        self.ended.set()
+        streams, self._streams = self._streams, {}
+        for rid, q in streams.items():
+            q.put_nowait(ServerStopping())
+            if self.status == "ok":
+                self._outbox.put((self._conn, protocol.Cancel(rid)))
+
+
+# =================================================================================================
+# Routes
+# =================================================================================================
+
+Handler = Callable[[Request, Responder], Awaitable[None]]
+
+
+def _needs_key(pattern: str) -> bool:
+    """The spec: with keys configured, /v1 routes, /metrics and /openapi.json need one; health (/,
+    /health, /v1/health) stays open for probes."""
+    if pattern in ("/", "/health", "/v1/health"):
+        return False
+    return pattern.startswith("/v1/") or pattern in ("/metrics", "/openapi.json")
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    pattern: str                               # "/v1/models/{model}"; {name} matches the rest of the path
+    handler: Handler                           # async (req, out) -> None; the server state is out.app
+    errors: Callable[[ApiError], dict]         # the route's error shape: openai_ or anthropic_error_body
+    needs_key: bool
+
+    @property
+    def reads_body(self) -> bool:
+        return self.method == "POST"
+
+
+class Router:
+    """(method, path pattern) -> Route. Unknown path: 404; known path, other method: 405 with Allow.
+    HEAD on every path is the spec's ready check: the `head` route (health's status, no body), so a
+    probe works on any URL and a HEAD never tells a protected route's length to a caller without a key."""
+
+    def __init__(self) -> None:
+        self._exact: dict[str, dict[str, Route]] = {}
+        self._patterns: list[tuple[re.Pattern, dict[str, Route]]] = []
+        self.head: Route | None = None
+
+    def add(self, method: str, pattern: str, handler: Handler,
+            errors: Callable[[ApiError], dict] = openai_error_body) -> None:
+        route = Route(method, pattern, handler, errors, _needs_key(pattern))
+        if "{" in pattern:
+            regex = re.compile(re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>.+)", re.escape(pattern)) + r"\Z")
+            methods = next((m for r, m in self._patterns if r.pattern == regex.pattern), None)
+            if methods is None:
+                methods = {}
+                self._patterns.append((regex, methods))
+        else:
+            methods = self._exact.setdefault(pattern, {})
+        if method in methods:
+            raise ValueError(f"route {method} {pattern} is registered twice")
+        methods[method] = route
+
+    def _lookup(self, path: str) -> tuple[dict[str, Route] | None, dict[str, str]]:
+        methods = self._exact.get(path)
+        if methods is not None:
+            return methods, {}
+        for regex, methods in self._patterns:
+            m = regex.match(path)
+            if m:
+                return methods, {k: urllib.parse.unquote(v) for k, v in m.groupdict().items()}
+        return None, {}
+
+    def match(self, req: Request) -> Route:
+        """The request's route (its path parameters set on req.params), or ApiError 404/405."""
+        if req.method == "HEAD" and self.head is not None:
+            return self.head
+        methods, params = self._lookup(req.path)
+        method = "GET" if req.method == "HEAD" else req.method   # HEAD is told what GET would be
+        if methods is None:
+            raise ApiError(404, f"no such route: {method} {req.path}", code="not_found")
+        route = methods.get(req.method) or methods.get(method)
+        if route is None:
+            allowed = sorted(set(methods) | ({"HEAD"} if "GET" in methods else set()))
+            raise ApiError(405, f"method {method} is not allowed on {req.path} (allowed: "
+                                f"{', '.join(allowed)})", code="method_not_allowed",
+                           headers=(("Allow", ", ".join(allowed)),))
+        req.params = params
+        return route
+
+    def errors_for(self, path: str) -> Callable[[ApiError], dict]:
+        """The error shape for a path whose request did not reach a route (405 on an Anthropic path)."""
+        methods, _ = self._lookup(path)
+        return next(iter(methods.values())).errors if methods else openai_error_body
+
+
+# ---- the simple routes ---------------------------------------------------------------------------
+
+async def route_health(req: Request, out: Responder) -> None:
+    app = out.app
+    doc = app.health()
+    if app.guard is not None and not app.guard.keyed(req):
+        doc.pop("worker_pid", None)     # a process id is for the operator, not for any prober
+    await out.json(200 if app.ready else 503, doc)
+
+
+async def route_ui(req: Request, out: Responder) -> None:
+    """`mashbox run --ui`: the MASHBOX Chat page (ui.html), one self-contained file."""
+    body, headers = ui_page()
+    await out.send(200, body, "text/html; charset=utf-8", headers)
+
+
+def model_card(app: "App") -> dict:
+    """The spec's Model. Before the worker is ready only the id and the --ctx asked for are known."""
+    facts = app.facts
+    if facts is None:
+        return {"id": app.model_id, "object": "model", "owned_by": OWNED_BY, "created": 0,
+                "max_model_len": app.config.ctx or app.planned_ctx or 0}
+    return {"id": facts.id, "object": "model", "owned_by": OWNED_BY, "created": 0,
+            "max_model_len": facts.max_model_len, "weights": facts.weights, "gb": facts.gb,
+            "bpw": facts.bpw, "prefix_cache": facts.prefix_cache, "slots": facts.slots,
+            "cache_ram_mib": facts.cache_ram_mib}
+
+
+async def route_models(req: Request, out: Responder) -> None:
+    await out.json(200, {"object": "list", "data": [model_card(out.app)]})
+
+
+async def route_model(req: Request, out: Responder) -> None:
+    app, wanted = out.app, req.params["model"]
+    if wanted != app.model_id:
+        raise model_not_found(wanted, app.model_id)
+    await out.json(200, model_card(app))
+
+
+async def route_openapi(req: Request, out: Responder) -> None:
+    await out.send(200, out.app.openapi_bytes(), "application/json")
+
+
+async def route_metrics(req: Request, out: Responder) -> None:
+    app = out.app
+    text = app.metrics.render(app.bridge, app.admission)
+    await out.send(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
+
+
+# ---- the generation routes -----------------------------------------------------------------------
+
+# path -> the API format (App.formats) that parses its body and encodes its answer. count_tokens reads a
+# Messages body and answers without generating.
+API_ROUTES = (
+    ("/v1/chat/completions", "chat"),
+    ("/v1/completions", "completions"),
+    ("/v1/messages", "messages"),
+    ("/v1/responses", "responses"),
+)
+COUNT_TOKENS_ROUTE = ("/v1/messages/count_tokens", "messages")
+
+
+def api_route(fmt_name: str, count_tokens: bool = False) -> Handler:
+    """The handler of a generation route: its API format's parse and encoder, through the engine."""
+    async def handler(req: Request, out: Responder) -> None:
+        app = out.app
+        fmt = app.formats[fmt_name]
+        if count_tokens:
+            await handle_count_tokens(app, req, out, fmt)
+        else:
+            await handle_generation(app, req, out, fmt, req.tenant or DEFAULT_TENANT)
+    return handler
+
+
+def build_routes(app: "App") -> Router:
+    """The route table. A generation route exists when its API format is given to the App."""
+    router = Router()
+    for path in ("/v1/health", "/health"):
+        router.add("GET", path, route_health)
+    router.add("GET", "/", route_ui if app.config.ui else route_health)
+    router.head = Route("HEAD", "*", route_health, openai_error_body, needs_key=False)
+    router.add("GET", "/v1/models", route_models)
+    router.add("GET", "/v1/models/{model}", route_model)
+    router.add("GET", "/openapi.json", route_openapi)
+    router.add("GET", "/metrics", route_metrics)
+    for path, name in API_ROUTES:
+        if name in app.formats:
+            router.add("POST", path, api_route(name), app.formats[name].error_body)
+    path, name = COUNT_TOKENS_ROUTE
+    if name in app.formats:
+        router.add("POST", path, api_route(name, count_tokens=True), app.formats[name].error_body)
+    return router
+
+
+# ---- the served description ----------------------------------------------------------------------
+
+# The project's copy of the spec, served at /openapi.json. Its examples name this model id, which the
+# server replaces with the id it runs.
+OPENAPI_FILE = Path(__file__).resolve().parent / "openapi.json"
+SPEC_EXAMPLE_MODEL = "qwen3-8-27b"
+OWNED_BY = "mashbox-labs"
+
+
+def openapi_document(model_id: str, base_url: str | None = None) -> bytes:
+    """The spec with the running model's id in its examples (and this server's URL, when given)."""
+    doc = json.loads(OPENAPI_FILE.read_text(encoding="utf-8"))
+
+    def swap(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: swap(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [swap(v) for v in node]
+        return model_id if node == SPEC_EXAMPLE_MODEL and model_id else node
+
+    doc = swap(doc)
+    if base_url:
+        doc["servers"] = [{"url": base_url, "description": "this server"}]
+    return json.dumps(doc, ensure_ascii=False, indent=1).encode()
+
+
+# ---- the chat page -------------------------------------------------------------------------------
+
+# `mashbox run --ui` serves this file at /: everything inline (no CDN, no build step). The browser is
+# told to run only its own inline script and style (by hash) and to talk only to this origin, so the
+# page cannot load or send anything elsewhere, and the server's Origin check stays on.
+UI_FILE = Path(__file__).resolve().parent / "ui.html"
+_ui_cache: list = []
+
+
+def ui_page() -> tuple[bytes, tuple[tuple[str, str], ...]]:
+    """The page's bytes and its headers (Content-Security-Policy with its inline blocks' hashes)."""
+    if not _ui_cache:
+        import base64
+        import hashlib
+        text = UI_FILE.read_text(encoding="utf-8")
+
+        def hashes(tag: str) -> str:
+            blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", text, re.S)
+            return " ".join("'sha256-%s'" % base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()
+                            for b in blocks)
+        policy = (f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; "
+                  "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+                  "frame-ancestors 'none'")
+        _ui_cache.append((text.encode(), (("Content-Security-Policy", policy), ("Cache-Control", "no-store"),
+                                          ("X-Content-Type-Options", "nosniff"),
+                                          ("Referrer-Policy", "no-referrer"))))
+    return _ui_cache[0]
+
+
+# ---- the server state ----------------------------------------------------------------------------
+
+class App:
+    """The server's state: its configuration, the route table, the engine bridge and what the routes
+    share (guard, admission, metrics, tokenizer). Handlers reach it as out.app.
+
+    The bridge is read through three members: ready, facts and health().
+    """
+
+    def __init__(self, config: "ServeConfig", bridge: "Bridge | None" = None,
+                 formats: dict[str, ApiFormat] | None = None, limits: ConnLimits | None = None,
+                 guard: Guard | None = None, admission: Admission | None = None,
+                 metrics: Metrics | None = None):
+        self.config = config
+        # A bridge that is never started stays "loading": the server answers 503 until one is.
+        self.bridge = bridge if bridge is not None else Bridge(worker_args=None)
+        self.formats = API_FORMATS if formats is None else formats
+        self.limits = limits or ConnLimits()
+        self.guard = guard                     # None: every request is the default tenant, unchecked
+        # One slot until the worker reports its count (Admission.resize on ready).
+        self.admission = admission if admission is not None else Admission(slots=1)
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.tokenizer: chat.Tokenizer | None = None   # loaded from the model's folder when it is ready
+        self.tokenizer_process: TokenizerProcess | None = None   # long prompts; started on first use
+        self.counting: dict[str, int] = {}     # tenant -> count_tokens requests in flight
+        self.tokenizing = asyncio.Semaphore(TOKENIZING_THREADS)
+        self.counting_lane = asyncio.Semaphore(COUNTING_THREADS)
+        self._trim: asyncio.Future | None = None
+        self._trim_wanted = False
+        self._heap_dirty = False       # a large request ended since the last trim, others in flight
+        self.tokenizer_folder: str | None = None
+        self.model_aliases: set[str] = set()   # other names of the served model (its HF repo)
+        self.planned_ctx: int | None = None    # the context the worker will run (card before ready)
+        self.namespace: str | None = None
+        self.router = build_routes(self)
+        self.port: int | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._connections: set[Connection] = set()
+        # Connections waiting for their next request, oldest first: those that never sent a key, and
+        # those that did (dicts as ordered sets). At the connection bound the oldest gives way.
+        self._idle: dict[Connection, None] = {}
+        self._idle_keyed: dict[Connection, None] = {}
+        self._peeking = 0                      # refused connections whose request line is awaited
+        self._lingering = 0                    # refused connections being drained before closing
+        self.buffered = 0                      # request bytes held by every connection (max_buffered)
+        self._ready_waiters: list[asyncio.Event] = []
+        self._openapi: tuple[str, bytes] | None = None
+        self.bridge.on_ready.append(self._on_ready)
+        self.bridge.watchers.append(EngineLog())   # progress, start-up lines, compile warnings
+
+    # ---- what the routes read --------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.bridge.status == "ok"
+
+    @property
+    def facts(self) -> "protocol.ModelFacts | None":
+        return self.bridge.facts
+
+    @property
+    def model_id(self) -> str:
+        facts = self.bridge.facts
+        return facts.id if facts is not None else (self.config.model or "")
+
+    def health(self) -> dict:
+        return health_document(self.bridge, self.admission, self.namespace)
+
+    def openapi_bytes(self) -> bytes:
+        """The served spec, built once per model id."""
+        if self._openapi is None or self._openapi[0] != self.model_id:
+            self._openapi = (self.model_id, openapi_document(self.model_id, self.url))
+        return self._openapi[1]
+
+    @property
+    def url(self) -> str | None:
+        if self.port is None:
+            return None
+        host = self.config.host
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    def log(self, message: str) -> None:
+        log.info("%s", message)
+
+    async def wait_ready(self) -> None:
+        """Return once the model is ready (again, after a worker restart)."""
+        while not self.ready:
+            event = asyncio.Event()
+            self._ready_waiters.append(event)
+            await event.wait()
+
+    def _on_ready(self) -> None:
+        facts = self.bridge.facts
+        if self.tokenizer is None or self.tokenizer_folder != facts.folder:
+            # Once per model folder (a restarted worker loads the same one); a fraction of a second.
+            self.tokenizer = chat.Tokenizer.from_folder(facts.folder)
+            self.tokenizer.max_token_bytes    # its byte table, built now rather than in a request
+            self.tokenizer_folder = facts.folder
+        self.trim_heap_soon()      # what start-up took and freed (the tokenizer's load, the spec's parse)
+        # The worker's id (engine.prefix.namespace_id) is the one owner: it tags what it saves.
+        self.namespace = facts.cache_namespace
+        if self.admission is not None:
+            self.admission.resize(facts.slots)
+        waiters, self._ready_waiters = self._ready_waiters, []
+        for event in waiters:
+            event.set()
+
+    # ---- serving ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind and accept connections (port 0: any free port, then self.port says which)."""
+        bound = connection_bound(self.limits.max_connections)
+        if bound < self.limits.max_connections:
+            log.warning("open files are limited: at most %d connections (not %d)", bound,
+                        self.limits.max_connections)
+            self.limits.max_connections = bound
+        self._server = await asyncio.start_server(self._on_connect, self.config.host, self.config.port,
+                                                  backlog=LISTEN_BACKLOG)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._connections):
+            conn.close()
+        if self.tokenizer_process is not None:
+            self.tokenizer_process.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    def request_ended(self, large: bool) -> None:
+        """A trim after a large request, and another when the last request in flight after one ends
+        (what those requests held is freed only then)."""
+        self._heap_dirty = self._heap_dirty or large
+        if large or (self._heap_dirty and not self._handling()):
+            self.trim_heap_soon()
+
+    def _handling(self) -> bool:
+        return any(conn.busy for conn in self._connections)
+
+    def trim_heap_soon(self) -> None:
+        """A trim in a thread TRIM_DELAY_S from now, covering every large request that ends before it
+        starts; one that ends while it runs asks for another."""
+        self._trim_wanted = True
+        if self._trim is None or self._trim.done():
+            async def trim():
+                while self._trim_wanted:
+                    await asyncio.sleep(TRIM_DELAY_S)
+                    self._trim_wanted = False
+                    self._heap_dirty = self._handling()
+                    await asyncio.to_thread(memory.release_free_heap)
+            self._trim = asyncio.ensure_future(trim())
+
+    def connection_idle(self, conn: Connection) -> None:
+        conn.idle_since = asyncio.get_running_loop().time()
+        (self._idle_keyed if conn.keyed else self._idle)[conn] = None
+
+    def connection_busy(self, conn: Connection) -> None:
+        conn.idle_since = None
+        self._idle.pop(conn, None)
+        self._idle_keyed.pop(conn, None)
+
+    def _evict_idle(self) -> bool:
+        """Close the connection idle longest (EVICT_IDLE_S at least), unkeyed first; False if none."""
+        now = asyncio.get_running_loop().time()
+        for idle in (self._idle, self._idle_keyed):
+            conn = next(iter(idle), None)
+            if conn is not None and now - conn.idle_since >= EVICT_IDLE_S:
+                self.connection_busy(conn)
+                self._connections.discard(conn)     # its place is taken now; its task ends soon
+                conn.transport.close()              # a FIN: the client's pool sees it closed
+                return True
+        return False
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._connections) >= self.limits.max_connections and not self._evict_idle():
+            await self._refuse_connection(reader, writer)
+            return
+        conn = Connection(self, reader, writer)
+        self._connections.add(conn)
+        self.connection_idle(conn)    # until its first bytes: a connection that sends nothing gives way
+        try:
+            await conn.run()
+        except Exception:
+            log.exception("connection failed")
+        finally:
+            self._connections.discard(conn)
+
+    async def _refuse_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """503 with Retry-After for a connection past the bound. The client may have sent its request
+        already: closing with it unread would reset the connection (the client sees ECONNRESET, not
+        the 503), so the answer is written, the sending side shut, and what arrives is read and dropped
+        (REFUSED_DRAIN_BYTES, LINGER_S at most) before closing."""
+        err = ApiError(503, f"too many open connections (at most {self.limits.max_connections})",
+                       type="unavailable", headers=(("Retry-After", str(RETRY_AFTER_CONNECTIONS_S)),))
+        errors = openai_error_body
+        if self._peeking < CAP_PEEKS:
+            self._peeking += 1
+            try:
+                line = await asyncio.wait_for(reader.readline(), CAP_PEEK_S)
+                m = _LINE_PATH.match(line)
+                errors = self.router.errors_for(m.group(1).decode()) if m else errors
+            except (asyncio.TimeoutError, ValueError, ConnectionError, OSError):
+                pass
+            finally:
+                self._peeking -= 1
+        writer.write(response_bytes(503, json.dumps(errors(err)).encode(),
+                                    "application/json", err.headers, keep_alive=False))
+        if self._lingering >= MAX_LINGERING_REFUSALS or not writer.can_write_eof():
+            writer.close()
+            return
+        self._lingering += 1
+        try:
+            writer.write_eof()
+            deadline = asyncio.get_running_loop().time() + self.limits.linger_s
+            left = REFUSED_DRAIN_BYTES
+            while left > 0:
+                wait = deadline - asyncio.get_running_loop().time()
+                if wait <= 0:
+                    break
+                data = await asyncio.wait_for(reader.read(min(left, READ_SIZE)), wait)
+                if not data:
+                    break
+                left -= len(data)
+        except (asyncio.TimeoutError, ConnectionError, OSError):
+            pass
+        finally:
+            self._lingering -= 1
+            writer.close()
+
+
+# =================================================================================================
+# Metrics: Prometheus text
+# =================================================================================================
+
+# Names and meanings follow vLLM's (vllm:num_requests_waiting -> mashbox:num_requests_waiting), so a
+# router or dashboard built for vLLM reads these after a prefix change. Bucket boundaries are vLLM's.
+METRIC_PREFIX = "mashbox:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def _label_value(v: str) -> str:
+    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _help_text(v: str) -> str:
+    """HELP lines escape only backslash and newline (quotes stay as they are)."""
+    return v.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _labels(labels: dict) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{_label_value(v)}"' for k, v in labels.items()) + "}"
+
+
+def _num(v: float) -> str:
+    v = float(v)
+    if v == float("inf"):
+        return "+Inf"
+    return str(int(v)) if v.is_integer() else repr(v)
+
+
+class Metric:
+    """One metric family: counter, gauge or histogram, with optional label sets. Values live here and
+    are only ever changed on the event loop, so rendering never waits on anything."""
+
+    def __init__(self, name: str, kind: str, help: str, buckets: tuple[float, ...] = ()):
+        self.name, self.kind, self.help, self.buckets = METRIC_PREFIX + name, kind, help, buckets
+        self.values: dict[tuple, float] = {}          # counter / gauge: labels -> value
+        self.hist: dict[tuple, list] = {}             # histogram: labels -> [bucket counts, sum, count]
+
+    def inc(self, amount: float = 1.0, **labels) -> None:
+        key = tuple(sorted(labels.items()))
+        self.values[key] = self.values.get(key, 0.0) + amount
+
+    def set(self, value: float, **labels) -> None:
+        self.values[tuple(sorted(labels.items()))] = value
+
+    def observe(self, value: float, **labels) -> None:
+        key = tuple(sorted(labels.items()))
+        h = self.hist.setdefault(key, [[0] * len(self.buckets), 0.0, 0])
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                h[0][i] += 1
+        h[1] += value
+        h[2] += 1
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {_help_text(self.help)}", f"# TYPE {self.name} {self.kind}"]
+        if self.kind == "histogram":
+            # An unlabelled histogram shows its zero buckets before the first observation, as vLLM's
+            # do, so a dashboard's rate() has a series to start from.
+            series = self.hist or {(): [[0] * len(self.buckets), 0.0, 0]}
+            for key, (counts, total, count) in sorted(series.items()):
+                labels = dict(key)
+                for bound, c in zip(self.buckets, counts):
+                    lines.append(f"{self.name}_bucket{_labels({**labels, 'le': _num(bound)})} {c}")
+                lines.append(f"{self.name}_bucket{_labels({**labels, 'le': '+Inf'})} {count}")
+                lines.append(f"{self.name}_sum{_labels(labels)} {_num(total)}")
+                lines.append(f"{self.name}_count{_labels(labels)} {count}")
+        else:
+            for key, value in sorted(self.values.items()):
+                lines.append(f"{self.name}{_labels(dict(key))} {_num(value)}")
+        return lines
+
+
+class Metrics:
+    """Every metric the server exports. No label ever names a user, a key, a tenant or a session."""
+
+    FINISH_REASONS = ("stop", "length", "tool_calls", "abort", "error")
+    CONSTRAINT_MODES = ("auto", "required", "named", "none")
+
+    def __init__(self):
+        m = self.m = {}
+
+        def add(name, kind, help, buckets=()):
+            m[name] = Metric(name, kind, help, buckets)
+            return m[name]
+
+        add("num_requests_running", "gauge", "Requests in the engine now.")
+        add("num_requests_waiting", "gauge", "Requests waiting for a slot.")
+        add("kv_cache_usage_perc", "gauge", "Fraction of the slots' KV cache holding tokens (0-1).")
+        add("cache_config_info", "gauge", "The cache layout: one slot holds one whole context.")
+        success = add("request_success_total", "counter", "Requests answered, by finish reason.")
+        for reason in self.FINISH_REASONS:
+            success.inc(0, finished_reason=reason)
+        add("prompt_tokens_total", "counter", "Prompt tokens of answered requests.").inc(0)
+        add("generation_tokens_total", "counter", "Tokens generated.").inc(0)
+        add("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix caches.").inc(0)
+        add("prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix caches.").inc(0)
+        add("num_preemptions_total", "counter", "Requests preempted (never: a slot is never taken back).").inc(0)
+        add("worker_restarts_total", "counter", "Times the worker was started again after a fault.").inc(0)
+        add("compiles_after_ready_total", "counter", "Programs compiled after the server reported ready.").inc(0)
+        add("worker_resident_memory_bytes", "gauge",
+            "Resident memory of the engine's worker process (0 while none runs).")
+        add("host_cache_bytes", "gauge", "Bytes of the host memory prompt cache's K/V and token ids "
+            "(as /health's host_cache_bytes).")
+        add("snapshot_bytes", "gauge", "Hybrid models: bytes of linear-layer state snapshots in the host "
+            "memory prompt cache (as /health's snapshot_bytes).")
+        add("routed_experts_info", "gauge", "Mixture-of-experts models: the path the routed experts run on "
+            "(kernel, exact or mixed) and the kernel's id, version and package, as /health reports them.")
+        add("routed_expert_sites", "gauge", "Mixture-of-experts models: routed-expert call sites traced on "
+            "each path.")
+        add("deployment_info", "gauge", "What runs: the compiled programs' id, the model's component set "
+            "and whether the build passed the certification gate on this chip.")
+        rejections = add("admission_rejections_total", "counter", "Requests refused by admission, by reason.")
+        for reason in ("tenant_queue_full", "queue_full", "loading", "counting_full"):
+            rejections.inc(0, reason=reason)
+        constrained = add("constrained_requests_total", "counter", "Requests whose tool calls were "
+                          "constrained by a grammar, by tool_choice mode (auto, required, named, none).")
+        for mode in self.CONSTRAINT_MODES:
+            constrained.inc(0, mode=mode)
+        add("grammar_mask_seconds_total", "counter", "Host time spent computing constrained requests' "
+            "token masks.").inc(0)
+        add("time_to_first_token_seconds", "histogram", "Time to the first new token.", TTFT_BUCKETS)
+        add("request_queue_time_seconds", "histogram", "Time waiting for a slot.", LATENCY_BUCKETS)
+        add("e2e_request_latency_seconds", "histogram", "Time from request to its last byte.", LATENCY_BUCKETS)
+        add("request_time_per_output_token_seconds", "histogram", "Time per new token after the first.",
+            TPOT_BUCKETS)
+
+    def __getitem__(self, name: str) -> Metric:
+        return self.m[name]
+
+    def request_done(self, finish: str, usage: "chat.Usage | None", queue_s: float, e2e_s: float,
+                     ttft_s: float | None, decode_s: float | None) -> None:
+        """Account one finished generation request (from the pipeline, once per client request).
+
+        The prefix cache counters come from the same usage the response reports (prompt tokens looked
+        up, and those served from a cache), so they add up to what clients were told and only grow,
+        whatever happens to the worker process."""
+        self.m["request_success_total"].inc(finished_reason=finish if finish in self.FINISH_REASONS else "stop")
+        if usage is not None:
+            self.m["prompt_tokens_total"].inc(usage.prompt_tokens)
+            self.m["generation_tokens_total"].inc(usage.completion_tokens)
+            self.m["prefix_cache_queries_total"].inc(usage.prompt_tokens)
+            self.m["prefix_cache_hits_total"].inc(usage.cached_tokens)
+            if usage.completion_tokens > 1 and decode_s is not None:
+                self.m["request_time_per_output_token_seconds"].observe(
+                    decode_s / (usage.completion_tokens - 1))
+        self.m["request_queue_time_seconds"].observe(queue_s)
+        self.m["e2e_request_latency_seconds"].observe(e2e_s)
+        if ttft_s is not None:
+            self.m["time_to_first_token_seconds"].observe(ttft_s)
+
+    def constrained_done(self, mode: str | None, mask_s: float) -> None:
+        """Account one finished request's tool-call constraint (mode None: it ran unconstrained)."""
+        if mode is not None:
+            self.m["constrained_requests_total"].inc(mode=mode)
+            self.m["grammar_mask_seconds_total"].inc(mask_s)
+
+    def _grow(self, name: str, total: float) -> None:
+        """Set a counter kept elsewhere as a running total, never lowering it."""
+        metric = self.m[name]
+        metric.set(max(total, metric.values.get((), 0.0)))
+
+    def render(self, bridge: "Bridge | None", admission: "Admission | None") -> str:
+        """The exposition (text format 0.0.4). Gauges are read from state the event loop already has."""
+        stats = bridge.stats if bridge is not None else None
+        facts = bridge.facts if bridge is not None else None
+        running = admission.running if admission is not None else (stats.live_rows if stats else 0)
+        self.m["num_requests_running"].set(running)
+        self.m["num_requests_waiting"].set(admission.waiting if admission is not None else 0)
+        if stats is not None and stats.kv_capacity_tokens:
+            self.m["kv_cache_usage_perc"].set(stats.kv_used_tokens / stats.kv_capacity_tokens)
+        else:
+            self.m["kv_cache_usage_perc"].set(0)
+        self.m["host_cache_bytes"].set(stats.host_cache_bytes if stats else 0)
+        self.m["snapshot_bytes"].set(stats.snapshot_bytes if stats else 0)
+        if facts is not None and facts.deployment_id:
+            info = self.m["deployment_info"]
+            info.values.clear()
+            info.set(1, deployment_id=facts.deployment_id, component_set_sha=facts.component_set_sha or "",
+                     certification=facts.certification)
+        if facts is not None:
+            info = self.m["cache_config_info"]
+            info.values.clear()
+            info.set(1, block_size=facts.max_model_len, num_gpu_blocks=facts.slots,
+                     enable_prefix_caching=str(facts.prefix_cache).lower(),
+                     cache_ram_mib=facts.cache_ram_mib)
+        routed = facts.routed_experts if facts is not None else None
+        self.m["routed_experts_info"].values.clear()
+        self.m["routed_expert_sites"].values.clear()
+        if routed is not None:           # a dense model has no series
+            kernel = routed.get("kernel") or {}
+            self.m["routed_experts_info"].set(1, path=routed["path"], kernel=kernel.get("id", ""),
+                                              kernel_version=kernel.get("version", ""),
+                                              kernel_package=kernel.get("package", ""))
+            for path, count in routed["sites"].items():
+                self.m["routed_expert_sites"].set(count, path=path)
+        if bridge is not None:
+            # The bridge's totals span every worker process, but compiles_after_ready reads None while
+            # a new worker loads: a counter never goes back, so keep the largest value seen.
+            self._grow("worker_restarts_total", bridge.restarts)
+            self._grow("compiles_after_ready_total", bridge.compiles_after_ready or 0)
+        # Read from /proc at the scrape: the worker is not asked, so a busy one never delays it.
+        rss = memory.resident_bytes(bridge.pid) if bridge is not None and bridge.pid else None
+        self.m["worker_resident_memory_bytes"].set(rss or 0)
+        lines = []
+        for metric in self.m.values():
+            lines += metric.render()
+        return "\n".join(lines) + "\n"
+
+
+def health_document(bridge: "Bridge", admission: "Admission | None", namespace: str | None) -> dict:
+    """Every field of the spec's Health, with real values where the feature exists and the spec's
+    null/0 where it does not."""
+    stats = bridge.stats
+    facts = bridge.facts
+    ready = bridge.status == "ok"
+    host_bytes = stats.host_cache_bytes if stats else 0
+    snap_bytes = stats.snapshot_bytes if stats else 0
+    doc = {
+        "status": bridge.status,
+        "live_rows": (admission.running if admission is not None else stats.live_rows if stats else 0)
+        if ready else None,
+        "waiting": admission.waiting if admission is not None else 0,
+        "cache_bytes": host_bytes + snap_bytes,
+        "host_cache_bytes": host_bytes,
+        "snapshot_bytes": snap_bytes,
+        "host_cache_cap_bytes": stats.host_cache_cap_bytes if stats else
+        (bridge.facts.cache_ram_mib << 20 if bridge.facts else 0),
+        "host_cache_evictions": stats.host_cache_evictions if stats else 0,
+        "cache_namespace": namespace if ready else None,
+        # The worker's (engine.identity, engine.certify); a restarting worker keeps the last ones.
+        "deployment_id": facts.deployment_id if facts else None,
+        "component_set_sha": facts.component_set_sha if facts else None,
+        "certification": facts.certification if facts else "not_certified",
+        "compiles_after_ready": bridge.compiles_after_ready if ready else None,
+        "routed_experts": bridge.facts.routed_experts if bridge.facts else None,
+        "worker_restarts": bridge.restarts,
+    }
+    if facts is not None and facts.devices is not None:
+        doc["devices"] = facts.devices        # what the model is split over (engine.sharding)
+    if bridge.pid is not None:
+        doc["worker_pid"] = bridge.pid
+    if not ready and bridge.loading is not None:
+        phase, done, total = bridge.loading
+        doc["loading"] = {"phase": phase, "done": done, "total": total}
+    if facts is not None and facts.certification_detail:
+        doc["detail"] = f"certification: {facts.certification_detail}"
+    return doc
+
+
+# ---- the server log ------------------------------------------------------------------------------
+
+# A session tag is client text (X-Session-Id, prompt_cache_key). The log keeps at most this many of its
+# characters, printable and without spaces, so a request stays one line that splits on spaces and a
+# client cannot write fake lines into the log.
+MAX_LOG_TAG = 64
+
+
+def log_tag(value: str | None) -> str | None:
+    """A client-given tag as the log shows it, or None when nothing printable is left."""
+    if not value:
+        return None
+    kept = "".join(c for c in str(value) if c.isprintable() and not c.isspace())[:MAX_LOG_TAG]
+    return kept or None
+
+
+def request_log_line(method: str, path: str, outcome: "Outcome", prompt_tokens: int, queue_s: float,
+                     total_s: float, session: str | None) -> str:
+    """The one line logged when a generation request ends. Never the key, the tenant or the prompt."""
+    u = outcome.usage
+    tag = log_tag(session)
+    return (f"{method} {path} {outcome.status} finish={outcome.finish or '-'} "
+            f"prompt={u.prompt_tokens if u else prompt_tokens} cached={u.cached_tokens if u else 0} "
+            f"generated={u.completion_tokens if u else 0} queue_ms={queue_s * 1000:.0f} "
+            f"total_ms={total_s * 1000:.0f}" + (" retried=1" if outcome.retried else "")
+            + (f" session={tag}" if tag else ""))
+
+
+def log_prompt(tokenizer: "chat.Tokenizer", prompt: list[int], path: str, session: str | None) -> None:
+    """--log-prompts: the rendered prompt exactly as the model reads it, as one escaped line."""
+    tag = log_tag(session)
+    log.info("prompt %s%s (%d tokens): %r", path, f" session={tag}" if tag else "", len(prompt),
+             tokenizer.decode(prompt))
+
+
+class _LogLines:
+    """A text stream whose lines go to the server log: progress where stderr is not a terminal."""
+
+    def isatty(self) -> bool:
+        return False
+
+    def write(self, text: str) -> None:
+        for line in text.splitlines():
+            if line.strip():
+                log.info("%s", line)
+
+    def flush(self) -> None:
+        pass
+
+
+def progress_display(stream=None) -> "registry.ProgressBar":
+    """A progress(phase, done, total) callback: a bar redrawn on a terminal, plain log lines (one per
+    tenth of a phase) otherwise."""
+    stream = stream if stream is not None else sys.stderr
+    tty = hasattr(stream, "isatty") and stream.isatty()
+    return registry.ProgressBar(stream if tty else _LogLines())
+
+
+class EngineLog:
+    """What the operator reads about the worker, from its messages: progress while it loads weights and
+    compiles, the start-up lines when it is ready, and a warning whenever it compiles a program after
+    ready (each such compile stalls every running request for seconds). Faults and deaths are logged
+    by the bridge, which sees them."""
+
+    def __init__(self, progress: Callable[[str, int, int], None] | None = None):
+        self.progress = progress if progress is not None else progress_display()
+        self.compiles_seen = 0            # compiles after ready reported by the current worker
+        self.grammar_said = False         # the tool-call constraint's state, logged once
+
+    def __call__(self, msg: Any) -> None:
+        if isinstance(msg, protocol.Loading):
+            self.progress(msg.phase, msg.done, msg.total)
+        elif isinstance(msg, protocol.Ready):
+            self._ready(msg)
+        elif isinstance(msg, protocol.Stats) and msg.compiles_after_ready > self.compiles_seen:
+            log.warning("worker compiled %d program(s) after ready (%d since it started): a request "
+                        "shape the start-up did not compile; running requests waited for it",
+                        msg.compiles_after_ready - self.compiles_seen, msg.compiles_after_ready)
+            self.compiles_seen = msg.compiles_after_ready
+        elif isinstance(msg, protocol.Note):
+            log.info("worker: %s%s", f"{msg.rid}: " if msg.rid else "", msg.message)
+
+    def _ready(self, msg: "protocol.Ready") -> None:
+        self.compiles_seen = 0            # a new worker process counts from zero
+        f = msg.facts
+        log.info("model %s (%s, %s on %s)", f.id, f.family, f.dtype, f.device)
+        if f.devices is not None:
+            d = f.devices
+            log.info("devices: %d %s device(s) in %d process(es), mesh %s, %d KV heads laid out",
+                     d["count"], d["platform"], d["processes"],
+                     " x ".join(f"{axis}={size}" for axis, size in d["mesh"].items()), d["kv_heads"])
+        # bpw is the file's (the spec's Model.bpw); gb what the worker holds, in its own dtype.
+        log.info("weights %s (file: %.1f bits per weight; held as %s: %.2f GB)", f.weights, f.bpw,
+                 f.dtype, f.gb)
+        log.info("slots %d, ctx %d tokens each, prefix cache %s, host cache %d MiB", f.slots,
+                 f.max_model_len, "on" if f.prefix_cache else "off", f.cache_ram_mib)
+        log.info("deployment %s, components %s", f.deployment_id, f.component_set_sha)
+        if not self.grammar_said and (f.grammar or f.grammar_off):
+            self.grammar_said = True
+            if f.grammar:
+                log.info("tool calls: constrained by %s (every call names a tool, with valid arguments)",
+                         f.grammar)
+            else:
+                log.warning("tool calls: unconstrained, %s; calls are read from what the model writes",
+                            f.grammar_off)
+        line = log.info if f.certification == "certified" else log.warning
+        line("%s: %s", f.certification, f.certification_detail or "no certification gate ran")
+        log.info("compiled in %.1f s; worker pid %d; ready", f.compile_s, msg.pid)
+
+
+# =================================================================================================
+# API formats (appendix): parse_* (JSON body -> Job, or ApiError naming a field), one Encoder per API
 # (neutral events -> that API's SSE frames or JSON body). Pure: no await, no sockets, no token ids.
 # =================================================================================================
 
@@ -3013,1821 +4853,6 @@ API_FORMATS: dict[str, ApiFormat] = {
                           anthropic=True),
     "responses": ApiFormat("responses", parse_responses, ResponsesEncoder, openai_error_body, "resp_", True),
 }
-
-
-# =================================================================================================
-# Metrics: Prometheus text
-# =================================================================================================
-
-# Names and meanings follow vLLM's (vllm:num_requests_waiting -> mashbox:num_requests_waiting), so a
-# router or dashboard built for vLLM reads these after a prefix change. Bucket boundaries are vLLM's.
-METRIC_PREFIX = "mashbox:"
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0)
-LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-
-
-def _label_value(v: str) -> str:
-    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _help_text(v: str) -> str:
-    """HELP lines escape only backslash and newline (quotes stay as they are)."""
-    return v.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _labels(labels: dict) -> str:
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{_label_value(v)}"' for k, v in labels.items()) + "}"
-
-
-def _num(v: float) -> str:
-    v = float(v)
-    if v == float("inf"):
-        return "+Inf"
-    return str(int(v)) if v.is_integer() else repr(v)
-
-
-class Metric:
-    """One metric family: counter, gauge or histogram, with optional label sets. Values live here and
-    are only ever changed on the event loop, so rendering never waits on anything."""
-
-    def __init__(self, name: str, kind: str, help: str, buckets: tuple[float, ...] = ()):
-        self.name, self.kind, self.help, self.buckets = METRIC_PREFIX + name, kind, help, buckets
-        self.values: dict[tuple, float] = {}          # counter / gauge: labels -> value
-        self.hist: dict[tuple, list] = {}             # histogram: labels -> [bucket counts, sum, count]
-
-    def inc(self, amount: float = 1.0, **labels) -> None:
-        key = tuple(sorted(labels.items()))
-        self.values[key] = self.values.get(key, 0.0) + amount
-
-    def set(self, value: float, **labels) -> None:
-        self.values[tuple(sorted(labels.items()))] = value
-
-    def observe(self, value: float, **labels) -> None:
-        key = tuple(sorted(labels.items()))
-        h = self.hist.setdefault(key, [[0] * len(self.buckets), 0.0, 0])
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                h[0][i] += 1
-        h[1] += value
-        h[2] += 1
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {_help_text(self.help)}", f"# TYPE {self.name} {self.kind}"]
-        if self.kind == "histogram":
-            # An unlabelled histogram shows its zero buckets before the first observation, as vLLM's
-            # do, so a dashboard's rate() has a series to start from.
-            series = self.hist or {(): [[0] * len(self.buckets), 0.0, 0]}
-            for key, (counts, total, count) in sorted(series.items()):
-                labels = dict(key)
-                for bound, c in zip(self.buckets, counts):
-                    lines.append(f"{self.name}_bucket{_labels({**labels, 'le': _num(bound)})} {c}")
-                lines.append(f"{self.name}_bucket{_labels({**labels, 'le': '+Inf'})} {count}")
-                lines.append(f"{self.name}_sum{_labels(labels)} {_num(total)}")
-                lines.append(f"{self.name}_count{_labels(labels)} {count}")
-        else:
-            for key, value in sorted(self.values.items()):
-                lines.append(f"{self.name}{_labels(dict(key))} {_num(value)}")
-        return lines
-
-
-class Metrics:
-    """Every metric the server exports. No label ever names a user, a key, a tenant or a session."""
-
-    FINISH_REASONS = ("stop", "length", "tool_calls", "abort", "error")
-    CONSTRAINT_MODES = ("auto", "required", "named", "none")
-
-    def __init__(self):
-        m = self.m = {}
-
-        def add(name, kind, help, buckets=()):
-            m[name] = Metric(name, kind, help, buckets)
-            return m[name]
-
-        add("num_requests_running", "gauge", "Requests in the engine now.")
-        add("num_requests_waiting", "gauge", "Requests waiting for a slot.")
-        add("kv_cache_usage_perc", "gauge", "Fraction of the slots' KV cache holding tokens (0-1).")
-        add("cache_config_info", "gauge", "The cache layout: one slot holds one whole context.")
-        success = add("request_success_total", "counter", "Requests answered, by finish reason.")
-        for reason in self.FINISH_REASONS:
-            success.inc(0, finished_reason=reason)
-        add("prompt_tokens_total", "counter", "Prompt tokens of answered requests.").inc(0)
-        add("generation_tokens_total", "counter", "Tokens generated.").inc(0)
-        add("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix caches.").inc(0)
-        add("prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix caches.").inc(0)
-        add("num_preemptions_total", "counter", "Requests preempted (never: a slot is never taken back).").inc(0)
-        add("worker_restarts_total", "counter", "Times the worker was started again after a fault.").inc(0)
-        add("compiles_after_ready_total", "counter", "Programs compiled after the server reported ready.").inc(0)
-        add("worker_resident_memory_bytes", "gauge",
-            "Resident memory of the engine's worker process (0 while none runs).")
-        add("host_cache_bytes", "gauge", "Bytes of the host memory prompt cache's K/V and token ids "
-            "(as /health's host_cache_bytes).")
-        add("snapshot_bytes", "gauge", "Hybrid models: bytes of linear-layer state snapshots in the host "
-            "memory prompt cache (as /health's snapshot_bytes).")
-        add("routed_experts_info", "gauge", "Mixture-of-experts models: the path the routed experts run on "
-            "(kernel, exact or mixed) and the kernel's id, version and package, as /health reports them.")
-        add("routed_expert_sites", "gauge", "Mixture-of-experts models: routed-expert call sites traced on "
-            "each path.")
-        add("deployment_info", "gauge", "What runs: the compiled programs' id, the model's component set "
-            "and whether the build passed the certification gate on this chip.")
-        rejections = add("admission_rejections_total", "counter", "Requests refused by admission, by reason.")
-        for reason in ("tenant_queue_full", "queue_full", "loading", "counting_full"):
-            rejections.inc(0, reason=reason)
-        constrained = add("constrained_requests_total", "counter", "Requests whose tool calls were "
-                          "constrained by a grammar, by tool_choice mode (auto, required, named, none).")
-        for mode in self.CONSTRAINT_MODES:
-            constrained.inc(0, mode=mode)
-        add("grammar_mask_seconds_total", "counter", "Host time spent computing constrained requests' "
-            "token masks.").inc(0)
-        add("time_to_first_token_seconds", "histogram", "Time to the first new token.", TTFT_BUCKETS)
-        add("request_queue_time_seconds", "histogram", "Time waiting for a slot.", LATENCY_BUCKETS)
-        add("e2e_request_latency_seconds", "histogram", "Time from request to its last byte.", LATENCY_BUCKETS)
-        add("request_time_per_output_token_seconds", "histogram", "Time per new token after the first.",
-            TPOT_BUCKETS)
-
-    def __getitem__(self, name: str) -> Metric:
-        return self.m[name]
-
-    def request_done(self, finish: str, usage: "chat.Usage | None", queue_s: float, e2e_s: float,
-                     ttft_s: float | None, decode_s: float | None) -> None:
-        """Account one finished generation request (from the pipeline, once per client request).
-
-        The prefix cache counters come from the same usage the response reports (prompt tokens looked
-        up, and those served from a cache), so they add up to what clients were told and only grow,
-        whatever happens to the worker process."""
-        self.m["request_success_total"].inc(finished_reason=finish if finish in self.FINISH_REASONS else "stop")
-        if usage is not None:
-            self.m["prompt_tokens_total"].inc(usage.prompt_tokens)
-            self.m["generation_tokens_total"].inc(usage.completion_tokens)
-            self.m["prefix_cache_queries_total"].inc(usage.prompt_tokens)
-            self.m["prefix_cache_hits_total"].inc(usage.cached_tokens)
-            if usage.completion_tokens > 1 and decode_s is not None:
-                self.m["request_time_per_output_token_seconds"].observe(
-                    decode_s / (usage.completion_tokens - 1))
-        self.m["request_queue_time_seconds"].observe(queue_s)
-        self.m["e2e_request_latency_seconds"].observe(e2e_s)
-        if ttft_s is not None:
-            self.m["time_to_first_token_seconds"].observe(ttft_s)
-
-    def constrained_done(self, mode: str | None, mask_s: float) -> None:
-        """Account one finished request's tool-call constraint (mode None: it ran unconstrained)."""
-        if mode is not None:
-            self.m["constrained_requests_total"].inc(mode=mode)
-            self.m["grammar_mask_seconds_total"].inc(mask_s)
-
-    def _grow(self, name: str, total: float) -> None:
-        """Set a counter kept elsewhere as a running total, never lowering it."""
-        metric = self.m[name]
-        metric.set(max(total, metric.values.get((), 0.0)))
-
-    def render(self, bridge: "Bridge | None", admission: "Admission | None") -> str:
-        """The exposition (text format 0.0.4). Gauges are read from state the event loop already has."""
-        stats = bridge.stats if bridge is not None else None
-        facts = bridge.facts if bridge is not None else None
-        running = admission.running if admission is not None else (stats.live_rows if stats else 0)
-        self.m["num_requests_running"].set(running)
-        self.m["num_requests_waiting"].set(admission.waiting if admission is not None else 0)
-        if stats is not None and stats.kv_capacity_tokens:
-            self.m["kv_cache_usage_perc"].set(stats.kv_used_tokens / stats.kv_capacity_tokens)
-        else:
-            self.m["kv_cache_usage_perc"].set(0)
-        self.m["host_cache_bytes"].set(stats.host_cache_bytes if stats else 0)
-        self.m["snapshot_bytes"].set(stats.snapshot_bytes if stats else 0)
-        if facts is not None and facts.deployment_id:
-            info = self.m["deployment_info"]
-            info.values.clear()
-            info.set(1, deployment_id=facts.deployment_id, component_set_sha=facts.component_set_sha or "",
-                     certification=facts.certification)
-        if facts is not None:
-            info = self.m["cache_config_info"]
-            info.values.clear()
-            info.set(1, block_size=facts.max_model_len, num_gpu_blocks=facts.slots,
-                     enable_prefix_caching=str(facts.prefix_cache).lower(),
-                     cache_ram_mib=facts.cache_ram_mib)
-        routed = facts.routed_experts if facts is not None else None
-        self.m["routed_experts_info"].values.clear()
-        self.m["routed_expert_sites"].values.clear()
-        if routed is not None:           # a dense model has no series
-            kernel = routed.get("kernel") or {}
-            self.m["routed_experts_info"].set(1, path=routed["path"], kernel=kernel.get("id", ""),
-                                              kernel_version=kernel.get("version", ""),
-                                              kernel_package=kernel.get("package", ""))
-            for path, count in routed["sites"].items():
-                self.m["routed_expert_sites"].set(count, path=path)
-        if bridge is not None:
-            # The bridge's totals span every worker process, but compiles_after_ready reads None while
-            # a new worker loads: a counter never goes back, so keep the largest value seen.
-            self._grow("worker_restarts_total", bridge.restarts)
-            self._grow("compiles_after_ready_total", bridge.compiles_after_ready or 0)
-        # Read from /proc at the scrape: the worker is not asked, so a busy one never delays it.
-        rss = memory.resident_bytes(bridge.pid) if bridge is not None and bridge.pid else None
-        self.m["worker_resident_memory_bytes"].set(rss or 0)
-        lines = []
-        for metric in self.m.values():
-            lines += metric.render()
-        return "\n".join(lines) + "\n"
-
-
-def health_document(bridge: "Bridge", admission: "Admission | None", namespace: str | None) -> dict:
-    """Every field of the spec's Health, with real values where the feature exists and the spec's
-    null/0 where it does not."""
-    stats = bridge.stats
-    facts = bridge.facts
-    ready = bridge.status == "ok"
-    host_bytes = stats.host_cache_bytes if stats else 0
-    snap_bytes = stats.snapshot_bytes if stats else 0
-    doc = {
-        "status": bridge.status,
-        "live_rows": (admission.running if admission is not None else stats.live_rows if stats else 0)
-        if ready else None,
-        "waiting": admission.waiting if admission is not None else 0,
-        "cache_bytes": host_bytes + snap_bytes,
-        "host_cache_bytes": host_bytes,
-        "snapshot_bytes": snap_bytes,
-        "host_cache_cap_bytes": stats.host_cache_cap_bytes if stats else
-        (bridge.facts.cache_ram_mib << 20 if bridge.facts else 0),
-        "host_cache_evictions": stats.host_cache_evictions if stats else 0,
-        "cache_namespace": namespace if ready else None,
-        # The worker's (engine.identity, engine.certify); a restarting worker keeps the last ones.
-        "deployment_id": facts.deployment_id if facts else None,
-        "component_set_sha": facts.component_set_sha if facts else None,
-        "certification": facts.certification if facts else "not_certified",
-        "compiles_after_ready": bridge.compiles_after_ready if ready else None,
-        "routed_experts": bridge.facts.routed_experts if bridge.facts else None,
-        "worker_restarts": bridge.restarts,
-    }
-    if facts is not None and facts.devices is not None:
-        doc["devices"] = facts.devices        # what the model is split over (engine.sharding)
-    if bridge.pid is not None:
-        doc["worker_pid"] = bridge.pid
-    if not ready and bridge.loading is not None:
-        phase, done, total = bridge.loading
-        doc["loading"] = {"phase": phase, "done": done, "total": total}
-    if facts is not None and facts.certification_detail:
-        doc["detail"] = f"certification: {facts.certification_detail}"
-    return doc
-
-
-# ---- the server log ------------------------------------------------------------------------------
-
-# A session tag is client text (X-Session-Id, prompt_cache_key). The log keeps at most this many of its
-# characters, printable and without spaces, so a request stays one line that splits on spaces and a
-# client cannot write fake lines into the log.
-MAX_LOG_TAG = 64
-
-
-def log_tag(value: str | None) -> str | None:
-    """A client-given tag as the log shows it, or None when nothing printable is left."""
-    if not value:
-        return None
-    kept = "".join(c for c in str(value) if c.isprintable() and not c.isspace())[:MAX_LOG_TAG]
-    return kept or None
-
-
-def request_log_line(method: str, path: str, outcome: "Outcome", prompt_tokens: int, queue_s: float,
-                     total_s: float, session: str | None) -> str:
-    """The one line logged when a generation request ends. Never the key, the tenant or the prompt."""
-    u = outcome.usage
-    tag = log_tag(session)
-    return (f"{method} {path} {outcome.status} finish={outcome.finish or '-'} "
-            f"prompt={u.prompt_tokens if u else prompt_tokens} cached={u.cached_tokens if u else 0} "
-            f"generated={u.completion_tokens if u else 0} queue_ms={queue_s * 1000:.0f} "
-            f"total_ms={total_s * 1000:.0f}" + (" retried=1" if outcome.retried else "")
-            + (f" session={tag}" if tag else ""))
-
-
-def log_prompt(tokenizer: "chat.Tokenizer", prompt: list[int], path: str, session: str | None) -> None:
-    """--log-prompts: the rendered prompt exactly as the model reads it, as one escaped line."""
-    tag = log_tag(session)
-    log.info("prompt %s%s (%d tokens): %r", path, f" session={tag}" if tag else "", len(prompt),
-             tokenizer.decode(prompt))
-
-
-class _LogLines:
-    """A text stream whose lines go to the server log: progress where stderr is not a terminal."""
-
-    def isatty(self) -> bool:
-        return False
-
-    def write(self, text: str) -> None:
-        for line in text.splitlines():
-            if line.strip():
-                log.info("%s", line)
-
-    def flush(self) -> None:
-        pass
-
-
-def progress_display(stream=None) -> "registry.ProgressBar":
-    """A progress(phase, done, total) callback: a bar redrawn on a terminal, plain log lines (one per
-    tenth of a phase) otherwise."""
-    stream = stream if stream is not None else sys.stderr
-    tty = hasattr(stream, "isatty") and stream.isatty()
-    return registry.ProgressBar(stream if tty else _LogLines())
-
-
-class EngineLog:
-    """What the operator reads about the worker, from its messages: progress while it loads weights and
-    compiles, the start-up lines when it is ready, and a warning whenever it compiles a program after
-    ready (each such compile stalls every running request for seconds). Faults and deaths are logged
-    by the bridge, which sees them."""
-
-    def __init__(self, progress: Callable[[str, int, int], None] | None = None):
-        self.progress = progress if progress is not None else progress_display()
-        self.compiles_seen = 0            # compiles after ready reported by the current worker
-        self.grammar_said = False         # the tool-call constraint's state, logged once
-
-    def __call__(self, msg: Any) -> None:
-        if isinstance(msg, protocol.Loading):
-            self.progress(msg.phase, msg.done, msg.total)
-        elif isinstance(msg, protocol.Ready):
-            self._ready(msg)
-        elif isinstance(msg, protocol.Stats) and msg.compiles_after_ready > self.compiles_seen:
-            log.warning("worker compiled %d program(s) after ready (%d since it started): a request "
-                        "shape the start-up did not compile; running requests waited for it",
-                        msg.compiles_after_ready - self.compiles_seen, msg.compiles_after_ready)
-            self.compiles_seen = msg.compiles_after_ready
-        elif isinstance(msg, protocol.Note):
-            log.info("worker: %s%s", f"{msg.rid}: " if msg.rid else "", msg.message)
-
-    def _ready(self, msg: "protocol.Ready") -> None:
-        self.compiles_seen = 0            # a new worker process counts from zero
-        f = msg.facts
-        log.info("model %s (%s, %s on %s)", f.id, f.family, f.dtype, f.device)
-        if f.devices is not None:
-            d = f.devices
-            log.info("devices: %d %s device(s) in %d process(es), mesh %s, %d KV heads laid out",
-                     d["count"], d["platform"], d["processes"],
-                     " x ".join(f"{axis}={size}" for axis, size in d["mesh"].items()), d["kv_heads"])
-        # bpw is the file's (the spec's Model.bpw); gb what the worker holds, in its own dtype.
-        log.info("weights %s (file: %.1f bits per weight; held as %s: %.2f GB)", f.weights, f.bpw,
-                 f.dtype, f.gb)
-        log.info("slots %d, ctx %d tokens each, prefix cache %s, host cache %d MiB", f.slots,
-                 f.max_model_len, "on" if f.prefix_cache else "off", f.cache_ram_mib)
-        log.info("deployment %s, components %s", f.deployment_id, f.component_set_sha)
-        if not self.grammar_said and (f.grammar or f.grammar_off):
-            self.grammar_said = True
-            if f.grammar:
-                log.info("tool calls: constrained by %s (every call names a tool, with valid arguments)",
-                         f.grammar)
-            else:
-                log.warning("tool calls: unconstrained, %s; calls are read from what the model writes",
-                            f.grammar_off)
-        line = log.info if f.certification == "certified" else log.warning
-        line("%s: %s", f.certification, f.certification_detail or "no certification gate ran")
-        log.info("compiled in %.1f s; worker pid %d; ready", f.compile_s, msg.pid)
-
-
-# =================================================================================================
-# Engine bridge: the worker process, its messages, supervision
-# =================================================================================================
-
-# The worker is started with multiprocessing's "spawn" so it never inherits the server's event loop,
-# sockets or threads. Its entry point is named as "module:function" and imported only in the child:
-# pickling a function reference would import its module here, and the real worker imports jax.
-WORKER_ENTRY = "engine.worker:main"
-# Several hosts: what `mashbox run --process-id I` (I > 0) runs instead of a server (follow_leader).
-FOLLOWER_ENTRY = "engine.worker:follow"
-# For tests only: `MASHBOX_WORKER_ENTRY=tests.fake_worker:main python -m mashbox run ...` serves the
-# fake engine, so the CLI's signals and shutdown can be tested on a real process without a model.
-WORKER_ENTRY_ENV = "MASHBOX_WORKER_ENTRY"
-# A worker that dies again and again before it is ready is started again at once the first time, then
-# after 1, 2, 4 ... s, at most RESTART_BACKOFF_MAX_S: a broken device or model must not spin the CPU,
-# and the server itself never exits because its worker did.
-RESTART_BACKOFF_FIRST_S = 1.0
-RESTART_BACKOFF_MAX_S = 30.0
-# A worker whose batch makes no progress for this long is treated as stuck and replaced. The longest
-# legitimate silence is one prefill chunk on a slow CPU, which the worker bounds to a few seconds.
-STUCK_WORKER_S = 120.0
-# How long a worker asked to shut down may take to finish its current step and exit before it is
-# killed; and how long a dead worker's process is waited for, to read its exit status.
-WORKER_EXIT_WAIT_S = 5.0
-# How often the watchdog looks for a stuck worker: a hang is noticed within stuck_s and a few seconds.
-WATCHDOG_POLL_S = 5.0
-
-
-# One BLAS thread in the worker: the host does small numpy bookkeeping between device calls, and a
-# BLAS pool would only compete with XLA's own threads for the cores. Measured with bench_engine on a
-# 2-core CPU, 1 vs 2 BLAS threads side by side: decode and prefill speeds the same within the shared
-# machine's noise (XLA's CPU kernels do not use the BLAS pool), so this is a guard, not a speed-up.
-# It must be in the environment before numpy is first imported in the child, and a spawned child
-# imports this module (numpy among its imports) before it runs the worker: so the parent puts it in
-# the environment the child starts with.
-WORKER_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-def spawn_worker(entry: str, args) -> tuple[Any, Any]:
-    """Start the worker process, the one way it is started: spawned (a fresh interpreter, never a fork
-    of the server's threads), with WORKER_THREAD_ENV, running `entry` ("module:function", called with
-    (connection, args)). Returns (process, connection); the connection speaks engine.protocol."""
-    import multiprocessing
-    context = multiprocessing.get_context("spawn")
-    ours, theirs = context.Pipe()
-    process = context.Process(target=_worker_trampoline, args=(entry, theirs, args),
-                              name="mashbox-worker", daemon=True)
-    saved = {name: os.environ.get(name) for name in WORKER_THREAD_ENV}
-    os.environ.update(WORKER_THREAD_ENV)
-    try:
-        process.start()
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-    theirs.close()
-    return process, ours
-
-
-def _worker_trampoline(entry: str, conn, args) -> None:
-    """Runs in the child process: import the worker's module there, and run it."""
-    import importlib
-    module, _, func = entry.partition(":")
-    getattr(importlib.import_module(module), func)(conn, args)
-
-
-def restart_delay(failures: int, first_s: float = RESTART_BACKOFF_FIRST_S,
-                  most_s: float = RESTART_BACKOFF_MAX_S) -> float:
-    """Seconds before starting a worker after `failures` deaths in a row: 0, then doubling."""
-    if failures <= 1:
-        return 0.0
-    return min(most_s, first_s * 2.0 ** (failures - 2))
-
-
-class WorkerDied(Exception):
-    """The worker process went away while a request was in it."""
-
-
-class ServerStopping(Exception):
-    """The server is shutting down and the request's grace period ran out."""
-
-
-def _exit_status(code: int | None) -> str:
-    """A worker's exit code as a person reads it: "exit code 1", "killed by SIGKILL"."""
-    if code is None:
-        return "exit status unknown"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-class Bridge:
-    """The only owner of the worker process: starts it, sends it Submit/Cancel, routes its Steps to the
-    request that waits for them, notices when it dies or hangs, and starts a new one.
-
-    Threads: a reader thread per worker blocks on its pipe and hands each message to the event loop
-    with call_soon_threadsafe; one writer thread sends (and closes pipes), so a worker busy with a long
-    prefill never blocks the event loop. Everything else runs on the event loop.
-
-    A death (pipe closed, a crash signal, an unreadable message, or no progress for stuck_s while
-    requests wait) delivers WorkerDied to every live request, sets status "loading", counts a restart and
-    starts a new worker. The requests themselves decide whether to run again (run_generation).
-
-    It also counts the generation requests in flight (enter/leave), so that a shutting-down server can
-    wait for them, and end the ones still running when its grace period is over (end_all).
-    """
-
-    def __init__(self, worker_args, entry: str = WORKER_ENTRY, log=log.warning, stuck_s: float = STUCK_WORKER_S,
-                 backoff_first_s: float = RESTART_BACKOFF_FIRST_S,
-                 backoff_max_s: float = RESTART_BACKOFF_MAX_S):
-        self.worker_args, self.entry, self.log = worker_args, entry, log
-        self.stuck_s, self.backoff_first_s, self.backoff_max_s = stuck_s, backoff_first_s, backoff_max_s
-        self.status = "loading"          # "loading" until Ready, and again while a new worker starts
-        self.facts = None                # protocol.ModelFacts once ready
-        self.pid: int | None = None
-        self.restarts = 0
-        self.loading: tuple[str, int, int] | None = None   # (phase, done, total) for progress
-        self.stats = None                # last protocol.Stats
-        self.compiles_after_ready_before = 0   # summed over earlier worker processes
-        self.closing = False             # the server takes no new requests (shutting down)
-        self.ended = asyncio.Event()     # the grace period is over: requests still here end now
-        self.in_flight = 0               # generation requests between enter() and leave()
-        self._idle = asyncio.Event()     # set while in_flight == 0
-        self._idle.set()
-        self._streams: dict[str, asyncio.Queue] = {}
-        self._proc = None
-        self._conn = None
-        self._outbox: "queue.Queue" = queue.Queue()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stopping = False
-        self._failures = 0               # consecutive deaths before a Ready, for the backoff
-        self._generation = 0             # which worker process a message came from
-        self._last_progress = time.monotonic()
-        self.on_ready: list[Callable[[], None]] = []
-        # Called with every message but a Step, after the bridge has taken it in (the server log's
-        # progress, start-up lines and warnings: EngineLog).
-        self.watchers: list[Callable[[Any], None]] = []
-
-    # ---- lifecycle -------------------------------------------------------------------------------
-
-    def start(self) -> None:
-        """Start the first worker; call from the running event loop."""
-        self._loop = asyncio.get_running_loop()
-        threading.Thread(target=self._writer, name="bridge-writer", daemon=True).start()
-        self._spawn()
-        self._loop.create_task(self._watchdog())
-
-    def _spawn(self) -> None:
-        proc, parent = spawn_worker(self.entry, self.worker_args)
-        self._generation += 1
-        self._proc, self._conn, self.pid = proc, parent, proc.pid
-        self._last_progress = time.monotonic()
-        threading.Thread(target=self._reader, args=(parent, proc, self._generation),
-                         name="bridge-reader", daemon=True).start()
-
-    def stop(self) -> None:
-        """Ask the worker to exit, then make sure it did. Blocks up to WORKER_EXIT_WAIT_S (plus a kill);
-        safe to call from any thread."""
-        self._stopping = True
-        proc = self._proc
-        if proc is None:
-            return
-        self._outbox.put((self._conn, protocol.Shutdown()))
-        proc.join(WORKER_EXIT_WAIT_S)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(WORKER_EXIT_WAIT_S)
-
-    def kill(self) -> None:
-        """End the worker at once (the server is exiting without a clean shutdown)."""
-        self._stopping = True
-        if self._proc is not None and self._proc.is_alive():
-            self._proc.kill()
-
-    # ---- threads -----------------------------------------------------------------------------------
-
-    def _reader(self, conn, proc, generation: int) -> None:
-        why = "worker pipe closed"
-        while True:
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):
-                break
-            except Exception as e:  # an unpicklable message: the worker is broken
-                why = f"bad message from worker: {e!r}"
-                break
-            self._call(self._on_message, generation, msg)
-        # The pipe is done with: the writer closes it (it may be sending on it right now). The process
-        # is reaped here, off the event loop, so its exit status can be logged.
-        self._outbox.put((conn, None))
-        if generation == self._generation and not self._stopping:
-            proc.join(WORKER_EXIT_WAIT_S)
-        self._call(self._on_death, generation, why, proc)
-
-    def _writer(self) -> None:
-        while True:
-            conn, msg = self._outbox.get()
-            try:
-                if msg is None:
-                    conn.close()
-                else:
-                    conn.send(msg)
-            except (OSError, EOFError, BrokenPipeError):
-                pass  # the reader notices the death and answers the requests
-
-    def _call(self, fn, *args) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(fn, *args)
-            except RuntimeError:
-                pass  # loop closed during shutdown
-
-    # ---- messages from the worker (event loop) ---------------------------------------------------
-
-    def _on_message(self, generation: int, msg) -> None:
-        if generation != self._generation:
-            return  # a message from a worker that was already replaced
-        self._last_progress = time.monotonic()
-        if isinstance(msg, protocol.Step):
-            q = self._streams.get(msg.rid)
-            if q is not None:
-                q.put_nowait(msg)
-                if msg.finish is not None:
-                    self._streams.pop(msg.rid, None)
-        elif isinstance(msg, protocol.Stats):
-            self.stats = msg
-        elif isinstance(msg, protocol.Loading):
-            self.loading = (msg.phase, msg.done, msg.total)
-        elif isinstance(msg, protocol.Ready):
-            self.facts = msg.facts
-            if msg.pid:
-                self.pid = msg.pid
-            self.status = "ok"
-            self.loading = None
-            if self._failures:
-                self.log(f"worker {self.pid} is ready again after {self.restarts} restart(s)")
-            self._failures = 0
-            for fn in self.on_ready:
-                fn()
-        elif isinstance(msg, protocol.Fault):
-            self.log(f"worker fault: {msg.message}")
-        if not isinstance(msg, protocol.Step):
-            for fn in self.watchers:
-                fn(msg)
-
-    def _on_death(self, generation: int, why: str, proc=None) -> None:
-        if generation != self._generation or self._stopping:
-            return
-        self._generation += 1  # ignore anything else the dead worker's threads deliver
-        proc = proc or self._proc
-        status = _exit_status(proc.exitcode if proc is not None else None)
-        if proc is not None and proc.is_alive():
-            proc.kill()        # stuck, or it broke its pipe and lives on: it must not hold the device
-            status = "killed by the server"
-        self.log(f"worker {self.pid} died ({why}; {status}); starting a new one")
-        if self.stats is not None:
-            self.compiles_after_ready_before += self.stats.compiles_after_ready
-        self.stats = None
-        self.status = "loading"
-        self.loading = None
-        streams, self._streams = self._streams, {}
-        for q in streams.values():
-            q.put_nowait(WorkerDied(why))
-        self._failures += 1
-        self.restarts += 1
-        delay = self.restart_delay(self._failures)
-        if delay:
-            self.log(f"worker failed {self._failures} times in a row without becoming ready; "
-                     f"next start in {delay:g} s")
-        self._loop.call_later(delay, self._respawn)
-
-    def restart_delay(self, failures: int) -> float:
-        return restart_delay(failures, self.backoff_first_s, self.backoff_max_s)
-
-    def _respawn(self) -> None:
-        if not self._stopping:
-            self._spawn()
-
-    async def _watchdog(self) -> None:
-        """A worker with requests in it that sends nothing for stuck_s is stuck: replace it."""
-        while not self._stopping:
-            await asyncio.sleep(min(WATCHDOG_POLL_S, self.stuck_s / 4))   # tests shorten stuck_s
-            if (self.status == "ok" and self._streams
-                    and time.monotonic() - self._last_progress > self.stuck_s):
-                self._on_death(self._generation, f"no progress for {self.stuck_s:g} s")
-
-    # ---- requests ----------------------------------------------------------------------------------
-
-    def submit(self, submit: "protocol.Submit") -> asyncio.Queue:
-        """Hand a request to the worker. Its Steps (and a WorkerDied if the worker dies, or
-        ServerStopping when the shutdown's grace period ends) arrive on the returned queue; the last
-        Step has finish set."""
-        q: asyncio.Queue = asyncio.Queue()
-        if self.ended.is_set():
-            q.put_nowait(ServerStopping())
-            return q
-        if self.status != "ok":
-            q.put_nowait(WorkerDied("worker not ready"))
-            return q
-        if not self._streams:
-            self._last_progress = time.monotonic()  # the stuck clock starts when work arrives
-        self._streams[submit.rid] = q
-        self._outbox.put((self._conn, submit))
-        return q
-
-    def cancel(self, rid: str) -> None:
-        if self._streams.pop(rid, None) is not None and self.status == "ok":
-            self._outbox.put((self._conn, protocol.Cancel(rid)))
-
-    @property
-    def live_requests(self) -> int:
-        """Requests handed to the current worker and not finished."""
-        return len(self._streams)
-
-    @property
-    def compiles_after_ready(self) -> int | None:
-        if self.stats is None:
-            return None if self.status != "ok" else self.compiles_after_ready_before
-        return self.compiles_after_ready_before + self.stats.compiles_after_ready
-
-    # ---- shutdown ----------------------------------------------------------------------------------
-
-    def enter(self) -> None:
-        """A generation request begins (counted until leave())."""
-        self.in_flight += 1
-        self._idle.clear()
-
-    def leave(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self._idle.set()
-
-    async def wait_idle(self, timeout: float) -> bool:
-        """Wait until no generation request is in flight; False if some still are after timeout."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except asyncio.TimeoutError:
-            return False
-        return True
-
-    def end_all(self) -> None:
-        """The grace period is over: every request in the worker, waiting for a slot or for a worker
-        ends now with ServerStopping (each answers its client in its route's shape)."""
-        self.ended.set()
-        streams, self._streams = self._streams, {}
-        for rid, q in streams.items():
-            q.put_nowait(ServerStopping())
-            if self.status == "ok":
-                self._outbox.put((self._conn, protocol.Cancel(rid)))
-
-
-# =================================================================================================
-# Generation: one request through the template, the engine, the output parser and its API's encoder
-# =================================================================================================
-
-# Anthropic and Responses clients run watchdogs on silent streams; a frame this often while a long
-# prompt is prefilled (a 15k-token Claude Code prompt takes about a minute on a CPU) keeps them calm.
-KEEPALIVE_S = 5.0
-# The spec's retry rule: a request whose client has received no output is sent again once.
-RETRIES_AFTER_FAULT = 1
-# A request whose worker died waits this long for the new one before it is answered 503/529: a restart
-# loads the weights and compiles again (tens of seconds on a CPU with the compile cache); a worker not
-# back by then is failing again and again, and the client is better told to come back later.
-RESTART_WAIT_S = 300.0
-
-
-def _timings(step_timings: dict | None, usage: chat.Usage, outcome: "Outcome | None" = None) -> dict:
-    """llama-server's timings block (ChatTimings) from what the worker measured, with queue_ms counting
-    the wait in the server's admission queue too. Where the worker sent no timings (a stop string ended
-    the answer before its last Step), the server's clock measures the same spans."""
-    t = step_timings or {}
-    now = time.monotonic()
-    first = outcome.first_token_at if outcome is not None else None
-    admitted = outcome.admitted_at if outcome is not None else None
-    if "prompt_ms" in t:
-        prompt_ms = float(t["prompt_ms"])
-    else:
-        prompt_ms = (first - admitted) * 1000 if first is not None and admitted is not None else 0.0
-    if "predicted_ms" in t:
-        predicted_ms = float(t["predicted_ms"])
-    else:
-        predicted_ms = (now - first) * 1000 if first is not None else 0.0
-    waited_ms = outcome.queue_s * 1000 if outcome is not None else 0.0
-    prompt_n = usage.prompt_tokens - usage.cached_tokens
-    n = usage.completion_tokens
-    return {
-        "prompt_n": prompt_n,
-        "prompt_ms": round(prompt_ms, 3),
-        "prompt_per_second": round(prompt_n / (prompt_ms / 1000), 3) if prompt_ms > 0 else None,
-        "predicted_n": n,
-        "predicted_ms": round(predicted_ms, 3),
-        "predicted_per_second": round((n - 1) / (predicted_ms / 1000), 3) if predicted_ms > 0 and n > 1 else None,
-        "cache_n": usage.cached_tokens,
-        "queue_ms": round(waited_ms + float(t.get("queue_ms", 0.0)), 3),
-    }
-
-
-async def _next_step(q: asyncio.Queue, gone: asyncio.Event, timeout: float):
-    """The next Step (or WorkerDied) for a request; None on timeout; raises ClientGone if the client left."""
-    if gone.is_set():
-        raise ClientGone()
-    get = asyncio.ensure_future(q.get())
-    left = asyncio.ensure_future(gone.wait())
-    try:
-        done, _ = await asyncio.wait({get, left}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        left.cancel()
-        if not get.done():
-            get.cancel()
-    if get in done:
-        return get.result()
-    if left in done:
-        raise ClientGone()
-    return None
-
-
-@dataclass
-class Outcome:
-    """What the request log line and the metrics need to know about a finished request."""
-    status: int = 200
-    finish: str = ""
-    usage: chat.Usage | None = None
-    timings: dict | None = None
-    first_token_at: float | None = None
-    retried: bool = False
-    admitted: bool = False
-    admitted_at: float | None = None   # time.monotonic() when admission let it run
-    queue_s: float = 0.0               # arrival to admitted: parse, render and the admission queue
-    prompt_tokens: int = 0             # the rendered prompt's length, once rendered
-    constrained: str | None = None     # the Constraint mode its tool calls ran under (engine.grammar)
-    mask_s: float = 0.0                # host time its token masks took
-
-
-async def _wait_for_worker(app, gone: asyncio.Event, keepalive: Callable[[], Awaitable[None]] | None,
-                           anthropic: bool) -> None:
-    """Return once the worker is ready (at once when it is). Meanwhile a stream gets a keep-alive frame
-    every KEEPALIVE_S. Raises ClientGone, ServerStopping, or the not-ready error after RESTART_WAIT_S."""
-    bridge = app.bridge
-    deadline = time.monotonic() + RESTART_WAIT_S
-    while bridge.status != "ok":
-        if bridge.ended.is_set():
-            raise ServerStopping()
-        if gone.is_set():
-            raise ClientGone()
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise not_ready_error(anthropic)
-        waits = [asyncio.ensure_future(w) for w in (app.wait_ready(), gone.wait(), bridge.ended.wait())]
-        try:
-            await asyncio.wait(waits, timeout=min(KEEPALIVE_S, left), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
-        if bridge.status != "ok" and keepalive is not None and not gone.is_set():
-            await keepalive()
-
-
-def cache_tenant_label(req) -> str:
-    """The opaque label the host cache's fairness rule counts bytes by: a hash of the tenant, so the
-    worker never holds a tenant's name."""
-    import hashlib
-    return hashlib.sha256(str(getattr(req, "tenant", "") or "").encode()).hexdigest()[:16]
-
-
-class _Delivery:
-    """What one request has sent its client so far, across attempts (run_generation's retry rule reads
-    sent_output)."""
-
-    def __init__(self, out, job: Job, encoder):
-        self.out = out
-        self.enc = encoder if job.stream else None     # a stream's one encoder, across attempts
-        self.started = True          # the encoder's start frames were sent
-        self.sent_output = False     # a streamed client has text, reasoning or a tool call: never retry
-        self.keepalive = None
-        if job.stream:
-            self.started = not encoder.starts_on_admission
-            # Before the start frames, an SSE comment: every client skips it (an Anthropic ping
-            # before message_start would break the SDK's stream accumulator).
-            self.keepalive = lambda: out.event(encoder.keepalive() if self.started else SSE_COMMENT, False)
-
-    async def begin(self) -> None:
-        """The stream's head and start frames, left in the connection's buffer: the request holds its
-        slot, and a client that reads nothing must not keep it (the stall timeout cuts it off)."""
-        await self.out.start_stream(wait=False)
-        if self.started:
-            for frame in self.enc.start():
-                await self.out.event(frame, False)
-
-
-async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list[int],
-                         outcome: Outcome, engine_done: Callable[[], None] = lambda: None) -> None:
-    """Generate for one parsed, rendered, admitted request and write its answer (JSON or SSE).
-
-    Owns the spec's retry rule (one attempt is run_attempt). When the worker dies (or the device fails
-    this request) before the client has received any output, the request is sent again once, from the
-    start, to the next worker: not streamed, until its response is written; streamed, until its first
-    output is sent (the frames of enc.start() are not output). A failure after that, or of the retry,
-    is a 500 in the route's shape; a started stream ends with its encoder's error frames, which carry
-    the response id. A shutdown whose grace period ran out ends the request the same way with 503/529.
-
-    Frames are left in the connection's buffer while the engine works (a slow reader does not hold the
-    engine's answer back), and engine_done() is called as soon as the engine has finished with the
-    request, before the rest is written: its slot goes to the next request, and what a slow client has
-    still to read is bounded output, cut off by the stall timeout like any other.
-    """
-    bridge = app.bridge
-    facts = bridge.facts
-    room = facts.max_model_len - len(prompt)
-    max_tokens = room if job.max_tokens is None else min(job.max_tokens, room)
-    rid = new_id(fmt.id_prefix)
-    answer_model = (job.model or facts.id) if fmt.echoes_model else facts.id
-    meta = Meta(id=rid, created=int(time.time()), model=answer_model, prompt_tokens=len(prompt))
-    delivery = _Delivery(out, job, fmt.encoder(job, meta) if job.stream else None)
-    if job.stream:
-        await delivery.begin()
-    err: ApiError | None = None
-    for attempt in range(RETRIES_AFTER_FAULT + 1):
-        encoder = delivery.enc if job.stream else fmt.encoder(job, meta)
-        sub_id = rid if attempt == 0 else f"{rid}-retry{attempt}"
-        try:
-            await run_attempt(app, req, fmt, job, prompt, max_tokens, sub_id, encoder, delivery, outcome)
-        except WorkerDied as died:
-            bridge.cancel(sub_id)
-            if not delivery.sent_output and attempt < RETRIES_AFTER_FAULT:
-                outcome.retried = True
-                app.log(f"{rid}: {died}; nothing was sent yet, so it runs again from the start")
-                continue
-            err = ApiError(500, f"the request failed on the device: {died}", type="server_error")
-        except ServerStopping:
-            bridge.cancel(sub_id)
-            err = stopping_error(fmt.anthropic)
-        except ApiError as e:                    # no worker came back in time
-            err = e
-        except ClientGone:
-            bridge.cancel(sub_id)
-            outcome.finish = outcome.finish or "abort"
-            raise
-        except Exception:                        # a bug reading or encoding the output
-            bridge.cancel(sub_id)
-            log.exception("%s: the answer could not be written", rid)
-            err = ApiError(500, "internal server error", type="server_error")
-        except BaseException:
-            bridge.cancel(sub_id)   # client gone, stalled or server stopping: free the slot at once
-            outcome.finish = outcome.finish or "abort"
-            raise
-        break
-    engine_done()
-    if err is None:
-        if job.stream:
-            await out.end_stream()
-        else:
-            await out.json(200, encoder.body())
-        return
-    outcome.status, outcome.finish = err.status, "error"
-    if not job.stream:
-        raise err
-    for frame in delivery.enc.error(err):
-        await out.event(frame)
-    await out.end_stream()
-
-
-async def run_attempt(app, req, fmt: "ApiFormat", job: Job, prompt: list[int], max_tokens: int,
-                      sub_id: str, encoder, delivery: _Delivery, outcome: Outcome) -> None:
-    """One attempt: wait for a ready worker, submit, and feed each Step through the output parser and
-    the encoder until the request finishes. Raises WorkerDied (the worker died, or the device failed
-    this request), ServerStopping, or ApiError (no worker came back in time)."""
-    bridge, tok, out = app.bridge, app.tokenizer, delivery.out
-    parser = chat.OutputParser(tok, job, bridge.facts.chat_format)
-    usage = chat.Usage(prompt_tokens=len(prompt))
-    outcome.usage = usage   # so far: a request that ends early is still counted and logged
-    await _wait_for_worker(app, out.gone, delivery.keepalive, fmt.anthropic)
-    facts = bridge.facts
-    q = bridge.submit(protocol.Submit(
-        rid=sub_id, prompt=prompt, max_tokens=max_tokens, sampling=job.sampling,
-        stop_ids=list(tok.stop_ids), submitted_at=time.time(),
-        cuts=chat.turn_boundaries(prompt, tok), tenant=cache_tenant_label(req),
-        constraint=chat.tool_constraint(job, facts.chat_format) if facts.grammar else None))
-    while True:
-        step = await _next_step(q, out.gone, KEEPALIVE_S)
-        if step is None:
-            if delivery.keepalive is not None:
-                await delivery.keepalive()
-            continue
-        if isinstance(step, BaseException):
-            raise step                   # WorkerDied or ServerStopping
-        if step.finish == "error":
-            raise WorkerDied(f"device error: {step.error or 'unknown'}")
-        if step.prompt_tokens:
-            usage.prompt_tokens, usage.cached_tokens = step.prompt_tokens, step.cached_tokens
-        if not delivery.started:         # the worker gave the prompt a slot (or answered already)
-            delivery.started = True
-            encoder.admitted(usage)
-            for frame in encoder.start():
-                await out.event(frame, False)
-        if step.tokens and outcome.first_token_at is None:
-            outcome.first_token_at = time.monotonic()
-        usage.completion_tokens += len(step.tokens)
-        events = parser.feed(step.tokens)
-        finish = step.finish
-        if parser.stop_hit and finish is None:
-            bridge.cancel(sub_id)        # a stop string ended the text: free the slot now
-            finish = "stop"
-        if finish is not None:
-            outcome.timings = _timings(step.timings, usage, outcome)
-            outcome.constrained, outcome.mask_s = step.constrained, step.mask_ms / 1000
-            events += parser.finish(finish, usage, outcome.timings)
-        for ev in events:
-            frames = encoder.feed(ev)
-            if isinstance(ev, chat.Done):
-                outcome.finish, outcome.usage = ev.finish_reason, ev.usage
-            if job.stream and frames:
-                delivery.sent_output = delivery.sent_output or not isinstance(ev, chat.Done)
-                for frame in frames:
-                    await out.event(frame, False)
-        if finish is not None:
-            return
-
-
-# A lone surrogate (half of a UTF-16 pair) can only come from a \uD800-\uDFFF escape: a valid pair
-# becomes one character, and the body is strict UTF-8. Such text cannot be tokenized, logged or sent
-# back, so strings are searched for one only when an escape like it occurs.
-_SURROGATE_HINT = re.compile(r"\\u[dD][89a-fA-F]")
-LONE_SURROGATE = "with a lone UTF-16 surrogate (half of a pair) is not valid Unicode"
-DEEPER = f"nested deeper than {MAX_JSON_DEPTH} levels of objects and arrays"
-
-
-def _check_tree(doc: Any, strings: bool) -> tuple[str, str] | None:
-    """Where and why a parsed body cannot be served (place e.g. `messages[0].content`): nesting
-    deeper than MAX_JSON_DEPTH, or (strings=True) a lone surrogate in a string or key. One walk, linear
-    in the body: a place's name is made only for the value found."""
-    stack: list[tuple[Any, int, Any]] = [(doc, 1, None)]   # (value, depth, (parent's link, key))
-    while stack:
-        node, depth, link = stack.pop()
-        if isinstance(node, dict):
-            if depth > MAX_JSON_DEPTH:
-                return _place(link, 3), DEEPER
-            for key, value in node.items():
-                if strings and not _utf8(key):
-                    return _place(link), f"a key {LONE_SURROGATE}"
-                stack.append((value, depth + 1, (link, key)))
-        elif isinstance(node, list):
-            if depth > MAX_JSON_DEPTH:
-                return _place(link, 3), DEEPER
-            stack.extend((value, depth + 1, (link, i)) for i, value in enumerate(node))
-        elif strings and isinstance(node, str) and not _utf8(node):
-            return _place(link), f"text {LONE_SURROGATE}"
-    return None
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
-
-
-def _place(link: Any, most: int = MAX_JSON_DEPTH) -> str:
-    """messages[0].content from the links (parent's link, key) of _check_tree: its first `most` keys."""
-    keys = []
-    while link is not None:
-        link, key = link
-        keys.append(key)
-    keys.reverse()
-    out = ""
-    for key in keys[:most]:
-        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
-    return (out + ("..." if len(keys) > most else "")) or "body"
-
-
-# A body this large is parsed in a thread, and every prompt is rendered in one: Python hands the GIL
-# back to the event loop every few milliseconds, so /health and other requests wait for a slice, not
-# for the whole of it (10,000 tools: about 130 ms of parsing and rendering on a quiet 2-core CPU).
-PARSE_IN_THREAD_BYTES = 64 * 1024
-
-
-async def parse_body(req, fmt: "ApiFormat") -> Job:
-    """The request's Job (fmt.parse of its JSON body), off the event loop when the body is large."""
-    if len(req.body) > PARSE_IN_THREAD_BYTES:
-        return await asyncio.to_thread(lambda: fmt.parse(json_body(req)))
-    return fmt.parse(json_body(req))
-
-
-def json_body(req) -> dict:
-    """The request body as a JSON object, or a 400 that says what is wrong with it: not UTF-8 (a
-    UTF-16 or UTF-32 body, which json.loads would otherwise guess), more than MAX_JSON_VALUES values
-    (counted before the parse), not JSON, nested too deeply, or a lone surrogate."""
-    raw = req.body
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ApiError(400, f"body: not UTF-8 (byte {e.start}: {raw[e.start:e.start + 4]!r}); JSON "
-                            "bodies must be UTF-8") from None
-    values = raw.count(b"{") + raw.count(b"[") + raw.count(b",")
-    if values > MAX_JSON_VALUES:
-        raise ApiError(400, f"body: more than {MAX_JSON_VALUES} JSON values ({values} brackets and "
-                            "commas)")
-    try:
-        body = json.loads(text)
-    except ValueError as e:
-        raise ApiError(400, f"body: not valid JSON ({e})") from None
-    except RecursionError:   # json's decoder recurses once per level: thousands of [ overflow it
-        raise ApiError(400, f"body: {DEEPER}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, f"body: must be a JSON object, got {type(body).__name__}")
-    found = _check_tree(body, strings=_SURROGATE_HINT.search(text) is not None)
-    if found is not None:
-        place, why = found
-        raise ApiError(400, f"{place}: {why}", param=None if place == "body" else place)
-    return body
-
-
-def _retry_shortly(fmt_anthropic: bool, why: str) -> ApiError:
-    """503 (OpenAI) / 529 overloaded (Anthropic) with Retry-After: the server will answer this request
-    again soon, so the client is told to retry (x-should-retry on Anthropic routes)."""
-    headers = (("Retry-After", str(RETRY_AFTER_LOADING_S)),)
-    if fmt_anthropic:
-        return ApiError(529, f"{why}; retry shortly", type="overloaded_error",
-                        headers=headers + (("x-should-retry", "true"),))
-    return ApiError(503, f"{why}; retry shortly", type="unavailable", headers=headers)
-
-
-def not_ready_error(fmt_anthropic: bool) -> ApiError:
-    """While the model loads or its worker restarts."""
-    return _retry_shortly(fmt_anthropic, "the model is loading")
-
-
-def stopping_error(fmt_anthropic: bool) -> ApiError:
-    """For a request that a shutting-down server will not run or finish (a restarted server will)."""
-    return _retry_shortly(fmt_anthropic, "the server is shutting down")
-
-
-def rejected_error(fmt_anthropic: bool, reason: str) -> ApiError:
-    """What admission's refusal sounds like in each API (the spec's 429 and 529): a tenant past its own
-    limit is rate-limited (429 everywhere, Anthropic's rate_limit_error); a full server queue is 429 on
-    OpenAI routes and Anthropic's 529 overloaded_error on Messages. Both with Retry-After."""
-    headers = (("Retry-After", str(RETRY_AFTER_BUSY_S)),)
-    if reason == "tenant_queue_full":
-        return ApiError(429, "too many of your requests are waiting for a slot", type="unavailable",
-                        code=reason, headers=headers)
-    why = "the server's queue is full"
-    if fmt_anthropic:
-        return ApiError(529, why, type="overloaded_error", code=reason, headers=headers)
-    return ApiError(429, why, type="unavailable", code=reason, headers=headers)
-
-
-# Prompts up to this many characters are tokenized in a thread of the server, with encode_batch
-# (chat.Tokenizer.encode_prompt): it lets go of the GIL for the whole call, where `encode` holds it
-# throughout (a 250k-character prompt in a thread paused the event loop 190-300 ms with encode, 6-11
-# ms with encode_batch, the same ids; 2 shared cores, load 2.7). A 250 KB agent prompt takes about
-# 0.3 s and 40 MB. Longer ones go to the tokenizer process (TokenizerProcess), one at a time:
-# tokenizing takes about 150 bytes of memory a character, which a process gives back to the system
-# when it ends, and the server's heap would not.
-TOKENIZE_IN_THREAD_CHARS = 256 * 1024
-# Prompts tokenized in threads at once, over all requests: each keeps a core busy, and the event loop
-# needs one too. Generation requests are bounded by admission and count_tokens by its own limits;
-# this bounds what all of them together take from the loop.
-TOKENIZING_THREADS = 2
-# The tokenizer process is replaced after a prompt this long, to give back what tokenizing it took.
-TOKENIZER_RECYCLE_CHARS = 1024 * 1024
-
-
-class TokenizerProcess:
-    """A process of its own that tokenizes long prompts (chat.serve_tokenizer), started on first use
-    and replaced after each very long prompt. One prompt at a time: long prompts wait their turn here
-    (each still holds its body, which the connections' byte budget bounds) instead of tokenizing
-    together; short prompts never come here."""
-
-    def __init__(self, folder: str):
-        self.folder = folder
-        self._lock = asyncio.Lock()
-        self._proc = None
-        self._conn = None
-
-    async def encode(self, prompt: chat.PromptText, limit: int) -> tuple[int, list[int] | None]:
-        """(number of tokens, the ids, or None when there are more than limit)."""
-        async with self._lock:
-            return await asyncio.to_thread(self._encode, prompt, limit)
-
-    def _encode(self, prompt: chat.PromptText, limit: int) -> tuple[int, list[int] | None]:
-        import array
-        import multiprocessing
-        if self._proc is None or not self._proc.is_alive():
-            self.close()
-            context = multiprocessing.get_context("spawn")
-            self._conn, theirs = context.Pipe()
-            self._proc = context.Process(target=chat.serve_tokenizer, args=(theirs, self.folder),
-                                         name="mashbox-tokenizer", daemon=True)
-            self._proc.start()
-            theirs.close()
-        try:
-            self._conn.send((prompt, limit))
-            count, data = self._conn.recv()
-        except (EOFError, OSError) as e:
-            self.close()
-            raise ApiError(500, f"the tokenizer process failed: {e}", type="server_error") from None
-        if prompt.chars > TOKENIZER_RECYCLE_CHARS:
-            self.close()
-        if not data:
-            return count, None
-        ids = array.array("i")
-        ids.frombytes(data)
-        return count, ids.tolist()
-
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.join(5)
-        self._proc = self._conn = None
-
-
-def prompt_too_long(tokens: str, ctx: int) -> ApiError:
-    return ApiError(400, f"messages: the prompt is {tokens} tokens, and the context holds {ctx} (with room "
-                         "for at least one new token)", param="messages")
-
-
-async def render_prompt(app, job: Job, count_only: bool = False) -> list[int] | int:
-    """The one template (rendered in a thread), then its tokens, without stalling the event loop: a
-    prompt that cannot fit the context (a token stands for at most max_token_bytes characters) is
-    refused before any of it is tokenized; a short one is tokenized in a thread, a long one in the
-    tokenizer process, both by chat.Tokenizer.encode_prompt (the client's text as text, the template's
-    control tokens as tokens). A prompt longer than the context is a 400 with both numbers.
-    count_only: the number of tokens, whatever it is (count_tokens), under the same character bound."""
-    facts, tok = app.bridge.facts, app.tokenizer
-    if not facts or tok is None:
-        raise not_ready_error(False)
-    prompt = await asyncio.to_thread(chat.render_runs, job, facts.chat_format)
-    ctx, chars = facts.max_model_len, prompt.chars
-    if chars > (ctx - 1) * tok.max_token_bytes:
-        least = -(-chars // tok.max_token_bytes)
-        raise prompt_too_long(f"{chars} characters, so at least {least}", ctx)
-    if chars <= TOKENIZE_IN_THREAD_CHARS:
-        async with app.tokenizing:
-            ids = await asyncio.to_thread(tok.encode_prompt, prompt)
-        count = len(ids)
-    else:
-        if app.tokenizer_process is None or app.tokenizer_process.folder != facts.folder:
-            app.tokenizer_process = TokenizerProcess(facts.folder)
-        count, ids = await app.tokenizer_process.encode(prompt, 0 if count_only else ctx - 1)
-    if count_only:
-        return count
-    if count >= ctx:
-        raise prompt_too_long(str(count), ctx)
-    return ids
-
-
-def check_model(app, name: str | None) -> None:
-    """The spec's 404 on the OpenAI routes: a model id other than the one served (or its Hugging Face
-    repo name, spelled as models.json gives it) is model_not_found, and the message names the served
-    id so the user can fix the client's configuration. Leaving model out is accepted. Messages accepts
-    any name (Claude Code sends claude-*) and never calls this."""
-    served = app.bridge.facts.id
-    if name and name != served and name not in app.model_aliases:
-        raise model_not_found(name, served, f" (send model '{served}' or leave it out)")
-
-
-def model_not_found(name: str, served: str, hint: str = "") -> ApiError:
-    """The spec's 404 for a model id this server does not serve (generation routes, /v1/models/{id})."""
-    return ApiError(404, f"model: '{name}' is not served here; this server runs '{served}'{hint}",
-                    code="model_not_found", param="model")
-
-
-async def handle_generation(app, req, out, fmt: "ApiFormat", tenant: str) -> None:
-    """One POST to a generation route: parse, then admit_and_run; whatever happened, log and count."""
-    t0 = time.monotonic()
-    outcome = Outcome()
-    job = None
-    try:
-        job = await parse_body(req, fmt)
-        job.session = job.session or req.header("x-session-id")
-        await admit_and_run(app, req, out, fmt, job, tenant, outcome, t0)
-    except ApiError as e:
-        outcome.status, outcome.finish = e.status, outcome.finish or "error"
-        raise
-    except ClientGone:
-        outcome.status, outcome.finish = 499, "abort"   # 499: nginx's "client closed request"
-        raise
-    finally:
-        e2e = time.monotonic() - t0
-        # The whole wait before the request ran: the server's queue and the worker's (from timings).
-        waited = outcome.timings["queue_ms"] / 1000 if outcome.timings else outcome.queue_s
-        if outcome.admitted:   # requests refused before they ran are counted by their rejection
-            ttft = outcome.first_token_at - t0 if outcome.first_token_at else None
-            decode = (time.monotonic() - outcome.first_token_at) if outcome.first_token_at else None
-            app.metrics.request_done(outcome.finish or "stop", outcome.usage, waited, e2e, ttft, decode)
-            app.metrics.constrained_done(outcome.constrained, outcome.mask_s)
-        app.log(request_log_line(req.method, req.path, outcome, outcome.prompt_tokens, waited, e2e,
-                                 job.session if job is not None else None))
-
-
-async def admit_and_run(app, req, out, fmt: "ApiFormat", job: Job, tenant: str, outcome: Outcome,
-                        t0: float) -> None:
-    """Refuse what cannot run now (stopping, loading, an unknown model, admission's limits), render the
-    prompt while the request waits for its slot, then run_generation; the slot goes back as soon as
-    the engine is done with the request."""
-    if app.bridge.closing:
-        raise stopping_error(fmt.anthropic)
-    if app.bridge.status != "ok":
-        app.metrics["admission_rejections_total"].inc(reason="loading")
-        raise not_ready_error(fmt.anthropic)
-    if not fmt.anthropic:
-        check_model(app, job.model)
-    # Admission first: a tenant past its limit (or a full server) is refused before its prompt
-    # costs any tokenizing; what is admitted is rendered while it waits for its slot.
-    try:
-        ticket = app.admission.enter(tenant)
-    except Rejected as r:
-        app.metrics["admission_rejections_total"].inc(reason=r.reason)
-        raise rejected_error(fmt.anthropic, r.reason)
-    released = False
-
-    def engine_done() -> None:
-        """The slot (or the queue place) goes back: at once when the engine is done with it."""
-        nonlocal released
-        if not released:
-            released = True
-            if ticket is None:
-                app.admission.release()
-            else:
-                app.admission.leave_queue(tenant, ticket)
-    app.bridge.enter()   # from here a shutdown waits for this request (its grace period)
-    try:
-        prompt = await render_prompt(app, job)
-        outcome.prompt_tokens = len(prompt)
-        if app.config.log_prompts:
-            log_prompt(app.tokenizer, prompt, req.path, job.session)
-        if ticket is not None:
-            try:
-                await _wait_admitted(ticket, out.gone, app.bridge.ended)
-            except ServerStopping:
-                raise stopping_error(fmt.anthropic) from None
-        outcome.queue_s = time.monotonic() - t0
-        outcome.admitted, outcome.admitted_at = True, t0 + outcome.queue_s
-        await run_generation(app, req, out, fmt, job, prompt, outcome, engine_done)
-    finally:
-        engine_done()
-        app.bridge.leave()
-
-
-async def _wait_admitted(ticket: asyncio.Future, gone: asyncio.Event, ended: asyncio.Event) -> None:
-    """Wait for a slot. Raises ClientGone if the client leaves first, ServerStopping if the shutdown's
-    grace period ends first (either way the caller gives its place up)."""
-    left = asyncio.ensure_future(gone.wait())
-    stopped = asyncio.ensure_future(ended.wait())
-    try:
-        done, _ = await asyncio.wait({ticket, left, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        left.cancel()
-        stopped.cancel()
-    if ticket not in done:
-        raise ServerStopping() if stopped in done else ClientGone()
-
-
-async def handle_count_tokens(app, req, out, fmt: "ApiFormat") -> None:
-    """Anthropic count_tokens: exactly the prompt the Messages route would prefill. Never queued."""
-    if app.bridge.status != "ok":
-        raise not_ready_error(True)
-    tenant = req.tenant or DEFAULT_TENANT
-    counting = app.counting
-    if counting.get(tenant, 0) >= MAX_COUNTING_PER_TENANT or sum(counting.values()) >= MAX_COUNTING_TOTAL:
-        app.metrics["admission_rejections_total"].inc(reason="counting_full")
-        raise ApiError(529, "too many token counts are running; retry after a moment",
-                       type="overloaded_error", code="counting_full",
-                       headers=(("Retry-After", str(RETRY_AFTER_BUSY_S)),))
-    counting[tenant] = counting.get(tenant, 0) + 1
-    try:
-        job = await parse_body(req, fmt)
-        await out.json(200, {"input_tokens": await render_prompt(app, job, count_only=True)})
-    finally:
-        counting[tenant] -= 1
-        if not counting[tenant]:
-            del counting[tenant]
-
-
-# =================================================================================================
-# Routes
-# =================================================================================================
-
-Handler = Callable[[Request, Responder], Awaitable[None]]
-
-
-def _needs_key(pattern: str) -> bool:
-    """The spec: with keys configured, /v1 routes, /metrics and /openapi.json need one; health (/,
-    /health, /v1/health) stays open for probes."""
-    if pattern in ("/", "/health", "/v1/health"):
-        return False
-    return pattern.startswith("/v1/") or pattern in ("/metrics", "/openapi.json")
-
-
-@dataclass(frozen=True)
-class Route:
-    method: str
-    pattern: str                               # "/v1/models/{model}"; {name} matches the rest of the path
-    handler: Handler                           # async (req, out) -> None; the server state is out.app
-    errors: Callable[[ApiError], dict]         # the route's error shape: openai_ or anthropic_error_body
-    needs_key: bool
-
-    @property
-    def reads_body(self) -> bool:
-        return self.method == "POST"
-
-
-class Router:
-    """(method, path pattern) -> Route. Unknown path: 404; known path, other method: 405 with Allow.
-    HEAD on every path is the spec's ready check: the `head` route (health's status, no body), so a
-    probe works on any URL and a HEAD never tells a protected route's length to a caller without a key."""
-
-    def __init__(self) -> None:
-        self._exact: dict[str, dict[str, Route]] = {}
-        self._patterns: list[tuple[re.Pattern, dict[str, Route]]] = []
-        self.head: Route | None = None
-
-    def add(self, method: str, pattern: str, handler: Handler,
-            errors: Callable[[ApiError], dict] = openai_error_body) -> None:
-        route = Route(method, pattern, handler, errors, _needs_key(pattern))
-        if "{" in pattern:
-            regex = re.compile(re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>.+)", re.escape(pattern)) + r"\Z")
-            methods = next((m for r, m in self._patterns if r.pattern == regex.pattern), None)
-            if methods is None:
-                methods = {}
-                self._patterns.append((regex, methods))
-        else:
-            methods = self._exact.setdefault(pattern, {})
-        if method in methods:
-            raise ValueError(f"route {method} {pattern} is registered twice")
-        methods[method] = route
-
-    def _lookup(self, path: str) -> tuple[dict[str, Route] | None, dict[str, str]]:
-        methods = self._exact.get(path)
-        if methods is not None:
-            return methods, {}
-        for regex, methods in self._patterns:
-            m = regex.match(path)
-            if m:
-                return methods, {k: urllib.parse.unquote(v) for k, v in m.groupdict().items()}
-        return None, {}
-
-    def match(self, req: Request) -> Route:
-        """The request's route (its path parameters set on req.params), or ApiError 404/405."""
-        if req.method == "HEAD" and self.head is not None:
-            return self.head
-        methods, params = self._lookup(req.path)
-        method = "GET" if req.method == "HEAD" else req.method   # HEAD is told what GET would be
-        if methods is None:
-            raise ApiError(404, f"no such route: {method} {req.path}", code="not_found")
-        route = methods.get(req.method) or methods.get(method)
-        if route is None:
-            allowed = sorted(set(methods) | ({"HEAD"} if "GET" in methods else set()))
-            raise ApiError(405, f"method {method} is not allowed on {req.path} (allowed: "
-                                f"{', '.join(allowed)})", code="method_not_allowed",
-                           headers=(("Allow", ", ".join(allowed)),))
-        req.params = params
-        return route
-
-    def errors_for(self, path: str) -> Callable[[ApiError], dict]:
-        """The error shape for a path whose request did not reach a route (405 on an Anthropic path)."""
-        methods, _ = self._lookup(path)
-        return next(iter(methods.values())).errors if methods else openai_error_body
-
-
-# ---- the simple routes ---------------------------------------------------------------------------
-
-async def route_health(req: Request, out: Responder) -> None:
-    app = out.app
-    doc = app.health()
-    if app.guard is not None and not app.guard.keyed(req):
-        doc.pop("worker_pid", None)     # a process id is for the operator, not for any prober
-    await out.json(200 if app.ready else 503, doc)
-
-
-async def route_ui(req: Request, out: Responder) -> None:
-    """`mashbox run --ui`: the MASHBOX Chat page (ui.html), one self-contained file."""
-    body, headers = ui_page()
-    await out.send(200, body, "text/html; charset=utf-8", headers)
-
-
-def model_card(app: "App") -> dict:
-    """The spec's Model. Before the worker is ready only the id and the --ctx asked for are known."""
-    facts = app.facts
-    if facts is None:
-        return {"id": app.model_id, "object": "model", "owned_by": OWNED_BY, "created": 0,
-                "max_model_len": app.config.ctx or app.planned_ctx or 0}
-    return {"id": facts.id, "object": "model", "owned_by": OWNED_BY, "created": 0,
-            "max_model_len": facts.max_model_len, "weights": facts.weights, "gb": facts.gb,
-            "bpw": facts.bpw, "prefix_cache": facts.prefix_cache, "slots": facts.slots,
-            "cache_ram_mib": facts.cache_ram_mib}
-
-
-async def route_models(req: Request, out: Responder) -> None:
-    await out.json(200, {"object": "list", "data": [model_card(out.app)]})
-
-
-async def route_model(req: Request, out: Responder) -> None:
-    app, wanted = out.app, req.params["model"]
-    if wanted != app.model_id:
-        raise model_not_found(wanted, app.model_id)
-    await out.json(200, model_card(app))
-
-
-async def route_openapi(req: Request, out: Responder) -> None:
-    await out.send(200, out.app.openapi_bytes(), "application/json")
-
-
-async def route_metrics(req: Request, out: Responder) -> None:
-    app = out.app
-    text = app.metrics.render(app.bridge, app.admission)
-    await out.send(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
-
-
-# ---- the generation routes -----------------------------------------------------------------------
-
-# path -> the API format (App.formats) that parses its body and encodes its answer. count_tokens reads a
-# Messages body and answers without generating.
-API_ROUTES = (
-    ("/v1/chat/completions", "chat"),
-    ("/v1/completions", "completions"),
-    ("/v1/messages", "messages"),
-    ("/v1/responses", "responses"),
-)
-COUNT_TOKENS_ROUTE = ("/v1/messages/count_tokens", "messages")
-
-
-def api_route(fmt_name: str, count_tokens: bool = False) -> Handler:
-    """The handler of a generation route: its API format's parse and encoder, through the engine."""
-    async def handler(req: Request, out: Responder) -> None:
-        app = out.app
-        fmt = app.formats[fmt_name]
-        if count_tokens:
-            await handle_count_tokens(app, req, out, fmt)
-        else:
-            await handle_generation(app, req, out, fmt, req.tenant or DEFAULT_TENANT)
-    return handler
-
-
-def build_routes(app: "App") -> Router:
-    """The route table. A generation route exists when its API format is given to the App."""
-    router = Router()
-    for path in ("/v1/health", "/health"):
-        router.add("GET", path, route_health)
-    router.add("GET", "/", route_ui if app.config.ui else route_health)
-    router.head = Route("HEAD", "*", route_health, openai_error_body, needs_key=False)
-    router.add("GET", "/v1/models", route_models)
-    router.add("GET", "/v1/models/{model}", route_model)
-    router.add("GET", "/openapi.json", route_openapi)
-    router.add("GET", "/metrics", route_metrics)
-    for path, name in API_ROUTES:
-        if name in app.formats:
-            router.add("POST", path, api_route(name), app.formats[name].error_body)
-    path, name = COUNT_TOKENS_ROUTE
-    if name in app.formats:
-        router.add("POST", path, api_route(name, count_tokens=True), app.formats[name].error_body)
-    return router
-
-
-# ---- the served description ----------------------------------------------------------------------
-
-# The project's copy of the spec, served at /openapi.json. Its examples name this model id, which the
-# server replaces with the id it runs.
-OPENAPI_FILE = Path(__file__).resolve().parent / "openapi.json"
-SPEC_EXAMPLE_MODEL = "qwen3-8-27b"
-OWNED_BY = "mashbox-labs"
-
-
-def openapi_document(model_id: str, base_url: str | None = None) -> bytes:
-    """The spec with the running model's id in its examples (and this server's URL, when given)."""
-    doc = json.loads(OPENAPI_FILE.read_text(encoding="utf-8"))
-
-    def swap(node: Any) -> Any:
-        if isinstance(node, dict):
-            return {k: swap(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [swap(v) for v in node]
-        return model_id if node == SPEC_EXAMPLE_MODEL and model_id else node
-
-    doc = swap(doc)
-    if base_url:
-        doc["servers"] = [{"url": base_url, "description": "this server"}]
-    return json.dumps(doc, ensure_ascii=False, indent=1).encode()
-
-
-# ---- the chat page -------------------------------------------------------------------------------
-
-# `mashbox run --ui` serves this file at /: everything inline (no CDN, no build step). The browser is
-# told to run only its own inline script and style (by hash) and to talk only to this origin, so the
-# page cannot load or send anything elsewhere, and the server's Origin check stays on.
-UI_FILE = Path(__file__).resolve().parent / "ui.html"
-_ui_cache: list = []
-
-
-def ui_page() -> tuple[bytes, tuple[tuple[str, str], ...]]:
-    """The page's bytes and its headers (Content-Security-Policy with its inline blocks' hashes)."""
-    if not _ui_cache:
-        import base64
-        import hashlib
-        text = UI_FILE.read_text(encoding="utf-8")
-
-        def hashes(tag: str) -> str:
-            blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", text, re.S)
-            return " ".join("'sha256-%s'" % base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()
-                            for b in blocks)
-        policy = (f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; "
-                  "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
-                  "frame-ancestors 'none'")
-        _ui_cache.append((text.encode(), (("Content-Security-Policy", policy), ("Cache-Control", "no-store"),
-                                          ("X-Content-Type-Options", "nosniff"),
-                                          ("Referrer-Policy", "no-referrer"))))
-    return _ui_cache[0]
-
-
-# ---- the server state ----------------------------------------------------------------------------
-
-class App:
-    """The server's state: its configuration, the route table, the engine bridge and what the routes
-    share (guard, admission, metrics, tokenizer). Handlers reach it as out.app.
-
-    The bridge is read through three members: ready, facts and health().
-    """
-
-    def __init__(self, config: "ServeConfig", bridge: "Bridge | None" = None,
-                 formats: dict[str, ApiFormat] | None = None, limits: ConnLimits | None = None,
-                 guard: Guard | None = None, admission: Admission | None = None,
-                 metrics: Metrics | None = None):
-        self.config = config
-        # A bridge that is never started stays "loading": the server answers 503 until one is.
-        self.bridge = bridge if bridge is not None else Bridge(worker_args=None)
-        self.formats = API_FORMATS if formats is None else formats
-        self.limits = limits or ConnLimits()
-        self.guard = guard                     # None: every request is the default tenant, unchecked
-        # One slot until the worker reports its count (Admission.resize on ready).
-        self.admission = admission if admission is not None else Admission(slots=1)
-        self.metrics = metrics if metrics is not None else Metrics()
-        self.tokenizer: chat.Tokenizer | None = None   # loaded from the model's folder when it is ready
-        self.tokenizer_process: TokenizerProcess | None = None   # long prompts; started on first use
-        self.counting: dict[str, int] = {}     # tenant -> count_tokens requests in flight
-        self.tokenizing = asyncio.Semaphore(TOKENIZING_THREADS)
-        self._trim: asyncio.Future | None = None
-        self._trim_wanted = False
-        self._heap_dirty = False       # a large request ended since the last trim, others in flight
-        self.tokenizer_folder: str | None = None
-        self.model_aliases: set[str] = set()   # other names of the served model (its HF repo)
-        self.planned_ctx: int | None = None    # the context the worker will run (card before ready)
-        self.namespace: str | None = None
-        self.router = build_routes(self)
-        self.port: int | None = None
-        self._server: asyncio.base_events.Server | None = None
-        self._connections: set[Connection] = set()
-        # Connections waiting for their next request, oldest first: those that never sent a key, and
-        # those that did (dicts as ordered sets). At the connection bound the oldest gives way.
-        self._idle: dict[Connection, None] = {}
-        self._idle_keyed: dict[Connection, None] = {}
-        self._peeking = 0                      # refused connections whose request line is awaited
-        self._lingering = 0                    # refused connections being drained before closing
-        self.buffered = 0                      # request bytes held by every connection (max_buffered)
-        self._ready_waiters: list[asyncio.Event] = []
-        self._openapi: tuple[str, bytes] | None = None
-        self.bridge.on_ready.append(self._on_ready)
-        self.bridge.watchers.append(EngineLog())   # progress, start-up lines, compile warnings
-
-    # ---- what the routes read --------------------------------------------------------------------
-
-    @property
-    def ready(self) -> bool:
-        return self.bridge.status == "ok"
-
-    @property
-    def facts(self) -> "protocol.ModelFacts | None":
-        return self.bridge.facts
-
-    @property
-    def model_id(self) -> str:
-        facts = self.bridge.facts
-        return facts.id if facts is not None else (self.config.model or "")
-
-    def health(self) -> dict:
-        return health_document(self.bridge, self.admission, self.namespace)
-
-    def openapi_bytes(self) -> bytes:
-        """The served spec, built once per model id."""
-        if self._openapi is None or self._openapi[0] != self.model_id:
-            self._openapi = (self.model_id, openapi_document(self.model_id, self.url))
-        return self._openapi[1]
-
-    @property
-    def url(self) -> str | None:
-        if self.port is None:
-            return None
-        host = self.config.host
-        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
-
-    def log(self, message: str) -> None:
-        log.info("%s", message)
-
-    async def wait_ready(self) -> None:
-        """Return once the model is ready (again, after a worker restart)."""
-        while not self.ready:
-            event = asyncio.Event()
-            self._ready_waiters.append(event)
-            await event.wait()
-
-    def _on_ready(self) -> None:
-        facts = self.bridge.facts
-        if self.tokenizer is None or self.tokenizer_folder != facts.folder:
-            # Once per model folder (a restarted worker loads the same one); a fraction of a second.
-            self.tokenizer = chat.Tokenizer.from_folder(facts.folder)
-            self.tokenizer.max_token_bytes    # its byte table, built now rather than in a request
-            self.tokenizer_folder = facts.folder
-        self.trim_heap_soon()      # what start-up took and freed (the tokenizer's load, the spec's parse)
-        # The worker's id (engine.prefix.namespace_id) is the one owner: it tags what it saves.
-        self.namespace = facts.cache_namespace
-        if self.admission is not None:
-            self.admission.resize(facts.slots)
-        waiters, self._ready_waiters = self._ready_waiters, []
-        for event in waiters:
-            event.set()
-
-    # ---- serving ---------------------------------------------------------------------------------
-
-    async def start(self) -> None:
-        """Bind and accept connections (port 0: any free port, then self.port says which)."""
-        bound = connection_bound(self.limits.max_connections)
-        if bound < self.limits.max_connections:
-            log.warning("open files are limited: at most %d connections (not %d)", bound,
-                        self.limits.max_connections)
-            self.limits.max_connections = bound
-        self._server = await asyncio.start_server(self._on_connect, self.config.host, self.config.port,
-                                                  backlog=LISTEN_BACKLOG)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for conn in list(self._connections):
-            conn.close()
-        if self.tokenizer_process is not None:
-            self.tokenizer_process.close()
-        if self._server is not None:
-            await self._server.wait_closed()
-
-    def request_ended(self, large: bool) -> None:
-        """A trim after a large request, and another when the last request in flight after one ends
-        (what those requests held is freed only then)."""
-        self._heap_dirty = self._heap_dirty or large
-        if large or (self._heap_dirty and not self._handling()):
-            self.trim_heap_soon()
-
-    def _handling(self) -> bool:
-        return any(conn.busy for conn in self._connections)
-
-    def trim_heap_soon(self) -> None:
-        """A trim in a thread TRIM_DELAY_S from now, covering every large request that ends before it
-        starts; one that ends while it runs asks for another."""
-        self._trim_wanted = True
-        if self._trim is None or self._trim.done():
-            async def trim():
-                while self._trim_wanted:
-                    await asyncio.sleep(TRIM_DELAY_S)
-                    self._trim_wanted = False
-                    self._heap_dirty = self._handling()
-                    await asyncio.to_thread(memory.release_free_heap)
-            self._trim = asyncio.ensure_future(trim())
-
-    def connection_idle(self, conn: Connection) -> None:
-        conn.idle_since = asyncio.get_running_loop().time()
-        (self._idle_keyed if conn.keyed else self._idle)[conn] = None
-
-    def connection_busy(self, conn: Connection) -> None:
-        conn.idle_since = None
-        self._idle.pop(conn, None)
-        self._idle_keyed.pop(conn, None)
-
-    def _evict_idle(self) -> bool:
-        """Close the connection idle longest (EVICT_IDLE_S at least), unkeyed first; False if none."""
-        now = asyncio.get_running_loop().time()
-        for idle in (self._idle, self._idle_keyed):
-            conn = next(iter(idle), None)
-            if conn is not None and now - conn.idle_since >= EVICT_IDLE_S:
-                self.connection_busy(conn)
-                self._connections.discard(conn)     # its place is taken now; its task ends soon
-                conn.transport.close()              # a FIN: the client's pool sees it closed
-                return True
-        return False
-
-    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._connections) >= self.limits.max_connections and not self._evict_idle():
-            await self._refuse_connection(reader, writer)
-            return
-        conn = Connection(self, reader, writer)
-        self._connections.add(conn)
-        self.connection_idle(conn)    # until its first bytes: a connection that sends nothing gives way
-        try:
-            await conn.run()
-        except Exception:
-            log.exception("connection failed")
-        finally:
-            self._connections.discard(conn)
-
-    async def _refuse_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """503 with Retry-After for a connection past the bound. The client may have sent its request
-        already: closing with it unread would reset the connection (the client sees ECONNRESET, not
-        the 503), so the answer is written, the sending side shut, and what arrives is read and dropped
-        (REFUSED_DRAIN_BYTES, LINGER_S at most) before closing."""
-        err = ApiError(503, f"too many open connections (at most {self.limits.max_connections})",
-                       type="unavailable", headers=(("Retry-After", str(RETRY_AFTER_CONNECTIONS_S)),))
-        errors = openai_error_body
-        if self._peeking < CAP_PEEKS:
-            self._peeking += 1
-            try:
-                line = await asyncio.wait_for(reader.readline(), CAP_PEEK_S)
-                m = _LINE_PATH.match(line)
-                errors = self.router.errors_for(m.group(1).decode()) if m else errors
-            except (asyncio.TimeoutError, ValueError, ConnectionError, OSError):
-                pass
-            finally:
-                self._peeking -= 1
-        writer.write(response_bytes(503, json.dumps(errors(err)).encode(),
-                                    "application/json", err.headers, keep_alive=False))
-        if self._lingering >= MAX_LINGERING_REFUSALS or not writer.can_write_eof():
-            writer.close()
-            return
-        self._lingering += 1
-        try:
-            writer.write_eof()
-            deadline = asyncio.get_running_loop().time() + self.limits.linger_s
-            left = REFUSED_DRAIN_BYTES
-            while left > 0:
-                wait = deadline - asyncio.get_running_loop().time()
-                if wait <= 0:
-                    break
-                data = await asyncio.wait_for(reader.read(min(left, READ_SIZE)), wait)
-                if not data:
-                    break
-                left -= len(data)
-        except (asyncio.TimeoutError, ConnectionError, OSError):
-            pass
-        finally:
-            self._lingering -= 1
-            writer.close()
 
 
 # =================================================================================================

@@ -756,8 +756,9 @@ def test_streams_that_read_nothing_do_not_hold_slots_while_the_echo_waits():
 
 def test_a_flood_of_count_tokens_is_bounded_per_tenant_and_others_are_served(keyed):
     """Guards against count_tokens, which is never queued for a slot, tokenizing without bound: 40 in
-    flight held /health 5.7 s and another tenant waited 26 s."""
-    text = "lorem ipsum dolor sit amet " * 9_000        # 243k characters: tokenized in a thread
+    flight held /health 5.7 s and another tenant waited 26 s. They take one lane of their own, and past
+    the tenant's limit they are 529 with Retry-After."""
+    text = "lorem ipsum dolor sit amet " * 2_000         # 54k characters: about 50 ms each, one at a time
     results = []
 
     def count():
@@ -765,10 +766,11 @@ def test_a_flood_of_count_tokens_is_bounded_per_tenant_and_others_are_served(key
             "messages": [{"role": "user", "content": text}]}, {"x-api-key": KEY}, timeout=ANSWER_S * 2)
         results.append((status, headers.get("retry-after")))
     with Bystanders(keyed, KEY):
-        threads = [threading.Thread(target=count) for _ in range(3 * mashbox.MAX_COUNTING_PER_TENANT)]
+        threads = [threading.Thread(target=count) for _ in range(mashbox.MAX_COUNTING_PER_TENANT + 24)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(ANSWER_S * 3)
-    assert {s for s, _ in results} <= {200, 529} and any(s == 200 for s, _ in results), results
+    statuses = [s for s, _ in results]
+    assert set(statuses) == {200, 529} and statuses.count(200) >= mashbox.MAX_COUNTING_PER_TENANT, statuses
     assert all(r == str(mashbox.RETRY_AFTER_BUSY_S) for s, r in results if s == 529)
