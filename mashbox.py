@@ -20,7 +20,8 @@ A request's life is told by the four functions of Generation, in that order: han
 (parse; log and count), admit_and_run (refuse, admit, render), run_generation (the retry rule) and
 run_attempt (one attempt: submit, then tokens -> output parser -> encoder).
 The server process never imports jax: the engine worker (engine/worker.py) owns the device; of the
-engine it imports only chat (templates, output parser), protocol, registry, config and memory (no jax).
+engine it imports only chat (templates, output parser), protocol, registry, config, memory and
+sharding's start-up checks, none of which imports jax (a test keeps it so).
 """
 from __future__ import annotations
 
@@ -666,9 +667,11 @@ def connection_bound(wanted: int) -> int:
 
 class Responder:
     """How a route handler answers one request: a whole response (json / send), or a stream
-    (start_stream, then event per SSE frame, then end_stream). Every write waits for the socket to drain,
-    so a slow client slows its own stream and nothing else; a client that reads nothing for the stall
-    timeout is cut off and ClientGone raised. HEAD gets the same status and headers, and no body.
+    (start_stream, then event per SSE frame, then end_stream). A write waits for the socket to drain,
+    so a slow client slows its own stream and nothing else, unless it is made with wait=False: the
+    generation's frames are, so the engine never waits on a client (what is unsent counts in the
+    byte budget). A client that reads nothing for the stall timeout is cut off and ClientGone raised.
+    HEAD gets the same status and headers, and no body.
 
     gone is set as soon as the client disconnects (the connection reads ahead while handlers run).
     """
@@ -1452,7 +1455,7 @@ async def admit_and_run(app, req, out, fmt: "ApiFormat", job: Job, tenant: str, 
                 app.admission.leave_queue(tenant, ticket)
     app.bridge.enter()   # from here a shutdown waits for this request (its grace period)
     try:
-        prompt = await render_prompt(app, job)
+        prompt = await render_prompt(app, job, fmt)
         outcome.prompt_tokens = len(prompt)
         if app.config.log_prompts:
             log_prompt(app.tokenizer, prompt, req.path, job.session)
@@ -1497,7 +1500,7 @@ async def handle_count_tokens(app, req, out, fmt: "ApiFormat") -> None:
     counting[tenant] = counting.get(tenant, 0) + 1
     try:
         job = await parse_body(req, fmt)
-        await out.json(200, {"input_tokens": await render_prompt(app, job, count_only=True)})
+        await out.json(200, {"input_tokens": await render_prompt(app, job, fmt, count_only=True)})
     finally:
         counting[tenant] -= 1
         if not counting[tenant]:
@@ -1725,12 +1728,12 @@ class TokenizerProcess:
         self._proc = self._conn = None
 
 
-def prompt_too_long(tokens: str, ctx: int) -> ApiError:
-    return ApiError(400, f"messages: the prompt is {tokens} tokens, and the context holds {ctx} (with room "
-                         "for at least one new token)", param="messages")
+def prompt_too_long(tokens: str, ctx: int, field: str) -> ApiError:
+    return ApiError(400, f"{field}: the prompt is {tokens} tokens, and the context holds {ctx} (with room "
+                         "for at least one new token)", param=field)
 
 
-async def render_prompt(app, job: Job, count_only: bool = False) -> list[int] | int:
+async def render_prompt(app, job: Job, fmt: "ApiFormat", count_only: bool = False) -> list[int] | int:
     """The one template (rendered in a thread), then its tokens, without stalling the event loop: a
     prompt that cannot fit the context (a token stands for at most max_token_bytes characters) is
     refused before any of it is tokenized; a short one is tokenized in a thread, a long one in the
@@ -1744,7 +1747,7 @@ async def render_prompt(app, job: Job, count_only: bool = False) -> list[int] | 
     ctx, chars = facts.max_model_len, prompt.chars
     if chars > (ctx - 1) * tok.max_token_bytes:
         least = -(-chars // tok.max_token_bytes)
-        raise prompt_too_long(f"{chars} characters, so at least {least}", ctx)
+        raise prompt_too_long(f"{chars} characters, so at least {least}", ctx, fmt.prompt_field)
     if chars <= TOKENIZE_IN_THREAD_CHARS:
         async with app.counting_lane if count_only else app.tokenizing:
             ids = await asyncio.to_thread(tok.encode_prompt, prompt)
@@ -1756,7 +1759,7 @@ async def render_prompt(app, job: Job, count_only: bool = False) -> list[int] | 
     if count_only:
         return count
     if count >= ctx:
-        raise prompt_too_long(str(count), ctx)
+        raise prompt_too_long(str(count), ctx, fmt.prompt_field)
     return ids
 
 
@@ -4840,6 +4843,7 @@ class ApiFormat:
     id_prefix: str                         # the response id's prefix, as the real API spells it
     echoes_model: bool                     # the answer names the model the client asked for
     anthropic: bool = False                # error statuses: 529 instead of 429/503; any model name
+    prompt_field: str = "messages"         # the field a prompt too long for the context is named by
 
 
 # Every wire format by name; the routes table points at these. Messages and Responses answer with the
@@ -4848,10 +4852,11 @@ class ApiFormat:
 API_FORMATS: dict[str, ApiFormat] = {
     "chat": ApiFormat("chat", parse_chat, ChatEncoder, openai_error_body, "chatcmpl-", False),
     "completions": ApiFormat("completions", parse_completion, CompletionEncoder, openai_error_body, "cmpl-",
-                             False),
+                             False, prompt_field="prompt"),
     "messages": ApiFormat("messages", parse_messages, MessagesEncoder, anthropic_error_body, "msg_", True,
                           anthropic=True),
-    "responses": ApiFormat("responses", parse_responses, ResponsesEncoder, openai_error_body, "resp_", True),
+    "responses": ApiFormat("responses", parse_responses, ResponsesEncoder, openai_error_body, "resp_", True,
+                           prompt_field="input"),
 }
 
 

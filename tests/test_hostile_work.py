@@ -407,6 +407,8 @@ def test_a_prompt_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(
             assert status == 400, answer[:300]
             err = error_of(400, answer, api)
             assert "at least" in err["message"] and "4096" in err["message"], err
+            field = {"/v1/completions": "prompt", "/v1/responses": "input"}.get(path, "messages")
+            assert err["message"].startswith(f"{field}: the prompt is"), err     # the route's own field
             assert time.monotonic() - t0 < NORMAL_BOUND_S
 
 
