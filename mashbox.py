@@ -3225,9 +3225,9 @@ class Meta:
 class Encoder(Protocol):
     """What run_generation asks of an API's encoder: one class per API, built as Encoder(job, meta),
     pure (events in, bytes and dicts out). Feeding Done produces the stream's last frames itself (the
-    finish chunk, usage, [DONE], message_stop, ...). A Done whose finish_reason is "error" (the device
-    failed the request) is reported one way by all: feed() returns error(_failed(done)), and body()
-    raises _failed(done)."""
+    finish chunk, usage, [DONE], message_stop, ...). A request that fails (the device, a worker that
+    died twice, a shutdown) never reaches Done: run_generation answers it with the status, or ends a
+    started stream with error(err)."""
 
     # True: start() waits until admitted(usage) gave the prompt's cached/uncached split (Anthropic's
     # message_start carries it); the frames before it are SSE comments.
@@ -3255,11 +3255,6 @@ class Encoder(Protocol):
     def error(self, err: ApiError) -> list[bytes]:
         """Frames that end a started stream with an error."""
         ...
-
-
-def _failed(done: chat.Done) -> ApiError:
-    return ApiError(500, f"the request failed on the device: {done.error or 'unknown error'}",
-                    type="server_error")
 
 
 # ---- common fields (sampling, max tokens, stop) -------------------------------------------------
@@ -3661,8 +3656,6 @@ class ChatEncoder(Encoder):
 
     def _finish(self, done: chat.Done) -> list[bytes]:
         self.done = done
-        if done.finish_reason == "error":
-            return self.error(_failed(done))
         timings = {"timings": done.timings} if done.timings else {}
         frames = [self._chunk({}, CHAT_FINISH.get(done.finish_reason, "stop"), **timings)]
         if self.job.include_usage:
@@ -3670,10 +3663,8 @@ class ChatEncoder(Encoder):
         return frames + [sse("[DONE]")]
 
     def body(self) -> dict:
-        """The chat.completion; raises the ApiError of an answer that ended in an error."""
+        """The chat.completion."""
         done = self.done or chat.Done("abort")
-        if done.finish_reason == "error":
-            raise _failed(done)
         text = "".join(self.content)
         calls = [self.calls[i] for i in sorted(self.calls)]
         message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
@@ -3745,17 +3736,13 @@ class CompletionEncoder(Encoder):
             return [sse(self._completion(ev.text, None))]
         if isinstance(ev, chat.Done):
             self.done = ev
-            if ev.finish_reason == "error":
-                return self.error(_failed(ev))
             return [sse(self._completion("", COMPLETION_FINISH.get(ev.finish_reason, "stop"))),
                     sse("[DONE]")]
         return []   # a raw prompt is plain text: no reasoning or tool calls are parsed out of it
 
     def body(self) -> dict:
-        """The text_completion; raises the ApiError of an answer that ended in an error."""
+        """The text_completion."""
         done = self.done or chat.Done("abort")
-        if done.finish_reason == "error":
-            raise _failed(done)
         return {**self._completion("".join(self.text), COMPLETION_FINISH.get(done.finish_reason, "stop")),
                 "usage": _openai_usage(done.usage, False)}
 
@@ -4096,7 +4083,6 @@ class MessagesEncoder(Encoder):
         self.stop_sequence: str | None = None
         self.usage = self._usage(chat.Usage(prompt_tokens=meta.prompt_tokens))
         self.ended = False
-        self.failure: chat.Done | None = None    # a Done that ended in an error
 
     # The spec's message_start usage is the split of the prompt into cached and uncached tokens, known
     # once the worker has given the prompt a slot: the stream's first frames wait for it.
@@ -4126,8 +4112,6 @@ class MessagesEncoder(Encoder):
         return self._event("ping")
 
     def body(self) -> dict:
-        if self.failure is not None:
-            raise _failed(self.failure)
         return self._message(self.content)
 
     def error(self, err: ApiError) -> list[bytes]:
@@ -4214,9 +4198,6 @@ class MessagesEncoder(Encoder):
 
     def _done(self, ev: chat.Done) -> list[bytes]:
         frames = self._close()
-        if ev.finish_reason == "error":
-            self.failure = ev
-            return frames + self.error(_failed(ev))
         self.ended = True
         self.stop_sequence = ev.stop_sequence
         self.stop_reason = "stop_sequence" if ev.stop_sequence else STOP_REASONS.get(ev.finish_reason, "end_turn")
@@ -4801,8 +4782,6 @@ class ResponsesEncoder(Encoder):
                                      item=item)]
 
     def _done(self, done: chat.Done) -> list[bytes]:
-        if done.finish_reason == "error":
-            return self.error(_failed(done))
         # Cut off by max_output_tokens: the items still open at the end are incomplete.
         cut = done.finish_reason == "length"
         status = "incomplete" if cut else "completed"
@@ -4816,9 +4795,7 @@ class ResponsesEncoder(Encoder):
         return frames + [self._response_event(f"response.{status}")]
 
     def body(self) -> "JsonText":
-        """The Response; raises the ApiError of an answer that ended in an error."""
-        if self.status == "failed":
-            raise ApiError(500, self.failure["message"], type="server_error", code=self.failure["code"])
+        """The Response."""
         return self._response()
 
     def error(self, err: ApiError) -> list[bytes]:

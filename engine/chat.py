@@ -113,11 +113,10 @@ class Usage:
 
 @dataclass
 class Done:
-    finish_reason: str            # "stop" | "length" | "tool_calls" | "abort" | "error"
+    finish_reason: str            # "stop" | "length" | "tool_calls" | "abort"
     usage: Usage = field(default_factory=Usage)
     stop_sequence: str | None = None   # the stop string that ended the text, if one did
     timings: dict | None = None        # ChatTimings fields
-    error: str | None = None
 
 
 def new_id(prefix: str) -> str:
@@ -1201,8 +1200,7 @@ class OutputParser:
                 self._reasoning_tokens += 1
         return self._take()
 
-    def finish(self, finish_reason: str, usage: Usage | None = None, timings: dict | None = None,
-               error: str | None = None) -> list:
+    def finish(self, finish_reason: str, usage: Usage | None = None, timings: dict | None = None) -> list:
         """The last events: flushed text, closed calls, then Done. usage comes from the caller;
         reasoning_tokens is counted here."""
         self._consume(self._decoder.flush(), final=True)
@@ -1212,7 +1210,7 @@ class OutputParser:
             finish_reason = "stop"
         elif finish_reason == "stop" and self._ncalls:
             finish_reason = "tool_calls"
-        return self._take() + [Done(finish_reason, usage, self.stop_hit, timings, error)]
+        return self._take() + [Done(finish_reason, usage, self.stop_hit, timings)]
 
     # -- internals --
     def _take(self) -> list:

@@ -472,18 +472,6 @@ def test_stream_error_carries_the_response_id_then_done():
         assert data[1:] == ["[DONE]"]
 
 
-def test_done_with_error_ends_the_stream_with_the_error_and_the_body_raises():
-    """Guards against reporting a failed generation as a successful answer."""
-    for cls in (ChatEncoder, CompletionEncoder):
-        enc, frames = run_encoder(cls, seeded_job(stream=True),
-                                  [chat.TextDelta("par"), chat.Done("error", error="out of memory")])
-        data = frames_json(frames)
-        assert "out of memory" in data[-2]["error"]["message"] and data[-1] == "[DONE]"
-        with pytest.raises(ApiError) as caught:
-            enc.body()
-        assert caught.value.status == 500
-
-
 def split_answer(reasoning, text, args, cut):
     """The same answer as events, each piece split at cut (as a detokenizer might split it)."""
     def pieces(s, cls, *head):
