@@ -41,7 +41,7 @@ import threading
 import time
 import urllib.parse
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Protocol
 
@@ -4912,14 +4912,17 @@ def _port(text: str) -> int:
 
 
 def arg_parser() -> argparse.ArgumentParser:
+    """`mashbox run`'s flags; each one's default is ServeConfig's, named only there."""
+    default = ServeConfig()
     parser = argparse.ArgumentParser(prog="mashbox", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="serve one model over HTTP")
     run.add_argument("model", nargs="?", default=None,
                      help="a model id from models.json, or a Hugging Face folder (default: models.json's default)")
     run.add_argument("--weights", metavar="PATH", help="the weights folder (overrides models.json)")
-    run.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    run.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0 = any free port)")
+    run.add_argument("--host", default=default.host, help=f"address to listen on (default {default.host})")
+    run.add_argument("--port", type=_port, default=default.port,
+                     help=f"port (default {default.port}; 0 = any free port)")
     run.add_argument("--slots", type=_at_least(1, "--slots"), help="requests decoded together")
     run.add_argument("--ctx", type=_at_least(16, "--ctx"), help="tokens of context per slot")
     run.add_argument("--weights-dtype", choices=registry.WEIGHTS_DTYPE_CHOICES,
@@ -4928,9 +4931,9 @@ def arg_parser() -> argparse.ArgumentParser:
                           "GGUF's Q5_0 matrices keep their own 5-bit blocks); auto = the platform's fastest "
                           "(int8 on CPUs with int8 dot instructions, else float32; bfloat16 on "
                           "accelerators) unless models.json sets one")
-    run.add_argument("--devices", type=_devices, default=1, metavar="N",
-                     help="split the model over N devices of the platform (tensor parallel; default 1; "
-                          "all = every one); N must divide the model's attention heads")
+    run.add_argument("--devices", type=_devices, default=default.devices, metavar="N",
+                     help=f"split the model over N devices of the platform (tensor parallel; default "
+                          f"{default.devices}; all = every one); N must divide the model's attention heads")
     run.add_argument("--coordinator", metavar="HOST:PORT",
                      help="several hosts: process 0's address for jax.distributed; every host runs the "
                           "same command but for --process-id (also MASHBOX_COORDINATOR)")
@@ -4946,13 +4949,14 @@ def arg_parser() -> argparse.ArgumentParser:
     run.add_argument("--allowed-host", dest="allowed_hosts", metavar="NAME", action="extend", nargs="+",
                      default=[], help="host names the server answers to besides its own address")
     run.add_argument("--log-prompts", action="store_true", help="log each request's prompt text")
-    run.add_argument("--max-waiting", type=_at_least(0, "--max-waiting"), default=MAX_WAITING_TOTAL,
-                     help=f"requests waiting for a slot, in all (default {MAX_WAITING_TOTAL})")
+    run.add_argument("--max-waiting", type=_at_least(0, "--max-waiting"), default=default.max_waiting,
+                     help=f"requests waiting for a slot, in all (default {default.max_waiting})")
     run.add_argument("--max-waiting-per-tenant", type=_at_least(0, "--max-waiting-per-tenant"),
-                     default=MAX_WAITING_PER_TENANT,
-                     help=f"requests waiting for a slot, per tenant (default {MAX_WAITING_PER_TENANT})")
-    run.add_argument("--max-connections", type=_at_least(1, "--max-connections"), default=MAX_CONNECTIONS,
-                     help=f"open client connections (default {MAX_CONNECTIONS})")
+                     default=default.max_waiting_per_tenant,
+                     help=f"requests waiting for a slot, per tenant (default {default.max_waiting_per_tenant})")
+    run.add_argument("--max-connections", type=_at_least(1, "--max-connections"),
+                     default=default.max_connections,
+                     help=f"open client connections (default {default.max_connections})")
     run.add_argument("--ui", action="store_true",
                      help="serve the MASHBOX Chat page at / (health stays at /health and /v1/health)")
     run.add_argument("--recertify", action="store_true",
@@ -4961,16 +4965,10 @@ def arg_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(argv: list[str] | None) -> ServeConfig:
-    args = arg_parser().parse_args(argv)
-    return ServeConfig(model=args.model, weights=args.weights, host=args.host, port=args.port,
-                  slots=args.slots, ctx=args.ctx, cache_ram_mib=args.cache_ram_mib,
-                  api_key_file=args.api_key_file, allowed_hosts=tuple(args.allowed_hosts),
-                  log_prompts=args.log_prompts, max_waiting=args.max_waiting,
-                  max_waiting_per_tenant=args.max_waiting_per_tenant,
-                  max_connections=args.max_connections, recertify=args.recertify,
-                  ui=args.ui, weights_dtype=args.weights_dtype, devices=args.devices,
-                  coordinator=args.coordinator, num_processes=args.num_processes,
-                  process_id=args.process_id)
+    """The flags, one ServeConfig field each (the parser's dest is the field's name)."""
+    args = vars(arg_parser().parse_args(argv))
+    args["allowed_hosts"] = tuple(args["allowed_hosts"])
+    return ServeConfig(**{f.name: args[f.name] for f in fields(ServeConfig)})
 
 
 def worker_args(spec: "registry.ModelSpec", config: ServeConfig, folder: str,
