@@ -41,7 +41,7 @@ import threading
 import time
 import urllib.parse
 from collections import deque
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Protocol
 
@@ -4968,7 +4968,7 @@ def config_from_args(argv: list[str] | None) -> ServeConfig:
     """The flags, one ServeConfig field each (the parser's dest is the field's name)."""
     args = vars(arg_parser().parse_args(argv))
     args["allowed_hosts"] = tuple(args["allowed_hosts"])
-    return ServeConfig(**{f.name: args[f.name] for f in fields(ServeConfig)})
+    return ServeConfig(**{name: args[name] for name in ServeConfig.__dataclass_fields__})
 
 
 def worker_args(spec: "registry.ModelSpec", config: ServeConfig, folder: str,
