@@ -10,7 +10,7 @@ It is optional: without AVX-512 VNNI, without a compiler, on several devices (th
 over them: a custom call is not partitioned), or with MASHBOX_NATIVE=0, the weights stay in their
 plain [out, in] layout and XLA's own products and attention serve: the same int8 weights and
 cache, the products equal to a float32 rounding, attention with quantized queries and
-probabilities where the kernel's is float32 (tests/test_native.py).
+probabilities, as the kernel's does (its products int16 pairs: vpdpwssd; tests/test_native.py).
 
 Packed layout of an [N, K] matrix (N a multiple of 16, K of 4): [N/16, K/4, 16, 4], element
 [n, k] at [n // 16, k // 4, n % 16, k % 4]: one 64-byte load holds 4 inputs of 16 outputs.
