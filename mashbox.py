@@ -1562,6 +1562,7 @@ def _place(link: Any, most: int = MAX_JSON_DEPTH) -> str:
         out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
     return (out + ("..." if len(keys) > most else "")) or "body"
 
+
 # A body this large is parsed in a thread, and every prompt is rendered in one: Python hands the GIL
 # back to the event loop every few milliseconds, so /health and other requests wait for a slice, not
 # for the whole of it (10,000 tools: about 130 ms of parsing and rendering on a quiet 2-core CPU).
