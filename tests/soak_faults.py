@@ -22,6 +22,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -79,9 +80,13 @@ class ServerProcess:
     def __init__(self):
         env = dict(os.environ, MASHBOX_WORKER_ENTRY="tests.fake_worker:main", MASHBOX_FAKE=json.dumps(FAKE),
                    PYTHONPATH=str(ROOT))
+        sys.path.insert(0, str(ROOT))       # run as a script: tests/ is the path's first entry
+        from tests.harness import servable
+        self._folder = tempfile.TemporaryDirectory()
+        folder = servable(ROOT / "tests" / "fixtures" / "tiny" / "qwen3", Path(self._folder.name) / "qwen3")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mashbox", "run", str(ROOT / "tests" / "fixtures" / "tiny" / "qwen3"),
-             "--port", "0"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+            [sys.executable, "-m", "mashbox", "run", str(folder), "--port", "0"],
+            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
         self.port: int | None = None
         self.log: list[str] = []
         threading.Thread(target=self._read_log, daemon=True).start()
@@ -137,6 +142,8 @@ class ServerProcess:
             self.proc.kill()
             self.proc.wait()
             return None
+        finally:
+            self._folder.cleanup()
 
 
 # ---- one request and its outcome ------------------------------------------------------------------
