@@ -1659,13 +1659,10 @@ def model_not_found(name: str, served: str, hint: str = "") -> ApiError:
 
 # ---- the prompt: the one template, then its tokens ------------------------------------------------
 
-# Prompts up to this many characters are tokenized in a thread of the server, with encode_batch
-# (chat.Tokenizer.encode_prompt): it lets go of the GIL for the whole call, where `encode` holds it
-# throughout (a 250k-character prompt in a thread paused the event loop 190-300 ms with encode, 6-11
-# ms with encode_batch, the same ids; 2 shared cores, load 2.7). A 250 KB agent prompt takes about
-# 0.3 s and 40 MB. Longer ones go to the tokenizer process (TokenizerProcess), one at a time:
-# tokenizing takes about 150 bytes of memory a character, which a process gives back to the system
-# when it ends, and the server's heap would not.
+# Prompts up to this many characters are tokenized in a thread of the server, by encode_batch, which
+# lets go of the GIL (encode holds it: a 250k-character prompt paused the loop 0.3 s; README, Hostile
+# input). Longer ones go to the tokenizer process (TokenizerProcess), one at a time: tokenizing takes
+# about 150 bytes a character, which a process gives back to the system when it ends.
 TOKENIZE_IN_THREAD_CHARS = 256 * 1024
 
 # Prompts tokenized in threads at once: each keeps a core busy, and the event loop needs one too.
