@@ -7,6 +7,7 @@ Every attack runs against a real server (the fake engine) while /health and a no
 timed beside it: the server must answer them promptly meanwhile, not only after."""
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import threading
@@ -507,6 +508,10 @@ HOSTILE_TOOLS = {
     "a 100000-value enum": [{"name": "pick", "parameters": {"type": "object", "properties": {
         "v": {"enum": [f"value{i}" for i in range(100_000)]}}}}],
 }
+# The server runs in this process (tests/harness.py), so its garbage collector would also walk these
+# sets' few hundred thousand objects on every full collection: frozen, they are left out, as they
+# would be in a server process of its own.
+gc.freeze()
 
 
 @pytest.mark.parametrize("name", HOSTILE_TOOLS)
