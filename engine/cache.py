@@ -192,20 +192,26 @@ def read_slot(cache, slot: int, n: int, start: int = 0) -> list[dict]:
     [kv, d, n - start]} and an int8 cache's scales [kv, n - start] (the cache's own layout and dtype,
     so write_slot puts them back without reshuffling). A start lets a save copy only what the host
     does not hold yet. Moves host_block(ctx) positions per call: one compiled program serves every
-    length."""
+    length. Each block is copied into the result as it arrives, so the host holds the result and one
+    block, never every block and then their join besides."""
     slots, ctx = cache_dims(cache)
     if not 0 <= slot < slots or not 0 <= start <= n <= ctx:
         raise ValueError(f"read_slot: slot {slot} / positions [{start}, {n}) outside the pool "
                          f"({slots} x {ctx})")
-    parts = []
+    out = [{name: np.empty(a.shape[1:-1] + (n - start,), a.dtype) for name, a in layer.items()}
+           for layer in cache if _positional(layer)]
     for begin, lo, hi in _blocks(start, n, ctx):
         arrays = to_host(_read(cache, jnp.int32(slot), jnp.int32(begin), block=host_block(ctx)))
-        parts.append([{name: a[..., lo - begin:hi - begin] for name, a in layer.items()} for layer in arrays])
-    if not parts:
-        return [{name: np.zeros(a.shape[1:-1] + (0,), a.dtype) for name, a in layer.items()}
-                for layer in cache if _positional(layer)]
-    return [{name: np.concatenate([p[i][name] for p in parts], axis=-1) for name in parts[0][i]}
-            for i in range(len(parts[0]))]
+        for got, layer in zip(arrays, out):
+            for name, a in got.items():
+                layer[name][..., lo - start:hi - start] = a[..., lo - begin:hi - begin]
+    return out
+
+
+def position_bytes(cache) -> int:
+    """Bytes read_slot returns per position (K/V and an int8 cache's scales)."""
+    slots, ctx = cache_dims(cache)
+    return sum(a.nbytes for layer in cache if _positional(layer) for a in layer.values()) // (slots * ctx)
 
 
 def write_slot(cache, slot: int, arrays: list[dict], start: int = 0):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -125,10 +125,32 @@ def _slice_kv(kv: list[dict], a: int, b: int) -> list[dict]:
     return [{name: np.ascontiguousarray(x[..., a:b]) for name, x in layer.items()} for layer in kv]
 
 
+@dataclass
+class Reader:
+    """K/V of a sequence's positions, read when a segment is made: read(a, b) returns positions
+    [a, b) as per-layer arrays that own their bytes (a slot, engine.cache.read_slot), and
+    position_bytes is what one position takes. A save then holds no more than the segment it is
+    making beside what the cache keeps, and never reads a segment that has no room."""
+    read: Callable[[int, int], list[dict]]
+    position_bytes: int
+
+
+def _held(kv: list[dict], kv_start: int) -> Reader:
+    """A Reader over arrays already in host memory that hold positions [kv_start, ...)."""
+    n = kv[0]["k"].shape[-1] if kv else 0
+    per = sum(a.nbytes for layer in kv for a in layer.values()) // n if n else 0
+    return Reader(lambda a, b: _slice_kv(kv, a - kv_start, b - kv_start), per)
+
+
 def concat_kv(parts: list[list[dict]]) -> list[dict]:
     """Join per-layer arrays of consecutive position runs into one run."""
     return [{name: np.concatenate([p[i][name] for p in parts], axis=-1) for name in parts[0][i]}
             for i in range(len(parts[0]))]
+
+
+def _joined(runs: list[tuple[int, list[dict]]]) -> tuple[int, list[dict]]:
+    """Consecutive (first position, K/V) runs as one."""
+    return runs[0] if len(runs) == 1 else (runs[0][0], concat_kv([kv for _, kv in runs]))
 
 
 class HostCache:
@@ -202,13 +224,33 @@ class HostCache:
             s.last_used = self.tick
 
     def gather(self, hit: HostHit, start: int = 0) -> list[dict]:
-        """The K/V of positions [start, hit.tokens) of the hit, joined into one run (for
-        write_slot): a slot that already holds the first `start` positions is sent only the rest."""
+        """The K/V of positions [start, hit.tokens) of the hit, as one run (runs())."""
+        runs = self.runs(hit, start, join_below=hit.tokens + 1)
+        return runs[0][1] if runs else _slice_kv(hit.path[0].kv, 0, 0)
+
+    def runs(self, hit: HostHit, start: int = 0, join_below: int = 0) -> list[tuple[int, list[dict]]]:
+        """(first position, K/V) of consecutive runs that cover positions [start, hit.tokens) of the
+        hit, for write_slot (views into the segments' arrays: not to be kept): a slot that already
+        holds the first `start` positions is sent only the rest. Runs shorter than join_below
+        positions are joined until they reach it (fewer, fuller writes); a longer one stays a view.
+        So a load copies less than twice join_below positions, never the whole prefix."""
         self.touch(hit.path)
-        parts = [s.kv if start <= s.start and s.end <= hit.tokens
-                 else _slice_kv(s.kv, max(start, s.start) - s.start, min(hit.tokens, s.end) - s.start)
-                 for s in hit.path if s.end > start]
-        return concat_kv(parts) if parts else _slice_kv(hit.path[0].kv, 0, 0)
+        out, pending = [], []
+        for s in hit.path:
+            if s.end <= start:
+                continue
+            a, b = max(start, s.start), min(hit.tokens, s.end)
+            if b - a >= join_below and pending:
+                out.append(_joined(pending))
+                pending = []
+            pending.append((a, [{name: x[..., a - s.start:b - s.start] for name, x in layer.items()}
+                                for layer in s.kv]))
+            if b - pending[0][0] >= join_below:
+                out.append(_joined(pending))
+                pending = []
+        if pending:
+            out.append(_joined(pending))
+        return out
 
     def covered(self, tokens: Sequence[int]) -> int:
         """How many leading positions of `tokens` are already saved."""
@@ -227,14 +269,15 @@ class HostCache:
         head.children.append(seg)
         return head
 
-    def insert(self, tokens: Sequence[int], kv: list[dict], cuts: Sequence[int], tenant: str,
+    def insert(self, tokens: Sequence[int], kv: list[dict] | Reader, cuts: Sequence[int], tenant: str,
                protect: Sequence[Segment] = (), kv_start: int = 0,
                snapshots: dict[int, list[dict]] | None = None) -> int:
-        """Save positions [0, len(tokens)) of a sequence; kv holds positions [kv_start, len(tokens)),
-        and kv_start is at most what is saved already (covered()). The new part is cut into
-        segments at `cuts` and at the positions of `snapshots` (position -> the linear layers' state
-        there), and each segment ending at one of them carries it; a saved segment that ends at one
-        and has none yet is given it. Evicts (never a segment in `protect`, nor one on this
+        """Save positions [0, len(tokens)) of a sequence; kv holds positions [kv_start, len(tokens))
+        (or is a Reader of them), and kv_start is at most what is saved already (covered()). The new
+        part is cut into segments at `cuts` and at the positions of `snapshots` (position -> the
+        linear layers' state there), and each segment ending at one of them carries it; a saved
+        segment that ends at one and has none yet is given it. Each segment's K/V is taken (read)
+        only once the cache has made room for it. Evicts (never a segment in `protect`, nor one on this
         sequence's own path) to stay under the cap; saves as much of the start as fits. Returns the
         number of leading positions saved now (old and new)."""
         tokens = np.asarray(tokens, np.int32)
@@ -251,14 +294,16 @@ class HostCache:
         parent = path[-1] if path else None
         cuts = set(cuts)
         ends = sorted({c for c in cuts | set(snapshots) if pos < c < len(tokens)} | {len(tokens)})
+        reader = kv if isinstance(kv, Reader) else _held(kv, kv_start)
         for end in ends:
             if end <= pos:
                 continue
-            seg = Segment(pos, tokens[pos:end].copy(), _slice_kv(kv, pos - kv_start, end - kv_start),
-                          parent, self.namespace, tenant, self.tick, at_cut=end in cuts,
-                          snapshot=snapshots.get(end))
-            if not self._make_room(seg.nbytes, keep):
+            need = (end - pos) * (tokens.itemsize + reader.position_bytes) + \
+                snapshot_nbytes(snapshots.get(end))
+            if not self._make_room(need, keep):
                 break
+            seg = Segment(pos, tokens[pos:end].copy(), reader.read(pos, end), parent, self.namespace,
+                          tenant, self.tick, at_cut=end in cuts, snapshot=snapshots.get(end))
             self._children(parent).append(seg)
             self._count(seg, +1)
             keep.add(id(seg))

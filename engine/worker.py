@@ -32,8 +32,8 @@ import numpy as np
 
 from engine import certify, grammar, identity, memory, mirror, native, prefix, sampler, sharding
 from engine.checkpoint import Checkpoint
-from engine.cache import (copy_prefix, has_state, init_cache, read_slot, read_state, warm_host_copies,
-                          warm_state_copies, write_slot, write_state)
+from engine.cache import (copy_prefix, has_state, host_block, init_cache, position_bytes, read_slot,
+                          read_state, warm_host_copies, warm_state_copies, write_slot, write_state)
 from engine.config import CHAT_FORMAT, load_config
 from engine.model import dtype_for, jit_forward, kv_dtype_for, routed_report, weights_dtype_for
 from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Note, Ready, Shutdown, Stats, Step,
@@ -445,6 +445,8 @@ class Engine:
             self._copy_prefix(src, dst, n)
         for slot, snapshot in plan.restores:
             self._write_state(slot, snapshot)
+        if plan.saves or plan.loads:       # segments evicted, slot reads and writes freed
+            memory.release_free_heap()
         emits = []
         if plan.decode is not None:
             emits += self.scheduler.decoded(plan.decode, self._decode(plan.decode))
@@ -472,7 +474,9 @@ class Engine:
             snapshots = {**save.snapshots, len(save.tokens): self._read_state(save.slot)}
         elif covered >= len(save.tokens):
             return
-        kv = self._read_slot(save.slot, len(save.tokens), covered)
+        # Read segment by segment as the cache makes room for each: a whole slot read at once
+        # (32k positions of the demo: 0.2 GB) would sit beside the cache at its cap.
+        kv = prefix.Reader(lambda a, b: self._read_slot(save.slot, b, a), position_bytes(self.cache))
         self.host.insert(save.tokens, kv, save.cuts, save.tenant, protect=protect,
                          kv_start=covered, snapshots=snapshots)
 
@@ -483,7 +487,9 @@ class Engine:
         hit = self.host.lookup(request.prompt[:load.tokens + 1])
         if hit.tokens != load.tokens:   # the plan's segments were protected: this cannot happen
             raise RuntimeError(f"host cache lost {load.tokens - hit.tokens} planned tokens")
-        self._write_slot(request.slot, self.host.gather(hit, load.start), load.start)
+        # Run by run, not the prefix joined into one copy first.
+        for start, kv in self.host.runs(hit, load.start, join_below=host_block(self.args.ctx)):
+            self._write_slot(request.slot, kv, start)
         if self.recurrent:                  # a hybrid hit ends at a segment with a snapshot
             self._write_state(request.slot, hit.path[-1].snapshot)
 
@@ -696,6 +702,8 @@ def main(conn, args: WorkerArgs | dict) -> None:
                     send(step)
                 for note in engine.take_notes():
                     send(note)
+                if not engine.busy:
+                    memory.release_free_heap()
             stats = engine.stats()
             shape = (stats.live_rows, stats.waiting, stats.compiles_after_ready, stats.host_cache_bytes,
                      stats.host_cache_evictions)

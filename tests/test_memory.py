@@ -15,6 +15,9 @@ from tests.harness import servable
 
 TINY = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "qwen3")
 GIB = 1 << 30
+# The demo worker's resident memory with the defaults, at its peak, whatever the traffic (the
+# README's "<= 3 GB" rows; docs/memory.md).
+DEMO_WORKER_TARGET_BYTES = 3 * 10**9
 
 
 def sized(available, slots=None, ctx=None, cache_ram_mib=None, on_host=True, defaults=(4, 32768, 2048)):
@@ -147,3 +150,18 @@ def test_a_folder_without_a_tokenizer_stops_start_up_naming_the_file(monkeypatch
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == f"mashbox: {os.path.join(TINY, 'tokenizer.json')} is missing: a model folder holds its " \
                       "tokenizer beside config.json"
+
+
+def test_the_demos_defaults_plan_its_worker_under_its_target_with_a_full_host_cache(demo_folder,
+                                                                                  monkeypatch):
+    """Guards against demo defaults whose host cache, once full, takes the worker past its target
+    (2048 MiB did: 4.1 GiB planned, a 3.97 GiB peak after an hour of agent traffic). Planned as on
+    a CPU with int8 dot products, where the defaults hold int8 weights and an int8 cache."""
+    flags = cpu.flags() | {"avx512_vnni"}
+    monkeypatch.setattr(cpu, "flags", lambda: flags)
+    spec = mashbox.registry.resolve(mashbox.registry.default_id())
+    plan = memory.size(load_config(demo_folder), demo_folder, slots=None, ctx=None, cache_ram_mib=None,
+                       default_slots=spec.slots, default_ctx=spec.ctx,
+                       default_cache_ram_mib=spec.cache_ram_mib, available=100 * GIB, on_host=True)
+    assert (plan.slots, plan.ctx, plan.shrunk) == (4, 32768, False)
+    assert plan.total <= DEMO_WORKER_TARGET_BYTES, plan.describe()

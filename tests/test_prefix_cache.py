@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine import chat
-from engine.prefix import HostCache, Segment, namespace_id, snapshot_nbytes
+from engine.prefix import HostCache, Reader, Segment, namespace_id, snapshot_nbytes
 from engine.protocol import Submit
 from engine.worker import Engine, WorkerArgs
 from tests.test_worker import TINY, prompt, run
@@ -103,6 +103,40 @@ def test_an_oversized_sequence_saves_the_start_that_fits():
     saved = cache.insert(list(range(100)), kv(100), cuts=[20, 45, 70], tenant="t")
     assert saved == 45
     check_bytes(cache)
+
+
+def test_a_save_reads_each_segment_once_it_has_room_and_never_one_that_does_not_fit():
+    """Guards against a save that reads the whole slot before it knows what fits: the host then
+    holds the sequence a second time beside a full cache (0.2 GB for the demo's 32k-token slot)."""
+    cache = HostCache(50 * per_token(HostCache(0, "")), "ns")
+    whole, reads = kv(100), []
+
+    def read(a, b):
+        reads.append((a, b))
+        return [{name: x[..., a:b].copy() for name, x in layer.items()} for layer in whole]
+
+    per = sum(a.nbytes for layer in whole for a in layer.values()) // 100
+    saved = cache.insert(list(range(100)), Reader(read, per), cuts=[20, 45, 70], tenant="t")
+    assert saved == 45 and reads == [(0, 20), (20, 45)]
+    check_bytes(cache)
+    assert positions(cache.gather(cache.lookup(list(range(46))))) == list(range(45))
+
+
+def test_a_load_is_sent_run_by_run_and_short_segments_are_joined():
+    """Guards against a load that joins the whole saved prefix into one copy first (a second copy
+    of up to a whole slot), and against runs that miss or repeat a position."""
+    cache = HostCache(1 << 20, "ns")
+    seq = list(range(100))
+    cache.insert(seq, kv(100), cuts=[10, 15, 20, 70], tenant="t")
+    hit = cache.lookup(seq + [0])
+    by_start = {s.start: s for s in cache.segments()}
+    runs = cache.runs(hit, start=3, join_below=25)
+    assert [(start, positions(run)) for start, run in runs] == [
+        (3, list(range(3, 20))), (20, list(range(20, 70))), (70, list(range(70, 100)))]
+    for start, run in runs[1:]:                                  # long runs: views, not copies
+        assert np.shares_memory(run[0]["k"], by_start[start].kv[0]["k"])
+    assert not np.shares_memory(runs[0][1][0]["k"], by_start[0].kv[0]["k"])  # short ones joined
+    assert len(cache.runs(hit, join_below=101)) == 1
 
 
 def test_eviction_takes_the_least_recently_used_leaf():
@@ -381,6 +415,29 @@ def test_a_load_writes_only_what_the_slot_lacks_and_matches_a_cold_run(hot, cold
     assert cached == len(a1) + len(answer) - 1      # the answer's last token was never fed back
     assert writes == [(48, cached)]
     assert hot.compiles_after_ready() == 0
+
+
+def test_the_engine_saves_a_slot_segment_by_segment(hot, monkeypatch):
+    """Guards against the worker reading a whole slot into host memory before the cache takes it:
+    each read is one segment of the saved sequence, read when the cache has made room for it."""
+    from engine import worker
+    reads = []
+    real = worker.read_slot
+
+    def spy(cache, slot, n, start=0):
+        reads.append((start, n))
+        return real(cache, slot, n, start=start)
+
+    monkeypatch.setattr(worker, "read_slot", spy)
+    first = prompt(650, 70)
+    answer, _ = turn(hot, "sg-1", first, [20, 45, 70])
+    reads.clear()
+    turn(hot, "sg-2", prompt(651, 30), [15])                # takes the one slot: the first is saved
+    held = first + answer[:-1]                              # the last token was never fed back
+    path = hot.host.lookup(held + [0]).path
+    assert path[-1].end == len(held) and reads
+    assert reads == [(s.start, s.end) for s in path if s.start >= reads[0][0]]
+    assert {20, 45, 70} <= {s.end for s in path}
 
 
 def test_the_worker_names_the_cache_namespace(hot):
