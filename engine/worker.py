@@ -688,6 +688,7 @@ def main(conn, args: WorkerArgs | dict) -> None:
         send(Ready(engine.facts, os.getpid()))
         last_stats, last_shape = 0.0, None
         while True:
+            was_busy = engine.busy
             for msg in _inbox(conn, block=not engine.busy):
                 if isinstance(msg, Shutdown):
                     if engine.mirror is not None:
@@ -702,8 +703,8 @@ def main(conn, args: WorkerArgs | dict) -> None:
                     send(step)
                 for note in engine.take_notes():
                     send(note)
-                if not engine.busy:
-                    memory.release_free_heap()
+            if was_busy and not engine.busy:         # the last request ended or was cancelled
+                memory.release_free_heap()
             stats = engine.stats()
             shape = (stats.live_rows, stats.waiting, stats.compiles_after_ready, stats.host_cache_bytes,
                      stats.host_cache_evictions)
