@@ -132,14 +132,13 @@ MIN_CHUNK_BYTES = 1024
 MAX_UNREAD_BODY = 4 * 1024
 
 # After a request with a body this large, the server hands the heap pages it freed back to the
-# system (memory.release_free_heap): its parse, rendering and tokenizing (about 150 bytes a
-# character) ran in threads whose glibc arenas would otherwise keep them: a few large tool lists, or
-# a count_tokens flood, left the server 100-250 MiB larger for good. A trim costs milliseconds in a
-# thread, and at most one runs each TRIM_DELAY_S, however many such requests end.
+# system (memory.release_free_heap): its parse, rendering and tokenizing ran in threads whose glibc
+# arenas would otherwise keep them for good (the figures: README, The server's own memory). A trim
+# costs milliseconds in a thread, and at most one runs each TRIM_DELAY_S, however many such end.
 TRIM_AFTER_BODY_BYTES = 128 * 1024
 TRIM_DELAY_S = 0.5
 # glibc heaps the server's threads share (memory.limit_heap_arenas): with its default of 8 a core,
-# the hostile soak's large bodies left the server at 350 MiB from 118; with 2, about 130.
+# each thread that parsed a large body kept what it freed in an arena of its own.
 SERVER_HEAP_ARENAS = 2
 
 # ---- request bodies as JSON: what a parse may cost, and names as the APIs define them ----

@@ -182,20 +182,26 @@ def connection_flood(port):
     return None if set(statuses) <= {200, 503} else f"connection flood: {dict(statuses)}"
 
 
-def full_tenant_queue(port):
+def at_once(n: int, send) -> Counter:
+    """send() from n threads at once: the statuses it returned (an OSError's repr instead), counted."""
     statuses = Counter()
 
     def one():
         try:
-            statuses[request(port, "POST", "/v1/chat/completions",
-                             chat("echo: " + "wait " * 30, max_tokens=40), MALLORY)[0]] += 1
+            statuses[send()] += 1
         except OSError as e:
             statuses[repr(e)] += 1
-    threads = [threading.Thread(target=one) for _ in range(48)]
+    threads = [threading.Thread(target=one) for _ in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(ANSWER_S * 2)
+    return statuses
+
+
+def full_tenant_queue(port):
+    statuses = at_once(48, lambda: request(port, "POST", "/v1/chat/completions",
+                                           chat("echo: " + "wait " * 30, max_tokens=40), MALLORY)[0])
     # 429: the tenant's queue is full; 503: the connection bound, when a flood runs at the same time.
     return None if set(statuses) <= {200, 429, 503} else f"full tenant queue: {dict(statuses)}"
 
@@ -292,18 +298,10 @@ def unread_streams(port):
 
 
 def count_flood(port):
-    text = "lorem ipsum dolor sit amet " * 9_000
-    statuses = Counter()
-
-    def one():
-        statuses[request(port, "POST", "/v1/messages/count_tokens",
-                         {"messages": [{"role": "user", "content": text}]}, MALLORY)[0]] += 1
-    threads = [threading.Thread(target=one) for _ in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(ANSWER_S * 2)
-    # 529 past the tenant's 4 in flight (all 16 when the other attacker floods at the same time).
+    text = "lorem ipsum dolor sit amet " * 2_000          # 54k characters: about 50 ms each, one at a time
+    statuses = at_once(48, lambda: request(port, "POST", "/v1/messages/count_tokens",
+                                           {"messages": [{"role": "user", "content": text}]}, MALLORY)[0])
+    # 529 past the tenant's 32 in flight; 503: the connection bound, when a flood runs at the same time.
     return None if set(statuses) <= {200, 529, 503} else f"count_tokens flood: {dict(statuses)}"
 
 

@@ -26,7 +26,6 @@ worker runs with engine.cpu's flags plus avx_vnni (int8_host_worker). Slower pro
 from __future__ import annotations
 
 import argparse
-import copy
 import http.client
 import json
 import os
@@ -39,6 +38,10 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "bench"))
+import bench_sessions  # noqa: E402  (a recorded turn grown in its API's shape)
+from bench_startup import proc_status  # noqa: E402
+
 # Every rise of the worker's peak by this much is logged with the requests in flight.
 PEAK_STEP_BYTES = 32 << 20
 SAMPLE_S = 0.2
@@ -75,17 +78,6 @@ def int8_host_worker(conn, args) -> None:
 
 
 # ---- the worker's memory -------------------------------------------------------------------------
-
-def proc_status(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM of a process, in bytes."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            name, _, value = line.partition(":")
-            if name in ("VmRSS", "VmHWM"):
-                out[name] = int(value.split()[0]) * 1024
-    return out
-
 
 def anonymous_by_kind(pid: int) -> dict[str, int]:
     """The process's anonymous resident bytes by where they are: glibc's main heap ([heap]), its
@@ -173,21 +165,9 @@ def recorded_requests(clients: Path) -> dict[str, list[dict]]:
 def grown(request: dict, k: int, excerpt: str) -> dict:
     """The next turn of an agent's session: an answer and a user turn with a file excerpt appended,
     in the request's own API shape."""
-    r = copy.deepcopy(request)
-    body = r["body"]
     answer = f"Step {k}: I read the file and changed the function; {k * 3} tests pass."
     ask = f"Now look at this part of the code and tell me what to change next:\n```\n{excerpt}\n```"
-    if r["path"] == "/v1/messages":
-        body["messages"] += [{"role": "assistant", "content": [{"type": "text", "text": answer}]},
-                             {"role": "user", "content": [{"type": "text", "text": ask}]}]
-    elif r["path"] == "/v1/responses":
-        body["input"] += [{"type": "message", "role": "assistant",
-                           "content": [{"type": "output_text", "text": answer}]},
-                          {"type": "message", "role": "user",
-                           "content": [{"type": "input_text", "text": ask}]}]
-    else:
-        body["messages"] += [{"role": "assistant", "content": answer}, {"role": "user", "content": ask}]
-    return r
+    return bench_sessions.with_turn(request, answer, ask)
 
 
 class Traffic:

@@ -91,11 +91,17 @@ def recorded(path: Path) -> list[dict]:
 def synthetic_turn(request: dict, k: int) -> dict:
     """The next request of a session: the previous one with an assistant answer and a new user turn
     appended, in its API's own shape."""
-    r = copy.deepcopy(request)
-    body = r["body"]
     answer = (f"Step {k} is done: I read the files, changed the function and the tests pass "
               f"({k * 3} tests, none skipped).")
     ask = f"Good. Now step {k + 1}: rename the helper to helper_{k + 1} everywhere and run the tests again."
+    return with_turn(request, answer, ask)
+
+
+def with_turn(request: dict, answer: str, ask: str) -> dict:
+    """A copy of a recorded request with an assistant answer and a user turn appended, in the shape
+    of the request's own API."""
+    r = copy.deepcopy(request)
+    body = r["body"]
     if r["path"] == "/v1/messages":
         body["messages"] += [{"role": "assistant", "content": [{"type": "text", "text": answer}]},
                              {"role": "user", "content": [{"type": "text", "text": ask}]}]
