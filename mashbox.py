@@ -1521,23 +1521,20 @@ DEEPER = f"nested deeper than {MAX_JSON_DEPTH} levels of objects and arrays"
 def _check_tree(doc: Any, strings: bool) -> tuple[str, str] | None:
     """Where and why a parsed body cannot be served (place e.g. `messages[0].content`): nesting
     deeper than MAX_JSON_DEPTH, or (strings=True) a lone surrogate in a string or key. One walk, linear
-    in the body: a place's name is made only for the value found."""
+    in the body: a place's name is made only for the value found, and only objects and arrays are
+    stacked (a 100,000-value enum makes no garbage for the collector to walk)."""
     stack: list[tuple[Any, int, Any]] = [(doc, 1, None)]   # (value, depth, (parent's link, key))
     while stack:
         node, depth, link = stack.pop()
-        if isinstance(node, dict):
-            if depth > MAX_JSON_DEPTH:
-                return _place(link, 3), DEEPER
-            for key, value in node.items():
-                if strings and not _utf8(key):
-                    return _place(link), f"a key {LONE_SURROGATE}"
+        if depth > MAX_JSON_DEPTH:
+            return _place(link, 3), DEEPER
+        for key, value in node.items() if isinstance(node, dict) else enumerate(node):
+            if strings and isinstance(key, str) and not _utf8(key):
+                return _place(link), f"a key {LONE_SURROGATE}"
+            if isinstance(value, (dict, list)):
                 stack.append((value, depth + 1, (link, key)))
-        elif isinstance(node, list):
-            if depth > MAX_JSON_DEPTH:
-                return _place(link, 3), DEEPER
-            stack.extend((value, depth + 1, (link, i)) for i, value in enumerate(node))
-        elif strings and isinstance(node, str) and not _utf8(node):
-            return _place(link), f"text {LONE_SURROGATE}"
+            elif strings and isinstance(value, str) and not _utf8(value):
+                return _place((link, key)), f"text {LONE_SURROGATE}"
     return None
 
 

@@ -12,7 +12,7 @@ would accumulate. Unlike K/V they hold the whole sequence at its end and cannot 
 forward starts them from zero when a row starts at position 0, and a reused prefix brings its state
 along as a snapshot (read_state / write_state). The position copies (copy_prefix, read_slot,
 write_slot) move attention layers only.
-K and V are in the KV dtype (engine.model.kv_dtype_for: int8 with float32 scales on CPUs with int8
+K and V are in the KV dtype (engine.attention.kv_dtype_for: int8 with float32 scales on CPUs with int8
 dot products, else float16; bfloat16 on accelerators), and so is what read_slot hands the host
 cache. A slot holds one sequence: position p of that sequence lives at index p along ctx. What a
 slot holds past its sequence's length is garbage that the forward never reads (its mask stops at

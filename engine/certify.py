@@ -39,7 +39,7 @@ from engine.checkpoint import Checkpoint
 # scales) round each weight to 1/254 of its row's range: the demo's prefill logits moved 0.17
 # deviations (measured), so int8 gets 0.3. An int8 cache rounds each key or value to 1/254 of its
 # range, and a prefill chunk over it rounds the queries and probabilities to bfloat16 where the CPU
-# multiplies bfloat16 (engine.model.WIDE_INT8_ATTENTION): with float32 weights the demo's prefill
+# multiplies bfloat16 (engine.attention.WIDE_INT8_ATTENTION): with float32 weights the demo's prefill
 # logits moved 0.24 deviations (measured), so an int8 cache adds 0.3; with int8 weights too 0.27
 # (measured) against 0.6, still well under a bug's.
 TOLERANCE = {"float32": 2e-3, "bfloat16": 1e-1, "float16": 5e-2, "int8": 3e-1}
@@ -210,7 +210,7 @@ ROUTED_ROWS = 16
 
 def routed_experts_check(engine) -> tuple[str | None, str | None]:
     """Mixture-of-experts models: the first routed layer's experts on fixed activations, through the
-    kernel path and the exact path (engine.model.routed_experts, each forced by cfg.routed_path),
+    kernel path and the exact path (engine.moe.routed_experts, each forced by cfg.routed_path),
     must agree within the tolerance. (why they disagree or None, what was checked or None for a
     dense model)."""
     cfg = engine.cfg

@@ -35,7 +35,7 @@ CHAT_FORMAT = {"qwen2": "qwen2.5", "qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen
 # Token mixers (ModelConfig.layer_kinds): plain full attention, Qwen3-Next's full attention with a
 # sigmoid output gate from the query projection, and its Gated DeltaNet linear attention.
 MIXER_KINDS = ("attention", "gated_attention", "linear")
-# How the routed experts are computed (engine.model.routed_experts): "auto" picks per call site by
+# How the routed experts are computed (engine.moe.routed_experts): "auto" picks per call site by
 # platform and shape; "kernel" and "exact" force one path (tests compare them, benchmarks time them).
 ROUTED_PATHS = ("auto", "kernel", "exact")
 
@@ -116,6 +116,10 @@ class ModelConfig:
     # Devices of the tensor-parallel mesh the programs are traced for (engine.sharding.Layout sets
     # it; not from config.json): the routed experts run per device (expert parallelism) when > 1.
     devices: int = 1
+    # Whether engine.native's kernel serves this model (int8 weights packed for it, decode attention
+    # over the int8 cache, the sampler's greedy pick and cuts): decided once at start-up
+    # (engine.sharding.Layout, native.serves); not from config.json.
+    native: bool = False
 
     @property
     def q_size(self) -> int:

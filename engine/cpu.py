@@ -18,7 +18,7 @@ INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 # Instruction sets YNNPACK has unsigned x signed int8 kernels for (VNNI's vpdpbusd multiplies an
 # unsigned byte by a signed one; AMX likewise). Its int8 x int8 kernels use plain AVX-512 instead,
 # so there int8 weights are held offset as uint8 (engine.weights.OFFSET_INT8) and attention's rows are
-# shifted to uint8 (engine.model._int8_product). avx_vnni alone has no such kernel (only a slow
+# shifted to uint8 (engine.products.int8_product). avx_vnni alone has no such kernel (only a slow
 # portable one).
 UINT8_DOT_FLAGS = frozenset({"avx512_vnni", "amx_int8"})
 
@@ -55,6 +55,6 @@ def auto_weights_dtype() -> str:
 
 
 def auto_kv_dtype() -> str:
-    """The KV cache's dtype on a CPU (engine.model.kv_dtype_for): int8 with a scale per position where
+    """The KV cache's dtype on a CPU (engine.attention.kv_dtype_for): int8 with a scale per position where
     the CPU multiplies int8 fast (attention's products then run on integer kernels), else float16."""
     return "int8" if has_int8_dot() else "float16"

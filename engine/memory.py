@@ -32,7 +32,7 @@ from engine.checkpoint import Checkpoint
 from engine.config import ModelConfig
 from engine.scheduler import SLOT_SNAPSHOTS
 
-# Bytes per key or value element of each KV cache dtype (engine.model.kv_dtype_for); an int8 cache adds
+# Bytes per key or value element of each KV cache dtype (engine.attention.kv_dtype_for); an int8 cache adds
 # a float32 scale per position, KV head and key or value (engine.cache).
 KV_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 KV_SCALE_BYTES = {"int8": 4}

@@ -121,6 +121,13 @@ def available() -> bool:
         return _build_and_register()
 
 
+def serves(devices: int) -> bool:
+    """Whether the kernel serves a model on `devices` devices: the one place this is decided (at
+    start-up, into ModelConfig.native). Built and registered here, and one device: a custom call is
+    not partitioned over a mesh."""
+    return devices == 1 and available()
+
+
 def _build_and_register() -> bool:
     global _registered
     if _registered:                       # available() asked again (its cache cleared): still there
@@ -220,7 +227,7 @@ def widen5(w, after):
 
 def int8_matmul(x, q, scale):
     """Float32 rows x [R, K] times packed offset weights q with their output channels' scales [N]
-    -> float32 [R, N]: engine.model._matmul's two int8 terms per row, their products and the scales,
+    -> float32 [R, N]: engine.products.matmul's two int8 terms per row, their products and the scales,
     in one call."""
     import jax
     import jax.numpy as jnp

@@ -96,7 +96,7 @@ class ModelFacts:
     dtype: str                    # compute dtype
     compile_s: float = 0.0        # start-up compile time
     cache_namespace: str | None = None
-    # Mixture-of-experts models: Health's routed_experts (engine.model.routed_report); None if dense.
+    # Mixture-of-experts models: Health's routed_experts (engine.moe.routed_report); None if dense.
     routed_experts: dict | None = None
     component_set_sha: str | None = None   # engine.identity: the model's components as loaded
     deployment_id: str | None = None       # engine.identity: the compiled programs and what shapes them

@@ -111,18 +111,11 @@ THRESHOLD_ROUNDS = 24
 TOP_P_ROUNDING = 1e-6
 
 
-def _native_here() -> bool:
-    """Whether engine.native's kernel serves the sampler: built here, and one device (a custom call
-    is not partitioned)."""
-    return native.available() and jax.device_count() == 1
-
-
-def _first_max(x):
-    """argmax along the last axis (first index of the maximum) of logits [B, V]. On one CPU device
-    with engine.native's kernel, its one pass (4 rows of 152k: 0.13 ms against 0.65 for the
-    reductions below, 1 row 0.05 against 0.26; 2-core AMD EPYC, CPU family 25, alternated); else two
-    plain reductions, which run much faster than XLA:CPU's argmax over a 152k vocabulary."""
-    if _native_here():
+def _first_max(x, native_kernel: bool):
+    """argmax along the last axis (first index of the maximum) of logits [B, V]. Where engine.native's
+    kernel serves, its one pass (about 5x faster); else two plain reductions, which run much faster
+    than XLA:CPU's argmax over a 152k vocabulary (docs/performance.md)."""
+    if native_kernel:
         return native.first_max(x)
     return _first_max_reduced(x)
 
@@ -185,15 +178,12 @@ def _candidate_thresholds(probs, p: RowParams, k):
     return t_k, t_p, exact
 
 
-def filter_mask(probs, p: RowParams):
+def filter_mask(probs, p: RowParams, native_kernel: bool = False):
     """bool [B, V]: tokens that survive top-k, then top-p (over what top-k kept, renormalized), and
     min-p (p >= min_p * p_max), on temperature-scaled probabilities. At least the top token survives.
-    On one CPU device with engine.native's kernel, its exact cuts (native.filter_cuts); else XLA's
-    (_xla_cuts). A draw over 152k tokens (random logits: normal x 3 at temperature 0.7; 2-core AMD
-    EPYC, CPU family 25, alternated in turn, two runs), four rows / one row, in ms: top-p 0.95
-    1.8-2.8 / 0.8-1.0 with the kernel's cuts against 7.6-8.1 / 3.0-4.2 with XLA's; top-k 20 and
-    top-p 0.8 1.4-1.6 / 0.75-0.79 against 3.2-3.5 / 0.86-1.39."""
-    if _native_here():
+    Where engine.native's kernel serves (native_kernel), its exact cuts (native.filter_cuts: a
+    filtered draw 2-4x faster, docs/performance.md); else XLA's (_xla_cuts)."""
+    if native_kernel:
         reach = jnp.where(p.top_p < 1.0, p.top_p * (1 - TOP_P_ROUNDING), 1.0)
         cuts = native.filter_cuts(probs, p.top_k, reach)
         t_k, t_p = cuts[:, :1], cuts[:, 1:]
@@ -256,13 +246,13 @@ def _inverse_cdf(probs, u):
     return (block * DRAW_BLOCK + jnp.minimum(within, _last_positive(inner))).astype(jnp.int32)
 
 
-def _draw(logits, p: RowParams, filtered: bool):
+def _draw(logits, p: RowParams, filtered: bool, native_kernel: bool):
     """Sampled tokens for every row: filters (when some row has one), then inverse-CDF with one
     uniform per row."""
     temperature = jnp.maximum(p.temperature, MIN_TEMPERATURE)[:, None]
     probs = jax.nn.softmax(logits / temperature, axis=-1)
     if filtered:
-        probs = jnp.where(filter_mask(probs, p), probs, 0.0)
+        probs = jnp.where(filter_mask(probs, p, native_kernel), probs, 0.0)
     u = jax.vmap(_uniform)(p.key, p.step)[:, None] * jnp.sum(probs, axis=-1, keepdims=True)
     return _inverse_cdf(probs, u)
 
@@ -296,10 +286,11 @@ def batch_flags(rows: list[Sampling]) -> dict:
 FLAG_COMBINATIONS = tuple({"penalties": a, "draw": b} for a in (False, True) for b in DRAW_MODES)
 
 
-@partial(jax.jit, donate_argnames=("state",), static_argnames=("every_slot", "penalties", "draw"))
+@partial(jax.jit, donate_argnames=("state",),
+         static_argnames=("every_slot", "penalties", "draw", "native_kernel"))
 def sample(state: SamplerState, logits: jax.Array, slots: jax.Array, active: jax.Array,
-           p: RowParams, *, every_slot: bool, penalties: bool,
-           draw: str) -> tuple[jax.Array, SamplerState]:
+           p: RowParams, *, every_slot: bool, penalties: bool, draw: str,
+           native_kernel: bool = False) -> tuple[jax.Array, SamplerState]:
     """Draw one token per row. logits f32 [B, V]; slots int32 [B]: each row's slot (its penalty
     state); active bool [B]: rows whose draw counts (pad rows leave the state alone).
     Static switches, always passed by name (jit keys on which keywords were given; batch_flags picks
@@ -308,7 +299,9 @@ def sample(state: SamplerState, logits: jax.Array, slots: jax.Array, active: jax
       every_slot: row i is slot i for every slot (the decode batch): no gather of the state;
       penalties: some row has a penalty (a slot's statistics are read only by the request that
         started there, which keeps its penalties for its whole life, so skipping updates is safe);
-      draw: one of DRAW_MODES; "filtered" runs the top-k/top-p/min-p bisections, the costly part.
+      draw: one of DRAW_MODES; "filtered" runs the top-k/top-p/min-p bisections, the costly part;
+      native_kernel: engine.native's kernel serves the model (ModelConfig.native): its greedy pick
+        and filter cuts.
     Returns (tokens int32 [B], state)."""
     logits = logits.astype(jnp.float32)
     counts = state.counts
@@ -317,9 +310,9 @@ def sample(state: SamplerState, logits: jax.Array, slots: jax.Array, active: jax
             logits = apply_penalties(logits, state.prompt_seen, state.counts, p)
         else:
             logits = apply_penalties(logits, state.prompt_seen[slots], state.counts[slots], p)
-    tokens = _first_max(logits)
+    tokens = _first_max(logits, native_kernel)
     if draw != "greedy":
-        drawn = _draw(logits, p, filtered=draw == "filtered")
+        drawn = _draw(logits, p, filtered=draw == "filtered", native_kernel=native_kernel)
         tokens = jnp.where(p.temperature >= MIN_TEMPERATURE, drawn, tokens)
     if penalties:
         counts = counts.at[slots, tokens].add(active.astype(jnp.int32))

@@ -13,7 +13,7 @@ after the vocabulary-split embedding lookup; the logits leave the forward split 
 the sampler takes them. Activations (the residual stream) are replicated.
 
 Routed experts are split whole (expert parallelism): each device holds num_experts / N consecutive
-experts, and the routed sum runs inside jax.shard_map (engine.model._per_device): every device
+experts, and the routed sum runs inside jax.shard_map (engine.moe._per_device): every device
 routes all rows (the router is replicated), computes the picks that fall in its own experts, and a
 psum adds the devices' partial sums. The partitioner is not asked to serve a run-time expert index
 on a split axis (it would gather every expert onto every device). Those all-reduces, of
@@ -49,6 +49,7 @@ import re
 
 import numpy as np
 
+from engine import native
 from engine.config import ConfigError, ModelConfig
 
 MODEL_AXIS = "model"
@@ -74,7 +75,7 @@ PARAM_SPECS: dict[str, tuple] = {
     "layers.*.gate_up": (M, None),
     "layers.*.down": (None, M),
     # Routed experts [experts, ...]: whole experts per device, device d the consecutive block
-    # d * E/N .. (d + 1) * E/N - 1 (expert parallelism: engine.model._per_device computes each
+    # d * E/N .. (d + 1) * E/N - 1 (expert parallelism: engine.moe._per_device computes each
     # device's own picks inside shard_map).
     "layers.*.moe.router": (),
     "layers.*.moe.gate_up": (M, None, None),
@@ -205,7 +206,8 @@ class Layout:
         chips = [d for p in range(jax.process_count()) for d in jax.local_devices(process_index=p)[:n]]
         kv_heads = check_devices(cfg, len(chips), available=len(local) * jax.process_count())
         return cls(Mesh(np.array(chips), (MODEL_AXIS,)),
-                   dataclasses.replace(cfg, num_kv_heads=kv_heads, devices=len(chips)),
+                   dataclasses.replace(cfg, num_kv_heads=kv_heads, devices=len(chips),
+                                       native=native.serves(len(chips))),
                    cfg.vocab_size % len(chips) == 0, linear_splits(cfg, len(chips)))
 
     @property

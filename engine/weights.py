@@ -48,7 +48,7 @@ Zero-centred norms (Qwen3-Next's layer, final and q/k norms: scale = 1 + w) are 
 computed once here in float32, so the model multiplies by an ordinary scale.
 Matrices are stored [out, in], as the checkpoints hold them: each output is a dot product with one
 contiguous row, the layout in which XLA:CPU reads the weights fastest for a few decode rows (see
-engine.model._matmul), and a tied LM head is the embedding table itself, with no copy. Layers stay
+engine.products.matmul), and a tied LM head is the embedding table itself, with no copy. Layers stay
 a Python list (not one stacked array): the forward loops over them in Python, which XLA:CPU runs
 2-4x faster than lax.scan. Experts are the opposite: Hugging Face saves one tensor per expert, and
 they are stacked here, once, into [experts, ...] arrays, so the forward picks experts by index.
@@ -59,7 +59,7 @@ int8 values (held as uint8 plus 128 where the CPU's kernels want that: INT8_OFFS
 output channel (per vocabulary row of the embedding, which is the tied head's output
 channel, so one int8 table serves both). Each tensor is quantized as it is read, so no second full
 float32 copy is ever resident. Norms, biases, MoE routers and experts stay in the float dtype
-(float32 on CPU, bfloat16 on accelerators): engine.model._matmul computes with either form.
+(float32 on CPU, bfloat16 on accelerators): engine.products.matmul computes with either form.
 Where the int8 matrices are packed for engine.native's kernel, a layer matrix made only of a GGUF's
 Q5_0 tensors (the demo's gate_up and o, and qkv where v is Q5_0 too) keeps the file's own blocks
 instead, read without floats (engine.checkpoint: q5_0) and held at 5.5 bits (engine.native.pack5):
@@ -86,7 +86,7 @@ WEIGHTS_DTYPES = ("float32", "bfloat16", "int8")
 INT8_MAX = 127
 # Where the CPU has unsigned x signed int8 kernels (engine.cpu.has_uint8_dot) they are held plus
 # INT8_OFFSET as uint8 (offset binary), the operand those kernels take unsigned: the weights then
-# stream as the first operand (engine.model._offset_weights_product). Elsewhere they are held as int8.
+# stream as the first operand (engine.products.offset_weights_product). Elsewhere they are held as int8.
 INT8_OFFSET = 128
 OFFSET_INT8 = cpu.has_uint8_dot()        # read at load time (tests load both forms)
 

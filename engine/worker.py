@@ -35,7 +35,9 @@ from engine.checkpoint import Checkpoint
 from engine.cache import (copy_prefix, has_state, host_block, init_cache, position_bytes, read_slot,
                           read_state, warm_host_copies, warm_state_copies, write_slot, write_state)
 from engine.config import CHAT_FORMAT, load_config
-from engine.model import dtype_for, jit_forward, kv_dtype_for, routed_report, weights_dtype_for
+from engine.attention import kv_dtype_for
+from engine.model import dtype_for, jit_forward, weights_dtype_for
+from engine.moe import routed_report
 from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Note, Ready, Shutdown, Stats, Step,
                              Submit)
 from engine.registry import cache_root
@@ -210,9 +212,8 @@ class Engine:
                 "args": dataclasses.asdict(args), "component_set_sha": self.component_set_sha},
                 on_lost=on_lost or mirror.exit_lost)
             progress("followers", 1, 1)
-        # int8 matrices packed for engine.native's kernel where it runs: XLA on a CPU it is built for,
-        # one device (a custom call is not split over several).
-        packed = packs_int8(self.dtype.name, allowed=self.layout.mesh.size == 1)
+        # int8 matrices packed for engine.native's kernel where it serves (cfg.native).
+        packed = packs_int8(self.dtype.name, allowed=cfg.native)
         held = None
         if args.weights_cache and self.dtype.name == "int8":
             held = os.path.join(args.weights_cache, held_key(
@@ -355,7 +356,7 @@ class Engine:
             for every in {rows == self.args.slots} | ({False} if rows == 1 else set()):
                 for flags in sampler.FLAG_COMBINATIONS:
                     samples.append(((logits, np.arange(rows, dtype=np.int32), np.zeros(rows, bool),
-                                     params), dict(every_slot=every, **flags)))
+                                     params), dict(every_slot=every, native_kernel=self.cfg.native, **flags)))
             bits = np.zeros((rows, grammar.mask_words(self.cfg.vocab_size)), np.int32)
             masks.append((sampler.allowed_only, (logits, bits), {}))
         _compile_together([(sampler.sample, (self.state,) + args, kw) for args, kw in samples] + masks)
@@ -556,7 +557,7 @@ class Engine:
         if masks is not None:
             logits = sampler.allowed_only(logits, masks)
         drawn, self.state = sampler.sample(self.state, logits, slots, lengths > 0, params,
-                                           every_slot=every, **flags)
+                                           every_slot=every, native_kernel=self.cfg.native, **flags)
         return sharding.to_host(drawn)
 
     @device_call
@@ -569,7 +570,7 @@ class Engine:
     @device_call
     def routed_experts(self, x, valid, path: str) -> np.ndarray:
         """The first routed layer's experts on rows x through one path (certify's check)."""
-        from engine.model import routed_experts
+        from engine.moe import routed_experts
         cfg = dataclasses.replace(self.cfg, routed_path=path)
         layer = self.params["layers"][list(cfg.mlp_kinds).index("moe")]["moe"]
         return sharding.to_host(jax.jit(lambda a, m, v: routed_experts(a, m, v, cfg=cfg))(x, layer, valid))

@@ -96,6 +96,19 @@ class Bystanders:
         assert max(self.normal, default=0) < NORMAL_BOUND_S, f"a normal request took {max(self.normal):.2f} s"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _heap_frozen_as_in_a_server_process():
+    """The servers here run in the test process (tests/harness.py), whose heap holds what every earlier
+    test module left (jax, models, fixtures) and this module's hostile tool sets: millions of objects
+    a server process of its own would not hold, which its full garbage collections would walk (about
+    0.4 s each on the CI machine, counted against the bystanders' bounds). They are frozen out of the
+    collector for this module."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
 @pytest.fixture(scope="module")
 def keyed():
     with start_server(keys={KEY: "alice"}, limits=ConnLimits(**LIMITS)) as server:
@@ -508,10 +521,6 @@ HOSTILE_TOOLS = {
     "a 100000-value enum": [{"name": "pick", "parameters": {"type": "object", "properties": {
         "v": {"enum": [f"value{i}" for i in range(100_000)]}}}}],
 }
-# The server runs in this process (tests/harness.py), so its garbage collector would also walk these
-# sets' few hundred thousand objects on every full collection: frozen, they are left out, as they
-# would be in a server process of its own.
-gc.freeze()
 
 
 @pytest.mark.parametrize("name", HOSTILE_TOOLS)

@@ -30,7 +30,7 @@ QWEN3_5_MOE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "qwen3
 # torch's, and the fixture's large random weights (logits std 1.7) amplify that.
 PARITY_ATOL = 3e-4
 # The same model over differently chunked prefills or token by token: only summation order differs
-# (chunks of up to 128 rows and longer ones take different product forms, engine.model._matmul);
+# (chunks of up to 128 rows and longer ones take different product forms, engine.products.matmul);
 # measured up to 1.7e-4 on a few of 48,000 logits, the rest within 1e-5.
 CHUNKING_ATOL = 3e-4
 SLOTS, CTX = 3, 256

@@ -1,4 +1,4 @@
-"""Weight-only int8 weights (engine.weights quantize at load, engine.model._matmul computes with them)."""
+"""Weight-only int8 weights (engine.weights quantize at load, engine.products.matmul computes with them)."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import cpu, memory, model, weights
+from engine import attention, cpu, memory, model, products, weights
 from engine.cache import init_cache
 from engine.config import load_config
 from engine.model import jit_forward
@@ -47,7 +47,7 @@ def _logits(cfg, params, tokens, forward=jit_forward, kv_dtype=jnp.float32):
 
 
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("int8_max_rows", [model.INT8_ROWS_MAX_ROWS, 0])
+@pytest.mark.parametrize("int8_max_rows", [products.INT8_ROWS_MAX_ROWS, 0])
 @pytest.mark.parametrize("offset", [True, False])
 def test_int8_logits_stay_close_to_float32_and_keep_the_greedy_tokens(name, int8_max_rows, offset,
                                                                       monkeypatch):
@@ -59,7 +59,7 @@ def test_int8_logits_stay_close_to_float32_and_keep_the_greedy_tokens(name, int8
     folder = os.path.join(TINY, name)
     cfg = load_config(folder)
     tokens = np.asarray(load_file(os.path.join(folder, "reference.safetensors"))["tokens"])
-    monkeypatch.setattr(model, "INT8_ROWS_MAX_ROWS", int8_max_rows)
+    monkeypatch.setattr(products, "INT8_ROWS_MAX_ROWS", int8_max_rows)
     # fresh functions (the forward and its layers), so jit traces them again with the patched constant
     forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
     monkeypatch.setattr(model, "_jit_layer", jax.jit(lambda *a, **k: model._layer(*a, **k),
@@ -148,7 +148,7 @@ def test_int8_hybrid_model_runs_close_to_float32():
 
 @pytest.mark.parametrize("rows", [1, 4, 200])
 def test_int8_product_matches_the_dequantized_weights_at_decode_and_prefill_rows(rows):
-    """Guards the CPU's integer decode path (activations as two int8 terms, engine.model._matmul)
+    """Guards the CPU's integer decode path (activations as two int8 terms, engine.products.matmul)
     against losing its second term: with an outlier in the row, one term errs by 0.12 of the output's
     largest magnitude, two by 7e-4. 200 rows take the prefill path (rows rounded to bfloat16)."""
     rng = np.random.default_rng(0)
@@ -158,37 +158,37 @@ def test_int8_product_matches_the_dequantized_weights_at_decode_and_prefill_rows
     x = rng.standard_normal((rows, 256)).astype(np.float32)
     x[:, 7] *= 30                                         # an outlier activation
     want = x @ (np.asarray(q, np.float32) * np.asarray(scale)[:, None]).T
-    got = np.asarray(jax.jit(model._matmul)(jnp.asarray(x), {"q": jnp.asarray(offset_int8(q)),
+    got = np.asarray(jax.jit(products.matmul)(jnp.asarray(x), {"q": jnp.asarray(offset_int8(q)),
                                                               "scale": jnp.asarray(scale)}))
     err = np.abs(got - want).max() / np.abs(want).max()
-    assert err < (2e-3 if rows <= model.INT8_ROWS_MAX_ROWS else 1e-2), err
+    assert err < (2e-3 if rows <= products.INT8_ROWS_MAX_ROWS else 1e-2), err
 
 
 @pytest.mark.parametrize("uint8_dot", [True, False])
 def test_offset_weights_product_is_exact(uint8_dot, monkeypatch):
-    """Guards the weights' integer product (engine.model._offset_weights_product: weights held plus
+    """Guards the weights' integer product (engine.products.offset_weights_product: weights held plus
     128, less 128 times each term row's sum; or, without uint8 kernels, their signed values) against
     any rounding: it equals the int64 product at decode and prefill row counts, the largest products
     included."""
-    monkeypatch.setattr(model, "UINT8_DOT", uint8_dot)
+    monkeypatch.setattr(products, "UINT8_DOT", uint8_dot)
     rng = np.random.default_rng(4)
     for rows in (1, 2, 8, 128):
         t = rng.integers(-INT8_MAX, INT8_MAX + 1, (rows, 300), dtype=np.int8)
         w = rng.integers(-INT8_MAX, INT8_MAX + 1, (70, 300), dtype=np.int8)
         t[:, :40], w[:, :40] = -INT8_MAX, -INT8_MAX         # the largest products, all of one sign
-        got = np.asarray(jax.jit(model._offset_weights_product)(offset_int8(w), t))
+        got = np.asarray(jax.jit(products.offset_weights_product)(offset_int8(w), t))
         assert got.dtype == np.int32 and got.shape == (rows, 70)
         np.testing.assert_array_equal(got, t.astype(np.int64) @ w.astype(np.int64).T)
     with pytest.raises(TypeError, match="uint8"):
-        model._offset_weights_product(jnp.asarray(w), jnp.asarray(t))   # signed weights: refused
+        products.offset_weights_product(jnp.asarray(w), jnp.asarray(t))   # signed weights: refused
 
 
 @pytest.mark.parametrize("uint8_dot", [True, False])
 def test_integer_product_is_exact_with_rows_signed_or_shifted_to_uint8(uint8_dot, monkeypatch):
-    """Guards the uint8 shift (engine.model._int8_product: rows + 128, less 128 times a row of ones'
+    """Guards the uint8 shift (engine.products.int8_product: rows + 128, less 128 times a row of ones'
     product) against any rounding: both forms equal the int64 product, for a plain matrix and for
     attention's batched cache blocks, extreme values included."""
-    monkeypatch.setattr(model, "UINT8_DOT", uint8_dot)
+    monkeypatch.setattr(products, "UINT8_DOT", uint8_dot)
     rng = np.random.default_rng(3)
     cases = [((5, 300), (70, 300), (((1,), (1,)), ((), ())), "rc,oc->ro"),
              ((2, 3, 6, 64), (2, 3, 64, 40), (((3,), (2,)), ((0, 1), (0, 1))), "bkrc,bkcs->bkrs"),
@@ -197,26 +197,26 @@ def test_integer_product_is_exact_with_rows_signed_or_shifted_to_uint8(uint8_dot
         x = rng.integers(-INT8_MAX, INT8_MAX + 1, x_shape, dtype=np.int8)
         w = rng.integers(-INT8_MAX, INT8_MAX + 1, w_shape, dtype=np.int8)
         x.flat[:20], w.flat[:20] = -INT8_MAX, -INT8_MAX    # the largest products, all of one sign
-        got = np.asarray(jax.jit(lambda a, b: model._int8_product(a, b, numbers))(x, w))
+        got = np.asarray(jax.jit(lambda a, b: products.int8_product(a, b, numbers))(x, w))
         assert got.dtype == np.int32
         np.testing.assert_array_equal(got, np.einsum(spec, x.astype(np.int64), w.astype(np.int64)))
 
 
 @pytest.mark.parametrize("uint8_dot", [True, False])
 def test_probability_product_rounds_each_row_on_its_own_scale_and_sums_exactly(uint8_dot, monkeypatch):
-    """Guards attention's probability product (engine.model._probs_product): each row rounded to
+    """Guards attention's probability product (engine.attention._probs_product): each row rounded to
     PROB_LEVELS steps of its own largest value (a row of tiny probabilities keeps its precision, an
     all-zero row stays zero), the integer product exact, so the result is within half a step per
     position of the float product."""
     levels = 255 if uint8_dot else 127
-    monkeypatch.setattr(model, "UINT8_DOT", uint8_dot)
-    monkeypatch.setattr(model, "PROB_LEVELS", levels)
+    monkeypatch.setattr(products, "UINT8_DOT", uint8_dot)
+    monkeypatch.setattr(attention, "PROB_LEVELS", levels)
     rng = np.random.default_rng(5)
     x = rng.random((2, 3, 7, 96)).astype(np.float32) * np.array([1, 1e-6, 0.3, 0, 1, 1, 1],
                                                                  np.float32)[:, None]
     x[0, 0, 0, :5] = 0.0                                    # masked positions
     v = rng.integers(-INT8_MAX, INT8_MAX + 1, (2, 3, 64, 96), dtype=np.int8)
-    got = np.asarray(jax.jit(model._probs_product)(x, v))
+    got = np.asarray(jax.jit(attention._probs_product)(x, v))
     want = np.einsum("bkrs,bkds->bkrd", x.astype(np.float64), v.astype(np.float64))
     step = x.max(-1, keepdims=True) / levels               # one level of each row
     bound = 0.5 * step * np.abs(v.astype(np.float64)).sum(-1)[:, :, None, :] + 1e-5 * np.abs(want)
@@ -235,10 +235,10 @@ def test_uint8_products_leave_the_int8_models_logits_bit_for_bit(monkeypatch):
     runs = []
     # The probabilities' levels as a CPU without VNNI has them (127 fits either operand type), so
     # that attention's products are comparable too.
-    monkeypatch.setattr(model, "PROB_LEVELS", 127)
+    monkeypatch.setattr(attention, "PROB_LEVELS", 127)
     for offset, uint8_dot in ((True, True), (False, True), (False, False)):
         monkeypatch.setattr(weights, "OFFSET_INT8", offset)
-        monkeypatch.setattr(model, "UINT8_DOT", uint8_dot)
+        monkeypatch.setattr(products, "UINT8_DOT", uint8_dot)
         params = load_weights(folder, cfg, "int8", pack=False)
         # fresh functions (the forward and its layers), so jit traces them again with the patched flag
         forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))

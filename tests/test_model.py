@@ -19,7 +19,7 @@ from engine import cache as cache_module
 from engine.cache import (COPY_BLOCK, HOST_BLOCK, _read, _write, copy_prefix, init_cache, read_slot,
                           warm_host_copies, write_slot)
 from engine.config import ConfigError, config_from_dict, load_config
-from engine import model
+from engine import attention, model
 from engine.model import dtype_for, jit_forward
 from engine.weights import WeightsError, load_weights, weights_bytes
 
@@ -338,7 +338,7 @@ def test_compute_dtype_is_float32_on_cpu_and_bfloat16_elsewhere():
 
 def _forward_in_blocks(monkeypatch, block: int):
     """The forward compiled afresh with attention read `block` positions at a time."""
-    monkeypatch.setattr(model, "ATTENTION_BLOCK", block)
+    monkeypatch.setattr(attention, "ATTENTION_BLOCK", block)
     return jax.jit(model.forward, donate_argnames=("cache",), static_argnames=("cfg", "all_logits"))
 
 
@@ -432,13 +432,13 @@ def test_float16_kv_cache_stays_close_and_keeps_the_greedy_tokens(tiny):
     np.testing.assert_array_equal(got.argmax(-1), ref["logits"].argmax(-1))
 
 
-@pytest.mark.parametrize("integer_rows", [model.INT8_ATTENTION_MAX_ROWS, 0])
+@pytest.mark.parametrize("integer_rows", [attention.INT8_ATTENTION_MAX_ROWS, 0])
 def test_int8_kv_cache_stays_close_to_float32(tiny, integer_rows, monkeypatch):
     """Guards against the int8 cache (its scales, smoothed keys, integer products, and the blocks
     widened to float32 when integer_rows is 0, as in a long prefill chunk) drifting from the float32
     cache or changing its tokens beyond the rounding of 8-bit keys and values."""
     cfg, params, ref = tiny
-    monkeypatch.setattr(model, "INT8_ATTENTION_MAX_ROWS", integer_rows)
+    monkeypatch.setattr(attention, "INT8_ATTENTION_MAX_ROWS", integer_rows)
     # a fresh function, so jit traces it again with the patched constant
     forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
     got = _cached_logits(cfg, params, ref["tokens"], jnp.int8, forward)
@@ -451,7 +451,7 @@ def test_int8_kv_cache_stays_close_to_float32(tiny, integer_rows, monkeypatch):
 
 def test_float16_cache_saturates_instead_of_overflowing():
     """Guards against a key beyond float16's range becoming inf and every score NaN."""
-    big = model._to_cache(jnp.asarray([1e6, -1e6, 3.0], jnp.float32), jnp.float16)
+    big = attention.to_cache(jnp.asarray([1e6, -1e6, 3.0], jnp.float32), jnp.float16)
     assert np.isfinite(np.asarray(big)).all() and float(big[2]) == 3.0
 
 
@@ -460,10 +460,10 @@ def test_kv_cache_dtype_is_int8_where_the_cpu_multiplies_int8_and_bfloat16_on_ac
     attention), or int8 on a CPU without int8 dot products (unmeasured there)."""
     from engine import cpu
     monkeypatch.setattr(cpu, "flags", lambda: frozenset({"avx2", "avx512_vnni"}))
-    assert model.kv_dtype_for("cpu") == jnp.int8
+    assert attention.kv_dtype_for("cpu") == jnp.int8
     monkeypatch.setattr(cpu, "flags", lambda: frozenset({"avx2"}))
-    assert model.kv_dtype_for("cpu") == jnp.float16
-    assert model.kv_dtype_for("gpu") == jnp.bfloat16 and model.kv_dtype_for("tpu") == jnp.bfloat16
+    assert attention.kv_dtype_for("cpu") == jnp.float16
+    assert attention.kv_dtype_for("gpu") == jnp.bfloat16 and attention.kv_dtype_for("tpu") == jnp.bfloat16
 
 
 def test_copy_prefix_across_blocks_and_up_to_the_end_of_the_slot():

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from engine import model
 from engine.cache import init_cache
 from engine.config import ConfigError, config_from_dict, load_config
-from engine.model import jit_forward, routed_experts, routed_report
+from engine.model import jit_forward
+from engine.moe import CPU_EXACT_WHY, routed_experts, routed_report
 from engine.protocol import Submit
 from engine.weights import load_weights
 from engine.worker import Engine, WorkerArgs
@@ -263,7 +263,7 @@ def test_the_platform_chooses_the_path_and_the_cpu_says_why():
                 cfg=cfg)
     report = _valid(routed_report(cfg, {2}))
     if jax.default_backend() == "cpu":
-        assert report["path"] == "exact" and report["exact_why"] == [model.CPU_EXACT_WHY]
+        assert report["path"] == "exact" and report["exact_why"] == [CPU_EXACT_WHY]
     else:
         assert report["path"] == "kernel" and report["kernel"] is not None
 

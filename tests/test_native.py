@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import model, native, registry, sampler, weights
+from engine import model, native, products, registry, sampler, weights
 from engine.cache import init_cache
 from engine.config import load_config
 from engine.weights import held_key, load_weights
@@ -37,7 +37,7 @@ def test_widen_gives_the_weights_int8_values_exactly(n, k):
 
 
 def _terms(x, count=2):
-    """engine.model._int8_terms in numpy, in float32 with IEEE rounding: [(int8 term, its scales)]
+    """engine.products.int8_terms in numpy, in float32 with IEEE rounding: [(int8 term, its scales)]
     x count."""
     out = []
     for _ in range(count):
@@ -187,7 +187,7 @@ def test_packed_layout_round_trips_and_reads_rows():
 
 @needs_kernel
 @pytest.mark.parametrize("name", ["qwen3", "qwen3-tied", "qwen2"])
-@pytest.mark.parametrize("int8_max_rows", [model.INT8_ROWS_MAX_ROWS, 0])
+@pytest.mark.parametrize("int8_max_rows", [products.INT8_ROWS_MAX_ROWS, 0])
 def test_packed_weights_give_the_plain_layouts_logits(name, int8_max_rows, monkeypatch):
     """Guards against the kernel's path (the terms' product, the tied head, the embedding's packed
     rows, and the widened weights of a prefill chunk when int8_max_rows is 0) computing anything but
@@ -196,7 +196,7 @@ def test_packed_weights_give_the_plain_layouts_logits(name, int8_max_rows, monke
     test's numpy does); measured on the tiny models up to 0.005 apart, the greedy tokens the same."""
     from safetensors.numpy import load_file
     monkeypatch.setattr(weights, "OFFSET_INT8", True)
-    monkeypatch.setattr(model, "INT8_ROWS_MAX_ROWS", int8_max_rows)
+    monkeypatch.setattr(products, "INT8_ROWS_MAX_ROWS", int8_max_rows)
     folder = os.path.join(TINY, name)
     cfg = load_config(folder)
     tokens = np.asarray(load_file(os.path.join(folder, "reference.safetensors"))["tokens"])[:24]
@@ -214,7 +214,7 @@ def test_packed_weights_give_the_plain_layouts_logits(name, int8_max_rows, monke
 
 
 @needs_kernel
-@pytest.mark.parametrize("int8_max_rows", [model.INT8_ROWS_MAX_ROWS, 0])
+@pytest.mark.parametrize("int8_max_rows", [products.INT8_ROWS_MAX_ROWS, 0])
 def test_a_ggufs_q5_0_matrices_are_held_at_5_bits_and_compute_their_values(tiny_demo, int8_max_rows,
                                                                           tmp_path, monkeypatch):
     """Guards against a GGUF's Q5_0 matrices losing their exact values (int8 per channel rounds them
@@ -223,7 +223,7 @@ def test_a_ggufs_q5_0_matrices_are_held_at_5_bits_and_compute_their_values(tiny_
     of a prefill chunk when int8_max_rows is 0), or its held copy, computing other logits than the
     same weights in float32."""
     monkeypatch.setattr(weights, "OFFSET_INT8", True)
-    monkeypatch.setattr(model, "INT8_ROWS_MAX_ROWS", int8_max_rows)
+    monkeypatch.setattr(products, "INT8_ROWS_MAX_ROWS", int8_max_rows)
     forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
     monkeypatch.setattr(model, "_jit_layer", jax.jit(lambda *a, **k: model._layer(*a, **k),
                                                      static_argnames=("cfg", "kind", "mlp", "site")))
@@ -243,7 +243,7 @@ def test_a_ggufs_q5_0_matrices_are_held_at_5_bits_and_compute_their_values(tiny_
     wide = {**narrow, "layers": [{**layer, "down": down}]}
     x = jnp.asarray(np.random.default_rng(0).standard_normal((3, cfg.intermediate_size)), jnp.float32)
     tolerance = 2e-2          # bfloat16 rows and weights, or the kernel's rows in int8 per 32 inputs
-    got = np.asarray(jax.jit(model._matmul)(x, layer["down"]))
+    got = np.asarray(jax.jit(products.matmul)(x, layer["down"]))
     want = np.asarray(x) @ np.asarray(down).T
     np.testing.assert_allclose(got, want, rtol=0, atol=tolerance * np.abs(want).max())
     tokens = np.arange(2, 26) % cfg.vocab_size
@@ -380,7 +380,7 @@ def test_prefill_widens_each_layers_weights_only_when_its_product_is_next(pack, 
     cfg = load_config(str(tmp_path))
     params = load_weights(str(tmp_path), cfg, "int8", pack=pack)
     assert native.is_packed(params["layers"][0]["gate_up"]["q"]) == pack
-    monkeypatch.setattr(model, "INT8_ROWS_MAX_ROWS", 0)        # every chunk takes the wide product
+    monkeypatch.setattr(products, "INT8_ROWS_MAX_ROWS", 0)        # every chunk takes the wide product
     forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
     monkeypatch.setattr(model, "_jit_layer", jax.jit(lambda *a, **k: model._layer(*a, **k),
                                                      static_argnames=("cfg", "kind", "mlp", "site")))

@@ -37,7 +37,7 @@ FOUR_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
 # 7e-6 on logits whose standard deviation is ~1.6, so 1e-4 is far from both.
 TP_ATOL = 1e-4
 # int8 weights on a CPU round every decode and short-prefill row of activations to int8 (two terms,
-# engine.model._matmul): a last-bit difference from the sum order flips a rounding, which the later
+# engine.products.matmul): a last-bit difference from the sum order flips a rounding, which the later
 # layers carry (measured 6.5e-4). A wrong split moves logits by a whole deviation.
 TP_ATOL_INT8 = 5e-3
 
@@ -198,7 +198,7 @@ def _check_split(cfg, runs: dict, extra=()) -> None:
             # XLA adds only all-reduces of activations (at most [rows, hidden]: the decode batch's 4
             # rows, the prefill bucket's 32; with int8 weights 2 * rows + 1, whose products take
             # each row as two int8 terms, plus a row of ones where they shift the terms to uint8,
-            # engine.model._int8_product): no weight or cache array is ever gathered onto a device
+            # engine.products.int8_product): no weight or cache array is ever gathered onto a device
             # (the routed experts' partial sums are all-reduced, their weights stay where they are)
             for program, rows in (("decode_collectives", 4), ("prefill_collectives", 32)):
                 collectives = run[program]
@@ -272,7 +272,7 @@ _POISONED_EXPERTS = """
 import dataclasses, json, sys
 import jax, numpy as np
 from engine.config import load_config
-from engine.model import routed_experts
+from engine.moe import routed_experts
 from engine.sharding import Layout
 from engine.weights import load_weights
 folder, rows = sys.argv[1], int(sys.argv[2])

@@ -29,7 +29,8 @@ import numpy as np  # noqa: E402
 
 from engine.cache import init_cache  # noqa: E402
 from engine.config import load_config  # noqa: E402
-from engine.model import jit_forward, routed_report  # noqa: E402
+from engine.model import jit_forward  # noqa: E402
+from engine.moe import routed_report  # noqa: E402
 from engine.sharding import Layout, distributed_settings, init_distributed  # noqa: E402
 from engine.weights import load_weights  # noqa: E402
 

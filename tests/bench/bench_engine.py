@@ -11,7 +11,7 @@ Measures, on the demo model (or a random Qwen2.5-0.5B-shaped model if the demo i
   - programs compiled after ready (must be 0).
 Targets on a 2-core CPU: batch-1 decode >= 70% of the ceiling; 4 busy slots >= 3.5x batch 1.
 
-Results: docs/performance.md. A latest run (demo model, int8 weights and KV cache with its Q5_0
+Results: docs/performance.md (every run: docs/perf-log.md). A latest run (demo model, int8 weights and KV cache with its Q5_0
 matrices at 5 bits, the native kernel with its weights prefetched into L2 ahead; 2-core AMD EPYC of
 CPU family 25, `--slots 4 --ctx 2048 --rounds 6`; 3.55-3.62x in five runs):
     decode, 1 busy slot     49.9 tok/s  (20.0 ms/step)
@@ -155,7 +155,8 @@ def host_share(engine: Engine, steps: int) -> tuple[float, float]:
         best_engine = min(best_engine, time.perf_counter() - t)
         t = time.perf_counter()
         logits, engine.cache = jit_forward(engine.params, engine.cache, *args, cfg=engine.cfg)
-        tokens, engine.state = sampler.sample(engine.state, logits, slots, slots >= 0, params, **flags)
+        tokens, engine.state = sampler.sample(engine.state, logits, slots, slots >= 0, params,
+                                              native_kernel=engine.cfg.native, **flags)
         np.asarray(tokens)
         best_bare = min(best_bare, time.perf_counter() - t)
     for rid in rids:

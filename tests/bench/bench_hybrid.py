@@ -106,7 +106,8 @@ def main() -> None:
 
     from engine.cache import init_cache
     from engine.config import load_config
-    from engine.model import dtype_for, jit_forward, kv_dtype_for
+    from engine.attention import kv_dtype_for
+    from engine.model import dtype_for, jit_forward
     from engine.weights import load_weights, weights_bytes
 
     folder = random_folder(shape(a.layers, a.hidden, a.experts, a.vocab))

@@ -10,7 +10,7 @@ heads, but fewer layers, a smaller hidden size and a smaller vocabulary. Measure
   - decode tokens/s at 1 and 4 busy slots, against the ceiling from the ACTIVE bytes of a step:
     attention, routers, the head, and only the experts the rows picked (8 at one row; at 4 rows the
     union of their picks, counted as its expectation under uniform routing, though the CPU's exact
-    path reads an expert once per row picking it: see engine/model.py);
+    path reads an expert once per row picking it: see engine/moe.py);
   - prefill tokens/s of one 512-token prompt;
   - the routed-expert path the programs were traced with (Health's routed_experts).
 Target on a 2-core CPU: batch-1 decode >= 60% of the active-bytes ceiling.
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 
 import bench_engine  # noqa: E402
-from engine import model  # noqa: E402
+from engine import moe  # noqa: E402
 from engine.worker import Engine, WorkerArgs  # noqa: E402
 
 EXPERTS, PER_TOKEN = 128, 8            # Qwen3-30B-A3B's routing, kept as it is
@@ -104,10 +104,10 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--path", choices=("auto", "exact", "kernel"), default="auto")
-    ap.add_argument("--tile", type=int, help=f"rows per prefill tile (default {model.ROUTED_TILE})")
+    ap.add_argument("--tile", type=int, help=f"rows per prefill tile (default {moe.ROUTED_TILE})")
     a = ap.parse_args()
     if a.tile:
-        model.ROUTED_TILE = a.tile              # read while tracing, before the warm-up
+        moe.ROUTED_TILE = a.tile              # read while tracing, before the warm-up
     cfg = shape(a.layers, a.hidden, a.vocab)
     folder = random_folder(cfg)
     try:

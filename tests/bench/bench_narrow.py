@@ -56,45 +56,45 @@ def _summed(x, w):
 
 
 def _engine(x, w):
-    """The engine's own product (engine.model._matmul) on int8 weights held offset as uint8 (w[5]): at
+    """The engine's own product (engine.products.matmul) on int8 weights held offset as uint8 (w[5]): at
     up to 128 rows the weights first times each row as two int8 terms (YNNPACK's integer dot), past
     that a bfloat16 dot."""
-    from engine.model import _matmul
-    return _matmul(x, {"q": w[5], "scale": w[1]})
+    from engine.products import matmul
+    return matmul(x, {"q": w[5], "scale": w[1]})
 
 
 def _kernel(x, w):
     """The engine's product with engine.native's kernel (AVX-512 VNNI): the same two int8 terms per
     row times the packed offset weights (w[6]); past INT8_ROWS_MAX_ROWS its widened weights in a
     bfloat16 dot."""
-    from engine.model import _matmul
-    return _matmul(x, {"q": w[6], "scale": w[1]})
+    from engine.products import matmul
+    return matmul(x, {"q": w[6], "scale": w[1]})
 
 
 def _rows_first(x, w, uint8_dot=True):
     """The engine's product on int8 weights held as int8 (CPUs without uint8 kernels): each row as two
     int8 terms first, times the weights; the terms shifted to uint8 with a row of ones (uint8_dot) or
-    kept signed (int8 x int8: YNNPACK's plain AVX-512 kernels): engine.model.UINT8_DOT while tracing."""
-    from engine import model
-    kept, model.UINT8_DOT = model.UINT8_DOT, uint8_dot
+    kept signed (int8 x int8: YNNPACK's plain AVX-512 kernels): engine.products.UINT8_DOT while tracing."""
+    from engine import products
+    kept, products.UINT8_DOT = products.UINT8_DOT, uint8_dot
     try:
-        return model._matmul(x, {"q": w[0], "scale": w[1]})
+        return products.matmul(x, {"q": w[0], "scale": w[1]})
     finally:
-        model.UINT8_DOT = kept
+        products.UINT8_DOT = kept
 
 
 def _int4_engine(x, w):
     """int4 weights (w[3], jnp.int4, one scale per output channel) widened to int8 inside the program,
     then the engine's two-term integer product. XLA:CPU 0.10 routes no int4 operand to YNNPACK, so
     the widening runs as a separate XLA loop over the whole matrix."""
-    from engine.model import _int8_terms, _int8_terms_product
-    return _int8_terms_product(*_int8_terms(x, 2), 2, w[3].astype(jnp.int8), (((1,), (1,)), ((), ()))) * w[4]
+    from engine.products import int8_terms, int8_terms_product
+    return int8_terms_product(*int8_terms(x, 2), 2, w[3].astype(jnp.int8), (((1,), (1,)), ((), ()))) * w[4]
 
 
 def _int8_one_term(x, w, pad=2):
     """Rows quantized to int8 once (one scale per row), padded to `pad` rows, int8 x int8 -> int32."""
-    from engine.model import _quantize_rows
-    xq, xs = _quantize_rows(jnp.pad(x, ((0, max(0, pad - x.shape[0])), (0, 0))))
+    from engine.products import quantize_rows
+    xq, xs = quantize_rows(jnp.pad(x, ((0, max(0, pad - x.shape[0])), (0, 0))))
     y = lax.dot_general(xq, w[0], (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
     return (y.astype(F32) * xs)[:x.shape[0]] * w[1]
 

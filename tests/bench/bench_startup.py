@@ -20,7 +20,7 @@ them for this machine) and a fresh, empty MASHBOX_CACHE, and measures:
 Targets (2-core CPU): cold <= 90 s, warm <= 20 s, restart <= 20 s, RSS <= 3 GB, cached-turn TTFT
 <= 1 s, decode step at 16k <= 1.5x the step at 1k.
 
-Results: docs/performance.md (the summary: README, Performance).
+Results: docs/performance.md (every run: docs/perf-log.md) (the summary: README, Performance).
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ llama.cpp's threads spin while they wait for each other: with any other load on 
 collapses (2-10x), so the script refuses to measure when the 1-minute load average is above
 LOAD_LIMIT (--force measures anyway and says so in the table).
 
-Results: docs/performance.md (the summary: README, Performance).
+Results: docs/performance.md (every run: docs/perf-log.md) (the summary: README, Performance).
 """
 from __future__ import annotations
 

@@ -36,7 +36,8 @@ import numpy as np  # noqa: E402
 from engine import weights as weights_module  # noqa: E402
 from engine.cache import init_cache  # noqa: E402
 from engine.config import config_from_dict, load_config  # noqa: E402
-from engine.model import jit_forward, kv_dtype_for  # noqa: E402
+from engine.attention import kv_dtype_for  # noqa: E402
+from engine.model import jit_forward  # noqa: E402
 from engine.weights import load_weights, weights_bytes  # noqa: E402
 
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "tiny")

@@ -1,0 +1,278 @@
+"""Matrix products with the weights in every form the engine holds them, and the integer products
+attention shares with them.
+
+    matmul(x, w)        x [..., in] times w [out, in] -> [..., out] float32
+    embed(table, rows)  rows of an embedding table -> float32
+
+A weight is one of four kinds (weight_kind), each with one product:
+    float        an array in the compute dtype (float32 on a CPU, bfloat16 on accelerators)
+    int8         {"q": [out, in], "scale": float32 [out]}: w = q * scale, one scale per output
+                 channel; q held as int8, or as uint8 plus INT8_OFFSET where the CPU has unsigned x
+                 signed int8 kernels (engine.weights.OFFSET_INT8)
+    int8_packed  the same, q in engine.native's packed layout for its kernel
+    q5_0         a GGUF's Q5_0 blocks as the file has them (engine.native.pack5)
+The packed kinds exist only where engine.native's kernel serves the model (ModelConfig.native,
+decided once at start-up): load_weights packs them, so the kind of a weight is the decision.
+
+How each kind is multiplied depends on the rows: a few rows (decode steps, small prefill chunks)
+are bound by reading the weights, many rows (a prefill chunk) by arithmetic. The figures behind
+every threshold here are in docs/performance.md.
+"""
+from __future__ import annotations
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.interpreters import mlir
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo
+
+from engine import cpu, native
+from engine.weights import INT8_OFFSET
+
+F32 = jnp.float32
+
+WEIGHT_KINDS = ("float", "int8", "int8_packed", "q5_0")
+
+# XLA:CPU's dot of a few rows runs well below the memory's speed, while the same product written as
+# a broadcast multiply summed over the input (one fused reduction) streams the weights once. One
+# row keeps the dot (a matrix-vector product is already at the bandwidth); past this many rows
+# compute dominates and the dot wins again.
+SUMMED_PRODUCT_MAX_ROWS = 128
+# int8 weights: up to this many rows the activations become int8 terms and the product is an
+# integer one (or the kernel's); past it the weights are widened for a float dot. Where the CPU has
+# bfloat16 dot products the widened dot already wins at 128 rows.
+CPU_HAS_BF16 = cpu.has_bf16_dot()
+INT8_ROWS_MAX_ROWS = 64 if CPU_HAS_BF16 else SUMMED_PRODUCT_MAX_ROWS
+# Whether the integer products take the uint8 x int8 form, or (no VNNI) int8 x int8. Read while
+# tracing; tests compare both forms.
+UINT8_DOT = cpu.has_uint8_dot()
+# Activations become two int8 terms per row: the row, then what its rounding left on a scale 127x
+# finer. One term cost accuracy (mean KL 0.0096 nats from float32 on the demo); two are as good as
+# exact activations (0.0017).
+ROW_TERMS = 2
+
+
+def weight_kind(w) -> str:
+    """Which of WEIGHT_KINDS w is (the module docstring)."""
+    if not isinstance(w, dict):
+        return "float"
+    if native.is_int5(w):
+        return "q5_0"
+    return "int8_packed" if native.is_packed(w["q"]) else "int8"
+
+
+def _xla_cpu() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+# ---- int8 terms and integer products ------------------------------------------------------------
+
+def quantize_rows(x):
+    """x [rows, in] float32 -> (int8 [rows, in], float32 [rows, 1]): each row rounded to int8 on its own
+    scale, so that x ~= q * scale. An all-zero row (padding) gets scale 1 and stays zero."""
+    peak = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scale = jnp.where(peak > 0, peak / 127.0, 1.0)
+    return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
+
+
+def int8_terms(x, n: int):
+    """x [..., rows, c] float32 -> (int8 [..., n * rows, c], scales [..., n * rows, 1]): the rows,
+    then (n = 2) what their rounding left, stacked along the rows."""
+    terms, scales = [], []
+    for _ in range(n):
+        q, scale = quantize_rows(x)
+        terms.append(q)
+        scales.append(scale)
+        x = x - q.astype(F32) * scale
+    return jnp.concatenate(terms, axis=-2), jnp.concatenate(scales, axis=-2)
+
+
+# An unsigned x signed int8 product -> int32 as one HLO dot. JAX would widen mixed operands to a
+# common type first (int32, whose product XLA:CPU runs ~30x slower), so this primitive emits the dot
+# itself.
+_uint8_int8_dot_p = jax.extend.core.Primitive("uint8_int8_dot")
+
+
+def _uint8_int8_dot_shape(x, w, *, dimension_numbers):
+    (x_contract, w_contract), (x_batch, w_batch) = dimension_numbers
+    free = lambda shape, skip: [n for i, n in enumerate(shape) if i not in skip]
+    shape = ([x.shape[i] for i in x_batch] + free(x.shape, x_contract + x_batch)
+             + free(w.shape, w_contract + w_batch))
+    return jax.core.ShapedArray(tuple(shape), jnp.int32)
+
+
+def _uint8_int8_dot_lowering(ctx, x, w, *, dimension_numbers):
+    (x_contract, w_contract), (x_batch, w_batch) = dimension_numbers
+    out = ctx.avals_out[0]
+    numbers = stablehlo.DotDimensionNumbers.get(
+        lhs_batching_dimensions=list(x_batch), rhs_batching_dimensions=list(w_batch),
+        lhs_contracting_dimensions=list(x_contract), rhs_contracting_dimensions=list(w_contract))
+    return [stablehlo.dot_general(ir.RankedTensorType.get(out.shape, ir.IntegerType.get_signless(32)),
+                                  x, w, numbers)]
+
+
+_uint8_int8_dot_p.def_abstract_eval(_uint8_int8_dot_shape)
+mlir.register_lowering(_uint8_int8_dot_p, _uint8_int8_dot_lowering)
+
+
+def uint8_int8_dot(x, w, dimension_numbers):
+    """uint8 x times int8 w (lax.dot_general's dimension_numbers) -> exact int32."""
+    return _uint8_int8_dot_p.bind(x, w, dimension_numbers=dimension_numbers)
+
+
+def int8_product(terms, other, dimension_numbers):
+    """terms int8 [..., rows, c] times int8 `other` (contracting terms' last axis, rows its only free
+    axis) -> exact int32 [..., rows, out]. Where the CPU has unsigned x signed kernels (UINT8_DOT)
+    the rows are shifted by 128 to uint8, and a row of ones appended to them gives each output's sum
+    over `other`, 128 times which comes off again: sum((t + 128) w) - 128 sum(w) = sum(t w), exact
+    in int32. The unsigned rows run on the VNNI kernels, signed ones on slower plain ones."""
+    if not UINT8_DOT:
+        return lax.dot_general(terms, other, dimension_numbers, preferred_element_type=jnp.int32)
+    shifted = (terms.astype(jnp.int16) + 128).astype(jnp.uint8)
+    ones = jnp.ones(terms.shape[:-2] + (1, terms.shape[-1]), jnp.uint8)
+    y = uint8_int8_dot(jnp.concatenate([shifted, ones], axis=-2), other, dimension_numbers)
+    return y[..., :-1, :] - 128 * y[..., -1:, :]
+
+
+def sum_terms(products, scales, n: int):
+    """The int32 products of n int8 terms (int8_terms of x [..., rows, c], stacked along the rows),
+    each times its scales, summed: [..., rows, out] float32, x's product."""
+    return sum(jnp.split(products.astype(F32) * scales, n, axis=-2))
+
+
+def int8_terms_product(terms, scales, n: int, other, dimension_numbers):
+    """The sum of n int8 terms (int8_terms of x [..., rows, c]) times int8 `other`, each term's
+    product times its scales: [..., rows, out] float32, x's product with `other`."""
+    return sum_terms(int8_product(terms, other, dimension_numbers), scales, n)
+
+
+def int8_values(q):
+    """Held int8 weights (int8, or uint8 offset by INT8_OFFSET) -> their signed values (exact)."""
+    return q.astype(jnp.int16) - INT8_OFFSET if q.dtype == jnp.uint8 else q
+
+
+def offset_weights_product(q, terms):
+    """int8 terms [rows, in] times int8 weights held offset (q uint8 [out, in], the values + 128) ->
+    exact int32 [rows, out]. The weights are the dot's first operand, so that YNNPACK streams them
+    as held and packs only the few rows of terms (as the second operand it repacked the whole matrix
+    on every call); 128 times each term row's sum comes off: sum((w + 128) t) - 128 sum(t) = sum(w t)."""
+    if q.dtype != jnp.uint8:
+        raise TypeError(f"offset int8 weights are uint8, got {q.dtype}")
+    numbers = (((1,), (1,)), ((), ()))
+    if not UINT8_DOT:         # no uint8 kernels: the weights' signed values, converted on every call
+        return lax.dot_general(terms, int8_values(q).astype(jnp.int8), numbers,
+                               preferred_element_type=jnp.int32)
+    y = uint8_int8_dot(q, terms, numbers)                                  # [out, rows]
+    # Transposed last: with the transpose first, XLA gave the dot a layout YNNPACK does not take, and
+    # its own dot emitter has no mixed-type product (a compile error).
+    return (y - INT8_OFFSET * jnp.sum(terms.astype(jnp.int32), axis=-1)).T
+
+
+# ---- one product per weight kind ------------------------------------------------------------------
+
+def _wide_dtype():
+    """What int8 or 5-bit weights are widened to for a prefill chunk's dot: bfloat16 (exact for int8
+    values, float32 accumulation) on accelerators and on CPUs with bfloat16 dot products, else
+    float32."""
+    return jnp.bfloat16 if CPU_HAS_BF16 or not _xla_cpu() else F32
+
+
+def _wide_dot(flat, values):
+    wide = _wide_dtype()
+    return lax.dot_general(flat.astype(wide), values.astype(wide), (((1,), (1,)), ((), ())),
+                           preferred_element_type=F32)
+
+
+def _int8_matmul(flat, w):
+    """flat [rows, in] float32 times int8 weights in the plain layout -> [rows, out]."""
+    q, scale = w["q"], w["scale"]
+    if _xla_cpu() and flat.shape[0] <= INT8_ROWS_MAX_ROWS:
+        terms, scales = int8_terms(flat, ROW_TERMS)
+        if q.dtype == jnp.uint8:
+            products = offset_weights_product(q, terms)
+        else:
+            products = int8_product(terms, q, (((1,), (1,)), ((), ())))
+        return sum_terms(products, scales, ROW_TERMS) * scale
+    if _xla_cpu():
+        # Each matrix widened when its product is next, not all at a program's start: XLA:CPU's
+        # scheduler hoists what reads only weights (a 512-token chunk of the demo held every layer's
+        # copy, 0.79 GB). Adding a zero made from the input ties the convert to it (x * 0 is not
+        # folded for floats).
+        wide = _wide_dtype()
+        zero = (jnp.where(jnp.isfinite(flat[0, 0]), flat[0, 0], 0.0) * 0.0).astype(wide)
+        return _wide_dot(flat, int8_values(q).astype(wide) + zero) * scale
+    return _wide_dot(flat, int8_values(q)) * scale
+
+
+def _int8_packed_matmul(flat, w):
+    """The kernel's product for a few rows: it makes the ROW_TERMS terms, multiplies and scales them
+    in one call, streaming the weights at the memory's speed (YNNPACK's integer kernels are
+    compute-bound there). A prefill chunk takes the weights widened by the kernel's second pass
+    (XLA's transpose of the packed layout was slower), which reads the input first for the same
+    reason as _int8_matmul's zero."""
+    q, scale = w["q"], w["scale"]
+    if flat.shape[0] <= INT8_ROWS_MAX_ROWS:
+        return native.int8_matmul(flat, q, scale)
+    return _wide_dot(flat, native.widen(q, after=flat)) * scale
+
+
+def _q5_0_matmul(flat, w):
+    """The kernel's own product for a few rows, else the blocks' values (scales applied) widened for
+    XLA's dot."""
+    if flat.shape[0] <= INT8_ROWS_MAX_ROWS:
+        return native.int5_matmul(flat, w)
+    return _wide_dot(flat, native.widen5(w, after=flat))
+
+
+def _shape(w, kind: str) -> tuple[int, int]:
+    """(out, in) of a quantized weight as a matrix."""
+    if kind == "q5_0":
+        return w["nib"].shape[0] * native.LANES, w["nib"].shape[1] * native.NIBBLE_GROUP
+    q = w["q"]
+    return (q.shape[0] * native.LANES, q.shape[1] * native.GROUP) if kind == "int8_packed" else q.shape
+
+
+_QUANTIZED_MATMUL = {"int8": _int8_matmul, "int8_packed": _int8_packed_matmul, "q5_0": _q5_0_matmul}
+
+
+def matmul(x, w):
+    """x [..., in] times w [out, in] (each output a dot product with a row of w) -> [..., out]
+    float32, taking the weights in their own form (weight_kind) and accumulating in float32."""
+    rows = int(np.prod(x.shape[:-1]))
+    kind = weight_kind(w)
+    if kind != "float":
+        out_dim, in_dim = _shape(w, kind)
+        y = _QUANTIZED_MATMUL[kind](x.reshape(rows, in_dim).astype(F32), w)
+        return y.reshape(*x.shape[:-1], out_dim)
+    if w.dtype == F32 and 2 <= rows <= SUMMED_PRODUCT_MAX_ROWS:
+        flat = x.reshape(rows, 1, w.shape[1]).astype(F32)
+        # Weights as the first operand: with the rows first, the same program ran 1.6x slower.
+        # Only float32 weights take the summed form: that is the CPU's compute dtype.
+        return jnp.sum(w * flat, axis=-1).reshape(*x.shape[:-1], w.shape[0])
+    return lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
+                           preferred_element_type=F32)
+
+
+def embed(table, tokens):
+    """Rows of the embedding table for tokens, in float32 (an int8 table: its rows times their scales)."""
+    kind = weight_kind(table)
+    if kind == "float":
+        return table[tokens].astype(F32)
+    q = table["q"]
+    rows = native.packed_rows(q, tokens) if kind == "int8_packed" else q[tokens]
+    return int8_values(rows).astype(F32) * table["scale"][tokens][..., None]
+
+
+def swiglu(rows, gate_up, down):
+    """The SwiGLU MLP (dense layers, each routed expert, the shared expert): down(silu(gate) * up)."""
+    return matmul(gated(matmul(rows, gate_up)), down)
+
+
+def gated(y):
+    """silu(gate) * up from a gate_up product y [..., 2 f], gate and up interleaved row by row
+    (engine.weights: a device of a tensor-parallel mesh holds the gate and up of the same channels)."""
+    pairs = y.reshape(*y.shape[:-1], -1, 2)
+    return jax.nn.silu(pairs[..., 0]) * pairs[..., 1]
