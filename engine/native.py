@@ -1,5 +1,5 @@
-"""The engine's one native kernel (engine/int8_product.cc), for CPUs where XLA:CPU's integer dot is
-compute-bound (see engine.model, beside _matmul and _packed): int8 weights times a few rows (decode
+"""The engine's one native kernel (engine/native.cc), for CPUs where XLA:CPU's integer dot is
+compute-bound (engine.products, engine.attention, engine.sampler call it): int8 weights times a few rows (decode
 steps, small prefill chunks) at the memory's speed, decode attention over the int8 cache, the
 packed weights widened for a prefill chunk's dot, and the sampler's greedy pick and filter cuts.
 It is built on first use with the host's C++ compiler against jaxlib's FFI headers, kept under the
@@ -14,9 +14,9 @@ probabilities, as the kernel's does (its products int16 pairs: vpdpwssd; tests/t
 
 Packed layout of an [N, K] matrix (N a multiple of 16, K of 4): [N/16, K/4, 16, 4], element
 [n, k] at [n // 16, k // 4, n % 16, k % 4]: one 64-byte load holds 4 inputs of 16 outputs.
-5-bit weights (a GGUF's Q5_0 blocks, held as the file has them: pack5) are a dict {"nib", "fifth",
-"d"}: levels 0..31 as nibbles and fifth bits, 8 inputs of 16 outputs per 64-byte load, and a
-float16 scale per 32 inputs (the layout is spelled out in the kernel's source).
+5-bit weights (a GGUF's Q5_0 blocks, held as the file has them) are a dict {"nib", "fifth", "d"}:
+levels 0..31 as nibbles and fifth bits, 8 inputs of 16 outputs per 64-byte load, and a float16
+scale per 32 inputs; pack5 states the layout.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from engine import cpu
 
 log = logging.getLogger("mashbox.engine")
 
-SOURCE = Path(__file__).with_name("int8_product.cc")
+SOURCE = Path(__file__).with_name("native.cc")
 # The custom calls it registers, and their symbols.
 TARGETS = {"mashbox_int8_matmul": "MashboxInt8Matmul",
            "mashbox_int8_widen": "MashboxInt8Widen", "mashbox_int8_attend": "MashboxInt8Attend",
@@ -73,7 +73,7 @@ def _build(compiler: str) -> Path:
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), version.encode(), jaxlib.__version__.encode(),
                                      " ".join(COMPILE_FLAGS).encode()])).hexdigest()[:20]
     folder = cache_root() / "native"
-    library = folder / f"int8_product-{key}.so"
+    library = folder / f"native-{key}.so"
     if library.exists():
         return library
     folder.mkdir(parents=True, exist_ok=True)
@@ -180,7 +180,14 @@ def packed_rows(q, rows):
 
 def pack5(levels: np.ndarray, scales: np.ndarray) -> dict:
     """Q5_0 blocks of an [N, K] matrix, w = scales (levels - 16) (levels uint8 [N, K] in 0..31, scales
-    float16 [N, K/32]; N a multiple of 16, K of 32) -> the kernel's 5-bit form (the source's layout)."""
+    float16 [N, K/32]; N a multiple of 16, K of 32) -> the kernel's 5-bit form, the one statement of
+    its layout (engine/native.cc reads it so):
+      nib    uint8   [N/16, K/8, 16, 4]  byte j of lane l in input group g: levels[16b + l, 8g + j] % 16
+                                         in its low nibble, levels[16b + l, 8g + 4 + j] % 16 in its high
+      fifth  uint32  [N/16, K/8, 4]      the levels' fifth bits, as two little-endian 64-bit masks per
+                                         group (words 0-1, 2-3): bit 4l + j of the first for the low
+                                         nibbles' levels, of the second for the high ones'
+      d      float16 [N/16, K/32, 16]    the scales of the block's 16 outputs per 32 inputs"""
     n, k = levels.shape
     blocked = levels.reshape(n // LANES, LANES, k // NIBBLE_GROUP, 2, GROUP).transpose(0, 2, 1, 3, 4)
     nib = (blocked[..., 0, :] & 15) | ((blocked[..., 1, :] & 15) << 4)          # [N/16, K/8, 16, 4]

@@ -1,4 +1,4 @@
-"""The native int8 kernel (engine/int8_product.cc, built and registered by engine.native) against
+"""The native int8 kernel (engine/native.cc, built and registered by engine.native) against
 numpy, and the model with packed weights against the plain layout's XLA products."""
 from __future__ import annotations
 
@@ -288,7 +288,7 @@ def _attention_reference(q, k, v, k_scale, v_scale, slots, positions):
     return out
 
 
-# What the kernel rounds (engine/int8_product.cc): each query row to int16 on its own scale, and per
+# What the kernel rounds (engine/native.cc): each query row to int16 on its own scale, and per
 # task of ATTEND_SPLIT positions each row's softmax weights times the values' scales to int16 on
 # theirs.
 ATTEND_SPLIT, QUERY_LEVELS, WEIGHT_LEVELS = 2048, 16383, 32767

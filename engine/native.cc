@@ -3,7 +3,7 @@
 // prefill chunk's dot (Int8Widen), the same two for a GGUF's 5-bit Q5_0 blocks (Int5Matmul,
 // Int5Widen), decode attention over the int8 KV cache (Int8Attend), the greedy pick of each row's
 // largest logit (FirstMax) and the sampling filters' cuts (FilterCuts). engine/native.py builds and
-// registers them; engine/model.py and engine/sampler.py call them.
+// registers them; engine/products.py, engine/attention.py and engine/sampler.py call them.
 //
 // XLA:CPU hands an integer dot to YNNPACK, whose kernels ran compute-bound on a 2-core AMD EPYC
 // (Zen 4): 12.8 GB/s of weights for one decode row, against 34 GB/s for a float32 dot. A decode
@@ -42,15 +42,9 @@ constexpr int64_t kChunkBlocks = 4;
 // Software prefetch this many bytes ahead in the weights' stream (hardware prefetch alone left one
 // thread at 10 GB/s; 1024 reached 18, best among 256-4096).
 constexpr int64_t kPrefetch = 1024;
-// And into L2 this far ahead as well. At 4 rows a 64-byte load of int8 weights feeds 8 vpdpbusd
-// (2.4 ns on one core with the weights in L2, against 3.1-3.3 ns per load from memory at 1 row), and
-// with the near prefetch alone the loads waited for the memory and then the arithmetic, in turn
-// (4.0 ns). Fetched into L2 ahead, they overlap. The products chained as the model calls them (2-core
-// AMD EPYC, CPU family 25, alternated in one process, medians of 25; two runs) at 4 rows, in ms:
-//   head 5.0 / 5.1 against 5.6 / 5.5 (1 row 5.0 / 5.0 against 5.2 / 5.1);
-//   down 5.2 / 4.7 against 5.4 / 5.3 (1 row 4.8 / 4.5 against 4.7 / 4.3);
-//   the 5-bit gate/up 6.7 / 7.3 against 7.1 / 8.3 (1 row 5.9 / 6.2 against 6.6 / 7.1).
-// 3072 bytes ahead gained less; 12288 about as much.
+// And into L2 this far ahead as well: with the near prefetch alone, a few rows' loads waited for the
+// memory and then the arithmetic, in turn; fetched into L2 ahead, they overlap (5-15% at 4 rows;
+// docs/performance.md).
 constexpr int64_t kPrefetchL2 = 6144;
 
 // A mask of the first `left` of 16 lanes.
@@ -111,9 +105,8 @@ int64_t Chunks(int64_t blocks) { return (blocks + kChunkBlocks - 1) / kChunkBloc
 
 // Row x [K] -> int8 q [K] on its own scale (largest magnitude / 127; 1 for a zero row), so that
 // x ~= q * scale, rounded half to even; returns the scale, and the levels' sum in *sum. The same
-// numbers as engine/model.py's _quantize_rows, 16 at a time. The terms are made before the pool's
-// threads start: 24 products of 4 rows of 4864 inputs with 16 outputs (the terms, nearly alone)
-// took 1.00 ms one number at a time, 0.34 ms now (2-core AMD EPYC, CPU family 25).
+// numbers as engine/products.py's quantize_rows, 16 at a time (3x faster than one at a time). The
+// terms are made before the pool's threads start.
 float QuantizeRow(const float* x, int8_t* q, int64_t K, int32_t* sum) {
   const float peak = Peak(x, K);
   const float scale = peak > 0.0f ? peak / 127.0f : 1.0f;
@@ -154,14 +147,10 @@ void MakeTerms(const float* x, int64_t R, int64_t K, int8_t* terms, float* term_
 }
 
 // One block of 16 outputs for R float rows, each row's two int8 terms at term rows 2r and 2r + 1:
-// each output leaves the accumulators as (p0 s0 + p1 s1) * scale in float32. Before, the int32
-// products went through a buffer of [2R, N] (4.9 MB for the demo's head at 4 rows, allocated and
-// written on every call): the head at 4 rows took 8.5 ms against 7.3 without it, as at 1 row
-// (2-core AMD EPYC, CPU family 25, alternated in one process, medians of 25). One block at a time
-// reads one stream of weights: two blocks sharing each term's broadcast (two streams) took the head
-// 6.4-6.5 ms at 1 row against 5.5-5.6, and 8.4 against 5.6 at 4 rows (16 accumulators). Always
-// inlined: called on its own, GCC 12 kept the 8 accumulators of 4 rows on the stack (the head at 4
-// rows 9.7 ms against 6.2).
+// each output leaves the accumulators as (p0 s0 + p1 s1) * scale in float32, with no buffer of int32
+// products between. One block at a time reads one stream of weights (two streams sharing each
+// term's broadcast were slower). Always inlined: called on its own, GCC 12 kept the 8 accumulators
+// of 4 rows on the stack (docs/performance.md).
 template <int R>
 __attribute__((always_inline)) inline void ScaledBlock(const uint8_t* w, const int8_t* terms,
                                                        const float* term_scales, const int32_t* offsets,
@@ -205,7 +194,7 @@ constexpr ScaledPassFn kScaledPasses[kMaxRows + 1] = {nullptr, ScaledPass<1>, Sc
 
 // x float32 [R, K] times the packed offset weights, each output times its channel's scale ->
 // float32 [R, N]. Each row becomes two int8 terms (the row, then what its rounding left, on its own
-// scale) as engine/model.py's _int8_terms makes them, and y = (p0 s0 + p1 s1) * scale in float32, in
+// scale) as engine/products.py's int8_terms makes them, and y = (p0 s0 + p1 s1) * scale in float32, in
 // that order: the same numbers as the XLA path's, and no separate XLA loops around the product (at
 // 1-4 decode rows those cost about as much as the product itself).
 ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
@@ -313,21 +302,16 @@ ffi::Error Int8Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::AnyBuffe
 
 // A GGUF's Q5_0 matrix holds each weight as q in 0..31 with a float16 scale d per 32 inputs,
 // w = d (q - 16): 5.5 bits per weight, which per-channel int8 (8 bits) would widen and round
-// again. Held as they are (engine.native.pack5):
-//   nib    uint8  [N/16, K/8, 16, 4]: byte j of lane l in group g holds q[l, 8g + j] % 16 in its low
-//                 nibble and q[l, 8g + 4 + j] % 16 in its high one
-//   fifth  uint64 [N/16, K/8, 2]: the fifth bits, bit 4l + j of word 0 for the low nibbles' weights,
-//                 of word 1 for the high ones' (a mask over the bytes of a 64-byte load)
-//   d      float16 [N/16, K/32, 16]: the scales of the block's 16 outputs per 32 inputs
+// again. Held as they are, in the layout engine.native.pack5 states: nib uint8 [N/16, K/8, 16, 4]
+// (the levels' low and high nibbles), fifth uint32 [N/16, K/8, 4] (their fifth bits, read here as two
+// uint64 masks per group over the bytes of a 64-byte load: word 0 for the low nibbles, word 1 for the
+// high), d float16 [N/16, K/32, 16] (the scales).
 // One 64-byte load holds 8 inputs of 16 outputs: two vpdpbusd per row, as the int8 layout's 4
 // inputs take one. Products are exact per 32-input block; each block's sum leaves as float32 times
 // its scales.
 // The rows are rounded to int8 per 32 inputs (one term, its own scale per block) where the int8
-// product makes two terms per row on per-row scales: with the same two terms here, four rows'
-// gate/up product (24 layers, random weights, 2-core AMD EPYC, CPU family 25, alternated) took
-// 9.0-9.1 ms against 5.7-5.8 for one row; with one term per block 6.8-8.0 against 5.4-5.8. The
-// demo's mean KL divergence from float32 (int8 weights and cache, 2,048 tokens decoded one at a
-// time, tests/bench/bench_narrow.py kl FOLDER 1) went from 0.00211 to 0.00235 nats.
+// product makes two terms per row on per-row scales: two terms here made four rows cost 1.6x one
+// row, one term per block 1.3x, for a mean KL of 0.00235 nats against 0.00211 (docs/performance.md).
 constexpr int kNibbleGroup = 8;          // inputs per lane in one 64-byte load of nibbles
 constexpr int kQ5Block = 32;             // inputs per scale
 constexpr int kQ5Offset = 16;            // q - 16 is the weight's level
@@ -493,14 +477,8 @@ ffi::Error Int5Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer
 // theirs, while the keys and values are widened from int8 as they are read. One instruction then
 // takes two of the int8 cache's numbers per lane where a float32 multiply-add took one and a
 // conversion besides. The roundings are 14 and 15 bits, against the 8 bits the cache keeps of each
-// key and value: the demo's mean KL divergence from float32 (int8 weights and cache, 2,048 tokens
-// decoded one at a time, tests/bench/bench_narrow.py kl FOLDER 1) was 0.00211 nats, 0.00213 with
-// float32 products. The 24 layers' attention of one row over 16k positions of random int8 (2-core
-// AMD EPYC, CPU family 25, alternated in one process, medians of 21) took 9.4-10.1 ms against
-// 13.7-14.0 for float32 products; the demo's decode step at 16k positions 1.45x the step at 1k
-// (1.62x). Measured and left out: vpdpbusd's 4 bytes per lane, with the weights in two unsigned
-// bytes, was slower (each dimension re-read the task's weights from L2), as were 3 or 4 dimensions
-// per pass of the values and tasks of 512 or 1024 positions.
+// key and value: as accurate as float32 products (mean KL 0.00211 nats against 0.00213) and about
+// 1.4x faster (docs/performance.md, where the forms tried and left out are listed too).
 //
 // Positions one task of Int8Attend covers: a row's context is cut at fixed multiples of this (never
 // where other rows end), so its sums run in the same order whatever the batch.
@@ -545,8 +523,8 @@ inline void Dpwssd(__m512i& acc, __m512i a, __m512i b) {
 // positions of keys k [D, C] from `begin`, times the keys' scales, into w (row stride `stride`).
 // Each step widens two dimensions of 32 positions to int16 and interleaves them per position
 // (vpermt2w), so that one vpdpwssd adds both dimensions' products for 16 positions. `later`: the
-// values [D, C], fetched ahead for Weighted (9.4-10.1 ms against 10.6-11.1 at 16k positions, see
-// above; keys fetched ahead gained nothing).
+// values [D, C], fetched ahead for Weighted (about 10% at 16k positions; keys fetched ahead gained
+// nothing).
 template <int R>
 void Scores(const int32_t* qp, const float* qs, const int8_t* k, const float* ks, int64_t D, int64_t C,
             int64_t begin, int64_t n, float* w, int64_t stride, const int8_t* later) {
