@@ -228,9 +228,8 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
     held_cache: a folder for int8 weights as they are held (HeldWeights): read from there when it
     holds them, else quantized from the checkpoint and written there for the next start.
     pack: int8 matrices in engine.native's packed layout where its kernel is available (False: never;
-    a caller splitting the weights over several devices passes False: the kernel is not split)."""
+    the worker passes ModelConfig.native, the one decision whether the kernel serves)."""
     int8 = str(dtype) == "int8"
-    offset = held_int8_dtype() == np.uint8
     pack = packs_int8(dtype, pack)
     writer = None
     if held_cache and int8:
@@ -239,78 +238,96 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
         if parts is not None:
             return _assemble(parts, cfg)
         place = writer = held.writer(place)
-    dtype = np.dtype(float_dtype or np.float32) if int8 else np.dtype(dtype)
     kv_heads = kv_heads or cfg.num_kv_heads
     if kv_heads % cfg.num_kv_heads:
         raise WeightsError(f"kv_heads {kv_heads} is not a multiple of the config's {cfg.num_kv_heads}")
-    r = _Reader(folder)
-    h, q, kv, f = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    load = _Loader(_Reader(folder), cfg, np.dtype(float_dtype or np.float32) if int8 else np.dtype(dtype),
+                   int8=int8, pack=pack, kv_heads=kv_heads)
+    parts = {}
+    for i, (kind, mlp) in enumerate(zip(cfg.layer_kinds, cfg.mlp_kinds or ("dense",) * cfg.num_layers)):
+        parts[f"layers.{i}"] = place(f"layers.{i}", load.layer(i, kind, mlp))
+    parts["embed"] = place("embed", load.embedding())
+    if not cfg.tie_word_embeddings:
+        parts["lm_head"] = place("lm_head", load.lm_head())
+    parts["norm"] = place("norm", load.norm("model.norm.weight", cfg.hidden_size))
+    if writer is not None:
+        writer.finish()
+    return _assemble(parts, cfg)
 
-    def put(array: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(array.astype(dtype, copy=False))
 
-    def put_matrix(array: np.ndarray):
-        """A dense [out, in] matrix in the weights dtype (int8: quantized now, see the docstring)."""
-        if not int8:
-            return put(array)
-        values, scale = quantize_int8(array)
-        q = offset_int8(values) if offset else values
-        return {"q": native.pack(q) if pack and native.packable(q.shape) else q, "scale": scale}
+class _Loader:
+    """load_weights' steps: each reads its tensors from the checkpoint by their Hugging Face names and
+    returns them as held (the pytree's layout, the module docstring), one layer at a time."""
 
-    def matrix(name: str, out_dim: int, in_dim: int) -> np.ndarray:
-        return r.get(name, (out_dim, in_dim))          # nn.Linear's own [out, in]
+    def __init__(self, reader: _Reader, cfg: ModelConfig, dtype: np.dtype, *, int8: bool, pack: bool,
+                 kv_heads: int):
+        self.r, self.cfg, self.dtype = reader, cfg, dtype      # dtype: of everything not int8
+        self.int8, self.pack, self.kv_heads = int8, pack, kv_heads
+        self.offset = held_int8_dtype() == np.uint8
 
-    def projection(combine, parts: list[tuple[str, tuple[int, int]]], floats=None):
-        """A layer's matrix combine(*tensors) of the named tensors [(name, shape)] (combine is a row
-        operation: stacking, interleaving), as held: in 5-bit blocks (engine.native.pack5) when every
-        part is a GGUF's Q5_0 tensor and the int8 matrices are packed (the file's own levels and
-        scales, exact), else put_matrix of the floats. floats: the combined matrix, when the caller
-        has read it already."""
-        if pack and all(r.format(name) == "Q5_0" for name, _ in parts):
-            blocks = [r.q5_0(name, shape) for name, shape in parts]
-            levels = combine(*(b[0] for b in blocks))
-            if native.packable5(levels.shape):
-                return native.pack5(levels, combine(*(b[1] for b in blocks)))
-        if floats is None:
-            floats = combine(*(matrix(name, *shape) for name, shape in parts))
-        return put_matrix(floats)
+    # ---- one layer ----
 
-    def gate_up(p: str, width: int) -> np.ndarray:
-        return interleave_gate_up(matrix(p + "gate_proj.weight", width, h),
-                                  matrix(p + "up_proj.weight", width, h))
-
-    def experts(p: str) -> dict:
-        """A layer's router and experts, each expert's tensors stacked along a new first axis.
-        Checkpoints written by newer transformers may hold them stacked already (gate_up_proj,
-        gate rows then up rows)."""
-        e, m = cfg.num_experts, cfg.moe_intermediate_size
-        if r.has(p + "experts.gate_up_proj"):
-            stacked = r.get(p + "experts.gate_up_proj", (e, 2 * m, h))
-            both = interleave_gate_up(stacked[:, :m], stacked[:, m:])
-            down = r.get(p + "experts.down_proj", (e, h, m))
+    def layer(self, i: int, kind: str, mlp: str) -> dict:
+        cfg, h = self.cfg, self.cfg.hidden_size
+        if kind not in MIXER_KINDS or mlp not in ("dense", "moe"):
+            raise WeightsError(f"layer {i} kind {kind!r} / {mlp!r} has no weight layout")
+        p = f"model.layers.{i}."
+        layer = {"attn_norm": self.norm(p + "input_layernorm.weight", h),
+                 "mlp_norm": self.norm(p + "post_attention_layernorm.weight", h)}
+        if kind == "linear":
+            layer["linear"] = self.delta_net(p + "linear_attn.")
         else:
-            both = np.stack([gate_up(f"{p}experts.{j}.", m) for j in range(e)])
-            down = np.stack([matrix(f"{p}experts.{j}.down_proj.weight", h, m) for j in range(e)])
-        return {"router": put(matrix(p + "gate.weight", e, h)), "gate_up": put(both), "down": put(down)}
+            layer.update(self.attention(p + "self_attn.", kind, layer["attn_norm"]))
+        if mlp == "moe":
+            layer["moe"] = self.experts(p + "mlp.")
+            if cfg.shared_expert_intermediate_size:
+                layer["moe"]["shared"] = self.shared_expert(p + "mlp.")
+        else:
+            f = cfg.intermediate_size
+            layer["gate_up"] = self.projection(interleave_gate_up, [(p + "mlp.gate_proj.weight", (f, h)),
+                                                                    (p + "mlp.up_proj.weight", (f, h))])
+            layer["down"] = self.projection(lambda d: d, [(p + "mlp.down_proj.weight", (h, f))])
+        return layer
 
-    def norm(name: str, size: int) -> np.ndarray:
-        """An RMSNorm scale; a zero-centred one becomes 1 + w, in float32 (the norm's own dtype)."""
-        w = r.get(name, (size,))
-        if cfg.zero_centred_norms:
-            return 1.0 + w.astype(np.float32)
-        return put(w)
+    def attention(self, attn: str, kind: str, attn_norm: np.ndarray) -> dict:
+        """Full (or gated) attention: qkv grouped by KV head, o, the biases and q/k norms the config
+        has, and the keys' smoothing scales (key_smoothing)."""
+        cfg, h, q, kv, kv_heads = self.cfg, self.cfg.hidden_size, self.cfg.q_size, self.cfg.kv_size, self.kv_heads
+        # Gated attention's q_proj holds each head's query rows then its gate rows.
+        wide = 2 * q if kind == "gated_attention" else q
+        rows = self.qkv(attn, wide, lambda n, rows: self.matrix(n + ".weight", rows, h))
+        bias = self.qkv(attn, wide, lambda n, rows: self.r.get(n + ".bias", (rows,))) if cfg.qkv_bias else None
+        out = {"qkv": self.projection(lambda *qkv: group_qkv(*qkv, cfg.num_kv_heads, kv_heads),
+                                      [(attn + "q_proj.weight", (wide, h)), (attn + "k_proj.weight", (kv, h)),
+                                       (attn + "v_proj.weight", (kv, h))], floats=rows),
+               "o": self.projection(lambda o: o, [(attn + "o_proj.weight", (h, q))])}
+        if bias is not None:
+            out["qkv_bias"] = self.put(bias)
+        if cfg.qk_norm:
+            out["q_norm"] = self.norm(attn + "q_norm.weight", cfg.head_dim)
+            out["k_norm"] = self.norm(attn + "k_norm.weight", cfg.head_dim)
 
-    def shared_expert(p: str) -> dict:
-        s = cfg.shared_expert_intermediate_size
-        return {"gate_up": put(gate_up(p + "shared_expert.", s)),
-                "down": put(matrix(p + "shared_expert.down_proj.weight", h, s)),
-                "gate": put(matrix(p + "shared_expert_gate.weight", 1, h))}
+        def keys(x):                      # the key rows of each KV head's group (group_qkv)
+            first, rest = wide // kv_heads, x.shape[1:]
+            return x.reshape(kv_heads, -1, *rest)[:, first:first + cfg.head_dim].reshape(-1, *rest)
 
-    def delta_net(p: str) -> dict:
+        out["k_smooth"] = key_smoothing(keys(rows), None if bias is None else keys(bias), attn_norm,
+                                        out.get("k_norm"), cfg.head_dim)
+        return out
+
+    def qkv(self, p: str, wide: int, rows_of):
+        """The layer's q, k, v rows grouped by KV head (see group_qkv); rows_of(name, rows) reads
+        one projection's weight or bias."""
+        kv = self.cfg.kv_size
+        return group_qkv(rows_of(p + "q_proj", wide), rows_of(p + "k_proj", kv),
+                         rows_of(p + "v_proj", kv), self.cfg.num_kv_heads, self.kv_heads)
+
+    def delta_net(self, p: str) -> dict:
         """Gated DeltaNet weights grouped by key head (group_by_key_head). Qwen3.5 stores all
         heads' q, then k, v in in_proj_qkv, and z, b, a in three more projections; Qwen3-Next
         interleaves in_proj_qkvz and in_proj_ba per key head ([q, k, v, z] of each key head's
         group, then the next). Both store the conv over all heads' q, then k, then v."""
+        cfg, r, h, matrix = self.cfg, self.r, self.cfg.hidden_size, self.matrix
         kh, vh, dk, dv = (cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim,
                           cfg.linear_value_dim)
         per = vh // kh
@@ -326,70 +343,85 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
             ba = np.split(ba, [per], axis=1)
             rows = [part.reshape(-1, h) for part in qkvz + ba]
         conv = r.get(p + "conv1d.weight", (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel))[:, 0]
-        return {"in": put(group_by_key_head(rows, kh)),
-                "conv": put(group_by_key_head(np.split(conv, [kd, 2 * kd]), kh)),
+        return {"in": self.put(group_by_key_head(rows, kh)),
+                "conv": self.put(group_by_key_head(np.split(conv, [kd, 2 * kd]), kh)),
                 "A_log": r.get(p + "A_log", (vh,)).astype(np.float32),
                 "dt_bias": r.get(p + "dt_bias", (vh,)).astype(np.float32),
                 "norm": r.get(p + "norm.weight", (dv,)).astype(np.float32),
-                "out": put(matrix(p + "out_proj.weight", h, vd))}
+                "out": self.put(matrix(p + "out_proj.weight", h, vd))}
 
-    def qkv(p: str, wide: int, rows_of):
-        """The layer's q, k, v rows grouped by KV head (see group_qkv); rows_of(name, rows) reads
-        one projection's weight or bias."""
-        return group_qkv(rows_of(p + "q_proj", wide), rows_of(p + "k_proj", kv),
-                         rows_of(p + "v_proj", kv), cfg.num_kv_heads, kv_heads)
-
-    layers = []
-    for i, (kind, mlp) in enumerate(zip(cfg.layer_kinds, cfg.mlp_kinds or ("dense",) * cfg.num_layers)):
-        if kind not in MIXER_KINDS or mlp not in ("dense", "moe"):
-            raise WeightsError(f"layer {i} kind {kind!r} / {mlp!r} has no weight layout")
-        p = f"model.layers.{i}."
-        layer = {
-            "attn_norm": norm(p + "input_layernorm.weight", h),
-            "mlp_norm": norm(p + "post_attention_layernorm.weight", h),
-        }
-        if kind == "linear":
-            layer["linear"] = delta_net(p + "linear_attn.")
+    def experts(self, p: str) -> dict:
+        """A layer's router and experts, each expert's tensors stacked along a new first axis.
+        Checkpoints written by newer transformers may hold them stacked already (gate_up_proj,
+        gate rows then up rows)."""
+        r, h = self.r, self.cfg.hidden_size
+        e, m = self.cfg.num_experts, self.cfg.moe_intermediate_size
+        if r.has(p + "experts.gate_up_proj"):
+            stacked = r.get(p + "experts.gate_up_proj", (e, 2 * m, h))
+            both = interleave_gate_up(stacked[:, :m], stacked[:, m:])
+            down = r.get(p + "experts.down_proj", (e, h, m))
         else:
-            # Gated attention's q_proj holds each head's query rows then its gate rows.
-            wide = 2 * q if kind == "gated_attention" else q
-            attn = p + "self_attn."
-            rows = qkv(attn, wide, lambda n, rows: matrix(n + ".weight", rows, h))
-            bias = qkv(attn, wide, lambda n, rows: r.get(n + ".bias", (rows,))) if cfg.qkv_bias else None
-            layer["qkv"] = projection(lambda *qkv: group_qkv(*qkv, cfg.num_kv_heads, kv_heads),
-                                      [(attn + "q_proj.weight", (wide, h)), (attn + "k_proj.weight", (kv, h)),
-                                       (attn + "v_proj.weight", (kv, h))], floats=rows)
-            layer["o"] = projection(lambda o: o, [(attn + "o_proj.weight", (h, q))])
-            if bias is not None:
-                layer["qkv_bias"] = put(bias)
-            if cfg.qk_norm:
-                layer["q_norm"] = norm(attn + "q_norm.weight", cfg.head_dim)
-                layer["k_norm"] = norm(attn + "k_norm.weight", cfg.head_dim)
+            both = np.stack([self.gate_up(f"{p}experts.{j}.", m) for j in range(e)])
+            down = np.stack([self.matrix(f"{p}experts.{j}.down_proj.weight", h, m) for j in range(e)])
+        return {"router": self.put(self.matrix(p + "gate.weight", e, h)), "gate_up": self.put(both),
+                "down": self.put(down)}
 
-            def keys(x):                      # the key rows of each KV head's group (group_qkv)
-                first, rest = wide // kv_heads, x.shape[1:]
-                return x.reshape(kv_heads, -1, *rest)[:, first:first + cfg.head_dim].reshape(-1, *rest)
+    def shared_expert(self, p: str) -> dict:
+        s, h = self.cfg.shared_expert_intermediate_size, self.cfg.hidden_size
+        return {"gate_up": self.put(self.gate_up(p + "shared_expert.", s)),
+                "down": self.put(self.matrix(p + "shared_expert.down_proj.weight", h, s)),
+                "gate": self.put(self.matrix(p + "shared_expert_gate.weight", 1, h))}
 
-            layer["k_smooth"] = key_smoothing(keys(rows), None if bias is None else keys(bias),
-                                              layer["attn_norm"], layer.get("k_norm"), cfg.head_dim)
-        if mlp == "moe":
-            layer["moe"] = experts(p + "mlp.")
-            if cfg.shared_expert_intermediate_size:
-                layer["moe"]["shared"] = shared_expert(p + "mlp.")
-        else:
-            layer["gate_up"] = projection(interleave_gate_up, [(p + "mlp.gate_proj.weight", (f, h)),
-                                                               (p + "mlp.up_proj.weight", (f, h))])
-            layer["down"] = projection(lambda d: d, [(p + "mlp.down_proj.weight", (h, f))])
-        layers.append(place(f"layers.{i}", layer))
+    # ---- the model's ends ----
 
-    parts = {f"layers.{i}": layer for i, layer in enumerate(layers)}
-    parts["embed"] = place("embed", put_matrix(r.get("model.embed_tokens.weight", (cfg.vocab_size, h))))
-    if not cfg.tie_word_embeddings:
-        parts["lm_head"] = place("lm_head", put_matrix(matrix("lm_head.weight", cfg.vocab_size, h)))
-    parts["norm"] = place("norm", norm("model.norm.weight", h))
-    if writer is not None:
-        writer.finish()
-    return _assemble(parts, cfg)
+    def embedding(self):
+        return self.put_matrix(self.r.get("model.embed_tokens.weight", (self.cfg.vocab_size, self.cfg.hidden_size)))
+
+    def lm_head(self):
+        return self.put_matrix(self.matrix("lm_head.weight", self.cfg.vocab_size, self.cfg.hidden_size))
+
+    # ---- tensors as held ----
+
+    def norm(self, name: str, size: int) -> np.ndarray:
+        """An RMSNorm scale; a zero-centred one becomes 1 + w, in float32 (the norm's own dtype)."""
+        w = self.r.get(name, (size,))
+        if self.cfg.zero_centred_norms:
+            return 1.0 + w.astype(np.float32)
+        return self.put(w)
+
+    def matrix(self, name: str, out_dim: int, in_dim: int) -> np.ndarray:
+        return self.r.get(name, (out_dim, in_dim))          # nn.Linear's own [out, in]
+
+    def gate_up(self, p: str, width: int) -> np.ndarray:
+        h = self.cfg.hidden_size
+        return interleave_gate_up(self.matrix(p + "gate_proj.weight", width, h),
+                                  self.matrix(p + "up_proj.weight", width, h))
+
+    def projection(self, combine, parts: list[tuple[str, tuple[int, int]]], floats=None):
+        """A layer's matrix combine(*tensors) of the named tensors [(name, shape)] (combine is a row
+        operation: stacking, interleaving), as held: in 5-bit blocks (engine.native.pack5) when every
+        part is a GGUF's Q5_0 tensor and the int8 matrices are packed (the file's own levels and
+        scales, exact), else put_matrix of the floats. floats: the combined matrix, when the caller
+        has read it already."""
+        if self.pack and all(self.r.format(name) == "Q5_0" for name, _ in parts):
+            blocks = [self.r.q5_0(name, shape) for name, shape in parts]
+            levels = combine(*(b[0] for b in blocks))
+            if native.packable5(levels.shape):
+                return native.pack5(levels, combine(*(b[1] for b in blocks)))
+        if floats is None:
+            floats = combine(*(self.matrix(name, *shape) for name, shape in parts))
+        return self.put_matrix(floats)
+
+    def put(self, array: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(array.astype(self.dtype, copy=False))
+
+    def put_matrix(self, array: np.ndarray):
+        """A dense [out, in] matrix in the weights dtype (int8: quantized now, see the docstring)."""
+        if not self.int8:
+            return self.put(array)
+        values, scale = quantize_int8(array)
+        q = offset_int8(values) if self.offset else values
+        return {"q": native.pack(q) if self.pack and native.packable(q.shape) else q, "scale": scale}
 
 
 def _assemble(parts: dict, cfg: ModelConfig) -> dict:
