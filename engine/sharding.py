@@ -49,7 +49,6 @@ import re
 
 import numpy as np
 
-from engine import native
 from engine.config import ConfigError, ModelConfig
 
 MODEL_AXIS = "model"
@@ -197,6 +196,8 @@ class Layout:
         (jax.distributed), each brings that many and the mesh spans all of them."""
         import jax
         from jax.sharding import Mesh
+
+        from engine import native
 
         local = jax.local_devices()
         n = len(local) if devices == "all" else int(devices)
