@@ -9,9 +9,14 @@
         .get(name) -> ndarray       one tensor, read now
         .q5_0(name) -> (levels, scales)   a GGUF's Q5_0 tensor as its blocks hold it (no floats)
 
-Two kinds of folder:
+Three kinds of folder:
 - Hugging Face safetensors (one file, or shards listed by model.safetensors.index.json): get() returns
   the tensor in its stored dtype.
+- An official FP8 checkpoint (config.json's quantization_config, engine.config.fp8_block): safetensors
+  whose projection weights are float8_e4m3fn ("F8_E4M3"), each with `<name>_scale_inv`, one float
+  scale per block of rows x columns (128 x 128). get() returns such a weight in float32, each value
+  times its block's scale (exact: an e4m3 value times a float32 scale rounds once), a block of rows at
+  a time; the scales are consumed, not listed as tensors.
 - One GGUF file beside config.json and the tokenizer files (the demo model, engine.registry). llama.cpp
   names are mapped to Hugging Face's and each tensor is dequantized to float32 by gguf's own block
   decoders (Q4_K, Q5_0, Q6_K, Q8_0, ...) when it is read, a slice of rows at a time: the weights
@@ -29,12 +34,16 @@ import struct
 
 import numpy as np
 
+from engine.config import ConfigError, fp8_block
+
 INDEX_FILE = "model.safetensors.index.json"
 GGUF_SUFFIX = ".gguf"
 # A GGUF tensor is dequantized this many float32 bytes at a time: the decoders' temporaries scale
 # with the slice, so a 545 MB embedding table costs its float32 result, not several copies of it.
 DEQUANT_CHUNK_BYTES = 64 << 20
 Q5_0_BLOCK, Q5_0_BYTES = 32, 22         # GGUF's Q5_0: weights per block, bytes per block (q5_0)
+FP8, FP8_SCALE = "F8_E4M3", "_scale_inv"  # an FP8 checkpoint's weights, and their scales' suffix
+FP8_BLOCK_UNSTATED = (128, 128)           # scale blocks when config.json does not say (Qwen's size)
 
 
 class WeightsError(ValueError):
@@ -161,10 +170,11 @@ def gguf_tensor_index(path: str) -> list[tuple[str, tuple[int, ...], int, int]]:
     return [(name, dims, kind, start + offset) for name, dims, kind, offset in infos]
 
 
-def _safetensors_header(path: str) -> dict:
+def _safetensors_header(path: str) -> tuple[dict, int]:
+    """(the header, the byte offset where the tensors' data begins)."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n))
+        return json.loads(f.read(n)), 8 + n
 
 
 # ---- the checkpoint -------------------------------------------------------------------------------
@@ -203,17 +213,48 @@ class Checkpoint:
                 weights += count
         else:
             self.file = folder
+            self._raw: dict[str, tuple[str, int, int]] = {}     # name -> (file, data start, end)
             for path in self.files:
-                for name, info in _safetensors_header(path).items():
-                    if name == "__metadata__":
+                header, data = _safetensors_header(path)
+                for name, info in header.items():
+                    if name == "__metadata__" or name in self.shapes:
                         continue
-                    self._where.setdefault(name, path)
-                    self.shapes.setdefault(name, tuple(info["shape"]))
-                    self.formats.setdefault(name, info["dtype"])
+                    self._where[name] = path
+                    self.shapes[name] = tuple(info["shape"])
+                    self.formats[name] = info["dtype"]
                     start, end = info["data_offsets"]
+                    self._raw[name] = (path, data + start, data + end)
                     data_bytes += end - start
                     weights += int(np.prod(info["shape"], dtype=np.int64))
+            weights -= self._pair_fp8_scales()
         self.bits_per_weight = round(8 * data_bytes / weights, 2) if weights else 0.0
+
+    def _pair_fp8_scales(self) -> int:
+        """Pair each F8_E4M3 weight with its block scales (taken out of the listing: they are read
+        with it). Returns how many numbers the scales hold (not weights, though their bytes count)."""
+        self._fp8: dict[str, tuple[str, tuple[int, int]]] = {}   # weight -> (its scales, block)
+        names = [name for name, kind in self.formats.items() if kind == FP8]
+        if not names:
+            return 0
+        try:
+            with open(os.path.join(self.folder, "config.json"), encoding="utf-8") as f:
+                block = fp8_block(json.load(f)) or FP8_BLOCK_UNSTATED
+        except (OSError, ValueError, ConfigError):
+            block = FP8_BLOCK_UNSTATED          # engine.config refuses a bad config.json, with its reason
+        scales = 0
+        for name in names:
+            scale = name + FP8_SCALE
+            shape = self.shapes[name]
+            if scale not in self.shapes:
+                raise WeightsError(f"tensor {name} is float8 ({FP8}) without its block scales {scale}")
+            want = tuple(-(-n // b) for n, b in zip(shape, block))
+            if len(shape) != 2 or self.shapes[scale] != want:
+                raise WeightsError(f"tensor {scale} has shape {list(self.shapes[scale])}; {name} "
+                                   f"{list(shape)} in blocks of {list(block)} needs {list(want)}")
+            self._fp8[name] = (scale, block)
+            scales += int(np.prod(want))
+            del self.shapes[scale], self.formats[scale]
+        return scales
 
     def has(self, name: str) -> bool:
         return name in self.shapes
@@ -224,12 +265,9 @@ class Checkpoint:
             raise WeightsError(f"tensor {name} is missing from the checkpoint")
         if self.kind == "gguf":
             return self._dequantize(name)
-        path = self._where[name]
-        if path not in self._open:
-            import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy before bf16 files are read)
-            from safetensors import safe_open
-            self._open[path] = safe_open(path, framework="numpy")
-        return self._open[path].get_tensor(name)
+        if name in self._fp8:
+            return self._fp8_values(name)
+        return self._tensor(name)
 
     def q5_0(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """A GGUF tensor stored as Q5_0 [rows, cols] -> (levels uint8 [rows, cols] in 0..31, scales
@@ -249,6 +287,32 @@ class Checkpoint:
         bits = (fifth[..., None] >> np.arange(Q5_0_BLOCK, dtype=np.uint32)) & 1
         levels = (low | (bits.astype(np.uint8) << 4)).reshape(rows, cols)
         return levels, scales
+
+    def _tensor(self, name: str) -> np.ndarray:
+        """A safetensors tensor in its stored dtype (any name, the scales too)."""
+        path = self._where[name]
+        if path not in self._open:
+            import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy before bf16 files are read)
+            from safetensors import safe_open
+            self._open[path] = safe_open(path, framework="numpy")
+        return self._open[path].get_tensor(name)
+
+    def _fp8_values(self, name: str) -> np.ndarray:
+        """An FP8 weight [rows, cols] in float32: each value times its block's scale, a block of rows
+        at a time (safetensors' numpy reader has no float8, so the bytes are mapped and viewed)."""
+        import ml_dtypes
+
+        scale_name, (block_rows, block_cols) = self._fp8[name]
+        path, start, end = self._raw[name]
+        rows, cols = self.shapes[name]
+        values = np.memmap(path, np.uint8, mode="r", offset=start, shape=(end - start,))
+        values = values.view(ml_dtypes.float8_e4m3fn).reshape(rows, cols)
+        scales = self._tensor(scale_name).astype(np.float32)
+        out = np.empty((rows, cols), np.float32)
+        for b, r0 in enumerate(range(0, rows, block_rows)):
+            across = np.repeat(scales[b], block_cols)[:cols]
+            out[r0:r0 + block_rows] = values[r0:r0 + block_rows].astype(np.float32) * across
+        return out
 
     def _dequantize(self, name: str) -> np.ndarray:
         from gguf.quants import dequantize

@@ -160,6 +160,31 @@ def family_of(model_type):
     return TEXT_MODEL_TYPES.get(model_type, model_type)
 
 
+# Quantized checkpoints: Qwen's official FP8 ones are read (engine.checkpoint dequantizes each weight
+# with its block scales as it is loaded); other methods store weights the engine has no reader for.
+FP8_DEFAULT_BLOCK = (128, 128)
+
+
+def fp8_block(raw: dict) -> tuple[int, int] | None:
+    """config.json's quantization_config: None when absent, the (rows, columns) of an FP8 checkpoint's
+    scale blocks for quant_method "fp8" (e4m3), else a ConfigError naming the method."""
+    quant = raw.get("quantization_config")
+    if quant is None:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method != "fp8":
+        raise ConfigError(f"config.json quantization_config.quant_method {method!r} is not served: use "
+                          "the model's bfloat16 or official FP8 checkpoint, or a GGUF of it")
+    if quant.get("fmt", "e4m3") != "e4m3":
+        raise ConfigError(f"config.json quantization_config.fmt {quant['fmt']!r} is not served (only e4m3)")
+    block = quant.get("weight_block_size") or FP8_DEFAULT_BLOCK
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(n, int) and n > 0 for n in block)):
+        raise ConfigError(f"config.json quantization_config.weight_block_size {block!r} must be two "
+                          "positive integers")
+    return int(block[0]), int(block[1])
+
+
 def config_from_dict(raw: dict) -> ModelConfig:
     """The key-by-key reading of a config.json object (split out so tests can feed dicts)."""
     # Multimodal or nested checkpoints keep the language model's keys under text_config.
@@ -173,6 +198,7 @@ def config_from_dict(raw: dict) -> ModelConfig:
         raise ConfigError(f"config.json hidden_act {raw['hidden_act']!r} is not supported (only silu)")
     if raw.get("use_sliding_window", False):
         raise ConfigError("config.json use_sliding_window=true is not supported")
+    fp8_block(raw)
 
     hidden = _int(raw, "hidden_size")
     heads = _int(raw, "num_attention_heads")

@@ -1,0 +1,149 @@
+"""Qwen's official FP8 checkpoints (engine.checkpoint reads them; engine.config accepts their
+quantization_config and refuses other methods). The fixtures are the tiny Hugging Face ones rewritten
+in the official layout: each projection weight float8_e4m3fn ("F8_E4M3") with `<name>_scale_inv`,
+one float32 scale per block; norms, embeddings, the head and the MoE router stay as they were."""
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from engine import certify
+from engine.checkpoint import Checkpoint
+from engine.config import ConfigError, config_from_dict, load_config
+from engine.weights import load_weights
+from tests.test_int8 import INT8_ATOL, _logits
+
+TINY = Path(__file__).parent / "fixtures" / "tiny"
+E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)      # 448
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """safetensors' own writer takes no float8 (numpy has none): the format written by hand."""
+    kinds = {np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3", np.dtype(np.float32): "F32",
+             np.dtype(ml_dtypes.bfloat16): "BF16"}
+    header, blobs, at = {}, [], 0
+    for name, array in tensors.items():
+        data = np.ascontiguousarray(array).tobytes()
+        header[name] = {"dtype": kinds[array.dtype], "shape": list(array.shape), "data_offsets": [at, at + len(data)]}
+        blobs.append(data)
+        at += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def _quantize(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """w [rows, cols] -> (float8_e4m3fn values, float32 scales [ceil(rows/b0), ceil(cols/b1)]), each
+    block on the scale that maps its largest magnitude to e4m3's largest, as Qwen's converter does."""
+    rows, cols = w.shape
+    scales = np.ones((-(-rows // block[0]), -(-cols // block[1])), np.float32)
+    q = np.empty(w.shape, ml_dtypes.float8_e4m3fn)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            part = w[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]].astype(np.float32)
+            peak = float(np.abs(part).max())
+            scales[i, j] = peak / E4M3_MAX if peak > 0 else 1.0
+            q[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]] = \
+                (part / scales[i, j]).astype(ml_dtypes.float8_e4m3fn)
+    return q, scales
+
+
+def _dequantize(q: np.ndarray, scales: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    wide = np.repeat(np.repeat(scales, block[0], axis=0), block[1], axis=1)[:q.shape[0], :q.shape[1]]
+    return q.astype(np.float32) * wide
+
+
+def fp8_pair(tmp_path: Path, model: str, block: tuple[int, int] = (128, 128)) -> tuple[Path, Path]:
+    """(the FP8 checkpoint of a tiny model, the same model with those FP8 weights dequantized to
+    float32 in a plain checkpoint): what the FP8 folder must read as."""
+    src = TINY / model
+    fp8, plain = tmp_path / f"{model}-fp8", tmp_path / f"{model}-plain"
+    fp8.mkdir()
+    plain.mkdir()
+    tensors = load_file(str(src / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    quantized, dequantized = {}, {}
+    for name, w in tensors.items():
+        if name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS and w.ndim == 2:
+            q, scales = _quantize(w, block)
+            quantized[name], quantized[name + "_scale_inv"] = q, scales
+            dequantized[name] = _dequantize(q, scales, block)
+        else:
+            quantized[name] = dequantized[name] = w
+    _write_safetensors(fp8 / "model.safetensors", quantized)
+    save_file(dequantized, str(plain / "model.safetensors"))
+    (fp8 / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": list(block)}}))
+    shutil.copy(src / "config.json", plain / "config.json")
+    return fp8, plain
+
+
+@pytest.mark.parametrize("block", [(128, 128), (16, 24)])
+def test_fp8_weights_read_as_their_values_times_their_block_scales(tmp_path, block):
+    """Guards against a block scale applied to the wrong rows or columns (a partial last block, a
+    block size other than 128) or the scales listed as weights of their own."""
+    fp8, plain = fp8_pair(tmp_path, "qwen3", block)
+    got, want = Checkpoint(str(fp8)), Checkpoint(str(plain))
+    assert set(got.shapes) == set(want.shapes)
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert got.formats[name] == "F8_E4M3" and got.formats["model.norm.weight"] == want.formats["model.norm.weight"]
+    for name in want.shapes:
+        np.testing.assert_array_equal(got.get(name), want.get(name), err_msg=name)
+    assert got.bits_per_weight < want.bits_per_weight
+
+
+@pytest.mark.parametrize("model", ["qwen3", "qwen3-moe"])
+def test_an_fp8_checkpoint_serves_the_logits_of_its_dequantized_weights(tmp_path, model):
+    """Guards the whole path (config, checkpoint, loader, forward) against reading an FP8 checkpoint as
+    anything but its values: held in float32 the logits are those of the dequantized weights to the
+    bit; held as int8 (a CPU's `auto`) within int8's own tolerance; and the certification gate's
+    reference reads the same weights."""
+    fp8, plain = fp8_pair(tmp_path, model, (16, 24))
+    cfg = load_config(str(fp8))
+    assert cfg == load_config(str(plain))
+    tokens = np.asarray(load_file(str(TINY / model / "reference.safetensors"))["tokens"])[:20]
+    want = _logits(cfg, load_weights(str(plain), cfg, jnp.float32), tokens)
+    np.testing.assert_array_equal(_logits(cfg, load_weights(str(fp8), cfg, jnp.float32), tokens), want)
+    if model == "qwen3":      # a random tiny MoE's router flips experts on int8's rounding: dense only
+        int8 = _logits(cfg, load_weights(str(fp8), cfg, "int8"), tokens)
+        assert np.abs(int8 - want).max() < INT8_ATOL
+    prompt = [int(t) for t in tokens]
+    reference = certify.reference_logits(str(fp8), cfg, prompt)
+    np.testing.assert_array_equal(reference, certify.reference_logits(str(plain), cfg, prompt))
+    assert certify.compare("prefill", want[len(prompt) - 5], reference[-5], certify.TOLERANCE["float32"]) is None
+
+
+def test_an_fp8_weight_without_its_scales_is_refused_by_name(tmp_path):
+    fp8, _ = fp8_pair(tmp_path, "qwen3")
+    tensors = {}
+    with open(fp8 / "model.safetensors", "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        data = f.read()
+    for name, info in header.items():
+        start, end = info["data_offsets"]
+        dtype = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F32": np.float32, "BF16": ml_dtypes.bfloat16}[info["dtype"]]
+        tensors[name] = np.frombuffer(data[start:end], dtype).reshape(info["shape"])
+    del tensors["model.layers.0.self_attn.o_proj.weight_scale_inv"]
+    _write_safetensors(fp8 / "model.safetensors", tensors)
+    with pytest.raises(ValueError, match="o_proj.weight is float8.*without its block scales"):
+        Checkpoint(str(fp8))
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes", None])
+def test_other_quantization_methods_are_refused_naming_the_method(method):
+    """Guards against a GPTQ/AWQ checkpoint's packed integers being read as weights (garbage answers)."""
+    raw = json.loads((TINY / "qwen3" / "config.json").read_text())
+    with pytest.raises(ConfigError, match=f"quant_method {method!r} is not served"):
+        config_from_dict({**raw, "quantization_config": {"quant_method": method, "bits": 4}})
+    assert config_from_dict({**raw, "quantization_config": {"quant_method": "fp8"}}) == config_from_dict(raw)
