@@ -4,6 +4,7 @@
     python tests/bench/bench_narrow.py kl [FOLDER]      # int8 weights/KV vs float32
     python tests/bench/bench_narrow.py forward [FOLDER]
     python tests/bench/bench_narrow.py gguf [FOLDER]    # GGUF blocks -> int8 per channel: the error
+    python tests/bench/bench_narrow.py fp8              # FP8 blocks -> int8 per channel: the error
 
 products: the 24 layers' matrix products (fused qkv, o, fused gate_up, down; no attention or head),
 chained as the model runs them, per forward, at 1, 4, 8 rows and a 512-row prefill chunk, for each
@@ -322,10 +323,34 @@ def gguf_conversion(folder: str) -> None:
     print(f"| all | {n} | {size:,} | {np.sqrt(e2 / w2):.4f} |")
 
 
+def fp8_conversion() -> None:
+    """FP8 weights (Qwen's layout: e4m3, a scale per 128 x 128 block) held as int8 per channel: the
+    relative error of each step, on random weights with a few outlier input channels."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+    from engine.weights import quantize_int8
+    from tests.test_fp8 import _dequantize, _quantize
+
+    rng = np.random.default_rng(0)
+    rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))  # noqa: E731
+    print("| shape | FP8 vs float | int8 of the FP8 values vs FP8 | int8 of FP8 vs float | int8 of float vs float |")
+    for shape in ((1024, 4096), (4096, 1024)):
+        w = (rng.standard_normal(shape) * 0.02).astype(np.float32)
+        w[:, rng.integers(0, shape[1], 8)] *= 8
+        fp8 = _dequantize(*_quantize(w, (128, 128)), (128, 128))
+        values, scale = quantize_int8(fp8)
+        held = values.astype(np.float32) * scale[:, None]
+        values, scale = quantize_int8(w)
+        direct = values.astype(np.float32) * scale[:, None]
+        print(f"| {shape[0]} x {shape[1]} | {rel(fp8, w):.4f} | {rel(held, fp8):.4f} | {rel(held, w):.4f} "
+              f"| {rel(direct, w):.4f} |")
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "products"
     if what == "products":
         products()
+    elif what == "fp8":
+        fp8_conversion()
     elif what == "transposed":
         products(((4, 8), ["f32 summed", "i8 summed", "i8T summed"]))
         products(((1,), ["f32 dot", "i8 pad2 summed", "i8T pad2 summed"]))
@@ -339,4 +364,4 @@ if __name__ == "__main__":
         else:
             forward(folder)
     else:
-        sys.exit(f"unknown mode {what!r}: products, transposed, forward, gguf or kl")
+        sys.exit(f"unknown mode {what!r}: products, transposed, forward, gguf, fp8 or kl")
