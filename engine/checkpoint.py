@@ -52,8 +52,9 @@ class WeightsError(ValueError):
 
 # ---- llama.cpp's tensor names ---------------------------------------------------------------------
 
-# GGUF tensor name (blk.N. prefix removed) -> HF name (model.layers.N. prefix added). Qwen2's GGUF
-# keeps q and k rows in Hugging Face's order (llama-arch GGUFs permute them; qwen2's do not).
+# GGUF tensor name (blk.N. prefix removed) -> HF name (model.layers.N. prefix added), for the qwen2,
+# qwen3 and qwen3moe architectures. Their GGUFs keep q and k rows in Hugging Face's order (llama-arch
+# GGUFs permute them; these do not).
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -64,7 +65,16 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    # qwen3moe: the router, and every expert's matrices stacked [experts, out, in] in one tensor each.
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
 }
+# Stacked experts as engine.weights reads them: gate and up joined along the rows of each expert
+# (transformers' own stacked layout), read from the GGUF's two tensors.
+_JOINED = {"mlp.experts.gate_up_proj": ("mlp.experts.gate_proj", "mlp.experts.up_proj")}
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
 
@@ -78,6 +88,15 @@ def hf_name(gguf_name: str) -> str:
     if prefix == "blk" and layer.isdigit() and name in _LAYER_NAMES:
         return f"model.layers.{layer}.{_LAYER_NAMES[name]}"
     raise WeightsError(f"the GGUF has a tensor mashbox does not know: {gguf_name}")
+
+
+def _joined_name(name: str) -> tuple[str, tuple[str, str]] | None:
+    """(joined name, its two parts) when `name` is the first part of a joined tensor (_JOINED)."""
+    for joined, (first, second) in _JOINED.items():
+        if name.endswith("." + first):
+            prefix = name[: -len(first)]
+            return prefix + joined, (name, prefix + second)
+    return None
 
 
 # ---- finding the files ----------------------------------------------------------------------------
@@ -193,7 +212,7 @@ class Checkpoint:
         self._tensors: dict[str, tuple] = {}      # gguf: name -> (type, byte offset, bytes)
         data_bytes = weights = 0
         if self.kind == "gguf":
-            self.file = self.files[0]
+            self.file = os.path.realpath(self.files[0])     # a companion folder links the file
             try:
                 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
             except ImportError:
@@ -211,6 +230,7 @@ class Checkpoint:
                 self._tensors[name] = (qtype, offset, count // block * block_bytes)
                 data_bytes += count // block * block_bytes
                 weights += count
+            self._join_parts()
         else:
             self.file = folder
             self._raw: dict[str, tuple[str, int, int]] = {}     # name -> (file, data start, end)
@@ -256,6 +276,26 @@ class Checkpoint:
             del self.shapes[scale], self.formats[scale]
         return scales
 
+    def _join_parts(self) -> None:
+        """List each joined tensor (_JOINED) in place of its two parts, which are read from the file
+        when it is (so nothing is counted twice)."""
+        self._joined: dict[str, tuple[str, str]] = {}
+        self._part_shapes: dict[str, tuple[int, ...]] = {}
+        for name in list(self.shapes):
+            found = _joined_name(name)
+            if found is None or found[1][1] not in self.shapes:
+                continue
+            joined, (first, second) = found
+            a, b = self.shapes.pop(first), self.shapes.pop(second)
+            if a[0] != b[0] or a[2:] != b[2:]:
+                raise WeightsError(f"the GGUF's {first} {list(a)} and {second} {list(b)} do not stack")
+            self.shapes[joined] = (a[0], a[1] + b[1], *a[2:])
+            self.formats[joined] = self.formats.pop(first)
+            if self.formats.pop(second) != self.formats[joined]:
+                self.formats[joined] = "mixed"
+            self._part_shapes.update({first: a, second: b})
+            self._joined[joined] = (first, second)
+
     def has(self, name: str) -> bool:
         return name in self.shapes
 
@@ -264,6 +304,8 @@ class Checkpoint:
         if name not in self.shapes:
             raise WeightsError(f"tensor {name} is missing from the checkpoint")
         if self.kind == "gguf":
+            if name in self._joined:
+                return np.concatenate([self._dequantize(part) for part in self._joined[name]], axis=1)
             return self._dequantize(name)
         if name in self._fp8:
             return self._fp8_values(name)
@@ -316,7 +358,8 @@ class Checkpoint:
 
     def _dequantize(self, name: str) -> np.ndarray:
         from gguf.quants import dequantize
-        (qtype, offset, size), shape = self._tensors[name], self.shapes[name]
+        (qtype, offset, size) = self._tensors[name]
+        shape = self.shapes.get(name) or self._part_shapes[name]
         rows = shape[0] if len(shape) > 1 else 1
         # [rows, bytes per row]: one row (ne0 values) is a whole number of blocks
         data = self._data[offset:offset + size].reshape(rows, -1)

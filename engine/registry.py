@@ -1,6 +1,7 @@
 """Which model to serve and where its weights are: models.json -> ModelSpec, and the demo model.
 
-    resolve(model_id, weights) -> ModelSpec     an id from models.json, or a Hugging Face folder path
+    resolve(model_id, weights) -> ModelSpec     an id from models.json, a Hugging Face folder path, or
+                                                 a GGUF file (its companion folder made once: gguf_folder)
     prepare(spec, progress)    -> folder        the HF folder the engine loads (builds the demo once)
     ProgressBar                                  progress(phase, done, total) drawn on a terminal
 
@@ -21,7 +22,9 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -32,10 +35,11 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from engine.checkpoint import WeightsError, hf_name, weight_files
+from engine.checkpoint import GGUF_SUFFIX, WeightsError, hf_name, weight_files
 from engine.config import CHAT_FORMAT, family_of
 
 MODELS_JSON = Path(__file__).resolve().parent.parent / "models.json"
+log = logging.getLogger("mashbox.registry")
 
 # Environment variables a user sets instead of flags.
 ENV_WEIGHTS = "MASHBOX_WEIGHTS"   # the weights folder (the --weights flag wins over it)
@@ -130,6 +134,11 @@ def resolve(model_id: str | None, weights: str | None = None, models_path: Path 
     key = _lookup(models, model_id)
     if key is not None:
         return _spec_from_entry(key, models[key], weights)
+    if _looks_like_path(model_id) and model_id.endswith(GGUF_SUFFIX):
+        if weights and _expand(weights) != _expand(model_id):
+            raise RegistryError(f"MODEL is a GGUF file ({_expand(model_id)}) and --weights names "
+                                f"another ({_expand(weights)}): give the file once")
+        return _spec_from_folder(str(gguf_folder(_expand(model_id))), gguf_model_id(model_id))
     if _looks_like_path(model_id):
         folder = _expand(model_id)
         if weights and _expand(weights) != folder:
@@ -137,7 +146,7 @@ def resolve(model_id: str | None, weights: str | None = None, models_path: Path 
                                 f"({_expand(weights)}): give the folder once")
         return _spec_from_folder(folder)
     raise RegistryError(f"unknown model {model_id!r}: known ids are {', '.join(models)} "
-                        f"(or give the path of a Hugging Face model folder)")
+                        f"(or give the path of a Hugging Face model folder or a GGUF file)")
 
 
 def _lookup(models: dict, model_id: str) -> str | None:
@@ -150,7 +159,8 @@ def _lookup(models: dict, model_id: str) -> str | None:
 
 
 def _looks_like_path(text: str) -> bool:
-    return os.path.isdir(os.path.expanduser(text)) or text.startswith((".", "~", os.sep)) or os.sep in text
+    return (os.path.isdir(os.path.expanduser(text)) or text.startswith((".", "~", os.sep)) or os.sep in text
+            or text.endswith(GGUF_SUFFIX))
 
 
 def _expand(path: str) -> str:
@@ -165,6 +175,8 @@ WEIGHTS_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8")
 def _spec_from_entry(key: str, entry: dict, weights: str | None) -> ModelSpec:
     chosen = weights or os.environ.get(ENV_WEIGHTS) or entry.get("weights")
     folder = _expand(chosen) if chosen else str(demo_home(key))
+    if folder.endswith(GGUF_SUFFIX):
+        folder = str(gguf_folder(folder))
     demo = entry.get("demo")
     defaults = entry["defaults"]
     weights_dtype = defaults.get("weights_dtype", "auto")
@@ -186,12 +198,12 @@ def _demo_source(d: dict) -> DemoSource:
                       extra=d.get("extra", "demo"))
 
 
-def _spec_from_folder(folder: str) -> ModelSpec:
+def _spec_from_folder(folder: str, model_id: str | None = None) -> ModelSpec:
     config = _read_config(folder)
     family = _family_of(config, folder)
     context = int(config.get("max_position_embeddings") or FOLDER_DEFAULTS["ctx"])
     return ModelSpec(
-        id=Path(folder).name.lower(), family=family, chat_format=CHAT_FORMAT[family],
+        id=model_id or Path(folder).name.lower(), family=family, chat_format=CHAT_FORMAT[family],
         context_length=context, weights=folder, slots=FOLDER_DEFAULTS["slots"],
         ctx=min(context, FOLDER_DEFAULTS["ctx"]), cache_ram_mib=FOLDER_DEFAULTS["cache_ram_mib"])
 
@@ -212,6 +224,74 @@ def _family_of(config: dict, folder: str) -> str:
         raise RegistryError(f"{folder}/config.json: model_type {family!r} is not supported "
                             f"(supported: {', '.join(CHAT_FORMAT)})")
     return family
+
+
+# ---- a GGUF file: its companion folder --------------------------------------------------------------
+
+GGUF_FOLDER_VERSION = 1                 # bumped when what gguf_folder writes changes
+GGUF_LINK = "model.gguf"                # the companion folder's link to the file
+GGUF_MARKER = "mashbox-gguf.json"       # written last: which file (path, size, mtime) it was made from
+_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})$")      # llama.cpp's split files: NAME-00001-of-00003.gguf
+
+
+def gguf_model_id(path: str) -> str:
+    """The id a GGUF file is served as: its name without the suffix (and a split's part numbers)."""
+    return _SPLIT.sub("", Path(path).name[: -len(GGUF_SUFFIX)]).lower()
+
+
+def gguf_folder(path: str) -> Path:
+    """The folder the engine loads for a GGUF file: a link to the file beside config.json, the
+    tokenizer files and generation_config.json made from its metadata (write_gguf_companions). Made
+    once per file (its path, size and modification time) under the cache root, and reused."""
+    file = Path(path)
+    if not file.is_file():
+        raise RegistryError(f"no GGUF file at {path}")
+    with open(file, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise RegistryError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
+    if _SPLIT.search(file.name[: -len(GGUF_SUFFIX)]):
+        raise RegistryError(f"{path} is one part of a split GGUF, which mashbox does not read yet: join "
+                            f"the parts with llama.cpp's `llama-gguf-split --merge` and give the result")
+    stat = file.stat()
+    made_from = {"version": GGUF_FOLDER_VERSION, "path": str(file), "bytes": stat.st_size,
+                 "mtime_ns": stat.st_mtime_ns}
+    key = hashlib.sha256(json.dumps(made_from, sort_keys=True).encode()).hexdigest()[:12]
+    folder = cache_root() / "gguf" / f"{gguf_model_id(path)}-{key}"
+    if _marker(folder / GGUF_MARKER) == made_from:
+        return folder
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise RegistryError("serving a GGUF file needs the gguf package: pip install 'mashbox[demo]'") from None
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(folder.parent / f".{folder.name}.lock"):
+        if _marker(folder / GGUF_MARKER) == made_from:
+            return folder
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+        try:
+            reader = GGUFReader(str(file))
+            write_gguf_companions(reader, tmp)
+            template = str(_gguf_metadata(reader).get("tokenizer.chat_template") or "")
+            del reader
+            if "<|im_start|>" not in template:
+                log.warning("%s: its chat template is not Qwen's (no <|im_start|>); mashbox renders "
+                            "prompts in the model family's own format", path)
+            (tmp / GGUF_LINK).symlink_to(file)
+            _write_json(tmp / GGUF_MARKER, made_from)
+            tmp.chmod(0o755)
+            tmp.rename(folder)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _marker(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 # ---- prepare: the folder the engine loads --------------------------------------------------------
@@ -358,20 +438,28 @@ def build_demo(demo: DemoSource, out: Path, progress: Progress | None = None) ->
         raise RegistryError(f"building the model needs the gguf package: pip install 'mashbox[{demo.extra}]'") \
             from None
     gguf_path = assemble_gguf(demo, out / DEMO_GGUF, progress)
-    reader = GGUFReader(gguf_path)
+    write_gguf_companions(GGUFReader(gguf_path), out)
+    _write_json(out / DEMO_MARKER, {"version": DEMO_BUILD_VERSION, "sha256": demo.sha256,
+                                    "built_at": int(time.time())})
+
+
+def write_gguf_companions(reader, out: Path) -> dict:
+    """Beside a GGUF (a gguf.GGUFReader of it), the Hugging Face files the engine and server read,
+    made from its metadata: config.json, tokenizer.json, tokenizer_config.json (with the file's chat
+    template), generation_config.json. Every tensor name is checked first: one mashbox does not know
+    fails here, naming it. Returns the config."""
     meta = _gguf_metadata(reader)
-    for t in reader.tensors:
-        hf_name(t.name)           # an unknown tensor fails the build, not the first start
-    tied = "output.weight" not in {t.name for t in reader.tensors}
+    names = {t.name for t in reader.tensors}
+    for name in names:
+        hf_name(name)
+    config = gguf_config(meta, names)
     tokenizer, tokenizer_config = tokenizer_files(meta)
-    _write_json(out / "config.json", qwen2_config(meta, tied))
+    _write_json(out / "config.json", config)
     _write_json(out / "tokenizer.json", tokenizer)
     _write_json(out / "tokenizer_config.json", tokenizer_config)
     _write_json(out / "generation_config.json", generation_config(meta))
-    del reader                    # release the memory map
     _check_tokenizer_loads(out / "tokenizer.json")
-    _write_json(out / DEMO_MARKER, {"version": DEMO_BUILD_VERSION, "sha256": demo.sha256,
-                                    "built_at": int(time.time())})
+    return config
 
 
 def _report(progress: Progress | None, phase: str, done: int, total: int) -> None:
@@ -395,33 +483,55 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def qwen2_config(meta: dict, tied: bool = False) -> dict:
-    """config.json for Qwen2ForCausalLM from the GGUF hyperparameters."""
+# GGUF architectures served, and the Hugging Face config they become.
+GGUF_ARCHITECTURES = {"qwen2": ("Qwen2ForCausalLM", "qwen2"), "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+                      "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
+
+
+def gguf_config(meta: dict, tensor_names: set[str]) -> dict:
+    """config.json from a GGUF's hyperparameters (keys `{architecture}.*`) and its tensor names (a tied
+    head has no output.weight; a qwen3moe layer without stacked experts is dense)."""
     arch = meta.get("general.architecture")
-    if arch != "qwen2":
-        # The tensor names and layouts below are qwen2's (llama-arch GGUFs permute q/k; qwen2's do not).
-        raise RegistryError(f"the demo GGUF is a {arch!r} model; only qwen2 is supported")
-    tokens = meta["tokenizer.ggml.tokens"]
-    return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "hidden_size": int(meta["qwen2.embedding_length"]),
-        "intermediate_size": int(meta["qwen2.feed_forward_length"]),
-        "num_hidden_layers": int(meta["qwen2.block_count"]),
-        "num_attention_heads": int(meta["qwen2.attention.head_count"]),
-        "num_key_value_heads": int(meta["qwen2.attention.head_count_kv"]),
-        "max_position_embeddings": int(meta["qwen2.context_length"]),
-        "rope_theta": _f32(meta["qwen2.rope.freq_base"]),
-        "rms_norm_eps": _f32(meta["qwen2.attention.layer_norm_rms_epsilon"]),
-        "vocab_size": len(tokens),
+    if arch not in GGUF_ARCHITECTURES:
+        raise RegistryError(f"the GGUF's architecture {arch!r} is not served "
+                            f"(served: {', '.join(GGUF_ARCHITECTURES)})")
+    architecture, model_type = GGUF_ARCHITECTURES[arch]
+    key = lambda name: meta[f"{arch}.{name}"]  # noqa: E731
+    layers = int(key("block_count"))
+    config = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": int(key("embedding_length")),
+        "intermediate_size": int(meta.get(f"{arch}.feed_forward_length") or 0),
+        "num_hidden_layers": layers,
+        "num_attention_heads": int(key("attention.head_count")),
+        "num_key_value_heads": int(key("attention.head_count_kv")),
+        "max_position_embeddings": int(key("context_length")),
+        "rope_theta": _f32(key("rope.freq_base")),
+        "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon")),
+        "vocab_size": len(meta["tokenizer.ggml.tokens"]),
         "hidden_act": "silu",
-        "tie_word_embeddings": tied,      # the demo GGUF has its own output.weight: untied
+        "tie_word_embeddings": "output.weight" not in tensor_names,
         "use_sliding_window": False,
         "attention_dropout": 0.0,
         "bos_token_id": int(meta["tokenizer.ggml.bos_token_id"]),
         "eos_token_id": int(meta["tokenizer.ggml.eos_token_id"]),
         "torch_dtype": "float32",         # what engine.checkpoint dequantizes the GGUF's blocks to
     }
+    if f"{arch}.attention.key_length" in meta:
+        config["head_dim"] = int(key("attention.key_length"))
+    if f"{arch}.rope.scaling.type" in meta and meta[f"{arch}.rope.scaling.type"] not in ("none", ""):
+        config["rope_scaling"] = {"rope_type": meta[f"{arch}.rope.scaling.type"],
+                                  "factor": _f32(key("rope.scaling.factor")),
+                                  "original_max_position_embeddings":
+                                      int(key("rope.scaling.original_context_length"))}
+    if arch == "qwen3moe":
+        config.update({
+            "num_experts": int(key("expert_count")), "num_experts_per_tok": int(key("expert_used_count")),
+            "moe_intermediate_size": int(key("expert_feed_forward_length")),
+            "norm_topk_prob": True, "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in tensor_names]})
+    return config
 
 
 def generation_config(meta: dict) -> dict:
@@ -451,11 +561,11 @@ def tokenizer_files(meta: dict) -> tuple[dict, dict]:
     """(tokenizer.json, tokenizer_config.json) for the `tokenizers` package from the GGUF vocabulary:
     byte-level BPE over the normal tokens, the control and user-defined tokens as added tokens."""
     if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise RegistryError(f"the demo GGUF's tokenizer is {meta.get('tokenizer.ggml.model')!r}, "
+        raise RegistryError(f"the GGUF's tokenizer is {meta.get('tokenizer.ggml.model')!r}, "
                             f"not byte-level BPE ('gpt2')")
     pre = meta.get("tokenizer.ggml.pre")
     if pre not in _PRE_TOKENIZER_REGEX:
-        raise RegistryError(f"the demo GGUF's pre-tokenizer {pre!r} is not supported")
+        raise RegistryError(f"the GGUF's pre-tokenizer {pre!r} is not supported")
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta["tokenizer.ggml.token_type"]
     vocab = {tok: i for i, (tok, kind) in enumerate(zip(tokens, types)) if kind == _NORMAL}
@@ -465,7 +575,7 @@ def tokenizer_files(meta: dict) -> tuple[dict, dict]:
     added = [{"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
               "normalized": False, "special": kind == _CONTROL}
              for i, (tok, kind) in enumerate(zip(tokens, types)) if kind in (_CONTROL, _USER_DEFINED)]
-    merges = [m.split(" ") for m in meta["tokenizer.ggml.merges"]]
+    merges = [m.split(" ") for m in meta.get("tokenizer.ggml.merges", [])]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
     tokenizer = {
         "version": "1.0",
@@ -499,7 +609,7 @@ def tokenizer_files(meta: dict) -> tuple[dict, dict]:
         "added_tokens_decoder": {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added},
         "clean_up_tokenization_spaces": False,
         "errors": "replace",
-        "model_max_length": int(meta["qwen2.context_length"]),
+        "model_max_length": int(meta[f"{meta['general.architecture']}.context_length"]),
         "split_special_tokens": False,
         "chat_template": meta["tokenizer.chat_template"],
     }
@@ -511,9 +621,9 @@ def _check_tokenizer_loads(path: Path) -> None:
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:
-        raise RegistryError(f"the demo tokenizer built from the GGUF does not load: {e}") from None
+        raise RegistryError(f"the tokenizer built from the GGUF does not load: {e}") from None
     if tok.encode("<|im_start|>user\nhi<|im_end|>").ids[0] != tok.token_to_id("<|im_start|>"):
-        raise RegistryError("the demo tokenizer does not recognise <|im_start|> as one token")
+        raise RegistryError("the tokenizer built from the GGUF does not recognise <|im_start|> as one token")
 
 
 def stop_token_ids(folder: str) -> list[int]:

@@ -1,0 +1,206 @@
+"""`mashbox run FILE.gguf`: a Qwen GGUF file served as it is (engine.registry.gguf_folder makes its
+companion folder from the file's metadata; engine.checkpoint reads its tensors). The fixtures are the
+tiny Hugging Face checkpoints written as GGUF by the gguf package, as llama.cpp's converter lays them
+out (qwen2, qwen3, qwen3moe); transformers' logits for them are in reference.safetensors."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from engine import registry
+from engine.checkpoint import Checkpoint
+from engine.config import load_config
+from engine.weights import load_weights
+from tests.test_int8 import _logits
+from tests.test_model import PARITY_ATOL
+from tests.test_registry import byte_alphabet
+
+gguf = pytest.importorskip("gguf")
+
+TINY = Path(__file__).parent / "fixtures" / "tiny"
+ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3-moe": "qwen3moe"}
+SPECIALS = [("<|endoftext|>", 3), ("<|im_start|>", 3), ("<|im_end|>", 3), ("<tool_call>", 4)]
+MERGES = ["h i", "Ġ t"]
+# HF layer tensor -> the GGUF's (llama.cpp's names; experts are stacked per layer).
+GGUF_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+              "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+              "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+              "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+              "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
+              "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+              "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+              "mlp.gate.weight": "ffn_gate_inp.weight"}
+
+
+def _vocabulary(size: int) -> tuple[list[str], list[int], list[str]]:
+    """A byte-level BPE vocabulary of `size` tokens (tokens, their types, the merges): bytes, merges
+    and the specials, then unused padding. A vocabulary as small as 256 loses some byte tokens and the
+    merges: the logits do not depend on them."""
+    normal = byte_alphabet() + [m.replace(" ", "") for m in MERGES]
+    normal = normal[:size - len(SPECIALS)]
+    merges = [m for m in MERGES if m.replace(" ", "") in normal]
+    tokens = normal + [s for s, _ in SPECIALS]
+    types = [1] * len(normal) + [t for _, t in SPECIALS]
+    pads = size - len(tokens)
+    return tokens + [f"[PAD{i}]" for i in range(pads)], types + [5] * pads, merges
+
+
+def write_gguf(model: str, path: Path, qtype=None, arch: str | None = None, rounded: bool = False) -> Path:
+    """The tiny HF fixture `model` as a GGUF file: F32 tensors, or the matrices in `qtype` blocks
+    (rounded: in F32, but with the values those blocks hold)."""
+    from gguf import GGMLQuantizationType as Q, GGUFWriter
+    from gguf.quants import dequantize, quantize
+    config = json.loads((TINY / model / "config.json").read_text())
+    tensors = load_file(str(TINY / model / "model.safetensors"))
+    arch = arch or ARCH[model]
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    if config.get("head_dim"):
+        w.add_key_length(config["head_dim"])
+        w.add_value_length(config["head_dim"])
+    w.add_rope_freq_base(config["rope_theta"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if config.get("num_experts"):
+        w.add_expert_count(config["num_experts"])
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    tokens, types, merges = _vocabulary(config["vocab_size"])
+    ids = {t: i for i, t in enumerate(tokens)}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(ids["<|endoftext|>"])
+    w.add_eos_token_id(ids["<|im_end|>"])
+    w.add_pad_token_id(ids["<|endoftext|>"])
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
+
+    def add(name: str, values: np.ndarray) -> None:
+        values = np.ascontiguousarray(values, np.float32)
+        if qtype is not None and values.ndim >= 2 and name != "token_embd.weight":
+            if rounded:
+                w.add_tensor(name, dequantize(quantize(values, qtype), qtype).reshape(values.shape), raw_dtype=Q.F32)
+            else:
+                w.add_tensor(name, quantize(values, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, values, raw_dtype=Q.F32)
+
+    add("token_embd.weight", tensors.pop("model.embed_tokens.weight"))
+    add("output_norm.weight", tensors.pop("model.norm.weight"))
+    if "lm_head.weight" in tensors:
+        add("output.weight", tensors.pop("lm_head.weight"))
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        experts = sorted({int(n.split(".")[5]) for n in tensors if n.startswith(p + "mlp.experts.")})
+        for part, stacked in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"),
+                              ("down_proj", "ffn_down_exps")):
+            if experts:
+                add(f"blk.{i}.{stacked}.weight",
+                    np.stack([tensors.pop(f"{p}mlp.experts.{e}.{part}.weight") for e in experts]))
+        for name in [n for n in tensors if n.startswith(p)]:
+            add(f"blk.{i}.{GGUF_NAMES[name[len(p):]]}", tensors.pop(name))
+    assert not tensors, f"tensors left unwritten: {sorted(tensors)}"
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(registry.ENV_CACHE, str(tmp_path / "cache"))
+    return tmp_path
+
+
+@pytest.mark.parametrize("model", ["qwen2", "qwen3", "qwen3-moe"])
+def test_a_gguf_file_gives_transformers_logits(cache, model):
+    """Guards the whole path from a GGUF file (its metadata to a config, its llama.cpp names and
+    stacked experts to the engine's, a dense layer among the MoE ones) against any difference from
+    the model it was made from: float32 tensors give transformers' logits."""
+    spec = registry.resolve(str(write_gguf(model, cache / f"Tiny-{model}-F32.gguf")))
+    assert spec.id == f"tiny-{model}-f32"
+    folder = registry.prepare(spec)
+    cfg = load_config(folder)
+    want_cfg = load_config(str(TINY / model))
+    assert cfg.layer_kinds == want_cfg.layer_kinds and cfg.mlp_kinds == want_cfg.mlp_kinds
+    assert (cfg.head_dim, cfg.qkv_bias, cfg.qk_norm) == (want_cfg.head_dim, want_cfg.qkv_bias, want_cfg.qk_norm)
+    ref = load_file(str(TINY / model / "reference.safetensors"))
+    tokens = np.asarray(ref["tokens"])
+    got = _logits(cfg, load_weights(folder, cfg, jnp.float32), tokens)
+    np.testing.assert_allclose(got, ref["logits"], atol=PARITY_ATOL * 10, rtol=0)
+
+
+@pytest.mark.parametrize("model", ["qwen3", "qwen3-moe"])
+def test_q8_0_blocks_are_read_as_their_values(cache, model):
+    """Guards against a block type read with the wrong scales or order (the stacked experts too): a
+    file of Q8_0 matrices gives, to the bit, the logits of the same values written in F32; and the
+    file's bits per weight are what the checkpoint reports."""
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    blocks = registry.prepare(registry.resolve(str(write_gguf(model, cache / "q8.gguf", q8_0))))
+    floats = registry.prepare(registry.resolve(str(write_gguf(model, cache / "f32.gguf", q8_0, rounded=True))))
+    cfg = load_config(blocks)
+    tokens = np.asarray(load_file(str(TINY / model / "reference.safetensors"))["tokens"])[:24]
+    np.testing.assert_array_equal(_logits(cfg, load_weights(blocks, cfg, jnp.float32), tokens),
+                                  _logits(cfg, load_weights(floats, cfg, jnp.float32), tokens))
+    bpw = Checkpoint(blocks).bits_per_weight
+    assert 8.5 <= bpw < 32, bpw                # Q8_0 is 8.5 bits; the norms and embedding stay F32
+
+
+def test_the_companion_folder_is_made_once_per_file(cache):
+    """Guards against reading a large GGUF's metadata at every start, or serving an old folder after
+    the file changed."""
+    path = write_gguf("qwen3", cache / "tiny.gguf")
+    first = registry.gguf_folder(str(path))
+    marker = (first / registry.GGUF_MARKER).stat().st_mtime_ns
+    assert registry.gguf_folder(str(path)) == first and (first / registry.GGUF_MARKER).stat().st_mtime_ns == marker
+    assert (first / registry.GGUF_LINK).resolve() == path.resolve()
+    write_gguf("qwen2", path)                                            # another model in the same file
+    again = registry.gguf_folder(str(path))
+    assert again != first and json.loads((again / "config.json").read_text())["model_type"] == "qwen2"
+
+
+def test_what_mashbox_cannot_serve_is_refused_by_name(cache):
+    """Guards against a silent drop or a traceback: another architecture, a split file, a file that is
+    not a GGUF, a missing one."""
+    with pytest.raises(registry.RegistryError, match="architecture 'llama' is not served"):
+        registry.resolve(str(write_gguf("qwen3", cache / "llama.gguf", arch="llama")))
+    split = cache / "tiny-00001-of-00002.gguf"
+    write_gguf("qwen3", split)
+    with pytest.raises(registry.RegistryError, match="split GGUF.*llama-gguf-split --merge"):
+        registry.resolve(str(split))
+    (cache / "fake.gguf").write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(registry.RegistryError, match="is not a GGUF file"):
+        registry.resolve(str(cache / "fake.gguf"))
+    with pytest.raises(registry.RegistryError, match="no GGUF file at"):
+        registry.resolve(str(cache / "missing.gguf"))
+
+
+def test_a_gguf_file_is_served_under_its_name(cache, tmp_path):
+    """Guards the served path end to end: the real worker on the file's companion folder, the id the
+    file's stem, bits per weight the file's, a chat answered."""
+    from tests.test_identity import start
+    spec = registry.resolve(str(write_gguf("qwen3", cache / "Tiny-Qwen3-Q8_0.gguf",
+                                           gguf.GGMLQuantizationType.Q8_0)))
+    server = start(tmp_path, registry.prepare(spec))
+    try:
+        status, _, body = server.request("GET", "/v1/models")
+        [model] = json.loads(body)["data"]
+        status_chat, _, answer = server.request("POST", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    finally:
+        server.stop()
+    assert spec.id == "tiny-qwen3-q8_0"
+    assert status == 200 and 8.5 <= model["bpw"] < 32
+    assert status_chat == 200 and json.loads(answer)["usage"]["completion_tokens"] >= 1
