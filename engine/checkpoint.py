@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import struct
 
 import numpy as np
@@ -90,6 +91,25 @@ def hf_name(gguf_name: str) -> str:
     raise WeightsError(f"the GGUF has a tensor mashbox does not know: {gguf_name}")
 
 
+# Block types gguf's numpy decoders read (gguf.quants), besides plain floats.
+_FLOAT_TYPES = ("F32", "F16", "F64")
+
+
+def _readable_type(gguf_name: str, kind: int):
+    """The GGMLQuantizationType of a tensor's type number, if mashbox can decode it; else an error
+    naming the tensor and the type (never a tensor read wrong or dropped)."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import _type_traits
+    try:
+        qtype = GGMLQuantizationType(kind)
+    except ValueError:
+        raise WeightsError(f"the GGUF's tensor {gguf_name} has a type mashbox does not know (number {kind})") \
+            from None
+    if qtype.name not in _FLOAT_TYPES and qtype not in _type_traits:
+        raise WeightsError(f"the GGUF's tensor {gguf_name} is {qtype.name}, which mashbox cannot decode")
+    return qtype
+
+
 def _joined_name(name: str) -> tuple[str, tuple[str, str]] | None:
     """(joined name, its two parts) when `name` is the first part of a joined tensor (_JOINED)."""
     for joined, (first, second) in _JOINED.items():
@@ -116,11 +136,29 @@ def weight_files(folder: str) -> tuple[str, list[str]]:
     if safetensors:
         return "safetensors", safetensors
     ggufs = [os.path.join(folder, n) for n in names if n.endswith(GGUF_SUFFIX)]
-    if len(ggufs) == 1:
+    if len(ggufs) == 1 or (ggufs and split_parts(ggufs[0]) == ggufs):
         return "gguf", ggufs
     if ggufs:
         raise WeightsError(f"{folder} holds {len(ggufs)} GGUF files; mashbox reads one model file per folder")
     raise WeightsError(f"no .safetensors or .gguf files in {folder}")
+
+
+# llama.cpp's split GGUFs: NAME-00001-of-00003.gguf, NAME-00002-of-00003.gguf, ...
+SPLIT_PART = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def split_parts(path: str) -> list[str] | None:
+    """Every part of the split GGUF whose first part is `path`, in order (each must exist); None when
+    `path` is not a split's first part."""
+    found = SPLIT_PART.match(path)
+    if found is None or int(found.group(2)) != 1:
+        return None
+    base, count = found.group(1), int(found.group(3))
+    parts = [f"{base}-{i:05d}-of-{count:05d}{GGUF_SUFFIX}" for i in range(1, count + 1)]
+    missing = [p for p in parts if not os.path.isfile(p)]
+    if missing:
+        raise WeightsError(f"{path} is the first of {count} parts, but {missing[0]} is missing")
+    return parts
 
 
 # GGUF metadata value types (the format's numbering) -> their size in bytes; 8 is a string, 9 an array.
@@ -209,27 +247,28 @@ class Checkpoint:
         self.formats: dict[str, str] = {}
         self._where: dict[str, str] = {}          # safetensors: name -> file
         self._open: dict[str, object] = {}
-        self._tensors: dict[str, tuple] = {}      # gguf: name -> (type, byte offset, bytes)
+        self._tensors: dict[str, tuple] = {}      # gguf: name -> (type, byte offset, bytes, its file's map)
         data_bytes = weights = 0
         if self.kind == "gguf":
             self.file = os.path.realpath(self.files[0])     # a companion folder links the file
             try:
-                from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+                    from gguf.constants import GGML_QUANT_SIZES
             except ImportError:
                 raise WeightsError(f"{self.file} is a GGUF: reading it needs the gguf package "
                                    f"(pip install 'mashbox[demo]')") from None
-            self._data = np.memmap(self.file, np.uint8, mode="r")
-            for gguf_name, dims, kind, offset in gguf_tensor_index(self.file):
-                name = hf_name(gguf_name)
-                qtype = GGMLQuantizationType(kind)
-                block, block_bytes = GGML_QUANT_SIZES[qtype]
-                count = int(np.prod(dims, dtype=np.int64))
-                # GGUF lists dimensions fastest first (ne0 = columns); HF lists them slowest first.
-                self.shapes[name] = tuple(int(n) for n in reversed(dims))
-                self.formats[name] = qtype.name
-                self._tensors[name] = (qtype, offset, count // block * block_bytes)
-                data_bytes += count // block * block_bytes
-                weights += count
+            for path in self.files:               # one file, or the parts of a split GGUF in order
+                data = np.memmap(path, np.uint8, mode="r")
+                for gguf_name, dims, kind, offset in gguf_tensor_index(path):
+                    name = hf_name(gguf_name)
+                    qtype = _readable_type(gguf_name, kind)
+                    block, block_bytes = GGML_QUANT_SIZES[qtype]
+                    count = int(np.prod(dims, dtype=np.int64))
+                    # GGUF lists dimensions fastest first (ne0 = columns); HF lists them slowest first.
+                    self.shapes[name] = tuple(int(n) for n in reversed(dims))
+                    self.formats[name] = qtype.name
+                    self._tensors[name] = (qtype, offset, count // block * block_bytes, data)
+                    data_bytes += count // block * block_bytes
+                    weights += count
             self._join_parts()
         else:
             self.file = folder
@@ -319,9 +358,9 @@ class Checkpoint:
         the block), 16 bytes of nibbles (byte j: column j low, column j + 16 high)."""
         if self.formats.get(name) != "Q5_0":
             raise WeightsError(f"tensor {name} is not stored as Q5_0")
-        (_, offset, size), shape = self._tensors[name], self.shapes[name]
+        (_, offset, size, data), shape = self._tensors[name], self.shapes[name]
         rows, cols = shape[0], int(np.prod(shape[1:]))
-        blocks = self._data[offset:offset + size].reshape(rows, cols // Q5_0_BLOCK, Q5_0_BYTES)
+        blocks = data[offset:offset + size].reshape(rows, cols // Q5_0_BLOCK, Q5_0_BYTES)
         scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
         fifth = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")[..., 0]
         nibbles = blocks[..., 6:]
@@ -358,11 +397,11 @@ class Checkpoint:
 
     def _dequantize(self, name: str) -> np.ndarray:
         from gguf.quants import dequantize
-        (qtype, offset, size) = self._tensors[name]
+        (qtype, offset, size, data) = self._tensors[name]
         shape = self.shapes.get(name) or self._part_shapes[name]
         rows = shape[0] if len(shape) > 1 else 1
         # [rows, bytes per row]: one row (ne0 values) is a whole number of blocks
-        data = self._data[offset:offset + size].reshape(rows, -1)
+        data = data[offset:offset + size].reshape(rows, -1)
         out = np.empty((rows, int(np.prod(shape)) // rows), np.float32)
         step = max(1, DEQUANT_CHUNK_BYTES // (out.shape[1] * 4))
         for start in range(0, rows, step):

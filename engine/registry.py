@@ -24,7 +24,6 @@ import importlib.util
 import json
 import logging
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -35,7 +34,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from engine.checkpoint import GGUF_SUFFIX, WeightsError, hf_name, weight_files
+from engine.checkpoint import (GGUF_SUFFIX, SPLIT_PART, WeightsError, gguf_tensor_index, hf_name, split_parts,
+                               weight_files)
 from engine.config import CHAT_FORMAT, family_of
 
 MODELS_JSON = Path(__file__).resolve().parent.parent / "models.json"
@@ -231,12 +231,13 @@ def _family_of(config: dict, folder: str) -> str:
 GGUF_FOLDER_VERSION = 1                 # bumped when what gguf_folder writes changes
 GGUF_LINK = "model.gguf"                # the companion folder's link to the file
 GGUF_MARKER = "mashbox-gguf.json"       # written last: which file (path, size, mtime) it was made from
-_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})$")      # llama.cpp's split files: NAME-00001-of-00003.gguf
 
 
 def gguf_model_id(path: str) -> str:
     """The id a GGUF file is served as: its name without the suffix (and a split's part numbers)."""
-    return _SPLIT.sub("", Path(path).name[: -len(GGUF_SUFFIX)]).lower()
+    name = Path(path).name
+    split = SPLIT_PART.match(name)
+    return (split.group(1) if split else name[: -len(GGUF_SUFFIX)]).lower()
 
 
 def gguf_folder(path: str) -> Path:
@@ -249,12 +250,15 @@ def gguf_folder(path: str) -> Path:
     with open(file, "rb") as f:
         if f.read(4) != b"GGUF":
             raise RegistryError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
-    if _SPLIT.search(file.name[: -len(GGUF_SUFFIX)]):
-        raise RegistryError(f"{path} is one part of a split GGUF, which mashbox does not read yet: join "
-                            f"the parts with llama.cpp's `llama-gguf-split --merge` and give the result")
-    stat = file.stat()
-    made_from = {"version": GGUF_FOLDER_VERSION, "path": str(file), "bytes": stat.st_size,
-                 "mtime_ns": stat.st_mtime_ns}
+    try:
+        parts = split_parts(str(file))
+    except WeightsError as e:
+        raise RegistryError(str(e)) from None
+    if parts is None and SPLIT_PART.match(file.name):
+        raise RegistryError(f"{path} is a later part of a split GGUF: give its first part (-00001-of-...)")
+    parts = [Path(p) for p in parts or [str(file)]]
+    made_from = {"version": GGUF_FOLDER_VERSION,
+                 "files": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in parts]}
     key = hashlib.sha256(json.dumps(made_from, sort_keys=True).encode()).hexdigest()[:12]
     folder = cache_root() / "gguf" / f"{gguf_model_id(path)}-{key}"
     if _marker(folder / GGUF_MARKER) == made_from:
@@ -270,14 +274,19 @@ def gguf_folder(path: str) -> Path:
         shutil.rmtree(folder, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
         try:
-            reader = GGUFReader(str(file))
-            write_gguf_companions(reader, tmp)
+            reader = GGUFReader(str(file))            # the metadata: in the first part
+            names = {name for p in parts for name, _, _, _ in gguf_tensor_index(str(p))}
+            write_gguf_companions(reader, tmp, names)
             template = str(_gguf_metadata(reader).get("tokenizer.chat_template") or "")
             del reader
             if "<|im_start|>" not in template:
                 log.warning("%s: its chat template is not Qwen's (no <|im_start|>); mashbox renders "
                             "prompts in the model family's own format", path)
-            (tmp / GGUF_LINK).symlink_to(file)
+            if len(parts) == 1:
+                (tmp / GGUF_LINK).symlink_to(file)
+            else:
+                for part in parts:                        # the parts keep their names: engine.checkpoint
+                    (tmp / part.name).symlink_to(part)
             _write_json(tmp / GGUF_MARKER, made_from)
             tmp.chmod(0o755)
             tmp.rename(folder)
@@ -443,13 +452,13 @@ def build_demo(demo: DemoSource, out: Path, progress: Progress | None = None) ->
                                     "built_at": int(time.time())})
 
 
-def write_gguf_companions(reader, out: Path) -> dict:
+def write_gguf_companions(reader, out: Path, names: set[str] | None = None) -> dict:
     """Beside a GGUF (a gguf.GGUFReader of it), the Hugging Face files the engine and server read,
     made from its metadata: config.json, tokenizer.json, tokenizer_config.json (with the file's chat
-    template), generation_config.json. Every tensor name is checked first: one mashbox does not know
-    fails here, naming it. Returns the config."""
+    template), generation_config.json. Every tensor name is checked first (names: every part's, for a
+    split GGUF; else the reader's): one mashbox does not know fails here, naming it. Returns the config."""
     meta = _gguf_metadata(reader)
-    names = {t.name for t in reader.tensors}
+    names = names or {t.name for t in reader.tensors}
     for name in names:
         hf_name(name)
     config = gguf_config(meta, names)

@@ -50,15 +50,18 @@ def _vocabulary(size: int) -> tuple[list[str], list[int], list[str]]:
     return tokens + [f"[PAD{i}]" for i in range(pads)], types + [5] * pads, merges
 
 
-def write_gguf(model: str, path: Path, qtype=None, arch: str | None = None, rounded: bool = False) -> Path:
+def write_gguf(model: str, path: Path, qtype=None, arch: str | None = None, rounded: bool = False,
+               split_tensors: int = 0) -> Path:
     """The tiny HF fixture `model` as a GGUF file: F32 tensors, or the matrices in `qtype` blocks
-    (rounded: in F32, but with the values those blocks hold)."""
+    (rounded: in F32, but with the values those blocks hold); split_tensors: split into parts of that
+    many tensors, as llama.cpp's `llama-gguf-split` does (returns the first part)."""
     from gguf import GGMLQuantizationType as Q, GGUFWriter
     from gguf.quants import dequantize, quantize
     config = json.loads((TINY / model / "config.json").read_text())
     tensors = load_file(str(TINY / model / "model.safetensors"))
     arch = arch or ARCH[model]
-    w = GGUFWriter(str(path), arch)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    w = GGUFWriter(str(path), arch, split_max_tensors=split_tensors)
     w.add_block_count(config["num_hidden_layers"])
     w.add_context_length(config["max_position_embeddings"])
     w.add_embedding_length(config["hidden_size"])
@@ -115,7 +118,8 @@ def write_gguf(model: str, path: Path, qtype=None, arch: str | None = None, roun
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
+    parts = sorted(path.parent.glob(path.stem + "-00001-of-*.gguf"))
+    return parts[0] if split_tensors else path
 
 
 @pytest.fixture
@@ -171,15 +175,40 @@ def test_the_companion_folder_is_made_once_per_file(cache):
     assert again != first and json.loads((again / "config.json").read_text())["model_type"] == "qwen2"
 
 
+def test_a_split_gguf_reads_as_the_whole_file(cache):
+    """Guards against a split GGUF's later parts being ignored or read from the wrong file: served from
+    its first part, every tensor equals the single file's, under the same id."""
+    whole = registry.prepare(registry.resolve(str(write_gguf("qwen3-moe", cache / "whole" / "tiny.gguf"))))
+    first = write_gguf("qwen3-moe", cache / "split" / "tiny.gguf", split_tensors=12)
+    assert first.name == "tiny-00001-of-00004.gguf"
+    spec = registry.resolve(str(first))
+    assert spec.id == "tiny"
+    parts, one = Checkpoint(registry.prepare(spec)), Checkpoint(whole)
+    assert len(parts.files) == 4 and set(parts.shapes) == set(one.shapes)
+    for name in one.shapes:
+        np.testing.assert_array_equal(parts.get(name), one.get(name), err_msg=name)
+    with pytest.raises(registry.RegistryError, match="give its first part"):
+        registry.resolve(str(first.with_name("tiny-00002-of-00004.gguf")))
+    first.with_name("tiny-00003-of-00004.gguf").unlink()
+    with pytest.raises(registry.RegistryError, match="tiny-00003-of-00004.gguf is missing"):
+        registry.resolve(str(first))
+
+
 def test_what_mashbox_cannot_serve_is_refused_by_name(cache):
-    """Guards against a silent drop or a traceback: another architecture, a split file, a file that is
-    not a GGUF, a missing one."""
+    """Guards against a silent drop or a traceback: another architecture, a block type no decoder
+    reads, a file that is not a GGUF, a missing one."""
     with pytest.raises(registry.RegistryError, match="architecture 'llama' is not served"):
         registry.resolve(str(write_gguf("qwen3", cache / "llama.gguf", arch="llama")))
-    split = cache / "tiny-00001-of-00002.gguf"
-    write_gguf("qwen3", split)
-    with pytest.raises(registry.RegistryError, match="split GGUF.*llama-gguf-split --merge"):
-        registry.resolve(str(split))
+    path = write_gguf("qwen3", cache / "i32.gguf")
+    from engine import checkpoint
+    with pytest.raises(checkpoint.WeightsError, match="blk.0.attn_q.weight is I32, which mashbox cannot decode"):
+        original = checkpoint.gguf_tensor_index
+        try:                             # the file's first matrix relabelled as an integer tensor
+            checkpoint.gguf_tensor_index = lambda p: [(n, d, 26 if n == "blk.0.attn_q.weight" else k, o)
+                                                      for n, d, k, o in original(p)]
+            Checkpoint(str(registry.gguf_folder(str(path))))
+        finally:
+            checkpoint.gguf_tensor_index = original
     (cache / "fake.gguf").write_bytes(b"PK\x03\x04 not a gguf")
     with pytest.raises(registry.RegistryError, match="is not a GGUF file"):
         registry.resolve(str(cache / "fake.gguf"))
