@@ -533,6 +533,26 @@ class HeldWeights:
             shutil.rmtree(e.path, ignore_errors=True)
 
 
+def held_note(checkpoint, params, dtype: str) -> str | None:
+    """For the log, what a GGUF's blocks became: which block types its matrices have, how many layer
+    matrices are held at 5 bits as the file has them, and that the rest were rounded again to int8 per
+    channel (or widened to a float dtype, exactly). None for other checkpoints."""
+    if checkpoint.kind != "gguf":
+        return None
+    import jax
+    kinds: dict[str, int] = {}
+    for name, kind in checkpoint.formats.items():
+        if quantized_tensor(name):
+            kinds[kind] = kinds.get(kind, 0) + 1
+    blocks = ", ".join(f"{kind} x{n}" for kind, n in sorted(kinds.items()))
+    if dtype != "int8":
+        return f"{checkpoint.file}: matrices {blocks}, held as {dtype} (their values exactly)"
+    five = sum(1 for leaf in jax.tree_util.tree_leaves(params, is_leaf=native.is_int5) if native.is_int5(leaf))
+    return (f"{checkpoint.file}: matrices {blocks}; held: {five} layer matrices at 5 bits as the file has "
+            f"them (where every part is Q5_0 and the native kernel serves), the rest rounded again to int8 "
+            f"per channel")
+
+
 def weights_bytes(params) -> int:
     """Bytes the weights occupy on the device (for the model facts); a tied head counts once."""
     import jax

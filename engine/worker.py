@@ -42,7 +42,7 @@ from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Note, Ready, Sh
                              Submit)
 from engine.registry import cache_root
 from engine.scheduler import PREFILL_CHUNKS, Buckets, Decode, Prefill, Sequence, Scheduler
-from engine.weights import held_key, load_weights, packs_int8, weights_bytes
+from engine.weights import held_key, held_note, load_weights, packs_int8, weights_bytes
 
 # Every program goes to the persistent compile cache, however quick its compile: a restarted worker
 # then loads all of them and compiles none (dozens of quick compiles still add up to seconds).
@@ -236,10 +236,12 @@ class Engine:
         self.cache = init_cache(cfg, args.slots, args.ctx, self.kv_dtype, zeros=self.layout.cache_zeros)
         self.state = self.layout.replicate(sampler.init_state(args.slots, cfg.vocab_size))
         self.buckets = Buckets.for_ctx(args.ctx, tuple(args.prefill_chunks), args.slots)
+        self.start_notes: list[str] = []          # for the server's log, once (take_notes)
         if follower:
             return
         family = cfg.model_type
         checkpoint = Checkpoint(args.weights_folder)     # headers only: what the facts name as loaded
+        self.start_notes += [note for note in [held_note(checkpoint, self.params, self.dtype.name)] if note]
         namespace = args.cache_namespace or prefix.namespace_id(
             self.component_set_sha, args.model_id, family, f"{self.dtype.name}/kv-{self.kv_dtype.name}",
             args.prefix_cache)
@@ -628,7 +630,9 @@ class Engine:
 
     def take_notes(self) -> list[Note]:
         """What the server should log about the requests scheduled since the last call."""
-        notes = [Note(text, rid) for rid, text in self.scheduler.notes + self.grammars.notes]
+        notes = [Note(text) for text in self.start_notes]
+        self.start_notes = []
+        notes += [Note(text, rid) for rid, text in self.scheduler.notes + self.grammars.notes]
         self.scheduler.notes.clear()
         self.grammars.notes.clear()
         return notes
@@ -687,6 +691,8 @@ def main(conn, args: WorkerArgs | dict) -> None:
         engine = Engine(args, progress=lambda phase, done, total: send(Loading(phase, done, total)),
                         on_lost=lost)
         send(Ready(engine.facts, os.getpid()))
+        for note in engine.take_notes():             # what start-up has to say (held_note)
+            send(note)
         last_stats, last_shape = 0.0, None
         while True:
             was_busy = engine.busy

@@ -15,7 +15,7 @@ from safetensors.numpy import load_file
 from engine import registry
 from engine.checkpoint import Checkpoint
 from engine.config import load_config
-from engine.weights import load_weights
+from engine.weights import held_note, load_weights
 from tests.test_int8 import _logits
 from tests.test_model import PARITY_ATOL
 from tests.test_registry import byte_alphabet
@@ -160,6 +160,8 @@ def test_q8_0_blocks_are_read_as_their_values(cache, model):
                                   _logits(cfg, load_weights(floats, cfg, jnp.float32), tokens))
     bpw = Checkpoint(blocks).bits_per_weight
     assert 8.5 <= bpw < 32, bpw                # Q8_0 is 8.5 bits; the norms and embedding stay F32
+    note = held_note(Checkpoint(blocks), load_weights(blocks, cfg, "int8"), "int8")
+    assert "matrices F32 x1, Q8_0 x" in note and "the rest rounded again to int8 per channel" in note
 
 
 def test_the_companion_folder_is_made_once_per_file(cache):
