@@ -18,7 +18,7 @@ from engine.config import load_config
 from engine.weights import held_note, load_weights
 from tests.test_int8 import _logits
 from tests.test_model import PARITY_ATOL
-from tests.test_registry import byte_alphabet
+from tests.test_registry import add_hyperparameters, add_tokenizer, byte_alphabet
 
 gguf = pytest.importorskip("gguf")
 
@@ -62,32 +62,8 @@ def write_gguf(model: str, path: Path, qtype=None, arch: str | None = None, roun
     arch = arch or ARCH[model]
     path.parent.mkdir(parents=True, exist_ok=True)
     w = GGUFWriter(str(path), arch, split_max_tensors=split_tensors)
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_context_length(config["max_position_embeddings"])
-    w.add_embedding_length(config["hidden_size"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(config["num_attention_heads"])
-    w.add_head_count_kv(config["num_key_value_heads"])
-    if config.get("head_dim"):
-        w.add_key_length(config["head_dim"])
-        w.add_value_length(config["head_dim"])
-    w.add_rope_freq_base(config["rope_theta"])
-    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    if config.get("num_experts"):
-        w.add_expert_count(config["num_experts"])
-        w.add_expert_used_count(config["num_experts_per_tok"])
-        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    tokens, types, merges = _vocabulary(config["vocab_size"])
-    ids = {t: i for i, t in enumerate(tokens)}
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(ids["<|endoftext|>"])
-    w.add_eos_token_id(ids["<|im_end|>"])
-    w.add_pad_token_id(ids["<|endoftext|>"])
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
+    add_hyperparameters(w, config)
+    add_tokenizer(w, *_vocabulary(config["vocab_size"]))
 
     def add(name: str, values: np.ndarray) -> None:
         values = np.ascontiguousarray(values, np.float32)

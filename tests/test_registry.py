@@ -220,6 +220,42 @@ TINY_MERGES = ["h i", "Ġ t", "Ġt h", "Ġth e"]
 TINY_SPECIALS = [("<|endoftext|>", 3), ("<|im_start|>", 3), ("<|im_end|>", 3), ("<tool_call>", 4)]
 
 
+def add_hyperparameters(w, config: dict) -> None:
+    """A Hugging Face config's shape as a GGUF writer's `{architecture}.*` metadata."""
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    if config.get("head_dim"):
+        w.add_key_length(config["head_dim"])
+        w.add_value_length(config["head_dim"])
+    w.add_rope_freq_base(config["rope_theta"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if config.get("num_experts"):
+        w.add_expert_count(config["num_experts"])
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+
+
+def add_tokenizer(w, tokens: list[str], types: list[int], merges: list[str]) -> None:
+    """A Qwen-style byte-level BPE tokenizer and ChatML template in a GGUF writer's metadata, as
+    llama.cpp's converter writes them (the specials <|endoftext|> and <|im_end|> among the tokens)."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(ids["<|endoftext|>"])
+    w.add_eos_token_id(ids["<|im_end|>"])
+    w.add_pad_token_id(ids["<|endoftext|>"])
+    w.add_add_bos_token(False)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                        "{% endfor %}")
+
+
 def write_tiny_gguf(path: Path) -> dict[str, np.ndarray]:
     """A 1-layer qwen2 GGUF in the demo's layout (quantized and float tensors, tokenizer, template).
     Returns the HF-named float arrays it was made from."""
@@ -229,27 +265,12 @@ def write_tiny_gguf(path: Path) -> dict[str, np.ndarray]:
     types = [1] * len(tokens)
     tokens += [s for s, _ in TINY_SPECIALS] + ["[PAD1]", "[PAD2]"]
     types += [t for _, t in TINY_SPECIALS] + [5, 5]
-    ids = {t: i for i, t in enumerate(tokens)}
     w = GGUFWriter(str(path), "qwen2")
-    w.add_block_count(TINY["layers"])
-    w.add_context_length(TINY["ctx"])
-    w.add_embedding_length(TINY["hidden"])
-    w.add_feed_forward_length(TINY["ffn"])
-    w.add_head_count(TINY["heads"])
-    w.add_head_count_kv(TINY["kv_heads"])
-    w.add_rope_freq_base(1e6)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(TINY_MERGES)
-    w.add_bos_token_id(ids["<|endoftext|>"])
-    w.add_eos_token_id(ids["<|im_end|>"])
-    w.add_pad_token_id(ids["<|endoftext|>"])
-    w.add_add_bos_token(False)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
-                        "{% endfor %}")
+    add_hyperparameters(w, {"num_hidden_layers": TINY["layers"], "max_position_embeddings": TINY["ctx"],
+                            "hidden_size": TINY["hidden"], "intermediate_size": TINY["ffn"],
+                            "num_attention_heads": TINY["heads"], "num_key_value_heads": TINY["kv_heads"],
+                            "rope_theta": 1e6, "rms_norm_eps": 1e-6})
+    add_tokenizer(w, tokens, types, TINY_MERGES)
     rng = np.random.default_rng(0)
     h, f, v = TINY["hidden"], TINY["ffn"], len(tokens)
     kv = TINY["kv_heads"] * h // TINY["heads"]
