@@ -252,7 +252,7 @@ class Checkpoint:
         if self.kind == "gguf":
             self.file = os.path.realpath(self.files[0])     # a companion folder links the file
             try:
-                    from gguf.constants import GGML_QUANT_SIZES
+                from gguf.constants import GGML_QUANT_SIZES
             except ImportError:
                 raise WeightsError(f"{self.file} is a GGUF: reading it needs the gguf package "
                                    f"(pip install 'mashbox[demo]')") from None
@@ -339,7 +339,7 @@ class Checkpoint:
         return name in self.shapes
 
     def get(self, name: str) -> np.ndarray:
-        """The tensor, in its stored dtype (safetensors) or float32 (GGUF), in HF's shape."""
+        """The tensor, in its stored dtype (safetensors) or float32 (GGUF, FP8), in HF's shape."""
         if name not in self.shapes:
             raise WeightsError(f"tensor {name} is missing from the checkpoint")
         if self.kind == "gguf":
