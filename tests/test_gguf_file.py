@@ -148,6 +148,8 @@ def test_the_companion_folder_is_made_once_per_file(cache):
     marker = (first / registry.GGUF_MARKER).stat().st_mtime_ns
     assert registry.gguf_folder(str(path)) == first and (first / registry.GGUF_MARKER).stat().st_mtime_ns == marker
     assert (first / registry.GGUF_LINK).resolve() == path.resolve()
+    spec = registry.resolve("qwen3-8b", weights=str(path))               # a known id, its weights a file
+    assert (spec.id, registry.prepare(spec)) == ("qwen3-8b", str(first))
     write_gguf("qwen2", path)                                            # another model in the same file
     again = registry.gguf_folder(str(path))
     assert again != first and json.loads((again / "config.json").read_text())["model_type"] == "qwen2"
