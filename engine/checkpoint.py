@@ -35,7 +35,7 @@ import struct
 
 import numpy as np
 
-from engine.config import ConfigError, fp8_block
+from engine.config import FP8_DEFAULT_BLOCK, ConfigError, fp8_block
 
 INDEX_FILE = "model.safetensors.index.json"
 GGUF_SUFFIX = ".gguf"
@@ -44,7 +44,6 @@ GGUF_SUFFIX = ".gguf"
 DEQUANT_CHUNK_BYTES = 64 << 20
 Q5_0_BLOCK, Q5_0_BYTES = 32, 22         # GGUF's Q5_0: weights per block, bytes per block (q5_0)
 FP8, FP8_SCALE = "F8_E4M3", "_scale_inv"  # an FP8 checkpoint's weights, and their scales' suffix
-FP8_BLOCK_UNSTATED = (128, 128)           # scale blocks when config.json does not say (Qwen's size)
 
 
 class WeightsError(ValueError):
@@ -297,9 +296,9 @@ class Checkpoint:
             return 0
         try:
             with open(os.path.join(self.folder, "config.json"), encoding="utf-8") as f:
-                block = fp8_block(json.load(f)) or FP8_BLOCK_UNSTATED
+                block = fp8_block(json.load(f)) or FP8_DEFAULT_BLOCK
         except (OSError, ValueError, ConfigError):
-            block = FP8_BLOCK_UNSTATED          # engine.config refuses a bad config.json, with its reason
+            block = FP8_DEFAULT_BLOCK           # engine.config refuses a bad config.json, with its reason
         scales = 0
         for name in names:
             scale = name + FP8_SCALE
