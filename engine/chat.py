@@ -266,6 +266,14 @@ class Tokenizer:
 # ---- chat templates (hand-written; token for token what the models' official templates render) -----
 
 CHAT_FORMATS = ("qwen3", "qwen2.5")
+# The official templates these renderers are tested against, token for token
+# (tests/test_chat_template.py), by the sha256 of their Jinja text: Qwen3's (as Qwen3's
+# tokenizer_config.json has it) and Qwen2.5's (as the demo GGUF has it). A GGUF whose template is one
+# of these is rendered exactly as its template would; another is rendered in its family's format.
+TESTED_TEMPLATES = {
+    "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5": "qwen3",
+    "cd8e9439f0570856fd70470bf8889ebd8b5d1107207f67a5efb46e342330527f": "qwen2.5",
+}
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"

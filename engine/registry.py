@@ -36,6 +36,7 @@ import numpy as np
 
 from engine.checkpoint import (GGUF_SUFFIX, SPLIT_PART, WeightsError, gguf_tensor_index, hf_name, split_parts,
                                weight_files)
+from engine.chat import TESTED_TEMPLATES
 from engine.config import CHAT_FORMAT, family_of
 
 MODELS_JSON = Path(__file__).resolve().parent.parent / "models.json"
@@ -276,12 +277,14 @@ def gguf_folder(path: str) -> Path:
         try:
             reader = GGUFReader(str(file))            # the metadata: in the first part
             names = {name for p in parts for name, _, _, _ in gguf_tensor_index(str(p))}
-            write_gguf_companions(reader, tmp, names)
+            config = write_gguf_companions(reader, tmp, names)
             template = str(_gguf_metadata(reader).get("tokenizer.chat_template") or "")
             del reader
-            if "<|im_start|>" not in template:
-                log.warning("%s: its chat template is not Qwen's (no <|im_start|>); mashbox renders "
-                            "prompts in the model family's own format", path)
+            tested = TESTED_TEMPLATES.get(hashlib.sha256(template.encode()).hexdigest())
+            if tested is None:
+                log.warning("%s: its chat template is not one mashbox's renderers are tested against; "
+                            "prompts are rendered in the %s format", path,
+                            CHAT_FORMAT[family_of(config["model_type"])])
             if len(parts) == 1:
                 (tmp / GGUF_LINK).symlink_to(file)
             else:

@@ -95,6 +95,18 @@ def qwen25_template():
         pytest.skip(f"the demo model's chat template is not available: {e}")
 
 
+def test_the_templates_the_renderers_are_tested_against_are_the_known_ones(qwen3_template, qwen25_template):
+    """Guards chat.TESTED_TEMPLATES (what a GGUF's template is recognised as) against naming a template
+    this file does not test the renderers against."""
+    import hashlib
+    texts = {"qwen3": json.loads((Path(qwen3_folder()) / "tokenizer_config.json").read_text())["chat_template"]}
+    from engine import registry
+    spec = registry.resolve(registry.default_id())
+    texts["qwen2.5"] = (json.loads((registry.demo_home(spec.id) / "tokenizer_config.json").read_text())["chat_template"]
+                        if registry.is_built(spec) else _demo_template_from_gguf())
+    assert {hashlib.sha256(t.encode()).hexdigest(): fmt for fmt, t in texts.items()} == chat.TESTED_TEMPLATES
+
+
 # ---- the corpus: OpenAI-style conversations --------------------------------------------------
 
 WEATHER = {"type": "function", "function": {
