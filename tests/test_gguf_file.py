@@ -4,6 +4,7 @@ tiny Hugging Face checkpoints written as GGUF by the gguf package, as llama.cpp'
 out (qwen2, qwen3, qwen3moe); transformers' logits for them are in reference.safetensors."""
 from __future__ import annotations
 
+import http.client
 import json
 from pathlib import Path
 
@@ -262,20 +263,28 @@ def test_a_models_json_entry_s_own_file_keeps_its_id(cache):
     assert registry.resolve(str(path)).id == "tiny-qwen3"                # the project's models.json: its stem
 
 
-def test_a_gguf_file_is_served_under_its_name(cache, tmp_path):
-    """Guards the served path end to end: the real worker on the file's companion folder, the id the
-    file's stem, bits per weight the file's, a chat answered."""
-    from tests.test_identity import start
-    spec = registry.resolve(str(write_gguf("qwen3", cache / "Tiny-Qwen3-Q8_0.gguf",
-                                           gguf.GGMLQuantizationType.Q8_0)))
-    server = start(tmp_path, registry.prepare(spec))
+def test_a_gguf_file_is_served_under_its_name(cache):
+    """Guards the served path end to end: `mashbox run FILE.gguf` with the real worker, the id the
+    file's stem, bits per weight the file's own (its tensor bytes over its weights), a chat answered."""
+    from tests.harness import CliServer
+    path = write_gguf("qwen3", cache / "Tiny-Qwen3-Q8_0.gguf", gguf.GGMLQuantizationType.Q8_0)
+    tensors = gguf.GGUFReader(str(path)).tensors
+    want_bpw = round(8 * sum(int(t.n_bytes) for t in tensors) / sum(int(t.n_elements) for t in tensors), 2)
+    server = CliServer(None, ("--ctx", "128", "--slots", "2", "--cache-ram", "0"), model=str(path),
+                       env={registry.ENV_CACHE: str(cache / "cache")}, wait_s=180)   # ~25 s: compiling
     try:
-        status, _, body = server.request("GET", "/v1/models")
-        [model] = json.loads(body)["data"]
-        status_chat, _, answer = server.request("POST", "/v1/chat/completions", {
-            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        conn.request("GET", "/v1/models")
+        models = conn.getresponse()
+        [model] = json.loads(models.read())["data"]
+        conn.request("POST", "/v1/chat/completions", json.dumps(
+            {"model": "tiny-qwen3-q8_0", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+            {"Content-Type": "application/json"})
+        chat = conn.getresponse()
+        answer = json.loads(chat.read())
     finally:
-        server.stop()
-    assert spec.id == "tiny-qwen3-q8_0"
-    assert status == 200 and 8.5 <= model["bpw"] < 32
-    assert status_chat == 200 and json.loads(answer)["usage"]["completion_tokens"] >= 1
+        server.close()
+    assert models.status == 200 and model["id"] == "tiny-qwen3-q8_0" and 8.5 < want_bpw < 32
+    assert model["bpw"] == want_bpw, (model, want_bpw)
+    assert chat.status == 200 and answer["usage"]["completion_tokens"] >= 1, answer
+    assert any("its chat template is not a qwen3 one" in line for line in server.lines)
