@@ -555,12 +555,19 @@ def _f32(value: float) -> float:
 # GGUF architectures served, and the Hugging Face config they become.
 GGUF_ARCHITECTURES = {"qwen2": ("Qwen2ForCausalLM", "qwen2"), "qwen3": ("Qwen3ForCausalLM", "qwen3"),
                       "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
+# Families the engine serves from a Hugging Face folder but not from a GGUF: llama.cpp's converter
+# reshapes their linear-attention tensors (norms folded to 1 + w, A stored as -exp(A_log), in_proj
+# split or reordered, differently by converter version), a layout not read here yet.
+GGUF_FOLDER_ONLY = ("qwen3next", "qwen35", "qwen35moe")
 
 
 def gguf_config(meta: dict, tensor_names: set[str]) -> dict:
     """config.json from a GGUF's hyperparameters (keys `{architecture}.*`) and its tensor names (a tied
     head has no output.weight; a qwen3moe layer without stacked experts is dense)."""
     arch = meta.get("general.architecture")
+    if arch in GGUF_FOLDER_ONLY:
+        raise RegistryError(f"architecture {arch!r} is not served from a GGUF ({', '.join(GGUF_ARCHITECTURES)}): "
+                            f"give its Hugging Face folder")
     if arch not in GGUF_ARCHITECTURES:
         raise RegistryError(f"architecture {arch!r} is not served ({', '.join(GGUF_ARCHITECTURES)})")
     architecture, model_type = GGUF_ARCHITECTURES[arch]

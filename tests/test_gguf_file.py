@@ -197,6 +197,9 @@ def test_what_mashbox_cannot_serve_is_refused_by_name(cache, capsys):
     with pytest.raises(registry.RegistryError,
                        match=f"^{llama}: architecture 'llama' is not served \\(qwen2, qwen3, qwen3moe\\)$"):
         registry.resolve(str(llama))
+    with pytest.raises(registry.RegistryError, match="architecture 'qwen3next' is not served from a GGUF "
+                                                     "\\(qwen2, qwen3, qwen3moe\\): give its Hugging Face folder"):
+        registry.resolve(str(write_gguf("qwen3", cache / "next.gguf", arch="qwen3next")))
     unknown = write_gguf("qwen3", cache / "extra.gguf", rename={"blk.1.attn_k_norm.weight": "blk.1.attn_k_nrm.weight"})
     with pytest.raises(registry.RegistryError, match="extra.gguf: .* does not know: blk.1.attn_k_nrm.weight$"):
         registry.resolve(str(unknown))
