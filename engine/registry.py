@@ -686,8 +686,9 @@ def tokenizer_files(meta: dict) -> tuple[dict, dict]:
         "errors": "replace",
         "model_max_length": int(meta[f"{meta['general.architecture']}.context_length"]),
         "split_special_tokens": False,
-        "chat_template": meta["tokenizer.chat_template"],
     }
+    if meta.get("tokenizer.chat_template"):     # kept for the record: engine.chat renders the prompts
+        config["chat_template"] = meta["tokenizer.chat_template"]
     return tokenizer, config
 
 

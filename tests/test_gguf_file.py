@@ -58,7 +58,7 @@ def _vocabulary(size: int) -> tuple[list[str], list[int], list[str]]:
 
 
 def write_gguf(model: str, path: Path, qtype=None, arch: str | None = None, rounded: bool = False,
-               split_tensors: int = 0, template: str = CHATML, rename: dict | None = None) -> Path:
+               split_tensors: int = 0, template: str | None = CHATML, rename: dict | None = None) -> Path:
     """The tiny HF fixture `model` as a GGUF file: F32 tensors, or the matrices in `qtype` blocks
     (rounded: in F32, but with the values those blocks hold); split_tensors: split into parts of that
     many tensors, as llama.cpp's `llama-gguf-split` does (returns the first part); rename: GGUF
@@ -188,7 +188,7 @@ def test_a_split_gguf_reads_as_the_whole_file(cache):
         registry.resolve(str(first))
 
 
-def test_what_mashbox_cannot_serve_is_refused_by_name(cache, capsys):
+def test_what_mashbox_cannot_serve_is_refused_by_name(cache, capsys, monkeypatch):
     """Guards against a silent drop or a traceback: another architecture, a tensor the mapping does
     not know, a block type no decoder reads, a damaged file, a file that is not a GGUF, a missing one;
     `mashbox run` says each in one line naming the file."""
@@ -203,6 +203,12 @@ def test_what_mashbox_cannot_serve_is_refused_by_name(cache, capsys):
     unknown = write_gguf("qwen3", cache / "extra.gguf", rename={"blk.1.attn_k_norm.weight": "blk.1.attn_k_nrm.weight"})
     with pytest.raises(registry.RegistryError, match="extra.gguf: .* does not know: blk.1.attn_k_nrm.weight$"):
         registry.resolve(str(unknown))
+    with monkeypatch.context() as m:                           # a file without its norms' epsilon
+        m.setattr(gguf.GGUFWriter, "add_layer_norm_rms_eps", lambda self, value: None)
+        no_eps = write_gguf("qwen3", cache / "no-eps.gguf")
+    with pytest.raises(registry.RegistryError,
+                       match="no-eps.gguf: the GGUF's metadata has no qwen3.attention.layer_norm_rms_epsilon$"):
+        registry.resolve(str(no_eps))
     cut = cache / "cut.gguf"
     cut.write_bytes(write_gguf("qwen3", cache / "whole.gguf").read_bytes()[:3000])
     with pytest.raises(registry.RegistryError, match="cut.gguf: the GGUF does not read .* is the file whole"):
@@ -241,14 +247,17 @@ def test_a_template_mashbox_does_not_render_is_said(cache, caplog):
     assert note(CHATML.replace("{% for", "{% if not messages %}You are Qwen, created by Alibaba Cloud."
                                "{% endif %}{% for"), "qwen2.5") is None
     assert "no chat template" in note("", "qwen3")
+    bare = write_gguf("qwen3", cache / "bare.gguf", template=None)      # served all the same
     quiet = write_gguf("qwen3", cache / "quiet.gguf", template=QWEN3_TEMPLATE)
     loud = write_gguf("qwen3-moe", cache / "loud.gguf")
     with caplog.at_level("WARNING", logger="mashbox.registry"):
+        assert registry.resolve(str(bare)).chat_format == "qwen3"
         assert registry.resolve(str(quiet)).chat_format == "qwen3"
         assert registry.resolve(str(loud)).chat_format == "qwen3"
         assert registry.resolve(str(loud)).chat_format == "qwen3"           # said at every start
     said = [r.getMessage() for r in caplog.records]
-    assert said == [f"{loud}: its chat template is not a qwen3 one (no <think>); mashbox renders "
+    assert said[0] == f"{bare}: the file has no chat template; mashbox renders prompts in its own qwen3 format instead"
+    assert said[1:] == [f"{loud}: its chat template is not a qwen3 one (no <think>); mashbox renders "
                     "prompts in its own qwen3 format instead"] * 2, said
     assert registry.resolve(str(write_gguf("qwen2", cache / "q2.gguf"))).chat_format == "qwen2.5"
 

@@ -242,7 +242,8 @@ def add_hyperparameters(w, config: dict) -> None:
 CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 
 
-def add_tokenizer(w, tokens: list[str], types: list[int], merges: list[str], template: str = CHATML) -> None:
+def add_tokenizer(w, tokens: list[str], types: list[int], merges: list[str],
+                  template: str | None = CHATML) -> None:
     """A Qwen-style byte-level BPE tokenizer and chat template (ChatML) in a GGUF writer's metadata, as
     llama.cpp's converter writes them (the specials <|endoftext|> and <|im_end|> among the tokens)."""
     ids = {t: i for i, t in enumerate(tokens)}
@@ -255,7 +256,8 @@ def add_tokenizer(w, tokens: list[str], types: list[int], merges: list[str], tem
     w.add_eos_token_id(ids["<|im_end|>"])
     w.add_pad_token_id(ids["<|endoftext|>"])
     w.add_add_bos_token(False)
-    w.add_chat_template(template)
+    if template is not None:
+        w.add_chat_template(template)
 
 
 def write_tiny_gguf(path: Path) -> dict[str, np.ndarray]:
