@@ -4912,7 +4912,8 @@ def arg_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="serve one model over HTTP")
     run.add_argument("model", nargs="?", default=None,
-                     help="a model id from models.json, or a Hugging Face folder (default: models.json's default)")
+                     help="a model id from models.json, a Hugging Face folder, or a GGUF file of a qwen2, qwen3 "
+                          "or qwen3moe model (default: models.json's default)")
     run.add_argument("--weights", metavar="PATH", help="the weights folder (overrides models.json)")
     run.add_argument("--host", default=default.host, help=f"address to listen on (default {default.host})")
     run.add_argument("--port", type=_port, default=default.port,

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+import struct
 import sys
 import tempfile
 import time
@@ -126,8 +127,10 @@ def cache_root() -> Path:
 def resolve(model_id: str | None, weights: str | None = None, models_path: Path = MODELS_JSON
             ) -> ModelSpec:
     """The model to serve. model_id: an id from models.json (None = the default, the demo model), its
-    Hugging Face repo name, or a path to a HF folder. weights: --weights, which wins over
-    $MASHBOX_WEIGHTS, which wins over the entry's `weights`, which wins over the cache folder."""
+    Hugging Face repo name, a path to a HF folder, or a path to a GGUF file (served as the file's
+    stem, or as the models.json id whose `weights` it is; a chat template mashbox does not render is
+    said in the log, template_note). weights: --weights, which wins over $MASHBOX_WEIGHTS, which wins
+    over the entry's `weights`, which wins over the cache folder."""
     table = load_models(models_path)
     models = table["models"]
     if model_id is None or model_id == "":
@@ -139,7 +142,14 @@ def resolve(model_id: str | None, weights: str | None = None, models_path: Path 
         if weights and _expand(weights) != _expand(model_id):
             raise RegistryError(f"MODEL is a GGUF file ({_expand(model_id)}) and --weights names "
                                 f"another ({_expand(weights)}): give the file once")
-        return _spec_from_folder(str(gguf_folder(_expand(model_id))), gguf_model_id(model_id))
+        key = _entry_of_file(models, _expand(model_id))
+        if key is not None:                       # models.json's own file: served under its id
+            return _spec_from_entry(key, models[key], None)
+        spec = _spec_from_folder(str(gguf_folder(_expand(model_id))), gguf_model_id(model_id))
+        note = template_note(_chat_template(spec.weights), spec.chat_format)
+        if note:
+            log.warning("%s: %s", model_id, note)
+        return spec
     if _looks_like_path(model_id):
         folder = _expand(model_id)
         if weights and _expand(weights) != folder:
@@ -155,6 +165,14 @@ def _lookup(models: dict, model_id: str) -> str | None:
     wanted = model_id.lower()
     for key, entry in models.items():
         if wanted == key.lower() or wanted == (entry.get("hf_repo") or "").lower():
+            return key
+    return None
+
+
+def _entry_of_file(models: dict, path: str) -> str | None:
+    """The models.json key whose `weights` is this file, if one is."""
+    for key, entry in models.items():
+        if entry.get("weights") and _expand(entry["weights"]) == path:
             return key
     return None
 
@@ -275,16 +293,18 @@ def gguf_folder(path: str) -> Path:
         shutil.rmtree(folder, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
         try:
-            reader = GGUFReader(str(file))            # the metadata: in the first part
-            names = {name for p in parts for name, _, _, _ in gguf_tensor_index(str(p))}
-            config = write_gguf_companions(reader, tmp, names)
-            template = str(_gguf_metadata(reader).get("tokenizer.chat_template") or "")
-            del reader
-            tested = TESTED_TEMPLATES.get(hashlib.sha256(template.encode()).hexdigest())
-            if tested is None:
-                log.warning("%s: its chat template is not one mashbox's renderers are tested against; "
-                            "prompts are rendered in the %s format", path,
-                            CHAT_FORMAT[family_of(config["model_type"])])
+            try:
+                names = {name for p in parts for name, _, _, _ in gguf_tensor_index(str(p))}
+                reader = GGUFReader(str(file))        # the metadata: in the first part
+                write_gguf_companions(reader, tmp, names)
+                del reader
+            except (RegistryError, WeightsError) as e:
+                raise RegistryError(f"{path}: {e}") from None
+            except KeyError as e:
+                raise RegistryError(f"{path}: the GGUF's metadata has no {e.args[0]}") from None
+            except (ValueError, IndexError, struct.error) as e:   # gguf's reader on a damaged file
+                raise RegistryError(f"{path}: the GGUF does not read ({type(e).__name__}: {e}); "
+                                    f"is the file whole?") from None
             if len(parts) == 1:
                 (tmp / GGUF_LINK).symlink_to(file)
             else:
@@ -297,6 +317,43 @@ def gguf_folder(path: str) -> Path:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def _chat_template(folder: str) -> str:
+    """The chat template a companion folder carries (tokenizer_config.json's, from the GGUF)."""
+    try:
+        config = json.loads((Path(folder) / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    return str(config.get("chat_template") or "")
+
+
+# What a template of each chat format writes: a file whose template lacks these was made for another
+# prompt layout than the one mashbox renders (engine.chat), not merely another version of it.
+_TEMPLATE_MARKS = {"qwen3": ("<|im_start|>", "<|im_end|>", "<think>"),
+                   "qwen2.5": ("<|im_start|>", "<|im_end|>")}
+_QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud."    # Qwen2.5's default system prompt
+
+
+def template_note(template: str, chat_format: str) -> str | None:
+    """None when a file's chat template is the official one the chat_format renderer is tested
+    against (chat.TESTED_TEMPLATES, by sha256); else one line saying so, with the reason when the
+    template is of another layout (its format's marks missing, a Qwen2.5 file's template that thinks
+    or has another default system prompt)."""
+    if TESTED_TEMPLATES.get(hashlib.sha256(template.encode()).hexdigest()) == chat_format:
+        return None
+    said = f"mashbox renders prompts in its own {chat_format} format instead"
+    if not template:
+        return f"the file has no chat template; {said}"
+    missing = [m for m in _TEMPLATE_MARKS[chat_format] if m not in template]
+    if missing:
+        return f"its chat template is not a {chat_format} one (no {', '.join(missing)}); {said}"
+    if chat_format == "qwen2.5" and "<think>" in template:
+        return f"its chat template writes <think> (a reasoning model's, not Qwen2.5's); {said}"
+    if chat_format == "qwen2.5" and "{%" in template and _QWEN25_SYSTEM not in template:
+        return f"its chat template's default system prompt is not Qwen2.5's; {said}"
+    return (f"its chat template is not the official one mashbox's {chat_format} renderer is tested "
+            f"against (a variant of its layout); {said}")
 
 
 def _marker(path: Path) -> dict | None:
@@ -498,15 +555,21 @@ def _f32(value: float) -> float:
 # GGUF architectures served, and the Hugging Face config they become.
 GGUF_ARCHITECTURES = {"qwen2": ("Qwen2ForCausalLM", "qwen2"), "qwen3": ("Qwen3ForCausalLM", "qwen3"),
                       "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
+# Families the engine serves from a Hugging Face folder but not from a GGUF: llama.cpp's converter
+# reshapes their linear-attention tensors (norms folded to 1 + w, A stored as -exp(A_log), in_proj
+# split or reordered, differently by converter version), a layout not read here yet.
+GGUF_FOLDER_ONLY = ("qwen3next", "qwen35", "qwen35moe")
 
 
 def gguf_config(meta: dict, tensor_names: set[str]) -> dict:
     """config.json from a GGUF's hyperparameters (keys `{architecture}.*`) and its tensor names (a tied
     head has no output.weight; a qwen3moe layer without stacked experts is dense)."""
     arch = meta.get("general.architecture")
+    if arch in GGUF_FOLDER_ONLY:
+        raise RegistryError(f"architecture {arch!r} is not served from a GGUF ({', '.join(GGUF_ARCHITECTURES)}): "
+                            f"give its Hugging Face folder")
     if arch not in GGUF_ARCHITECTURES:
-        raise RegistryError(f"the GGUF's architecture {arch!r} is not served "
-                            f"(served: {', '.join(GGUF_ARCHITECTURES)})")
+        raise RegistryError(f"architecture {arch!r} is not served ({', '.join(GGUF_ARCHITECTURES)})")
     architecture, model_type = GGUF_ARCHITECTURES[arch]
     key = lambda name: meta[f"{arch}.{name}"]  # noqa: E731
     layers = int(key("block_count"))
@@ -623,8 +686,9 @@ def tokenizer_files(meta: dict) -> tuple[dict, dict]:
         "errors": "replace",
         "model_max_length": int(meta[f"{meta['general.architecture']}.context_length"]),
         "split_special_tokens": False,
-        "chat_template": meta["tokenizer.chat_template"],
     }
+    if meta.get("tokenizer.chat_template"):     # kept for the record: engine.chat renders the prompts
+        config["chat_template"] = meta["tokenizer.chat_template"]
     return tokenizer, config
 
 

@@ -231,22 +231,27 @@ def servable(fixture: Path, into: Path) -> Path:
 
 class CliServer:
     """`python -m mashbox run` on a free port, serving the fake engine (MASHBOX_WORKER_ENTRY) with
-    `fake` (FakeArgs fields); `args` are more flags. Its log lines are kept in `lines`."""
+    `fake` (FakeArgs fields), or the real one when `fake` is None (it compiles: give it a longer wait_s);
+    `model` is MODEL (default: the tiny qwen3 fixture with the Qwen tokenizer), `args` are more flags,
+    `env` more variables. Its log lines are kept in `lines`."""
 
-    def __init__(self, fake: dict, args: tuple[str, ...] = ()):
-        env = dict(os.environ, MASHBOX_WORKER_ENTRY="tests.fake_worker:main", MASHBOX_FAKE=json.dumps(fake),
-                   PYTHONPATH=str(ROOT))
+    def __init__(self, fake: dict | None, args: tuple[str, ...] = (), model: str | None = None,
+                 env: dict | None = None, wait_s: float = WAIT_S):
+        fake_env = {} if fake is None else {"MASHBOX_WORKER_ENTRY": "tests.fake_worker:main",
+                                            "MASHBOX_FAKE": json.dumps(fake)}
+        env = dict(os.environ, **fake_env, **(env or {}), PYTHONPATH=str(ROOT))
         self._folder = tempfile.TemporaryDirectory()
-        folder = servable(ROOT / "tests" / "fixtures" / "tiny" / "qwen3", Path(self._folder.name) / "qwen3")
+        if model is None:
+            model = str(servable(ROOT / "tests" / "fixtures" / "tiny" / "qwen3", Path(self._folder.name) / "qwen3"))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mashbox", "run", str(folder), "--port", "0", *args],
+            [sys.executable, "-m", "mashbox", "run", model, "--port", "0", *args],
             cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
         self.port = None
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
         until(lambda: self.port is not None or self.proc.poll() is not None, "listening on")
         assert self.port, self.lines
-        until(lambda: self.health().get("status") == "ok", "the fake worker")
+        until(lambda: self.health().get("status") == "ok", "the worker", wait_s)
 
     def _read(self):
         for line in self.proc.stderr:

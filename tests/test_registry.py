@@ -239,8 +239,12 @@ def add_hyperparameters(w, config: dict) -> None:
         w.add_expert_feed_forward_length(config["moe_intermediate_size"])
 
 
-def add_tokenizer(w, tokens: list[str], types: list[int], merges: list[str]) -> None:
-    """A Qwen-style byte-level BPE tokenizer and ChatML template in a GGUF writer's metadata, as
+CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+
+
+def add_tokenizer(w, tokens: list[str], types: list[int], merges: list[str],
+                  template: str | None = CHATML) -> None:
+    """A Qwen-style byte-level BPE tokenizer and chat template (ChatML) in a GGUF writer's metadata, as
     llama.cpp's converter writes them (the specials <|endoftext|> and <|im_end|> among the tokens)."""
     ids = {t: i for i, t in enumerate(tokens)}
     w.add_tokenizer_model("gpt2")
@@ -252,8 +256,8 @@ def add_tokenizer(w, tokens: list[str], types: list[int], merges: list[str]) -> 
     w.add_eos_token_id(ids["<|im_end|>"])
     w.add_pad_token_id(ids["<|endoftext|>"])
     w.add_add_bos_token(False)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
-                        "{% endfor %}")
+    if template is not None:
+        w.add_chat_template(template)
 
 
 def write_tiny_gguf(path: Path) -> dict[str, np.ndarray]:
