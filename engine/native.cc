@@ -39,8 +39,8 @@ constexpr int kMaxTerms = 8;        // rows of int8 terms per pass: 8 accumulato
 // (896 outputs: 14 chunks of 64), large enough that claiming costs nothing. A chunk (at most 64
 // outputs x K bytes, 311 KB for K = 4864) stays in L2 while every pass of 8 terms reads it.
 constexpr int64_t kChunkBlocks = 4;
-// Software prefetch this many bytes ahead in the weights' stream (hardware prefetch alone left one
-// thread at 10 GB/s; 1024 reached 18, best among 256-4096).
+// Software prefetch this many bytes ahead in the weights' stream: hardware prefetch alone left one
+// thread well short of the memory's speed, and 1024 was the best distance tried (docs/performance.md).
 constexpr int64_t kPrefetch = 1024;
 // And into L2 this far ahead as well: with the near prefetch alone, a few rows' loads waited for the
 // memory and then the arithmetic, in turn; fetched into L2 ahead, they overlap (5-15% at 4 rows;
@@ -302,10 +302,14 @@ ffi::Error Int8Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::AnyBuffe
 
 // A GGUF's Q5_0 matrix holds each weight as q in 0..31 with a float16 scale d per 32 inputs,
 // w = d (q - 16): 5.5 bits per weight, which per-channel int8 (8 bits) would widen and round
-// again. Held as they are, in the layout engine.native.pack5 states: nib uint8 [N/16, K/8, 16, 4]
-// (the levels' low and high nibbles), fifth uint32 [N/16, K/8, 4] (their fifth bits, read here as two
-// uint64 masks per group over the bytes of a 64-byte load: word 0 for the low nibbles, word 1 for the
-// high), d float16 [N/16, K/32, 16] (the scales).
+// again. Held as they are, in the layout engine.native.pack5 states (its docstring is the one
+// statement), which this kernel reads per block b of 16 outputs and group g of 8 inputs as:
+//   nib    uint8 [N/16, K/8, 16, 4]: 64 bytes, byte 4l + j with output 16b + l's level of input
+//          8g + j in its low nibble and of input 8g + 4 + j in its high;
+//   fifth  uint64 [N/16, K/8, 2] (held as uint32 [N/16, K/8, 4], the same bytes): two masks over
+//          those 64 bytes, bit 4l + j of the first the fifth bit of byte 4l + j's low nibble's level,
+//          of the second its high nibble's;
+//   d      float16 [N/16, K/32, 16]: the 16 outputs' scales per 32 inputs.
 // One 64-byte load holds 8 inputs of 16 outputs: two vpdpbusd per row, as the int8 layout's 4
 // inputs take one. Products are exact per 32-input block; each block's sum leaves as float32 times
 // its scales.
@@ -714,8 +718,8 @@ ffi::Error Int8Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
 
 // ---- the greedy pick: each row's first largest logit ------------------------------------------
 
-// XLA:CPU's two reductions over a 152k vocabulary (engine/sampler.py: _first_max) took 0.65 ms for
-// 4 rows, this one pass 0.13 (engine/sampler.py gives the figures).
+// XLA:CPU's two reductions over a 152k vocabulary (engine/sampler.py: _first_max) take about 5x as
+// long as this one pass (docs/performance.md).
 constexpr int64_t kPickPiece = 16384;    // logits per task: 64 KB, a row of 152k in 10 tasks
 
 struct Pick {

@@ -1,7 +1,8 @@
 """The engine's one native kernel (engine/native.cc), for CPUs where XLA:CPU's integer dot is
-compute-bound (engine.products, engine.attention, engine.sampler call it): int8 weights times a few rows (decode
-steps, small prefill chunks) at the memory's speed, decode attention over the int8 cache, the
-packed weights widened for a prefill chunk's dot, and the sampler's greedy pick and filter cuts.
+compute-bound (engine.products, engine.attention, engine.sampler call it): int8 weights, and a GGUF's
+5-bit Q5_0 blocks, times a few rows (decode steps, small prefill chunks) at the memory's speed,
+decode attention over the int8 cache, both kinds of weights widened for a prefill chunk's dot, and
+the sampler's greedy pick and filter cuts.
 It is built on first use with the host's C++ compiler against jaxlib's FFI headers, kept under the
 cache root (rebuilt when the source, the compiler or jaxlib changes) and registered with XLA as
 custom calls.

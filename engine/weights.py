@@ -283,11 +283,15 @@ class _Loader:
             if cfg.shared_expert_intermediate_size:
                 layer["moe"]["shared"] = self.shared_expert(p + "mlp.")
         else:
-            f = cfg.intermediate_size
-            layer["gate_up"] = self.projection(interleave_gate_up, [(p + "mlp.gate_proj.weight", (f, h)),
-                                                                    (p + "mlp.up_proj.weight", (f, h))])
-            layer["down"] = self.projection(lambda d: d, [(p + "mlp.down_proj.weight", (h, f))])
+            layer.update(self.mlp(p + "mlp."))
         return layer
+
+    def mlp(self, p: str) -> dict:
+        """A dense layer's MLP: gate and up interleaved (interleave_gate_up), and down."""
+        h, f = self.cfg.hidden_size, self.cfg.intermediate_size
+        return {"gate_up": self.projection(interleave_gate_up, [(p + "gate_proj.weight", (f, h)),
+                                                                (p + "up_proj.weight", (f, h))]),
+                "down": self.projection(lambda d: d, [(p + "down_proj.weight", (h, f))])}
 
     def attention(self, attn: str, kind: str, attn_norm: np.ndarray) -> dict:
         """Full (or gated) attention: qkv grouped by KV head, o, the biases and q/k norms the config
