@@ -172,6 +172,9 @@ def test_a_worker_serving_an_fp8_checkpoint_as_int8_is_certified(tmp_path):
                                compile_cache=None, weights_cache=None, certify_dir=None, dtype="int8"))
     assert engine.certification == "certified", engine.certification_detail
     assert engine.facts.dtype == "int8" and engine.facts.bpw == Checkpoint(str(fp8)).bits_per_weight
+    projections = sum(1 for name in Checkpoint(str(fp8)).shapes if name.split(".")[-2] in PROJECTIONS)
+    assert engine.start_notes == [f"{fp8}: {projections} matrices F8_E4M3 with block scales, "
+                                  "rounded again to int8 per channel"]
 
 
 def test_a_quantized_checkpoint_of_another_method_stops_start_up_naming_it(tmp_path, capsys):
