@@ -77,7 +77,7 @@ import time
 import numpy as np
 
 from engine import cpu, native
-from engine.checkpoint import Checkpoint, WeightsError
+from engine.checkpoint import FP8, Checkpoint, WeightsError
 from engine.config import MIXER_KINDS, ModelConfig
 
 # Weights dtypes the loader builds; "auto" is chosen per platform (engine.model.weights_dtype_for).
@@ -540,9 +540,15 @@ class HeldWeights:
 def held_note(checkpoint, params, dtype: str) -> str | None:
     """For the log, what a GGUF's blocks became: which block types its matrices have, how many layer
     matrices are held at 5 bits as the file has them, and that the rest were rounded again to int8 per
-    channel (or widened to a float dtype, exactly). None for other checkpoints."""
+    channel (or widened to a float dtype, exactly); what an FP8 checkpoint's float8 matrices became.
+    None for other checkpoints."""
     if checkpoint.kind != "gguf":
-        return None
+        fp8 = sum(1 for kind in checkpoint.formats.values() if kind == FP8)
+        if not fp8:
+            return None
+        held = {"int8": "rounded again to int8 per channel",
+                "float32": "held as float32 (their values exactly)"}.get(dtype, f"rounded to {dtype}")
+        return f"{checkpoint.file}: {fp8} matrices {FP8} with block scales, {held}"
     import jax
     kinds: dict[str, int] = {}
     for name, kind in checkpoint.formats.items():

@@ -58,13 +58,16 @@ def _quantize(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.nda
 
 
 def _dequantize(q: np.ndarray, scales: np.ndarray, block: tuple[int, int]) -> np.ndarray:
-    wide = np.repeat(np.repeat(scales, block[0], axis=0), block[1], axis=1)[:q.shape[0], :q.shape[1]]
+    wide = np.repeat(np.repeat(scales.astype(np.float32), block[0], axis=0), block[1], axis=1)
+    wide = wide[:q.shape[0], :q.shape[1]]
     return q.astype(np.float32) * wide
 
 
-def fp8_pair(tmp_path: Path, model: str, block: tuple[int, int] = (128, 128)) -> tuple[Path, Path]:
+def fp8_pair(tmp_path: Path, model: str, block: tuple[int, int] = (128, 128),
+             scale_dtype=np.float32) -> tuple[Path, Path]:
     """(the FP8 checkpoint of a tiny model, the same model with those FP8 weights dequantized to
-    float32 in a plain checkpoint): what the FP8 folder must read as."""
+    float32 in a plain checkpoint): what the FP8 folder must read as. scale_dtype: how the scales are
+    stored (float32, or bfloat16 as some checkpoints have them)."""
     src = TINY / model
     fp8, plain = tmp_path / f"{model}-fp8", tmp_path / f"{model}-plain"
     fp8.mkdir()
@@ -75,6 +78,7 @@ def fp8_pair(tmp_path: Path, model: str, block: tuple[int, int] = (128, 128)) ->
     for name, w in tensors.items():
         if name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS and w.ndim == 2:
             q, scales = _quantize(w, block)
+            scales = scales.astype(scale_dtype)
             quantized[name], quantized[name + "_scale_inv"] = q, scales
             dequantized[name] = _dequantize(q, scales, block)
         else:
@@ -88,18 +92,25 @@ def fp8_pair(tmp_path: Path, model: str, block: tuple[int, int] = (128, 128)) ->
     return fp8, plain
 
 
-@pytest.mark.parametrize("block", [(128, 128), (16, 24)])
-def test_fp8_weights_read_as_their_values_times_their_block_scales(tmp_path, block):
+@pytest.mark.parametrize("block, scale_dtype", [((128, 128), np.float32), ((16, 24), np.float32),
+                                                ((16, 24), ml_dtypes.bfloat16)])
+def test_fp8_weights_read_as_their_values_times_their_block_scales(tmp_path, block, scale_dtype):
     """Guards against a block scale applied to the wrong rows or columns (a partial last block, a
-    block size other than 128) or the scales listed as weights of their own."""
-    fp8, plain = fp8_pair(tmp_path, "qwen3", block)
+    block size other than 128), bfloat16 scales misread, the scales listed as weights of their own,
+    and a bits-per-weight that hides the scales' bytes or counts them as weights."""
+    fp8, plain = fp8_pair(tmp_path, "qwen3", block, scale_dtype)
     got, want = Checkpoint(str(fp8)), Checkpoint(str(plain))
-    assert set(got.shapes) == set(want.shapes)
+    assert set(got.shapes) == set(want.shapes) and got.shapes == want.shapes
     name = "model.layers.0.mlp.down_proj.weight"
     assert got.formats[name] == "F8_E4M3" and got.formats["model.norm.weight"] == want.formats["model.norm.weight"]
     for name in want.shapes:
         np.testing.assert_array_equal(got.get(name), want.get(name), err_msg=name)
-    assert got.bits_per_weight < want.bits_per_weight
+    with open(fp8 / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    # the file's every byte (scales included) over the weights alone (scales excluded)
+    data = sum(info["data_offsets"][1] - info["data_offsets"][0] for info in header.values())
+    weights = sum(int(np.prod(shape)) for shape in want.shapes.values())
+    assert got.bits_per_weight == round(8 * data / weights, 2) < want.bits_per_weight
 
 
 @pytest.mark.parametrize("model", ["qwen3", "qwen3-moe"])
@@ -114,13 +125,15 @@ def test_an_fp8_checkpoint_serves_the_logits_of_its_dequantized_weights(tmp_path
     tokens = np.asarray(load_file(str(TINY / model / "reference.safetensors"))["tokens"])[:20]
     want = _logits(cfg, load_weights(str(plain), cfg, jnp.float32), tokens)
     np.testing.assert_array_equal(_logits(cfg, load_weights(str(fp8), cfg, jnp.float32), tokens), want)
-    if model == "qwen3":      # a random tiny MoE's router flips experts on int8's rounding: dense only
-        int8 = _logits(cfg, load_weights(str(fp8), cfg, "int8"), tokens)
-        assert np.abs(int8 - want).max() < INT8_ATOL
     prompt = [int(t) for t in tokens]
     reference = certify.reference_logits(str(fp8), cfg, prompt)
     np.testing.assert_array_equal(reference, certify.reference_logits(str(plain), cfg, prompt))
     assert certify.compare("prefill", want[len(prompt) - 5], reference[-5], certify.TOLERANCE["float32"]) is None
+    if model == "qwen3":      # a random tiny MoE's router flips experts on int8's rounding: dense only
+        int8 = _logits(cfg, load_weights(str(fp8), cfg, "int8"), tokens)
+        assert np.abs(int8 - want).max() < INT8_ATOL
+        for at in range(len(prompt)):   # the gate's comparison, at every position
+            assert certify.compare("prefill", int8[at], reference[at], certify.TOLERANCE["int8"]) is None
 
 
 def test_an_fp8_weight_without_its_scales_is_refused_by_name(tmp_path):
@@ -147,3 +160,32 @@ def test_other_quantization_methods_are_refused_naming_the_method(method):
     with pytest.raises(ConfigError, match=f"quant_method {method!r} is not served"):
         config_from_dict({**raw, "quantization_config": {"quant_method": method, "bits": 4}})
     assert config_from_dict({**raw, "quantization_config": {"quant_method": "fp8"}}) == config_from_dict(raw)
+
+
+def test_a_worker_serving_an_fp8_checkpoint_as_int8_is_certified(tmp_path):
+    """Guards against the served path (the worker's load, its compiled prefill and decode programs,
+    int8 weights as a CPU with int8 dot products holds them by default) computing an FP8 checkpoint
+    other than the certification gate's float64 reference of its values."""
+    from engine.worker import Engine, WorkerArgs
+    fp8, _ = fp8_pair(tmp_path, "qwen3", (16, 24))
+    engine = Engine(WorkerArgs("tiny", str(fp8), slots=1, ctx=64, prefix_cache=False, prefill_chunks=(8,),
+                               compile_cache=None, weights_cache=None, certify_dir=None, dtype="int8"))
+    assert engine.certification == "certified", engine.certification_detail
+    assert engine.facts.dtype == "int8" and engine.facts.bpw == Checkpoint(str(fp8)).bits_per_weight
+    projections = sum(1 for name in Checkpoint(str(fp8)).shapes if name.split(".")[-2] in PROJECTIONS)
+    assert engine.start_notes == [f"{fp8}: {projections} matrices F8_E4M3 with block scales, "
+                                  "rounded again to int8 per channel"]
+
+
+def test_a_quantized_checkpoint_of_another_method_stops_start_up_naming_it(tmp_path, capsys):
+    """Guards against a GPTQ folder's worker dying on its packed tensors and restarting forever: the
+    server refuses it before any worker starts, in one line, exit status 1."""
+    raw = json.loads((TINY / "qwen3" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "quantization_config": {
+        "quant_method": "gptq", "bits": 4, "group_size": 128}}))
+    shutil.copy(TINY / "qwen3" / "model.safetensors", tmp_path / "model.safetensors")
+    import mashbox
+    assert mashbox.main(["run", str(tmp_path), "--port", "0"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "quant_method 'gptq' is not served" in err and "FP8" in err and "GGUF" in err

@@ -5,6 +5,7 @@
     python tests/bench/bench_narrow.py forward [FOLDER]
     python tests/bench/bench_narrow.py gguf [FOLDER]    # GGUF blocks -> int8 per channel: the error
     python tests/bench/bench_narrow.py fp8              # FP8 blocks -> int8 per channel: the error
+    python tests/bench/bench_narrow.py fp8-kl [FOLDER]  # an FP8 checkpoint held as int8 vs float32
 
 products: the 24 layers' matrix products (fused qkv, o, fused gate_up, down; no attention or head),
 chained as the model runs them, per forward, at 1, 4, 8 rows and a 512-row prefill chunk, for each
@@ -19,6 +20,12 @@ does it: dequantized from its GGUF blocks (engine.checkpoint), then int8 with on
 channel (engine.weights.quantize_int8). Prints, per GGUF block type, the tensors, their weights and
 the relative RMS error of the int8 values against the dequantized ones (sqrt(sum err^2 / sum w^2)).
 (Where the native kernel runs, matrices wholly of Q5_0 blocks keep them instead: no error.)
+
+fp8-kl: an FP8 checkpoint in Qwen's official layout made from a model's float weights (the demo's,
+dequantized from its GGUF; and the tiny Qwen3 fixture), read by engine.checkpoint and held as float32
+(the FP8 values exactly) and as int8 per channel (a CPU's `auto`), both with a float32 KV cache: the
+mean KL of the next-token distributions (FP8 in float32 || FP8 as int8) on a fixed text, and, for
+scale, the original float weights against each and against their own int8.
 
 kl: the demo model with float32 weights and a float32 KV cache against narrower ones (KL_CONFIGS:
 int8 weights, an int8 cache, both), a fixed ~2k-token text through each in 512-token chunks; prints
@@ -345,6 +352,79 @@ def fp8_conversion() -> None:
               f"| {rel(direct, w):.4f} |")
 
 
+def _fp8_folder(src: str, out: Path, block=(128, 128)) -> Path:
+    """An FP8 checkpoint (tests/test_fp8.py's layout) of the model in `src`: every layer projection
+    matrix float8_e4m3fn with its block scales, the rest (norms, biases, embeddings, head) float32."""
+    import json
+    import shutil
+    from engine.checkpoint import Checkpoint
+    from tests.test_fp8 import PROJECTIONS, _quantize, _write_safetensors
+
+    ck = Checkpoint(src)
+    tensors = {}
+    for name in sorted(ck.shapes):
+        w = np.asarray(ck.get(name), np.float32)
+        if name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS and w.ndim == 2:
+            tensors[name], tensors[name + "_scale_inv"] = _quantize(w, block)
+        else:
+            tensors[name] = w
+    out.mkdir(parents=True, exist_ok=True)
+    _write_safetensors(out / "model.safetensors", tensors)
+    config = json.loads(Path(src, "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (out / "config.json").write_text(json.dumps(config))
+    if Path(src, "tokenizer.json").exists():
+        shutil.copy(Path(src, "tokenizer.json"), out / "tokenizer.json")
+    return out
+
+
+def _log_probs(folder: str, weights: str, ids: np.ndarray, chunk: int) -> np.ndarray:
+    """log softmax of the next-token logits at every position of ids, weights held as `weights`
+    (float32 KV cache), the text run in `chunk`-token prefill chunks."""
+    from engine.cache import init_cache
+    from engine.config import load_config
+    from engine.model import jit_forward
+    from engine.weights import load_weights
+
+    cfg = load_config(folder)
+    params = load_weights(folder, cfg, weights, pack=False)
+    cache = init_cache(cfg, 1, len(ids), np.dtype("float32"))
+    outs = []
+    for start in range(0, len(ids), chunk):
+        part = ids[start:start + chunk][None]
+        out, cache = jit_forward(params, cache, part, np.zeros(1, np.int32), np.array([start], np.int32),
+                                 np.array([part.shape[1]], np.int32), cfg=cfg, all_logits=True)
+        outs.append(np.asarray(jax.nn.log_softmax(out[0], axis=-1)))
+    return np.concatenate(outs)
+
+
+def fp8_kl(folder: str, tokens: int = 1024, chunk: int = 512) -> None:
+    import tempfile
+    from safetensors.numpy import load_file
+
+    tiny = Path(__file__).resolve().parents[1] / "fixtures" / "tiny" / "qwen3"
+    with tempfile.TemporaryDirectory() as tmp:
+        for src, ids in ((str(tiny), load_file(str(tiny / "reference.safetensors"))["tokens"].astype(np.int32)),
+                         (folder, _text_tokens(folder, tokens))):
+            t0 = time.time()
+            fp8 = str(_fp8_folder(src, Path(tmp) / Path(src).name))
+            runs = {"float": ("float32", src), "float as int8": ("int8", src),
+                    "FP8 in float32": ("float32", fp8), "FP8 as int8": ("int8", fp8)}
+            p = {name: _log_probs(where, weights, ids, chunk) for name, (weights, where) in runs.items()}
+            print(f"# {src}: {len(ids)} tokens, {chunk}-token chunks, float32 KV cache "
+                  f"({time.time() - t0:.0f} s)")
+            print("| reference | held as | mean KL (nats) | max KL | greedy agreement |")
+            print("|---|---|---|---|---|")
+            for ref, narrow in (("FP8 in float32", "FP8 as int8"), ("float", "FP8 in float32"),
+                                ("float", "FP8 as int8"), ("float", "float as int8")):
+                per_token = np.sum(np.exp(p[ref]) * (p[ref] - p[narrow]), axis=-1)
+                agree = float(np.mean(p[ref].argmax(-1) == p[narrow].argmax(-1)))
+                print(f"| {ref} | {narrow} | {per_token.mean():.5f} | {per_token.max():.4f} | {agree:.4f} |",
+                      flush=True)
+            del p
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "products"
     if what == "products":
@@ -354,14 +434,16 @@ if __name__ == "__main__":
     elif what == "transposed":
         products(((4, 8), ["f32 summed", "i8 summed", "i8T summed"]))
         products(((1,), ["f32 dot", "i8 pad2 summed", "i8T pad2 summed"]))
-    elif what in ("kl", "forward", "gguf"):
+    elif what in ("kl", "forward", "gguf", "fp8-kl"):
         folder = sys.argv[2] if len(sys.argv) > 2 else os.path.expanduser(
             "~/.cache/mashbox/models/qwen2.5-coder-0.5b-instruct")
         if what == "kl":
             kl(folder, chunk=int(sys.argv[3]) if len(sys.argv) > 3 else 512)
         elif what == "gguf":
             gguf_conversion(folder)
+        elif what == "fp8-kl":
+            fp8_kl(folder)
         else:
             forward(folder)
     else:
-        sys.exit(f"unknown mode {what!r}: products, transposed, forward, gguf, fp8 or kl")
+        sys.exit(f"unknown mode {what!r}: products, transposed, forward, gguf, fp8, fp8-kl or kl")
