@@ -12,9 +12,12 @@ from functools import lru_cache
 # Instruction sets with bfloat16 dot products (XLA:CPU's bfloat16 dot uses them for a prefill chunk).
 BF16_DOT_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 # Instruction sets with int8 dot products (VNNI). YNNPACK's int8 x int8 -> int32 kernels on them made
-# int8 weights 1.4-1.8x faster than float32 at 1-4 decode rows (2-core AMD EPYC, avx512_vnni). CPUs
-# without them keep float32 by default: unmeasured there.
+# int8 weights 1.4-1.8x faster than float32 at 1-4 decode rows (2-core AMD EPYC, avx512_vnni).
 INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+# Without them, AVX2's integer products still made int8 weights faster than float32 where measured
+# (the demo's decode step on a Zen 3 EPYC: 1.49x at 1 row, 1.14x at 4; a prefill chunk as fast), at
+# a quarter of the bytes: int8 is `auto` there too. CPUs with neither keep float32 (unmeasured).
+INT8_WEIGHTS_FLAGS = INT8_DOT_FLAGS | {"avx2"}
 # Instruction sets YNNPACK has unsigned x signed int8 kernels for (VNNI's vpdpbusd multiplies an
 # unsigned byte by a signed one; AMX likewise). Its int8 x int8 kernels use plain AVX-512 instead,
 # so there int8 weights are held offset as uint8 (engine.weights.OFFSET_INT8) and attention's rows are
@@ -50,8 +53,8 @@ def has_uint8_dot() -> bool:
 
 def auto_weights_dtype() -> str:
     """--weights-dtype auto on a CPU: int8 where the CPU multiplies int8 fast (a quarter of float32's
-    bytes, and faster), else float32."""
-    return "int8" if has_int8_dot() else "float32"
+    bytes, and faster: INT8_WEIGHTS_FLAGS), else float32."""
+    return "int8" if flags() & INT8_WEIGHTS_FLAGS else "float32"
 
 
 def auto_kv_dtype() -> str:

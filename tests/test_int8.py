@@ -109,11 +109,13 @@ def test_int8_weights_take_about_a_quarter_of_float32():
     assert memory.held_weight_bytes(folder, "int8") < 0.3 * memory.held_weight_bytes(folder, "float32")
 
 
-def test_auto_weights_dtype_is_int8_on_a_cpu_with_int8_dot_instructions(monkeypatch):
+def test_auto_weights_dtype_is_int8_on_a_cpu_with_int8_or_avx2_integer_products(monkeypatch):
     monkeypatch.setattr(cpu, "flags", lambda: frozenset({"avx2", "avx512f", "avx512_vnni"}))
     assert model.weights_dtype_for("cpu", "auto") == "int8"
     assert model.weights_dtype_for("cpu", None) == "int8"
     monkeypatch.setattr(cpu, "flags", lambda: frozenset({"avx2", "fma"}))
+    assert model.weights_dtype_for("cpu", "auto") == "int8"
+    monkeypatch.setattr(cpu, "flags", lambda: frozenset({"sse4_2", "fma"}))
     assert model.weights_dtype_for("cpu", "auto") == "float32"
     assert model.weights_dtype_for("gpu", "auto") == "bfloat16"
     assert model.weights_dtype_for("cpu", "int8") == "int8"
@@ -124,7 +126,7 @@ def test_server_sizes_auto_weights_as_the_worker_will_hold_them(monkeypatch):
     """memory.size (the server, no jax) and the worker must agree on what "auto" holds."""
     folder = os.path.join(TINY, "qwen2")
     cfg = load_config(folder)
-    for cpu_flags, held in (({"avx512_vnni"}, "int8"), ({"avx2"}, "float32")):
+    for cpu_flags, held in (({"avx512_vnni"}, "int8"), ({"avx2"}, "int8"), ({"sse4_2"}, "float32")):
         monkeypatch.setattr(cpu, "flags", lambda f=frozenset(cpu_flags): f)
         plan = memory.size(cfg, folder, slots=1, ctx=64, cache_ram_mib=0, default_slots=1, default_ctx=64,
                            default_cache_ram_mib=0, available=None, on_host=True, weights_dtype="auto")
