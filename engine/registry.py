@@ -146,9 +146,7 @@ def resolve(model_id: str | None, weights: str | None = None, models_path: Path 
         if key is not None:                       # models.json's own file: served under its id
             return _spec_from_entry(key, models[key], None)
         spec = _spec_from_folder(str(gguf_folder(_expand(model_id))), gguf_model_id(model_id))
-        note = template_note(_chat_template(spec.weights), spec.chat_format)
-        if note:
-            log.warning("%s: %s", model_id, note)
+        _say_template(model_id, spec.weights, spec.chat_format)
         return spec
     if _looks_like_path(model_id):
         folder = _expand(model_id)
@@ -195,7 +193,8 @@ def _spec_from_entry(key: str, entry: dict, weights: str | None) -> ModelSpec:
     chosen = weights or os.environ.get(ENV_WEIGHTS) or entry.get("weights")
     folder = _expand(chosen) if chosen else str(demo_home(key))
     if folder.endswith(GGUF_SUFFIX):
-        folder = str(gguf_folder(folder))
+        file, folder = folder, str(gguf_folder(folder))
+        _say_template(file, folder, entry["chat_format"])
     demo = entry.get("demo")
     defaults = entry["defaults"]
     weights_dtype = defaults.get("weights_dtype", "auto")
@@ -317,6 +316,13 @@ def gguf_folder(path: str) -> Path:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def _say_template(file: str, folder: str, chat_format: str) -> None:
+    """The log's line about a GGUF file's chat template, when there is one to say (template_note)."""
+    note = template_note(_chat_template(folder), chat_format)
+    if note:
+        log.warning("%s: %s", file, note)
 
 
 def _chat_template(folder: str) -> str:

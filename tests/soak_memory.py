@@ -61,7 +61,6 @@ CANCEL_AFTER_S = 8.0                     # into its prefill (at ~140 tokens/s: a
 CANCEL_DECODE_EVENTS = 6                 # stream events read before a decode is cut
 MAX_TOKENS = 8
 REQUEST_TIMEOUT_S = 1800
-SERVER_START_TIMEOUT_S = 900
 AGENTS = ("claude-code", "codex", "pi")
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
@@ -317,18 +316,11 @@ def health(port: int) -> dict:
 
 
 def wait_ok(port: int, server: subprocess.Popen | None) -> dict:
-    end = time.monotonic() + SERVER_START_TIMEOUT_S
-    while time.monotonic() < end:
-        if server is not None and server.poll() is not None:
-            raise SystemExit(f"the server exited with status {server.returncode}")
-        try:
-            doc = health(port)
-            if doc.get("status") == "ok":
-                return doc
-        except (OSError, ValueError):
-            pass
-        time.sleep(1)
-    raise SystemExit("the server did not become ready")
+    from tests.bench.bench_sessions import wait_ready
+    try:
+        return wait_ready(port, server)
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
 
 
 def wait_idle(port: int, timeout: float = 300) -> dict:

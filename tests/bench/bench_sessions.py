@@ -241,9 +241,12 @@ def start_server(args, model: str | None = None) -> tuple[subprocess.Popen, int]
     return proc, port
 
 
-def wait_ready(port: int) -> dict:
+def wait_ready(port: int, server: subprocess.Popen | None = None) -> dict:
+    """The server's /health once it says ok (stopping early if `server`, its process, exits)."""
     deadline = time.monotonic() + SERVER_START_TIMEOUT_S
     while time.monotonic() < deadline:
+        if server is not None and server.poll() is not None:
+            raise RuntimeError(f"the server exited with status {server.returncode}")
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
             conn.request("GET", "/health")
