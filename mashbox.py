@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Protocol
 
 from engine import chat, memory, protocol, registry
-from engine.config import ConfigError, ModelConfig, load_config
+from engine.config import ConfigError, ModelConfig, check_weights_dtype, load_config
 from engine.sharding import DevicesError, check_devices, distributed_settings
 from engine.chat import Job, new_id
 
@@ -4923,9 +4923,10 @@ def arg_parser() -> argparse.ArgumentParser:
     run.add_argument("--weights-dtype", choices=registry.WEIGHTS_DTYPE_CHOICES,
                      help="how the worker holds the weights: int8 = int8 matrices with per-channel "
                           "scales (a quarter of float32's memory; where the native kernel runs, a "
-                          "GGUF's Q5_0 matrices keep their own 5-bit blocks); auto = the platform's fastest "
-                          "(int8 on CPUs with int8 dot instructions, else float32; bfloat16 on "
-                          "accelerators) unless models.json sets one")
+                          "GGUF's Q5_0 matrices keep their own 5-bit blocks); fp8 = an FP8 checkpoint's "
+                          "float8 matrices as they are; auto = the platform's fastest (int8 on CPUs with "
+                          "int8 dot instructions or AVX2, else float32; on accelerators bfloat16, or fp8 "
+                          "for an FP8 checkpoint) unless models.json sets one")
     run.add_argument("--devices", type=_devices, default=default.devices, metavar="N",
                      help=f"split the model over N devices of the platform (tensor parallel; default "
                           f"{default.devices}; all = every one); N must divide the model's attention heads")
@@ -4993,7 +4994,9 @@ def size_worker(spec: "registry.ModelSpec", config: ServeConfig, folder: str,
     """Slots, ctx and host cache that fit this machine's memory, logged with the numbers; raises
     memory.DoesNotFit for a request that cannot fit. cfg: the model as the worker lays it out
     (None: the folder's config.json)."""
-    sizing = memory.size(cfg or load_config(folder), folder, slots=config.slots, ctx=config.ctx,
+    cfg = cfg or load_config(folder)
+    check_weights_dtype(cfg, weights_dtype(spec, config))
+    sizing = memory.size(cfg, folder, slots=config.slots, ctx=config.ctx,
                          cache_ram_mib=config.cache_ram_mib, default_slots=spec.slots,
                          default_ctx=spec.ctx, default_cache_ram_mib=spec.cache_ram_mib,
                          weights_dtype=weights_dtype(spec, config))

@@ -219,7 +219,7 @@ def routed_experts_check(engine) -> tuple[str | None, str | None]:
     x = np.random.default_rng(0).standard_normal((ROUTED_ROWS, cfg.hidden_size)).astype(np.float32)
     valid = np.ones(ROUTED_ROWS, bool)
     out = {path: engine.routed_experts(x, valid, path) for path in ("kernel", "exact")}
-    tolerance = TOLERANCE.get(engine.dtype.name, TOLERANCE["bfloat16"])
+    tolerance = TOLERANCE.get(engine.weights_dtype, TOLERANCE["bfloat16"])
     why = compare("kernel against exact", out["kernel"].ravel(), out["exact"].ravel(), tolerance)
     return why, f"routed experts: kernel path against exact ({ROUTED_ROWS} rows)"
 
@@ -308,7 +308,7 @@ def run(engine, golden: dict | None = None, reference: Reference | None = None,
     if "linear" in cfg.layer_kinds:
         return False, ("the float64 reference has no Gated DeltaNet (linear-attention) layers: hybrid "
                        "models are checked against transformers in the test suite only")
-    tolerance = TOLERANCE.get(engine.dtype.name, TOLERANCE["bfloat16"]) + \
+    tolerance = TOLERANCE.get(engine.weights_dtype, TOLERANCE["bfloat16"]) + \
         KV_TOLERANCE.get(engine.kv_dtype.name, KV_TOLERANCE["bfloat16"])
     # The checkpoint's own shapes (engine.cfg may lay out more KV heads than it holds).
     if reference is None:

@@ -8,6 +8,7 @@
         .bits_per_weight  float     the files' bytes x 8 / the weights they hold
         .get(name) -> ndarray       one tensor, read now
         .q5_0(name) -> (levels, scales)   a GGUF's Q5_0 tensor as its blocks hold it (no floats)
+        .fp8(name) -> (values, scales)    an FP8 weight as stored, its block scales per row
 
 Three kinds of folder:
 - Hugging Face safetensors (one file, or shards listed by model.safetensors.index.json): get() returns
@@ -348,6 +349,12 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self.shapes
 
+    def fp8_scale_columns(self, name: str) -> int:
+        """How many columns each of fp8(name)'s scales covers: the block's, or 1 where the blocks do not
+        divide the columns."""
+        block_cols = self._fp8[name][1][1]
+        return block_cols if self.shapes[name][1] % block_cols == 0 else 1
+
     def get(self, name: str) -> np.ndarray:
         """The tensor, in its stored dtype (safetensors) or float32 (GGUF, FP8), in HF's shape."""
         if name not in self.shapes:
@@ -378,6 +385,24 @@ class Checkpoint:
         bits = (fifth[..., None] >> np.arange(Q5_0_BLOCK, dtype=np.uint32)) & 1
         levels = (low | (bits.astype(np.uint8) << 4)).reshape(rows, cols)
         return levels, scales
+
+    def fp8(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """An FP8 weight [rows, cols] as stored -> (float8_e4m3fn [rows, cols], float32 scales
+        [rows, cols / block columns]): each row with its block row's scales, so that any row operation
+        (stacking, interleaving, splitting) moves a row's scales with it; the values times their
+        block's scale are get()'s. Where the blocks do not divide the columns (no Qwen checkpoint),
+        each column gets its scale (fp8_scale_columns)."""
+        import ml_dtypes
+        if name not in self._fp8:
+            raise WeightsError(f"tensor {name} is not stored as float8 ({FP8})")
+        scale_name, (block_rows, block_cols) = self._fp8[name]
+        path, start, end = self._raw[name]
+        rows, cols = self.shapes[name]
+        values = np.memmap(path, np.uint8, mode="r", offset=start, shape=(end - start,)).reshape(rows, cols)
+        scales = np.repeat(self._tensor(scale_name).astype(np.float32), block_rows, axis=0)[:rows]
+        if self.fp8_scale_columns(name) != block_cols:
+            scales = np.repeat(scales, block_cols, axis=1)[:, :cols]
+        return np.array(values).view(ml_dtypes.float8_e4m3fn), np.ascontiguousarray(scales)
 
     def _tensor(self, name: str) -> np.ndarray:
         """A safetensors tensor in its stored dtype (any name, the scales too)."""

@@ -120,6 +120,9 @@ class ModelConfig:
     # over the int8 cache, the sampler's greedy pick and cuts): decided once at start-up
     # (engine.sharding.Layout, native.serves); not from config.json.
     native: bool = False
+    # An official FP8 checkpoint (quantization_config "fp8", fp8_block): its matrices are float8 with
+    # block scales, which weights dtype "fp8" holds as they are (engine.weights).
+    fp8: bool = False
 
     @property
     def q_size(self) -> int:
@@ -185,6 +188,15 @@ def fp8_block(raw: dict) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
+def check_weights_dtype(cfg: ModelConfig, weights_dtype: str) -> None:
+    """A ConfigError for a weights dtype the checkpoint cannot be held in: fp8 holds an FP8
+    checkpoint's own float8 matrices, so a checkpoint without them has nothing to hold so."""
+    if weights_dtype == "fp8" and not cfg.fp8:
+        raise ConfigError("--weights-dtype fp8 holds an FP8 checkpoint's float8 matrices as they are; this "
+                          "checkpoint has none (its config.json has no quantization_config): use int8 or "
+                          "bfloat16")
+
+
 def config_from_dict(raw: dict) -> ModelConfig:
     """The key-by-key reading of a config.json object (split out so tests can feed dicts)."""
     # Multimodal or nested checkpoints keep the language model's keys under text_config.
@@ -198,7 +210,7 @@ def config_from_dict(raw: dict) -> ModelConfig:
         raise ConfigError(f"config.json hidden_act {raw['hidden_act']!r} is not supported (only silu)")
     if raw.get("use_sliding_window", False):
         raise ConfigError("config.json use_sliding_window=true is not supported")
-    fp8_block(raw)
+    fp8 = fp8_block(raw) is not None
 
     hidden = _int(raw, "hidden_size")
     heads = _int(raw, "num_attention_heads")
@@ -250,6 +262,7 @@ def config_from_dict(raw: dict) -> ModelConfig:
         **(_experts(raw, model_type) if "moe" in mlp_kinds else {}),
         **(_hybrid(raw) if model_type in HYBRID_FAMILIES else {}),
         rotary_dim=rotary_dim,
+        fp8=fp8,
     )
 
 

@@ -6,7 +6,9 @@ server sizes the worker before it starts one.
                    int8:    1 B per parameter of the int8 tensors (engine.weights.quantized_tensor:
                             projections, embedding / head) + 4 B per output channel (its scale)
                             + 4 B per parameter of the rest (norms, biases, MoE experts)
-                   either: + 4 B per key channel of each attention layer (its key smoothing)
+                   fp8:     1 B per parameter of an FP8 checkpoint's float8 projections + 4 B per
+                            row and block of columns (their scales) + the rest as int8's
+                   each:   + 4 B per key channel of each attention layer (its key smoothing)
                    (a GGUF's Q5_0 matrices held at 5 bits take 0.69 B per weight, not 1: the plan
                    counts 1, a bound that holds whether the kernel runs or not)
     KV bytes     = per attention layer, KV head, key and value: head_dim x 2 B (float16), or
@@ -28,7 +30,7 @@ import os
 from dataclasses import dataclass
 
 from engine import cpu
-from engine.checkpoint import Checkpoint
+from engine.checkpoint import FP8, Checkpoint
 from engine.config import ModelConfig
 from engine.scheduler import SLOT_SNAPSHOTS
 
@@ -42,7 +44,7 @@ STATE_ELEMENT_BYTES = 4
 CPU_WEIGHT_BYTES = 4
 # Bytes per weight of each weights dtype (engine.weights.WEIGHTS_DTYPES); int8 adds a float32 scale
 # per output channel (held_weight_bytes).
-WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
+WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "fp8": 1}
 SCALE_BYTES = 4
 # What the worker holds besides weights, KV cache and host cache: the interpreter, jax and XLA, the
 # compiled programs, the tokenizer, sampler state and a decode step's temporaries. Measured: a
@@ -109,11 +111,18 @@ def held_weight_bytes(folder: str, weights_dtype: str, float_bytes: int = CPU_WE
     # Each attention layer adds its keys' smoothing factors (engine.weights.key_smoothing): float32,
     # one per key channel.
     total = sum(shape[0] * SCALE_BYTES for name, shape in tensors if name.endswith("self_attn.k_proj.weight"))
-    if weights_dtype != "int8":
+    if weights_dtype == "fp8":           # the float8 matrices as stored, a scale per row and block of columns
+        checkpoint = Checkpoint(folder)
+        narrow = lambda name, shape: checkpoint.formats.get(name) == FP8 and quantized_tensor(name)  # noqa: E731
+        scales = lambda name, shape: _count(shape) // checkpoint.fp8_scale_columns(name) * SCALE_BYTES  # noqa: E731
+    elif weights_dtype == "int8":
+        narrow = lambda name, shape: quantized_tensor(name) and len(shape) == 2  # noqa: E731
+        scales = lambda name, shape: shape[0] * SCALE_BYTES  # noqa: E731
+    else:
         return total + sum(_count(shape) for _, shape in tensors) * WEIGHT_BYTES[weights_dtype]
     for name, shape in tensors:
-        if quantized_tensor(name) and len(shape) == 2:
-            total += _count(shape) * WEIGHT_BYTES["int8"] + shape[0] * SCALE_BYTES
+        if narrow(name, shape):
+            total += _count(shape) * WEIGHT_BYTES[weights_dtype] + scales(name, shape)
         else:
             total += _count(shape) * float_bytes
     return total

@@ -44,13 +44,17 @@ def dtype_for(platform: str):
     return jnp.float32 if platform == "cpu" else jnp.bfloat16
 
 
-def weights_dtype_for(platform: str, asked: str | None = "auto") -> str:
+def weights_dtype_for(platform: str, asked: str | None = "auto", fp8: bool = False) -> str:
     """The weights dtype a worker holds (engine.weights.WEIGHTS_DTYPES): the one asked for, or for
     "auto" (or None) what is fastest on the platform: on a CPU with int8 dot-product instructions
     int8 (a quarter of the bytes, and faster: docs/performance.md), on other CPUs float32
-    (engine.cpu.auto_weights_dtype), on accelerators bfloat16."""
+    (engine.cpu.auto_weights_dtype), on accelerators bfloat16, or fp8 for an FP8 checkpoint (`fp8`:
+    ModelConfig.fp8; its float8 matrices held as they are, half of bfloat16's bytes). Whether the
+    checkpoint can be held as asked is engine.config.check_weights_dtype's to say."""
     if asked in (None, "auto"):
-        return cpu.auto_weights_dtype() if platform == "cpu" else np.dtype(dtype_for(platform)).name
+        if platform == "cpu":
+            return cpu.auto_weights_dtype()
+        return "fp8" if fp8 else np.dtype(dtype_for(platform)).name
     return asked
 
 

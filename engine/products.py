@@ -11,6 +11,8 @@ A weight is one of four kinds (weight_kind), each with one product:
                  signed int8 kernels (engine.weights.OFFSET_INT8)
     int8_packed  the same, q in engine.native's packed layout for its kernel
     q5_0         a GGUF's Q5_0 blocks as the file has them (engine.native.pack5)
+    fp8          {"f8": float8_e4m3fn [out, in], "f8_scale": float32 [out, in / block]}: an FP8
+                 checkpoint's values, w = f8 * f8_scale per block of columns (engine.weights)
 The packed kinds exist only where engine.native's kernel serves the model (ModelConfig.native,
 decided once at start-up): load_weights packs them, so the kind of a weight is the decision.
 
@@ -34,7 +36,7 @@ from engine.weights import INT8_OFFSET
 
 F32 = jnp.float32
 
-WEIGHT_KINDS = ("float", "int8", "int8_packed", "q5_0")
+WEIGHT_KINDS = ("float", "int8", "int8_packed", "q5_0", "fp8")
 
 # XLA:CPU's dot of a few rows runs well below the memory's speed, while the same product written as
 # a broadcast multiply summed over the input (one fused reduction) streams the weights once. One
@@ -61,6 +63,8 @@ def weight_kind(w) -> str:
         return "float"
     if native.is_int5(w):
         return "q5_0"
+    if "f8" in w:
+        return "fp8"
     return "int8_packed" if native.is_packed(w["q"]) else "int8"
 
 
@@ -227,15 +231,33 @@ def _q5_0_matmul(flat, w):
     return _wide_dot(flat, native.widen5(w, after=flat))
 
 
+def fp8_values(w, dtype):
+    """FP8 weights -> their values f8 * f8_scale [out, in] in dtype: each block's product rounded
+    once from float32 (exact in float32: an e4m3 value has 4 significant bits)."""
+    f8, scale = w["f8"], w["f8_scale"]
+    block = f8.shape[1] // scale.shape[1]
+    return (f8.astype(F32) * jnp.repeat(scale, block, axis=1, total_repeat_length=f8.shape[1])).astype(dtype)
+
+
+def _fp8_matmul(flat, w):
+    """FP8 weights widened per block at use, then one dot: on accelerators in bfloat16 (XLA fuses
+    the widening into the dot's operand where it can: tests/bench/device_bench.py measures it), on a
+    CPU in float32. The weights stay 1 byte each in memory."""
+    return _wide_dot(flat, fp8_values(w, _wide_dtype()))
+
+
 def _shape(w, kind: str) -> tuple[int, int]:
     """(out, in) of a quantized weight as a matrix."""
     if kind == "q5_0":
         return w["nib"].shape[0] * native.LANES, w["nib"].shape[1] * native.NIBBLE_GROUP
+    if kind == "fp8":
+        return w["f8"].shape
     q = w["q"]
     return (q.shape[0] * native.LANES, q.shape[1] * native.GROUP) if kind == "int8_packed" else q.shape
 
 
-_QUANTIZED_MATMUL = {"int8": _int8_matmul, "int8_packed": _int8_packed_matmul, "q5_0": _q5_0_matmul}
+_QUANTIZED_MATMUL = {"int8": _int8_matmul, "int8_packed": _int8_packed_matmul, "q5_0": _q5_0_matmul,
+                     "fp8": _fp8_matmul}
 
 
 def matmul(x, w):

@@ -186,7 +186,7 @@ def _expand(path: str) -> str:
 
 # What --weights-dtype and models.json's defaults.weights_dtype accept: "auto" is the platform's
 # fastest (engine.model.weights_dtype_for), the others engine.weights.WEIGHTS_DTYPES.
-WEIGHTS_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8")
+WEIGHTS_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8", "fp8")
 
 
 def _spec_from_entry(key: str, entry: dict, weights: str | None) -> ModelSpec:

@@ -64,6 +64,13 @@ Where the int8 matrices are packed for engine.native's kernel, a layer matrix ma
 Q5_0 tensors (the demo's gate_up and o, and qkv where v is Q5_0 too) keeps the file's own blocks
 instead, read without floats (engine.checkpoint: q5_0) and held at 5.5 bits (engine.native.pack5):
 int8 per channel would round the file's values a second time, in more bytes.
+
+Weights dtype "fp8" (an official FP8 checkpoint, on accelerators by default): every dense layer
+matrix the checkpoint stores as float8 becomes {"f8": float8_e4m3fn [out, in], "f8_scale": float32
+[out, in / 128]}, the file's own values and each row's block scales (engine.checkpoint: fp8), so
+that w = f8 * f8_scale per block of columns, 1 byte per weight and 1/32 more for the scales. What
+the checkpoint keeps in bfloat16 (embedding, LM head, norms, routers) and the MoE experts (not yet
+held in float8) are in the float dtype.
 """
 from __future__ import annotations
 
@@ -74,6 +81,7 @@ import re
 import shutil
 import time
 
+import ml_dtypes
 import numpy as np
 
 from engine import cpu, native
@@ -81,7 +89,10 @@ from engine.checkpoint import FP8, Checkpoint, WeightsError
 from engine.config import MIXER_KINDS, ModelConfig
 
 # Weights dtypes the loader builds; "auto" is chosen per platform (engine.model.weights_dtype_for).
-WEIGHTS_DTYPES = ("float32", "bfloat16", "int8")
+# "fp8" holds an FP8 checkpoint's float8 matrices as they are (the rest in the float dtype).
+WEIGHTS_DTYPES = ("float32", "bfloat16", "int8", "fp8")
+# How weights dtype fp8 holds an FP8 checkpoint's matrices (its own float8 values).
+FLOAT8 = np.dtype(ml_dtypes.float8_e4m3fn)
 # int8 values span -INT8_MAX..INT8_MAX (symmetric: -128 is never used, so q * scale is sign-exact).
 INT8_MAX = 127
 # Where the CPU has unsigned x signed int8 kernels (engine.cpu.has_uint8_dot) they are held plus
@@ -171,6 +182,10 @@ class _Reader:
         self.check_shape(name, shape)
         return self.checkpoint.q5_0(self.names.get(name, name))
 
+    def fp8(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        self.check_shape(name, shape)
+        return self.checkpoint.fp8(self.names.get(name, name))
+
     def check_shape(self, name: str, shape: tuple[int, ...]) -> None:
         """Raise WeightsError unless the checkpoint holds the tensor in this shape."""
         stored = self.names.get(name, name)
@@ -230,6 +245,7 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
     pack: int8 matrices in engine.native's packed layout where its kernel is available (False: never;
     the worker passes ModelConfig.native, the one decision whether the kernel serves)."""
     int8 = str(dtype) == "int8"
+    narrow = int8 or str(dtype) == "fp8"          # some matrices narrow, the rest in float_dtype
     pack = packs_int8(dtype, pack)
     writer = None
     if held_cache and int8:
@@ -241,8 +257,8 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
     kv_heads = kv_heads or cfg.num_kv_heads
     if kv_heads % cfg.num_kv_heads:
         raise WeightsError(f"kv_heads {kv_heads} is not a multiple of the config's {cfg.num_kv_heads}")
-    load = _Loader(_Reader(folder), cfg, np.dtype(float_dtype or np.float32) if int8 else np.dtype(dtype),
-                   int8=int8, pack=pack, kv_heads=kv_heads)
+    load = _Loader(_Reader(folder), cfg, np.dtype(float_dtype or np.float32) if narrow else np.dtype(dtype),
+                   int8=int8, fp8=str(dtype) == "fp8", pack=pack, kv_heads=kv_heads)
     parts = {}
     for i, (kind, mlp) in enumerate(zip(cfg.layer_kinds, cfg.mlp_kinds or ("dense",) * cfg.num_layers)):
         parts[f"layers.{i}"] = place(f"layers.{i}", load.layer(i, kind, mlp))
@@ -260,9 +276,9 @@ class _Loader:
     returns them as held (the pytree's layout, the module docstring), one layer at a time."""
 
     def __init__(self, reader: _Reader, cfg: ModelConfig, dtype: np.dtype, *, int8: bool, pack: bool,
-                 kv_heads: int):
-        self.r, self.cfg, self.dtype = reader, cfg, dtype      # dtype: of everything not int8
-        self.int8, self.pack, self.kv_heads = int8, pack, kv_heads
+                 kv_heads: int, fp8: bool = False):
+        self.r, self.cfg, self.dtype = reader, cfg, dtype      # dtype: of everything not int8 or fp8
+        self.int8, self.fp8, self.pack, self.kv_heads = int8, fp8, pack, kv_heads
         self.offset = held_int8_dtype() == np.uint8
 
     # ---- one layer ----
@@ -405,8 +421,13 @@ class _Loader:
         """A layer's matrix combine(*tensors) of the named tensors [(name, shape)] (combine is a row
         operation: stacking, interleaving), as held: in 5-bit blocks (engine.native.pack5) when every
         part is a GGUF's Q5_0 tensor and the int8 matrices are packed (the file's own levels and
-        scales, exact), else put_matrix of the floats. floats: the combined matrix, when the caller
-        has read it already."""
+        scales, exact); as float8 with their block scales (FP8_PARTS) when every part is an FP8
+        checkpoint's and the weights dtype is fp8; else put_matrix of the floats. floats: the
+        combined matrix, when the caller has read it already."""
+        if self.fp8 and all(self.r.format(name) == FP8 for name, _ in parts):
+            stored = [self.r.fp8(name, shape) for name, shape in parts]
+            return {"f8": np.ascontiguousarray(combine(*(v for v, _ in stored))),
+                    "f8_scale": np.ascontiguousarray(combine(*(sc for _, sc in stored)))}
         if self.pack and all(self.r.format(name) == "Q5_0" for name, _ in parts):
             blocks = [self.r.q5_0(name, shape) for name, shape in parts]
             levels = combine(*(b[0] for b in blocks))
@@ -546,8 +567,15 @@ def held_note(checkpoint, params, dtype: str) -> str | None:
         fp8 = sum(1 for kind in checkpoint.formats.values() if kind == FP8)
         if not fp8:
             return None
-        held = {"int8": "rounded again to int8 per channel",
-                "float32": "held as float32 (their values exactly)"}.get(dtype, f"rounded to {dtype}")
+        if dtype == "fp8":
+            import jax
+            kept = sum(1 for leaf in jax.tree_util.tree_leaves(params) if leaf.dtype == FLOAT8)
+            widened = sum(1 for name, kind in checkpoint.formats.items() if kind == FP8 and not quantized_tensor(name))
+            held = f"held as they are (float8, in {kept} layer matrices)" + (
+                f", the MoE experts' {widened} widened to the float dtype" if widened else "")
+        else:
+            held = {"int8": "rounded again to int8 per channel",
+                    "float32": "held as float32 (their values exactly)"}.get(dtype, f"rounded to {dtype}")
         return f"{checkpoint.file}: {fp8} matrices {FP8} with block scales, {held}"
     import jax
     kinds: dict[str, int] = {}

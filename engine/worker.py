@@ -34,7 +34,7 @@ from engine import certify, grammar, identity, memory, mirror, native, prefix, s
 from engine.checkpoint import Checkpoint
 from engine.cache import (copy_prefix, has_state, host_block, init_cache, position_bytes, read_slot,
                           read_state, warm_host_copies, warm_state_copies, write_slot, write_state)
-from engine.config import CHAT_FORMAT, load_config
+from engine.config import CHAT_FORMAT, check_weights_dtype, load_config
 from engine.attention import kv_dtype_for
 from engine.model import dtype_for, jit_forward, weights_dtype_for
 from engine.moe import routed_report
@@ -200,8 +200,10 @@ class Engine:
         self.checkpoint_cfg = load_config(args.weights_folder)
         self.layout = sharding.Layout.build(self.checkpoint_cfg, args.devices)
         self.cfg = cfg = self.layout.cfg
-        # int8 here names the weights' format (int8 matrices, float norms): np.dtype("int8").name
-        self.dtype = np.dtype(weights_dtype_for(platform, args.dtype))
+        # The weights' format (engine.weights.WEIGHTS_DTYPES): int8 and fp8 name narrow matrices
+        # beside float norms.
+        self.weights_dtype = weights_dtype_for(platform, args.dtype, fp8=self.checkpoint_cfg.fp8)
+        check_weights_dtype(self.checkpoint_cfg, self.weights_dtype)
         chat_format = args.chat_format or CHAT_FORMAT[cfg.model_type]
         self.component_set_sha = identity.component_set_sha(args.weights_folder, chat_format)
         float_dtype = dtype_for(platform)
@@ -213,11 +215,11 @@ class Engine:
                 on_lost=on_lost or mirror.exit_lost)
             progress("followers", 1, 1)
         # int8 matrices packed for engine.native's kernel where it serves (cfg.native).
-        packed = packs_int8(self.dtype.name, allowed=cfg.native)
+        packed = packs_int8(self.weights_dtype, allowed=cfg.native)
         held = None
-        if args.weights_cache and self.dtype.name == "int8":
+        if args.weights_cache and self.weights_dtype == "int8":
             held = os.path.join(args.weights_cache, held_key(
-                self.component_set_sha, self.dtype.name, np.dtype(float_dtype).name, cfg.num_kv_heads,
+                self.component_set_sha, self.weights_dtype, np.dtype(float_dtype).name, cfg.num_kv_heads,
                 packed))
         # A first start's certification gate will run: its float64 reference starts now, beside the
         # weights and the compiles (a hybrid model's gate has no reference to compute).
@@ -228,7 +230,7 @@ class Engine:
                                           certify.reference_path(args.certify_dir, self.component_set_sha),
                                           fresh=args.recertify)
         progress("weights", 0, 1)
-        self.params = load_weights(args.weights_folder, self.checkpoint_cfg, self.dtype.name,
+        self.params = load_weights(args.weights_folder, self.checkpoint_cfg, self.weights_dtype,
                                    float_dtype=float_dtype, kv_heads=cfg.num_kv_heads,
                                    place=self.layout.place, held_cache=held, pack=packed)
         progress("weights", 1, 1)
@@ -241,9 +243,9 @@ class Engine:
             return
         family = cfg.model_type
         checkpoint = Checkpoint(args.weights_folder)     # headers only: what the facts name as loaded
-        self.start_notes += [note for note in [held_note(checkpoint, self.params, self.dtype.name)] if note]
+        self.start_notes += [note for note in [held_note(checkpoint, self.params, self.weights_dtype)] if note]
         namespace = args.cache_namespace or prefix.namespace_id(
-            self.component_set_sha, args.model_id, family, f"{self.dtype.name}/kv-{self.kv_dtype.name}",
+            self.component_set_sha, args.model_id, family, f"{self.weights_dtype}/kv-{self.kv_dtype.name}",
             args.prefix_cache)
         # Linear layers: a reused prefix needs their state at its end (snapshots, engine.scheduler).
         self.recurrent = has_state(self.cache)
@@ -272,7 +274,7 @@ class Engine:
             max_model_len=args.ctx, slots=args.slots, prefix_cache=args.prefix_cache,
             cache_ram_mib=args.cache_ram_mib, vocab_size=cfg.vocab_size, device=platform,
             devices=self.layout.describe(),
-            dtype=self.dtype.name, compile_s=round(compile_s, 2),
+            dtype=self.weights_dtype, compile_s=round(compile_s, 2),
             cache_namespace=namespace,
             # What the warm-up traced, so Health reports the path the programs really run.
             routed_experts=routed_report(cfg, {rows * t for _, rows, t in self.programs()}),
@@ -305,7 +307,7 @@ class Engine:
         import jaxlib
         return identity.deployment_id(texts, {
             "jax": jax.__version__, "jaxlib": jaxlib.__version__, "platform": device.platform,
-            "device_kind": device.device_kind, "devices": self.layout.describe(), "dtype": self.dtype.name,
+            "device_kind": device.device_kind, "devices": self.layout.describe(), "dtype": self.weights_dtype,
             "kv_dtype": self.kv_dtype.name,
             "slots": self.args.slots, "ctx": self.args.ctx, "buckets": repr(self.buckets),
             "prefix_cache": self.args.prefix_cache, "host_cache": self.host is not None,

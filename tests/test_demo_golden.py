@@ -123,7 +123,7 @@ def test_demo_first_token_logits_match_transformers(engine):
     for prompt, top5 in ((FRANCE_PROMPT, FRANCE_TOP5), (PRIME_PROMPT, PRIME_TOP5)):
         # A float32 cache: this checks the forward itself (the engine's float16 cache moves these
         # logits by ~2e-3; its greedy answers are checked above).
-        cache = init_cache(engine.cfg, engine.args.slots, CTX, engine.dtype)
+        cache = init_cache(engine.cfg, engine.args.slots, CTX, np.float32)
         tokens = np.zeros((1, CHUNK), np.int32)
         tokens[0, :len(prompt)] = prompt
         logits, _ = jit_forward(engine.params, cache, tokens, np.zeros(1, np.int32), np.zeros(1, np.int32),

@@ -4,6 +4,7 @@ in the official layout: each projection weight float8_e4m3fn ("F8_E4M3") with `<
 one float32 scale per block; norms, embeddings, the head and the MoE router stay as they were."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import struct
@@ -15,10 +16,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from engine import certify
+from engine import certify, memory
 from engine.checkpoint import Checkpoint
-from engine.config import ConfigError, config_from_dict, load_config
-from engine.weights import load_weights
+from engine.config import ConfigError, check_weights_dtype, config_from_dict, load_config
+from engine.model import weights_dtype_for
+from engine.products import weight_kind
+from engine.weights import held_note, load_weights, weights_bytes
 from tests.test_int8 import INT8_ATOL, _logits
 
 TINY = Path(__file__).parent / "fixtures" / "tiny"
@@ -121,7 +124,7 @@ def test_an_fp8_checkpoint_serves_the_logits_of_its_dequantized_weights(tmp_path
     reference reads the same weights."""
     fp8, plain = fp8_pair(tmp_path, model, (16, 24))
     cfg = load_config(str(fp8))
-    assert cfg == load_config(str(plain))
+    assert cfg.fp8 and dataclasses.replace(cfg, fp8=False) == load_config(str(plain))
     tokens = np.asarray(load_file(str(TINY / model / "reference.safetensors"))["tokens"])[:20]
     want = _logits(cfg, load_weights(str(plain), cfg, jnp.float32), tokens)
     np.testing.assert_array_equal(_logits(cfg, load_weights(str(fp8), cfg, jnp.float32), tokens), want)
@@ -134,6 +137,60 @@ def test_an_fp8_checkpoint_serves_the_logits_of_its_dequantized_weights(tmp_path
         assert np.abs(int8 - want).max() < INT8_ATOL
         for at in range(len(prompt)):   # the gate's comparison, at every position
             assert certify.compare("prefill", int8[at], reference[at], certify.TOLERANCE["int8"]) is None
+
+
+@pytest.mark.parametrize("model, block", [("qwen3", (32, 32)), ("qwen3", (16, 24)), ("qwen3-moe", (16, 16))])
+def test_weights_dtype_fp8_holds_the_float8_matrices_and_computes_their_values(tmp_path, model, block):
+    """Guards the held FP8 form (an accelerator's `auto`): every dense projection the checkpoint stores
+    as float8 stays float8, each row with its block scales through the loader's row operations (q/k/v
+    grouped by KV head, gate and up interleaved), so the logits are the dequantized weights' (widened to
+    float32 on a CPU: to the float32 rounding); blocks that do not divide the columns (16 x 24 of 64)
+    get a scale per column; the memory plan counts the bytes held."""
+    fp8, plain = fp8_pair(tmp_path, model, block)
+    cfg = load_config(str(fp8))
+    params = load_weights(str(fp8), cfg, "fp8")
+    layer = params["layers"][0]
+    for name in ("qkv", "o") + (("gate_up", "down") if "gate_up" in layer else ()):
+        assert weight_kind(layer[name]) == "fp8", name
+        assert layer[name]["f8"].dtype == jnp.float8_e4m3fn and layer[name]["f8_scale"].dtype == jnp.float32
+    cols = layer["o"]["f8"].shape[1]
+    assert layer["o"]["f8_scale"].shape[1] == (cols // block[1] if cols % block[1] == 0 else cols)
+    assert weight_kind(params["embed"]) == "float"
+    tokens = np.asarray(load_file(str(TINY / model / "reference.safetensors"))["tokens"])[:20]
+    want = _logits(cfg, load_weights(str(plain), cfg, jnp.float32), tokens)
+    np.testing.assert_allclose(_logits(cfg, params, tokens), want, atol=1e-5, rtol=0)
+    assert memory.held_weight_bytes(str(fp8), "fp8") == weights_bytes(params)
+    experts = sum(1 for name in Checkpoint(str(fp8)).shapes if ".experts." in name and name.endswith("proj.weight"))
+    assert held_note(Checkpoint(str(fp8)), params, "fp8").endswith(
+        f", the MoE experts' {experts} widened to the float dtype" if experts else "layer matrices)")
+
+
+def test_fp8_is_auto_on_accelerators_for_an_fp8_checkpoint_and_refused_for_others(tmp_path):
+    """Guards the choice of the held form: an FP8 checkpoint on an accelerator is held in float8 by
+    default (half of bfloat16's bytes), a CPU keeps its own choice, and fp8 asked of a checkpoint
+    without float8 matrices stops start-up in one line saying what to use."""
+    fp8, plain = fp8_pair(tmp_path, "qwen3")
+    assert weights_dtype_for("gpu", "auto", fp8=True) == "fp8"
+    assert weights_dtype_for("gpu", "auto", fp8=False) == "bfloat16"
+    assert weights_dtype_for("cpu", "auto", fp8=True) == weights_dtype_for("cpu", "auto")
+    check_weights_dtype(load_config(str(fp8)), "fp8")
+    with pytest.raises(ConfigError, match="fp8 holds an FP8 checkpoint's float8 matrices.*use int8 or bfloat16"):
+        check_weights_dtype(load_config(str(plain)), "fp8")
+
+
+def test_a_worker_holding_an_fp8_checkpoint_in_float8_is_certified(tmp_path):
+    """Guards the served path with the float8 form (the worker's load, its compiled prefill and decode
+    programs) against computing other than the certification gate's float64 reference."""
+    from engine.worker import Engine, WorkerArgs
+    fp8, _ = fp8_pair(tmp_path, "qwen3", (32, 32))
+    engine = Engine(WorkerArgs("tiny", str(fp8), slots=1, ctx=64, prefix_cache=False, prefill_chunks=(8,),
+                               compile_cache=None, weights_cache=None, certify_dir=None, dtype="fp8"))
+    assert engine.certification == "certified", engine.certification_detail
+    assert engine.facts.dtype == "fp8"
+    projections = sum(1 for name in Checkpoint(str(fp8)).shapes if name.split(".")[-2] in PROJECTIONS)
+    layers = load_config(str(fp8)).num_layers
+    assert engine.start_notes == [f"{fp8}: {projections} matrices F8_E4M3 with block scales, held as they "
+                                  f"are (float8, in {4 * layers} layer matrices)"]
 
 
 def test_an_fp8_weight_without_its_scales_is_refused_by_name(tmp_path):
@@ -159,7 +216,8 @@ def test_other_quantization_methods_are_refused_naming_the_method(method):
     raw = json.loads((TINY / "qwen3" / "config.json").read_text())
     with pytest.raises(ConfigError, match=f"quant_method {method!r} is not served"):
         config_from_dict({**raw, "quantization_config": {"quant_method": method, "bits": 4}})
-    assert config_from_dict({**raw, "quantization_config": {"quant_method": "fp8"}}) == config_from_dict(raw)
+    fp8 = config_from_dict({**raw, "quantization_config": {"quant_method": "fp8"}})
+    assert fp8.fp8 and dataclasses.replace(fp8, fp8=False) == config_from_dict(raw)
 
 
 def test_a_worker_serving_an_fp8_checkpoint_as_int8_is_certified(tmp_path):

@@ -9,13 +9,17 @@ takes seconds). On the first chip:
     float32 precision) prefilled at once, every position's logits against transformers' float32
     logits (reference.safetensors), within PARITY_ATOL;
   - speed of a random-weight model shaped like Qwen3-8B (36 layers, hidden 4096, 32 query and 8 KV
-    heads of 128, MLP 12288, vocabulary 151936, untied head), in bfloat16 and in int8 weight-only
-    weights: decode tok/s at 1 and 8 busy rows (each row DECODE_CONTEXT tokens deep) and prefill
-    tok/s of one PREFILL_TOKENS-token chunk, each beside its bound: decode reads every weight and
+    heads of 128, MLP 12288, vocabulary 151936, untied head), in bfloat16, in int8 weight-only
+    weights and in fp8 (an FP8 checkpoint's float8 projections with 128 x 128 block scales): decode
+    tok/s at 1 and 8 busy rows (each row DECODE_CONTEXT tokens deep) and prefill tok/s of one
+    PREFILL_TOKENS-token chunk, each beside its bound: decode reads every weight and
     each row's K/V once per step, so tok/s <= rows x bandwidth / bytes; prefill is bounded by the
     same read per chunk and by the chip's dense bfloat16 FLOP/s (2 FLOPs per weight per token),
     whichever is lower. Bandwidth and FLOP/s come from the device's name (CHIPS); an unknown chip
     gets no bound, and the script says so.
+  - one FP8 matrix's product three ways (fp8_products): bfloat16 weights, the engine's (float8
+    widened per block at use), and XLA's float8 x float8 dot of rows rounded to float8 (a per-tensor
+    scale: the speed an FP8 dot would reach, not the engine's numbers);
 The random model's layout is load_weights' own: one layer is laid out from stand-in tensors and each
 of its arrays is then drawn at random on the chip, per layer.
 """
@@ -31,14 +35,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 from engine import weights as weights_module  # noqa: E402
 from engine.cache import init_cache  # noqa: E402
-from engine.config import config_from_dict, load_config  # noqa: E402
+from engine.checkpoint import FP8  # noqa: E402
+from engine.config import FP8_DEFAULT_BLOCK, config_from_dict, load_config  # noqa: E402
 from engine.attention import kv_dtype_for  # noqa: E402
 from engine.model import jit_forward  # noqa: E402
-from engine.weights import load_weights, weights_bytes  # noqa: E402
+from engine.weights import load_weights, quantized_tensor, weights_bytes  # noqa: E402
 
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "tiny")
 # float32 on both sides at full precision: only the order of the sums differs (1.5e-5 on a CPU).
@@ -114,7 +120,9 @@ def parity() -> bool:
 # ---- the random Qwen3-8B-shaped model ------------------------------------------------------------
 
 class _StandIn:
-    """Tensors of the asked shape, one value everywhere (a broadcast view: no memory until laid out)."""
+    """Tensors of the asked shape, one value everywhere (a broadcast view: no memory until laid out).
+    With `float8` set, the layer projections are an FP8 checkpoint's (float8, 128 x 128 blocks)."""
+    float8 = False
 
     def __init__(self, folder: str):
         pass
@@ -122,18 +130,26 @@ class _StandIn:
     def has(self, name: str) -> bool:
         return False
 
+    def format(self, name: str) -> str:
+        return FP8 if self.float8 and quantized_tensor(name) and "layers" in name else "BF16"
+
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         return np.broadcast_to(np.float32(0.02), shape)
 
+    def fp8(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        rows, cols = shape
+        return (np.zeros(shape, ml_dtypes.float8_e4m3fn),
+                np.ones((rows, -(-cols // FP8_DEFAULT_BLOCK[1])), np.float32))
+
 
 def random_params(cfg_dict: dict, dtype) -> tuple[dict, object]:
-    """The params pytree load_weights lays out for this config (dtype: jnp.bfloat16 or "int8" with
-    bfloat16 for the rest), every array drawn at random on the default device."""
+    """The params pytree load_weights lays out for this config (dtype: jnp.bfloat16, or "int8" or
+    "fp8" with bfloat16 for the rest), every array drawn at random on the default device."""
     cfg = config_from_dict(cfg_dict)
     one_layer = config_from_dict({**cfg_dict, "num_hidden_layers": 1})
     shapes = lambda path, tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)  # noqa: E731
     real = weights_module._Reader
-    weights_module._Reader = _StandIn
+    weights_module._Reader = type("StandIn", (_StandIn,), {"float8": dtype == "fp8"})
     try:
         template = load_weights("", one_layer, dtype, float_dtype=jnp.bfloat16, place=shapes)
     finally:
@@ -147,6 +163,8 @@ def random_params(cfg_dict: dict, dtype) -> tuple[dict, object]:
             return jnp.ones(leaf.shape, leaf.dtype)
         if leaf.dtype == jnp.int8:
             return jax.random.randint(sub, leaf.shape, -127, 128, jnp.int32).astype(jnp.int8)
+        if leaf.dtype == jnp.float8_e4m3fn:
+            return jax.random.normal(sub, leaf.shape, jnp.float32).astype(leaf.dtype)
         if "scale" in name:
             return jnp.full(leaf.shape, 0.02 / 127, leaf.dtype)
         return (0.02 * jax.random.normal(sub, leaf.shape, jnp.float32)).astype(leaf.dtype)
@@ -217,6 +235,42 @@ def speed(cfg_dict: dict, label: str, dtype, bandwidth: float | None, flops: flo
     del params, cache, logits
 
 
+def fp8_products(bandwidth: float | None) -> None:
+    """An [12288, 4096] matrix (Qwen3-8B's MLP up, FP8) times 1, 8 and PREFILL_TOKENS rows: bfloat16
+    weights, the engine's product (engine.products: float8 widened per block at use), and a float8 x
+    float8 dot. Median of 20 calls each."""
+    from engine.products import matmul
+    out, inp = 12288, 4096
+    key = jax.random.PRNGKey(1)
+    f8 = jax.random.normal(key, (out, inp), jnp.float32).astype(jnp.float8_e4m3fn)
+    held = {"f8": f8, "f8_scale": jnp.full((out, inp // FP8_DEFAULT_BLOCK[1]), 0.01, jnp.float32)}
+    wide = (f8.astype(jnp.float32) * 0.01).astype(jnp.bfloat16)
+
+    def dot8(x, w):
+        xs = jnp.max(jnp.abs(x)) / 448.0
+        y = jax.lax.dot_general((x / xs).astype(jnp.float8_e4m3fn), w, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        return y * xs * 0.01
+
+    ways = (("bfloat16 weights", jax.jit(lambda x: matmul(x, wide)), 2),
+            ("fp8 widened at use", jax.jit(lambda x: matmul(x, held)), 1),
+            ("fp8 x fp8 dot", jax.jit(lambda x: dot8(x, f8)), 1))
+    for rows in (1, 8, PREFILL_TOKENS):
+        x = jax.random.normal(key, (rows, inp), jnp.float32)
+        line = []
+        for name, fn, weight_bytes in ways:
+            fn(x).block_until_ready()
+            times = []
+            for _ in range(20):
+                t = time.perf_counter()
+                fn(x).block_until_ready()
+                times.append(time.perf_counter() - t)
+            us = float(np.median(times)) * 1e6
+            share = f" ({out * inp * weight_bytes / (us * 1e-6) / bandwidth:.0%} of HBM)" if bandwidth else ""
+            line.append(f"{name} {us:,.0f} us{share}")
+        print(f"  fp8 product, {rows} row(s): " + "; ".join(line), flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=QWEN3_8B["num_hidden_layers"])
@@ -240,7 +294,8 @@ def main() -> int:
     print(f"  random model: {shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
           f"{shape['num_attention_heads']}/{shape['num_key_value_heads']} heads of {shape['head_dim']}, "
           f"MLP {shape['intermediate_size']}, vocabulary {shape['vocab_size']}", flush=True)
-    for label, dtype in (("bfloat16", jnp.bfloat16), ("int8", "int8")):
+    fp8_products(bandwidth)
+    for label, dtype in (("bfloat16", jnp.bfloat16), ("int8", "int8"), ("fp8", "fp8")):
         speed(shape, label, dtype, bandwidth, flops)
     print("device_bench: parity " + ("ok" if ok else "FAILED"))
     return 0 if ok else 1
