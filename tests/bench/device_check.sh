@@ -1,12 +1,14 @@
 #!/bin/sh
 # The accelerator checks, one short run (at most about 8 minutes):
 #  1. one chip (tests/bench/device_bench.py): the tiny fixture models' logits against transformers', and
-#     decode tok/s at 1 and 8 rows and prefill tok/s of a random Qwen3-8B-shaped model in bfloat16 and
-#     int8, each beside the HBM-bandwidth bound of the chip's name;
+#     decode tok/s at 1 and 8 rows and prefill tok/s of a random Qwen3-8B-shaped model in bfloat16,
+#     int8 and fp8, each beside the HBM-bandwidth bound of the chip's name, and one FP8 matrix's
+#     product three ways;
 #  2. tensor parallelism: the tiny dense, MoE, int8 and hybrid models split over every power-of-two count
 #     of the machine's chips give the logits of one chip (tests/tp_parity.py).
 #
 #     sh tests/bench/device_check.sh            (from the project folder, jax with the chips' plugin)
+#     LAYERS=12 sh tests/bench/device_check.sh  (a shallower random model: fewer seconds compiling)
 #
 # On a CPU machine part 1 says it found no GPU; with one chip part 2 has nothing to compare. Both exit 0.
 set -eu
@@ -17,7 +19,7 @@ PYTHON=${PYTHON:-python}
 TOLERANCE=${TOLERANCE:-2e-2}
 
 bench=0
-"$PYTHON" tests/bench/device_bench.py || bench=1
+"$PYTHON" tests/bench/device_bench.py ${LAYERS:+--layers "$LAYERS"} || bench=1
 
 chips=$("$PYTHON" -c 'import jax; print(len(jax.devices()))')
 platform=$("$PYTHON" -c 'import jax; print(jax.default_backend())')
