@@ -3082,6 +3082,8 @@ def health_document(bridge: "Bridge", admission: "Admission | None", namespace: 
     }
     if facts is not None and facts.devices is not None:
         doc["devices"] = facts.devices        # what the model is split over (engine.sharding)
+    if facts is not None:
+        doc["kernel"] = facts.kernel          # what multiplies the weights (engine.native's tier, or XLA)
     if bridge.pid is not None:
         doc["worker_pid"] = bridge.pid
     if not ready and bridge.loading is not None:

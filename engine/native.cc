@@ -1,4 +1,5 @@
-// The engine's one native kernel, on AVX-512 VNNI: float rows times packed int8 weights (Int8Matmul:
+// The engine's one native kernel, in two tiers (AVX-512 VNNI, or AVX2 with FMA and F16C: the
+// compiler flags choose, engine/native.py: TIERS): float rows times packed int8 weights (Int8Matmul:
 // the rows as int8 terms, their exact products, the scales), the packed weights widened for a
 // prefill chunk's dot (Int8Widen), the same two for a GGUF's 5-bit Q5_0 blocks (Int5Matmul,
 // Int5Widen), decode attention over the int8 KV cache (Int8Attend), the greedy pick of each row's
@@ -16,6 +17,15 @@
 // [n/16, k/4, n%16, k%4]. vpdpbusd multiplies unsigned by signed bytes, so the weights are held
 // offset (uint8) and 128 times each term row's sum comes off. int32 cannot overflow for K < 65536
 // (|q| <= 127 is stored as at most 255, |term| <= 127).
+//
+// The AVX2 tier has no vpdpbusd: vpmaddubsw multiplies unsigned by signed bytes into int16 pairs
+// and vpmaddwd adds the pairs into int32. An offset weight (up to 255) times a term would overflow
+// an int16 pair, so there the weights' signed values (the offset byte's top bit flipped) take the
+// terms' signs and the terms' magnitudes are the unsigned operand: |t| q pairs stay within 2 x 127
+// x 127 (a weight is never -128: engine.weights holds -127..127). The integer sums are the same
+// exact numbers, so every product and rounding after them is the AVX-512 tier's, bit for bit
+// (tests/test_native.py holds both to the same numpy definitions). Each step that differs by tier
+// is written twice, side by side, under MASHBOX_AVX512.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -30,11 +40,23 @@
 
 namespace ffi = xla::ffi;
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define MASHBOX_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define MASHBOX_AVX512 0
+#else
+#error "engine/native.cc is built for AVX-512 VNNI, or for AVX2 with FMA and F16C (engine/native.py: TIERS)"
+#endif
+
 namespace {
 
 constexpr int kLanes = 16;          // outputs per packed block (int32 lanes of a 512-bit register)
 constexpr int kGroup = 4;           // inputs per lane and instruction (vpdpbusd)
+#if MASHBOX_AVX512
 constexpr int kMaxTerms = 8;        // rows of int8 terms per pass: 8 accumulators plus loads
+#else
+constexpr int kMaxTerms = 4;        // AVX2: 8 accumulators (two 8-lane halves each) plus loads
+#endif
 // Blocks of 16 outputs a thread claims at a time: small enough to share out the smallest matrix
 // (896 outputs: 14 chunks of 64), large enough that claiming costs nothing. A chunk (at most 64
 // outputs x K bytes, 311 KB for K = 4864) stays in L2 while every pass of 8 terms reads it.
@@ -47,6 +69,7 @@ constexpr int64_t kPrefetch = 1024;
 // docs/performance.md).
 constexpr int64_t kPrefetchL2 = 6144;
 
+#if MASHBOX_AVX512
 // A mask of the first `left` of 16 lanes.
 inline __mmask16 Lanes(int64_t left) { return left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1; }
 
@@ -69,6 +92,50 @@ inline __m512 Rounded(const float* x, __mmask16 m, __m512 divisor) {
 inline void Dpbusd(__m512i& acc, __m512i a, __m512i b) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
 }
+#else
+// The largest magnitude of x [K]; a NaN never wins (as max_ps: a > b ? a : b).
+inline float Peak(const float* x, int64_t K) {
+  float top = 0.0f;
+  for (int64_t k = 0; k < K; k++) {
+    const float a = std::fabs(x[k]);
+    top = a > top ? a : top;
+  }
+  return top;
+}
+
+// A mask of the first `left` of 8 float lanes (all bits set in each lane taken).
+inline __m256i Lanes8(int64_t left) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(left, 0), 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline float ReduceAdd(__m256 v) {
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+}
+
+inline float ReduceMax(__m256 v) {
+  const __m128 four = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_max_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_max_ss(two, _mm_shuffle_ps(two, two, 1)));
+}
+
+// acc += the 4-byte dot products of unsigned bytes u and signed bytes s in each int32 lane (|u s|
+// pairs must fit int16: the callers' operands do).
+inline __m256i DotBytes(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+
+// 8 floats -> bfloat16 (nearest, ties to even; NaN not expected), in the low 128 bits.
+inline __m128i Bf16x8(__m256 value) {
+  __m256i bits = _mm256_castps_si256(value);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+  const __m256i packed = _mm256_packus_epi32(bits, bits);          // per 128-bit lane: 0-3 0-3 | 4-7 4-7
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+#endif
 
 // Runs fn(chunk) for chunks 0 .. chunks-1 on the calling thread and XLA's intra-op pool. Each
 // thread claims chunks until none is left; the caller works too and waits only for chunks another
@@ -107,6 +174,7 @@ int64_t Chunks(int64_t blocks) { return (blocks + kChunkBlocks - 1) / kChunkBloc
 // x ~= q * scale, rounded half to even; returns the scale, and the levels' sum in *sum. The same
 // numbers as engine/products.py's quantize_rows, 16 at a time (3x faster than one at a time). The
 // terms are made before the pool's threads start.
+#if MASHBOX_AVX512
 float QuantizeRow(const float* x, int8_t* q, int64_t K, int32_t* sum) {
   const float peak = Peak(x, K);
   const float scale = peak > 0.0f ? peak / 127.0f : 1.0f;
@@ -145,12 +213,42 @@ void MakeTerms(const float* x, int64_t R, int64_t K, int8_t* terms, float* term_
     offsets[2 * r + 1] *= 128;
   }
 }
+#else
+float QuantizeRow(const float* x, int8_t* q, int64_t K, int32_t* sum) {
+  const float peak = Peak(x, K);
+  const float scale = peak > 0.0f ? peak / 127.0f : 1.0f;
+  int32_t levels = 0;
+  for (int64_t k = 0; k < K; k++) {
+    float v = std::nearbyint(x[k] / scale);
+    v = v > -127.0f ? v : -127.0f;             // a NaN to -127, as max_ps gives
+    v = v < 127.0f ? v : 127.0f;
+    q[k] = static_cast<int8_t>(v);
+    levels += static_cast<int32_t>(v);
+  }
+  *sum = levels;
+  return scale;
+}
+
+// As the AVX-512 tier's, but for the offsets: this tier multiplies the weights' signed values.
+void MakeTerms(const float* x, int64_t R, int64_t K, int8_t* terms, float* term_scales, int32_t* offsets) {
+  std::vector<float> rest(K);
+  for (int64_t r = 0; r < R; r++) {
+    int8_t* q0 = terms + 2 * r * K;
+    const float* row = x + r * K;
+    const float s0 = term_scales[2 * r] = QuantizeRow(row, q0, K, &offsets[2 * r]);
+    for (int64_t k = 0; k < K; k++) rest[k] = row[k] - static_cast<float>(q0[k]) * s0;
+    term_scales[2 * r + 1] = QuantizeRow(rest.data(), q0 + K, K, &offsets[2 * r + 1]);
+    offsets[2 * r] = offsets[2 * r + 1] = 0;
+  }
+}
+#endif
 
 // One block of 16 outputs for R float rows, each row's two int8 terms at term rows 2r and 2r + 1:
 // each output leaves the accumulators as (p0 s0 + p1 s1) * scale in float32, with no buffer of int32
 // products between. One block at a time reads one stream of weights (two streams sharing each
 // term's broadcast were slower). Always inlined: called on its own, GCC 12 kept the 8 accumulators
 // of 4 rows on the stack (docs/performance.md).
+#if MASHBOX_AVX512
 template <int R>
 __attribute__((always_inline)) inline void ScaledBlock(const uint8_t* w, const int8_t* terms,
                                                        const float* term_scales, const int32_t* offsets,
@@ -179,6 +277,42 @@ __attribute__((always_inline)) inline void ScaledBlock(const uint8_t* w, const i
     _mm512_storeu_ps(out + r * N + block * kLanes, _mm512_mul_ps(_mm512_add_ps(p0, p1), sc));
   }
 }
+#else
+template <int R>
+__attribute__((always_inline)) inline void ScaledBlock(const uint8_t* w, const int8_t* terms,
+                                                       const float* term_scales, const int32_t*,
+                                                       const float* scale, float* out, int64_t K,
+                                                       int64_t N, int64_t block) {
+  constexpr int T = 2 * R;
+  __m256i acc[T][2];                     // outputs 0-7 and 8-15
+  for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const uint8_t* wb = w + block * kLanes * K;
+  for (int64_t k = 0; k < K; k += kGroup) {
+    const uint8_t* at = wb + k * kLanes;
+    _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetch), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchL2), _MM_HINT_T1);
+    const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)), flip);
+    const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32)), flip);
+    for (int t = 0; t < T; t++) {
+      int32_t four;                                        // terms[t, k .. k+3]
+      __builtin_memcpy(&four, terms + t * K + k, sizeof four);
+      const __m256i tv = _mm256_set1_epi32(four), magnitude = _mm256_abs_epi8(tv);
+      acc[t][0] = DotBytes(acc[t][0], magnitude, _mm256_sign_epi8(w0, tv));
+      acc[t][1] = DotBytes(acc[t][1], magnitude, _mm256_sign_epi8(w1, tv));
+    }
+  }
+  for (int h = 0; h < 2; h++) {
+    const __m256 sc = _mm256_loadu_ps(scale + block * kLanes + 8 * h);
+    for (int r = 0; r < R; r++) {
+      const __m256 p0 = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[2 * r][h]), _mm256_set1_ps(term_scales[2 * r]));
+      const __m256 p1 = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[2 * r + 1][h]),
+                                      _mm256_set1_ps(term_scales[2 * r + 1]));
+      _mm256_storeu_ps(out + r * N + block * kLanes + 8 * h, _mm256_mul_ps(_mm256_add_ps(p0, p1), sc));
+    }
+  }
+}
+#endif
 
 template <int R>
 void ScaledPass(const uint8_t* w, const int8_t* terms, const float* term_scales, const int32_t* offsets,
@@ -189,8 +323,12 @@ void ScaledPass(const uint8_t* w, const int8_t* terms, const float* term_scales,
 constexpr int kMaxRows = kMaxTerms / 2;  // float rows per pass: two terms each
 using ScaledPassFn = void (*)(const uint8_t*, const int8_t*, const float*, const int32_t*, const float*,
                               float*, int64_t, int64_t, int64_t, int64_t);
+#if MASHBOX_AVX512
 constexpr ScaledPassFn kScaledPasses[kMaxRows + 1] = {nullptr, ScaledPass<1>, ScaledPass<2>,
                                                       ScaledPass<3>, ScaledPass<4>};
+#else
+constexpr ScaledPassFn kScaledPasses[kMaxRows + 1] = {nullptr, ScaledPass<1>, ScaledPass<2>};
+#endif
 
 // x float32 [R, K] times the packed offset weights, each output times its channel's scale ->
 // float32 [R, N]. Each row becomes two int8 terms (the row, then what its rounding left, on its own
@@ -213,7 +351,7 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   float* op = out->typed_data();
   Parallel(pool, Chunks(blocks), [&](int64_t c) {
     const int64_t b0 = c * kChunkBlocks, b1 = std::min(b0 + kChunkBlocks, blocks);
-    for (int64_t r0 = 0; r0 < R; r0 += kMaxRows) {         // 4 rows per pass over the chunk
+    for (int64_t r0 = 0; r0 < R; r0 += kMaxRows) {         // 4 rows per pass over the chunk (AVX2: 2)
       const int64_t n = std::min<int64_t>(kMaxRows, R - r0);
       kScaledPasses[n](w.typed_data(), terms.data() + 2 * r0 * K, term_scales.data() + 2 * r0,
                        offsets.data() + 2 * r0, sp, op + r0 * N, K, N, b0, b1);
@@ -224,6 +362,7 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 
 // ---- the weights widened, for a prefill chunk's bfloat16 dot -----------------------------------
 
+#if MASHBOX_AVX512
 // 16 vectors of 16 dwords -> their transpose, in place: v[r] lane i becomes the old v[i] lane r.
 inline void Transpose16(__m512i* v) {
   __m512i t[16], u[16];
@@ -256,6 +395,7 @@ inline __m256i Bf16(__m128i bytes) {
   const __m512i bits = _mm512_castps_si512(_mm512_cvtepi32_ps(values));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
 }
+#endif
 
 // Packed offset weights [N/16, K/4, 16, 4] -> their int8 values as bfloat16 [N, K]. XLA's own
 // transpose of the packed layout cost a 512-token prefill chunk of the demo 0.5 s (2.35 against
@@ -274,6 +414,7 @@ ffi::Error Int8Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::AnyBuffe
     const uint8_t* block = wp + b * groups * kLanes * kGroup;
     uint16_t* rows = op + b * kLanes * K;
     int64_t g = 0;
+#if MASHBOX_AVX512
     for (; g + 16 <= groups; g += 16) {   // 16 groups of 4 inputs x 16 outputs: 64 inputs of each
       __m512i v[16];
       for (int i = 0; i < 16; i++) v[i] = _mm512_loadu_si512(block + (g + i) * kLanes * kGroup);
@@ -286,6 +427,22 @@ ffi::Error Int8Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::AnyBuffe
         _mm256_storeu_si256(to + 3, Bf16(_mm512_extracti32x4_epi32(v[l], 3)));
       }
     }
+#else
+    const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
+    for (; g + 4 <= groups; g += 4) {     // 4 groups: 16 inputs of each of the 16 outputs
+      const uint8_t* at = block + g * kLanes * kGroup;
+      for (int l = 0; l < kLanes; l++) {
+        int32_t four[4];
+        for (int i = 0; i < 4; i++) __builtin_memcpy(&four[i], at + i * kLanes * kGroup + l * kGroup, 4);
+        const __m128i bytes = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(four)), flip);
+        const __m128i low = Bf16x8(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+        const __m128i high = Bf16x8(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))));
+        __m128i* to = reinterpret_cast<__m128i*>(rows + l * K + g * kGroup);
+        _mm_storeu_si128(to, low);
+        _mm_storeu_si128(to + 1, high);
+      }
+    }
+#endif
     for (; g < groups; g++)
       for (int l = 0; l < kLanes; l++)
         for (int j = 0; j < kGroup; j++) {
@@ -328,6 +485,7 @@ bool Packed5(const ffi::Span<const int64_t>& nib, const ffi::Span<const int64_t>
 }
 
 // 64 bytes of nibbles and their fifth bits -> the levels q (0..31) of the low and the high nibbles.
+#if MASHBOX_AVX512
 inline void Levels(const uint8_t* nib, const uint64_t* fifth, __m512i* low, __m512i* high) {
   const __m512i four = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(kQ5Offset);
   const __m512i v = _mm512_loadu_si512(nib);
@@ -336,10 +494,33 @@ inline void Levels(const uint8_t* nib, const uint64_t* fifth, __m512i* low, __m5
   *low = _mm512_mask_add_epi8(lo, _cvtu64_mask64(fifth[0]), lo, sixteen);
   *high = _mm512_mask_add_epi8(hi, _cvtu64_mask64(fifth[1]), hi, sixteen);
 }
+#else
+// 32 bits -> 32 bytes, 0xFF where the bit is set (byte i: bit i).
+inline __m256i BitBytes(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)),
+                                             _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                              2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+}
+
+// As above, each as two 32-byte halves.
+inline void Levels(const uint8_t* nib, const uint64_t* fifth, __m256i* low, __m256i* high) {
+  const __m256i four = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(kQ5Offset);
+  for (int h = 0; h < 2; h++) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nib + 32 * h));
+    low[h] = _mm256_add_epi8(_mm256_and_si256(v, four),
+                             _mm256_and_si256(BitBytes(static_cast<uint32_t>(fifth[0] >> (32 * h))), sixteen));
+    high[h] = _mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), four),
+                              _mm256_and_si256(BitBytes(static_cast<uint32_t>(fifth[1] >> (32 * h))), sixteen));
+  }
+}
+#endif
 
 // One block of 16 outputs for R rows, each quantized per 32 inputs (Int5Matmul): per 32 inputs, sum
 // q t exactly, take 16 times the terms' sum off (the level is q - 16), and add it times the weights'
 // and the row's scales in float32.
+#if MASHBOX_AVX512
 template <int R>
 void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const int8_t* terms,
             const int32_t* sums, const float* term_scales, float* out, int64_t K, int64_t N,
@@ -378,11 +559,59 @@ void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const 
   }
   for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * N + b * kLanes, total[r]);
 }
+#else
+template <int R>
+void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const int8_t* terms,
+            const int32_t* sums, const float* term_scales, float* out, int64_t K, int64_t N,
+            int64_t b) {
+  const int64_t groups = K / kNibbleGroup, blocks32 = K / kQ5Block;
+  const uint8_t* nb = nib + b * groups * 64;
+  const uint64_t* fb = fifth + b * groups * 2;
+  const uint16_t* db = d + b * blocks32 * kLanes;
+  __m256 total[R][2];
+  for (int r = 0; r < R; r++) total[r][0] = total[r][1] = _mm256_setzero_ps();
+  for (int64_t g32 = 0; g32 < blocks32; g32++) {
+    __m256i acc[R][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_set1_epi32(-kQ5Offset * sums[r * blocks32 + g32]);
+    for (int i = 0; i < kQ5Block / kNibbleGroup; i++) {
+      const int64_t g = g32 * (kQ5Block / kNibbleGroup) + i;
+      _mm_prefetch(reinterpret_cast<const char*>(nb + g * 64 + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(nb + g * 64 + kPrefetchL2), _MM_HINT_T1);
+      if (i == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(fb + (g + kPrefetchL2 / 64) * 2), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(db + (g32 + kPrefetchL2 / 256) * kLanes), _MM_HINT_T1);
+      }
+      __m256i low[2], high[2];
+      Levels(nb + g * 64, fb + g * 2, low, high);
+      for (int r = 0; r < R; r++) {
+        int32_t first, second;                             // terms[r, 8g .. 8g+3], [8g+4 .. 8g+7]
+        __builtin_memcpy(&first, terms + r * K + g * kNibbleGroup, sizeof first);
+        __builtin_memcpy(&second, terms + r * K + g * kNibbleGroup + 4, sizeof second);
+        const __m256i f = _mm256_set1_epi32(first), s = _mm256_set1_epi32(second);
+        for (int h = 0; h < 2; h++)                        // levels <= 31: |q t| pairs fit int16
+          acc[r][h] = DotBytes(DotBytes(acc[r][h], low[h], f), high[h], s);
+      }
+    }
+    for (int h = 0; h < 2; h++) {
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db + g32 * kLanes + 8 * h)));
+      for (int r = 0; r < R; r++)
+        total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]),
+                                      _mm256_mul_ps(scale, _mm256_set1_ps(term_scales[r * blocks32 + g32])), total[r][h]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * N + b * kLanes + 8 * h, total[r][h]);
+}
+#endif
 
 using Block5Fn = void (*)(const uint8_t*, const uint64_t*, const uint16_t*, const int8_t*, const int32_t*,
                           const float*, float*, int64_t, int64_t, int64_t);
+#if MASHBOX_AVX512
 constexpr Block5Fn kBlocks5[kMaxTerms + 1] = {nullptr, Block5<1>, Block5<2>, Block5<3>, Block5<4>,
                                               Block5<5>, Block5<6>, Block5<7>, Block5<8>};
+#else
+constexpr Block5Fn kBlocks5[kMaxTerms + 1] = {nullptr, Block5<1>, Block5<2>, Block5<3>, Block5<4>};
+#endif
 
 // x float32 [R, K] times 5-bit weights -> float32 [R, N]. Each row is rounded to int8 per 32 inputs,
 // on each block's own scale (largest magnitude / 127), as the weights are: one term per row, where
@@ -414,7 +643,7 @@ ffi::Error Int5Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   float* op = out->typed_data();
   Parallel(pool, Chunks(blocks), [&](int64_t c) {
     const int64_t b0 = c * kChunkBlocks, b1 = std::min(b0 + kChunkBlocks, blocks);
-    for (int64_t r0 = 0; r0 < R; r0 += kMaxTerms) {        // 8 rows per pass over the chunk
+    for (int64_t r0 = 0; r0 < R; r0 += kMaxTerms) {        // 8 rows per pass over the chunk (AVX2: 4)
       const int64_t n = std::min<int64_t>(kMaxTerms, R - r0);
       for (int64_t b = b0; b < b1; b++)
         kBlocks5[n](np_, fp, dp, terms.data() + r0 * K, sums.data() + r0 * blocks32,
@@ -443,21 +672,37 @@ ffi::Error Int5Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer
     for (int64_t g32 = 0; g32 < blocks32; g32++) {
       for (int i = 0; i < kQ5Block / kNibbleGroup; i++) {
         const int64_t g = g32 * (kQ5Block / kNibbleGroup) + i;
+#if MASHBOX_AVX512
         __m512i lo, hi;
         Levels(np_ + (b * groups + g) * 64, fp + (b * groups + g) * 2, &lo, &hi);
         _mm512_store_si512(low, lo);
         _mm512_store_si512(high, hi);
+#else
+        __m256i lo[2], hi[2];
+        Levels(np_ + (b * groups + g) * 64, fp + (b * groups + g) * 2, lo, hi);
+        for (int h = 0; h < 2; h++) {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(low + 32 * h), lo[h]);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(high + 32 * h), hi[h]);
+        }
+#endif
         for (int l = 0; l < kLanes; l++) {
           __builtin_memcpy(&lanes[l][i * kNibbleGroup], low + 4 * l, 4);
           __builtin_memcpy(&lanes[l][i * kNibbleGroup + 4], high + 4 * l, 4);
         }
       }
+      alignas(64) float scale[kLanes];
+#if MASHBOX_AVX512
       const __m512 scales = _mm512_cvtph_ps(_mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(dp + (b * blocks32 + g32) * kLanes)));
-      alignas(64) float scale[kLanes];
       _mm512_store_ps(scale, scales);
+#else
+      for (int h = 0; h < 2; h++)
+        _mm256_store_ps(scale + 8 * h, _mm256_cvtph_ps(_mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(dp + (b * blocks32 + g32) * kLanes + 8 * h))));
+#endif
       for (int l = 0; l < kLanes; l++) {
         uint16_t* row = op + (b * kLanes + l) * K + g32 * kQ5Block;
+#if MASHBOX_AVX512
         for (int h = 0; h < kQ5Block; h += 16) {
           const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&lanes[l][h]));
           const __m512i level = _mm512_sub_epi32(_mm512_cvtepu8_epi32(q), _mm512_set1_epi32(kQ5Offset));
@@ -468,6 +713,14 @@ ffi::Error Int5Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + h),
                               _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
         }
+#else
+        for (int h = 0; h < kQ5Block; h += 8) {
+          const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(&lanes[l][h]));
+          const __m256i level = _mm256_sub_epi32(_mm256_cvtepu8_epi32(q), _mm256_set1_epi32(kQ5Offset));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(row + h),
+                           Bf16x8(_mm256_mul_ps(_mm256_cvtepi32_ps(level), _mm256_set1_ps(scale[l]))));
+        }
+#endif
       }
     }
   });
@@ -487,13 +740,18 @@ ffi::Error Int5Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer
 // Positions one task of Int8Attend covers: a row's context is cut at fixed multiples of this (never
 // where other rows end), so its sums run in the same order whatever the batch.
 constexpr int64_t kSplit = 2048;
+#if MASHBOX_AVX512
 constexpr int kRows = 8;                 // query rows per pass (2 accumulators each)
+#else
+constexpr int kRows = 4;                 // AVX2: query rows per pass (2 accumulators each, 8 lanes)
+#endif
 constexpr int64_t kStep = 32;            // positions per step of both passes (two 16-lane halves)
 constexpr int64_t kMaxHeadDim = 1024;    // int16 queries: 16383 * 127 * D stays below 2^31
 constexpr float kQueryLevels = 16383.0f;
 constexpr float kWeightLevels = 32767.0f;  // the weights are never negative: all of int16's range
 
 // e^x for x <= 0, about 1 ulp: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial, times 2^n.
+#if MASHBOX_AVX512
 inline __m512 Exp(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
@@ -522,6 +780,33 @@ inline __m512i Words16(const int8_t* at, __mmask32 m) {
 inline void Dpwssd(__m512i& acc, __m512i a, __m512i b) {
   asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
 }
+#else
+inline __m256 Exp(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  // 2^n built from its exponent bits: n >= -126 (x >= -87), a normal float.
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// 16 int8 at `at` -> int16 (zero past `left`; never read past it: the cache may end there).
+inline __m256i Words16(const int8_t* at, int64_t left) {
+  if (left >= 16) return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+  alignas(16) int8_t part[16] = {};
+  __builtin_memcpy(part, at, std::max<int64_t>(left, 0));
+  return _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(part)));
+}
+#endif
 
 // Scores of R query rows (int16, as pairs of dimensions: qp [R, D/2], scales qs [R]) over n
 // positions of keys k [D, C] from `begin`, times the keys' scales, into w (row stride `stride`).
@@ -529,6 +814,7 @@ inline void Dpwssd(__m512i& acc, __m512i a, __m512i b) {
 // (vpermt2w), so that one vpdpwssd adds both dimensions' products for 16 positions. `later`: the
 // values [D, C], fetched ahead for Weighted (about 10% at 16k positions; keys fetched ahead gained
 // nothing).
+#if MASHBOX_AVX512
 template <int R>
 void Scores(const int32_t* qp, const float* qs, const int8_t* k, const float* ks, int64_t D, int64_t C,
             int64_t begin, int64_t n, float* w, int64_t stride, const int8_t* later) {
@@ -589,16 +875,78 @@ void Weighted(const int16_t* wq, int64_t stride, const int8_t* v, int64_t D, int
     }
   }
 }
+#else
+// AVX2: 16 positions per step; vpunpck{l,h}wd interleave the two dimensions per position within
+// 128-bit lanes (positions 0-3 and 8-11, then 4-7 and 12-15), put back in order before the store.
+template <int R>
+void Scores(const int32_t* qp, const float* qs, const int8_t* k, const float* ks, int64_t D, int64_t C,
+            int64_t begin, int64_t n, float* w, int64_t stride, const int8_t* later) {
+  const int64_t pairs = D / 2;
+  for (int64_t p = 0; p < n; p += 16) {
+    const int64_t left = n - p;
+    __m256i s[2][R];
+    for (int r = 0; r < R; r++) s[0][r] = s[1][r] = _mm256_setzero_si256();
+    const int8_t* at = k + begin + p;
+    if (later && p % 64 == 0)
+      for (int64_t d = 0; d < D; d++)
+        _mm_prefetch(reinterpret_cast<const char*>(later + d * C + begin + p), _MM_HINT_T1);
+    for (int64_t d = 0; d < pairs; d++, at += 2 * C) {
+      const __m256i a = Words16(at, left), b = Words16(at + C, left);
+      const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);
+      for (int r = 0; r < R; r++) {
+        const __m256i q = _mm256_set1_epi32(qp[r * pairs + d]);
+        s[0][r] = _mm256_add_epi32(s[0][r], _mm256_madd_epi16(lo, q));
+        s[1][r] = _mm256_add_epi32(s[1][r], _mm256_madd_epi16(hi, q));
+      }
+    }
+    for (int h = 0; h < 2; h++) {
+      const __m256 scale = _mm256_maskload_ps(ks + begin + p + 8 * h, Lanes8(left - 8 * h));
+      for (int r = 0; r < R; r++) {
+        const __m256i ordered = _mm256_permute2x128_si256(s[0][r], s[1][r], h == 0 ? 0x20 : 0x31);
+        _mm256_storeu_ps(w + r * stride + p + 8 * h,
+                         _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ordered), _mm256_set1_ps(qs[r])), scale));
+      }
+    }
+  }
+}
+
+template <int R>
+void Weighted(const int16_t* wq, int64_t stride, const int8_t* v, int64_t D, int64_t C, int64_t begin,
+              int64_t n, float* acc) {
+  for (int64_t d = 0; d < D; d += 2) {
+    __m256i a[2][R];
+    for (int r = 0; r < R; r++) a[0][r] = a[1][r] = _mm256_setzero_si256();
+    const int8_t* at = v + d * C + begin;
+    for (int64_t p = 0; p < n; p += 16) {
+      const __m256i v0 = Words16(at + p, n - p), v1 = Words16(at + C + p, n - p);
+      for (int r = 0; r < R; r++) {
+        const __m256i wr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + r * stride + p));
+        a[0][r] = _mm256_add_epi32(a[0][r], _mm256_madd_epi16(v0, wr));
+        a[1][r] = _mm256_add_epi32(a[1][r], _mm256_madd_epi16(v1, wr));
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      acc[r * D + d] = ReduceAdd(_mm256_cvtepi32_ps(a[0][r]));
+      acc[r * D + d + 1] = ReduceAdd(_mm256_cvtepi32_ps(a[1][r]));
+    }
+  }
+}
+#endif
 
 using ScoresFn = void (*)(const int32_t*, const float*, const int8_t*, const float*, int64_t, int64_t,
                           int64_t, int64_t, float*, int64_t, const int8_t*);
 using WeightedFn = void (*)(const int16_t*, int64_t, const int8_t*, int64_t, int64_t, int64_t, int64_t,
                             float*);
+#if MASHBOX_AVX512
 constexpr ScoresFn kScores[kRows + 1] = {nullptr, Scores<1>, Scores<2>, Scores<3>, Scores<4>,
                                          Scores<5>, Scores<6>, Scores<7>, Scores<8>};
 constexpr WeightedFn kWeighted[kRows + 1] = {nullptr, Weighted<1>, Weighted<2>, Weighted<3>,
                                              Weighted<4>, Weighted<5>, Weighted<6>, Weighted<7>,
                                              Weighted<8>};
+#else
+constexpr ScoresFn kScores[kRows + 1] = {nullptr, Scores<1>, Scores<2>, Scores<3>, Scores<4>};
+constexpr WeightedFn kWeighted[kRows + 1] = {nullptr, Weighted<1>, Weighted<2>, Weighted<3>, Weighted<4>};
+#endif
 
 // One task: query rows q [G, D] of one (row, KV head) over positions [begin, end) of its slot's keys
 // k and values v [D, C] (positions last) and their scales [C]. Leaves each query row's largest score,
@@ -615,12 +963,16 @@ void AttendSpan(const float* q, const int8_t* k, const int8_t* v, const float* k
     const float* row = q + g * D;
     const float peak = Peak(row, D);
     qs[g] = peak > 0.0f ? peak / kQueryLevels : 1.0f;
+#if MASHBOX_AVX512
     const __m512 divisor = _mm512_set1_ps(qs[g]);
     for (int64_t e = 0; e < D; e += kLanes) {
       const __mmask16 m = Lanes(D - e);
       const __m512i level = _mm512_cvtps_epi32(Rounded(row + e, m, divisor));
       _mm512_mask_cvtepi32_storeu_epi16(levels + g * D + e, m, level);
     }
+#else
+    for (int64_t e = 0; e < D; e++) levels[g * D + e] = static_cast<int16_t>(std::nearbyint(row[e] / qs[g]));
+#endif
   }
   // Scores, then weights, per row (every lane written before it is read: no zeroing).
   std::unique_ptr<float[]> w(new float[G * padded]);
@@ -630,6 +982,7 @@ void AttendSpan(const float* q, const int8_t* k, const int8_t* v, const float* k
                                              &w[g * padded], padded, g == 0 ? v : nullptr);
   for (int64_t g = 0; g < G; g++) {
     float* row = &w[g * padded];
+#if MASHBOX_AVX512
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int64_t p = 0; p < n; p += 16)
       top = _mm512_mask_max_ps(top, Lanes(n - p), top, _mm512_loadu_ps(row + p));
@@ -653,6 +1006,35 @@ void AttendSpan(const float* q, const int8_t* k, const int8_t* v, const float* k
     for (int64_t p = 0; p < padded; p += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(&wq[g * padded + p]),
                           _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + p), levels))));
+#else
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    for (int64_t p = 0; p < n; p += 8) {
+      const __m256 m = _mm256_castsi256_ps(Lanes8(n - p));
+      top = _mm256_max_ps(top, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(row + p), m));
+    }
+    const float peak = ReduceMax(top);
+    __m256 sum = _mm256_setzero_ps(), largest = _mm256_setzero_ps();
+    for (int64_t p = 0; p < padded; p += 8) {
+      const __m256i mi = Lanes8(n - p);
+      const __m256 m = _mm256_castsi256_ps(mi);
+      const __m256 e = _mm256_and_ps(m, Exp(_mm256_sub_ps(_mm256_loadu_ps(row + p), _mm256_set1_ps(peak))));
+      sum = _mm256_add_ps(sum, e);
+      const __m256 weight = _mm256_mul_ps(e, _mm256_maskload_ps(vs + begin + p, mi));
+      largest = _mm256_max_ps(largest, weight);
+      _mm256_storeu_ps(row + p, weight);
+    }
+    best[g] = peak;
+    total[g] = ReduceAdd(sum);
+    const float top_weight = ReduceMax(largest);
+    unit[g] = top_weight > 0.0f ? top_weight / kWeightLevels : 0.0f;
+    const __m256 levels = _mm256_set1_ps(top_weight > 0.0f ? kWeightLevels / top_weight : 0.0f);
+    for (int64_t p = 0; p < padded; p += 16) {
+      const __m256i low = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + p), levels));
+      const __m256i high = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + p + 8), levels));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&wq[g * padded + p]),
+                          _mm256_permute4x64_epi64(_mm256_packs_epi32(low, high), 0xD8));
+    }
+#endif
   }
   for (int64_t g = 0; g < G; g += kRows)
     kWeighted[std::min<int64_t>(kRows, G - g)](&wq[g * padded], padded, v, D, C, begin, n, acc + g * D);
@@ -729,6 +1111,7 @@ struct Pick {
 
 // The first largest of x[begin, end). Each lane keeps its first largest (only a greater value
 // replaces it, never a NaN), then the lanes' largest with the lowest index wins.
+#if MASHBOX_AVX512
 Pick PickPiece(const float* x, int64_t begin, int64_t end) {
   const __m512i step = _mm512_set1_epi32(kLanes);
   __m512i at = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(begin)),
@@ -746,6 +1129,15 @@ Pick PickPiece(const float* x, int64_t begin, int64_t end) {
   const __mmask16 tops = _mm512_cmp_ps_mask(best, _mm512_set1_ps(peak), _CMP_EQ_OQ);
   return {peak, _mm512_mask_reduce_min_epi32(tops, where)};
 }
+#else
+// AVX2: one element at a time (the same first largest; about 0.1 ms for 152k logits).
+Pick PickPiece(const float* x, int64_t begin, int64_t end) {
+  Pick best{-INFINITY, begin};
+  for (int64_t i = begin; i < end; i++)
+    if (x[i] > best.value) best = {x[i], i};
+  return best;
+}
+#endif
 
 // logits float32 [R, V] -> int32 [R]: the first index of each row's largest value. NaN is never
 // picked (a row of NaN and -inf picks 0): a token always in the vocabulary.
@@ -806,6 +1198,7 @@ void RowCuts(const float* p, int64_t V, int32_t top_k, float top_p, float* t_k, 
   auto sorted = [&](int64_t b, float floor) {
     std::vector<float> in(count[b] + kLanes);
     int64_t n = 0;
+#if MASHBOX_AVX512
     const __m512i last = _mm512_set1_epi32(kCutBuckets - 1), want = _mm512_set1_epi32(b);
     const __m512 zero = _mm512_setzero_ps(), at_least = _mm512_set1_ps(floor);
     for (int64_t i = 0; i < V; i += kLanes) {
@@ -819,6 +1212,12 @@ void RowCuts(const float* p, int64_t V, int32_t top_k, float top_p, float* t_k, 
         n += __builtin_popcount(in_b);
       }
     }
+#else
+    for (int64_t i = 0; i < V; i++) {
+      const float v = CutValue(p[i]);
+      if (CutBucket(v) == b && v >= floor) in[n++] = v;
+    }
+#endif
     in.resize(n);
     std::sort(in.begin(), in.end(), [](float a, float c) { return a > c; });
     return in;

@@ -7,7 +7,10 @@ It is built on first use with the host's C++ compiler against jaxlib's FFI heade
 cache root (rebuilt when the source, the compiler or jaxlib changes) and registered with XLA as
 custom calls.
 
-It is optional: without AVX-512 VNNI, without a compiler, on several devices (the weights split
+It comes in tiers, chosen by the CPU's flags (TIERS): AVX-512 VNNI, else AVX2 with FMA and F16C
+(the same products from vpmaddubsw and vpmaddwd, bit for bit); MASHBOX_NATIVE_TIER=avx2 forces the
+lower tier on a CPU that has both (tests run every tier the CPU has).
+It is optional: without either tier's instructions, without a compiler, on several devices (the weights split
 over them: a custom call is not partitioned), or with MASHBOX_NATIVE=0, the weights stay in their
 plain [out, in] layout and XLA's own products and attention serve: the same int8 weights and
 cache, the products equal to a float32 rounding, attention with quantized queries and
@@ -45,11 +48,16 @@ TARGETS = {"mashbox_int8_matmul": "MashboxInt8Matmul",
            "mashbox_int5_matmul": "MashboxInt5Matmul", "mashbox_int5_widen": "MashboxInt5Widen",
            "mashbox_first_max": "MashboxFirstMax", "mashbox_filter_cuts": "MashboxFilterCuts"}
 ENV_SWITCH = "MASHBOX_NATIVE"                      # "0": never build or use the kernel
-# The instructions the kernel is compiled for; a CPU without any of them keeps XLA's products.
-REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+TIER_ENV = "MASHBOX_NATIVE_TIER"                   # a tier's name: that tier, if the CPU has it
+# The kernel's tiers, the first whose instructions (/proc/cpuinfo flags) the CPU has serves; a CPU
+# with neither keeps XLA's products. native.cc's MASHBOX_AVX512 follows the compiler flags.
+TIERS = {
+    "avx512_vnni": (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+                    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")),
+    "avx2": (frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c")),
+}
 # No contraction into fused multiply-adds: int8_matmul rounds each operation once, as defined.
-COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-mavx512f", "-mavx512bw",
-                 "-mavx512vl", "-mavx512vnni")
+BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
 BUILD_TIMEOUT_S = 300                              # about 5 s on 2 cores; a stuck compiler is given up
 LANES, GROUP = 16, 4                               # the packed block: 16 outputs x 4 inputs
 NIBBLE_GROUP, Q5_BLOCK = 8, 32                     # 5-bit: 8 inputs per load, a scale per 32
@@ -62,8 +70,24 @@ def _compiler() -> str | None:
     return None
 
 
+def tier() -> str | None:
+    """The tier this CPU runs (TIERS; TIER_ENV picks a lower one), or None: no tier's instructions,
+    or the kernel switched off."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    have = [name for name, (flags, _) in TIERS.items() if flags <= cpu.flags()]
+    asked = os.environ.get(TIER_ENV)
+    if asked:
+        return asked if asked in have else None
+    return have[0] if have else None
+
+
+def compile_flags() -> tuple[str, ...]:
+    return BASE_FLAGS + TIERS[tier()][1]
+
+
 def _build(compiler: str) -> Path:
-    """The shared library for this source, compiler and jaxlib: built now unless already there."""
+    """The shared library for this source, compiler, jaxlib and tier: built now unless already there."""
     import jax.ffi
     import jaxlib
 
@@ -72,16 +96,16 @@ def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), version.encode(), jaxlib.__version__.encode(),
-                                     " ".join(COMPILE_FLAGS).encode()])).hexdigest()[:20]
+                                     " ".join(compile_flags()).encode()])).hexdigest()[:20]
     folder = cache_root() / "native"
-    library = folder / f"native-{key}.so"
+    library = folder / f"native-{tier()}-{key}.so"
     if library.exists():
         return library
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *COMPILE_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE),
+        done = subprocess.run([compiler, *compile_flags(), f"-I{jax.ffi.include_dir()}", str(SOURCE),
                                "-o", tmp], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip()[-2000:] or f"{compiler} exited {done.returncode}")
@@ -104,9 +128,9 @@ def prepare() -> None:
 
 
 def _runs_here() -> bool:
-    """Not switched off, a CPU with the instructions, and XLA computing on it (on an accelerator
-    host the weights stay XLA's, whatever the host CPU)."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or not REQUIRED_FLAGS <= cpu.flags():
+    """Not switched off, a CPU with a tier's instructions, and XLA computing on it (on an
+    accelerator host the weights stay XLA's, whatever the host CPU)."""
+    if tier() is None:
         return False
     import jax
     return jax.default_backend() == "cpu"

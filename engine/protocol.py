@@ -109,6 +109,9 @@ class ModelFacts:
     # None with the reason in grammar_off (the server logs it once).
     grammar: str | None = None
     grammar_off: str = ""
+    # What multiplies the weights on a CPU: "native avx512_vnni" or "native avx2" (engine.native's
+    # kernel and its tier), else "xla"; Health's kernel.
+    kernel: str = "xla"
 
 
 @dataclass

@@ -279,7 +279,7 @@ class _Loader:
                  kv_heads: int, fp8: bool = False):
         self.r, self.cfg, self.dtype = reader, cfg, dtype      # dtype: of everything not int8 or fp8
         self.int8, self.fp8, self.pack, self.kv_heads = int8, fp8, pack, kv_heads
-        self.offset = held_int8_dtype() == np.uint8
+        self.offset = pack or held_int8_dtype() == np.uint8   # packed weights are the kernel's: offset
 
     # ---- one layer ----
 
@@ -472,10 +472,10 @@ _MANIFEST = "manifest.json"
 
 
 def packs_int8(dtype, allowed: bool = True) -> bool:
-    """Whether load_weights holds the int8 matrices in engine.native's packed layout: weights dtype
-    int8, held offset (the kernel's operand), the kernel available, and `allowed` (False where the
-    weights are split over several devices: the kernel is not)."""
-    return allowed and str(dtype) == "int8" and held_int8_dtype() == np.uint8 and native.available()
+    """Whether load_weights holds the int8 matrices in engine.native's packed layout (offset: the
+    kernel's operand, whatever XLA's products would take): weights dtype int8, the kernel available,
+    and `allowed` (False where the weights are split over several devices: the kernel is not)."""
+    return allowed and str(dtype) == "int8" and native.available()
 
 
 def held_key(component_set_sha: str, dtype: str, float_dtype: str, kv_heads: int, packed: bool) -> str:

@@ -280,7 +280,8 @@ class Engine:
             routed_experts=routed_report(cfg, {rows * t for _, rows, t in self.programs()}),
             component_set_sha=self.component_set_sha, deployment_id=self.deployment_id,
             certification=self.certification, certification_detail=self.certification_detail,
-            grammar=self.grammars.version, grammar_off=self.grammars.off or "")
+            grammar=self.grammars.version, grammar_off=self.grammars.off or "",
+            kernel=f"native {native.tier()}" if cfg.native else "xla")
         memory.release_free_heap()   # what start-up freed (the float checkpoint, the gate's reference)
 
     # -- start-up ---------------------------------------------------------------------------------
@@ -315,7 +316,7 @@ class Engine:
             "sources": [identity.file_sha256(m.__file__) for m in (sampler, prefix, sharding)]
             + [identity.file_sha256(init_cache.__code__.co_filename)]
             # the int8 kernel the programs call by name
-            + ([identity.file_sha256(str(native.SOURCE))] if native.available() else [])})
+            + ([identity.file_sha256(str(native.SOURCE)), native.tier()] if native.available() else [])})
 
     @device_call
     def _warm_up(self, host_copies: bool, state_copies: bool) -> None:
