@@ -129,7 +129,8 @@ def offset_int8(values: np.ndarray) -> np.ndarray:
 
 
 def held_int8_dtype() -> np.dtype:
-    """How int8 weights are held on this machine (OFFSET_INT8)."""
+    """How int8 weights are held for XLA's products on this machine (OFFSET_INT8); packed for the
+    native kernel they are always offset (packs_int8)."""
     return np.dtype(np.uint8 if OFFSET_INT8 else np.int8)
 
 

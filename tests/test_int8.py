@@ -65,7 +65,7 @@ def test_int8_logits_stay_close_to_float32_and_keep_the_greedy_tokens(name, int8
     monkeypatch.setattr(model, "_jit_layer", jax.jit(lambda *a, **k: model._layer(*a, **k),
                                                      static_argnames=("cfg", "kind", "mlp", "site")))
     want = _logits(cfg, load_weights(folder, cfg, jnp.float32), tokens, forward)
-    params = load_weights(folder, cfg, "int8")
+    params = load_weights(folder, cfg, "int8", pack=False)    # XLA's products (the kernel's: test_native)
     assert params["layers"][0]["qkv"]["q"].dtype == (jnp.uint8 if offset else jnp.int8)
     got = _logits(cfg, params, tokens, forward)
     np.testing.assert_allclose(got, want, atol=INT8_ATOL, rtol=0)
@@ -91,7 +91,8 @@ def test_tied_int8_head_is_the_int8_embedding_counted_once():
     cfg = load_config(folder)
     params = load_weights(folder, cfg, "int8")
     assert params["lm_head"] is params["embed"]
-    assert params["embed"]["q"].dtype == weights.held_int8_dtype()
+    # packed for the native kernel: offset, its operand; else as XLA's products take them
+    assert params["embed"]["q"].dtype == (np.uint8 if weights.packs_int8("int8") else weights.held_int8_dtype())
     assert params["embed"]["scale"].shape == (cfg.vocab_size,)
 
 

@@ -19,7 +19,7 @@ from tests.test_registry import cache, tiny_demo  # noqa: F401  (fixtures)
 TINY = os.path.join(os.path.dirname(__file__), "fixtures", "tiny")
 
 needs_kernel = pytest.mark.skipif(not native.available(),
-                                  reason="the int8 kernel needs AVX-512 VNNI and a C++ compiler")
+                                  reason="the kernel needs AVX-512 VNNI or AVX2 (FMA, F16C) and a C++ compiler")
 
 
 def _offset_weights(rng, n, k):
@@ -255,9 +255,9 @@ def test_a_ggufs_q5_0_matrices_are_held_at_5_bits_and_compute_their_values(tiny_
     np.testing.assert_allclose(logits, want, atol=tolerance * np.abs(want).max(), rtol=0)
 
 
-def test_switched_off_or_without_vnni_the_weights_stay_plain(monkeypatch):
+def test_switched_off_or_without_a_tier_the_weights_stay_plain(monkeypatch):
     """Guards against packing (or a build) where the kernel cannot run: MASHBOX_NATIVE=0, or a CPU
-    without AVX-512 VNNI, keeps XLA's products on the plain layout."""
+    with neither tier's instructions (AVX2 without F16C), keeps XLA's products on the plain layout."""
     folder = os.path.join(TINY, "qwen2")
     cfg = load_config(folder)
     for env, flags in (({"MASHBOX_NATIVE": "0"}, None), ({}, frozenset({"avx2", "fma"}))):
@@ -270,6 +270,37 @@ def test_switched_off_or_without_vnni_the_weights_stay_plain(monkeypatch):
             assert not native.available()
             assert load_weights(folder, cfg, "int8")["layers"][0]["down"]["q"].ndim == 2
     native.available.cache_clear()
+
+
+def test_the_tier_is_the_best_the_cpu_has_or_the_one_forced(monkeypatch):
+    """Guards the tier choice (native.TIERS): AVX-512 VNNI first, AVX2 without it, MASHBOX_NATIVE_TIER
+    forcing a tier the CPU has (never one it lacks: that build would fault), none when switched off."""
+    avx512 = native.TIERS["avx512_vnni"][0] | native.TIERS["avx2"][0]
+    for flags, env, want in ((avx512, {}, "avx512_vnni"), (avx512, {native.TIER_ENV: "avx2"}, "avx2"),
+                             (native.TIERS["avx2"][0], {}, "avx2"),
+                             (native.TIERS["avx2"][0], {native.TIER_ENV: "avx512_vnni"}, None),
+                             (avx512, {native.ENV_SWITCH: "0"}, None), (frozenset({"sse4_2"}), {}, None)):
+        with monkeypatch.context() as m:
+            m.setattr(native.cpu, "flags", lambda: flags)
+            for key in (native.TIER_ENV, native.ENV_SWITCH):
+                m.delenv(key, raising=False)
+            for key, value in env.items():
+                m.setenv(key, value)
+            assert native.tier() == want, (sorted(flags), env)
+    if native.tier():                   # this CPU's: built for its tier's instructions
+        assert set(native.TIERS[native.tier()][1]) <= set(native.compile_flags())
+
+
+@pytest.mark.skipif(native.tier() != "avx512_vnni", reason="this CPU's only tier is the one the suite runs")
+def test_the_avx2_tier_passes_the_kernel_tests_on_an_avx512_cpu():
+    """Every tier is held to the same numpy definitions on one machine: the kernel tests again, in a
+    process whose kernel is built for AVX2 (MASHBOX_NATIVE_TIER)."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "not avx2_tier_passes"], env={**os.environ, native.TIER_ENV: "avx2"},
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:]
 
 
 def test_packed_and_plain_weights_are_held_apart():
