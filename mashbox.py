@@ -3081,9 +3081,9 @@ def health_document(bridge: "Bridge", admission: "Admission | None", namespace: 
         "worker_restarts": bridge.restarts,
     }
     if facts is not None and facts.devices is not None:
-        doc["devices"] = facts.devices        # what the model is split over (engine.sharding)
-    if facts is not None:
-        doc["kernel"] = facts.kernel          # what multiplies the weights (engine.native's tier, or XLA)
+        # what the model is split over (engine.sharding), and what multiplies its weights there
+        # (engine.native's tier, or XLA)
+        doc["devices"] = {**facts.devices, "kernel": facts.kernel}
     if bridge.pid is not None:
         doc["worker_pid"] = bridge.pid
     if not ready and bridge.loading is not None:

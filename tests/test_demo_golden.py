@@ -147,7 +147,7 @@ def engine_int8(demo_folder):
 
 def test_int8_demo_passes_the_certification_gate(engine_int8):
     """int8 weights against the float64 reference (the int8 tolerance) and the golden answer."""
-    assert engine_int8.dtype.name == "int8"
+    assert engine_int8.weights_dtype == "int8"
     assert engine_int8.certification == "certified", engine_int8.certification_detail
     assert "golden answer (7 tokens)" in engine_int8.certification_detail
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from engine import certify, memory
+from engine import certify, memory, native
 from engine.checkpoint import Checkpoint
 from engine.config import ConfigError, check_weights_dtype, config_from_dict, load_config
 from engine.model import weights_dtype_for
@@ -230,6 +230,8 @@ def test_a_worker_serving_an_fp8_checkpoint_as_int8_is_certified(tmp_path):
                                compile_cache=None, weights_cache=None, certify_dir=None, dtype="int8"))
     assert engine.certification == "certified", engine.certification_detail
     assert engine.facts.dtype == "int8" and engine.facts.bpw == Checkpoint(str(fp8)).bits_per_weight
+    # Health's devices.kernel: what multiplies the int8 weights here
+    assert engine.facts.kernel == (f"native {native.tier()}" if native.available() else "xla")
     projections = sum(1 for name in Checkpoint(str(fp8)).shapes if name.split(".")[-2] in PROJECTIONS)
     assert engine.start_notes == [f"{fp8}: {projections} matrices F8_E4M3 with block scales, "
                                   "rounded again to int8 per channel"]

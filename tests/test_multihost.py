@@ -189,7 +189,7 @@ def test_two_processes_answer_what_one_device_answers_and_health_says_so(group):
         assert got["usage"]["completion_tokens"] == body["max_tokens"]
     doc = leader.health()
     assert doc["devices"] == {"count": 4, "platform": "cpu", "mesh": {"model": 4}, "processes": 2,
-                              "kv_heads": 4}
+                              "kv_heads": 4, "kernel": "xla"}      # the native kernel is not split
     assert doc["compiles_after_ready"] == 0 and doc["worker_restarts"] == 0 and doc["host_cache_bytes"] > 0
     assert "devices: 4 cpu device(s) in 2 process(es), mesh model=4" in leader.log()
     assert "follower: process 1 of 2 follows process 0: mesh {'model': 4}" in group["follower"].log()

@@ -396,7 +396,7 @@ def test_health_and_the_log_say_the_devices_and_the_mesh(monkeypatch, compile_ca
         doc = json.loads(server.request("GET", "/health")[2])
         assert doc["status"] == "ok" and doc["compiles_after_ready"] == 0
         assert doc["devices"] == {"count": 4, "platform": "cpu", "mesh": {MODEL_AXIS: 4}, "processes": 1,
-                                  "kv_heads": 4}
+                                  "kv_heads": 4, "kernel": "xla"}  # the native kernel is not split
         assert "devices: 4 cpu device(s) in 1 process(es), mesh model=4, 4 KV heads laid out" in caplog.text
     finally:
         server.stop()

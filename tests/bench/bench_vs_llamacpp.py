@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -134,11 +135,35 @@ def run_llama(gguf: str, prompts_file: str, new_tokens: int) -> dict:
 
 # ---- mashbox, through its HTTP API ------------------------------------------------------------------
 
-class Server(bench_startup.Server):
-    """`python -m mashbox run --slots 1 --ctx N --weights-dtype D`, on a free port, its log collected."""
+def variant(spec: str) -> tuple[tuple[str, ...], dict[str, str]]:
+    """A --weights-dtype value, "D" or "D:kv=K:native=0" (either part optional) -> (mashbox run's
+    arguments, the environment's additions): weights dtype D, --kv-dtype K, MASHBOX_NATIVE=0."""
+    dtype, *parts = spec.split(":")
+    args, env = ["--weights-dtype", dtype], {}
+    for part in parts:
+        key, _, value = part.partition("=")
+        if key == "kv":
+            args += ["--kv-dtype", value]
+        elif key == "native":
+            env["MASHBOX_NATIVE"] = value
+        else:
+            raise SystemExit(f"--weights-dtype {spec}: {part!r} is not kv=K or native=0")
+    return tuple(args), env
 
-    def __init__(self, ctx: int, dtype: str):
-        super().__init__(args=("--slots", "1", "--ctx", str(ctx), "--weights-dtype", dtype), echo=False)
+
+class Server(bench_startup.Server):
+    """`python -m mashbox run --slots 1 --ctx N --weights-dtype D ...` (variant), on a free port, its
+    log collected."""
+
+    def __init__(self, ctx: int, spec: str):
+        args, env = variant(spec)
+        saved = dict(os.environ)
+        os.environ.update(env)                       # the server process inherits it
+        try:
+            super().__init__(args=("--slots", "1", "--ctx", str(ctx), *args), echo=False)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
 
     def generate(self, prompt: dict, new_tokens: int) -> dict:
         """One streamed greedy Chat Completions request: times of the first and last new token."""
@@ -261,7 +286,9 @@ def main() -> int:
     p.add_argument("--gguf", action="append", default=[], help="a GGUF file for llama.cpp (default: the demo's)")
     p.add_argument("--derive", action="append", default=[], choices=sorted(DERIVABLE),
                    help="also run llama.cpp on the demo's weights in this GGUF type")
-    p.add_argument("--weights-dtype", action="append", default=[], help="mashbox's --weights-dtype (repeatable)")
+    p.add_argument("--weights-dtype", action="append", default=[],
+                   help="mashbox's --weights-dtype, optionally with :kv=K (--kv-dtype) and :native=0 "
+                        "(MASHBOX_NATIVE=0), e.g. int8:kv=int8 (repeatable)")
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     p.add_argument("--force", action="store_true", help=f"measure even at a load average above {LOAD_LIMIT}")
     p.add_argument("--llama-child", help=argparse.SUPPRESS)
