@@ -18,6 +18,11 @@ INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 # (the demo's decode step on a Zen 3 EPYC: 1.49x at 1 row, 1.14x at 4; a prefill chunk as fast), at
 # a quarter of the bytes: int8 is `auto` there too. CPUs with neither keep float32 (unmeasured).
 INT8_WEIGHTS_FLAGS = INT8_DOT_FLAGS | {"avx2"}
+# The int8 KV cache, the same CPUs: on that Zen 3 a decode step with the native kernel's AVX2 tier ran
+# 1.2x faster with it than with float16 at 512 positions, 1.8x at 8k (1 row; 1.5x / 2.4x at 4 rows),
+# and without the kernel XLA's int8 attention was as fast at 512 and 1.1x faster at 8k
+# (tests/bench/bench_narrow.py kv; docs/perf-log.md).
+INT8_KV_FLAGS = INT8_WEIGHTS_FLAGS
 # Instruction sets YNNPACK has unsigned x signed int8 kernels for (VNNI's vpdpbusd multiplies an
 # unsigned byte by a signed one; AMX likewise). Its int8 x int8 kernels use plain AVX-512 instead,
 # so there int8 weights are held offset as uint8 (engine.weights.OFFSET_INT8) and attention's rows are
@@ -43,10 +48,6 @@ def has_bf16_dot() -> bool:
     return bool(flags() & BF16_DOT_FLAGS)
 
 
-def has_int8_dot() -> bool:
-    return bool(flags() & INT8_DOT_FLAGS)
-
-
 def has_uint8_dot() -> bool:
     return bool(flags() & UINT8_DOT_FLAGS)
 
@@ -59,5 +60,6 @@ def auto_weights_dtype() -> str:
 
 def auto_kv_dtype() -> str:
     """The KV cache's dtype on a CPU (engine.attention.kv_dtype_for): int8 with a scale per position where
-    the CPU multiplies int8 fast (attention's products then run on integer kernels), else float16."""
-    return "int8" if has_int8_dot() else "float16"
+    the CPU multiplies int8 fast (INT8_KV_FLAGS: attention's products then run on integer kernels), else
+    float16."""
+    return "int8" if flags() & INT8_KV_FLAGS else "float16"

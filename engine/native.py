@@ -9,11 +9,12 @@ custom calls.
 
 It comes in tiers, chosen by the CPU's flags (TIERS): AVX-512 VNNI, else AVX2 with FMA and F16C
 (the same products from vpmaddubsw and vpmaddwd, bit for bit); MASHBOX_NATIVE_TIER=avx2 forces the
-lower tier on a CPU that has both (tests run every tier the CPU has).
-It is optional: without either tier's instructions, without a compiler, on several devices (the weights split
-over them: a custom call is not partitioned), or with MASHBOX_NATIVE=0, the weights stay in their
-plain [out, in] layout and XLA's own products and attention serve: the same int8 weights and
-cache, the products equal to a float32 rounding, attention with quantized queries and
+lower tier on a CPU that has both (tests/test_native.py runs every tier the CPU has).
+
+It is optional: without either tier's instructions, without a compiler, on several devices (the
+weights split over them: a custom call is not partitioned), or with MASHBOX_NATIVE=0, the weights
+stay in their plain [out, in] layout and XLA's own products and attention serve: the same int8
+weights and cache, the products equal to a float32 rounding, attention with quantized queries and
 probabilities, as the kernel's does (its products int16 pairs: vpdpwssd; tests/test_native.py).
 
 Packed layout of an [N, K] matrix (N a multiple of 16, K of 4): [N/16, K/4, 16, 4], element

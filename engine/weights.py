@@ -67,8 +67,9 @@ int8 per channel would round the file's values a second time, in more bytes.
 
 Weights dtype "fp8" (an official FP8 checkpoint, on accelerators by default): every dense layer
 matrix the checkpoint stores as float8 becomes {"f8": float8_e4m3fn [out, in], "f8_scale": float32
-[out, in / 128]}, the file's own values and each row's block scales (engine.checkpoint: fp8), so
-that w = f8 * f8_scale per block of columns, 1 byte per weight and 1/32 more for the scales. What
+[out, in / block columns]}, the file's own values and each row's block scales (engine.checkpoint:
+fp8), so that w = f8 * f8_scale per block of columns: 1 byte per weight, and 1/32 more for the
+scales of 128-column blocks. What
 the checkpoint keeps in bfloat16 (embedding, LM head, norms, routers) and the MoE experts (not yet
 held in float8) are in the float dtype.
 """
@@ -422,8 +423,8 @@ class _Loader:
         """A layer's matrix combine(*tensors) of the named tensors [(name, shape)] (combine is a row
         operation: stacking, interleaving), as held: in 5-bit blocks (engine.native.pack5) when every
         part is a GGUF's Q5_0 tensor and the int8 matrices are packed (the file's own levels and
-        scales, exact); as float8 with their block scales (FP8_PARTS) when every part is an FP8
-        checkpoint's and the weights dtype is fp8; else put_matrix of the floats. floats: the
+        scales, exact); as float8 with each row's block scales (the module docstring) when every
+        part is an FP8 checkpoint's and the weights dtype is fp8; else put_matrix of the floats. floats: the
         combined matrix, when the caller has read it already."""
         if self.fp8 and all(self.r.format(name) == FP8 for name, _ in parts):
             stored = [self.r.fp8(name, shape) for name, shape in parts]

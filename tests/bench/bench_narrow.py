@@ -3,6 +3,7 @@
     python tests/bench/bench_narrow.py products         # formulations, random weights
     python tests/bench/bench_narrow.py kl [FOLDER]      # int8 weights/KV vs float32
     python tests/bench/bench_narrow.py forward [FOLDER]
+    python tests/bench/bench_narrow.py kv [FOLDER]      # decode at 512 / 8k positions: KV float16 vs int8
     python tests/bench/bench_narrow.py gguf [FOLDER]    # GGUF blocks -> int8 per channel: the error
     python tests/bench/bench_narrow.py fp8              # FP8 blocks -> int8 per channel: the error
     python tests/bench/bench_narrow.py fp8-kl [FOLDER]  # an FP8 checkpoint held as int8 vs float32
@@ -15,6 +16,12 @@ forward: the demo's whole decode forward (1 and 4 rows, 1k-position cache), floa
 weights (XLA's products; int8 with a float32 head; int8 packed for engine.native's kernel where it
 runs), run in turn in one process, best of 20 each, in ms; then a 512-token prefill chunk from
 position 0 and 4096, float32 against int8, medians of 4 alternated, in tokens/s.
+
+kv: the demo's decode forward with int8 weights (packed for the native kernel where it runs) at 1
+and 4 rows, each row 512 or 8192 positions deep, with a float16 cache (XLA's attention) against an
+int8 cache (the kernel's attention where it runs, else XLA's integer one), and the same two caches
+without the kernel (XLA's int8 products and attention: MASHBOX_NATIVE=0's path); in turn, best of
+12 each, in ms.
 
 gguf: each tensor the int8 weights dtype narrows (engine.weights.quantized_tensor), as the loader
 does it: dequantized from its GGUF blocks (engine.checkpoint), then int8 with one scale per output
@@ -35,6 +42,7 @@ often the greedy token agrees. Bound: KL_BOUND nats, on int8 weights with an int
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -318,6 +326,37 @@ def forward(folder: str) -> None:
     print("# load after:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 
 
+def kv_dtypes(folder: str) -> None:
+    from engine import model, native
+    from engine.cache import init_cache
+    from engine.config import load_config
+    from engine.weights import load_weights
+
+    cfg = load_config(folder)
+    print("# load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    print(f"# native kernel: {native.tier() if native.available() else 'none'}", flush=True)
+    kernel = dataclasses.replace(cfg, native=native.serves(1))
+    packed, plain = load_weights(folder, cfg, "int8", pack=kernel.native), load_weights(folder, cfg, "int8", pack=False)
+    sets = {"float16 KV": (packed, np.float16, kernel), "int8 KV": (packed, np.int8, kernel),
+            "XLA, float16 KV": (plain, np.float16, cfg), "XLA, int8 KV": (plain, np.int8, cfg)}
+    for depth in (512, 8192):
+        for rows in (1, 4):
+            caches = {name: init_cache(c, rows, depth + 64, kv) for name, (_, kv, c) in sets.items()}
+            args = (np.zeros((rows, 1), np.int32), np.arange(rows, dtype=np.int32),
+                    np.full(rows, depth, np.int32), np.ones(rows, np.int32))
+            times = {name: [] for name in sets}
+            for i in range(13):
+                for name, (params, _, c) in sets.items():
+                    t0 = time.perf_counter()
+                    out, caches[name] = model.jit_forward(params, caches[name], *args, cfg=c)
+                    out.block_until_ready()
+                    if i:                                   # the first call compiles
+                        times[name].append(time.perf_counter() - t0)
+            print(f"{rows} row(s) at {depth}: " + ", ".join(f"{name} {min(t) * 1e3:.1f} ms"
+                                                          for name, t in times.items()), flush=True)
+    print("# load after:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+
+
 def gguf_conversion(folder: str) -> None:
     from engine.checkpoint import Checkpoint
     from engine.weights import quantize_int8, quantized_tensor
@@ -450,7 +489,7 @@ if __name__ == "__main__":
     elif what == "transposed":
         products(((4, 8), ["f32 summed", "i8 summed", "i8T summed"]))
         products(((1,), ["f32 dot", "i8 pad2 summed", "i8T pad2 summed"]))
-    elif what in ("kl", "forward", "gguf", "fp8-kl"):
+    elif what in ("kl", "forward", "gguf", "fp8-kl", "kv"):
         folder = sys.argv[2] if len(sys.argv) > 2 else os.path.expanduser(
             "~/.cache/mashbox/models/qwen2.5-coder-0.5b-instruct")
         if what == "kl":
@@ -459,7 +498,9 @@ if __name__ == "__main__":
             gguf_conversion(folder)
         elif what == "fp8-kl":
             fp8_kl(folder)
+        elif what == "kv":
+            kv_dtypes(folder)
         else:
             forward(folder)
     else:
-        sys.exit(f"unknown mode {what!r}: products, transposed, forward, gguf, fp8, fp8-kl or kl")
+        sys.exit(f"unknown mode {what!r}: products, transposed, forward, kv, gguf, fp8, fp8-kl or kl")

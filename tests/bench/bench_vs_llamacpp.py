@@ -136,19 +136,12 @@ def run_llama(gguf: str, prompts_file: str, new_tokens: int) -> dict:
 # ---- mashbox, through its HTTP API ------------------------------------------------------------------
 
 def variant(spec: str) -> tuple[tuple[str, ...], dict[str, str]]:
-    """A --weights-dtype value, "D" or "D:kv=K:native=0" (either part optional) -> (mashbox run's
-    arguments, the environment's additions): weights dtype D, --kv-dtype K, MASHBOX_NATIVE=0."""
+    """A --weights-dtype value, "D" or "D:native=0" -> (mashbox run's arguments, the environment's
+    additions): weights dtype D, and MASHBOX_NATIVE=0 (XLA's products and attention, no kernel)."""
     dtype, *parts = spec.split(":")
-    args, env = ["--weights-dtype", dtype], {}
-    for part in parts:
-        key, _, value = part.partition("=")
-        if key == "kv":
-            args += ["--kv-dtype", value]
-        elif key == "native":
-            env["MASHBOX_NATIVE"] = value
-        else:
-            raise SystemExit(f"--weights-dtype {spec}: {part!r} is not kv=K or native=0")
-    return tuple(args), env
+    if parts not in ([], ["native=0"]):
+        raise SystemExit(f"--weights-dtype {spec}: only :native=0 may follow the dtype")
+    return ("--weights-dtype", dtype), ({"MASHBOX_NATIVE": "0"} if parts else {})
 
 
 class Server(bench_startup.Server):
@@ -287,8 +280,8 @@ def main() -> int:
     p.add_argument("--derive", action="append", default=[], choices=sorted(DERIVABLE),
                    help="also run llama.cpp on the demo's weights in this GGUF type")
     p.add_argument("--weights-dtype", action="append", default=[],
-                   help="mashbox's --weights-dtype, optionally with :kv=K (--kv-dtype) and :native=0 "
-                        "(MASHBOX_NATIVE=0), e.g. int8:kv=int8 (repeatable)")
+                   help="mashbox's --weights-dtype, optionally with :native=0 (MASHBOX_NATIVE=0: no "
+                        "native kernel), e.g. auto:native=0 (repeatable)")
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     p.add_argument("--force", action="store_true", help=f"measure even at a load average above {LOAD_LIMIT}")
     p.add_argument("--llama-child", help=argparse.SUPPRESS)
