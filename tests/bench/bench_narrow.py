@@ -21,7 +21,7 @@ kv: the demo's decode forward with int8 weights (packed for the native kernel wh
 and 4 rows, each row 512 or 8192 positions deep, with a float16 cache (XLA's attention) against an
 int8 cache (the kernel's attention where it runs, else XLA's integer one), and the same two caches
 without the kernel (XLA's int8 products and attention: MASHBOX_NATIVE=0's path); in turn, best of
-12 each, in ms.
+12 each, in ms; then a 512-token prefill chunk from position 0 and 4096, medians of 4, in tokens/s.
 
 gguf: each tensor the int8 weights dtype narrows (engine.weights.quantized_tensor), as the loader
 does it: dequantized from its GGUF blocks (engine.checkpoint), then int8 with one scale per output
@@ -354,6 +354,21 @@ def kv_dtypes(folder: str) -> None:
                         times[name].append(time.perf_counter() - t0)
             print(f"{rows} row(s) at {depth}: " + ", ".join(f"{name} {min(t) * 1e3:.1f} ms"
                                                           for name, t in times.items()), flush=True)
+    for start in (0, 4096):              # a 512-token prefill chunk, medians of 4
+        chunk = 512
+        caches = {name: init_cache(c, 1, 8192, kv) for name, (_, kv, c) in sets.items()}
+        args = (np.zeros((1, chunk), np.int32), np.zeros(1, np.int32), np.full(1, start, np.int32),
+                np.full(1, chunk, np.int32))
+        times = {name: [] for name in sets}
+        for i in range(5):
+            for name, (params, _, c) in sets.items():
+                t0 = time.perf_counter()
+                out, caches[name] = model.jit_forward(params, caches[name], *args, cfg=c)
+                out.block_until_ready()
+                if i:
+                    times[name].append(time.perf_counter() - t0)
+        print(f"prefill {chunk} tokens from {start}: " + ", ".join(
+            f"{name} {chunk / np.median(t):.0f} tok/s" for name, t in times.items()), flush=True)
     print("# load after:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 
 
