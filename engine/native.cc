@@ -105,8 +105,8 @@ inline float Peak(const float* x, int64_t K) {
 
 // A mask of the first `left` of 8 float lanes (all bits set in each lane taken).
 inline __m256i Lanes8(int64_t left) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(left, 0), 8))),
-                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const int32_t n = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(left, 0), 8));
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 inline float ReduceAdd(__m256 v) {
@@ -593,10 +593,12 @@ void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const 
       }
     }
     for (int h = 0; h < 2; h++) {
-      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db + g32 * kLanes + 8 * h)));
-      for (int r = 0; r < R; r++)
-        total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]),
-                                      _mm256_mul_ps(scale, _mm256_set1_ps(term_scales[r * blocks32 + g32])), total[r][h]);
+      const __m256 scale =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db + g32 * kLanes + 8 * h)));
+      for (int r = 0; r < R; r++) {
+        const __m256 both = _mm256_mul_ps(scale, _mm256_set1_ps(term_scales[r * blocks32 + g32]));
+        total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), both, total[r][h]);
+      }
     }
   }
   for (int r = 0; r < R; r++)
