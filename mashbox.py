@@ -3182,9 +3182,10 @@ class EngineLog:
         log.info("model %s (%s, %s on %s)", f.id, f.family, f.dtype, f.device)
         if f.devices is not None:
             d = f.devices
-            log.info("devices: %d %s device(s) in %d process(es), mesh %s, %d KV heads laid out",
-                     d["count"], d["platform"], d["processes"],
-                     " x ".join(f"{axis}={size}" for axis, size in d["mesh"].items()), d["kv_heads"])
+            log.info("devices: %d %s device(s) in %d process(es), mesh %s, %d KV heads laid out; weights "
+                     "multiplied by %s", d["count"], d["platform"], d["processes"],
+                     " x ".join(f"{axis}={size}" for axis, size in d["mesh"].items()), d["kv_heads"],
+                     f.kernel)
         # bpw is the file's (the spec's Model.bpw); gb what the worker holds, in its own dtype.
         log.info("weights %s (file: %.1f bits per weight; held as %s: %.2f GB)", f.weights, f.bpw,
                  f.dtype, f.gb)
