@@ -25,8 +25,8 @@ from engine.products import F32, int8_terms, int8_terms_product, quantize_rows, 
 
 def kv_dtype_for(platform: str):
     """KV cache dtype for a JAX platform: the narrowest one attention does not run slower with. On a
-    CPU int8 with integer products where the CPU has int8 dot products or AVX2
-    (engine.cpu.auto_kv_dtype), else float16 (widened to float32 as fast as float32, with half the bytes; bfloat16 ran 3-5x
+    CPU int8 with integer products where the CPU has int8 dot products (engine.cpu.auto_kv_dtype),
+    else float16 (widened to float32 as fast as float32, with half the bytes; bfloat16 ran 3-5x
     slower there). Accelerators keep bfloat16."""
     return jnp.dtype(cpu.auto_kv_dtype()) if platform == "cpu" else jnp.bfloat16
 
