@@ -249,3 +249,12 @@ def test_a_quantized_checkpoint_of_another_method_stops_start_up_naming_it(tmp_p
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "quant_method 'gptq' is not served" in err and "FP8" in err and "GGUF" in err
+
+
+def test_fp8_asked_of_a_checkpoint_without_float8_stops_start_up_in_one_line(capsys):
+    """Guards against a worker started with nothing to hold in float8 (and restarted forever): the
+    server refuses before any worker starts, saying what to use instead."""
+    import mashbox
+    assert mashbox.main(["run", str(TINY / "qwen3"), "--weights-dtype", "fp8", "--port", "0"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--weights-dtype fp8" in err and "use int8 or bfloat16" in err
