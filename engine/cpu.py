@@ -18,11 +18,11 @@ INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 # (the demo's decode step on a Zen 3 EPYC: 1.49x at 1 row, 1.14x at 4; a prefill chunk as fast), at
 # a quarter of the bytes: int8 is `auto` there too. CPUs with neither keep float32 (unmeasured).
 INT8_WEIGHTS_FLAGS = INT8_DOT_FLAGS | {"avx2"}
-# The int8 KV cache: CPUs with int8 dot products. On AVX2 alone it was faster too where measured (Zen
-# 3: with the native kernel's AVX2 tier 1.2x at 512 positions, 1.8x at 8k; without it as fast and
-# 1.1x: tests/bench/bench_narrow.py kv), but there the kernel's decode attention and XLA's prefill
-# attention gave a prompt served from the prompt cache other tokens than a cold run on the tiny test
-# models (tests/test_worker.py, test_prefix_cache.py), so AVX2 keeps float16 until that is resolved.
+# The int8 KV cache: CPUs with int8 dot products. On AVX2 alone it was faster too where measured
+# (docs/perf-log.md, "The native kernel's AVX2 tier"), but there the kernel's decode attention and
+# XLA's prefill attention gave a prompt served from the prompt cache other tokens than a cold run on
+# the tiny test models (tests/test_worker.py, test_prefix_cache.py), so AVX2 keeps float16 until
+# that is resolved.
 INT8_KV_FLAGS = INT8_DOT_FLAGS
 # Instruction sets YNNPACK has unsigned x signed int8 kernels for (VNNI's vpdpbusd multiplies an
 # unsigned byte by a signed one; AMX likewise). Its int8 x int8 kernels use plain AVX-512 instead,
