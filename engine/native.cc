@@ -126,8 +126,10 @@ inline float ReduceMax(__m256 v) {
 inline __m256i DotBytes(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
+#endif
 
-// 8 floats -> bfloat16 (nearest, ties to even; NaN not expected), in the low 128 bits.
+// 8 floats -> bfloat16 (nearest, ties to even; NaN not expected), in the low 128 bits
+// (both tiers: the K-quant blocks are written once, in 256-bit form).
 inline __m128i Bf16x8(__m256 value) {
   __m256i bits = _mm256_castps_si256(value);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
@@ -135,7 +137,6 @@ inline __m128i Bf16x8(__m256 value) {
   const __m256i packed = _mm256_packus_epi32(bits, bits);          // per 128-bit lane: 0-3 0-3 | 4-7 4-7
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }
-#endif
 
 // Runs fn(chunk) for chunks 0 .. chunks-1 on the calling thread and XLA's intra-op pool. Each
 // thread claims chunks until none is left; the caller works too and waits only for chunks another
@@ -729,6 +730,302 @@ ffi::Error Int5Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// ---- K-quant blocks: Q4_K and Q6_K as the file holds them ---------------------------------------
+
+// The blocks of a GGUF's Q4_K_M / Q6_K files. Both hold 256 inputs per super-block with a float16
+// d (and Q4_K a float16 dmin), and small integer scales per sub-block:
+//   Q4_K  w = d sc q - dmin m   q 0..15, sc and m 0..63 per 32 inputs    (4.5 bits per weight)
+//   Q6_K  w = d sc (q - 32)     q 0..63, sc int8 per 16 inputs           (6.5625 bits)
+// Held as they are, in the layout engine.native.pack_k states (its docstring is the one statement):
+// the levels' low four bits as pack5's nibbles, Q6_K's top two bits beside them (32 bytes per
+// 64-byte nibble group: byte p's bits 0-1 and 2-3 the low and high nibble's of nibble byte p, bits
+// 4-5 and 6-7 those of byte p + 32), and per block of 16 outputs the 16 lanes' sub-block scales
+// (and Q4_K's mins), d and dmin.
+//
+// The rows are rounded to int8 per 256 inputs (one term on its own scale, as the blocks' own
+// reference products do). Per 8 inputs the two nibble halves' products stay in int16 (at most 2 x 2
+// x 63 x 127), vpmaddwd multiplies them by each lane's sub-block scale into int32, so a super-block
+// sums exactly in one register: A = sum_j sc_j sum_i q t. The mins' part, sum_j m_j sum_i t (Q6_K:
+// 32 sc_j), is folded into the float sums per sub-block. Written once, with 256-bit instructions,
+// for both tiers (no AVX-512 form: this is the form tests/test_native.py checks on this tier's CPUs).
+constexpr int kSuper = 256;              // inputs per super-block (d, dmin)
+constexpr int kKRows = 4;                // float rows per pass over a block of 16 outputs
+constexpr int kQ6Offset = 32;            // Q6_K: q - 32 is the weight's level
+
+// One K-quant matrix's arrays (pack_k), all per block of 16 outputs.
+struct KBlocks {
+  const uint8_t* nib;     // [N/16, K/8, 16, 4]
+  const uint8_t* hi;      // Q6_K: [N/16, K/8, 32]; Q4_K: null
+  const int8_t* sc;       // [N/16, K/sub, 16]
+  const uint8_t* mins;    // Q4_K: [N/16, K/32, 16]; Q6_K: null
+  const uint16_t* d;      // float16 [N/16, K/256, 16]
+  const uint16_t* dmin;   // Q4_K: float16 [N/16, K/256, 16]; Q6_K: null
+  int64_t blocks, K;
+};
+
+template <bool kSix>
+constexpr int kSub = kSix ? 16 : 32;     // inputs per sub-block scale
+
+// 64 bytes of nibbles (and Q6_K's top bits) -> the levels of the low and the high nibbles, each as
+// two 32-byte halves.
+template <bool kSix>
+inline void KLevels(const uint8_t* nib, const uint8_t* hi, __m256i* low, __m256i* high) {
+  const __m256i four = _mm256_set1_epi8(0x0F);
+  for (int h = 0; h < 2; h++) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nib + 32 * h));
+    low[h] = _mm256_and_si256(v, four);
+    high[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), four);
+  }
+  if (kSix) {                            // each top-bit pair moved to bits 4-5 of its byte
+    const __m256i top = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi));
+    const __m256i two = _mm256_set1_epi8(0x30);
+    low[0] = _mm256_or_si256(low[0], _mm256_and_si256(_mm256_slli_epi16(top, 4), two));
+    high[0] = _mm256_or_si256(high[0], _mm256_and_si256(_mm256_slli_epi16(top, 2), two));
+    low[1] = _mm256_or_si256(low[1], _mm256_and_si256(top, two));
+    high[1] = _mm256_or_si256(high[1], _mm256_and_si256(_mm256_srli_epi16(top, 2), two));
+  }
+}
+
+// 8 lanes' sub-block scales (int8) -> each in both int16 halves of its int32 lane, vpmaddwd's operand.
+inline __m256i ScalePairs(const int8_t* sc) {
+  const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
+  return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
+}
+
+// One block of 16 outputs for R rows (terms per 256 inputs: term_scales [R, K/256], sub_sums [R,
+// K/sub] the terms' sums per sub-block as floats). Per sub-block j of super-block s, first the mins'
+// part: total -= (dmin m_j) (scale_s sum_j) (Q6_K: (32 d) sc_j); after the super-block, total +=
+// float(A) (d scale_s). Each operation rounded once, in that order (tests/test_native.py).
+template <int R, bool kSix>
+void BlockK(const KBlocks& w, const int8_t* terms, const float* sub_sums, const float* term_scales,
+            float* out, int64_t N, int64_t b) {
+  constexpr int sub = kSub<kSix>;
+  const int64_t K = w.K, groups = K / kNibbleGroup, supers = K / kSuper, subs = K / sub;
+  const uint8_t* nb = w.nib + b * groups * 64;
+  const uint8_t* hb = kSix ? w.hi + b * groups * 32 : nullptr;
+  const int8_t* sb = w.sc + b * subs * kLanes;
+  const uint8_t* mb = kSix ? nullptr : w.mins + b * (K / 32) * kLanes;
+  const uint16_t* db = w.d + b * supers * kLanes;
+  const uint16_t* dmb = kSix ? nullptr : w.dmin + b * supers * kLanes;
+  __m256 total[R][2];
+  for (int r = 0; r < R; r++) total[r][0] = total[r][1] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < supers; s++) {
+    __m256 dd[2], dm[2];
+    for (int h = 0; h < 2; h++) {
+      dd[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db + s * kLanes + 8 * h)));
+      dm[h] = kSix ? _mm256_mul_ps(dd[h], _mm256_set1_ps(static_cast<float>(kQ6Offset)))
+                   : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dmb + s * kLanes + 8 * h)));
+    }
+    __m256i acc[R][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int64_t j = s * (kSuper / sub); j < (s + 1) * (kSuper / sub); j++) {
+      __m256i pairs[2];
+      for (int h = 0; h < 2; h++) {
+        pairs[h] = ScalePairs(sb + j * kLanes + 8 * h);
+        const __m256i m = kSix ? _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + j * kLanes + 8 * h)))
+                               : _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mb + j * kLanes + 8 * h)));
+        const __m256 mins = _mm256_mul_ps(dm[h], _mm256_cvtepi32_ps(m));
+        for (int r = 0; r < R; r++) {
+          const float part = term_scales[r * supers + s] * sub_sums[r * subs + j];
+          total[r][h] = _mm256_fnmadd_ps(mins, _mm256_set1_ps(part), total[r][h]);
+        }
+      }
+      for (int64_t g = j * (sub / kNibbleGroup); g < (j + 1) * (sub / kNibbleGroup); g++) {
+        _mm_prefetch(reinterpret_cast<const char*>(nb + g * 64 + kPrefetch), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(nb + g * 64 + kPrefetchL2), _MM_HINT_T1);
+        if (kSix) _mm_prefetch(reinterpret_cast<const char*>(hb + g * 32 + kPrefetchL2 / 2), _MM_HINT_T1);
+        __m256i low[2], high[2];
+        KLevels<kSix>(nb + g * 64, kSix ? hb + g * 32 : nullptr, low, high);
+        for (int r = 0; r < R; r++) {
+          int32_t first, second;                           // terms[r, 8g .. 8g+3], [8g+4 .. 8g+7]
+          __builtin_memcpy(&first, terms + r * K + g * kNibbleGroup, sizeof first);
+          __builtin_memcpy(&second, terms + r * K + g * kNibbleGroup + 4, sizeof second);
+          const __m256i f = _mm256_set1_epi32(first), t = _mm256_set1_epi32(second);
+          for (int h = 0; h < 2; h++) {
+            const __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(low[h], f), _mm256_maddubs_epi16(high[h], t));
+            acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(both, pairs[h]));
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; r++)
+      for (int h = 0; h < 2; h++) {
+        const __m256 scale = _mm256_mul_ps(dd[h], _mm256_set1_ps(term_scales[r * supers + s]));
+        total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), scale, total[r][h]);
+      }
+  }
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * N + b * kLanes + 8 * h, total[r][h]);
+}
+
+template <bool kSix>
+using BlockKFn = void (*)(const KBlocks&, const int8_t*, const float*, const float*, float*, int64_t, int64_t);
+template <bool kSix>
+constexpr BlockKFn<kSix> kBlocksK[kKRows + 1] = {nullptr, BlockK<1, kSix>, BlockK<2, kSix>, BlockK<3, kSix>,
+                                                 BlockK<4, kSix>};
+
+// x float32 [R, K] times K-quant blocks -> float32 [R, N]: each row rounded to int8 per 256 inputs,
+// then the blocks' exact integer sums, their scales and mins (BlockK).
+template <bool kSix>
+void KMatmul(ffi::ThreadPool& pool, const float* x, int64_t R, const KBlocks& w, float* out) {
+  constexpr int sub = kSub<kSix>;
+  const int64_t K = w.K, N = w.blocks * kLanes, supers = K / kSuper, subs = K / sub;
+  std::vector<int8_t> terms(R * K);
+  std::vector<float> term_scales(R * supers), sub_sums(R * subs);
+  for (int64_t r = 0; r < R; r++) {
+    for (int64_t s = 0; s < supers; s++) {
+      int32_t unused;
+      term_scales[r * supers + s] = QuantizeRow(x + r * K + s * kSuper, terms.data() + r * K + s * kSuper,
+                                                kSuper, &unused);
+    }
+    for (int64_t j = 0; j < subs; j++) {
+      int32_t sum = 0;
+      for (int i = 0; i < sub; i++) sum += terms[r * K + j * sub + i];
+      sub_sums[r * subs + j] = static_cast<float>(sum);
+    }
+  }
+  Parallel(pool, Chunks(w.blocks), [&](int64_t c) {
+    const int64_t b0 = c * kChunkBlocks, b1 = std::min(b0 + kChunkBlocks, w.blocks);
+    for (int64_t r0 = 0; r0 < R; r0 += kKRows) {
+      const int64_t n = std::min<int64_t>(kKRows, R - r0);
+      for (int64_t b = b0; b < b1; b++)
+        kBlocksK<kSix>[n](w, terms.data() + r0 * K, sub_sums.data() + r0 * subs,
+                          term_scales.data() + r0 * supers, out + r0 * N, N, b);
+    }
+  });
+}
+
+// K-quant blocks -> their values rounded to bfloat16 [N, K] (nearest, ties to even), for a prefill
+// chunk's dot: (d sc) q - (dmin m), Q6_K's (d sc) (q - 32), each operation rounded once in float32:
+// gguf's own dequantization's numbers, then rounded to bfloat16.
+template <bool kSix>
+void KWiden(ffi::ThreadPool& pool, const KBlocks& w, uint16_t* out) {
+  constexpr int sub = kSub<kSix>;
+  const int64_t K = w.K, groups = K / kNibbleGroup, supers = K / kSuper, subs = K / sub;
+  Parallel(pool, w.blocks, [&](int64_t b) {
+    alignas(64) uint8_t lanes[kLanes][kSuper];           // one super-block's levels per output
+    alignas(32) uint8_t low[64], high[64];
+    for (int64_t s = 0; s < supers; s++) {
+      for (int64_t i = 0; i < kSuper / kNibbleGroup; i++) {
+        const int64_t g = s * (kSuper / kNibbleGroup) + i;
+        __m256i lo[2], hi[2];
+        KLevels<kSix>(w.nib + (b * groups + g) * 64, kSix ? w.hi + (b * groups + g) * 32 : nullptr, lo, hi);
+        for (int h = 0; h < 2; h++) {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(low + 32 * h), lo[h]);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(high + 32 * h), hi[h]);
+        }
+        for (int l = 0; l < kLanes; l++) {
+          __builtin_memcpy(&lanes[l][i * kNibbleGroup], low + 4 * l, 4);
+          __builtin_memcpy(&lanes[l][i * kNibbleGroup + 4], high + 4 * l, 4);
+        }
+      }
+      alignas(32) float d[kLanes], dmin[kLanes];
+      for (int h = 0; h < 2; h++) {
+        _mm256_store_ps(d + 8 * h, _mm256_cvtph_ps(_mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(w.d + (b * supers + s) * kLanes + 8 * h))));
+        if (!kSix)
+          _mm256_store_ps(dmin + 8 * h, _mm256_cvtph_ps(_mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(w.dmin + (b * supers + s) * kLanes + 8 * h))));
+      }
+      for (int l = 0; l < kLanes; l++) {
+        uint16_t* row = out + (b * kLanes + l) * K + s * kSuper;
+        for (int j = 0; j < kSuper / sub; j++) {
+          const int64_t at = (b * subs + s * (kSuper / sub) + j) * kLanes + l;
+          const __m256 scale = _mm256_set1_ps(d[l] * static_cast<float>(w.sc[at]));
+          const __m256 offset = _mm256_set1_ps(kSix ? 0.0f : dmin[l] * static_cast<float>(w.mins[
+              (b * (K / 32) + s * (kSuper / 32) + j) * kLanes + l]));
+          for (int h = 0; h < sub; h += 8) {
+            const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(&lanes[l][j * sub + h]));
+            __m256i level = _mm256_cvtepu8_epi32(q);
+            if (kSix) level = _mm256_sub_epi32(level, _mm256_set1_epi32(kQ6Offset));
+            const __m256 value = _mm256_sub_ps(_mm256_mul_ps(scale, _mm256_cvtepi32_ps(level)), offset);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(row + j * sub + h), Bf16x8(value));
+          }
+        }
+      }
+    }
+  });
+}
+
+bool PackedK(const ffi::Span<const int64_t>& nib, const ffi::Span<const int64_t>& sc, int sub,
+             const ffi::Span<const int64_t>& d) {
+  return nib.size() == 4 && nib[2] == kLanes && nib[3] == 4 && (nib[1] * kNibbleGroup) % kSuper == 0 &&
+         sc.size() == 3 && sc[0] == nib[0] && sc[1] * sub == nib[1] * kNibbleGroup && sc[2] == kLanes &&
+         d.size() == 3 && d[0] == nib[0] && d[1] * kSuper == nib[1] * kNibbleGroup && d[2] == kLanes;
+}
+
+bool Same(const ffi::Span<const int64_t>& a, const ffi::Span<const int64_t>& b) {
+  return std::equal(a.begin(), a.end(), b.begin(), b.end());
+}
+
+ffi::Error Q4KArrays(ffi::Buffer<ffi::U8>& nib, ffi::Buffer<ffi::S8>& sc, ffi::Buffer<ffi::U8>& mins,
+                     ffi::Buffer<ffi::F16>& d, ffi::Buffer<ffi::F16>& dmin, KBlocks* w) {
+  if (!PackedK(nib.dimensions(), sc.dimensions(), kSub<false>, d.dimensions()) ||
+      !Same(sc.dimensions(), mins.dimensions()) || !Same(d.dimensions(), dmin.dimensions()))
+    return ffi::Error::InvalidArgument("q4_k: nib [N/16, K/8, 16, 4], sc and mins [N/16, K/32, 16], d and "
+                                       "dmin [N/16, K/256, 16]");
+  *w = {nib.typed_data(), nullptr, sc.typed_data(), mins.typed_data(),
+        reinterpret_cast<const uint16_t*>(d.typed_data()), reinterpret_cast<const uint16_t*>(dmin.typed_data()),
+        nib.dimensions()[0], nib.dimensions()[1] * kNibbleGroup};
+  return ffi::Error::Success();
+}
+
+ffi::Error Q6KArrays(ffi::Buffer<ffi::U8>& nib, ffi::Buffer<ffi::U8>& hi, ffi::Buffer<ffi::S8>& sc,
+                     ffi::Buffer<ffi::F16>& d, KBlocks* w) {
+  const auto hd = hi.dimensions();
+  if (!PackedK(nib.dimensions(), sc.dimensions(), kSub<true>, d.dimensions()) || hd.size() != 3 ||
+      hd[0] != nib.dimensions()[0] || hd[1] != nib.dimensions()[1] || hd[2] != 32)
+    return ffi::Error::InvalidArgument("q6_k: nib [N/16, K/8, 16, 4], hi [N/16, K/8, 32], sc [N/16, K/16, 16], "
+                                       "d [N/16, K/256, 16]");
+  *w = {nib.typed_data(), hi.typed_data(), sc.typed_data(), nullptr,
+        reinterpret_cast<const uint16_t*>(d.typed_data()), nullptr, nib.dimensions()[0],
+        nib.dimensions()[1] * kNibbleGroup};
+  return ffi::Error::Success();
+}
+
+bool Rows(ffi::Buffer<ffi::F32>& x, const KBlocks& w) {
+  return x.dimensions().size() == 2 && x.dimensions()[1] == w.K;
+}
+
+ffi::Error Q4KMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> nib,
+                     ffi::Buffer<ffi::S8> sc, ffi::Buffer<ffi::U8> mins, ffi::Buffer<ffi::F16> d,
+                     ffi::Buffer<ffi::F16> dmin, ffi::ResultBuffer<ffi::F32> out) {
+  KBlocks w;
+  if (auto e = Q4KArrays(nib, sc, mins, d, dmin, &w); e.failure()) return e;
+  if (!Rows(x, w)) return ffi::Error::InvalidArgument("q4k_matmul: x [R, K]");
+  KMatmul<false>(pool, x.typed_data(), x.dimensions()[0], w, out->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error Q6KMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> nib,
+                     ffi::Buffer<ffi::U8> hi, ffi::Buffer<ffi::S8> sc, ffi::Buffer<ffi::F16> d,
+                     ffi::ResultBuffer<ffi::F32> out) {
+  KBlocks w;
+  if (auto e = Q6KArrays(nib, hi, sc, d, &w); e.failure()) return e;
+  if (!Rows(x, w)) return ffi::Error::InvalidArgument("q6k_matmul: x [R, K]");
+  KMatmul<true>(pool, x.typed_data(), x.dimensions()[0], w, out->typed_data());
+  return ffi::Error::Success();
+}
+
+// `after` as Int8Widen's.
+ffi::Error Q4KWiden(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer<ffi::S8> sc,
+                    ffi::Buffer<ffi::U8> mins, ffi::Buffer<ffi::F16> d, ffi::Buffer<ffi::F16> dmin,
+                    ffi::AnyBuffer after, ffi::ResultBuffer<ffi::BF16> out) {
+  KBlocks w;
+  if (auto e = Q4KArrays(nib, sc, mins, d, dmin, &w); e.failure()) return e;
+  KWiden<false>(pool, w, reinterpret_cast<uint16_t*>(out->typed_data()));
+  return ffi::Error::Success();
+}
+
+ffi::Error Q6KWiden(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer<ffi::U8> hi,
+                    ffi::Buffer<ffi::S8> sc, ffi::Buffer<ffi::F16> d, ffi::AnyBuffer after,
+                    ffi::ResultBuffer<ffi::BF16> out) {
+  KBlocks w;
+  if (auto e = Q6KArrays(nib, hi, sc, d, &w); e.failure()) return e;
+  KWiden<true>(pool, w, reinterpret_cast<uint16_t*>(out->typed_data()));
+  return ffi::Error::Success();
+}
+
 // ---- decode attention over the int8 cache -----------------------------------------------------
 
 // Both products run on vpdpwssd (int16 pairs into int32, exact): the query rows are rounded to int16
@@ -1319,6 +1616,48 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxInt5Widen, Int5Widen,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxQ4KMatmul, Q4KMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxQ6KMatmul, Q6KMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxQ4KWiden, Q4KWiden,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxQ6KWiden, Q6KWiden,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::BF16>>());

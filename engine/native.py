@@ -47,14 +47,16 @@ SOURCE = Path(__file__).with_name("native.cc")
 TARGETS = {"mashbox_int8_matmul": "MashboxInt8Matmul",
            "mashbox_int8_widen": "MashboxInt8Widen", "mashbox_int8_attend": "MashboxInt8Attend",
            "mashbox_int5_matmul": "MashboxInt5Matmul", "mashbox_int5_widen": "MashboxInt5Widen",
+           "mashbox_q4k_matmul": "MashboxQ4KMatmul", "mashbox_q4k_widen": "MashboxQ4KWiden",
+           "mashbox_q6k_matmul": "MashboxQ6KMatmul", "mashbox_q6k_widen": "MashboxQ6KWiden",
            "mashbox_first_max": "MashboxFirstMax", "mashbox_filter_cuts": "MashboxFilterCuts"}
 ENV_SWITCH = "MASHBOX_NATIVE"                      # "0": never build or use the kernel
 TIER_ENV = "MASHBOX_NATIVE_TIER"                   # a tier's name: that tier, if the CPU has it
 # The kernel's tiers, the first whose instructions (/proc/cpuinfo flags) the CPU has serves; a CPU
 # with neither keeps XLA's products. native.cc's MASHBOX_AVX512 follows the compiler flags.
 TIERS = {
-    "avx512_vnni": (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
-                    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")),
+    "avx512_vnni": (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"}),
+                    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c")),
     "avx2": (frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c")),
 }
 # No contraction into fused multiply-adds: int8_matmul rounds each operation once, as defined.
@@ -62,6 +64,8 @@ BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
 BUILD_TIMEOUT_S = 300                              # about 5 s on 2 cores; a stuck compiler is given up
 LANES, GROUP = 16, 4                               # the packed block: 16 outputs x 4 inputs
 NIBBLE_GROUP, Q5_BLOCK = 8, 32                     # 5-bit: 8 inputs per load, a scale per 32
+K_SUPER = 256                                      # K-quants: inputs per super-block (d, dmin)
+K_SUB = {"Q4_K": 32, "Q6_K": 16}                   # inputs per sub-block scale, by GGUF block type
 
 
 def _compiler() -> str | None:
@@ -256,6 +260,80 @@ def widen5(w, after):
     blocks, groups = w["nib"].shape[:2]
     return jax.ffi.ffi_call("mashbox_int5_widen", jax.ShapeDtypeStruct(
         (blocks * LANES, groups * NIBBLE_GROUP), jnp.bfloat16))(w["nib"], w["fifth"], w["d"], after)
+
+
+def pack_k(kind: str, levels: np.ndarray, sc: np.ndarray, d: np.ndarray, mins=None, dmin=None) -> dict:
+    """K-quant blocks of an [N, K] matrix as a GGUF holds them (N a multiple of 16, K of 256) -> the
+    kernel's form, the one statement of its layout (engine/native.cc reads it so):
+      Q4_K  w = d sc q - dmin m: levels uint8 [N, K] 0..15, sc and mins uint8 [N, K/32] 0..63,
+            d and dmin float16 [N, K/256]
+      Q6_K  w = d sc (q - 32): levels uint8 [N, K] 0..63, sc int8 [N, K/16], d float16 [N, K/256]
+    held as
+      knib   uint8   [N/16, K/8, 16, 4]  the levels' low four bits, as pack5's nib
+      khi    uint8   [N/16, K/8, 32]     Q6_K: the levels' top two bits; byte p of a group: bits 0-1
+                                         and 2-3 those of nib byte p's low and high nibble, bits 4-5
+                                         and 6-7 those of nib byte p + 32's
+      ksc    int8    [N/16, K/sub, 16]   the 16 outputs' sub-block scales (sub: K_SUB)
+      kmin   uint8   [N/16, K/32, 16]    Q4_K: the sub-blocks' mins
+      kd     float16 [N/16, K/256, 16]   the super-blocks' d
+      kdmin  float16 [N/16, K/256, 16]   Q4_K: their dmin"""
+    n, k = levels.shape
+    blocked = levels.reshape(n // LANES, LANES, k // NIBBLE_GROUP, 2, GROUP).transpose(0, 2, 1, 3, 4)
+    nib = (blocked[..., 0, :] & 15) | ((blocked[..., 1, :] & 15) << 4)          # [N/16, K/8, 16, 4]
+    per_lane = lambda a: np.ascontiguousarray(a.reshape(n // LANES, LANES, -1).transpose(0, 2, 1))
+    held = {"knib": np.ascontiguousarray(nib.astype(np.uint8)),
+            "ksc": per_lane(sc).view(np.int8), "kd": per_lane(d.astype(np.float16))}
+    if kind == "Q6_K":
+        top = (blocked >> 4) & 3                                                # [N/16, K/8, 16, 2, 4]
+        byte = (top[..., 0, :] | (top[..., 1, :] << 2)).reshape(n // LANES, k // NIBBLE_GROUP, 64)
+        held["khi"] = np.ascontiguousarray((byte[..., :32] | (byte[..., 32:] << 4)).astype(np.uint8))
+    else:
+        held["kmin"] = per_lane(mins.astype(np.uint8))
+        held["kdmin"] = per_lane(dmin.astype(np.float16))
+    return held
+
+
+def k_kind(w) -> str | None:
+    """"Q4_K" or "Q6_K" for weights held by pack_k, else None."""
+    if not (isinstance(w, dict) and "knib" in w):
+        return None
+    return "Q6_K" if "khi" in w else "Q4_K"
+
+
+def packable_k(shape) -> bool:
+    """Whether an [out, in] matrix fits pack_k's blocks (16 outputs x 256 inputs)."""
+    return len(shape) == 2 and shape[0] % LANES == 0 and shape[1] % K_SUPER == 0
+
+
+def _k_operands(w) -> tuple:
+    if k_kind(w) == "Q6_K":
+        return w["knib"], w["khi"], w["ksc"], w["kd"]
+    return w["knib"], w["ksc"], w["kmin"], w["kd"], w["kdmin"]
+
+
+def k_matmul(x, w):
+    """Float32 rows x [R, K] times K-quant blocks w (pack_k) -> float32 [R, N]: each row rounded to
+    int8 per 256 inputs, each super-block's exact integer sums times its scales, its mins taken off."""
+    import jax
+    import jax.numpy as jnp
+
+    _require()
+    target = "mashbox_q6k_matmul" if k_kind(w) == "Q6_K" else "mashbox_q4k_matmul"
+    n = w["knib"].shape[0] * LANES
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, *_k_operands(w))
+
+
+def widen_k(w, after):
+    """K-quant blocks (pack_k) -> their values rounded to bfloat16 [N, K], for a prefill chunk's dot.
+    after: as widen's."""
+    import jax
+    import jax.numpy as jnp
+
+    _require()
+    target = "mashbox_q6k_widen" if k_kind(w) == "Q6_K" else "mashbox_q4k_widen"
+    blocks, groups = w["knib"].shape[:2]
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((blocks * LANES, groups * NIBBLE_GROUP), jnp.bfloat16))(
+        *_k_operands(w), after)
 
 
 def int8_matmul(x, q, scale):

@@ -11,6 +11,7 @@ A weight is one of four kinds (weight_kind), each with one product:
                  signed int8 kernels (engine.weights.OFFSET_INT8)
     int8_packed  the same, q in engine.native's packed layout for its kernel
     q5_0         a GGUF's Q5_0 blocks as the file has them (engine.native.pack5)
+    q4_k, q6_k   a GGUF's Q4_K or Q6_K blocks as the file has them (engine.native.pack_k)
     fp8          {"f8": float8_e4m3fn [out, in], "f8_scale": float32 [out, in / block]}: an FP8
                  checkpoint's values, w = f8 * f8_scale per block of columns (engine.weights)
 The packed kinds exist only where engine.native's kernel serves the model (ModelConfig.native,
@@ -36,7 +37,7 @@ from engine.weights import INT8_OFFSET
 
 F32 = jnp.float32
 
-WEIGHT_KINDS = ("float", "int8", "int8_packed", "q5_0", "fp8")
+WEIGHT_KINDS = ("float", "int8", "int8_packed", "q5_0", "q4_k", "q6_k", "fp8")
 
 # XLA:CPU's dot of a few rows runs well below the memory's speed, while the same product written as
 # a broadcast multiply summed over the input (one fused reduction) streams the weights once. One
@@ -63,6 +64,8 @@ def weight_kind(w) -> str:
         return "float"
     if native.is_int5(w):
         return "q5_0"
+    if kind := native.k_kind(w):
+        return kind.lower()
     if "f8" in w:
         return "fp8"
     return "int8_packed" if native.is_packed(w["q"]) else "int8"
@@ -231,6 +234,13 @@ def _q5_0_matmul(flat, w):
     return _wide_dot(flat, native.widen5(w, after=flat))
 
 
+def _k_matmul(flat, w):
+    """As _q5_0_matmul, for K-quant blocks."""
+    if flat.shape[0] <= INT8_ROWS_MAX_ROWS:
+        return native.k_matmul(flat, w)
+    return _wide_dot(flat, native.widen_k(w, after=flat))
+
+
 def fp8_values(w, dtype):
     """FP8 weights -> their values f8 * f8_scale [out, in] in dtype: each block's product rounded
     once from float32 (exact in float32: an e4m3 value has 4 significant bits)."""
@@ -250,6 +260,8 @@ def _shape(w, kind: str) -> tuple[int, int]:
     """(out, in) of a quantized weight as a matrix."""
     if kind == "q5_0":
         return w["nib"].shape[0] * native.LANES, w["nib"].shape[1] * native.NIBBLE_GROUP
+    if kind in ("q4_k", "q6_k"):
+        return w["knib"].shape[0] * native.LANES, w["knib"].shape[1] * native.NIBBLE_GROUP
     if kind == "fp8":
         return w["f8"].shape
     q = w["q"]
@@ -257,7 +269,7 @@ def _shape(w, kind: str) -> tuple[int, int]:
 
 
 _QUANTIZED_MATMUL = {"int8": _int8_matmul, "int8_packed": _int8_packed_matmul, "q5_0": _q5_0_matmul,
-                     "fp8": _fp8_matmul}
+                     "q4_k": _k_matmul, "q6_k": _k_matmul, "fp8": _fp8_matmul}
 
 
 def matmul(x, w):

@@ -63,7 +63,11 @@ float32 copy is ever resident. Norms, biases, MoE routers and experts stay in th
 Where the int8 matrices are packed for engine.native's kernel, a layer matrix made only of a GGUF's
 Q5_0 tensors (the demo's gate_up and o, and qkv where v is Q5_0 too) keeps the file's own blocks
 instead, read without floats (engine.checkpoint: q5_0) and held at 5.5 bits (engine.native.pack5):
-int8 per channel would round the file's values a second time, in more bytes.
+int8 per channel would round the file's values a second time, in more bytes. So does a matrix made
+only of Q4_K, or only of Q6_K, tensors (the blocks of Q4_K_M / Q6_K files; engine.native.pack_k, at
+4.6 and 6.6 bits), and a separate LM head of either. Other block types (Q8_0 among them: its 8.5 bits
+are more than int8's) and matrices mixing types are rounded to int8 per channel; the log says how
+many of each.
 
 Weights dtype "fp8" (an official FP8 checkpoint, on accelerators by default): every dense layer
 matrix the checkpoint stores as float8 becomes {"f8": float8_e4m3fn [out, in], "f8_scale": float32
@@ -183,6 +187,10 @@ class _Reader:
     def q5_0(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
         self.check_shape(name, shape)
         return self.checkpoint.q5_0(self.names.get(name, name))
+
+    def k_quant(self, name: str, shape: tuple[int, ...]) -> dict:
+        self.check_shape(name, shape)
+        return self.checkpoint.k_quant(self.names.get(name, name))
 
     def fp8(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
         self.check_shape(name, shape)
@@ -400,7 +408,7 @@ class _Loader:
         return self.put_matrix(self.r.get("model.embed_tokens.weight", (self.cfg.vocab_size, self.cfg.hidden_size)))
 
     def lm_head(self):
-        return self.put_matrix(self.matrix("lm_head.weight", self.cfg.vocab_size, self.cfg.hidden_size))
+        return self.projection(lambda w: w, [("lm_head.weight", (self.cfg.vocab_size, self.cfg.hidden_size))])
 
     # ---- tensors as held ----
 
@@ -423,7 +431,8 @@ class _Loader:
         """A layer's matrix combine(*tensors) of the named tensors [(name, shape)] (combine is a row
         operation: stacking, interleaving), as held: in 5-bit blocks (engine.native.pack5) when every
         part is a GGUF's Q5_0 tensor and the int8 matrices are packed (the file's own levels and
-        scales, exact); as float8 with each row's block scales (the module docstring) when every
+        scales, exact), likewise in K-quant blocks (engine.native.pack_k) when every part is Q4_K, or
+        every part Q6_K; as float8 with each row's block scales (the module docstring) when every
         part is an FP8 checkpoint's and the weights dtype is fp8; else put_matrix of the floats. floats: the
         combined matrix, when the caller has read it already."""
         if self.fp8 and all(self.r.format(name) == FP8 for name, _ in parts):
@@ -435,6 +444,12 @@ class _Loader:
             levels = combine(*(b[0] for b in blocks))
             if native.packable5(levels.shape):
                 return native.pack5(levels, combine(*(b[1] for b in blocks)))
+        kinds = {self.r.format(name) for name, _ in parts}
+        if self.pack and len(kinds) == 1 and (kind := kinds.pop()) in native.K_SUB:
+            blocks = [self.r.k_quant(name, shape) for name, shape in parts]
+            held = {key: combine(*(b[key] for b in blocks)) for key in blocks[0]}
+            if native.packable_k(held["levels"].shape):
+                return native.pack_k(kind, **held)
         if floats is None:
             floats = combine(*(self.matrix(name, *shape) for name, shape in parts))
         return self.put_matrix(floats)
@@ -467,7 +482,7 @@ def _assemble(parts: dict, cfg: ModelConfig) -> dict:
 # a restarted worker must not pay it again. So int8 weights are written once, as they are held, one
 # .npy file per array with a manifest of the tree, under the cache root (engine.worker names the
 # folder after everything the arrays depend on), and later starts map them in as they are.
-HELD_FORMAT = "held-weights-5"       # bumped when the layout of what is written changes
+HELD_FORMAT = "held-weights-6"       # bumped when the layout of what is written changes
 HELD_KEEP = 2                        # held copies kept under one cache folder (the newest used)
 HELD_TMP_STALE_S = 600               # an unfinished copy this old was left by a worker that died
 _MANIFEST = "manifest.json"
@@ -587,10 +602,15 @@ def held_note(checkpoint, params, dtype: str) -> str | None:
     blocks = ", ".join(f"{kind} x{n}" for kind, n in sorted(kinds.items()))
     if dtype != "int8":
         return f"{checkpoint.file}: matrices {blocks}, held as {dtype} (their values exactly)"
-    five = sum(1 for leaf in jax.tree_util.tree_leaves(params, is_leaf=native.is_int5) if native.is_int5(leaf))
-    return (f"{checkpoint.file}: matrices {blocks}; held: {five} layer matrices at 5 bits as the file has "
-            f"them (where every part is Q5_0 and the native kernel serves), the rest rounded again to int8 "
-            f"per channel")
+    kept = {"Q5_0": 0, "Q4_K": 0, "Q6_K": 0}
+    is_blocks = lambda leaf: native.is_int5(leaf) or native.k_kind(leaf) is not None
+    for leaf in {id(x): x for x in jax.tree_util.tree_leaves(params, is_leaf=is_blocks)}.values():
+        if is_blocks(leaf):
+            kept["Q5_0" if native.is_int5(leaf) else native.k_kind(leaf)] += 1
+    held = ", ".join(f"{n} {kind}" for kind, n in kept.items() if n) or "none"
+    return (f"{checkpoint.file}: matrices {blocks}; held in the file's own blocks (where every part of a "
+            f"matrix has one of Q5_0, Q4_K, Q6_K and the native kernel serves): {held}; the rest rounded "
+            f"again to int8 per channel")
 
 
 def weights_bytes(params) -> int:

@@ -175,6 +175,115 @@ def test_widen5_rounds_each_weight_to_bfloat16(n, k):
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
+def random_k_blocks(rng, kind: str, rows: int, cols: int, step: float = 3e-4) -> np.ndarray:
+    """Random GGUF super-blocks of an [rows, cols] matrix, uint8 [rows, cols / 256, bytes]: every
+    level, scale and min drawn at random, d (and dmin) about `step` (some negative, as in files),
+    one super-block's d zero as in a pruned row."""
+    from engine.checkpoint import K_BYTES
+    raw = rng.integers(0, 256, (rows, cols // 256, K_BYTES[kind]), dtype=np.uint8)
+    scale = lambda: (rng.standard_normal((rows, cols // 256)) * step).astype(np.float16)  # noqa: E731
+    d = scale()
+    d[0, 0] = 0
+    if kind == "Q4_K":
+        raw[..., 0:2] = d.view(np.uint8).reshape(rows, -1, 2)
+        raw[..., 2:4] = np.abs(scale()).view(np.uint8).reshape(rows, -1, 2)
+    else:
+        raw[..., 208:210] = d.view(np.uint8).reshape(rows, -1, 2)
+    return raw
+
+
+def _k_values(kind, raw):
+    """gguf's own dequantization of super-blocks [rows, n, bytes] -> float32 [rows, 256 n]."""
+    import gguf
+    from gguf.quants import dequantize
+    rows = raw.shape[0]
+    return dequantize(raw.reshape(rows, -1), gguf.GGMLQuantizationType[kind]).reshape(rows, -1)
+
+
+def _k_held(kind, raw):
+    from engine.checkpoint import k_quant_parts
+    return native.pack_k(kind, **k_quant_parts(kind, raw))
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_k_quant_parts_are_the_blocks_own_numbers(kind):
+    """Guards against the 6-bit scales and mins of Q4_K, or Q6_K's split levels, being unpacked
+    into other numbers than gguf's own decoder gives: d sc q - dmin m, d sc (q - 32)."""
+    from engine.checkpoint import k_quant_parts
+    raw = random_k_blocks(np.random.default_rng(1), kind, 16, 512)
+    parts = {key: value.astype(np.float32) for key, value in k_quant_parts(kind, raw).items()}
+    sub = native.K_SUB[kind]
+    d = np.repeat(parts["d"], 256 // sub, axis=1) * parts["sc"]                       # per sub-block
+    if kind == "Q4_K":
+        values = np.repeat(d, sub, axis=1) * parts["levels"] - np.repeat(
+            np.repeat(parts["dmin"], 8, axis=1) * parts["mins"], sub, axis=1)
+    else:
+        values = np.repeat(d, sub, axis=1) * (parts["levels"] - 32)
+    np.testing.assert_array_equal(values, _k_values(kind, raw))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("n, k", [(16, 256), (48, 512), (896, 4864)])
+@pytest.mark.parametrize("rows", [1, 4, 5, 9])
+def test_k_matmul_is_each_super_blocks_exact_product_times_its_scales(kind, n, k, rows):
+    """Guards against the K-quant layout (nibbles, Q6_K's top bits, scales and mins per lane), a
+    pass of 4 rows (then the rest) or the order of the roundings going wrong: per 256 inputs each row
+    is rounded to int8 on its own scale; per sub-block j the mins' part (dmin m_j, Q6_K's 32 d sc_j)
+    times the row's scale times the terms' sum is taken off the float32 sum (each product rounded
+    once, then a fused multiply-add); after the super-block its exact integer sum of sc_j q t, in
+    float32, times d times the row's scale is added (a fused multiply-add)."""
+    from engine.checkpoint import k_quant_parts
+    rng = np.random.default_rng(n + k + rows)
+    raw = random_k_blocks(rng, kind, n, k)
+    parts = k_quant_parts(kind, raw)
+    x = (rng.standard_normal((rows, k)) * rng.choice([1e-3, 1, 50], (rows, 1))).astype(np.float32)
+    x[0, :] = 0                                        # a padding row
+    x[-1, :256] = 0                                    # a zero super-block
+    got = np.asarray(jax.jit(native.k_matmul)(x, native.pack_k(kind, **parts)))
+    sub = native.K_SUB[kind]
+    levels = parts["levels"].astype(np.int64)
+    sc = parts["sc"].astype(np.int64)
+    d = parts["d"].astype(np.float32)
+    dm = d * np.float32(32) if kind == "Q6_K" else parts["dmin"].astype(np.float32)
+    mins = sc if kind == "Q6_K" else parts["mins"].astype(np.int64)
+    fma = lambda a, b, c: (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float32)  # noqa: E731
+    want = np.zeros((rows, n), np.float32)
+    for s in range(k // 256):
+        (term, row_scale), = _terms(x[:, 256 * s:256 * s + 256], 1)                   # [rows, 256], [rows, 1]
+        term = term.astype(np.int64)
+        exact = np.zeros((rows, n), np.int64)
+        for j in range(256 // sub):
+            at = slice(256 * s + sub * j, 256 * s + sub * j + sub)
+            js = s * (256 // sub) + j
+            part = row_scale[:, 0] * term[:, sub * j:sub * j + sub].sum(1).astype(np.float32)  # [rows]
+            minus = dm[:, s] * mins[:, js].astype(np.float32)                             # [n]
+            want = fma(-minus[None, :], part[:, None], want)
+            exact += (term[:, sub * j:sub * j + sub] @ levels[:, at].T) * sc[:, js][None, :]
+        want = fma(exact.astype(np.float32), d[:, s][None, :] * row_scale, want)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    assert not got[0].any()
+    # Within what rounding each input by at most half its super-block's step can move the product.
+    weights = _k_values(kind, raw).astype(np.float64)
+    steps = np.concatenate([np.repeat(_terms(x[:, 256 * s:256 * s + 256], 1)[0][1], 256, axis=-1)
+                            for s in range(k // 256)], axis=-1)
+    bound = (steps / 2) @ np.abs(weights).T
+    assert (np.abs(got - x.astype(np.float64) @ weights.T) <= bound * 1.001 + 1e-5 * np.abs(got).max()).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("n, k", [(16, 256), (896, 4864)])
+def test_widen_k_rounds_each_weight_to_bfloat16(kind, n, k):
+    """Guards against a weight in the wrong place or other than gguf's value rounded to the nearest
+    bfloat16 when K-quant blocks are widened for a prefill chunk's dot."""
+    import ml_dtypes
+    raw = random_k_blocks(np.random.default_rng(k), kind, n, k)
+    got = np.asarray(jax.jit(native.widen_k)(_k_held(kind, raw), np.zeros(1, np.float32)))
+    want = _k_values(kind, raw).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
 def test_packed_layout_round_trips_and_reads_rows():
     """Guards against pack, unpack and packed_rows disagreeing about where element [n, k] lives."""
     q = _offset_weights(np.random.default_rng(0), 48, 20)
