@@ -5,6 +5,7 @@
     python tests/bench/bench_narrow.py forward [FOLDER]
     python tests/bench/bench_narrow.py kv [FOLDER]      # decode at 512 / 8k positions: KV float16 vs int8
     python tests/bench/bench_narrow.py gguf [FOLDER]    # GGUF blocks -> int8 per channel: the error
+    python tests/bench/bench_narrow.py blocks           # the kernel's block forms against its int8
     python tests/bench/bench_narrow.py fp8              # FP8 blocks -> int8 per channel: the error
     python tests/bench/bench_narrow.py fp8-kl [FOLDER]  # an FP8 checkpoint held as int8 vs float32
 
@@ -29,6 +30,11 @@ channel (engine.weights.quantize_int8). Prints, per GGUF block type, the tensors
 the relative RMS error of the int8 values against the dequantized ones (sqrt(sum err^2 / sum w^2)).
 (Where the native kernel runs, matrices wholly of Q5_0 blocks keep them instead: no error.)
 
+blocks: one matrix (the demo's down projection, 896 x 4864, and a Qwen3-8B-sized 4096 x 4096) held
+each way the native kernel takes it (int8 per channel, packed; Q5_0; Q4_K; Q6_K; random blocks), its
+product at 1, 4, 16 and 64 rows (the kernel) and 512 rows (widened, then XLA's dot), in turn, best
+of REPEATS; prints ms per product and the bytes held per weight.
+
 fp8-kl: an FP8 checkpoint in Qwen's official layout made from a model's float weights (the demo's,
 dequantized from its GGUF; and the tiny Qwen3 fixture), read by engine.checkpoint and held as float32
 (the FP8 values exactly) and as int8 per channel (a CPU's `auto`), both with a float32 KV cache: the
@@ -36,7 +42,8 @@ mean KL of the next-token distributions (FP8 in float32 || FP8 as int8) on a fix
 scale, the original float weights against each and against their own int8.
 
 kl: the demo model with float32 weights and a float32 KV cache against narrower ones (KL_CONFIGS:
-int8 weights, an int8 cache, both), a fixed ~2k-token text through each in 512-token chunks; prints
+int8 weights, an int8 cache, both), a fixed ~2k-token text through each in 512-token chunks (or
+`kl FOLDER 64`: chunks small enough for the native kernel's products; 512 takes the widened ones); prints
 the mean KL divergence of the next-token distributions (float32 || narrow), the largest one, and how
 often the greedy token agrees. Bound: KL_BOUND nats, on int8 weights with an int8 cache.
 """
@@ -236,7 +243,9 @@ def _text_tokens(folder: str, n: int) -> np.ndarray:
 
 # (weights, KV cache) dtypes kl compares with float32 weights and a float32 cache; the last is what a
 # CPU with int8 dot products serves by default, and KL_BOUND applies to it.
-KL_CONFIGS = (("int8", "float16"), ("float32", "int8"), ("int8", "int8"))
+# "int8/rounded": int8 weights with every GGUF K-quant matrix rounded again to int8 per channel (as
+# before Q4_K and Q6_K blocks were kept), beside "int8" (kept where the native kernel serves).
+KL_CONFIGS = (("int8", "float16"), ("int8/rounded", "float16"), ("float32", "int8"), ("int8", "int8"))
 
 
 def kl(folder: str, tokens: int = 2048, chunk: int = 512) -> None:
@@ -251,7 +260,14 @@ def kl(folder: str, tokens: int = 2048, chunk: int = 512) -> None:
 
     def log_probs(weights: str, kv: str) -> np.ndarray:
         if weights not in params:
-            params[weights] = load_weights(folder, cfg, weights)
+            from engine import native
+            kept = native.K_SUB
+            if weights.endswith("/rounded"):
+                native.K_SUB = {}                       # the loader's K-quant branch never matches
+            try:
+                params[weights] = load_weights(folder, cfg, weights.split("/")[0])
+            finally:
+                native.K_SUB = kept
         cache = init_cache(cfg, 1, len(ids), np.dtype(kv))
         outs = []
         for start in range(0, len(ids), chunk):
@@ -369,6 +385,42 @@ def kv_dtypes(folder: str) -> None:
                     times[name].append(time.perf_counter() - t0)
         print(f"prefill {chunk} tokens from {start}: " + ", ".join(
             f"{name} {chunk / np.median(t):.0f} tok/s" for name, t in times.items()), flush=True)
+    print("# load after:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+
+
+def block_forms() -> None:
+    from engine import native, products as engine_products
+    from engine.checkpoint import k_quant_parts
+    from tests.test_native import random_k_blocks
+
+    if not native.available():
+        sys.exit("blocks: the native kernel does not run here")
+    print("# load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    print(f"# native kernel: {native.tier()}", flush=True)
+    rng = np.random.default_rng(0)
+    for n, k in ((896, 4864), (4096, 4096)):
+        int8 = {"q": native.pack(rng.integers(1, 256, (n, k), dtype=np.uint8)),
+                "scale": np.full(n, 0.01, np.float32)}
+        q5 = native.pack5(rng.integers(0, 32, (n, k), dtype=np.uint8),
+                          (rng.standard_normal((n, k // 32)) * 0.01).astype(np.float16))
+        forms = {"int8": int8, "Q5_0": q5}
+        for kind in ("Q4_K", "Q6_K"):
+            forms[kind] = native.pack_k(kind, **k_quant_parts(kind, random_k_blocks(rng, kind, n, k)))
+        held = {name: sum(a.nbytes for a in jax.tree_util.tree_leaves(w)) * 8 / (n * k)
+                for name, w in forms.items()}
+        print(f"[{n}, {k}] bits held per weight: " + ", ".join(f"{name} {b:.2f}" for name, b in held.items()))
+        product = jax.jit(engine_products.matmul)
+        for rows in (1, 4, 16, 64, 512):
+            x = rng.standard_normal((rows, k)).astype(np.float32)
+            times = {name: [] for name in forms}
+            for i in range(REPEATS + 1):
+                for name, w in forms.items():
+                    t0 = time.perf_counter()
+                    product(x, w).block_until_ready()
+                    if i:                                       # the first call compiles
+                        times[name].append(time.perf_counter() - t0)
+            print(f"  {rows:3d} rows: " + ", ".join(f"{name} {min(t) * 1e3:.2f} ms" for name, t in times.items()),
+                  flush=True)
     print("# load after:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 
 
@@ -501,6 +553,8 @@ if __name__ == "__main__":
         products()
     elif what == "fp8":
         fp8_conversion()
+    elif what == "blocks":
+        block_forms()
     elif what == "transposed":
         products(((4, 8), ["f32 summed", "i8 summed", "i8T summed"]))
         products(((1,), ["f32 dot", "i8 pad2 summed", "i8T pad2 summed"]))
@@ -518,4 +572,4 @@ if __name__ == "__main__":
         else:
             forward(folder)
     else:
-        sys.exit(f"unknown mode {what!r}: products, transposed, forward, kv, gguf, fp8, fp8-kl or kl")
+        sys.exit(f"unknown mode {what!r}: products, transposed, forward, kv, blocks, gguf, fp8, fp8-kl or kl")
