@@ -8,7 +8,7 @@
         .bits_per_weight  float     the files' bytes x 8 / the weights they hold
         .get(name) -> ndarray       one tensor, read now
         .q5_0(name) -> (levels, scales)   a GGUF's Q5_0 tensor as its blocks hold it (no floats)
-        .k_quant(name) -> {levels, sc, d, [mins, dmin]}   a GGUF's Q4_K or Q6_K tensor, likewise
+        .k_quant(name) -> {levels, sc, d, [mins, dmin]}   a GGUF's Q4_K, Q5_K or Q6_K tensor, likewise
         .fp8(name) -> (values, scales)    an FP8 weight as stored, its block scales per row
 
 Three kinds of folder:
@@ -46,7 +46,7 @@ GGUF_SUFFIX = ".gguf"
 DEQUANT_CHUNK_BYTES = 64 << 20
 Q5_0_BLOCK, Q5_0_BYTES = 32, 22         # GGUF's Q5_0: weights per block, bytes per block (q5_0)
 K_BLOCK = 256                           # GGUF's K-quants: weights per super-block
-K_BYTES = {"Q4_K": 144, "Q6_K": 210}    # bytes per super-block (k_quant)
+K_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}    # bytes per super-block (k_quant)
 FP8, FP8_SCALE = "F8_E4M3", "_scale_inv"  # an FP8 checkpoint's weights, and their scales' suffix
 
 
@@ -56,24 +56,29 @@ class WeightsError(ValueError):
 
 def k_quant_parts(kind: str, blocks: np.ndarray) -> dict:
     """K-quant super-blocks uint8 [rows, n, bytes] (K_BYTES) -> {levels uint8 [rows, 256 n], sc, d, and
-    for Q4_K mins, dmin}, each per row (engine.native.pack_k's arguments):
+    for Q4_K and Q5_K mins, dmin}, each per row (engine.native.pack_k's arguments):
       Q4_K (144 bytes): d, dmin float16; 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32 (the
         first four in bytes 0-3 and 4-7's low six bits, the last four from bytes 8-11's nibbles and
         the top two bits of bytes 0-7); 128 bytes of levels 0..15, 32 bytes per 64 inputs, low
         nibbles first. w = d sc q - dmin m.
+      Q5_K (176 bytes): as Q4_K, with 32 bytes of fifth bits before the 128 of nibbles (bit j of byte
+        i: input 32 j + i), levels 0..31.
       Q6_K (210 bytes): 128 bytes of the levels' low four bits (64 bytes per 128 inputs, low nibbles
         first), 64 bytes of their top two bits (32 per 128 inputs, the four pairs of a byte for
         inputs 32 apart), 16 int8 scales (one per 16 inputs), d float16. w = d sc (q - 32)."""
     rows, n, _ = blocks.shape
-    if kind == "Q4_K":
+    if kind in ("Q4_K", "Q5_K"):
         d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
         dmin = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
         packed = blocks[..., 4:16]
         first, second, rest = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
         sc = np.concatenate([first & 63, (rest & 15) | ((first >> 6) << 4)], axis=-1)
         mins = np.concatenate([second & 63, (rest >> 4) | ((second >> 6) << 4)], axis=-1)
-        qs = blocks[..., 16:].reshape(rows, n, 4, 1, 32)
-        levels = (qs >> np.array([0, 4], np.uint8).reshape(2, 1)) & 15                  # [rows, n, 4, 2, 32]
+        qs = blocks[..., -128:].reshape(rows, n, 4, 1, 32)
+        levels = ((qs >> np.array([0, 4], np.uint8).reshape(2, 1)) & 15).reshape(rows, n, 8, 32)
+        if kind == "Q5_K":
+            fifth = blocks[..., 16:48].reshape(rows, n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
+            levels = levels | ((fifth & 1) << 4)
         return {"levels": levels.reshape(rows, n * K_BLOCK), "sc": sc.reshape(rows, -1),
                 "mins": mins.reshape(rows, -1), "d": d, "dmin": dmin}
     low = (blocks[..., :128].reshape(rows, n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 15
@@ -420,11 +425,11 @@ class Checkpoint:
         return levels, scales
 
     def k_quant(self, name: str) -> dict:
-        """A GGUF tensor stored as Q4_K or Q6_K [rows, cols] -> its blocks' own numbers per row, for
+        """A GGUF tensor stored as Q4_K, Q5_K or Q6_K [rows, cols] -> its blocks' own numbers per row, for
         weights held as the file has them (engine.native.pack_k): k_quant_parts."""
         kind = self.formats.get(name)
         if kind not in K_BYTES:
-            raise WeightsError(f"tensor {name} is not stored as Q4_K or Q6_K")
+            raise WeightsError(f"tensor {name} is not stored as Q4_K, Q5_K or Q6_K")
         (_, offset, size, data), shape = self._tensors[name], self.shapes[name]
         rows, cols = shape[0], int(np.prod(shape[1:]))
         return k_quant_parts(kind, data[offset:offset + size].reshape(rows, cols // K_BLOCK, K_BYTES[kind]))

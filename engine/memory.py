@@ -9,9 +9,9 @@ server sizes the worker before it starts one.
                    fp8:     1 B per parameter of an FP8 checkpoint's float8 projections + 4 B per
                             row and block of columns (their scales) + the rest as int8's
                    each:   + 4 B per key channel of each attention layer (its key smoothing)
-                   (a GGUF's Q5_0, Q4_K and Q6_K matrices held in their blocks take 0.69, 0.58 and
-                   0.82 B per weight, not 1: the plan counts 1, a bound that holds whether the
-                   kernel runs or not)
+                   (a GGUF's Q5_0, Q4_K, Q5_K and Q6_K matrices held in their blocks take 0.69,
+                   0.58, 0.70 and 0.82 B per weight, not 1: the plan counts 1, a bound that holds
+                   whether the kernel runs or not)
     KV bytes     = per attention layer, KV head, key and value: head_dim x 2 B (float16), or
                    head_dim x 1 B + a 4 B scale (int8; engine.cpu.auto_kv_dtype picks)
 

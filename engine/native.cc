@@ -2,7 +2,8 @@
 // compiler flags choose, engine/native.py: TIERS): float rows times packed int8 weights (Int8Matmul:
 // the rows as int8 terms, their exact products, the scales), the packed weights widened for a
 // prefill chunk's dot (Int8Widen), the same two for a GGUF's 5-bit Q5_0 blocks (Int5Matmul,
-// Int5Widen), decode attention over the int8 KV cache (Int8Attend), the greedy pick of each row's
+// Int5Widen) and for a GGUF's K-quant blocks (Q4KMatmul ... Q6KWiden), decode attention over the
+// int8 KV cache (Int8Attend), the greedy pick of each row's
 // largest logit (FirstMax) and the sampling filters' cuts (FilterCuts). engine/native.py builds and
 // registers them; engine/products.py, engine/attention.py and engine/sampler.py call them.
 //
@@ -485,6 +486,16 @@ bool Packed5(const ffi::Span<const int64_t>& nib, const ffi::Span<const int64_t>
          d[0] == nib[0] && d[1] * kQ5Block == nib[1] * kNibbleGroup && d[2] == kLanes;
 }
 
+// 32 bits -> 32 bytes, 0xFF where the bit is set (byte i: bit i). Both tiers: the AVX2 tier's
+// Levels and the K-quant blocks' fifth bits.
+inline __m256i BitBytes(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)),
+                                             _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                              2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+}
+
 // 64 bytes of nibbles and their fifth bits -> the levels q (0..31) of the low and the high nibbles.
 #if MASHBOX_AVX512
 inline void Levels(const uint8_t* nib, const uint64_t* fifth, __m512i* low, __m512i* high) {
@@ -496,15 +507,6 @@ inline void Levels(const uint8_t* nib, const uint64_t* fifth, __m512i* low, __m5
   *high = _mm512_mask_add_epi8(hi, _cvtu64_mask64(fifth[1]), hi, sixteen);
 }
 #else
-// 32 bits -> 32 bytes, 0xFF where the bit is set (byte i: bit i).
-inline __m256i BitBytes(uint32_t bits) {
-  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)),
-                                             _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                                              2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
-  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
-}
-
 // As above, each as two 32-byte halves.
 inline void Levels(const uint8_t* nib, const uint64_t* fifth, __m256i* low, __m256i* high) {
   const __m256i four = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(kQ5Offset);
@@ -732,15 +734,16 @@ ffi::Error Int5Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer
 
 // ---- K-quant blocks: Q4_K and Q6_K as the file holds them ---------------------------------------
 
-// The blocks of a GGUF's Q4_K_M / Q6_K files. Both hold 256 inputs per super-block with a float16
-// d (and Q4_K a float16 dmin), and small integer scales per sub-block:
+// The blocks of a GGUF's Q4_K_M / Q5_K_M / Q6_K files. Each holds 256 inputs per super-block with a
+// float16 d (Q4_K and Q5_K a float16 dmin too), and small integer scales per sub-block:
 //   Q4_K  w = d sc q - dmin m   q 0..15, sc and m 0..63 per 32 inputs    (4.5 bits per weight)
+//   Q5_K  the same with q 0..31                                          (5.5 bits)
 //   Q6_K  w = d sc (q - 32)     q 0..63, sc int8 per 16 inputs           (6.5625 bits)
 // Held as they are, in the layout engine.native.pack_k states (its docstring is the one statement):
-// the levels' low four bits as pack5's nibbles, Q6_K's top two bits beside them (32 bytes per
-// 64-byte nibble group: byte p's bits 0-1 and 2-3 the low and high nibble's of nibble byte p, bits
-// 4-5 and 6-7 those of byte p + 32), and per block of 16 outputs the 16 lanes' sub-block scales
-// (and Q4_K's mins), d and dmin.
+// the levels' low four bits as pack5's nibbles, Q5_K's fifth bits as pack5's masks, Q6_K's top two
+// bits beside the nibbles (32 bytes per 64-byte nibble group: byte p's bits 0-1 and 2-3 the low and
+// high nibble's of nibble byte p, bits 4-5 and 6-7 those of byte p + 32), and per block of 16
+// outputs the 16 lanes' sub-block scales (and mins), d and dmin.
 //
 // The rows are rounded to int8 per 256 inputs (one term on its own scale, as the blocks' own
 // reference products do). Per 8 inputs the two nibble halves' products stay in int16 (at most 2 x 2
@@ -752,31 +755,41 @@ constexpr int kSuper = 256;              // inputs per super-block (d, dmin)
 constexpr int kKRows = 4;                // float rows per pass over a block of 16 outputs
 constexpr int kQ6Offset = 32;            // Q6_K: q - 32 is the weight's level
 
+enum class KForm { kQ4, kQ5, kQ6 };      // Q4_K, Q5_K, Q6_K
+
 // One K-quant matrix's arrays (pack_k), all per block of 16 outputs.
 struct KBlocks {
   const uint8_t* nib;     // [N/16, K/8, 16, 4]
-  const uint8_t* hi;      // Q6_K: [N/16, K/8, 32]; Q4_K: null
+  const uint8_t* hi;      // Q6_K: [N/16, K/8, 32]; else null
+  const uint64_t* fifth;  // Q5_K: [N/16, K/8, 2]; else null
   const int8_t* sc;       // [N/16, K/sub, 16]
-  const uint8_t* mins;    // Q4_K: [N/16, K/32, 16]; Q6_K: null
+  const uint8_t* mins;    // Q4_K, Q5_K: [N/16, K/32, 16]; Q6_K: null
   const uint16_t* d;      // float16 [N/16, K/256, 16]
-  const uint16_t* dmin;   // Q4_K: float16 [N/16, K/256, 16]; Q6_K: null
+  const uint16_t* dmin;   // Q4_K, Q5_K: float16 [N/16, K/256, 16]; Q6_K: null
   int64_t blocks, K;
 };
 
-template <bool kSix>
-constexpr int kSub = kSix ? 16 : 32;     // inputs per sub-block scale
+template <KForm F>
+constexpr int kSub = F == KForm::kQ6 ? 16 : 32;     // inputs per sub-block scale
 
-// 64 bytes of nibbles (and Q6_K's top bits) -> the levels of the low and the high nibbles, each as
-// two 32-byte halves.
-template <bool kSix>
-inline void KLevels(const uint8_t* nib, const uint8_t* hi, __m256i* low, __m256i* high) {
+// 64 bytes of nibbles (and Q5_K's fifth bits or Q6_K's top bits) -> the levels of the low and the
+// high nibbles, each as two 32-byte halves.
+template <KForm F>
+inline void KLevels(const uint8_t* nib, const uint8_t* hi, const uint64_t* fifth, __m256i* low, __m256i* high) {
   const __m256i four = _mm256_set1_epi8(0x0F);
   for (int h = 0; h < 2; h++) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nib + 32 * h));
     low[h] = _mm256_and_si256(v, four);
     high[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), four);
   }
-  if (kSix) {                            // each top-bit pair moved to bits 4-5 of its byte
+  if (F == KForm::kQ5) {
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    for (int h = 0; h < 2; h++) {
+      low[h] = _mm256_or_si256(low[h], _mm256_and_si256(BitBytes(static_cast<uint32_t>(fifth[0] >> (32 * h))), sixteen));
+      high[h] = _mm256_or_si256(high[h], _mm256_and_si256(BitBytes(static_cast<uint32_t>(fifth[1] >> (32 * h))), sixteen));
+    }
+  }
+  if (F == KForm::kQ6) {                 // each top-bit pair moved to bits 4-5 of its byte
     const __m256i top = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi));
     const __m256i two = _mm256_set1_epi8(0x30);
     low[0] = _mm256_or_si256(low[0], _mm256_and_si256(_mm256_slli_epi16(top, 4), two));
@@ -796,13 +809,15 @@ inline __m256i ScalePairs(const int8_t* sc) {
 // K/sub] the terms' sums per sub-block as floats). Per sub-block j of super-block s, first the mins'
 // part: total -= (dmin m_j) (scale_s sum_j) (Q6_K: (32 d) sc_j); after the super-block, total +=
 // float(A) (d scale_s). Each operation rounded once, in that order (tests/test_native.py).
-template <int R, bool kSix>
+template <int R, KForm F>
 void BlockK(const KBlocks& w, const int8_t* terms, const float* sub_sums, const float* term_scales,
             float* out, int64_t N, int64_t b) {
-  constexpr int sub = kSub<kSix>;
+  constexpr bool kSix = F == KForm::kQ6;
+  constexpr int sub = kSub<F>;
   const int64_t K = w.K, groups = K / kNibbleGroup, supers = K / kSuper, subs = K / sub;
   const uint8_t* nb = w.nib + b * groups * 64;
   const uint8_t* hb = kSix ? w.hi + b * groups * 32 : nullptr;
+  const uint64_t* fb = F == KForm::kQ5 ? w.fifth + b * groups * 2 : nullptr;
   const int8_t* sb = w.sc + b * subs * kLanes;
   const uint8_t* mb = kSix ? nullptr : w.mins + b * (K / 32) * kLanes;
   const uint16_t* db = w.d + b * supers * kLanes;
@@ -834,8 +849,9 @@ void BlockK(const KBlocks& w, const int8_t* terms, const float* sub_sums, const 
         _mm_prefetch(reinterpret_cast<const char*>(nb + g * 64 + kPrefetch), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(nb + g * 64 + kPrefetchL2), _MM_HINT_T1);
         if (kSix) _mm_prefetch(reinterpret_cast<const char*>(hb + g * 32 + kPrefetchL2 / 2), _MM_HINT_T1);
+        if (F == KForm::kQ5) _mm_prefetch(reinterpret_cast<const char*>(fb + (g + kPrefetchL2 / 64) * 2), _MM_HINT_T1);
         __m256i low[2], high[2];
-        KLevels<kSix>(nb + g * 64, kSix ? hb + g * 32 : nullptr, low, high);
+        KLevels<F>(nb + g * 64, kSix ? hb + g * 32 : nullptr, fb ? fb + g * 2 : nullptr, low, high);
         for (int r = 0; r < R; r++) {
           int32_t first, second;                           // terms[r, 8g .. 8g+3], [8g+4 .. 8g+7]
           __builtin_memcpy(&first, terms + r * K + g * kNibbleGroup, sizeof first);
@@ -858,17 +874,15 @@ void BlockK(const KBlocks& w, const int8_t* terms, const float* sub_sums, const 
     for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * N + b * kLanes + 8 * h, total[r][h]);
 }
 
-template <bool kSix>
 using BlockKFn = void (*)(const KBlocks&, const int8_t*, const float*, const float*, float*, int64_t, int64_t);
-template <bool kSix>
-constexpr BlockKFn<kSix> kBlocksK[kKRows + 1] = {nullptr, BlockK<1, kSix>, BlockK<2, kSix>, BlockK<3, kSix>,
-                                                 BlockK<4, kSix>};
+template <KForm F>
+constexpr BlockKFn kBlocksK[kKRows + 1] = {nullptr, BlockK<1, F>, BlockK<2, F>, BlockK<3, F>, BlockK<4, F>};
 
 // x float32 [R, K] times K-quant blocks -> float32 [R, N]: each row rounded to int8 per 256 inputs,
 // then the blocks' exact integer sums, their scales and mins (BlockK).
-template <bool kSix>
+template <KForm F>
 void KMatmul(ffi::ThreadPool& pool, const float* x, int64_t R, const KBlocks& w, float* out) {
-  constexpr int sub = kSub<kSix>;
+  constexpr int sub = kSub<F>;
   const int64_t K = w.K, N = w.blocks * kLanes, supers = K / kSuper, subs = K / sub;
   std::vector<int8_t> terms(R * K);
   std::vector<float> term_scales(R * supers), sub_sums(R * subs);
@@ -889,7 +903,7 @@ void KMatmul(ffi::ThreadPool& pool, const float* x, int64_t R, const KBlocks& w,
     for (int64_t r0 = 0; r0 < R; r0 += kKRows) {
       const int64_t n = std::min<int64_t>(kKRows, R - r0);
       for (int64_t b = b0; b < b1; b++)
-        kBlocksK<kSix>[n](w, terms.data() + r0 * K, sub_sums.data() + r0 * subs,
+        kBlocksK<F>[n](w, terms.data() + r0 * K, sub_sums.data() + r0 * subs,
                           term_scales.data() + r0 * supers, out + r0 * N, N, b);
     }
   });
@@ -898,9 +912,10 @@ void KMatmul(ffi::ThreadPool& pool, const float* x, int64_t R, const KBlocks& w,
 // K-quant blocks -> their values rounded to bfloat16 [N, K] (nearest, ties to even), for a prefill
 // chunk's dot: (d sc) q - (dmin m), Q6_K's (d sc) (q - 32), each operation rounded once in float32:
 // gguf's own dequantization's numbers, then rounded to bfloat16.
-template <bool kSix>
+template <KForm F>
 void KWiden(ffi::ThreadPool& pool, const KBlocks& w, uint16_t* out) {
-  constexpr int sub = kSub<kSix>;
+  constexpr bool kSix = F == KForm::kQ6;
+  constexpr int sub = kSub<F>;
   const int64_t K = w.K, groups = K / kNibbleGroup, supers = K / kSuper, subs = K / sub;
   Parallel(pool, w.blocks, [&](int64_t b) {
     alignas(64) uint8_t lanes[kLanes][kSuper];           // one super-block's levels per output
@@ -909,7 +924,8 @@ void KWiden(ffi::ThreadPool& pool, const KBlocks& w, uint16_t* out) {
       for (int64_t i = 0; i < kSuper / kNibbleGroup; i++) {
         const int64_t g = s * (kSuper / kNibbleGroup) + i;
         __m256i lo[2], hi[2];
-        KLevels<kSix>(w.nib + (b * groups + g) * 64, kSix ? w.hi + (b * groups + g) * 32 : nullptr, lo, hi);
+        KLevels<F>(w.nib + (b * groups + g) * 64, kSix ? w.hi + (b * groups + g) * 32 : nullptr,
+                   F == KForm::kQ5 ? w.fifth + (b * groups + g) * 2 : nullptr, lo, hi);
         for (int h = 0; h < 2; h++) {
           _mm256_store_si256(reinterpret_cast<__m256i*>(low + 32 * h), lo[h]);
           _mm256_store_si256(reinterpret_cast<__m256i*>(high + 32 * h), hi[h]);
@@ -958,53 +974,80 @@ bool Same(const ffi::Span<const int64_t>& a, const ffi::Span<const int64_t>& b) 
   return std::equal(a.begin(), a.end(), b.begin(), b.end());
 }
 
-ffi::Error Q4KArrays(ffi::Buffer<ffi::U8>& nib, ffi::Buffer<ffi::S8>& sc, ffi::Buffer<ffi::U8>& mins,
-                     ffi::Buffer<ffi::F16>& d, ffi::Buffer<ffi::F16>& dmin, KBlocks* w) {
-  if (!PackedK(nib.dimensions(), sc.dimensions(), kSub<false>, d.dimensions()) ||
+// The arrays of a Q4_K or Q5_K matrix (fifth: Q5_K's, else null) into w.
+ffi::Error MinArrays(ffi::Buffer<ffi::U8>& nib, const uint32_t* fifth, ffi::Buffer<ffi::S8>& sc,
+                     ffi::Buffer<ffi::U8>& mins, ffi::Buffer<ffi::F16>& d, ffi::Buffer<ffi::F16>& dmin,
+                     KBlocks* w) {
+  if (!PackedK(nib.dimensions(), sc.dimensions(), kSub<KForm::kQ4>, d.dimensions()) ||
       !Same(sc.dimensions(), mins.dimensions()) || !Same(d.dimensions(), dmin.dimensions()))
-    return ffi::Error::InvalidArgument("q4_k: nib [N/16, K/8, 16, 4], sc and mins [N/16, K/32, 16], d and "
-                                       "dmin [N/16, K/256, 16]");
-  *w = {nib.typed_data(), nullptr, sc.typed_data(), mins.typed_data(),
+    return ffi::Error::InvalidArgument("q4_k / q5_k: nib [N/16, K/8, 16, 4], sc and mins [N/16, K/32, 16], "
+                                       "d and dmin [N/16, K/256, 16]");
+  *w = {nib.typed_data(), nullptr, reinterpret_cast<const uint64_t*>(fifth), sc.typed_data(), mins.typed_data(),
         reinterpret_cast<const uint16_t*>(d.typed_data()), reinterpret_cast<const uint16_t*>(dmin.typed_data()),
         nib.dimensions()[0], nib.dimensions()[1] * kNibbleGroup};
   return ffi::Error::Success();
 }
 
+ffi::Error Q5KArrays(ffi::Buffer<ffi::U8>& nib, ffi::Buffer<ffi::U32>& fifth, ffi::Buffer<ffi::S8>& sc,
+                     ffi::Buffer<ffi::U8>& mins, ffi::Buffer<ffi::F16>& d, ffi::Buffer<ffi::F16>& dmin,
+                     KBlocks* w) {
+  const auto fd = fifth.dimensions();
+  if (fd.size() != 3 || nib.dimensions().size() != 4 || fd[0] != nib.dimensions()[0] ||
+      fd[1] != nib.dimensions()[1] || fd[2] != 4)
+    return ffi::Error::InvalidArgument("q5_k: fifth [N/16, K/8, 4]");
+  return MinArrays(nib, fifth.typed_data(), sc, mins, d, dmin, w);
+}
+
 ffi::Error Q6KArrays(ffi::Buffer<ffi::U8>& nib, ffi::Buffer<ffi::U8>& hi, ffi::Buffer<ffi::S8>& sc,
                      ffi::Buffer<ffi::F16>& d, KBlocks* w) {
   const auto hd = hi.dimensions();
-  if (!PackedK(nib.dimensions(), sc.dimensions(), kSub<true>, d.dimensions()) || hd.size() != 3 ||
+  if (!PackedK(nib.dimensions(), sc.dimensions(), kSub<KForm::kQ6>, d.dimensions()) || hd.size() != 3 ||
       hd[0] != nib.dimensions()[0] || hd[1] != nib.dimensions()[1] || hd[2] != 32)
     return ffi::Error::InvalidArgument("q6_k: nib [N/16, K/8, 16, 4], hi [N/16, K/8, 32], sc [N/16, K/16, 16], "
                                        "d [N/16, K/256, 16]");
-  *w = {nib.typed_data(), hi.typed_data(), sc.typed_data(), nullptr,
+  *w = {nib.typed_data(), hi.typed_data(), nullptr, sc.typed_data(), nullptr,
         reinterpret_cast<const uint16_t*>(d.typed_data()), nullptr, nib.dimensions()[0],
         nib.dimensions()[1] * kNibbleGroup};
   return ffi::Error::Success();
 }
 
-bool Rows(ffi::Buffer<ffi::F32>& x, const KBlocks& w) {
-  return x.dimensions().size() == 2 && x.dimensions()[1] == w.K;
+// x [R, K] times the blocks w (their arrays' check's error first), into out.
+template <KForm F>
+ffi::Error KProduct(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Error checked, const KBlocks& w,
+                    ffi::ResultBuffer<ffi::F32>& out) {
+  if (checked.failure()) return checked;
+  if (x.dimensions().size() != 2 || x.dimensions()[1] != w.K)
+    return ffi::Error::InvalidArgument("k-quant matmul: x [R, K]");
+  KMatmul<F>(pool, x.typed_data(), x.dimensions()[0], w, out->typed_data());
+  return ffi::Error::Success();
+}
+
+template <KForm F>
+ffi::Error KWidened(ffi::ThreadPool& pool, ffi::Error checked, const KBlocks& w, ffi::ResultBuffer<ffi::BF16>& out) {
+  if (checked.failure()) return checked;
+  KWiden<F>(pool, w, reinterpret_cast<uint16_t*>(out->typed_data()));
+  return ffi::Error::Success();
 }
 
 ffi::Error Q4KMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> nib,
                      ffi::Buffer<ffi::S8> sc, ffi::Buffer<ffi::U8> mins, ffi::Buffer<ffi::F16> d,
                      ffi::Buffer<ffi::F16> dmin, ffi::ResultBuffer<ffi::F32> out) {
   KBlocks w;
-  if (auto e = Q4KArrays(nib, sc, mins, d, dmin, &w); e.failure()) return e;
-  if (!Rows(x, w)) return ffi::Error::InvalidArgument("q4k_matmul: x [R, K]");
-  KMatmul<false>(pool, x.typed_data(), x.dimensions()[0], w, out->typed_data());
-  return ffi::Error::Success();
+  return KProduct<KForm::kQ4>(pool, x, MinArrays(nib, nullptr, sc, mins, d, dmin, &w), w, out);
+}
+
+ffi::Error Q5KMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> nib,
+                     ffi::Buffer<ffi::U32> fifth, ffi::Buffer<ffi::S8> sc, ffi::Buffer<ffi::U8> mins,
+                     ffi::Buffer<ffi::F16> d, ffi::Buffer<ffi::F16> dmin, ffi::ResultBuffer<ffi::F32> out) {
+  KBlocks w;
+  return KProduct<KForm::kQ5>(pool, x, Q5KArrays(nib, fifth, sc, mins, d, dmin, &w), w, out);
 }
 
 ffi::Error Q6KMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> nib,
                      ffi::Buffer<ffi::U8> hi, ffi::Buffer<ffi::S8> sc, ffi::Buffer<ffi::F16> d,
                      ffi::ResultBuffer<ffi::F32> out) {
   KBlocks w;
-  if (auto e = Q6KArrays(nib, hi, sc, d, &w); e.failure()) return e;
-  if (!Rows(x, w)) return ffi::Error::InvalidArgument("q6k_matmul: x [R, K]");
-  KMatmul<true>(pool, x.typed_data(), x.dimensions()[0], w, out->typed_data());
-  return ffi::Error::Success();
+  return KProduct<KForm::kQ6>(pool, x, Q6KArrays(nib, hi, sc, d, &w), w, out);
 }
 
 // `after` as Int8Widen's.
@@ -1012,18 +1055,21 @@ ffi::Error Q4KWiden(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer<
                     ffi::Buffer<ffi::U8> mins, ffi::Buffer<ffi::F16> d, ffi::Buffer<ffi::F16> dmin,
                     ffi::AnyBuffer after, ffi::ResultBuffer<ffi::BF16> out) {
   KBlocks w;
-  if (auto e = Q4KArrays(nib, sc, mins, d, dmin, &w); e.failure()) return e;
-  KWiden<false>(pool, w, reinterpret_cast<uint16_t*>(out->typed_data()));
-  return ffi::Error::Success();
+  return KWidened<KForm::kQ4>(pool, MinArrays(nib, nullptr, sc, mins, d, dmin, &w), w, out);
+}
+
+ffi::Error Q5KWiden(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer<ffi::U32> fifth,
+                    ffi::Buffer<ffi::S8> sc, ffi::Buffer<ffi::U8> mins, ffi::Buffer<ffi::F16> d,
+                    ffi::Buffer<ffi::F16> dmin, ffi::AnyBuffer after, ffi::ResultBuffer<ffi::BF16> out) {
+  KBlocks w;
+  return KWidened<KForm::kQ5>(pool, Q5KArrays(nib, fifth, sc, mins, d, dmin, &w), w, out);
 }
 
 ffi::Error Q6KWiden(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer<ffi::U8> hi,
                     ffi::Buffer<ffi::S8> sc, ffi::Buffer<ffi::F16> d, ffi::AnyBuffer after,
                     ffi::ResultBuffer<ffi::BF16> out) {
   KBlocks w;
-  if (auto e = Q6KArrays(nib, hi, sc, d, &w); e.failure()) return e;
-  KWiden<true>(pool, w, reinterpret_cast<uint16_t*>(out->typed_data()));
-  return ffi::Error::Success();
+  return KWidened<KForm::kQ6>(pool, Q6KArrays(nib, hi, sc, d, &w), w, out);
 }
 
 // ---- decode attention over the int8 cache -----------------------------------------------------
@@ -1630,6 +1676,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxQ4KMatmul, Q4KMatmul,
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxQ5KMatmul, Q5KMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxQ5KWiden, Q5KWiden,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxQ6KMatmul, Q6KMatmul,
                               ffi::Ffi::Bind()

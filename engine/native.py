@@ -48,6 +48,7 @@ TARGETS = {"mashbox_int8_matmul": "MashboxInt8Matmul",
            "mashbox_int8_widen": "MashboxInt8Widen", "mashbox_int8_attend": "MashboxInt8Attend",
            "mashbox_int5_matmul": "MashboxInt5Matmul", "mashbox_int5_widen": "MashboxInt5Widen",
            "mashbox_q4k_matmul": "MashboxQ4KMatmul", "mashbox_q4k_widen": "MashboxQ4KWiden",
+           "mashbox_q5k_matmul": "MashboxQ5KMatmul", "mashbox_q5k_widen": "MashboxQ5KWiden",
            "mashbox_q6k_matmul": "MashboxQ6KMatmul", "mashbox_q6k_widen": "MashboxQ6KWiden",
            "mashbox_first_max": "MashboxFirstMax", "mashbox_filter_cuts": "MashboxFilterCuts"}
 ENV_SWITCH = "MASHBOX_NATIVE"                      # "0": never build or use the kernel
@@ -65,7 +66,7 @@ BUILD_TIMEOUT_S = 300                              # about 5 s on 2 cores; a stu
 LANES, GROUP = 16, 4                               # the packed block: 16 outputs x 4 inputs
 NIBBLE_GROUP, Q5_BLOCK = 8, 32                     # 5-bit: 8 inputs per load, a scale per 32
 K_SUPER = 256                                      # K-quants: inputs per super-block (d, dmin)
-K_SUB = {"Q4_K": 32, "Q6_K": 16}                   # inputs per sub-block scale, by GGUF block type
+K_SUB = {"Q4_K": 32, "Q5_K": 32, "Q6_K": 16}       # inputs per sub-block scale, by GGUF block type
 
 
 def _compiler() -> str | None:
@@ -219,14 +220,29 @@ def pack5(levels: np.ndarray, scales: np.ndarray) -> dict:
                                          nibbles' levels, of the second for the high ones'
       d      float16 [N/16, K/32, 16]    the scales of the block's 16 outputs per 32 inputs"""
     n, k = levels.shape
-    blocked = levels.reshape(n // LANES, LANES, k // NIBBLE_GROUP, 2, GROUP).transpose(0, 2, 1, 3, 4)
-    nib = (blocked[..., 0, :] & 15) | ((blocked[..., 1, :] & 15) << 4)          # [N/16, K/8, 16, 4]
-    bits = ((blocked >> 4) & 1).transpose(0, 1, 3, 2, 4).reshape(n // LANES, k // NIBBLE_GROUP, 2, 64)
-    fifth = np.packbits(bits.astype(np.uint8), axis=-1, bitorder="little").view("<u8")[..., 0]
     d = scales.reshape(n // LANES, LANES, k // Q5_BLOCK).transpose(0, 2, 1)
-    return {"nib": np.ascontiguousarray(nib.astype(np.uint8)),
-            "fifth": np.ascontiguousarray(fifth).view(np.uint32),
-            "d": np.ascontiguousarray(d.astype(np.float16))}
+    return {"nib": _nibbles(levels), "fifth": _fifth_bits(levels), "d": np.ascontiguousarray(d.astype(np.float16))}
+
+
+def _blocked(levels: np.ndarray) -> np.ndarray:
+    """[N, K] -> [N/16, K/8, 16, 2, 4]: per block of 16 outputs and group of 8 inputs, each lane's
+    low four inputs, then its high four."""
+    n, k = levels.shape
+    return levels.reshape(n // LANES, LANES, k // NIBBLE_GROUP, 2, GROUP).transpose(0, 2, 1, 3, 4)
+
+
+def _nibbles(levels: np.ndarray) -> np.ndarray:
+    """pack5's nib: the levels' low four bits, 8 inputs of 16 outputs per 64 bytes."""
+    blocked = _blocked(levels)
+    return np.ascontiguousarray(((blocked[..., 0, :] & 15) | ((blocked[..., 1, :] & 15) << 4)).astype(np.uint8))
+
+
+def _fifth_bits(levels: np.ndarray) -> np.ndarray:
+    """pack5's fifth: the levels' fifth bits as two 64-bit masks per 64 nibble bytes."""
+    n, k = levels.shape
+    bits = ((_blocked(levels) >> 4) & 1).transpose(0, 1, 3, 2, 4).reshape(n // LANES, k // NIBBLE_GROUP, 2, 64)
+    fifth = np.packbits(bits.astype(np.uint8), axis=-1, bitorder="little").view("<u8")[..., 0]
+    return np.ascontiguousarray(fifth).view(np.uint32)
 
 
 def is_int5(w) -> bool:
@@ -267,37 +283,38 @@ def pack_k(kind: str, levels: np.ndarray, sc: np.ndarray, d: np.ndarray, mins=No
     kernel's form, the one statement of its layout (engine/native.cc reads it so):
       Q4_K  w = d sc q - dmin m: levels uint8 [N, K] 0..15, sc and mins uint8 [N, K/32] 0..63,
             d and dmin float16 [N, K/256]
+      Q5_K  the same, levels 0..31
       Q6_K  w = d sc (q - 32): levels uint8 [N, K] 0..63, sc int8 [N, K/16], d float16 [N, K/256]
     held as
-      knib   uint8   [N/16, K/8, 16, 4]  the levels' low four bits, as pack5's nib
-      khi    uint8   [N/16, K/8, 32]     Q6_K: the levels' top two bits; byte p of a group: bits 0-1
-                                         and 2-3 those of nib byte p's low and high nibble, bits 4-5
-                                         and 6-7 those of nib byte p + 32's
-      ksc    int8    [N/16, K/sub, 16]   the 16 outputs' sub-block scales (sub: K_SUB)
-      kmin   uint8   [N/16, K/32, 16]    Q4_K: the sub-blocks' mins
-      kd     float16 [N/16, K/256, 16]   the super-blocks' d
-      kdmin  float16 [N/16, K/256, 16]   Q4_K: their dmin"""
-    n, k = levels.shape
-    blocked = levels.reshape(n // LANES, LANES, k // NIBBLE_GROUP, 2, GROUP).transpose(0, 2, 1, 3, 4)
-    nib = (blocked[..., 0, :] & 15) | ((blocked[..., 1, :] & 15) << 4)          # [N/16, K/8, 16, 4]
-    per_lane = lambda a: np.ascontiguousarray(a.reshape(n // LANES, LANES, -1).transpose(0, 2, 1))
-    held = {"knib": np.ascontiguousarray(nib.astype(np.uint8)),
-            "ksc": per_lane(sc).view(np.int8), "kd": per_lane(d.astype(np.float16))}
+      knib    uint8   [N/16, K/8, 16, 4]  the levels' low four bits, as pack5's nib
+      kfifth  uint32  [N/16, K/8, 4]      Q5_K: their fifth bits, as pack5's fifth
+      khi     uint8   [N/16, K/8, 32]     Q6_K: their top two bits; byte p of a group: bits 0-1
+                                          and 2-3 those of nib byte p's low and high nibble, bits 4-5
+                                          and 6-7 those of nib byte p + 32's
+      ksc     int8    [N/16, K/sub, 16]   the 16 outputs' sub-block scales (sub: K_SUB)
+      kmin    uint8   [N/16, K/32, 16]    Q4_K, Q5_K: the sub-blocks' mins
+      kd      float16 [N/16, K/256, 16]   the super-blocks' d
+      kdmin   float16 [N/16, K/256, 16]   Q4_K, Q5_K: their dmin"""
+    n = levels.shape[0]
+    per_lane = lambda a: np.ascontiguousarray(a.reshape(n // LANES, LANES, -1).transpose(0, 2, 1))  # noqa: E731
+    held = {"knib": _nibbles(levels), "ksc": per_lane(sc).view(np.int8), "kd": per_lane(d.astype(np.float16))}
     if kind == "Q6_K":
-        top = (blocked >> 4) & 3                                                # [N/16, K/8, 16, 2, 4]
-        byte = (top[..., 0, :] | (top[..., 1, :] << 2)).reshape(n // LANES, k // NIBBLE_GROUP, 64)
+        top = (_blocked(levels) >> 4) & 3                                       # [N/16, K/8, 16, 2, 4]
+        byte = (top[..., 0, :] | (top[..., 1, :] << 2)).reshape(n // LANES, -1, 64)
         held["khi"] = np.ascontiguousarray((byte[..., :32] | (byte[..., 32:] << 4)).astype(np.uint8))
-    else:
-        held["kmin"] = per_lane(mins.astype(np.uint8))
-        held["kdmin"] = per_lane(dmin.astype(np.float16))
+        return held
+    if kind == "Q5_K":
+        held["kfifth"] = _fifth_bits(levels)
+    held["kmin"] = per_lane(mins.astype(np.uint8))
+    held["kdmin"] = per_lane(dmin.astype(np.float16))
     return held
 
 
 def k_kind(w) -> str | None:
-    """"Q4_K" or "Q6_K" for weights held by pack_k, else None."""
+    """"Q4_K", "Q5_K" or "Q6_K" for weights held by pack_k, else None."""
     if not (isinstance(w, dict) and "knib" in w):
         return None
-    return "Q6_K" if "khi" in w else "Q4_K"
+    return "Q6_K" if "khi" in w else "Q5_K" if "kfifth" in w else "Q4_K"
 
 
 def packable_k(shape) -> bool:
@@ -305,10 +322,9 @@ def packable_k(shape) -> bool:
     return len(shape) == 2 and shape[0] % LANES == 0 and shape[1] % K_SUPER == 0
 
 
-def _k_operands(w) -> tuple:
-    if k_kind(w) == "Q6_K":
-        return w["knib"], w["khi"], w["ksc"], w["kd"]
-    return w["knib"], w["ksc"], w["kmin"], w["kd"], w["kdmin"]
+_K_OPERANDS = {"Q4_K": ("knib", "ksc", "kmin", "kd", "kdmin"),
+               "Q5_K": ("knib", "kfifth", "ksc", "kmin", "kd", "kdmin"),
+               "Q6_K": ("knib", "khi", "ksc", "kd")}
 
 
 def k_matmul(x, w):
@@ -318,9 +334,10 @@ def k_matmul(x, w):
     import jax.numpy as jnp
 
     _require()
-    target = "mashbox_q6k_matmul" if k_kind(w) == "Q6_K" else "mashbox_q4k_matmul"
+    kind = k_kind(w)
     n = w["knib"].shape[0] * LANES
-    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, *_k_operands(w))
+    return jax.ffi.ffi_call(f"mashbox_{kind[:2].lower()}k_matmul", jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
+        x, *(w[key] for key in _K_OPERANDS[kind]))
 
 
 def widen_k(w, after):
@@ -330,10 +347,10 @@ def widen_k(w, after):
     import jax.numpy as jnp
 
     _require()
-    target = "mashbox_q6k_widen" if k_kind(w) == "Q6_K" else "mashbox_q4k_widen"
+    kind = k_kind(w)
     blocks, groups = w["knib"].shape[:2]
-    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((blocks * LANES, groups * NIBBLE_GROUP), jnp.bfloat16))(
-        *_k_operands(w), after)
+    return jax.ffi.ffi_call(f"mashbox_{kind[:2].lower()}k_widen", jax.ShapeDtypeStruct(
+        (blocks * LANES, groups * NIBBLE_GROUP), jnp.bfloat16))(*(w[key] for key in _K_OPERANDS[kind]), after)
 
 
 def int8_matmul(x, q, scale):

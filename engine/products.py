@@ -11,7 +11,8 @@ A weight is one of four kinds (weight_kind), each with one product:
                  signed int8 kernels (engine.weights.OFFSET_INT8)
     int8_packed  the same, q in engine.native's packed layout for its kernel
     q5_0         a GGUF's Q5_0 blocks as the file has them (engine.native.pack5)
-    q4_k, q6_k   a GGUF's Q4_K or Q6_K blocks as the file has them (engine.native.pack_k)
+    q4_k, q5_k,  a GGUF's Q4_K, Q5_K or Q6_K blocks as the file has them (engine.native.pack_k)
+    q6_k
     fp8          {"f8": float8_e4m3fn [out, in], "f8_scale": float32 [out, in / block]}: an FP8
                  checkpoint's values, w = f8 * f8_scale per block of columns (engine.weights)
 The packed kinds exist only where engine.native's kernel serves the model (ModelConfig.native,
@@ -37,7 +38,7 @@ from engine.weights import INT8_OFFSET
 
 F32 = jnp.float32
 
-WEIGHT_KINDS = ("float", "int8", "int8_packed", "q5_0", "q4_k", "q6_k", "fp8")
+WEIGHT_KINDS = ("float", "int8", "int8_packed", "q5_0", "q4_k", "q5_k", "q6_k", "fp8")
 
 # XLA:CPU's dot of a few rows runs well below the memory's speed, while the same product written as
 # a broadcast multiply summed over the input (one fused reduction) streams the weights once. One
@@ -260,7 +261,7 @@ def _shape(w, kind: str) -> tuple[int, int]:
     """(out, in) of a quantized weight as a matrix."""
     if kind == "q5_0":
         return w["nib"].shape[0] * native.LANES, w["nib"].shape[1] * native.NIBBLE_GROUP
-    if kind in ("q4_k", "q6_k"):
+    if kind in ("q4_k", "q5_k", "q6_k"):
         return w["knib"].shape[0] * native.LANES, w["knib"].shape[1] * native.NIBBLE_GROUP
     if kind == "fp8":
         return w["f8"].shape
@@ -269,7 +270,7 @@ def _shape(w, kind: str) -> tuple[int, int]:
 
 
 _QUANTIZED_MATMUL = {"int8": _int8_matmul, "int8_packed": _int8_packed_matmul, "q5_0": _q5_0_matmul,
-                     "q4_k": _k_matmul, "q6_k": _k_matmul, "fp8": _fp8_matmul}
+                     "q4_k": _k_matmul, "q5_k": _k_matmul, "q6_k": _k_matmul, "fp8": _fp8_matmul}
 
 
 def matmul(x, w):

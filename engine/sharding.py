@@ -117,7 +117,7 @@ INT8_PARTS = ("q", "scale")
 # split): their parts, each with the output blocks first, follow the matrix's output axis.
 INT5_PARTS = ("nib", "fifth", "d")
 # And so are its K-quant matrices (engine.native.pack_k).
-K_PARTS = ("knib", "khi", "ksc", "kmin", "kd", "kdmin")
+K_PARTS = ("knib", "kfifth", "khi", "ksc", "kmin", "kd", "kdmin")
 # FP8 matrices are {"f8": [out, in], "f8_scale": [out, in / block]}: both split like the float matrix
 # (each row's scales per block of columns go with its columns when those are split).
 FP8_PARTS = ("f8", "f8_scale")

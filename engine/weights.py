@@ -64,8 +64,8 @@ Where the int8 matrices are packed for engine.native's kernel, a layer matrix ma
 Q5_0 tensors (the demo's gate_up and o, and qkv where v is Q5_0 too) keeps the file's own blocks
 instead, read without floats (engine.checkpoint: q5_0) and held at 5.5 bits (engine.native.pack5):
 int8 per channel would round the file's values a second time, in more bytes. So does a matrix made
-only of Q4_K, or only of Q6_K, tensors (the blocks of Q4_K_M / Q6_K files; engine.native.pack_k, at
-4.6 and 6.6 bits), and a separate LM head of either. Other block types (Q8_0 among them: its 8.5 bits
+only of Q4_K, only of Q5_K or only of Q6_K tensors (the blocks of Q4_K_M / Q5_K_M / Q6_K files;
+engine.native.pack_k, at 4.6, 5.6 and 6.6 bits), and a separate LM head of one of them. Other block types (Q8_0 among them: its 8.5 bits
 are more than int8's) and matrices mixing types are rounded to int8 per channel; the log says how
 many of each.
 
@@ -431,8 +431,8 @@ class _Loader:
         """A layer's matrix combine(*tensors) of the named tensors [(name, shape)] (combine is a row
         operation: stacking, interleaving), as held: in 5-bit blocks (engine.native.pack5) when every
         part is a GGUF's Q5_0 tensor and the int8 matrices are packed (the file's own levels and
-        scales, exact), likewise in K-quant blocks (engine.native.pack_k) when every part is Q4_K, or
-        every part Q6_K; as float8 with each row's block scales (the module docstring) when every
+        scales, exact), likewise in K-quant blocks (engine.native.pack_k) when every part is Q4_K, every
+        part Q5_K or every part Q6_K; as float8 with each row's block scales (the module docstring) when every
         part is an FP8 checkpoint's and the weights dtype is fp8; else put_matrix of the floats. floats: the
         combined matrix, when the caller has read it already."""
         if self.fp8 and all(self.r.format(name) == FP8 for name, _ in parts):
@@ -602,14 +602,14 @@ def held_note(checkpoint, params, dtype: str) -> str | None:
     blocks = ", ".join(f"{kind} x{n}" for kind, n in sorted(kinds.items()))
     if dtype != "int8":
         return f"{checkpoint.file}: matrices {blocks}, held as {dtype} (their values exactly)"
-    kept = {"Q5_0": 0, "Q4_K": 0, "Q6_K": 0}
+    kept = {"Q5_0": 0, "Q4_K": 0, "Q5_K": 0, "Q6_K": 0}
     is_blocks = lambda leaf: native.is_int5(leaf) or native.k_kind(leaf) is not None
     for leaf in {id(x): x for x in jax.tree_util.tree_leaves(params, is_leaf=is_blocks)}.values():
         if is_blocks(leaf):
             kept["Q5_0" if native.is_int5(leaf) else native.k_kind(leaf)] += 1
     held = ", ".join(f"{n} {kind}" for kind, n in kept.items() if n) or "none"
     return (f"{checkpoint.file}: matrices {blocks}; held in the file's own blocks (where every part of a "
-            f"matrix has one of Q5_0, Q4_K, Q6_K and the native kernel serves): {held}; the rest rounded "
+            f"matrix has one of Q5_0, Q4_K, Q5_K, Q6_K and the native kernel serves): {held}; the rest rounded "
             f"again to int8 per channel")
 
 

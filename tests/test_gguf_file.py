@@ -159,7 +159,7 @@ def test_q8_0_blocks_are_read_as_their_values(cache, model):
 K_LAYERS = ({"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q4_K",
              "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"},
             {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q6_K",
-             "ffn_gate": "Q6_K", "ffn_up": "Q6_K", "ffn_down": "Q4_K"})
+             "ffn_gate": "Q5_K", "ffn_up": "Q5_K", "ffn_down": "Q4_K"})
 
 
 def write_k_quant_gguf(path: Path) -> Path:
@@ -177,7 +177,7 @@ def write_k_quant_gguf(path: Path) -> Path:
     ones = lambda n: (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731
 
     def blocks(name: str, kind: str, rows: int, cols: int) -> None:
-        raw = random_k_blocks(rng, kind, rows, cols, step=1e-3 if kind == "Q4_K" else 2e-4)
+        raw = random_k_blocks(rng, kind, rows, cols, step={"Q4_K": 1e-3, "Q5_K": 5e-4, "Q6_K": 2e-4}[kind])
         w.add_tensor(name, raw.reshape(rows, -1), raw_dtype=Q[kind])
 
     w.add_tensor("token_embd.weight", rng.normal(0, 1, (vocab, h)).astype(np.float32), raw_dtype=Q.F32)
@@ -201,9 +201,9 @@ def write_k_quant_gguf(path: Path) -> Path:
 
 @pytest.mark.parametrize("int8_max_rows", [None, 0])
 def test_k_quant_matrices_are_held_in_their_blocks_and_compute_their_values(cache, int8_max_rows, monkeypatch):
-    """Guards against a GGUF's Q4_K / Q6_K matrices losing their exact values (int8 per channel
-    rounds them again, in more bytes), a matrix mixing block types being held in one of them, the
-    LM head left out, or the blocks' path (the kernel's product; the widened weights of a prefill
+    """Guards against a GGUF's Q4_K / Q5_K / Q6_K matrices losing their exact values (int8 per
+    channel rounds them again, in more bytes), a matrix mixing block types being held in one of them,
+    the LM head left out, the held copy differing, or the blocks' path (the kernel's product; the widened weights of a prefill
     chunk when int8_max_rows is 0) computing other logits than the file's values in float32."""
     from engine import model, native, products
     from tests.test_native import needs_kernel
@@ -216,17 +216,21 @@ def test_k_quant_matrices_are_held_in_their_blocks_and_compute_their_values(cach
                                                          static_argnames=("cfg", "kind", "mlp", "site")))
     folder = registry.prepare(registry.resolve(str(write_k_quant_gguf(cache / "Tiny-K.gguf"))))
     cfg = load_config(folder)
-    held = load_weights(folder, cfg, "int8")
+    held_cache = str(cache / "held")
+    held = load_weights(folder, cfg, "int8", held_cache=held_cache)
     kinds = [{name: native.k_kind(layer[name]) for name in ("qkv", "o", "gate_up", "down")}
              for layer in held["layers"]]
     assert kinds == [{"qkv": "Q4_K", "o": "Q4_K", "gate_up": "Q4_K", "down": "Q6_K"},
-                     {"qkv": None, "o": "Q6_K", "gate_up": "Q6_K", "down": "Q4_K"}]
+                     {"qkv": None, "o": "Q6_K", "gate_up": "Q5_K", "down": "Q4_K"}]
     assert native.k_kind(held["lm_head"]) == "Q6_K" and native.is_packed(held["layers"][1]["qkv"]["q"])
     assert "held in the file's own blocks" in held_note(Checkpoint(folder), held, "int8")
-    assert ": 4 Q4_K, 4 Q6_K;" in held_note(Checkpoint(folder), held, "int8")
+    assert ": 4 Q4_K, 1 Q5_K, 3 Q6_K;" in held_note(Checkpoint(folder), held, "int8")
     forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
     tokens = np.arange(3, 27) % cfg.vocab_size
     got = _logits(cfg, held, tokens, forward)
+    again = load_weights(folder, cfg, "int8", held_cache=held_cache)               # the held copy
+    assert native.k_kind(again["layers"][1]["down"]) == "Q4_K"
+    np.testing.assert_array_equal(_logits(cfg, again, tokens, forward), got)
     want = _logits(cfg, load_weights(folder, cfg, jnp.float32), tokens, forward)
     # The rows rounded to int8 per 256 inputs (or to bfloat16, widened), layer 1's qkv to int8 per
     # channel: measured a mean 0.0023 and at most 0.083 of the largest logit apart (the first token,

@@ -184,7 +184,7 @@ def random_k_blocks(rng, kind: str, rows: int, cols: int, step: float = 3e-4) ->
     scale = lambda: (rng.standard_normal((rows, cols // 256)) * step).astype(np.float16)  # noqa: E731
     d = scale()
     d[0, 0] = 0
-    if kind == "Q4_K":
+    if kind in ("Q4_K", "Q5_K"):
         raw[..., 0:2] = d.view(np.uint8).reshape(rows, -1, 2)
         raw[..., 2:4] = np.abs(scale()).view(np.uint8).reshape(rows, -1, 2)
     else:
@@ -205,16 +205,17 @@ def _k_held(kind, raw):
     return native.pack_k(kind, **k_quant_parts(kind, raw))
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quant_parts_are_the_blocks_own_numbers(kind):
-    """Guards against the 6-bit scales and mins of Q4_K, or Q6_K's split levels, being unpacked
-    into other numbers than gguf's own decoder gives: d sc q - dmin m, d sc (q - 32)."""
+    """Guards against the 6-bit scales and mins of Q4_K and Q5_K, Q5_K's fifth bits or Q6_K's split
+    levels being unpacked into other numbers than gguf's own decoder gives: d sc q - dmin m, d sc
+    (q - 32)."""
     from engine.checkpoint import k_quant_parts
     raw = random_k_blocks(np.random.default_rng(1), kind, 16, 512)
     parts = {key: value.astype(np.float32) for key, value in k_quant_parts(kind, raw).items()}
     sub = native.K_SUB[kind]
     d = np.repeat(parts["d"], 256 // sub, axis=1) * parts["sc"]                       # per sub-block
-    if kind == "Q4_K":
+    if kind != "Q6_K":
         values = np.repeat(d, sub, axis=1) * parts["levels"] - np.repeat(
             np.repeat(parts["dmin"], 8, axis=1) * parts["mins"], sub, axis=1)
     else:
@@ -223,11 +224,12 @@ def test_k_quant_parts_are_the_blocks_own_numbers(kind):
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("n, k", [(16, 256), (48, 512), (896, 4864)])
 @pytest.mark.parametrize("rows", [1, 4, 5, 9])
 def test_k_matmul_is_each_super_blocks_exact_product_times_its_scales(kind, n, k, rows):
-    """Guards against the K-quant layout (nibbles, Q6_K's top bits, scales and mins per lane), a
+    """Guards against the K-quant layout (nibbles, Q5_K's fifth bits, Q6_K's top bits, scales and
+    mins per lane), a
     pass of 4 rows (then the rest) or the order of the roundings going wrong: per 256 inputs each row
     is rounded to int8 on its own scale; per sub-block j the mins' part (dmin m_j, Q6_K's 32 d sc_j)
     times the row's scale times the terms' sum is taken off the float32 sum (each product rounded
@@ -272,7 +274,7 @@ def test_k_matmul_is_each_super_blocks_exact_product_times_its_scales(kind, n, k
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("n, k", [(16, 256), (896, 4864)])
 def test_widen_k_rounds_each_weight_to_bfloat16(kind, n, k):
     """Guards against a weight in the wrong place or other than gguf's value rounded to the nearest

@@ -20,18 +20,21 @@ position 0 and 4096, float32 against int8, medians of 4 alternated, in tokens/s.
 
 kv: the demo's decode forward with int8 weights (packed for the native kernel where it runs) at 1
 and 4 rows, each row 512 or 8192 positions deep, with a float16 cache (XLA's attention) against an
-int8 cache (the kernel's attention where it runs, else XLA's integer one), and the same two caches
-without the kernel (XLA's int8 products and attention: MASHBOX_NATIVE=0's path); in turn, best of
-12 each, in ms; then a 512-token prefill chunk from position 0 and 4096, medians of 4, in tokens/s.
+int8 cache (the kernel's attention where it runs, else XLA's integer one), the same two caches
+without the kernel (XLA's int8 products and attention: MASHBOX_NATIVE=0's path), and where the
+kernel runs the float16 cache with the GGUF's K-quant matrices rounded to int8 (not kept in their
+blocks); in turn, best of 12 each, in ms; then a 512-token prefill chunk from position 0 and 4096,
+medians of 4, in tokens/s. First the weights' bytes a decode step reads, both ways.
 
 gguf: each tensor the int8 weights dtype narrows (engine.weights.quantized_tensor), as the loader
 does it: dequantized from its GGUF blocks (engine.checkpoint), then int8 with one scale per output
 channel (engine.weights.quantize_int8). Prints, per GGUF block type, the tensors, their weights and
 the relative RMS error of the int8 values against the dequantized ones (sqrt(sum err^2 / sum w^2)).
-(Where the native kernel runs, matrices wholly of Q5_0 blocks keep them instead: no error.)
+(Where the native kernel runs, matrices wholly of Q5_0, of Q4_K, of Q5_K or of Q6_K blocks keep them
+instead: no error.)
 
 blocks: one matrix (the demo's down projection, 896 x 4864, and a Qwen3-8B-sized 4096 x 4096) held
-each way the native kernel takes it (int8 per channel, packed; Q5_0; Q4_K; Q6_K; random blocks), its
+each way the native kernel takes it (int8 per channel, packed; Q5_0; Q4_K; Q5_K; Q6_K; random blocks), its
 product at 1, 4, 16 and 64 rows (the kernel) and 512 rows (widened, then XLA's dot), in turn, best
 of REPEATS; prints ms per product and the bytes held per weight.
 
@@ -248,6 +251,26 @@ def _text_tokens(folder: str, n: int) -> np.ndarray:
 KL_CONFIGS = (("int8", "float16"), ("int8/rounded", "float16"), ("float32", "int8"), ("int8", "int8"))
 
 
+def _k_rounded(folder: str, cfg):
+    """int8 weights (packed where the kernel runs) with every K-quant matrix rounded again to int8 per
+    channel, as the loader held them before it kept Q4_K and Q6_K blocks."""
+    from engine import native
+    from engine.weights import load_weights
+    kept = native.K_SUB
+    native.K_SUB = {}                                  # the loader's K-quant branch never matches
+    try:
+        return load_weights(folder, cfg, "int8")
+    finally:
+        native.K_SUB = kept
+
+
+def read_per_token(params) -> int:
+    """Bytes a decode step reads of the weights: every layer and the head (the embedding's rows are
+    a few)."""
+    leaves = {id(x): x for x in jax.tree_util.tree_leaves([params["layers"], params["lm_head"]])}
+    return sum(x.nbytes for x in leaves.values())
+
+
 def kl(folder: str, tokens: int = 2048, chunk: int = 512) -> None:
     from engine.cache import init_cache
     from engine.config import load_config
@@ -260,14 +283,8 @@ def kl(folder: str, tokens: int = 2048, chunk: int = 512) -> None:
 
     def log_probs(weights: str, kv: str) -> np.ndarray:
         if weights not in params:
-            from engine import native
-            kept = native.K_SUB
-            if weights.endswith("/rounded"):
-                native.K_SUB = {}                       # the loader's K-quant branch never matches
-            try:
-                params[weights] = load_weights(folder, cfg, weights.split("/")[0])
-            finally:
-                native.K_SUB = kept
+            params[weights] = (_k_rounded(folder, cfg) if weights.endswith("/rounded")
+                               else load_weights(folder, cfg, weights))
         cache = init_cache(cfg, 1, len(ids), np.dtype(kv))
         outs = []
         for start in range(0, len(ids), chunk):
@@ -355,6 +372,11 @@ def kv_dtypes(folder: str) -> None:
     packed, plain = load_weights(folder, cfg, "int8", pack=kernel.native), load_weights(folder, cfg, "int8", pack=False)
     sets = {"float16 KV": (packed, np.float16, kernel), "int8 KV": (packed, np.int8, kernel),
             "XLA, float16 KV": (plain, np.float16, cfg), "XLA, int8 KV": (plain, np.int8, cfg)}
+    if kernel.native:                                  # the K-quant blocks against int8 in their place
+        sets["float16 KV, K rounded"] = (_k_rounded(folder, cfg), np.float16, kernel)
+    read = {"held": packed, "K rounded": sets.get("float16 KV, K rounded", (plain,))[0]}
+    print("# weights read per decode step: " + ", ".join(f"{name} {read_per_token(p) / 1e9:.3f} GB"
+                                                         for name, p in read.items()), flush=True)
     for depth in (512, 8192):
         for rows in (1, 4):
             caches = {name: init_cache(c, rows, depth + 64, kv) for name, (_, kv, c) in sets.items()}
@@ -404,7 +426,7 @@ def block_forms() -> None:
         q5 = native.pack5(rng.integers(0, 32, (n, k), dtype=np.uint8),
                           (rng.standard_normal((n, k // 32)) * 0.01).astype(np.float16))
         forms = {"int8": int8, "Q5_0": q5}
-        for kind in ("Q4_K", "Q6_K"):
+        for kind in ("Q4_K", "Q5_K", "Q6_K"):
             forms[kind] = native.pack_k(kind, **k_quant_parts(kind, random_k_blocks(rng, kind, n, k)))
         held = {name: sum(a.nbytes for a in jax.tree_util.tree_leaves(w)) * 8 / (n * k)
                 for name, w in forms.items()}

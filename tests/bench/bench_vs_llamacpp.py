@@ -2,6 +2,7 @@
 
     python tests/bench/bench_vs_llamacpp.py [--quick] [--gguf PATH ...] [--derive q8_0 --derive f32]
                                             [--weights-dtype auto ...] [--new-tokens 128] [--force]
+                                            [--model ID]
 
 needs the bench extra (`pip install -e '.[bench]'`: llama-cpp-python, see pyproject.toml for its build
 flags) and the demo model's parts (`.[demo]`). Nothing is downloaded:
@@ -11,7 +12,8 @@ flags) and the demo model's parts (`.[demo]`). Nothing is downloaded:
     format does not depend on where its values came from);
   - mashbox serves the demo model (from the same file) with `python -m mashbox run --slots 1
     --ctx N --weights-dtype D` for every `--weights-dtype` (default: auto), driven through its HTTP API
-    (streamed Chat Completions, greedy).
+    (streamed Chat Completions, greedy). `--model ID`: another models.json model with packaged parts
+    (qwen2.5-coder-1.5b-instruct: `pip install -e '.[coder]'`) in place of the demo, for both engines.
 Each engine runs in a process of its own (peak RSS = that process's VmHWM, RSS after = its VmRSS
 once the prompts are done; for mashbox the worker process, which holds the model: its peak includes
 start-up), one after the other, llama.cpp and mashbox alternating; every
@@ -148,12 +150,13 @@ class Server(bench_startup.Server):
     """`python -m mashbox run --slots 1 --ctx N --weights-dtype D ...` (variant), on a free port, its
     log collected."""
 
-    def __init__(self, ctx: int, spec: str):
+    def __init__(self, ctx: int, spec: str, model: str | None = None):
         args, env = variant(spec)
         saved = dict(os.environ)
         os.environ.update(env)                       # the server process inherits it
         try:
-            super().__init__(args=("--slots", "1", "--ctx", str(ctx), *args), echo=False)
+            super().__init__(args=(*([model] if model else []), "--slots", "1", "--ctx", str(ctx), *args),
+                             echo=False)
         finally:
             os.environ.clear()
             os.environ.update(saved)
@@ -198,8 +201,8 @@ class Server(bench_startup.Server):
                 "decode_s": t_last - t_first, "load": load, "cached": cached}
 
 
-def run_mashbox(dtype: str, prompts: list[dict], ctx: int, new_tokens: int) -> dict:
-    server = Server(ctx, dtype)
+def run_mashbox(dtype: str, prompts: list[dict], ctx: int, new_tokens: int, model: str | None = None) -> dict:
+    server = Server(ctx, dtype, model)
     try:
         worker = server.wait_ok()["worker_pid"]
         model = server.get("/v1/models")["data"][0]
@@ -216,11 +219,11 @@ def run_mashbox(dtype: str, prompts: list[dict], ctx: int, new_tokens: int) -> d
 
 # ---- the GGUF files ------------------------------------------------------------------------------------
 
-def demo_gguf() -> Path:
-    """The GGUF mashbox serves the demo from (built on first use)."""
-    spec = registry.resolve(None)
+def demo_gguf(model: str | None = None) -> Path:
+    """The GGUF mashbox serves the demo (or `model`) from (built on first use)."""
+    spec = registry.resolve(model)
     if spec.demo is None:
-        raise SystemExit("the default model is not the demo: pass --gguf")
+        raise SystemExit(f"{spec.id} has no packaged GGUF: pass --gguf")
     return Path(registry.prepare(spec)) / registry.DEMO_GGUF
 
 
@@ -283,6 +286,7 @@ def main() -> int:
                    help="mashbox's --weights-dtype, optionally with :native=0 (MASHBOX_NATIVE=0: no "
                         "native kernel), e.g. auto:native=0 (repeatable)")
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    p.add_argument("--model", help="a models.json id with packaged parts, in place of the demo")
     p.add_argument("--force", action="store_true", help=f"measure even at a load average above {LOAD_LIMIT}")
     p.add_argument("--llama-child", help=argparse.SUPPRESS)
     p.add_argument("--prompts-file", help=argparse.SUPPRESS)
@@ -301,7 +305,7 @@ def main() -> int:
                          f"would flatter mashbox. Measure on a quiet machine (--force measures anyway).")
     sizes = args.sizes or list(QUICK_SIZES if args.quick else SIZES)
     dtypes = args.weights_dtype or ["auto"]
-    spec = registry.resolve(None)
+    spec = registry.resolve(args.model)
     tok = chat.Tokenizer.from_folder(registry.prepare(spec))
     prompts = build_prompts(tok, sizes)
     ctx = max(len(q["ids"]) for q in prompts) + args.new_tokens + CTX_MARGIN
@@ -311,9 +315,9 @@ def main() -> int:
         prompts_file.write_text(json.dumps(prompts))
         ggufs = [(Path(g).name, Path(g)) for g in args.gguf]
         if not args.gguf or args.derive:
-            demo = demo_gguf()
+            demo = demo_gguf(args.model)
             if not args.gguf:
-                ggufs.append(("the demo's Q4_K_M", demo))
+                ggufs.append((f"{spec.id}'s Q4_K_M" if args.model else "the demo's Q4_K_M", demo))
             for kind in args.derive:
                 print(f"making {kind} from the demo's GGUF", flush=True)
                 ggufs.append((kind.upper(), derive(demo, kind, folder)))
@@ -333,7 +337,7 @@ def main() -> int:
                 runs.append((kind, f"llama.cpp, {label}", run))
             else:
                 print(f"mashbox, --weights-dtype {what} ...", flush=True)
-                run = run_mashbox(what, prompts, ctx, args.new_tokens)
+                run = run_mashbox(what, prompts, ctx, args.new_tokens, args.model)
                 runs.append((kind, f"mashbox, {what} ({run['gb']} GB of weights held)", run))
             loads += [r["load"] for r in run["results"]]
             print(f"  {json.dumps(rates(run))}", flush=True)
