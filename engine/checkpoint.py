@@ -393,16 +393,20 @@ class Checkpoint:
         block_cols = self._fp8[name][1][1]
         return block_cols if self.shapes[name][1] % block_cols == 0 else 1
 
-    def get(self, name: str) -> np.ndarray:
-        """The tensor, in its stored dtype (safetensors) or float32 (GGUF, FP8), in HF's shape."""
+    def get(self, name: str, rows: slice | None = None) -> np.ndarray:
+        """The tensor, in its stored dtype (safetensors) or float32 (GGUF, FP8), in HF's shape; rows: only
+        those of a matrix (read and decoded alone where the format allows)."""
         if name not in self.shapes:
             raise WeightsError(f"tensor {name} is missing from the checkpoint")
         if self.kind == "gguf":
             if name in self._joined:
-                return np.concatenate([self._dequantize(part) for part in self._joined[name]], axis=1)
-            return self._dequantize(name)
+                return np.concatenate([self._dequantize(part) for part in self._joined[name]], axis=1)[rows or slice(None)]
+            return self._dequantize(name, rows or slice(None))
         if name in self._fp8:
-            return self._fp8_values(name)
+            return self._fp8_values(name)[rows or slice(None)]
+        if rows is not None:                           # safetensors' slices are not clamped
+            self._tensor(name, opened_only=True)
+            return self._open[self._where[name]].get_slice(name)[slice(*rows.indices(self.shapes[name][0]))]
         return self._tensor(name)
 
     def q5_0(self, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -424,15 +428,16 @@ class Checkpoint:
         levels = (low | (bits.astype(np.uint8) << 4)).reshape(rows, cols)
         return levels, scales
 
-    def k_quant(self, name: str) -> dict:
+    def k_quant(self, name: str, rows: slice | None = None) -> dict:
         """A GGUF tensor stored as Q4_K, Q5_K or Q6_K [rows, cols] -> its blocks' own numbers per row, for
-        weights held as the file has them (engine.native.pack_k): k_quant_parts."""
+        weights held as the file has them (engine.native.pack_k): k_quant_parts; rows: only those."""
         kind = self.formats.get(name)
         if kind not in K_BYTES:
             raise WeightsError(f"tensor {name} is not stored as Q4_K, Q5_K or Q6_K")
         (_, offset, size, data), shape = self._tensors[name], self.shapes[name]
-        rows, cols = shape[0], int(np.prod(shape[1:]))
-        return k_quant_parts(kind, data[offset:offset + size].reshape(rows, cols // K_BLOCK, K_BYTES[kind]))
+        n, cols = shape[0], int(np.prod(shape[1:]))
+        blocks = data[offset:offset + size].reshape(n, cols // K_BLOCK, K_BYTES[kind])
+        return k_quant_parts(kind, blocks[rows or slice(None)])
 
     def fp8(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """An FP8 weight [rows, cols] as stored -> (float8_e4m3fn [rows, cols], float32 scales
@@ -452,14 +457,15 @@ class Checkpoint:
             scales = np.repeat(scales, block_cols, axis=1)[:, :cols]
         return np.array(values).view(ml_dtypes.float8_e4m3fn), np.ascontiguousarray(scales)
 
-    def _tensor(self, name: str) -> np.ndarray:
-        """A safetensors tensor in its stored dtype (any name, the scales too)."""
+    def _tensor(self, name: str, opened_only: bool = False) -> np.ndarray | None:
+        """A safetensors tensor in its stored dtype (any name, the scales too); opened_only: just open
+        its file."""
         path = self._where[name]
         if path not in self._open:
             import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy before bf16 files are read)
             from safetensors import safe_open
             self._open[path] = safe_open(path, framework="numpy")
-        return self._open[path].get_tensor(name)
+        return None if opened_only else self._open[path].get_tensor(name)
 
     def _fp8_values(self, name: str) -> np.ndarray:
         """An FP8 weight [rows, cols] in float32: each value times its block's scale, a block of rows
@@ -477,15 +483,15 @@ class Checkpoint:
             part *= np.repeat(scales[b], block_cols)[:cols]
         return out
 
-    def _dequantize(self, name: str) -> np.ndarray:
+    def _dequantize(self, name: str, rows: slice = slice(None)) -> np.ndarray:
         from gguf.quants import dequantize
         (qtype, offset, size, data) = self._tensors[name]
         shape = self.shapes.get(name) or self._part_shapes[name]
-        rows = shape[0] if len(shape) > 1 else 1
+        n = shape[0] if len(shape) > 1 else 1
         # [rows, bytes per row]: one row (ne0 values) is a whole number of blocks
-        data = data[offset:offset + size].reshape(rows, -1)
-        out = np.empty((rows, int(np.prod(shape)) // rows), np.float32)
+        data = data[offset:offset + size].reshape(n, -1)[rows if len(shape) > 1 else slice(None)]
+        out = np.empty((data.shape[0], int(np.prod(shape)) // n), np.float32)
         step = max(1, DEQUANT_CHUNK_BYTES // (out.shape[1] * 4))
-        for start in range(0, rows, step):
+        for start in range(0, data.shape[0], step):
             out[start:start + step] = dequantize(np.asarray(data[start:start + step]), qtype)
-        return out.reshape(shape)
+        return out.reshape(out.shape[0], *shape[1:]) if len(shape) > 1 else out.reshape(shape)

@@ -118,19 +118,32 @@ def quantized_tensor(name: str) -> bool:
     return name in ("model.embed_tokens.weight", "lm_head.weight") or bool(_INT8_TENSOR.fullmatch(name))
 
 
+# quantize_int8 rounds this many float32 bytes of rows at a time: its temporaries (the magnitudes,
+# the quotients) then cost a few slices, not several copies of a 0.9 GB embedding table.
+QUANTIZE_CHUNK_BYTES = 32 << 20
+# put_rows reads a vocabulary-sized matrix this many rows at a time (a multiple of the kernel's 16
+# outputs per block, so that each slice packs on its own): 8192 rows of a 1536-wide table are 50 MB
+# of float32.
+PUT_ROWS = 8192
+
+
 def quantize_int8(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[out, in] float -> (int8 [out, in], float32 scales [out]) with array ~ q * scale[:, None]:
     each row's largest magnitude maps to INT8_MAX (an all-zero row gets scale 1)."""
-    a = np.asarray(array, dtype=np.float32)
-    amax = np.max(np.abs(a), axis=-1)
-    scale = np.where(amax > 0, amax / INT8_MAX, 1.0).astype(np.float32)
-    q = np.clip(np.rint(a / scale[:, None]), -INT8_MAX, INT8_MAX).astype(np.int8)
+    q = np.empty(array.shape, np.int8)
+    scale = np.empty(array.shape[0], np.float32)
+    step = max(1, QUANTIZE_CHUNK_BYTES // (4 * max(1, array.shape[-1])))
+    for start in range(0, array.shape[0], step):
+        a = np.asarray(array[start:start + step], dtype=np.float32)
+        amax = np.max(np.abs(a), axis=-1)
+        rows = scale[start:start + step] = np.where(amax > 0, amax / INT8_MAX, 1.0).astype(np.float32)
+        q[start:start + step] = np.clip(np.rint(a / rows[:, None]), -INT8_MAX, INT8_MAX)
     return q, scale
 
 
 def offset_int8(values: np.ndarray) -> np.ndarray:
-    """int8 values -> plus INT8_OFFSET, as uint8."""
-    return (np.asarray(values, np.int16) + INT8_OFFSET).astype(np.uint8)
+    """int8 values -> plus INT8_OFFSET, as uint8 (the sign bit flipped: the same bytes)."""
+    return np.asarray(values, np.int8).view(np.uint8) ^ np.uint8(INT8_OFFSET)
 
 
 def held_int8_dtype() -> np.dtype:
@@ -188,9 +201,9 @@ class _Reader:
         self.check_shape(name, shape)
         return self.checkpoint.q5_0(self.names.get(name, name))
 
-    def k_quant(self, name: str, shape: tuple[int, ...]) -> dict:
+    def k_quant(self, name: str, shape: tuple[int, ...], rows: slice | None = None) -> dict:
         self.check_shape(name, shape)
-        return self.checkpoint.k_quant(self.names.get(name, name))
+        return self.checkpoint.k_quant(self.names.get(name, name), rows)
 
     def fp8(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
         self.check_shape(name, shape)
@@ -205,9 +218,9 @@ class _Reader:
         if stored_shape != shape:
             raise WeightsError(f"tensor {name} has shape {stored_shape}, config expects {shape}")
 
-    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def get(self, name: str, shape: tuple[int, ...], rows: slice | None = None) -> np.ndarray:
         self.check_shape(name, shape)
-        return self.checkpoint.get(self.names.get(name, name))
+        return self.checkpoint.get(self.names.get(name, name), rows)
 
 
 def interleave_gate_up(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -405,10 +418,10 @@ class _Loader:
     # ---- the model's ends ----
 
     def embedding(self):
-        return self.put_matrix(self.r.get("model.embed_tokens.weight", (self.cfg.vocab_size, self.cfg.hidden_size)))
+        return self.put_rows("model.embed_tokens.weight", (self.cfg.vocab_size, self.cfg.hidden_size))
 
     def lm_head(self):
-        return self.projection(lambda w: w, [("lm_head.weight", (self.cfg.vocab_size, self.cfg.hidden_size))])
+        return self.put_rows("lm_head.weight", (self.cfg.vocab_size, self.cfg.hidden_size), blocks=True)
 
     # ---- tensors as held ----
 
@@ -454,16 +467,38 @@ class _Loader:
             floats = combine(*(self.matrix(name, *shape) for name, shape in parts))
         return self.put_matrix(floats)
 
+    def put_rows(self, name: str, shape: tuple[int, int], blocks: bool = False):
+        """A vocabulary-sized matrix (the embedding table, a separate LM head) as projection holds
+        it (blocks: K-quant ones kept too), read, narrowed and packed PUT_ROWS rows at a time, so
+        that no float32 copy of the whole (0.9 GB for a 1.5B model's table) is ever resident."""
+        kind = self.r.format(name)
+        if not self.int8 or (blocks and kind == "Q5_0"):
+            return self.projection(lambda w: w, [(name, shape)])
+        keep = blocks and self.pack and kind in native.K_SUB and native.packable_k(shape)
+        packed = native.packable(shape)                    # decided for the whole, not per slice
+        parts = []
+        for start in range(0, shape[0], PUT_ROWS):
+            rows = slice(start, start + PUT_ROWS)
+            if keep:
+                parts.append(native.pack_k(kind, **self.r.k_quant(name, shape, rows)))
+            else:
+                parts.append(self.put_matrix(self.r.get(name, shape, rows), packed))
+        if not isinstance(parts[0], dict):
+            return np.concatenate(parts)
+        return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+
     def put(self, array: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(array.astype(self.dtype, copy=False))
 
-    def put_matrix(self, array: np.ndarray):
-        """A dense [out, in] matrix in the weights dtype (int8: quantized now, see the docstring)."""
+    def put_matrix(self, array: np.ndarray, packable: bool | None = None):
+        """A dense [out, in] matrix in the weights dtype (int8: quantized now, see the docstring);
+        packable: whether the matrix it is a slice of packs (default: whether this one does)."""
         if not self.int8:
             return self.put(array)
         values, scale = quantize_int8(array)
         q = offset_int8(values) if self.offset else values
-        return {"q": native.pack(q) if self.pack and native.packable(q.shape) else q, "scale": scale}
+        packable = native.packable(q.shape) if packable is None else packable
+        return {"q": native.pack(q) if self.pack and packable else q, "scale": scale}
 
 
 def _assemble(parts: dict, cfg: ModelConfig) -> dict:

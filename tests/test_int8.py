@@ -74,8 +74,8 @@ def test_int8_logits_stay_close_to_float32_and_keep_the_greedy_tokens(name, int8
 
 
 def test_quantized_rows_round_trip_within_half_a_step():
-    """Guards against a wrong scale (per output channel, largest magnitude -> INT8_MAX) or an
-    all-zero row dividing by zero."""
+    """Guards against a wrong scale (per output channel, largest magnitude -> INT8_MAX), an
+    all-zero row dividing by zero, or rounding a few rows at a time changing a number."""
     rng = np.random.default_rng(0)
     w = rng.standard_normal((5, 33)).astype(np.float32) * np.array([[1e-3], [1], [30], [0], [2]], np.float32)
     q, scale = quantize_int8(w)
@@ -83,6 +83,35 @@ def test_quantized_rows_round_trip_within_half_a_step():
     assert np.abs(q).max() == INT8_MAX and q.min() >= -INT8_MAX
     assert np.all(q[3] == 0) and np.isfinite(scale).all()
     assert np.all(np.abs(q * scale[:, None] - w) <= scale[:, None] / 2 + 1e-7)
+    with pytest.MonkeyPatch.context() as m:                       # two rows at a time: the same numbers
+        m.setattr(weights, "QUANTIZE_CHUNK_BYTES", 2 * 33 * 4)
+        again = quantize_int8(w)
+    np.testing.assert_array_equal(again[0], q)
+    np.testing.assert_array_equal(again[1], scale)
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_vocabulary_matrices_read_in_slices_are_held_as_read_whole(pack, monkeypatch):
+    """Guards against the embedding table and the LM head, read, rounded and packed a slice of rows
+    at a time (so that no float32 copy of a whole table is resident), differing from the same
+    matrices done whole: the slices' scales, their packed blocks, the last shorter slice."""
+    if pack and not weights.packs_int8("int8"):
+        pytest.skip("the native kernel does not run here")
+    folder = os.path.join(TINY, "qwen3")
+    cfg = load_config(folder)
+    whole = load_weights(folder, cfg, "int8", pack=pack)
+    monkeypatch.setattr(weights, "PUT_ROWS", 48)                # 320 rows: 6 slices of 48, then 32
+    sliced = load_weights(folder, cfg, "int8", pack=pack)
+    for name in ("embed", "lm_head"):
+        for part in ("q", "scale"):
+            np.testing.assert_array_equal(sliced[name][part], whole[name][part])
+    assert (whole["lm_head"]["q"].ndim == 4) == pack
+
+
+def test_offset_int8_is_the_values_plus_128():
+    """Guards against the sign-bit flip that offsets int8 values giving other bytes than v + 128."""
+    values = np.arange(-128, 128, dtype=np.int16).astype(np.int8)
+    np.testing.assert_array_equal(offset_int8(values), np.arange(256, dtype=np.uint8))
 
 
 def test_tied_int8_head_is_the_int8_embedding_counted_once():
