@@ -6,8 +6,9 @@ server sizes the worker before it starts one.
                    int8:    1 B per parameter of the int8 tensors (engine.weights.quantized_tensor:
                             projections, embedding / head) + 4 B per output channel (its scale)
                             + 4 B per parameter of the rest (norms, biases, MoE experts)
-                   fp8:     1 B per parameter of an FP8 checkpoint's float8 projections + 4 B per
-                            row and block of columns (their scales) + the rest as int8's
+                   fp8:     1 B per parameter of an FP8 checkpoint's float8 projections and
+                            experts + 4 B per row and block of columns (their scales) + the
+                            rest in the float dtype
                    each:   + 4 B per key channel of each attention layer (its key smoothing)
                    (a GGUF's Q5_0, Q4_K, Q5_K and Q6_K matrices held in their blocks take 0.69,
                    0.58, 0.70 and 0.82 B per weight, not 1: the plan counts 1, a bound that holds
@@ -107,14 +108,14 @@ def parameter_count(folder: str) -> int:
 def held_weight_bytes(folder: str, weights_dtype: str, float_bytes: int = CPU_WEIGHT_BYTES) -> int:
     """Bytes the worker holds the weights in (the formula in the module docstring); float_bytes is
     what the float tensors take beside int8 ones. A tied head is the embedding table: counted once."""
-    from engine.weights import quantized_tensor
+    from engine.weights import fp8_held_tensor, quantized_tensor
     tensors = list(_model_tensors(folder))
     # Each attention layer adds its keys' smoothing factors (engine.weights.key_smoothing): float32,
     # one per key channel.
     total = sum(shape[0] * SCALE_BYTES for name, shape in tensors if name.endswith("self_attn.k_proj.weight"))
     if weights_dtype == "fp8":           # the float8 matrices as stored, a scale per row and block of columns
         checkpoint = Checkpoint(folder)
-        narrow = lambda name, shape: checkpoint.formats.get(name) == FP8 and quantized_tensor(name)  # noqa: E731
+        narrow = lambda name, shape: checkpoint.formats.get(name) == FP8 and fp8_held_tensor(name)  # noqa: E731
         scales = lambda name, shape: _count(shape) // checkpoint.fp8_scale_columns(name) * SCALE_BYTES  # noqa: E731
     elif weights_dtype == "int8":
         narrow = lambda name, shape: quantized_tensor(name) and len(shape) == 2  # noqa: E731

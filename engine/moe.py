@@ -37,7 +37,7 @@ from jax import lax
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from engine.config import ROUTED_PATHS, ModelConfig
-from engine.products import F32, gated, matmul, swiglu
+from engine.products import F32, fp8_values, gated, matmul, swiglu, weight_kind, wide_dtype
 from engine.sharding import MODEL_AXIS
 
 ROUTED_KINDS = ("kernel", "exact")
@@ -110,18 +110,35 @@ def _route(x, router, cfg: ModelConfig):
     return weights, experts.astype(jnp.int32)
 
 
+def _held(stacked) -> int:
+    """How many experts a stacked projection holds (an array, or float8 parts: engine.weights)."""
+    return jax.tree_util.tree_leaves(stacked)[0].shape[0]
+
+
+def _expert(stacked, e):
+    """Expert e of a stacked projection, in its own form (a dynamic slice of every part)."""
+    return jax.tree_util.tree_map(lambda a: lax.dynamic_index_in_dim(a, e, 0, False), stacked)
+
+
+def _widened(stacked):
+    """A stacked projection as the grouped product takes it: float8 experts widened per block (on
+    accelerators to bfloat16, at each call: held in float8, they take half the memory)."""
+    return fp8_values(stacked, wide_dtype()) if weight_kind(stacked) == "fp8" else stacked
+
+
 def _routed_kernel(x, weights, experts, moe, product):
     """Sort the (token, expert) pairs by expert, two grouped products, unsort. Pairs of no expert
     (experts == the experts held, num: padding) sort last, past every group: the kernel leaves them
     zero."""
     n, k = experts.shape
-    num = moe["gate_up"].shape[0]
+    gate_up, down = _widened(moe["gate_up"]), _widened(moe["down"])
+    num = gate_up.shape[0]
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.zeros(num + 1, jnp.int32).at[flat].add(1)[:num]
-    rows = x[order // k].astype(moe["gate_up"].dtype)
-    hidden = gated(product(rows, moe["gate_up"], sizes)).astype(moe["down"].dtype)
-    y = product(hidden, moe["down"], sizes)
+    rows = x[order // k].astype(gate_up.dtype)
+    hidden = gated(product(rows, gate_up, sizes)).astype(down.dtype)
+    y = product(hidden, down, sizes)
     back = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
     y = y[back].reshape(n, k, -1)                                   # unsorted: [token, pick, hidden]
     return jnp.einsum("nk,nkh->nh", jnp.where(experts < num, weights, 0.0), y)
@@ -133,7 +150,7 @@ def _routed_exact(x, weights, experts, moe, tile: int):
     the tiles multiplies each tile by its expert, read with a dynamic slice; the outputs are
     gathered back per (token, pick) and weighted. Tiles past the last used one are skipped."""
     n, k = experts.shape
-    num = moe["gate_up"].shape[0]
+    num = _held(moe["gate_up"])
     pairs = n * k
     flat = experts.reshape(-1)                                       # num = no expert (padding)
     sizes = jnp.zeros(num + 1, jnp.int32).at[flat].add(1)[:num]
@@ -157,8 +174,7 @@ def _routed_exact(x, weights, experts, moe, tile: int):
     def one_tile(_, i):
         def run():
             e = tile_expert[i]
-            return swiglu(padded[token_at[i]], lax.dynamic_index_in_dim(moe["gate_up"], e, 0, False),
-                           lax.dynamic_index_in_dim(moe["down"], e, 0, False))
+            return swiglu(padded[token_at[i]], _expert(moe["gate_up"], e), _expert(moe["down"], e))
         return None, lax.cond(i < tile_end[-1], run, lambda: jnp.zeros((tile, x.shape[1]), F32))
 
     _, y = lax.scan(one_tile, None, jnp.arange(tiles))

@@ -181,7 +181,7 @@ def offset_weights_product(q, terms):
 
 # ---- one product per weight kind ------------------------------------------------------------------
 
-def _wide_dtype():
+def wide_dtype():
     """What int8 or 5-bit weights are widened to for a prefill chunk's dot: bfloat16 (exact for int8
     values, float32 accumulation) on accelerators and on CPUs with bfloat16 dot products, else
     float32."""
@@ -189,7 +189,7 @@ def _wide_dtype():
 
 
 def _wide_dot(flat, values):
-    wide = _wide_dtype()
+    wide = wide_dtype()
     return lax.dot_general(flat.astype(wide), values.astype(wide), (((1,), (1,)), ((), ())),
                            preferred_element_type=F32)
 
@@ -209,7 +209,7 @@ def _int8_matmul(flat, w):
         # scheduler hoists what reads only weights (a 512-token chunk of the demo held every layer's
         # copy, 0.79 GB). Adding a zero made from the input ties the convert to it (x * 0 is not
         # folded for floats).
-        wide = _wide_dtype()
+        wide = wide_dtype()
         zero = (jnp.where(jnp.isfinite(flat[0, 0]), flat[0, 0], 0.0) * 0.0).astype(wide)
         return _wide_dot(flat, int8_values(q).astype(wide) + zero) * scale
     return _wide_dot(flat, int8_values(q)) * scale
@@ -243,18 +243,19 @@ def _k_matmul(flat, w):
 
 
 def fp8_values(w, dtype):
-    """FP8 weights -> their values f8 * f8_scale [out, in] in dtype: each block's product rounded
-    once from float32 (exact in float32: an e4m3 value has 4 significant bits)."""
+    """FP8 weights -> their values f8 * f8_scale [..., out, in] in dtype (stacked experts too): each
+    block's product rounded once from float32 (exact in float32: an e4m3 value has 4 significant
+    bits)."""
     f8, scale = w["f8"], w["f8_scale"]
-    block = f8.shape[1] // scale.shape[1]
-    return (f8.astype(F32) * jnp.repeat(scale, block, axis=1, total_repeat_length=f8.shape[1])).astype(dtype)
+    block = f8.shape[-1] // scale.shape[-1]
+    return (f8.astype(F32) * jnp.repeat(scale, block, axis=-1, total_repeat_length=f8.shape[-1])).astype(dtype)
 
 
 def _fp8_matmul(flat, w):
     """FP8 weights widened per block at use, then one dot: on accelerators in bfloat16 (XLA fuses
     the widening into the dot's operand where it can: tests/bench/device_bench.py measures it), on a
     CPU in float32. The weights stay 1 byte each in memory."""
-    return _wide_dot(flat, fp8_values(w, _wide_dtype()))
+    return _wide_dot(flat, fp8_values(w, wide_dtype()))
 
 
 def _shape(w, kind: str) -> tuple[int, int]:

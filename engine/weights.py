@@ -73,9 +73,9 @@ Weights dtype "fp8" (an official FP8 checkpoint, on accelerators by default): ev
 matrix the checkpoint stores as float8 becomes {"f8": float8_e4m3fn [out, in], "f8_scale": float32
 [out, in / block columns]}, the file's own values and each row's block scales (engine.checkpoint:
 fp8), so that w = f8 * f8_scale per block of columns: 1 byte per weight, and 1/32 more for the
-scales of 128-column blocks. What
-the checkpoint keeps in bfloat16 (embedding, LM head, norms, routers) and the MoE experts (not yet
-held in float8) are in the float dtype.
+scales of 128-column blocks; so are the MoE experts' and the shared expert's (each part of the
+routed experts stacked along a first axis). What the checkpoint keeps in bfloat16 (embedding, LM
+head, norms, routers) and float8 matrices of other layers (Gated DeltaNet's) are in the float dtype.
 """
 from __future__ import annotations
 
@@ -116,6 +116,17 @@ _INT8_TENSOR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(ga
 def quantized_tensor(name: str) -> bool:
     """Whether weights dtype int8 holds this checkpoint tensor as int8 (the others stay float)."""
     return name in ("model.embed_tokens.weight", "lm_head.weight") or bool(_INT8_TENSOR.fullmatch(name))
+
+
+# An FP8 checkpoint's MLP matrices beyond the dense layers' (routed experts, the shared expert),
+# which weights dtype fp8 holds in float8 too.
+_FP8_EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.(experts\.\d+|shared_expert)\.(gate|up|down)_proj\.weight")
+
+
+def fp8_held_tensor(name: str) -> bool:
+    """Whether weights dtype fp8 holds this checkpoint tensor as float8, where the file has it so (the
+    rest, MoE routers and Gated DeltaNet matrices among them, is widened to the float dtype)."""
+    return quantized_tensor(name) or bool(_FP8_EXPERT.fullmatch(name))
 
 
 # quantize_int8 rounds this many float32 bytes of rows at a time: its temporaries (the magnitudes,
@@ -403,16 +414,32 @@ class _Loader:
             stacked = r.get(p + "experts.gate_up_proj", (e, 2 * m, h))
             both = interleave_gate_up(stacked[:, :m], stacked[:, m:])
             down = r.get(p + "experts.down_proj", (e, h, m))
+        elif self.fp8 and r.format(f"{p}experts.0.gate_proj.weight") == FP8:
+            # float8 experts, as the dense matrices (projection): their values and block scales stacked
+            both = _stacked([self.fp8_gate_up(f"{p}experts.{j}.", m) for j in range(e)])
+            down = _stacked([self.projection(lambda d: d, [(f"{p}experts.{j}.down_proj.weight", (h, m))])
+                             for j in range(e)])
+            return {"router": self.put(self.matrix(p + "gate.weight", e, h)), "gate_up": both, "down": down}
         else:
             both = np.stack([self.gate_up(f"{p}experts.{j}.", m) for j in range(e)])
             down = np.stack([self.matrix(f"{p}experts.{j}.down_proj.weight", h, m) for j in range(e)])
         return {"router": self.put(self.matrix(p + "gate.weight", e, h)), "gate_up": self.put(both),
                 "down": self.put(down)}
 
+    def fp8_gate_up(self, p: str, width: int):
+        """An expert's gate and up interleaved (gate_up), float8 where the weights dtype is fp8 and the
+        checkpoint has them so (projection), else in the float dtype."""
+        h = self.cfg.hidden_size
+        if not self.fp8:
+            return self.put(self.gate_up(p, width))
+        return self.projection(interleave_gate_up, [(p + "gate_proj.weight", (width, h)),
+                                                    (p + "up_proj.weight", (width, h))])
+
     def shared_expert(self, p: str) -> dict:
         s, h = self.cfg.shared_expert_intermediate_size, self.cfg.hidden_size
-        return {"gate_up": self.put(self.gate_up(p + "shared_expert.", s)),
-                "down": self.put(self.matrix(p + "shared_expert.down_proj.weight", h, s)),
+        down = p + "shared_expert.down_proj.weight"
+        return {"gate_up": self.fp8_gate_up(p + "shared_expert.", s),
+                "down": self.projection(lambda d: d, [(down, (h, s))]) if self.fp8 else self.put(self.matrix(down, h, s)),
                 "gate": self.put(self.matrix(p + "shared_expert_gate.weight", 1, h))}
 
     # ---- the model's ends ----
@@ -499,6 +526,14 @@ class _Loader:
         q = offset_int8(values) if self.offset else values
         packable = native.packable(q.shape) if packable is None else packable
         return {"q": native.pack(q) if self.pack and packable else q, "scale": scale}
+
+
+def _stacked(matrices: list) -> dict:
+    """Experts' float8 matrices ({"f8", "f8_scale"} each) -> one, each part stacked along a new first
+    axis (expert parallelism splits it)."""
+    if not all(isinstance(m, dict) and "f8" in m for m in matrices):
+        raise WeightsError("an FP8 checkpoint's experts must all be float8 with block scales")
+    return {part: np.stack([m[part] for m in matrices]) for part in ("f8", "f8_scale")}
 
 
 def _assemble(parts: dict, cfg: ModelConfig) -> dict:
@@ -622,9 +657,9 @@ def held_note(checkpoint, params, dtype: str) -> str | None:
         if dtype == "fp8":
             import jax
             kept = sum(1 for leaf in jax.tree_util.tree_leaves(params) if leaf.dtype == FLOAT8)
-            widened = sum(1 for name, kind in checkpoint.formats.items() if kind == FP8 and not quantized_tensor(name))
+            widened = sum(1 for name, kind in checkpoint.formats.items() if kind == FP8 and not fp8_held_tensor(name))
             held = f"held as they are (float8, in {kept} layer matrices)" + (
-                f", the MoE experts' {widened} widened to the float dtype" if widened else "")
+                f", {widened} others (linear attention) widened to the float dtype" if widened else "")
         else:
             held = {"int8": "rounded again to int8 per channel",
                     "float32": "held as float32 (their values exactly)"}.get(dtype, f"rounded to {dtype}")

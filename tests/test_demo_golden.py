@@ -164,10 +164,11 @@ def test_demo_facts_name_the_gguf_its_bits_and_what_is_held(engine, engine_int8,
     """/v1/models' weights, bpw and gb must tell the truth: the GGUF is what is read (6.16 bits per
     weight: mostly Q5_0 and Q8_0 blocks), and gb is what each worker holds (float32: 4 bytes per
     weight; int8: 1, plus float32 scales, norms and biases; where the int8 kernel runs, the layers'
-    matrices that are wholly Q5_0 keep their 5-bit blocks: 0.69 bytes per weight)."""
+    matrices that are wholly Q5_0 keep their 5-bit blocks, 0.69 bytes per weight, and the Q4_K and
+    Q6_K down projections theirs, 0.58 and 0.82)."""
     for worker in (engine, engine_int8):
         assert worker.facts.weights == str(Path(demo_folder) / registry.DEMO_GGUF)
         assert worker.facts.bpw == 6.16
     assert 2.5 < engine.facts.gb < 2.55
-    low, high = (0.55, 0.57) if native.available() else (0.6, 0.65)
+    low, high = (0.51, 0.54) if native.available() else (0.6, 0.65)
     assert low < engine_int8.facts.gb < high

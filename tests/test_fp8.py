@@ -141,11 +141,12 @@ def test_an_fp8_checkpoint_serves_the_logits_of_its_dequantized_weights(tmp_path
 
 @pytest.mark.parametrize("model, block", [("qwen3", (32, 32)), ("qwen3", (16, 24)), ("qwen3-moe", (16, 16))])
 def test_weights_dtype_fp8_holds_the_float8_matrices_and_computes_their_values(tmp_path, model, block):
-    """Guards the held FP8 form (an accelerator's `auto`): every dense projection the checkpoint stores
-    as float8 stays float8, each row with its block scales through the loader's row operations (q/k/v
-    grouped by KV head, gate and up interleaved), so the logits are the dequantized weights' (widened to
-    float32 on a CPU: to the float32 rounding); blocks that do not divide the columns (16 x 24 of 64)
-    get a scale per column; the memory plan counts the bytes held."""
+    """Guards the held FP8 form (an accelerator's `auto`): every dense projection and routed expert the
+    checkpoint stores as float8 stays float8, each row with its block scales through the loader's row
+    operations (q/k/v grouped by KV head, gate and up interleaved, experts stacked), so the logits are
+    the dequantized weights' (widened to float32 on a CPU: to the float32 rounding); blocks that do
+    not divide the columns (16 x 24 of 64) get a scale per column; the memory plan counts the bytes
+    held."""
     fp8, plain = fp8_pair(tmp_path, model, block)
     cfg = load_config(str(fp8))
     params = load_weights(str(fp8), cfg, "fp8")
@@ -160,9 +161,12 @@ def test_weights_dtype_fp8_holds_the_float8_matrices_and_computes_their_values(t
     want = _logits(cfg, load_weights(str(plain), cfg, jnp.float32), tokens)
     np.testing.assert_allclose(_logits(cfg, params, tokens), want, atol=1e-5, rtol=0)
     assert memory.held_weight_bytes(str(fp8), "fp8") == weights_bytes(params)
-    experts = sum(1 for name in Checkpoint(str(fp8)).shapes if ".experts." in name and name.endswith("proj.weight"))
-    assert held_note(Checkpoint(str(fp8)), params, "fp8").endswith(
-        f", the MoE experts' {experts} widened to the float dtype" if experts else "layer matrices)")
+    if "moe" in layer:                         # the routed experts float8 too, stacked part by part
+        for name in ("gate_up", "down"):
+            held = layer["moe"][name]
+            assert weight_kind(held) == "fp8" and held["f8"].shape[0] == cfg.num_experts, name
+            assert held["f8_scale"].shape[:2] == held["f8"].shape[:2]
+    assert held_note(Checkpoint(str(fp8)), params, "fp8").endswith("layer matrices)")
 
 
 def test_fp8_is_auto_on_accelerators_for_an_fp8_checkpoint_and_refused_for_others(tmp_path):
