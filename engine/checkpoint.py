@@ -110,7 +110,28 @@ _LAYER_NAMES = {
     "ffn_gate_exps.weight": "mlp.experts.gate_proj",
     "ffn_up_exps.weight": "mlp.experts.up_proj",
     "ffn_down_exps.weight": "mlp.experts.down_proj",
+    # qwen3next: its norm after attention, shared expert and Gated DeltaNet (the four that llama.cpp's
+    # converter reshaped are listed under these names until _qwen3next_layout undoes it).
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_a": "linear_attn.ssm_a",
+    "ssm_conv1d.weight": "linear_attn.ssm_conv1d",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv",
+    "attn_gate.weight": "linear_attn.in_proj_z",
 }
+# How llama.cpp's converter stores qwen3next's tensors, undone at read (Checkpoint._qwen3next_layout):
+# A as -exp(A_log); the conv kernels [channels, kernel] without their middle axis; in_proj_qkvz split
+# into its q, k, v rows (each for all key heads in turn) and its z rows, where Hugging Face
+# interleaves them per key head; every zero-centred RMSNorm's weight w stored as 1 + w (these).
+_NEXT_ONE_PLUS = re.compile(r"(model\.norm|model\.layers\.\d+\.(input_layernorm|post_attention_layernorm"
+                            r"|self_attn\.[qk]_norm))\.weight")
 # Stacked experts as engine.weights reads them: gate and up joined along the rows of each expert
 # (transformers' own stacked layout), read from the GGUF's two tensors.
 _JOINED = {"mlp.experts.gate_up_proj": ("mlp.experts.gate_proj", "mlp.experts.up_proj")}
@@ -146,6 +167,15 @@ def _readable_type(gguf_name: str, kind: int):
     if qtype.name not in _FLOAT_TYPES and qtype not in _type_traits:
         raise WeightsError(f"the GGUF's tensor {gguf_name} is {qtype.name}, which mashbox cannot decode")
     return qtype
+
+
+def _model_type(folder: str) -> str | None:
+    """config.json's model_type in the folder (a GGUF's companion folder has one), if any."""
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError):
+        return None
 
 
 def _joined_name(name: str) -> tuple[str, tuple[str, str]] | None:
@@ -316,6 +346,9 @@ class Checkpoint:
                     data_bytes += count // block * block_bytes
                     weights += count
             self._join_parts()
+            self._derived: dict[str, tuple[tuple[str, ...], object]] = {}   # name -> (parts, values from them)
+            if _model_type(folder) == "qwen3_next":
+                self._qwen3next_layout()
         else:
             self.file = folder
             self._raw: dict[str, tuple[str, int, int]] = {}     # name -> (file, data start, end)
@@ -384,6 +417,46 @@ class Checkpoint:
             self._part_shapes.update({first: a, second: b})
             self._joined[joined] = (first, second)
 
+    def _qwen3next_layout(self) -> None:
+        """List a qwen3next GGUF's tensors as Hugging Face holds them (_NEXT_ONE_PLUS's comment), each
+        read through a function of the stored ones (get)."""
+        with open(os.path.join(self.folder, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        kh, dk = config["linear_num_key_heads"], config["linear_key_head_dim"]
+        per_head_v = config["linear_num_value_heads"] // kh * config["linear_value_head_dim"]
+
+        def qkvz(qkv: np.ndarray, z: np.ndarray) -> np.ndarray:
+            q, k, v = np.split(qkv, [kh * dk, 2 * kh * dk])
+            heads = [part.reshape(kh, -1, part.shape[-1]) for part in (q, k, v, z)]
+            return np.concatenate(heads, axis=1).reshape(-1, qkv.shape[-1])
+
+        for name in list(self.shapes):
+            stored = name.rpartition(".")[0] + "."
+            if name.endswith(".linear_attn.ssm_a"):
+                self._derive(stored + "A_log", (name,), lambda a: np.log(-a), self.shapes[name])
+            elif name.endswith(".linear_attn.ssm_conv1d"):
+                channels, kernel = self.shapes[name]
+                self._derive(stored + "conv1d.weight", (name,), lambda w: w[:, None, :], (channels, 1, kernel))
+            elif name.endswith(".linear_attn.in_proj_qkv"):
+                z = stored + "in_proj_z"
+                rows = self.shapes[name][0] + self.shapes[z][0]
+                if (rows % kh or self.shapes[z][0] != kh * per_head_v
+                        or self.shapes[name][0] != 2 * kh * dk + kh * per_head_v):
+                    raise WeightsError(f"the GGUF's {name} {list(self.shapes[name])} and {z} "
+                                       f"{list(self.shapes[z])} do not make in_proj_qkvz of {kh} key heads")
+                self._derive(stored + "in_proj_qkvz.weight", (name, z), qkvz, (rows, self.shapes[name][1]))
+            elif _NEXT_ONE_PLUS.fullmatch(name):
+                self._derive(name, (name,), lambda w: w - 1, self.shapes[name])
+
+    def _derive(self, name: str, parts: tuple[str, ...], values, shape: tuple[int, ...]) -> None:
+        """List `name` as values(*parts read), in `shape`, in place of its stored parts."""
+        kinds = {self.formats[part] for part in parts}
+        for part in parts:
+            self._part_shapes[part] = self.shapes.pop(part)
+            self.formats.pop(part)
+        self.shapes[name], self.formats[name] = shape, kinds.pop() if len(kinds) == 1 else "mixed"
+        self._derived[name] = (parts, values)
+
     def has(self, name: str) -> bool:
         return name in self.shapes
 
@@ -399,6 +472,9 @@ class Checkpoint:
         if name not in self.shapes:
             raise WeightsError(f"tensor {name} is missing from the checkpoint")
         if self.kind == "gguf":
+            if name in self._derived:
+                parts, values = self._derived[name]
+                return values(*(self._dequantize(part) for part in parts))[rows or slice(None)]
             if name in self._joined:
                 return np.concatenate([self._dequantize(part) for part in self._joined[name]], axis=1)[rows or slice(None)]
             return self._dequantize(name, rows or slice(None))

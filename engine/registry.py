@@ -560,11 +560,12 @@ def _f32(value: float) -> float:
 
 # GGUF architectures served, and the Hugging Face config they become.
 GGUF_ARCHITECTURES = {"qwen2": ("Qwen2ForCausalLM", "qwen2"), "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-                      "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
+                      "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+                      "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next")}
 # Families the engine serves from a Hugging Face folder but not from a GGUF: llama.cpp's converter
-# reshapes their linear-attention tensors (norms folded to 1 + w, A stored as -exp(A_log), in_proj
-# split or reordered, differently by converter version), a layout not read here yet.
-GGUF_FOLDER_ONLY = ("qwen3next", "qwen35", "qwen35moe")
+# also reorders their linear attention's value heads (grouped by key head -> tiled), a layout not
+# read here yet. (qwen3next's own reshaping is undone by engine.checkpoint: qwen3next_layout.)
+GGUF_FOLDER_ONLY = ("qwen35", "qwen35moe")
 
 
 def gguf_config(meta: dict, tensor_names: set[str]) -> dict:
@@ -606,7 +607,20 @@ def gguf_config(meta: dict, tensor_names: set[str]) -> dict:
                                   "factor": _f32(key("rope.scaling.factor")),
                                   "original_max_position_embeddings":
                                       int(key("rope.scaling.original_context_length"))}
-    if arch == "qwen3moe":
+    if arch == "qwen3next":
+        # The Gated DeltaNet's shape as llama.cpp's converter names it (ssm.*): the key head count is
+        # the group count, the value head count the time step rank, the state size the key head's.
+        value_heads = int(key("ssm.time_step_rank"))
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        config.update({
+            "linear_num_key_heads": int(key("ssm.group_count")), "linear_num_value_heads": value_heads,
+            "linear_key_head_dim": int(key("ssm.state_size")),
+            "linear_value_head_dim": int(key("ssm.inner_size")) // value_heads,
+            "linear_conv_kernel_dim": int(key("ssm.conv_kernel")),
+            "full_attention_interval": int(key("full_attention_interval")),
+            "partial_rotary_factor": int(key("rope.dimension_count")) / head_dim,
+            "shared_expert_intermediate_size": int(key("expert_shared_feed_forward_length"))})
+    if arch in ("qwen3moe", "qwen3next"):
         config.update({
             "num_experts": int(key("expert_count")), "num_experts_per_tok": int(key("expert_used_count")),
             "moe_intermediate_size": int(key("expert_feed_forward_length")),

@@ -24,7 +24,7 @@ from tests.test_registry import CHATML, add_hyperparameters, add_tokenizer, byte
 gguf = pytest.importorskip("gguf")
 
 TINY = Path(__file__).parent / "fixtures" / "tiny"
-ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3-moe": "qwen3moe"}
+ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3-moe": "qwen3moe", "qwen3-next": "qwen3next"}
 SPECIALS = [("<|endoftext|>", 3), ("<|im_start|>", 3), ("<|im_end|>", 3), ("<tool_call>", 4)]
 MERGES = ["h i", "Ġ t"]
 # Q8_0 matrices against transformers' float32 logits (|logit| <= 7): the mean difference, and the
@@ -42,6 +42,36 @@ GGUF_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_laye
               "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
               "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
               "mlp.gate.weight": "ffn_gate_inp.weight"}
+# qwen3next's own names (llama.cpp's), where they differ or add to the above.
+NEXT_NAMES = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+              "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+              "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+              "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+              "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+              "linear_attn.in_proj_ba.weight": "ssm_ba.weight", "linear_attn.out_proj.weight": "ssm_out.weight",
+              "linear_attn.norm.weight": "ssm_norm.weight"}
+
+
+def next_as_converted(config: dict, name: str, values: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """A qwen3next layer tensor (name without its layer prefix) as llama.cpp's converter writes it
+    (convert_hf_to_gguf.py, Qwen3NextModel.modify_tensors): A as -exp(A_log), dt_bias renamed, the
+    conv kernel squeezed, zero-centred norms as 1 + w, in_proj_qkvz split into the q, k, v rows of
+    every key head in turn (attn_qkv) and the z rows (attn_gate). [] for the names it keeps."""
+    if name == "linear_attn.A_log":
+        return [("ssm_a", -np.exp(values))]
+    if name == "linear_attn.dt_bias":
+        return [("ssm_dt.bias", values)]
+    if name == "linear_attn.conv1d.weight":
+        return [("ssm_conv1d.weight", values[:, 0, :])]
+    if name == "linear_attn.in_proj_qkvz.weight":
+        kh, dk = config["linear_num_key_heads"], config["linear_key_head_dim"]
+        dv = config["linear_num_value_heads"] // kh * config["linear_value_head_dim"]
+        q, k, v, z = np.split(values.reshape(kh, -1, values.shape[-1]), [dk, 2 * dk, 2 * dk + dv], axis=1)
+        qkv = np.concatenate([part.reshape(-1, values.shape[-1]) for part in (q, k, v)])
+        return [("attn_qkv.weight", qkv), ("attn_gate.weight", z.reshape(-1, values.shape[-1]))]
+    if name.endswith("norm.weight") and name != "linear_attn.norm.weight":
+        return [(NEXT_NAMES.get(name) or GGUF_NAMES[name], values + 1)]
+    return []
 
 
 def _vocabulary(size: int) -> tuple[list[str], list[int], list[str]]:
@@ -71,6 +101,16 @@ def write_gguf(model: str, path: Path, qtype=None, arch: str | None = None, roun
     path.parent.mkdir(parents=True, exist_ok=True)
     w = GGUFWriter(str(path), arch, split_max_tensors=split_tensors)
     add_hyperparameters(w, config)
+    next_layout = arch == "qwen3next" and model == "qwen3-next"
+    if next_layout:                    # the Gated DeltaNet's shape, as llama.cpp's converter writes it
+        w.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
+        w.add_ssm_state_size(config["linear_key_head_dim"])
+        w.add_ssm_group_count(config["linear_num_key_heads"])
+        w.add_ssm_time_step_rank(config["linear_num_value_heads"])
+        w.add_ssm_inner_size(config["linear_value_head_dim"] * config["linear_num_value_heads"])
+        w.add_full_attention_interval(config["layer_types"].index("full_attention") + 1)
+        w.add_rope_dimension_count(int(config["head_dim"] * config["partial_rotary_factor"]))
+        w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     add_tokenizer(w, *_vocabulary(config["vocab_size"]), template=template)
 
     def add(name: str, values: np.ndarray) -> None:
@@ -85,7 +125,7 @@ def write_gguf(model: str, path: Path, qtype=None, arch: str | None = None, roun
             w.add_tensor(name, values, raw_dtype=Q.F32)
 
     add("token_embd.weight", tensors.pop("model.embed_tokens.weight"))
-    add("output_norm.weight", tensors.pop("model.norm.weight"))
+    add("output_norm.weight", tensors.pop("model.norm.weight") + (1 if next_layout else 0))
     if "lm_head.weight" in tensors:
         add("output.weight", tensors.pop("lm_head.weight"))
     for i in range(config["num_hidden_layers"]):
@@ -97,7 +137,12 @@ def write_gguf(model: str, path: Path, qtype=None, arch: str | None = None, roun
                 add(f"blk.{i}.{stacked}.weight",
                     np.stack([tensors.pop(f"{p}mlp.experts.{e}.{part}.weight") for e in experts]))
         for name in [n for n in tensors if n.startswith(p)]:
-            add(f"blk.{i}.{GGUF_NAMES[name[len(p):]]}", tensors.pop(name))
+            short = name[len(p):]
+            converted = next_as_converted(config, short, tensors[name]) if next_layout else []
+            for gguf_name, values in converted or [((NEXT_NAMES if next_layout else {}).get(short)
+                                                    or GGUF_NAMES[short], tensors[name])]:
+                add(f"blk.{i}.{gguf_name}", values)
+            tensors.pop(name)
     assert not tensors, f"tensors left unwritten: {sorted(tensors)}"
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -113,11 +158,12 @@ def cache(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.mark.parametrize("model", ["qwen2", "qwen3", "qwen3-moe"])
+@pytest.mark.parametrize("model", ["qwen2", "qwen3", "qwen3-moe", "qwen3-next"])
 def test_a_gguf_file_gives_transformers_logits(cache, model):
     """Guards the whole path from a GGUF file (its metadata to a config, its llama.cpp names and
-    stacked experts to the engine's, a dense layer among the MoE ones) against any difference from
-    the model it was made from: float32 tensors give transformers' logits."""
+    stacked experts to the engine's, a dense layer among the MoE ones; qwen3next's Gated DeltaNet
+    and norms as llama.cpp's converter reshapes them) against any difference from the model it was
+    made from: float32 tensors give transformers' logits."""
     spec = registry.resolve(str(write_gguf(model, cache / f"Tiny-{model}-F32.gguf")))
     assert spec.id == f"tiny-{model}-f32"
     folder = registry.prepare(spec)
@@ -127,6 +173,13 @@ def test_a_gguf_file_gives_transformers_logits(cache, model):
     assert (cfg.head_dim, cfg.qkv_bias, cfg.qk_norm) == (want_cfg.head_dim, want_cfg.qkv_bias, want_cfg.qk_norm)
     ref = load_file(str(TINY / model / "reference.safetensors"))
     tokens = np.asarray(ref["tokens"])
+    if model == "qwen3-next":         # as tests/test_hybrid.py holds the folder itself to transformers
+        from engine.cache import init_cache
+        from tests.test_hybrid import CTX, PARITY_ATOL as HYBRID_ATOL, SLOTS, _run
+        logits, _ = _run(load_weights(folder, cfg, jnp.float32), init_cache(cfg, SLOTS, CTX, jnp.float32), cfg,
+                         tokens, [1], [0], [len(tokens)], all_logits=True)
+        np.testing.assert_allclose(np.asarray(logits[0]), ref["logits"], atol=HYBRID_ATOL, rtol=0)
+        return
     got = _logits(cfg, load_weights(folder, cfg, jnp.float32), tokens)
     np.testing.assert_allclose(got, ref["logits"], atol=PARITY_ATOL, rtol=0)   # measured <= 1.6e-5
 
@@ -282,11 +335,11 @@ def test_what_mashbox_cannot_serve_is_refused_by_name(cache, capsys, monkeypatch
     import mashbox
     llama = write_gguf("qwen3", cache / "llama.gguf", arch="llama")
     with pytest.raises(registry.RegistryError,
-                       match=f"^{llama}: architecture 'llama' is not served \\(qwen2, qwen3, qwen3moe\\)$"):
+                       match=f"^{llama}: architecture 'llama' is not served \\(qwen2, qwen3, qwen3moe, qwen3next\\)$"):
         registry.resolve(str(llama))
-    with pytest.raises(registry.RegistryError, match="architecture 'qwen3next' is not served from a GGUF "
-                                                     "\\(qwen2, qwen3, qwen3moe\\): give its Hugging Face folder"):
-        registry.resolve(str(write_gguf("qwen3", cache / "next.gguf", arch="qwen3next")))
+    with pytest.raises(registry.RegistryError, match="architecture 'qwen35' is not served from a GGUF "
+                                                     "\\(qwen2, qwen3, qwen3moe, qwen3next\\): give its Hugging Face folder"):
+        registry.resolve(str(write_gguf("qwen3", cache / "next.gguf", arch="qwen35")))
     unknown = write_gguf("qwen3", cache / "extra.gguf", rename={"blk.1.attn_k_norm.weight": "blk.1.attn_k_nrm.weight"})
     with pytest.raises(registry.RegistryError, match="extra.gguf: .* does not know: blk.1.attn_k_nrm.weight$"):
         registry.resolve(str(unknown))
