@@ -476,7 +476,8 @@ class Checkpoint:
                 parts, values = self._derived[name]
                 return values(*(self._dequantize(part) for part in parts))[rows or slice(None)]
             if name in self._joined:
-                return np.concatenate([self._dequantize(part) for part in self._joined[name]], axis=1)[rows or slice(None)]
+                joined = np.concatenate([self._dequantize(part) for part in self._joined[name]], axis=1)
+                return joined[rows or slice(None)]
             return self._dequantize(name, rows or slice(None))
         if name in self._fp8:
             return self._fp8_values(name)[rows or slice(None)]

@@ -3,8 +3,8 @@
 // the rows as int8 terms, their exact products, the scales), the packed weights widened for a
 // prefill chunk's dot (Int8Widen), the same two for a GGUF's 5-bit Q5_0 blocks (Int5Matmul,
 // Int5Widen) and for a GGUF's K-quant blocks (Q4KMatmul ... Q6KWiden), decode attention over the
-// int8 KV cache (Int8Attend), the greedy pick of each row's
-// largest logit (FirstMax) and the sampling filters' cuts (FilterCuts). engine/native.py builds and
+// int8 KV cache (Int8Attend), the greedy pick of each row's largest logit (FirstMax) and the
+// sampling filters' cuts (FilterCuts). engine/native.py builds and
 // registers them; engine/products.py, engine/attention.py and engine/sampler.py call them.
 //
 // XLA:CPU hands an integer dot to YNNPACK, whose kernels ran compute-bound on a 2-core AMD EPYC
@@ -785,8 +785,9 @@ inline void KLevels(const uint8_t* nib, const uint8_t* hi, const uint64_t* fifth
   if (F == KForm::kQ5) {
     const __m256i sixteen = _mm256_set1_epi8(16);
     for (int h = 0; h < 2; h++) {
-      low[h] = _mm256_or_si256(low[h], _mm256_and_si256(BitBytes(static_cast<uint32_t>(fifth[0] >> (32 * h))), sixteen));
-      high[h] = _mm256_or_si256(high[h], _mm256_and_si256(BitBytes(static_cast<uint32_t>(fifth[1] >> (32 * h))), sixteen));
+      const uint32_t lows = static_cast<uint32_t>(fifth[0] >> (32 * h)), highs = static_cast<uint32_t>(fifth[1] >> (32 * h));
+      low[h] = _mm256_or_si256(low[h], _mm256_and_si256(BitBytes(lows), sixteen));
+      high[h] = _mm256_or_si256(high[h], _mm256_and_si256(BitBytes(highs), sixteen));
     }
   }
   if (F == KForm::kQ6) {                 // each top-bit pair moved to bits 4-5 of its byte
@@ -819,7 +820,8 @@ void BlockK(const KBlocks& w, const int8_t* terms, const float* sub_sums, const 
   const uint8_t* hb = kSix ? w.hi + b * groups * 32 : nullptr;
   const uint64_t* fb = F == KForm::kQ5 ? w.fifth + b * groups * 2 : nullptr;
   const int8_t* sb = w.sc + b * subs * kLanes;
-  const uint8_t* mb = kSix ? nullptr : w.mins + b * (K / 32) * kLanes;
+  // The mins' multipliers per sub-block: Q4_K's and Q5_K's mins, Q6_K's scales (times 32 d).
+  const uint8_t* minsb = kSix ? reinterpret_cast<const uint8_t*>(sb) : w.mins + b * (K / 32) * kLanes;
   const uint16_t* db = w.d + b * supers * kLanes;
   const uint16_t* dmb = kSix ? nullptr : w.dmin + b * supers * kLanes;
   __m256 total[R][2];
@@ -837,8 +839,8 @@ void BlockK(const KBlocks& w, const int8_t* terms, const float* sub_sums, const 
       __m256i pairs[2];
       for (int h = 0; h < 2; h++) {
         pairs[h] = ScalePairs(sb + j * kLanes + 8 * h);
-        const __m256i m = kSix ? _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + j * kLanes + 8 * h)))
-                               : _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mb + j * kLanes + 8 * h)));
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(minsb + j * kLanes + 8 * h));
+        const __m256i m = kSix ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
         const __m256 mins = _mm256_mul_ps(dm[h], _mm256_cvtepi32_ps(m));
         for (int r = 0; r < R; r++) {
           const float part = term_scales[r * supers + s] * sub_sums[r * subs + j];

@@ -65,9 +65,9 @@ Q5_0 tensors (the demo's gate_up and o, and qkv where v is Q5_0 too) keeps the f
 instead, read without floats (engine.checkpoint: q5_0) and held at 5.5 bits (engine.native.pack5):
 int8 per channel would round the file's values a second time, in more bytes. So does a matrix made
 only of Q4_K, only of Q5_K or only of Q6_K tensors (the blocks of Q4_K_M / Q5_K_M / Q6_K files;
-engine.native.pack_k, at 4.6, 5.6 and 6.6 bits), and a separate LM head of one of them. Other block types (Q8_0 among them: its 8.5 bits
-are more than int8's) and matrices mixing types are rounded to int8 per channel; the log says how
-many of each.
+engine.native.pack_k, at 4.6, 5.6 and 6.6 bits), and a separate LM head of one of them. Other block
+types (Q8_0 among them: its 8.5 bits are more than int8's) and matrices mixing types are rounded to
+int8 per channel; the log says how many of each.
 
 Weights dtype "fp8" (an official FP8 checkpoint, on accelerators by default): every dense layer
 matrix the checkpoint stores as float8 becomes {"f8": float8_e4m3fn [out, in], "f8_scale": float32
@@ -439,7 +439,8 @@ class _Loader:
         s, h = self.cfg.shared_expert_intermediate_size, self.cfg.hidden_size
         down = p + "shared_expert.down_proj.weight"
         return {"gate_up": self.fp8_gate_up(p + "shared_expert.", s),
-                "down": self.projection(lambda d: d, [(down, (h, s))]) if self.fp8 else self.put(self.matrix(down, h, s)),
+                "down": (self.projection(lambda d: d, [(down, (h, s))]) if self.fp8
+                         else self.put(self.matrix(down, h, s))),
                 "gate": self.put(self.matrix(p + "shared_expert_gate.weight", 1, h))}
 
     # ---- the model's ends ----
@@ -471,10 +472,10 @@ class _Loader:
         """A layer's matrix combine(*tensors) of the named tensors [(name, shape)] (combine is a row
         operation: stacking, interleaving), as held: in 5-bit blocks (engine.native.pack5) when every
         part is a GGUF's Q5_0 tensor and the int8 matrices are packed (the file's own levels and
-        scales, exact), likewise in K-quant blocks (engine.native.pack_k) when every part is Q4_K, every
-        part Q5_K or every part Q6_K; as float8 with each row's block scales (the module docstring) when every
-        part is an FP8 checkpoint's and the weights dtype is fp8; else put_matrix of the floats. floats: the
-        combined matrix, when the caller has read it already."""
+        scales, exact), likewise in K-quant blocks (engine.native.pack_k) when every part is Q4_K,
+        every part Q5_K or every part Q6_K; as float8 with each row's block scales (the module
+        docstring) when every part is an FP8 checkpoint's and the weights dtype is fp8; else
+        put_matrix of the floats. floats: the combined matrix, when the caller has read it already."""
         if self.fp8 and all(self.r.format(name) == FP8 for name, _ in parts):
             stored = [self.r.fp8(name, shape) for name, shape in parts]
             return {"f8": np.ascontiguousarray(combine(*(v for v, _ in stored))),
@@ -673,7 +674,7 @@ def held_note(checkpoint, params, dtype: str) -> str | None:
     if dtype != "int8":
         return f"{checkpoint.file}: matrices {blocks}, held as {dtype} (their values exactly)"
     kept = {"Q5_0": 0, "Q4_K": 0, "Q5_K": 0, "Q6_K": 0}
-    is_blocks = lambda leaf: native.is_int5(leaf) or native.k_kind(leaf) is not None
+    is_blocks = lambda leaf: native.is_int5(leaf) or native.k_kind(leaf) is not None  # noqa: E731
     for leaf in {id(x): x for x in jax.tree_util.tree_leaves(params, is_leaf=is_blocks)}.values():
         if is_blocks(leaf):
             kept["Q5_0" if native.is_int5(leaf) else native.k_kind(leaf)] += 1
