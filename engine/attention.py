@@ -25,8 +25,8 @@ from engine.products import F32, int8_terms, int8_terms_product, quantize_rows, 
 
 def kv_dtype_for(platform: str):
     """KV cache dtype for a JAX platform: the narrowest one attention does not run slower with. On a
-    CPU int8 with integer products where the CPU has int8 dot products (engine.cpu.auto_kv_dtype),
-    else float16 (widened to float32 as fast as float32, with half the bytes; bfloat16 ran 3-5x
+    CPU int8 with integer products where the CPU has int8 dot products or AVX2
+    (engine.cpu.auto_kv_dtype), else float16 (widened to float32 as fast as float32, with half the bytes; bfloat16 ran 3-5x
     slower there). Accelerators keep bfloat16."""
     return jnp.dtype(cpu.auto_kv_dtype()) if platform == "cpu" else jnp.bfloat16
 
@@ -47,8 +47,12 @@ ATTENTION_BLOCK = 512
 # Integer sums are exact, so a prompt served partly from the prompt cache gives the tokens a cold
 # run gives (float sums would follow the rows of the call).
 QUERY_TERMS = 2
-# 255 levels where the CPU has unsigned x signed int8 kernels (the rows taken as they are), else 127.
-PROB_LEVELS = 255 if products.UINT8_DOT else 127
+# 255 levels (all of uint8's); where the CPU has no unsigned x signed int8 kernels the levels are
+# shifted by PROB_SHIFT into int8 and the shift's product added back (exact: the same numbers). With
+# 127 levels there (half the step count), the kernel's decode attention and this prefill attention
+# differed enough on AVX2 for a prompt served partly from the prompt cache to flip a token.
+PROB_LEVELS = 255
+PROB_SHIFT = 128
 # Past this many query rows (a prefill chunk) quantizing the rows cost more than the integer products
 # saved: the int8 blocks are widened exactly to WIDE_INT8_ATTENTION instead (bfloat16 where the CPU
 # has bfloat16 dot products, else float32).
@@ -130,8 +134,10 @@ def _probs_product(x, values):
     numbers = (((3,), (3,)), ((0, 1), (0, 1)))
     if products.UINT8_DOT:
         y = uint8_int8_dot(levels.astype(jnp.uint8), values, numbers)
-    else:
-        y = lax.dot_general(levels.astype(jnp.int8), values, numbers, preferred_element_type=jnp.int32)
+    else:                               # sum (l - 128) v + 128 sum v: an int8 x int8 product
+        shifted = (levels - PROB_SHIFT).astype(jnp.int8)
+        y = lax.dot_general(shifted, values, numbers, preferred_element_type=jnp.int32)
+        y = y + PROB_SHIFT * jnp.sum(values, axis=-1, dtype=jnp.int32)[:, :, None, :]
     return y.astype(F32) * scale
 
 

@@ -18,12 +18,10 @@ INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 # (the demo's decode step on a Zen 3 EPYC: 1.49x at 1 row, 1.14x at 4; a prefill chunk as fast), at
 # a quarter of the bytes: int8 is `auto` there too. CPUs with neither keep float32 (unmeasured).
 INT8_WEIGHTS_FLAGS = INT8_DOT_FLAGS | {"avx2"}
-# The int8 KV cache: CPUs with int8 dot products. On AVX2 alone it was faster too where measured
-# (docs/perf-log.md, "The native kernel's AVX2 tier"), but there the kernel's decode attention and
-# XLA's prefill attention gave a prompt served from the prompt cache other tokens than a cold run on
-# the tiny test models (tests/test_worker.py, test_prefix_cache.py), so AVX2 keeps float16 until
-# that is resolved.
-INT8_KV_FLAGS = INT8_DOT_FLAGS
+# The int8 KV cache: CPUs with int8 dot products, and AVX2, where it was faster too (decode after 8k
+# tokens about twice as fast with the native kernel: docs/perf-log.md, "The native kernel's AVX2
+# tier"; without the kernel no slower than float16).
+INT8_KV_FLAGS = INT8_DOT_FLAGS | {"avx2"}
 # Instruction sets YNNPACK has unsigned x signed int8 kernels for (VNNI's vpdpbusd multiplies an
 # unsigned byte by a signed one; AMX likewise). Its int8 x int8 kernels use plain AVX-512 instead,
 # so there int8 weights are held offset as uint8 (engine.weights.OFFSET_INT8) and attention's rows are
@@ -61,6 +59,6 @@ def auto_weights_dtype() -> str:
 
 def auto_kv_dtype() -> str:
     """The KV cache's dtype on a CPU (engine.attention.kv_dtype_for): int8 with a scale per position where
-    the CPU multiplies int8 fast (INT8_KV_FLAGS: attention's products then run on integer kernels), else
+    the CPU multiplies int8 well (INT8_KV_FLAGS: attention's products then run on integer kernels), else
     float16."""
     return "int8" if flags() & INT8_KV_FLAGS else "float16"

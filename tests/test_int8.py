@@ -238,11 +238,11 @@ def test_integer_product_is_exact_with_rows_signed_or_shifted_to_uint8(uint8_dot
 def test_probability_product_rounds_each_row_on_its_own_scale_and_sums_exactly(uint8_dot, monkeypatch):
     """Guards attention's probability product (engine.attention._probs_product): each row rounded to
     PROB_LEVELS steps of its own largest value (a row of tiny probabilities keeps its precision, an
-    all-zero row stays zero), the integer product exact, so the result is within half a step per
-    position of the float product."""
-    levels = 255 if uint8_dot else 127
+    all-zero row stays zero), the integer product exact (without unsigned kernels: the levels shifted
+    into int8 and the shift added back), so the result is within half a step per position of the float
+    product, and the same numbers with or without unsigned kernels."""
+    levels = attention.PROB_LEVELS
     monkeypatch.setattr(products, "UINT8_DOT", uint8_dot)
-    monkeypatch.setattr(attention, "PROB_LEVELS", levels)
     rng = np.random.default_rng(5)
     x = rng.random((2, 3, 7, 96)).astype(np.float32) * np.array([1, 1e-6, 0.3, 0, 1, 1, 1],
                                                                  np.float32)[:, None]
@@ -254,6 +254,8 @@ def test_probability_product_rounds_each_row_on_its_own_scale_and_sums_exactly(u
     bound = 0.5 * step * np.abs(v.astype(np.float64)).sum(-1)[:, :, None, :] + 1e-5 * np.abs(want)
     assert np.all(np.abs(got - want) <= bound)
     assert np.all(got[:, :, 3] == 0)
+    monkeypatch.setattr(products, "UINT8_DOT", not uint8_dot)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda a, b: attention._probs_product(a, b))(x, v)), got)
 
 
 def test_uint8_products_leave_the_int8_models_logits_bit_for_bit(monkeypatch):
@@ -265,9 +267,6 @@ def test_uint8_products_leave_the_int8_models_logits_bit_for_bit(monkeypatch):
     cfg = load_config(folder)
     tokens = np.asarray(load_file(os.path.join(folder, "reference.safetensors"))["tokens"])
     runs = []
-    # The probabilities' levels as a CPU without VNNI has them (127 fits either operand type), so
-    # that attention's products are comparable too.
-    monkeypatch.setattr(attention, "PROB_LEVELS", 127)
     for offset, uint8_dot in ((True, True), (False, True), (False, False)):
         monkeypatch.setattr(weights, "OFFSET_INT8", offset)
         monkeypatch.setattr(products, "UINT8_DOT", uint8_dot)
