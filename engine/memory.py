@@ -3,9 +3,10 @@ server sizes the worker before it starts one.
 
     worker bytes = weights + slots x ctx x KV bytes per token + host cache (--cache-ram) + runtime
     weights      = float32: 4 B per parameter
-                   int8:    1 B per parameter of the int8 tensors (engine.weights.quantized_tensor:
-                            projections, embedding / head) + 4 B per output channel (its scale)
-                            + 4 B per parameter of the rest (norms, biases, MoE experts)
+                   int8:    1 B per parameter of the int8 tensors (engine.weights.int8_held_tensor:
+                            projections, routed experts, embedding / head) + 4 B per output
+                            channel (its scale) + 4 B per parameter of the rest (norms, biases,
+                            routers, shared experts, Gated DeltaNet matrices)
                    fp8:     1 B per parameter of an FP8 checkpoint's float8 projections and
                             experts + 4 B per row and block of columns (their scales) + the
                             rest in the float dtype
@@ -108,7 +109,7 @@ def parameter_count(folder: str) -> int:
 def held_weight_bytes(folder: str, weights_dtype: str, float_bytes: int = CPU_WEIGHT_BYTES) -> int:
     """Bytes the worker holds the weights in (the formula in the module docstring); float_bytes is
     what the float tensors take beside int8 ones. A tied head is the embedding table: counted once."""
-    from engine.weights import fp8_held_tensor, quantized_tensor
+    from engine.weights import fp8_held_tensor, int8_held_tensor
     tensors = list(_model_tensors(folder))
     # Each attention layer adds its keys' smoothing factors (engine.weights.key_smoothing): float32,
     # one per key channel.
@@ -117,9 +118,9 @@ def held_weight_bytes(folder: str, weights_dtype: str, float_bytes: int = CPU_WE
         checkpoint = Checkpoint(folder)
         narrow = lambda name, shape: checkpoint.formats.get(name) == FP8 and fp8_held_tensor(name)  # noqa: E731
         scales = lambda name, shape: _count(shape) // checkpoint.fp8_scale_columns(name) * SCALE_BYTES  # noqa: E731
-    elif weights_dtype == "int8":
-        narrow = lambda name, shape: quantized_tensor(name) and len(shape) == 2  # noqa: E731
-        scales = lambda name, shape: shape[0] * SCALE_BYTES  # noqa: E731
+    elif weights_dtype == "int8":            # a scale per output row (of each expert, where stacked)
+        narrow = lambda name, shape: int8_held_tensor(name) and len(shape) >= 2  # noqa: E731
+        scales = lambda name, shape: _count(shape[:-1]) * SCALE_BYTES  # noqa: E731
     else:
         return total + sum(_count(shape) for _, shape in tensors) * WEIGHT_BYTES[weights_dtype]
     for name, shape in tensors:

@@ -37,7 +37,7 @@ from jax import lax
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from engine.config import ROUTED_PATHS, ModelConfig
-from engine.products import F32, fp8_values, gated, matmul, swiglu, weight_kind, wide_dtype
+from engine.products import F32, fp8_values, gated, int8_values, matmul, swiglu, weight_kind, wide_dtype
 from engine.sharding import MODEL_AXIS
 
 ROUTED_KINDS = ("kernel", "exact")
@@ -121,9 +121,16 @@ def _expert(stacked, e):
 
 
 def _widened(stacked):
-    """A stacked projection as the grouped product takes it: float8 experts widened per block (on
-    accelerators to bfloat16, at each call: held in float8, they take half the memory)."""
-    return fp8_values(stacked, wide_dtype()) if weight_kind(stacked) == "fp8" else stacked
+    """A stacked projection as the grouped product takes it: float8 experts widened per block, int8
+    ones times their scales (to bfloat16 on accelerators, at each call: held narrow, they take half
+    or a quarter of the memory). The kernel path runs on GPU and TPU only, where experts are never
+    packed for the native kernel."""
+    kind = weight_kind(stacked)
+    if kind == "fp8":
+        return fp8_values(stacked, wide_dtype())
+    if kind == "int8":
+        return (int8_values(stacked["q"]).astype(F32) * stacked["scale"][..., None]).astype(wide_dtype())
+    return stacked
 
 
 def _routed_kernel(x, weights, experts, moe, product):

@@ -564,7 +564,7 @@ GGUF_ARCHITECTURES = {"qwen2": ("Qwen2ForCausalLM", "qwen2"), "qwen3": ("Qwen3Fo
                       "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next")}
 # Families the engine serves from a Hugging Face folder but not from a GGUF: llama.cpp's converter
 # also reorders their linear attention's value heads (grouped by key head -> tiled), a layout not
-# read here yet. (qwen3next's own reshaping is undone by engine.checkpoint: qwen3next_layout.)
+# read here yet. (qwen3next's own reshaping is undone by engine.checkpoint: Checkpoint._qwen3next_layout.)
 GGUF_FOLDER_ONLY = ("qwen35", "qwen35moe")
 
 

@@ -57,8 +57,10 @@ Weights dtype "int8" (weight-only): every dense layer matrix (qkv, o, gate_up, d
 embedding table / LM head become {"q": [out, in], "scale": float32 [out]} with w ~ q * scale, q
 int8 values (held as uint8 plus 128 where the CPU's kernels want that: INT8_OFFSET), one scale per
 output channel (per vocabulary row of the embedding, which is the tied head's output
-channel, so one int8 table serves both). Each tensor is quantized as it is read, so no second full
-float32 copy is ever resident. Norms, biases, MoE routers and experts stay in the float dtype
+channel, so one int8 table serves both). So do the routed experts, each expert's matrices with
+their own scales, the parts stacked along a first axis ({"q": [experts, ...], "scale": [experts,
+out]}). Each tensor is quantized as it is read, so no second full float32 copy is ever resident.
+Norms, biases, MoE routers, shared experts and Gated DeltaNet matrices stay in the float dtype
 (float32 on CPU, bfloat16 on accelerators): engine.products.matmul computes with either form.
 Where the int8 matrices are packed for engine.native's kernel, a layer matrix made only of a GGUF's
 Q5_0 tensors (the demo's gate_up and o, and qkv where v is Q5_0 too) keeps the file's own blocks
@@ -108,8 +110,8 @@ OFFSET_INT8 = cpu.has_uint8_dot()        # read at load time (tests load both fo
 
 
 # Checkpoint tensors weights dtype int8 holds as int8, besides the embedding / LM head: dense layers'
-# attention and MLP projections. MoE experts (routed and shared), routers and linear-attention
-# layers stay float.
+# attention and MLP projections (and the routed experts: int8_held_tensor). Shared experts, routers
+# and linear-attention layers stay float.
 _INT8_TENSOR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
 
 
@@ -121,6 +123,18 @@ def quantized_tensor(name: str) -> bool:
 # An FP8 checkpoint's MLP matrices beyond the dense layers' (routed experts, the shared expert),
 # which weights dtype fp8 holds in float8 too.
 _FP8_EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.(experts\.\d+|shared_expert)\.(gate|up|down)_proj\.weight")
+
+
+# Routed experts' matrices, as a Hugging Face checkpoint (one expert each) or a GGUF (stacked) names
+# them: weights dtype int8 holds them as int8 too, each expert's rows with their own scales.
+_EXPERT_TENSOR = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+\.(gate|up|down)_proj\.weight"
+                            r"|gate_up_proj|down_proj)")
+
+
+def int8_held_tensor(name: str) -> bool:
+    """Whether weights dtype int8 holds this checkpoint tensor as int8: the quantized tensors and the
+    routed experts (norms, biases, routers, shared experts and Gated DeltaNet matrices stay float)."""
+    return quantized_tensor(name) or bool(_EXPERT_TENSOR.fullmatch(name))
 
 
 def fp8_held_tensor(name: str) -> bool:
@@ -423,8 +437,16 @@ class _Loader:
         else:
             both = np.stack([self.gate_up(f"{p}experts.{j}.", m) for j in range(e)])
             down = np.stack([self.matrix(f"{p}experts.{j}.down_proj.weight", h, m) for j in range(e)])
-        return {"router": self.put(self.matrix(p + "gate.weight", e, h)), "gate_up": self.put(both),
-                "down": self.put(down)}
+        return {"router": self.put(self.matrix(p + "gate.weight", e, h)), "gate_up": self.put_experts(both),
+                "down": self.put_experts(down)}
+
+    def put_experts(self, stacked: np.ndarray):
+        """Experts' matrices [experts, out, in] in the weights dtype: int8 each expert as put_matrix
+        holds a matrix (packed where the kernel serves), the parts stacked along the first axis."""
+        if not self.int8:
+            return self.put(stacked)
+        held = [self.put_matrix(matrix) for matrix in stacked]
+        return {part: np.stack([m[part] for m in held]) for part in held[0]}
 
     def fp8_gate_up(self, p: str, width: int):
         """An expert's gate and up interleaved (gate_up), float8 where the weights dtype is fp8 and the
@@ -553,7 +575,7 @@ def _assemble(parts: dict, cfg: ModelConfig) -> dict:
 # a restarted worker must not pay it again. So int8 weights are written once, as they are held, one
 # .npy file per array with a manifest of the tree, under the cache root (engine.worker names the
 # folder after everything the arrays depend on), and later starts map them in as they are.
-HELD_FORMAT = "held-weights-6"       # bumped when the layout of what is written changes
+HELD_FORMAT = "held-weights-7"       # bumped when the layout of what is written changes
 HELD_KEEP = 2                        # held copies kept under one cache folder (the newest used)
 HELD_TMP_STALE_S = 600               # an unfinished copy this old was left by a worker that died
 _MANIFEST = "manifest.json"
@@ -668,7 +690,7 @@ def held_note(checkpoint, params, dtype: str) -> str | None:
     import jax
     kinds: dict[str, int] = {}
     for name, kind in checkpoint.formats.items():
-        if quantized_tensor(name):
+        if int8_held_tensor(name):
             kinds[kind] = kinds.get(kind, 0) + 1
     blocks = ", ".join(f"{kind} x{n}" for kind, n in sorted(kinds.items()))
     if dtype != "int8":

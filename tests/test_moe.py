@@ -186,6 +186,36 @@ def test_kernel_path_equals_exact_path_and_the_reference(name, rows):
     assert not np.any(exact[~valid])
 
 
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("rows", [1, 4, 32])
+def test_int8_experts_are_held_per_expert_and_compute_their_values(rows, pack):
+    """Guards the routed experts in weights dtype int8 (a GGUF's 30B-A3B would take its float32 size
+    otherwise): each expert's matrices int8 with their own row scales, stacked (packed for the native
+    kernel where it serves), and the routed sum the one the same values in float32 give, to the rows'
+    int8 terms' rounding."""
+    from engine import native, products
+    from engine.products import int8_values
+    if pack and not native.available():
+        pytest.skip("the native kernel does not run here")
+    folder = str(TINY / "qwen3-moe")
+    cfg = load_config(folder)
+    held = _moe_layer(load_weights(folder, cfg, "int8", pack=pack))
+    for name in ("gate_up", "down"):
+        assert held[name]["q"].shape[0] == cfg.num_experts and held[name]["scale"].shape[0] == cfg.num_experts
+        assert native.is_packed(held[name]["q"][0]) == pack
+    values = {}
+    for name in ("gate_up", "down"):
+        q = np.stack([native.unpack(e) for e in np.asarray(held[name]["q"])]) if pack else np.asarray(held[name]["q"])
+        values[name] = np.asarray(int8_values(jnp.asarray(q)), np.float32) * np.asarray(held[name]["scale"])[..., None]
+    wide = dict(held, **values)
+    x = np.random.default_rng(rows).standard_normal((rows, cfg.hidden_size)).astype(np.float32)
+    valid = np.ones(rows, bool)
+    got, want = _routed(x, held, valid, cfg, "exact"), _routed(x, wide, valid, cfg, "exact")
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
+    assert products.weight_kind(jax.tree_util.tree_map(lambda a: a[0], held["down"])) == (
+        "int8_packed" if pack else "int8")
+
+
 @pytest.mark.parametrize("rows", [1, 4, 32])
 def test_the_exact_path_reads_only_the_experts_the_rows_picked(rows):
     """Guards against a dense product over all experts (cost tracking all parameters instead of the
