@@ -475,8 +475,8 @@ def test_unknown_gguf_tensor_is_an_error_not_dropped():
     """A tensor the reader does not map must stop the build instead of vanishing."""
     assert checkpoint.hf_name("blk.23.ffn_down.weight") == "model.layers.23.mlp.down_proj.weight"
     assert checkpoint.hf_name("output.weight") == "lm_head.weight"
-    with pytest.raises(checkpoint.WeightsError, match="blk.0.ssm_conv1d.weight"):
-        checkpoint.hf_name("blk.0.ssm_conv1d.weight")
+    with pytest.raises(checkpoint.WeightsError, match="blk.0.ssm_x.weight"):        # a Mamba tensor
+        checkpoint.hf_name("blk.0.ssm_x.weight")
 
 
 # ---- the real demo model --------------------------------------------------------------------------
