@@ -1,8 +1,8 @@
 """The engine's one native kernel (engine/native.cc), for CPUs where XLA:CPU's integer dot is
 compute-bound (engine.products, engine.attention, engine.sampler call it): int8 weights, and a GGUF's
-5-bit Q5_0 blocks, times a few rows (decode steps, small prefill chunks) at the memory's speed,
-decode attention over the int8 cache, both kinds of weights widened for a prefill chunk's dot, and
-the sampler's greedy pick and filter cuts.
+Q5_0, Q4_K, Q5_K and Q6_K blocks, times a few rows (decode steps, small prefill chunks) at the
+memory's speed, decode attention over the int8 cache, every kind of weights widened for a prefill
+chunk's dot, and the sampler's greedy pick and filter cuts.
 It is built on first use with the host's C++ compiler against jaxlib's FFI headers, kept under the
 cache root (rebuilt when the source, the compiler or jaxlib changes) and registered with XLA as
 custom calls.
@@ -21,7 +21,9 @@ Packed layout of an [N, K] matrix (N a multiple of 16, K of 4): [N/16, K/4, 16, 
 [n, k] at [n // 16, k // 4, n % 16, k % 4]: one 64-byte load holds 4 inputs of 16 outputs.
 5-bit weights (a GGUF's Q5_0 blocks, held as the file has them) are a dict {"nib", "fifth", "d"}:
 levels 0..31 as nibbles and fifth bits, 8 inputs of 16 outputs per 64-byte load, and a float16
-scale per 32 inputs; pack5 states the layout.
+scale per 32 inputs; pack5 states the layout. K-quant weights (a GGUF's Q4_K, Q5_K, Q6_K blocks)
+are a dict {"knib", ...} of the same nibbles with the blocks' scales, mins and top bits; pack_k
+states that layout.
 """
 from __future__ import annotations
 
