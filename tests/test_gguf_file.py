@@ -256,8 +256,9 @@ def write_k_quant_gguf(path: Path) -> Path:
 def test_k_quant_matrices_are_held_in_their_blocks_and_compute_their_values(cache, int8_max_rows, monkeypatch):
     """Guards against a GGUF's Q4_K / Q5_K / Q6_K matrices losing their exact values (int8 per
     channel rounds them again, in more bytes), a matrix mixing block types being held in one of them,
-    the LM head left out, the held copy differing, or the blocks' path (the kernel's product; the widened weights of a prefill
-    chunk when int8_max_rows is 0) computing other logits than the file's values in float32."""
+    the LM head left out, the held copy differing, or the blocks' path (the kernel's product; the
+    widened weights of a prefill chunk when int8_max_rows is 0) computing other logits than the
+    file's values in float32."""
     from engine import model, native, products
     from tests.test_native import needs_kernel
     if needs_kernel.args[0]:
@@ -337,8 +338,8 @@ def test_what_mashbox_cannot_serve_is_refused_by_name(cache, capsys, monkeypatch
     with pytest.raises(registry.RegistryError,
                        match=f"^{llama}: architecture 'llama' is not served \\(qwen2, qwen3, qwen3moe, qwen3next\\)$"):
         registry.resolve(str(llama))
-    with pytest.raises(registry.RegistryError, match="architecture 'qwen35' is not served from a GGUF "
-                                                     "\\(qwen2, qwen3, qwen3moe, qwen3next\\): give its Hugging Face folder"):
+    with pytest.raises(registry.RegistryError, match="architecture 'qwen35' is not served from a GGUF \\(qwen2, "
+                                                     "qwen3, qwen3moe, qwen3next\\): give its Hugging Face folder"):
         registry.resolve(str(write_gguf("qwen3", cache / "next.gguf", arch="qwen35")))
     unknown = write_gguf("qwen3", cache / "extra.gguf", rename={"blk.1.attn_k_norm.weight": "blk.1.attn_k_nrm.weight"})
     with pytest.raises(registry.RegistryError, match="extra.gguf: .* does not know: blk.1.attn_k_nrm.weight$"):

@@ -249,7 +249,8 @@ def test_k_matmul_is_each_super_blocks_exact_product_times_its_scales(kind, n, k
     d = parts["d"].astype(np.float32)
     dm = d * np.float32(32) if kind == "Q6_K" else parts["dmin"].astype(np.float32)
     mins = sc if kind == "Q6_K" else parts["mins"].astype(np.int64)
-    fma = lambda a, b, c: (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float32)  # noqa: E731
+    def fma(a, b, c):          # float64 holds the product exactly, and the sum all but always
+        return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float32)
     want = np.zeros((rows, n), np.float32)
     for s in range(k // 256):
         (term, row_scale), = _terms(x[:, 256 * s:256 * s + 256], 1)                   # [rows, 256], [rows, 1]
