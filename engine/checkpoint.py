@@ -471,16 +471,16 @@ class Checkpoint:
         those of a matrix (read and decoded alone where the format allows)."""
         if name not in self.shapes:
             raise WeightsError(f"tensor {name} is missing from the checkpoint")
+        these = rows or slice(None)
         if self.kind == "gguf":
             if name in self._derived:
                 parts, values = self._derived[name]
-                return values(*(self._dequantize(part) for part in parts))[rows or slice(None)]
+                return values(*(self._dequantize(part) for part in parts))[these]
             if name in self._joined:
-                joined = np.concatenate([self._dequantize(part) for part in self._joined[name]], axis=1)
-                return joined[rows or slice(None)]
-            return self._dequantize(name, rows or slice(None))
+                return np.concatenate([self._dequantize(part) for part in self._joined[name]], axis=1)[these]
+            return self._dequantize(name, these)
         if name in self._fp8:
-            return self._fp8_values(name)[rows or slice(None)]
+            return self._fp8_values(name)[these]
         if rows is not None:                           # safetensors' slices are not clamped
             self._tensor(name, opened_only=True)
             return self._open[self._where[name]].get_slice(name)[slice(*rows.indices(self.shapes[name][0]))]

@@ -445,8 +445,7 @@ class _Loader:
         holds a matrix (packed where the kernel serves), the parts stacked along the first axis."""
         if not self.int8:
             return self.put(stacked)
-        held = [self.put_matrix(matrix) for matrix in stacked]
-        return {part: np.stack([m[part] for m in held]) for part in held[0]}
+        return _part_by_part(np.stack, [self.put_matrix(matrix) for matrix in stacked])
 
     def fp8_gate_up(self, p: str, width: int):
         """An expert's gate and up interleaved (gate_up), float8 where the weights dtype is fp8 and the
@@ -510,7 +509,7 @@ class _Loader:
         kinds = {self.r.format(name) for name, _ in parts}
         if self.pack and len(kinds) == 1 and (kind := kinds.pop()) in native.K_SUB:
             blocks = [self.r.k_quant(name, shape) for name, shape in parts]
-            held = {key: combine(*(b[key] for b in blocks)) for key in blocks[0]}
+            held = _part_by_part(lambda arrays: combine(*arrays), blocks)
             if native.packable_k(held["levels"].shape):
                 return native.pack_k(kind, **held)
         if floats is None:
@@ -533,9 +532,7 @@ class _Loader:
                 parts.append(native.pack_k(kind, **self.r.k_quant(name, shape, rows)))
             else:
                 parts.append(self.put_matrix(self.r.get(name, shape, rows), packed))
-        if not isinstance(parts[0], dict):
-            return np.concatenate(parts)
-        return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+        return _part_by_part(np.concatenate, parts)
 
     def put(self, array: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(array.astype(self.dtype, copy=False))
@@ -556,7 +553,15 @@ def _stacked(matrices: list) -> dict:
     axis (expert parallelism splits it)."""
     if not all(isinstance(m, dict) and "f8" in m for m in matrices):
         raise WeightsError("an FP8 checkpoint's experts must all be float8 with block scales")
-    return {part: np.stack([m[part] for m in matrices]) for part in ("f8", "f8_scale")}
+    return _part_by_part(np.stack, matrices)
+
+
+def _part_by_part(join, held: list):
+    """join (stack, concatenate, a row operation) of matrices as held: plain arrays, or each part of
+    a held form ({"q", "scale"}, K-quant or float8 parts) joined with its own kind."""
+    if not isinstance(held[0], dict):
+        return join(held)
+    return {part: join([h[part] for h in held]) for part in held[0]}
 
 
 def _assemble(parts: dict, cfg: ModelConfig) -> dict:
