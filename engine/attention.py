@@ -57,6 +57,10 @@ PROB_SHIFT = 128
 # saved: the int8 blocks are widened exactly to WIDE_INT8_ATTENTION instead (bfloat16 where the CPU
 # has bfloat16 dot products, else float32).
 INT8_ATTENTION_MAX_ROWS = 128
+# Tokens per row up to which the native kernel's decode attention serves a call (a decode step with
+# its draft, engine.speculative): each token is a query row of its own. Past it (prefill chunks) the
+# blocked loop below shares each block of keys among the chunk's queries.
+NATIVE_ATTENTION_MAX_TOKENS = 16
 WIDE_INT8_ATTENTION = jnp.bfloat16 if products.CPU_HAS_BF16 else F32
 
 
@@ -87,12 +91,18 @@ def attend(q, kv, slots, positions, live, *, native_kernel: bool):
     each row's slot: a query at position p sees keys 0..p. kv: the layer's cache, already holding
     this call's keys and values. native_kernel: engine.native's kernel serves the model. Returns
     [B, KV, G, T, D] float32."""
-    if native_kernel and q.shape[3] == 1 and kv["k"].dtype == jnp.int8:
+    b, kv_heads, group, t, d = q.shape
+    if native_kernel and t <= NATIVE_ATTENTION_MAX_TOKENS and kv["k"].dtype == jnp.int8:
         # The kernel's decode attention: exact integer products of the int8 keys and values with
         # the queries and the softmax weights rounded to int16, each row's context split over the
-        # cores.
-        return native.int8_attend(q[:, :, :, 0], kv["k"], kv["v"], kv["k_scale"], kv["v_scale"],
-                                  slots, positions[:, 0])[:, :, :, None]
+        # cores. A drafted decode row's tokens (engine.speculative) are rows of their own, each
+        # attending up to its position: the numbers a decode step at that position gives. Padding
+        # may point past the slot; it reads the last position and is never used.
+        ctx = kv["k"].shape[-1]
+        flat = q.transpose(0, 3, 1, 2, 4).reshape(b * t, kv_heads, group, d)
+        out = native.int8_attend(flat, kv["k"], kv["v"], kv["k_scale"], kv["v_scale"],
+                                 jnp.repeat(slots, t), jnp.minimum(positions, ctx - 1).reshape(b * t))
+        return out.reshape(b, t, kv_heads, group, d).transpose(0, 2, 3, 1, 4)
     return _attend_blocks(q, kv, slots, positions, live)
 
 

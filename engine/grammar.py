@@ -389,6 +389,39 @@ class Grammars:
                 bits[i] = -1
         return bits
 
+    def masks_ahead(self, rids: list[str | None], drafts: list[list[int]], t: int
+                    ) -> tuple[np.ndarray, list[list[int]]]:
+        """The masks of a decode step whose rows carry drafts (engine.speculative): [rows, t, words]
+        int32, position i's mask given the row's first i drafted tokens, and the drafts cut where
+        the grammar refuses a token (the sampler could not draw it there). A row with no
+        constraint, and positions past a row's draft, allow every token. Each matcher consumes the
+        draft to compute the masks and rolls it back: advance() feeds the tokens drawn."""
+        bits = np.full((len(rids), t, self.words), -1, np.int32)
+        drafts = [list(d) for d in drafts]
+        first = self.masks(rids)
+        if first is None:
+            return bits, drafts
+        bits[:, 0] = first
+        t0 = time.perf_counter()
+        for i, rid in enumerate(rids):
+            if not self.constrained(rid) or not drafts[i]:
+                continue
+            row = self.rows[rid]
+            matcher = row.matcher
+            draft = drafts[i][:matcher.validate_tokens(drafts[i])]
+            consumed = 0
+            for token in draft:
+                if not matcher.consume_token(token):
+                    break
+                consumed += 1
+                mask = bits[i, consumed]
+                matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+            matcher.rollback(consumed)
+            drafts[i] = draft[:consumed]
+            row.mask_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+        return bits, drafts
+
     def advance(self, rid: str, token: int) -> None:
         """The token drawn for a row (the mask allowed it); a stop id ends the grammar's answer."""
         row = self.rows.get(rid)

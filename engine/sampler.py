@@ -257,8 +257,7 @@ def _draw(logits, p: RowParams, filtered: bool, native_kernel: bool):
     return _inverse_cdf(probs, u)
 
 
-@partial(jax.jit, donate_argnums=0)
-def allowed_only(logits: jax.Array, bits: jax.Array) -> jax.Array:
+def _allowed_only(logits: jax.Array, bits: jax.Array) -> jax.Array:
     """logits [B, V] with every token a row's mask does not allow set to -inf, so the draw that
     follows (greedy or sampled, penalties and filters alike) picks an allowed token. bits: int32
     [B, ceil(V / 32)], token t allowed where bit t % 32 of word t // 32 is set (llguidance's layout;
@@ -267,6 +266,9 @@ def allowed_only(logits: jax.Array, bits: jax.Array) -> jax.Array:
     lanes = jnp.arange(32, dtype=jnp.int32)
     allowed = ((bits[:, :, None] >> lanes) & 1).reshape(rows, -1)[:, :vocab]
     return jnp.where(allowed != 0, logits, -jnp.inf)
+
+
+allowed_only = jax.jit(_allowed_only, donate_argnums=0)
 
 
 # How a batch draws: every row greedy; some row samples with no filter; some row has a filter.
@@ -286,11 +288,9 @@ def batch_flags(rows: list[Sampling]) -> dict:
 FLAG_COMBINATIONS = tuple({"penalties": a, "draw": b} for a in (False, True) for b in DRAW_MODES)
 
 
-@partial(jax.jit, donate_argnames=("state",),
-         static_argnames=("every_slot", "penalties", "draw", "native_kernel"))
-def sample(state: SamplerState, logits: jax.Array, slots: jax.Array, active: jax.Array,
-           p: RowParams, *, every_slot: bool, penalties: bool, draw: str,
-           native_kernel: bool = False) -> tuple[jax.Array, SamplerState]:
+def _sample(state: SamplerState, logits: jax.Array, slots: jax.Array, active: jax.Array,
+            p: RowParams, *, every_slot: bool, penalties: bool, draw: str,
+            native_kernel: bool = False) -> tuple[jax.Array, SamplerState]:
     """Draw one token per row. logits f32 [B, V]; slots int32 [B]: each row's slot (its penalty
     state); active bool [B]: rows whose draw counts (pad rows leave the state alone).
     Static switches, always passed by name (jit keys on which keywords were given; batch_flags picks
@@ -317,3 +317,30 @@ def sample(state: SamplerState, logits: jax.Array, slots: jax.Array, active: jax
     if penalties:
         counts = counts.at[slots, tokens].add(active.astype(jnp.int32))
     return tokens, SamplerState(state.prompt_seen, counts)
+
+
+_STATIC = ("every_slot", "penalties", "draw", "native_kernel")
+sample = jax.jit(_sample, donate_argnames=("state",), static_argnames=_STATIC)
+
+
+@partial(jax.jit, donate_argnames=("state",), static_argnames=_STATIC)
+def verify(state: SamplerState, logits: jax.Array, drafts: jax.Array, slots: jax.Array,
+           lengths: jax.Array, p: RowParams, masks: jax.Array | None, *, every_slot: bool,
+           penalties: bool, draw: str, native_kernel: bool = False) -> tuple[jax.Array, SamplerState]:
+    """The draws of a decode step that carried drafts (engine.speculative): logits f32 [B, T, V] at
+    each row's T positions, drafts int32 [B, T] (drafts[b, t] the token drafted after position t;
+    lengths[b] positions are real), masks int32 [B, T, words] or None (engine.grammar: each
+    position's mask, given the drafted tokens before it). Position t draws as sequential decoding
+    would at output step p.step + t, with the penalties of the tokens drawn before it, and counts
+    only while every earlier position drew its draft (the later ones are not output).
+    Returns (tokens int32 [B, T], state): row b's output is tokens[b, :n + 1], n the drafts kept."""
+    picks = []
+    going = lengths > 0
+    for t in range(logits.shape[1]):
+        logits_t = logits[:, t] if masks is None else _allowed_only(logits[:, t], masks[:, t])
+        token, state = _sample(state, logits_t, slots, going & (t < lengths), p._replace(step=p.step + t),
+                               every_slot=every_slot, penalties=penalties, draw=draw,
+                               native_kernel=native_kernel)
+        picks.append(token)
+        going = going & (token == drafts[:, t]) & (t + 1 < lengths)
+    return jnp.stack(picks, axis=1), state

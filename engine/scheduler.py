@@ -396,14 +396,24 @@ class Scheduler:
             return []
         return [self._take(request, token)]
 
-    def decoded(self, work: Decode, tokens: list[int]) -> list[Emit]:
-        """The decode step ran; tokens[i] is the new token of work.rows[i]."""
+    def decoded(self, work: Decode, tokens: list) -> list[Emit]:
+        """The decode step ran; tokens[i] is the new token of work.rows[i], or the list of its new
+        tokens when the row carried a draft (engine.speculative): each one's position was run with
+        the tokens before it, so the slot holds the keys/values of all but the last, as after that
+        many decode steps. A stop or a length limit ends the row there; the rest is dropped."""
         emits = []
-        for request, token in zip(work.rows, tokens):
+        for request, drawn in zip(work.rows, tokens):
             if request.finish is not None:
                 continue
-            self.slots[request.slot].tokens.append(request.output[-1])
-            emits.append(self._take(request, token))
+            slot = self.slots[request.slot]
+            out: list[int] = []
+            for token in drawn if isinstance(drawn, list) else [drawn]:
+                slot.tokens.append(request.output[-1])
+                emit = self._take(request, token)
+                out += emit.tokens
+                if emit.finish is not None:
+                    break
+            emits.append(Emit(request, out, request.finish))
         return emits
 
     def _take(self, request: Sequence, token: int) -> Emit:

@@ -30,12 +30,13 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from engine import certify, grammar, identity, memory, mirror, native, prefix, sampler, sharding
+from engine import (certify, grammar, identity, memory, mirror, native, prefix, products, sampler,
+                    sharding, speculative)
 from engine.checkpoint import Checkpoint
 from engine.cache import (copy_prefix, has_state, host_block, init_cache, position_bytes, read_slot,
                           read_state, warm_host_copies, warm_state_copies, write_slot, write_state)
 from engine.config import CHAT_FORMAT, check_weights_dtype, load_config
-from engine.attention import kv_dtype_for
+from engine.attention import NATIVE_ATTENTION_MAX_TOKENS, kv_dtype_for
 from engine.model import dtype_for, jit_forward, weights_dtype_for
 from engine.moe import routed_report
 from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Note, Ready, Shutdown, Stats, Step,
@@ -87,6 +88,9 @@ class WorkerArgs:
     # (coordinator host:port, processes, this process's id) of a jax.distributed group (several
     # hosts, engine.sharding.distributed_settings); None: this process alone.
     distributed: tuple | None = None
+    # Drafts from the conversation's own text, verified in one call (engine.speculative): "auto"
+    # where it is exact and pays, or "off".
+    speculative: str = "auto"
 
 
 # What a follower keeps of its own arguments: where things are on its host, and who it is. Every
@@ -238,6 +242,7 @@ class Engine:
         self.cache = init_cache(cfg, args.slots, args.ctx, self.kv_dtype, zeros=self.layout.cache_zeros)
         self.state = self.layout.replicate(sampler.init_state(args.slots, cfg.vocab_size))
         self.buckets = Buckets.for_ctx(args.ctx, tuple(args.prefill_chunks), args.slots)
+        self.speculator = self._speculator()
         self.start_notes: list[str] = []          # for the server's log, once (take_notes)
         if follower:
             return
@@ -286,12 +291,39 @@ class Engine:
 
     # -- start-up ---------------------------------------------------------------------------------
 
+    def _speculator(self) -> speculative.Speculator:
+        """Drafting's state, off (and why) where it would not be exact (engine.speculative), else
+        the verification programs: each decode batch of up to VERIFY_MAX_ROWS rows, with each of
+        VERIFY_TOKENS whose rows the kernel's products and attention take one by one."""
+        cfg, args = self.cfg, self.args
+        if args.speculative not in speculative.MODES:
+            raise ValueError(f"speculative: must be one of {speculative.MODES}, got {args.speculative!r}")
+        why = ("--speculative off" if args.speculative == "off" else
+               "the native kernel does not serve this model (other products are not the same per "
+               "position whatever the rows beside it)" if not cfg.native else
+               "the KV cache is not int8 (the kernel's attention reads int8)" if self.kv_dtype != np.int8 else
+               "its linear layers' state cannot be cut back to the last kept position"
+               if "linear" in cfg.layer_kinds else
+               "its routed experts' path depends on the rows of a call" if "moe" in (cfg.mlp_kinds or ())
+               else None)
+        shapes = {} if why else {
+            rows: tuple(t for t in speculative.VERIFY_TOKENS if rows * t <= products.INT8_ROWS_MAX_ROWS
+                        and t <= NATIVE_ATTENTION_MAX_TOKENS and t < args.ctx)
+            for rows in self.buckets.decode_rows if rows <= speculative.VERIFY_MAX_ROWS}
+        return speculative.Speculator(why, {rows: ts for rows, ts in shapes.items() if ts})
+
     def programs(self) -> list[tuple[str, int, int]]:
         """Every model program a request can run, as (kind, rows, tokens per row): prefill chunks
-        (one row) and decode steps (one token per row, each decode batch size). Attention length is
-        a run-time value, so it multiplies nothing here."""
+        (one row), decode steps (one token per row, each decode batch size) and verifications of
+        drafts (engine.speculative; their logits at every position). Attention length is a run-time
+        value, so it multiplies nothing here."""
         b = self.buckets
-        return [("prefill", 1, c) for c in b.chunks] + [("decode", rows, 1) for rows in b.decode_rows]
+        return ([("prefill", 1, c) for c in b.chunks] + [("decode", rows, 1) for rows in b.decode_rows]
+                + [("verify", rows, t) for rows, ts in self.speculator.shapes.items() for t in ts])
+
+    @staticmethod
+    def _program_options(kind: str) -> dict:
+        return {"all_logits": True} if kind == "verify" else {}
 
     def _model_call(self, rows: int, t: int) -> tuple:
         """Arguments of a model call on idle rows (lengths 0 leave the cache untouched)."""
@@ -302,8 +334,9 @@ class Engine:
         """The id of what this worker runs: the text of every model program the warm-up compiled
         (lowered again: jit keeps the traces, so this costs the text, not a trace), with the software,
         the device and the settings that shape the programs."""
-        texts = [jit_forward.lower(*self._model_call(rows, t), cfg=self.cfg).as_text()
-                 for _, rows, t in self.programs()]
+        texts = [jit_forward.lower(*self._model_call(rows, t), cfg=self.cfg,
+                                   **self._program_options(kind)).as_text()
+                 for kind, rows, t in self.programs()]
         device = self.layout.mesh.devices.flat[0]
         import jaxlib
         return identity.deployment_id(texts, {
@@ -312,6 +345,7 @@ class Engine:
             "kv_dtype": self.kv_dtype.name,
             "slots": self.args.slots, "ctx": self.args.ctx, "buckets": repr(self.buckets),
             "prefix_cache": self.args.prefix_cache, "host_cache": self.host is not None,
+            "speculative": self.speculator.off or sorted(self.speculator.shapes.items()),
             # the sampler's and the cache copies' small programs: their source
             "sources": [identity.file_sha256(m.__file__) for m in (sampler, prefix, sharding)]
             + [identity.file_sha256(init_cache.__code__.co_filename)]
@@ -350,8 +384,9 @@ class Engine:
                 _, self.cache = jit_forward(*self._model_call(rows, t), cfg=self.cfg)
                 jax.block_until_ready(self.cache)
 
-        _compile_together([(jit_forward, self._model_call(rows, t), {"cfg": self.cfg})
-                           for _, rows, t in programs], compiled, then=first_run)
+        _compile_together([(jit_forward, self._model_call(rows, t),
+                            {"cfg": self.cfg, **self._program_options(kind)})
+                           for kind, rows, t in programs], compiled, then=first_run)
         samples, masks = [], []
         for rows in self.buckets.decode_rows:      # every row count a prefill chunk has too (one)
             logits, self.cache = jit_forward(*self._model_call(rows, 1), cfg=self.cfg)
@@ -360,11 +395,24 @@ class Engine:
             # prefill's one row (even when one row is every slot) gather their slots' state.
             for every in {rows == self.args.slots} | ({False} if rows == 1 else set()):
                 for flags in sampler.FLAG_COMBINATIONS:
-                    samples.append(((logits, np.arange(rows, dtype=np.int32), np.zeros(rows, bool),
-                                     params), dict(every_slot=every, native_kernel=self.cfg.native, **flags)))
+                    samples.append((sampler.sample, (self.state, logits, np.arange(rows, dtype=np.int32),
+                                                     np.zeros(rows, bool), params),
+                                    dict(every_slot=every, native_kernel=self.cfg.native, **flags)))
             bits = np.zeros((rows, grammar.mask_words(self.cfg.vocab_size)), np.int32)
             masks.append((sampler.allowed_only, (logits, bits), {}))
-        _compile_together([(sampler.sample, (self.state,) + args, kw) for args, kw in samples] + masks)
+        for rows, ts in self.speculator.shapes.items():
+            for t in ts:
+                logits, self.cache = jit_forward(*self._model_call(rows, t), cfg=self.cfg, all_logits=True)
+                params = sampler.row_params([(sampler.Sampling(), 0, 0)] * rows)
+                bits = np.zeros((rows, t, grammar.mask_words(self.cfg.vocab_size)), np.int32)
+                for flags in sampler.FLAG_COMBINATIONS:
+                    samples.append((sampler.verify, (self.state, logits, np.zeros((rows, t), np.int32),
+                                                     np.arange(rows, dtype=np.int32), np.zeros(rows, np.int32),
+                                                     params, bits),
+                                    dict(every_slot=rows == self.args.slots, native_kernel=self.cfg.native,
+                                         **flags)))
+        _compile_together(samples + masks)
+        self._time_programs()
         self.state = sampler.start_row(self.state, np.int32(0), np.zeros(self.cfg.vocab_size, bool))
         self.cache = copy_prefix(self.cache, np.int32(0), np.int32(0), np.int32(0))
         if host_copies:
@@ -373,6 +421,18 @@ class Engine:
             self.cache = warm_state_copies(self.cache)
         jax.block_until_ready((self.cache, self.state))
         progress("compile", total, total)
+
+    def _time_programs(self) -> None:
+        """Drafting's first estimate of each decode and verification program's time (the second run
+        on idle rows: their products cost what a real call's do); real calls refine it."""
+        for rows, ts in self.speculator.shapes.items():
+            for t in (1,) + ts:
+                for _ in range(2):
+                    t0 = time.perf_counter()
+                    logits, self.cache = jit_forward(*self._model_call(rows, t), cfg=self.cfg,
+                                                     all_logits=t > 1)
+                    jax.block_until_ready(logits)
+                self.speculator.measured(rows, t, time.perf_counter() - t0)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -515,16 +575,21 @@ class Engine:
         self.grammars.advance(request.rid, int(token[0]))
         return int(token[0])
 
-    def _decode(self, work: Decode) -> list[int]:
-        """One token for every generating request. The batch of every slot puts slot i on row i
-        (idle rows masked), so its program never changes with the number of live requests; a
-        smaller batch (Buckets.decode_rows) packs the rows and names each row's slot."""
+    def _decode(self, work: Decode) -> list:
+        """New tokens for every generating request: one each, or (engine.speculative) a list for a
+        row that carried a draft. The batch of every slot puts slot i on row i (idle rows masked),
+        so its program never changes with the number of live requests; a smaller batch
+        (Buckets.decode_rows) packs the rows and names each row's slot."""
         self.faults.at("decode")
         n = work.batch
         every = n == self.args.slots
         where = [r.slot if every else i for i, r in enumerate(work.rows)]
+        ctx = self.args.ctx
+        t, drafts = self.speculator.plan(n, [
+            (r.rid, r.prompt, r.output, min(r.max_tokens - len(r.output), ctx - len(r.prompt) - len(r.output)))
+            for r in work.rows])
         slots = np.arange(n, dtype=np.int32)
-        tokens = np.zeros((n, 1), np.int32)
+        tokens = np.zeros((n, t), np.int32)
         starts = np.zeros(n, np.int32)
         lengths = np.zeros(n, np.int32)
         rows = [(sampler.Sampling(), 0, 0)] * n
@@ -536,12 +601,37 @@ class Engine:
             starts[row] = len(self.scheduler.slots[r.slot].tokens)
             lengths[row] = 1
             rows[row] = (r.sampling, r.seed, len(r.output))
-        drawn = self._forward(tokens, slots, starts, lengths, (
-            sampler.row_params(rows), every, sampler.batch_flags([r.sampling for r in work.rows]),
-            self.grammars.masks(rids)))
+        draw = (sampler.row_params(rows), every, sampler.batch_flags([r.sampling for r in work.rows]))
+        t0 = time.perf_counter()
+        if t == 1:
+            drawn = self._forward(tokens, slots, starts, lengths, draw + (self.grammars.masks(rids),))
+            self.speculator.measured(n, 1, time.perf_counter() - t0)
+            for row, r in zip(where, work.rows):
+                self.grammars.advance(r.rid, int(drawn[row]))
+            return [int(drawn[row]) for row in where]
+        by_row: list[list[int]] = [[] for _ in range(n)]
+        for row, r, draft in zip(where, work.rows, drafts):   # a stop ends the answer: never drafted
+            by_row[row] = draft[:next((i for i, x in enumerate(draft) if x in r.stop_ids), len(draft))]
+        masks, by_row = self.grammars.masks_ahead(rids, by_row, t)
+        drafted = np.zeros((n, t), np.int32)
+        for row, draft in enumerate(by_row):
+            tokens[row, 1:1 + len(draft)] = draft
+            drafted[row, :len(draft)] = draft
+            lengths[row] += len(draft)
+        picks = self._verify(tokens, slots, starts, lengths, drafted, draw + (masks,))
+        self.speculator.measured(n, t, time.perf_counter() - t0)
+        out = []
         for row, r in zip(where, work.rows):
-            self.grammars.advance(r.rid, int(drawn[row]))
-        return [int(drawn[row]) for row in where]
+            draft = by_row[row]
+            kept = next((i for i, d in enumerate(draft) if int(picks[row, i]) != d), len(draft))
+            new = [int(x) for x in picks[row, :kept + 1]]
+            stop = next((i for i, x in enumerate(new) if x in r.stop_ids), None)
+            new = new if stop is None else new[:stop + 1]
+            self.speculator.verified(r.rid, len(draft), kept)
+            for token in new:
+                self.grammars.advance(r.rid, token)
+            out.append(new)
+        return out
 
     # -- the device calls (device_call): host values in and out -------------------------------------
 
@@ -564,6 +654,19 @@ class Engine:
         drawn, self.state = sampler.sample(self.state, logits, slots, lengths > 0, params,
                                            every_slot=every, native_kernel=self.cfg.native, **flags)
         return sharding.to_host(drawn)
+
+    @device_call
+    def _verify(self, tokens, slots, starts, lengths, drafts, draw):
+        """A decode step whose rows carry drafts (engine.speculative): tokens [B, T], each row's
+        last token and its draft (lengths[b] of them real), drafts [B, T] the drafted tokens after
+        each position; draw = (row params, every_slot, batch flags, masks [B, T, words]). The tokens
+        drawn at every position [B, T] (sampler.verify)."""
+        logits, self.cache = jit_forward(self.params, self.cache, tokens, slots, starts, lengths,
+                                         cfg=self.cfg, all_logits=True)
+        params, every, flags, masks = draw
+        picks, self.state = sampler.verify(self.state, logits, drafts, slots, lengths, params, masks,
+                                           every_slot=every, native_kernel=self.cfg.native, **flags)
+        return sharding.to_host(picks)
 
     @device_call
     def logits(self, tokens, slots, starts, lengths) -> np.ndarray:
@@ -629,6 +732,9 @@ class Engine:
                 "prompt_ms": round(max(0.0, first - started) * 1000, 3),
                 "predicted_ms": round(max(0.0, t.get("last", first) - first) * 1000, 3),
             }
+            drafted, kept = self.speculator.finish(request.rid)
+            if self.speculator.off is None:
+                step.timings.update(draft_n=drafted, draft_n_accepted=kept)
         return step
 
     def take_notes(self) -> list[Note]:
