@@ -1418,6 +1418,7 @@ async def handle_generation(app, req, out, fmt: "ApiFormat", tenant: str) -> Non
             decode = (time.monotonic() - outcome.first_token_at) if outcome.first_token_at else None
             app.metrics.request_done(outcome.finish or "stop", outcome.usage, waited, e2e, ttft, decode)
             app.metrics.constrained_done(outcome.constrained, outcome.mask_s)
+            app.metrics.drafts_done(outcome.timings)
         app.log(request_log_line(req.method, req.path, outcome, outcome.prompt_tokens, waited, e2e,
                                  job.session if job is not None else None))
 
@@ -1980,6 +1981,11 @@ async def _next_step(q: asyncio.Queue, gone: asyncio.Event, timeout: float):
     return None
 
 
+# Tokens drafted from the conversation's text and those kept (engine.speculative): llama-server's
+# names in the timings block; /metrics counts them as vLLM's spec_decode counters.
+DRAFT_TIMINGS = ("draft_n", "draft_n_accepted")
+
+
 def _timings(step_timings: dict | None, usage: chat.Usage, outcome: "Outcome | None" = None) -> dict:
     """llama-server's timings block (ChatTimings) from what the worker measured, with queue_ms counting
     the wait in the server's admission queue too. Where the worker sent no timings (a stop string ended
@@ -2008,6 +2014,8 @@ def _timings(step_timings: dict | None, usage: chat.Usage, outcome: "Outcome | N
         "predicted_per_second": round((n - 1) / (predicted_ms / 1000), 3) if predicted_ms > 0 and n > 1 else None,
         "cache_n": usage.cached_tokens,
         "queue_ms": round(waited_ms + float(t.get("queue_ms", 0.0)), 3),
+        # llama-server's drafting counts, where the engine drafts (engine.speculative)
+        **{name: int(t[name]) for name in DRAFT_TIMINGS if name in t},
     }
 
 
@@ -2963,6 +2971,10 @@ class Metrics:
             constrained.inc(0, mode=mode)
         add("grammar_mask_seconds_total", "counter", "Host time spent computing constrained requests' "
             "token masks.").inc(0)
+        add("spec_decode_num_draft_tokens_total", "counter", "Tokens drafted from the requests' own text "
+            "and verified (speculative decoding).").inc(0)
+        add("spec_decode_num_accepted_tokens_total", "counter", "Drafted tokens kept: the model drew "
+            "the same token.").inc(0)
         add("time_to_first_token_seconds", "histogram", "Time to the first new token.", TTFT_BUCKETS)
         add("request_queue_time_seconds", "histogram", "Time waiting for a slot.", LATENCY_BUCKETS)
         add("e2e_request_latency_seconds", "histogram", "Time from request to its last byte.", LATENCY_BUCKETS)
@@ -2992,6 +3004,12 @@ class Metrics:
         self.m["e2e_request_latency_seconds"].observe(e2e_s)
         if ttft_s is not None:
             self.m["time_to_first_token_seconds"].observe(ttft_s)
+
+    def drafts_done(self, timings: dict | None) -> None:
+        """Account one finished request's drafted and kept tokens (its timings block)."""
+        if timings:
+            self.m["spec_decode_num_draft_tokens_total"].inc(timings.get("draft_n", 0))
+            self.m["spec_decode_num_accepted_tokens_total"].inc(timings.get("draft_n_accepted", 0))
 
     def constrained_done(self, mode: str | None, mask_s: float) -> None:
         """Account one finished request's tool-call constraint (mode None: it ran unconstrained)."""
@@ -3118,8 +3136,17 @@ def request_log_line(method: str, path: str, outcome: "Outcome", prompt_tokens: 
     return (f"{method} {path} {outcome.status} finish={outcome.finish or '-'} "
             f"prompt={u.prompt_tokens if u else prompt_tokens} cached={u.cached_tokens if u else 0} "
             f"generated={u.completion_tokens if u else 0} queue_ms={queue_s * 1000:.0f} "
-            f"total_ms={total_s * 1000:.0f}" + (" retried=1" if outcome.retried else "")
+            f"total_ms={total_s * 1000:.0f}" + _drafts_text(outcome.timings)
+            + (" retried=1" if outcome.retried else "")
             + (f" session={tag}" if tag else ""))
+
+
+def _drafts_text(timings: dict | None) -> str:
+    """The request's drafting for its log line: tokens kept of those drafted, and the share."""
+    if not timings or not timings.get("draft_n"):
+        return ""
+    drafted, kept = timings["draft_n"], timings.get("draft_n_accepted", 0)
+    return f" drafted={drafted} accepted={kept} ({kept / drafted:.0%})"
 
 
 def log_prompt(tokenizer: "chat.Tokenizer", prompt: list[int], path: str, session: str | None) -> None:
@@ -4868,6 +4895,7 @@ class ServeConfig:
     coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    speculative: str = "auto"        # --speculative: drafts from the conversation's text (auto, off)
 
     @property
     def distributed(self) -> tuple[str, int, int] | None:
@@ -4941,6 +4969,10 @@ def arg_parser() -> argparse.ArgumentParser:
     run.add_argument("--process-id", type=_at_least(0, "--process-id"), metavar="I",
                      help="several hosts: this one's index; 0 serves HTTP, the others follow it "
                           "(also MASHBOX_PROCESS_ID)")
+    run.add_argument("--speculative", choices=("auto", "off"), default=default.speculative,
+                     help="speculative decoding: draft the next tokens from the conversation's own text "
+                          "and check them in one step (output unchanged); auto = where it is exact (the "
+                          "native kernel) and measured to pay (default auto)")
     run.add_argument("--cache-ram", dest="cache_ram_mib", metavar="MIB", type=_at_least(0, "--cache-ram"),
                      help="host memory for saved prompt states, MiB (0 = off)")
     run.add_argument("--api-key-file", metavar="PATH", type=_path("--api-key-file"),
@@ -4984,7 +5016,7 @@ def worker_args(spec: "registry.ModelSpec", config: ServeConfig, folder: str,
             "chat_format": spec.chat_format, "cache_ram_mib": cache_ram_mib,
             "recertify": config.recertify, "golden": spec.golden,
             "dtype": weights_dtype(spec, config), "devices": config.devices,
-            "distributed": config.distributed}
+            "distributed": config.distributed, "speculative": config.speculative}
 
 
 def weights_dtype(spec: "registry.ModelSpec", config: ServeConfig) -> str:

@@ -291,18 +291,7 @@ FLAG_COMBINATIONS = tuple({"penalties": a, "draw": b} for a in (False, True) for
 def _sample(state: SamplerState, logits: jax.Array, slots: jax.Array, active: jax.Array,
             p: RowParams, *, every_slot: bool, penalties: bool, draw: str,
             native_kernel: bool = False) -> tuple[jax.Array, SamplerState]:
-    """Draw one token per row. logits f32 [B, V]; slots int32 [B]: each row's slot (its penalty
-    state); active bool [B]: rows whose draw counts (pad rows leave the state alone).
-    Static switches, always passed by name (jit keys on which keywords were given; batch_flags picks
-    the last two). Each combination is its own program, so a batch pays only for what its rows use
-    (a lax.cond would copy the [slots, vocab] state even when false):
-      every_slot: row i is slot i for every slot (the decode batch): no gather of the state;
-      penalties: some row has a penalty (a slot's statistics are read only by the request that
-        started there, which keeps its penalties for its whole life, so skipping updates is safe);
-      draw: one of DRAW_MODES; "filtered" runs the top-k/top-p/min-p bisections, the costly part;
-      native_kernel: engine.native's kernel serves the model (ModelConfig.native): its greedy pick
-        and filter cuts.
-    Returns (tokens int32 [B], state)."""
+    """sample()'s body, not jitted: verify() runs it at every position of a drafted row."""
     logits = logits.astype(jnp.float32)
     counts = state.counts
     if penalties:
@@ -320,7 +309,26 @@ def _sample(state: SamplerState, logits: jax.Array, slots: jax.Array, active: ja
 
 
 _STATIC = ("every_slot", "penalties", "draw", "native_kernel")
-sample = jax.jit(_sample, donate_argnames=("state",), static_argnames=_STATIC)
+
+
+@partial(jax.jit, donate_argnames=("state",), static_argnames=_STATIC)
+def sample(state: SamplerState, logits: jax.Array, slots: jax.Array, active: jax.Array,
+           p: RowParams, *, every_slot: bool, penalties: bool, draw: str,
+           native_kernel: bool = False) -> tuple[jax.Array, SamplerState]:
+    """Draw one token per row. logits f32 [B, V]; slots int32 [B]: each row's slot (its penalty
+    state); active bool [B]: rows whose draw counts (pad rows leave the state alone).
+    Static switches, always passed by name (jit keys on which keywords were given; batch_flags picks
+    the last two). Each combination is its own program, so a batch pays only for what its rows use
+    (a lax.cond would copy the [slots, vocab] state even when false):
+      every_slot: row i is slot i for every slot (the decode batch): no gather of the state;
+      penalties: some row has a penalty (a slot's statistics are read only by the request that
+        started there, which keeps its penalties for its whole life, so skipping updates is safe);
+      draw: one of DRAW_MODES; "filtered" runs the top-k/top-p/min-p bisections, the costly part;
+      native_kernel: engine.native's kernel serves the model (ModelConfig.native): its greedy pick
+        and filter cuts.
+    Returns (tokens int32 [B], state)."""
+    return _sample(state, logits, slots, active, p, every_slot=every_slot, penalties=penalties, draw=draw,
+                   native_kernel=native_kernel)
 
 
 @partial(jax.jit, donate_argnames=("state",), static_argnames=_STATIC)

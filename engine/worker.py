@@ -249,6 +249,11 @@ class Engine:
         family = cfg.model_type
         checkpoint = Checkpoint(args.weights_folder)     # headers only: what the facts name as loaded
         self.start_notes += [note for note in [held_note(checkpoint, self.params, self.weights_dtype)] if note]
+        spec = self.speculator
+        self.start_notes.append(f"speculative decoding off: {spec.off}" if spec.off else
+                                "speculative decoding: drafts from the conversation's text, verified "
+                                f"{' or '.join(map(str, speculative.VERIFY_TOKENS))} tokens per row, in "
+                                f"batches of up to {max(spec.shapes)} rows, where measured to pay")
         namespace = args.cache_namespace or prefix.namespace_id(
             self.component_set_sha, args.model_id, family, f"{self.weights_dtype}/kv-{self.kv_dtype.name}",
             args.prefix_cache)
@@ -299,8 +304,10 @@ class Engine:
         if args.speculative not in speculative.MODES:
             raise ValueError(f"speculative: must be one of {speculative.MODES}, got {args.speculative!r}")
         why = ("--speculative off" if args.speculative == "off" else
-               "the native kernel does not serve this model (other products are not the same per "
-               "position whatever the rows beside it)" if not cfg.native else
+               "the native kernel does not serve this model" if not cfg.native else
+               f"{self.weights_dtype} weights' products are not the same per position whatever the "
+               "rows beside them (int8 and block weights' integer products are)"
+               if self.weights_dtype != "int8" else
                "the KV cache is not int8 (the kernel's attention reads int8)" if self.kv_dtype != np.int8 else
                "its linear layers' state cannot be cut back to the last kept position"
                if "linear" in cfg.layer_kinds else
@@ -310,7 +317,8 @@ class Engine:
             rows: tuple(t for t in speculative.VERIFY_TOKENS if rows * t <= products.INT8_ROWS_MAX_ROWS
                         and t <= NATIVE_ATTENTION_MAX_TOKENS and t < args.ctx)
             for rows in self.buckets.decode_rows if rows <= speculative.VERIFY_MAX_ROWS}
-        return speculative.Speculator(why, {rows: ts for rows, ts in shapes.items() if ts})
+        shapes = {rows: ts for rows, ts in shapes.items() if ts}
+        return speculative.Speculator(why or (None if shapes else "no verification fits the context"), shapes)
 
     def programs(self) -> list[tuple[str, int, int]]:
         """Every model program a request can run, as (kind, rows, tokens per row): prefill chunks

@@ -45,6 +45,7 @@ FAMILIES = {
     "host_cache_bytes": "gauge", "snapshot_bytes": "gauge",
     # mashbox's own: requests whose tool calls a grammar constrained, by mode, and their masks' time
     "constrained_requests_total": "counter", "grammar_mask_seconds_total": "counter",
+    "spec_decode_num_draft_tokens_total": "counter", "spec_decode_num_accepted_tokens_total": "counter",
 }
 # vLLM's bucket boundaries (vllm/v1/metrics/loggers.py), which dashboards built for it assume.
 VLLM_BUCKETS = {

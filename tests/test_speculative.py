@@ -1,0 +1,235 @@
+"""Speculative decoding (engine.speculative): the drafter's index, the choice of when to draft, the
+sampler's verification, and the engine's output with drafting on against off, token for token."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine import sampler
+from engine.protocol import Sampling, Submit
+from engine.speculative import Drafter, Speculator, expected_tokens
+
+TINY = Path(__file__).parent / "fixtures" / "tiny"
+
+
+# ---- the drafter ------------------------------------------------------------------------------------
+
+def test_a_draft_continues_the_latest_earlier_occurrence_of_the_last_tokens():
+    d = Drafter([1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2, 3])
+    assert d.propose(3) == [7, 8, 1]          # the latest earlier "1 2 3" was followed by 7 8 1
+    assert d.propose(1) == [7]
+
+
+def test_the_longest_matching_ngram_wins_over_a_later_shorter_one():
+    d = Drafter([5, 1, 2, 3, 40, 41, 9, 2, 3, 50, 1, 2, 3])
+    assert d.propose(2) == [40, 41]           # "1 2 3" (not the later "2 3", which led to 50)
+
+
+def test_nothing_is_drafted_without_an_earlier_match_or_room():
+    assert Drafter([1, 2, 3, 4]).propose(4) == []
+    assert Drafter([1, 2, 1, 2]).propose(0) == []
+
+
+def test_tokens_added_later_are_indexed_and_drafted_from():
+    d = Drafter([1, 2, 3])
+    d.extend([9, 1, 2])
+    assert d.propose(2) == [3, 9]
+
+
+# ---- when to draft ----------------------------------------------------------------------------------
+
+def timed(shapes, seconds) -> Speculator:
+    s = Speculator(None, shapes)
+    for key, value in seconds.items():
+        s.measured(*key, value)
+    return s
+
+
+def test_a_round_drafts_only_when_the_expected_tokens_per_second_beat_a_decode_step():
+    rows = [("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3], 100)]
+    cheap = timed({1: (4, 8)}, {(1, 1): 1.0, (1, 4): 1.2, (1, 8): 1.5})
+    t, drafts = cheap.plan(1, rows)
+    assert t in (4, 8) and drafts == [[4, 5, 6, 7, 8, 9, 1][:t - 1]]
+    dear = timed({1: (4, 8)}, {(1, 1): 1.0, (1, 4): 3.0, (1, 8): 5.0})
+    assert dear.plan(1, [("b", [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3], 100)]) == (1, [[]])
+
+
+def test_rows_with_nothing_to_draft_run_the_plain_decode_step():
+    s = timed({1: (4, 8)}, {(1, 1): 1.0, (1, 4): 1.01, (1, 8): 1.02})
+    assert s.plan(1, [("a", [10, 11, 12], [13], 50)]) == (1, [[]])
+
+
+def test_a_draft_never_reaches_past_the_tokens_a_row_may_still_take():
+    s = timed({1: (8,)}, {(1, 1): 1.0, (1, 8): 1.0})
+    t, drafts = s.plan(1, [("a", [1, 2, 3, 4, 5, 6, 7, 8], [1, 2], 3)])
+    assert t == 8 and drafts == [[3, 4]]      # room 3: two drafted, one drawn after them
+
+
+def test_acceptance_follows_what_a_row_keeps():
+    s = timed({1: (4, 8)}, {(1, 1): 1.0, (1, 4): 1.6, (1, 8): 2.6})
+    rows = [("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3], 100)]
+    assert s.plan(1, rows)[0] > 1
+    for _ in range(10):
+        s.verified("a", 7, 0)
+    assert s.rows["a"].acceptance < 0.05 and s.plan(1, rows)[0] == 1
+    assert s.finish("a") == (70, 0) and s.drafted == 70 and s.accepted == 0
+
+
+def test_expected_tokens_counts_the_kept_run_and_the_drawn_token():
+    assert expected_tokens(0, 0.9) == 1.0
+    assert expected_tokens(3, 1.0) == 4.0
+    assert expected_tokens(2, 0.5) == pytest.approx(1.75)
+
+
+# ---- the sampler's verification ----------------------------------------------------------------------
+
+def test_verification_keeps_the_target_distribution_for_a_deterministic_draft():
+    """The standard acceptance rule for a deterministic draft: the draft is kept with the target's
+    probability of it, and a rejected position's token follows the target without the draft token.
+    Drawn over many seeds at one position, the chi-square statistic stays below its 0.001 quantile."""
+    probs = np.array([0.5, 0.3, 0.15, 0.05], np.float32)
+    n, draft = 4000, 1
+    logits = jnp.asarray(np.broadcast_to(np.log(probs), (n, 2, 4)).copy())
+    params = sampler.row_params([(Sampling(temperature=1.0), seed, 0) for seed in range(n)])
+    state = sampler.init_state(n, 4)
+    picks, _ = sampler.verify(state, logits, jnp.full((n, 2), draft, jnp.int32), jnp.arange(n, dtype=jnp.int32),
+                              jnp.full(n, 2, jnp.int32), params, jnp.full((n, 2, 1), -1, jnp.int32),
+                              every_slot=True, penalties=False, draw="plain")
+    first = np.asarray(picks)[:, 0]
+    counts = np.bincount(first, minlength=4)
+    chi2 = float(((counts - n * probs) ** 2 / (n * probs)).sum())
+    assert chi2 < 16.27                        # 3 degrees of freedom
+    kept = (first == draft).mean()
+    assert abs(kept - probs[draft]) < 0.03
+    rejected = counts.copy()
+    rejected[draft] = 0
+    rest = probs.copy()
+    rest[draft] = 0
+    assert np.abs(rejected / rejected.sum() - rest / rest.sum()).max() < 0.03
+
+
+def test_verification_draws_what_sequential_draws_give_with_penalties():
+    """Position t draws with the key of output step t and the penalties of the tokens drawn before
+    it, so a fully kept draft gives the tokens that sample() gives one step at a time."""
+    rng = np.random.default_rng(0)
+    vocab, t = 32, 4
+    logits = rng.normal(size=(1, t, vocab)).astype(np.float32)
+    s = Sampling(temperature=0.9, frequency_penalty=0.7, repetition_penalty=1.3, seed=5)
+    seen = np.zeros(vocab, bool)
+    seen[[3, 4]] = True
+
+    def fresh():
+        return sampler.start_row(sampler.init_state(1, vocab), np.int32(0), seen)
+
+    state, sequential = fresh(), []
+    for i in range(t):
+        token, state = sampler.sample(state, jnp.asarray(logits[:, i]), jnp.zeros(1, jnp.int32),
+                                      jnp.ones(1, bool), sampler.row_params([(s, 5, i)]),
+                                      every_slot=True, penalties=True, draw="plain")
+        sequential.append(int(token[0]))
+    drafts = np.zeros((1, t), np.int32)
+    drafts[0, :t - 1] = sequential[:t - 1]
+    picks, after = sampler.verify(fresh(), jnp.asarray(logits), jnp.asarray(drafts), jnp.zeros(1, jnp.int32),
+                                  jnp.full(1, t, jnp.int32), sampler.row_params([(s, 5, 0)]),
+                                  jnp.full((1, t, 1), -1, jnp.int32), every_slot=True, penalties=True,
+                                  draw="plain")
+    assert list(np.asarray(picks)[0]) == sequential
+    assert np.array_equal(np.asarray(after.counts), np.asarray(state.counts))
+
+
+def test_tokens_after_a_rejected_draft_are_not_counted_for_penalties():
+    vocab = 8
+    logits = np.zeros((1, 3, vocab), np.float32)
+    logits[:, :, 5] = 10.0                    # greedy picks 5 everywhere
+    state = sampler.init_state(1, vocab)
+    picks, state = sampler.verify(state, jnp.asarray(logits), jnp.asarray([[2, 5, 0]], jnp.int32),
+                                  jnp.zeros(1, jnp.int32), jnp.full(1, 3, jnp.int32),
+                                  sampler.row_params([(Sampling(frequency_penalty=0.5), 0, 0)]),
+                                  jnp.full((1, 3, 1), -1, jnp.int32), every_slot=True, penalties=True,
+                                  draw="greedy")
+    assert list(np.asarray(picks)[0])[:1] == [5]       # the draft (2) was not drawn: one token out
+    assert int(np.asarray(state.counts)[0, 5]) == 1
+
+
+# ---- the engine: drafting on against off ----------------------------------------------------------------
+
+def _engine(speculative: str, folder: str = "qwen3", slots: int = 4):
+    from engine.worker import Engine, WorkerArgs
+    return Engine(WorkerArgs("tiny", str(TINY / folder), slots=slots, ctx=256, prefill_chunks=(8, 32),
+                             compile_cache=None, dtype="int8", kv_dtype="int8", speculative=speculative))
+
+
+@pytest.fixture(scope="module")
+def engines():
+    on = _engine("auto")
+    if on.speculator.off:
+        pytest.skip(f"drafting is off here: {on.speculator.off}")
+    return on, _engine("off")
+
+
+def _run(engine, submits) -> dict:
+    out = {}
+    for s in submits:
+        engine.submit(s)
+    for _ in range(5000):
+        if not engine.busy:
+            return out
+        for step in engine.step():
+            r = out.setdefault(step.rid, {"tokens": [], "timings": None, "finish": None})
+            r["tokens"] += step.tokens
+            if step.finish:
+                r["finish"], r["timings"] = step.finish, step.timings
+    pytest.fail("the engine did not finish")
+
+
+def _prompts():
+    rng = np.random.default_rng(3)
+    piece = [int(x) for x in rng.integers(5, 200, 12)]
+    return [piece * 4, piece[:7] * 5 + [9, 8], [int(x) for x in rng.integers(5, 200, 30)]]
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.8, top_k=20, seed=11),
+                                      Sampling(temperature=1.0, repetition_penalty=1.2, frequency_penalty=0.3,
+                                               seed=3)], ids=["greedy", "seeded", "penalties"])
+def test_output_with_drafting_is_the_output_without_token_for_token(engines, sampling):
+    """Guards against a drafted row's tokens differing from plain decoding's, alone (the one-row
+    programs) and beside others (the four-row ones), greedy or seeded, or a program compiled after
+    ready."""
+    on, off = engines
+    prompts = _prompts()
+    alone = [Submit(f"alone{i}", p, 48, sampling) for i, p in enumerate(prompts)]
+    together = [Submit(f"together{i}", p, 48, sampling) for i, p in enumerate(prompts)]
+    want = {**{s.rid: _run(off, [s])[s.rid]["tokens"] for s in alone}, **{
+        rid: r["tokens"] for rid, r in _run(off, together).items()}}
+    got = {**{s.rid: _run(on, [s])[s.rid] for s in alone}, **_run(on, together)}
+    assert {rid: r["tokens"] for rid, r in got.items()} == want
+    assert on.compiles_after_ready() == 0
+    drafted = sum(r["timings"]["draft_n"] for r in got.values())
+    kept = sum(r["timings"]["draft_n_accepted"] for r in got.values())
+    assert 0 <= kept <= drafted
+    if sampling.temperature == 0:
+        assert kept > 0, "the tiny model's repetitive greedy output was never drafted from"
+
+
+def test_a_drafted_row_stops_at_its_limit_and_at_a_stop_token(engines):
+    on, off = engines
+    prompt = _prompts()[0]
+    full = _run(off, [Submit("f", prompt, 40)])["f"]["tokens"]
+    stop = full[20]
+    for engine in (on, off):
+        r = _run(engine, [Submit("n", prompt, 13)])["n"]
+        assert r["tokens"] == full[:13] and r["finish"] == "length"
+        r = _run(engine, [Submit("s", prompt, 40, stop_ids=[stop])])["s"]
+        assert r["tokens"] == full[:full.index(stop)] and r["finish"] == "stop"
+
+
+def test_drafting_is_off_where_it_would_not_be_exact():
+    """XLA's float products depend on the rows of a call: a float32 engine does not draft."""
+    from engine.worker import Engine, WorkerArgs
+    e = Engine(WorkerArgs("tiny", str(TINY / "qwen3"), slots=1, ctx=64, prefill_chunks=(8,),
+                          compile_cache=None, dtype="float32"))
+    assert e.speculator.off and not e.speculator.shapes
+    assert not any(kind == "verify" for kind, _, _ in e.programs())
