@@ -60,9 +60,23 @@ def weights_dtype_for(platform: str, asked: str | None = "auto", fp8: bool = Fal
 
 # ---- building blocks ---------------------------------------------------------------------------
 
+def _tree_sum(x):
+    """The sum over x's last axis (kept, size 1) in one fixed pairwise order: the upper half added to
+    the lower, elementwise, until one is left (zeros pad it to a power of two). XLA's reduce orders a
+    row's sum by the shape around it (from 8 rows on it vectorizes across rows): with it a decode
+    step and a verification of drafts (engine.speculative) gave one position different numbers."""
+    n = x.shape[-1]
+    size = 1 << max(n - 1, 0).bit_length()
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - n)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x
+
+
 def _rms_norm(x, weight, eps):
     x = x.astype(F32)
-    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight.astype(F32)
+    return x * lax.rsqrt(_tree_sum(x * x) / x.shape[-1] + eps) * weight.astype(F32)
 
 
 def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
@@ -149,7 +163,11 @@ def _attention(layer, kv, x, slots, positions, rope, valid, live, *, cfg: ModelC
 
     if kv["k"].dtype == jnp.int8:             # engine.weights.key_smoothing: exact scores, finer keys
         smooth = layer["k_smooth"]                                         # [KV, D]
-        k = k / smooth
+        # Times the reciprocal, not divided: XLA turns a division by a broadcast factor into that
+        # product in some programs and not in others (by how much the broadcast widens it), which
+        # gave a position's key an ulp more or less in a verification of drafts than in a decode
+        # step (engine.speculative). A product is rounded once, alike in every program.
+        k = k * (1.0 / smooth)
         q = (q.reshape(b, t, kv_heads, group, d) * smooth[:, None, :]).reshape(q.shape)
     # Write the new keys/values. Padded tokens aim past the end of the slot and are dropped, so
     # idle rows and chunk padding never touch the cache.

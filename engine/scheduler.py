@@ -37,6 +37,13 @@ PREFILL_CHUNKS = (32, 128, 512)
 # and up to 4 rows run a 4-row program when there are more slots; more rows run the batch of every
 # slot (idle rows masked).
 SMALL_DECODE_BATCHES = (1, 4)
+# Verification programs (engine.speculative): tokens per row, the row's last token and up to T - 1
+# drafted ones. Each (rows, T) is one more compiled program; two lengths let a short draft pay a
+# short program's cost.
+VERIFY_TOKENS = (4, 8)
+# Decode batches up to this many rows may draft. A 4-row batch verifying 4 tokens per row costs
+# about 3.5x its plain step on a 2-core AVX2 CPU (docs/performance.md): past it drafting cannot pay.
+VERIFY_MAX_ROWS = 4
 # Snapshots a slot keeps of its sequence's linear-layer state (hybrid models), besides the exact
 # state at its end. Each is every linear layer's recurrent and conv state (about 75 MiB for
 # Qwen3-Next-80B), held in host memory until the slot is saved to the host cache. Past this many,

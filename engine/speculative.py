@@ -35,12 +35,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Tokens per row of a verification program: the row's last token and up to T - 1 drafted ones. Each
-# (rows, T) is one more compiled program; two lengths let a short draft pay a short program's cost.
-VERIFY_TOKENS = (4, 8)
-# Decode batches up to this many rows may draft. A 4-row batch verifying 4 tokens per row costs
-# about 3.5x its plain step on a 2-core AVX2 CPU (docs/performance.md): past it drafting cannot pay.
-VERIFY_MAX_ROWS = 4
 # The n-gram lengths the drafter matches, longest first: a longer match predicts its continuation
 # better; two tokens still find an identifier or a line being copied.
 NGRAM_SIZES = (4, 3, 2)

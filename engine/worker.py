@@ -42,7 +42,8 @@ from engine.moe import routed_report
 from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Note, Ready, Shutdown, Stats, Step,
                              Submit)
 from engine.registry import cache_root
-from engine.scheduler import PREFILL_CHUNKS, Buckets, Decode, Prefill, Sequence, Scheduler
+from engine.scheduler import (PREFILL_CHUNKS, VERIFY_MAX_ROWS, VERIFY_TOKENS, Buckets, Decode, Prefill,
+                              Sequence, Scheduler)
 from engine.weights import held_key, held_note, load_weights, packs_int8, weights_bytes
 
 # Every program goes to the persistent compile cache, however quick its compile: a restarted worker
@@ -252,7 +253,7 @@ class Engine:
         spec = self.speculator
         self.start_notes.append(f"speculative decoding off: {spec.off}" if spec.off else
                                 "speculative decoding: drafts from the conversation's text, verified "
-                                f"{' or '.join(map(str, speculative.VERIFY_TOKENS))} tokens per row, in "
+                                f"{' or '.join(map(str, VERIFY_TOKENS))} tokens per row, in "
                                 f"batches of up to {max(spec.shapes)} rows, where measured to pay")
         namespace = args.cache_namespace or prefix.namespace_id(
             self.component_set_sha, args.model_id, family, f"{self.weights_dtype}/kv-{self.kv_dtype.name}",
@@ -314,9 +315,9 @@ class Engine:
                "its routed experts' path depends on the rows of a call" if "moe" in (cfg.mlp_kinds or ())
                else None)
         shapes = {} if why else {
-            rows: tuple(t for t in speculative.VERIFY_TOKENS if rows * t <= products.INT8_ROWS_MAX_ROWS
+            rows: tuple(t for t in VERIFY_TOKENS if rows * t <= products.INT8_ROWS_MAX_ROWS
                         and t <= NATIVE_ATTENTION_MAX_TOKENS and t < args.ctx)
-            for rows in self.buckets.decode_rows if rows <= speculative.VERIFY_MAX_ROWS}
+            for rows in self.buckets.decode_rows if rows <= VERIFY_MAX_ROWS}
         shapes = {rows: ts for rows, ts in shapes.items() if ts}
         return speculative.Speculator(why or (None if shapes else "no verification fits the context"), shapes)
 

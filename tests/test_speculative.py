@@ -214,6 +214,42 @@ def test_output_with_drafting_is_the_output_without_token_for_token(engines, sam
         assert kept > 0, "the tiny model's repetitive greedy output was never drafted from"
 
 
+@pytest.mark.parametrize("t", [4, 8])
+def test_a_verification_gives_each_position_the_logits_of_a_decode_step_bit_for_bit(engines, t):
+    """Guards against a position's numbers depending on the positions run beside it (the float ops
+    of a call XLA orders by its shape: a norm's sum, a division by a broadcast factor): the logits
+    of t positions in one call equal those of t decode steps, to the bit."""
+    import jax
+    from engine.model import jit_forward
+    on, _ = engines
+    _run(on, [Submit("p", _prompts()[2], 1)])
+    slot = next(s.index for s in on.scheduler.slots if len(s.tokens) == len(_prompts()[2]))
+    start = len(on.scheduler.slots[slot].tokens)
+    tokens = np.arange(7, 7 + t, dtype=np.int32)[None]
+    args = (np.array([slot], np.int32), np.array([start], np.int32))
+    together, on.cache = jit_forward(on.params, on.cache, tokens, *args[:1], args[1], np.array([t], np.int32),
+                                     cfg=on.cfg, all_logits=True)
+    together = np.asarray(together)[0]
+    for i in range(t):
+        one, on.cache = jit_forward(on.params, on.cache, tokens[:, i:i + 1], args[0], args[1] + i,
+                                    np.array([1], np.int32), cfg=on.cfg)
+        assert np.array_equal(np.asarray(one)[0], together[i]), f"position {i}"
+    jax.block_until_ready(on.cache)
+
+
+def test_a_rows_norm_is_the_same_whatever_rows_run_beside_it():
+    """Guards against the norm's sum going back to XLA's reduce, which from 8 rows on vectorizes
+    across rows and sums a row in another order (the demo's width, 896)."""
+    import jax
+    from engine.model import _rms_norm
+    rng = np.random.default_rng(1)
+    x = (rng.normal(size=(1, 8, 896)) * 3).astype(np.float32)
+    w = rng.normal(size=896).astype(np.float32)
+    norm = jax.jit(lambda x, w: _rms_norm(x, w, 1e-6))
+    together = np.asarray(norm(x, w))[0]
+    assert all(np.array_equal(np.asarray(norm(x[:, i:i + 1], w))[0, 0], together[i]) for i in range(8))
+
+
 def test_a_drafted_row_stops_at_its_limit_and_at_a_stop_token(engines):
     on, off = engines
     prompt = _prompts()[0]

@@ -479,6 +479,32 @@ def test_constrained_rows_run_beside_free_ones_in_the_engine(tiny_engine, tiny_f
     assert tiny_engine.compiles_after_ready() == 0
 
 
+def test_a_constrained_row_drafted_from_its_prompt_draws_what_it_draws_undrafted(tiny_folder):
+    """Guards against a drafted token the grammar forbids being kept, a mask computed for the wrong
+    position of a draft, or a matcher left advanced by a draft it did not keep: the same call comes
+    out with drafting on as off (engine.speculative), and drafts from the earlier call are kept."""
+    from engine.protocol import Submit
+    from engine.worker import Engine, WorkerArgs
+    engines = [Engine(WorkerArgs("tiny", tiny_folder, slots=4, ctx=512, prefill_chunks=(8, 32),
+                                 compile_cache=None, dtype="int8", kv_dtype="int8", speculative=mode))
+               for mode in ("auto", "off")]
+    if engines[0].speculator.off:
+        pytest.skip(f"drafting is off here: {engines[0].speculator.off}")
+    tok = chat.Tokenizer.from_folder(tiny_folder)
+    earlier = '<tool_call>\n{"name": "pick", "arguments": {"unit": "fahrenheit", "n": false}}\n</tool_call>'
+    prompt = tok.encode(f"<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n{earlier}<|im_end|>\n"
+                        "<|im_start|>user\nAgain<|im_end|>\n<|im_start|>assistant\n")
+    job = Job(messages=[Message("user", "hi")], tools=[PICK, SHELL], tool_choice="required")
+    c = chat.tool_constraint(job, "qwen3")
+    prompt += tok.encode(chat.answer_prefix(job, "qwen3"))
+    out = [_run(e, Submit("r", prompt, 120, stop_ids=tok.stop_ids, constraint=c))["r"] for e in engines]
+    assert out[0]["tokens"] == out[1]["tokens"]
+    calls, _ = _calls(tok, job, "qwen3", out[0]["tokens"])
+    assert calls and all(name in ("pick", "Bash") for name, _ in calls)
+    assert out[0]["last"].timings["draft_n_accepted"] > 0 and out[0]["last"].constrained == "required"
+    assert engines[0].compiles_after_ready() == 0
+
+
 def test_a_request_waiting_for_its_grammar_can_be_cancelled(tiny_engine):
     """Guards against a request held for its grammar's compile being lost to a Cancel (no answer)."""
     from engine.protocol import Submit

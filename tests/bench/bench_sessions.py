@@ -211,9 +211,9 @@ def run_turn(port: int, request: dict) -> dict:
 
 # ---- the server ---------------------------------------------------------------------------------
 
-def start_server(args, model: str | None = None) -> tuple[subprocess.Popen, int]:
+def start_server(args, model: str | None = None, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, int]:
     cmd = [sys.executable, "-m", "mashbox", "run", *([model] if model else []), "--port", "0",
-           "--slots", str(args.slots), "--ctx", str(args.ctx), "--cache-ram", str(args.cache_ram)]
+           "--slots", str(args.slots), "--ctx", str(args.ctx), "--cache-ram", str(args.cache_ram), *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     deadline = time.monotonic() + SERVER_START_TIMEOUT_S
     port = None
