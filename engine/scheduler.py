@@ -41,8 +41,8 @@ SMALL_DECODE_BATCHES = (1, 4)
 # drafted ones. Each (rows, T) is one more compiled program; two lengths let a short draft pay a
 # short program's cost.
 VERIFY_TOKENS = (4, 8)
-# Decode batches up to this many rows may draft. A 4-row batch verifying 4 tokens per row costs
-# about 3.5x its plain step on a 2-core AVX2 CPU (docs/performance.md): past it drafting cannot pay.
+# Decode batches up to this many rows may draft: a batch's verification costs its rows times its
+# tokens in products, and past 4 rows it could not pay on the CPUs measured (docs/performance.md).
 VERIFY_MAX_ROWS = 4
 # Snapshots a slot keeps of its sequence's linear-layer state (hybrid models), besides the exact
 # state at its end. Each is every linear layer's recurrent and conv state (about 75 MiB for

@@ -25,10 +25,10 @@ accelerators) and for models whose layers hold a recurrent state (it cannot be c
 accepted position) drafting is off: the worker says why at start (Speculator.off).
 
 Whether drafting pays is measured, not assumed: a verification program of T tokens per row costs
-more than a decode step (on a 2-core AVX2 CPU about 1.5x at 4 tokens and 2.6x at 8, one row), so a
-round drafts only when the rows' expected accepted tokens per second beat plain decoding's, with each
-program's time measured as it runs (seeded at warm-up) and each row's acceptance rate its own recent
-history. Rows with no match have nothing to draft and cost nothing: text with no repetition decodes
+more than a decode step (how much depends on the CPU's integer throughput: docs/performance.md), so
+a round drafts only when the rows' expected accepted tokens per second beat plain decoding's, with
+each program's time measured as it runs (seeded at warm-up) and each row's acceptance rate its own
+recent history. Rows with no match have nothing to draft and cost nothing: text with no repetition decodes
 as before.
 """
 from __future__ import annotations
