@@ -2,9 +2,10 @@
 
     python tests/bench/bench_speculative.py [--quick] [--no-llama] [--agent-tokens 256]
 
-Starts `python -m mashbox run` (the demo model, --slots 4) once with `--speculative off` and once with
-`--speculative auto`, and runs the same work through its HTTP API, greedy (temperature 0), so the two
-answers must be the same text:
+Starts `python -m mashbox run` (the demo model, --slots 4) twice, with `--speculative off` and with
+`--speculative auto`, both up at once, and runs the same work through their HTTP APIs, each workload
+on one server and then on the other (one idles while the other works, so the machine's drift falls
+on both alike), greedy (temperature 0), so the two answers must be the same text:
   edit    a 200-line source file (the first 200 lines of engine/scheduler.py) given whole, the answer
           asked for is the whole file with one constant renamed (Chat Completions; llama.cpp reads
           the same text in the model's chat template);
@@ -47,6 +48,7 @@ PROSE_TOKENS = 300
 RENAMES = [("SLOT_SNAPSHOTS", "SNAPSHOTS_PER_SLOT"), ("PREFILL_CHUNKS", "CHUNK_LENGTHS"),
            ("SMALL_DECODE_BATCHES", "DECODE_ROW_COUNTS"), ("Buckets", "Shapes")]
 SYSTEM = "You are a careful coding assistant."
+MODES = ("off", "auto")
 
 
 def chat_text(user: str) -> str:
@@ -147,41 +149,51 @@ def rate(results: list[dict]) -> float:
     return tokens / seconds if seconds else 0.0
 
 
-def run_mode(mode: str, quick: bool, agent_tokens: int) -> dict:
+def edit_x4(port: int) -> list[dict]:
+    """Four edit requests at once: all their tokens over the wall time from the first output to the
+    last (as one result)."""
+    results: list[dict] = [{}] * 4
+
+    def one(i):
+        results[i] = chat(port, edit_prompt(RENAMES[i]), EDIT_TOKENS)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = max(r["last"] for r in results) - min(r["first"] for r in results)
+    return [{"text": "".join(r["text"] for r in results), "tokens": sum(r["tokens"] for r in results) - 3,
+             "seconds": wall}]
+
+
+def run_both(quick: bool, agent_tokens: int) -> dict:
+    """Both servers up at once (one idles while the other works), each workload run on `off` and
+    then on `auto`, so the machine's drift falls on both alike."""
     args = argparse.Namespace(slots=4, ctx=16384, cache_ram=2048)
-    proc, port = start_server(args, extra=("--speculative", mode))
-    out = {}
+    servers = {mode: start_server(args, extra=("--speculative", mode)) for mode in MODES}
+    out: dict = {mode: {} for mode in MODES}
     try:
-        wait_ready(port, proc)
-        chat(port, "Say hi.", 8)                       # warm-up
-        out["edit"] = [chat(port, edit_prompt(RENAMES[0]), EDIT_TOKENS)]
-        print(f"  {mode}: edit {rate(out['edit']):.1f} tok/s ({out['edit'][0]['tokens']} tokens)", flush=True)
-        out["prose"] = [chat(port, PROSE, PROSE_TOKENS)]
-        print(f"  {mode}: prose {rate(out['prose']):.1f} tok/s", flush=True)
+        for proc, port in servers.values():
+            wait_ready(port, proc)
+            chat(port, "Say hi.", 8)                                    # warm-up
+        work = [("edit", lambda port: [chat(port, edit_prompt(RENAMES[0]), EDIT_TOKENS)]),
+                ("prose", lambda port: [chat(port, PROSE, PROSE_TOKENS)])]
         turns = agent_turns(agent_tokens)
         if turns:
-            out["agent"] = [replay(port, r) for r in turns]
-            print(f"  {mode}: agent {rate(out['agent']):.1f} tok/s over {len(turns)} turns", flush=True)
+            work.append(("agent", lambda port: [replay(port, r) for r in turns]))
         if not quick:
-            results: list[dict] = [{}] * 4
-
-            def one(i):
-                results[i] = chat(port, edit_prompt(RENAMES[i]), EDIT_TOKENS)
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = max(r["last"] for r in results) - min(r["first"] for r in results)
-            out["edit x4"] = [{"text": "".join(r["text"] for r in results),
-                               "tokens": sum(r["tokens"] for r in results) - 3, "seconds": wall}]
-            print(f"  {mode}: edit x4 {rate(out['edit x4']):.1f} tok/s", flush=True)
+            work.append(("edit x4", edit_x4))
+        for name, run in work:
+            for mode, (_, port) in servers.items():
+                out[mode][name] = run(port)
+                print(f"  {mode}: {name} {rate(out[mode][name]):.1f} tok/s", flush=True)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        for proc, _ in servers.values():
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     return out
 
 
@@ -271,7 +283,7 @@ def main() -> int:
     a = p.parse_args()
     print(f"verification logits against decode steps' ({8} positions): {exactness()}", flush=True)
     print(f"1-minute load average at the start: {os.getloadavg()[0]:.2f}")
-    runs = {mode: run_mode(mode, a.quick, a.agent_tokens) for mode in ("off", "auto")}
+    runs = run_both(a.quick, a.agent_tokens)
     print(f"\n{'workload':10s} {'off tok/s':>10s} {'auto tok/s':>11s} {'ratio':>6s}  same answer")
     for name in runs["off"]:
         off, on = rate(runs["off"][name]), rate(runs["auto"][name])
