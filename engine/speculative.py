@@ -101,8 +101,6 @@ class Speculator:
     shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)   # batch rows -> T choices
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, T) -> s per call
     rows: dict[str, RowStats] = field(default_factory=dict)
-    drafted: int = 0                      # every request's drafted and kept tokens (for /metrics)
-    accepted: int = 0
 
     def measured(self, rows: int, t: int, seconds: float) -> None:
         """A program of `rows` x `t` tokens ran in `seconds` (decode: t = 1)."""
@@ -147,8 +145,6 @@ class Speculator:
         stats.acceptance += ACCEPTANCE_WEIGHT * (kept / drafted - stats.acceptance)
         stats.drafted += drafted
         stats.accepted += kept
-        self.drafted += drafted
-        self.accepted += kept
 
     def finish(self, rid: str) -> tuple[int, int]:
         """A request ended: (tokens it drafted, tokens kept)."""

@@ -312,7 +312,8 @@ class Engine:
                "the KV cache is not int8 (the kernel's attention reads int8)" if self.kv_dtype != np.int8 else
                "its linear layers' state cannot be cut back to the last kept position"
                if "linear" in cfg.layer_kinds else
-               "its routed experts' path depends on the rows of a call" if "moe" in (cfg.mlp_kinds or ())
+               "its router's float product is not the same per position whatever the rows beside it"
+               if "moe" in (cfg.mlp_kinds or ())
                else None)
         shapes = {} if why else {
             rows: tuple(t for t in VERIFY_TOKENS if rows * t <= products.INT8_ROWS_MAX_ROWS
@@ -611,16 +612,16 @@ class Engine:
             lengths[row] = 1
             rows[row] = (r.sampling, r.seed, len(r.output))
         draw = (sampler.row_params(rows), every, sampler.batch_flags([r.sampling for r in work.rows]))
+        by_row: list[list[int]] = [[] for _ in range(n)]
+        for row, r, draft in zip(where, work.rows, drafts):   # a stop ends the answer: never drafted
+            by_row[row] = draft[:next((i for i, x in enumerate(draft) if x in r.stop_ids), len(draft))]
         t0 = time.perf_counter()
-        if t == 1:
-            drawn = self._forward(tokens, slots, starts, lengths, draw + (self.grammars.masks(rids),))
+        if not any(by_row):
+            drawn = self._forward(tokens[:, :1], slots, starts, lengths, draw + (self.grammars.masks(rids),))
             self.speculator.measured(n, 1, time.perf_counter() - t0)
             for row, r in zip(where, work.rows):
                 self.grammars.advance(r.rid, int(drawn[row]))
             return [int(drawn[row]) for row in where]
-        by_row: list[list[int]] = [[] for _ in range(n)]
-        for row, r, draft in zip(where, work.rows, drafts):   # a stop ends the answer: never drafted
-            by_row[row] = draft[:next((i for i, x in enumerate(draft) if x in r.stop_ids), len(draft))]
         masks, by_row = self.grammars.masks_ahead(rids, by_row, t)
         drafted = np.zeros((n, t), np.int32)
         for row, draft in enumerate(by_row):

@@ -139,3 +139,20 @@ def test_timings_prefer_the_workers_numbers_and_add_the_servers_wait():
     one = mashbox._timings({"prompt_ms": 0.0, "predicted_ms": 0.0}, chat.Usage(prompt_tokens=3,
                                                                              completion_tokens=1))
     assert one["prompt_per_second"] is None and one["predicted_per_second"] is None
+
+
+def test_drafting_counts_reach_the_timings_block_the_log_line_and_the_metrics():
+    """Guards against the worker's draft_n / draft_n_accepted (engine.speculative) being dropped on
+    the way to the client, the request's log line or the spec_decode counters."""
+    usage = chat.Usage(prompt_tokens=10, completion_tokens=40)
+    t = mashbox._timings({"prompt_ms": 10.0, "predicted_ms": 100.0, "draft_n": 32, "draft_n_accepted": 24}, usage)
+    assert t["draft_n"] == 32 and t["draft_n_accepted"] == 24
+    assert "draft_n" not in mashbox._timings({"prompt_ms": 1.0, "predicted_ms": 1.0}, usage)
+    outcome = mashbox.Outcome(timings=t, usage=usage, status=200, finish="stop")
+    assert "drafted=32 accepted=24 (75%)" in mashbox.request_log_line("POST", "/v1/chat/completions", outcome,
+                                                                      10, 0.0, 0.1, None)
+    metrics = mashbox.Metrics()
+    metrics.drafts_done(t)
+    metrics.drafts_done(None)
+    assert metrics["spec_decode_num_draft_tokens_total"].values[()] == 32
+    assert metrics["spec_decode_num_accepted_tokens_total"].values[()] == 24
