@@ -3219,6 +3219,8 @@ class EngineLog:
         log.info("slots %d, ctx %d tokens each, prefix cache %s, host cache %d MiB", f.slots,
                  f.max_model_len, "on" if f.prefix_cache else "off", f.cache_ram_mib)
         log.info("deployment %s, components %s", f.deployment_id, f.component_set_sha)
+        if f.speculative:
+            log.info("speculative decoding %s", f.speculative)
         if not self.grammar_said and (f.grammar or f.grammar_off):
             self.grammar_said = True
             if f.grammar:

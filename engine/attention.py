@@ -57,9 +57,10 @@ PROB_SHIFT = 128
 # saved: the int8 blocks are widened exactly to WIDE_INT8_ATTENTION instead (bfloat16 where the CPU
 # has bfloat16 dot products, else float32).
 INT8_ATTENTION_MAX_ROWS = 128
-# Tokens per row up to which the native kernel's decode attention serves a call (a decode step with
-# its draft, engine.speculative): each token is a query row of its own. Past it (prefill chunks) the
-# blocked loop below shares each block of keys among the chunk's queries.
+# Tokens per row up to which the native kernel's decode attention serves a verification of drafts
+# (engine.speculative): each token a query row of its own, as in a decode step. Prefill chunks keep
+# the blocked loop below, which shares each block of keys among the chunk's queries (and a prompt
+# then reads alike whether it was run cold or partly served from the prompt cache).
 NATIVE_ATTENTION_MAX_TOKENS = 16
 WIDE_INT8_ATTENTION = jnp.bfloat16 if products.CPU_HAS_BF16 else F32
 
@@ -86,13 +87,15 @@ def write_kv(kv, k, v, slots, where):
     return out
 
 
-def attend(q, kv, slots, positions, live, *, native_kernel: bool):
+def attend(q, kv, slots, positions, live, *, native_kernel: bool, verify: bool = False):
     """Causal attention of q [B, KV, G, T, D] (float32, already scaled) over positions [0, live) of
     each row's slot: a query at position p sees keys 0..p. kv: the layer's cache, already holding
-    this call's keys and values. native_kernel: engine.native's kernel serves the model. Returns
-    [B, KV, G, T, D] float32."""
+    this call's keys and values. native_kernel: engine.native's kernel serves the model. verify: the
+    call verifies drafts (each token attends as a decode step would). Returns [B, KV, G, T, D]
+    float32."""
     b, kv_heads, group, t, d = q.shape
-    if native_kernel and t <= NATIVE_ATTENTION_MAX_TOKENS and kv["k"].dtype == jnp.int8:
+    tokens = NATIVE_ATTENTION_MAX_TOKENS if verify else 1
+    if native_kernel and t <= tokens and kv["k"].dtype == jnp.int8:
         # The kernel's decode attention: exact integer products of the int8 keys and values with
         # the queries and the softmax weights rounded to int16, each row's context split over the
         # cores. A drafted decode row's tokens (engine.speculative) are rows of their own, each

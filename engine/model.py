@@ -137,7 +137,8 @@ def _rope(x, rope):
 
 # ---- layers ------------------------------------------------------------------------------------
 
-def _attention(layer, kv, x, slots, positions, rope, valid, live, *, cfg: ModelConfig, gated=False):
+def _attention(layer, kv, x, slots, positions, rope, valid, live, *, cfg: ModelConfig, gated=False,
+               verify=False):
     """Full causal attention over the slot's cache. x [B, T, hidden] float32 (already normed).
     gated (Qwen3-Next): the query projection also yields, per head, an output gate that scales the
     attention output through a sigmoid before the output projection.
@@ -176,7 +177,7 @@ def _attention(layer, kv, x, slots, positions, rope, valid, live, *, cfg: ModelC
 
     q = q.reshape(b, t, kv_heads, group, d).transpose(0, 2, 3, 1, 4)      # [B, KV, G, T, D]
     q = q * (1.0 / np.sqrt(d))
-    out = attend(q, cache, slots, positions, live, native_kernel=cfg.native)
+    out = attend(q, cache, slots, positions, live, native_kernel=cfg.native, verify=verify)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.q_size)
     if gated:
         out = out * jax.nn.sigmoid(gate)
@@ -334,14 +335,14 @@ def _moe(layer, x, valid, cfg: ModelConfig, site: int):
 # ---- the model ---------------------------------------------------------------------------------
 
 def _layer(layer, kv, x, slots, starts, lengths, positions, rope, valid, live, *, cfg: ModelConfig,
-           kind: str, mlp: str, site: int | None):
+           kind: str, mlp: str, site: int | None, verify: bool = False):
     """One decoder layer on the residual stream x [B, T, hidden]: (x after it, its updated cache)."""
     normed = _rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
     if kind == "linear":
         h, kv = _linear_attention(layer, kv, normed, slots, starts, lengths, valid, cfg=cfg)
     elif kind in ("attention", "gated_attention"):
         h, kv = _attention(layer, kv, normed, slots, positions, rope, valid, live, cfg=cfg,
-                           gated=kind == "gated_attention")
+                           gated=kind == "gated_attention", verify=verify)
     else:
         raise ValueError(f"layer kind {kind!r} is not implemented")
     x = x + h
@@ -355,14 +356,16 @@ def _layer(layer, kv, x, slots, starts, lengths, positions, rope, valid, live, *
 # the GIL, and ran again at every start: traced once per kind, a start traces a few times less
 # (docs/performance.md). A routed-expert layer keeps a trace of its own (site): its path is recorded
 # per layer (engine.moe.ROUTED_SITES).
-_jit_layer = jax.jit(_layer, static_argnames=("cfg", "kind", "mlp", "site"))
+_jit_layer = jax.jit(_layer, static_argnames=("cfg", "kind", "mlp", "site", "verify"))
 
 
 def forward(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,
-            all_logits: bool = False):
+            all_logits: bool = False, verify: bool = False):
     """See the module docstring. tokens int32 [B, T]; slots, starts, lengths int32 [B].
     Returns float32 logits [B, vocab] at each row's last valid token ([B, T, vocab] with
-    all_logits), and the updated cache."""
+    all_logits or verify), and the updated cache. verify: each row is a decode step's token and its
+    draft (engine.speculative), every position computed as a decode step computes it."""
+    all_logits = all_logits or verify
     b, t = tokens.shape
     ctx = next(layer["k"] for layer in cache if "k" in layer).shape[-1]     # linear layers: no ctx
     if slots.shape != (b,) or starts.shape != (b,) or lengths.shape != (b,):
@@ -379,7 +382,7 @@ def forward(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,
     mlp_kinds = cfg.mlp_kinds or ("dense",) * cfg.num_layers
     for i, (kind, mlp, layer, kv) in enumerate(zip(cfg.layer_kinds, mlp_kinds, params["layers"], cache)):
         x, kv = _jit_layer(layer, kv, x, slots, starts, lengths, positions, rope, valid, live, cfg=cfg,
-                           kind=kind, mlp=mlp, site=i if mlp == "moe" else None)
+                           kind=kind, mlp=mlp, site=i if mlp == "moe" else None, verify=verify)
         new_cache.append(kv)
     if not all_logits:
         last = jnp.maximum(lengths - 1, 0)                                 # idle rows: any row
@@ -389,4 +392,4 @@ def forward(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,
 
 
 jit_forward = jax.jit(forward, donate_argnames=("cache",),
-                      static_argnames=("cfg", "all_logits"))
+                      static_argnames=("cfg", "all_logits", "verify"))

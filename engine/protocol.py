@@ -112,6 +112,9 @@ class ModelFacts:
     # What multiplies the weights on a CPU: "native avx512_vnni" or "native avx2" (engine.native's
     # kernel and its tier), else "xla"; Health's kernel.
     kernel: str = "xla"
+    # Speculative decoding (engine.speculative): what it verifies, or "off: why"; "" from a worker
+    # that does not say (the test fake).
+    speculative: str = ""
 
 
 @dataclass

@@ -250,11 +250,6 @@ class Engine:
         family = cfg.model_type
         checkpoint = Checkpoint(args.weights_folder)     # headers only: what the facts name as loaded
         self.start_notes += [note for note in [held_note(checkpoint, self.params, self.weights_dtype)] if note]
-        spec = self.speculator
-        self.start_notes.append(f"speculative decoding off: {spec.off}" if spec.off else
-                                "speculative decoding: drafts from the conversation's text, verified "
-                                f"{' or '.join(map(str, VERIFY_TOKENS))} tokens per row, in "
-                                f"batches of up to {max(spec.shapes)} rows, where measured to pay")
         namespace = args.cache_namespace or prefix.namespace_id(
             self.component_set_sha, args.model_id, family, f"{self.weights_dtype}/kv-{self.kv_dtype.name}",
             args.prefix_cache)
@@ -292,7 +287,8 @@ class Engine:
             component_set_sha=self.component_set_sha, deployment_id=self.deployment_id,
             certification=self.certification, certification_detail=self.certification_detail,
             grammar=self.grammars.version, grammar_off=self.grammars.off or "",
-            kernel=f"native {native.tier()}" if cfg.native else "xla")
+            kernel=f"native {native.tier()}" if cfg.native else "xla",
+            speculative=self._speculative_fact())
         memory.release_free_heap()   # what start-up freed (the float checkpoint, the gate's reference)
 
     # -- start-up ---------------------------------------------------------------------------------
@@ -322,6 +318,14 @@ class Engine:
         shapes = {rows: ts for rows, ts in shapes.items() if ts}
         return speculative.Speculator(why or (None if shapes else "no verification fits the context"), shapes)
 
+    def _speculative_fact(self) -> str:
+        spec = self.speculator
+        if spec.off:
+            return f"off: {spec.off}"
+        return (f"drafts from the conversation's text, {' or '.join(map(str, VERIFY_TOKENS))} tokens "
+                f"per row verified in one step, in batches of up to {max(spec.shapes)} rows, where "
+                "measured to pay")
+
     def programs(self) -> list[tuple[str, int, int]]:
         """Every model program a request can run, as (kind, rows, tokens per row): prefill chunks
         (one row), decode steps (one token per row, each decode batch size) and verifications of
@@ -333,7 +337,7 @@ class Engine:
 
     @staticmethod
     def _program_options(kind: str) -> dict:
-        return {"all_logits": True} if kind == "verify" else {}
+        return {"verify": True} if kind == "verify" else {}
 
     def _model_call(self, rows: int, t: int) -> tuple:
         """Arguments of a model call on idle rows (lengths 0 leave the cache untouched)."""
@@ -412,7 +416,7 @@ class Engine:
             masks.append((sampler.allowed_only, (logits, bits), {}))
         for rows, ts in self.speculator.shapes.items():
             for t in ts:
-                logits, self.cache = jit_forward(*self._model_call(rows, t), cfg=self.cfg, all_logits=True)
+                logits, self.cache = jit_forward(*self._model_call(rows, t), cfg=self.cfg, verify=True)
                 params = sampler.row_params([(sampler.Sampling(), 0, 0)] * rows)
                 bits = np.zeros((rows, t, grammar.mask_words(self.cfg.vocab_size)), np.int32)
                 for flags in sampler.FLAG_COMBINATIONS:
@@ -432,6 +436,7 @@ class Engine:
         jax.block_until_ready((self.cache, self.state))
         progress("compile", total, total)
 
+    @device_call
     def _time_programs(self) -> None:
         """Drafting's first estimate of each decode and verification program's time (the second run
         on idle rows: their products cost what a real call's do); real calls refine it."""
@@ -440,7 +445,7 @@ class Engine:
                 for _ in range(2):
                     t0 = time.perf_counter()
                     logits, self.cache = jit_forward(*self._model_call(rows, t), cfg=self.cfg,
-                                                     all_logits=t > 1)
+                                                     verify=t > 1)
                     jax.block_until_ready(logits)
                 self.speculator.measured(rows, t, time.perf_counter() - t0)
 
@@ -672,7 +677,7 @@ class Engine:
         each position; draw = (row params, every_slot, batch flags, masks [B, T, words]). The tokens
         drawn at every position [B, T] (sampler.verify)."""
         logits, self.cache = jit_forward(self.params, self.cache, tokens, slots, starts, lengths,
-                                         cfg=self.cfg, all_logits=True)
+                                         cfg=self.cfg, verify=True)
         params, every, flags, masks = draw
         picks, self.state = sampler.verify(self.state, logits, drafts, slots, lengths, params, masks,
                                            every_slot=every, native_kernel=self.cfg.native, **flags)

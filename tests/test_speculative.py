@@ -228,7 +228,7 @@ def test_a_verification_gives_each_position_the_logits_of_a_decode_step_bit_for_
     tokens = np.arange(7, 7 + t, dtype=np.int32)[None]
     args = (np.array([slot], np.int32), np.array([start], np.int32))
     together, on.cache = jit_forward(on.params, on.cache, tokens, *args[:1], args[1], np.array([t], np.int32),
-                                     cfg=on.cfg, all_logits=True)
+                                     cfg=on.cfg, verify=True)
     together = np.asarray(together)[0]
     for i in range(t):
         one, on.cache = jit_forward(on.params, on.cache, tokens[:, i:i + 1], args[0], args[1] + i,
@@ -262,10 +262,29 @@ def test_a_drafted_row_stops_at_its_limit_and_at_a_stop_token(engines):
         assert r["tokens"] == full[:full.index(stop)] and r["finish"] == "stop"
 
 
-def test_drafting_is_off_where_it_would_not_be_exact():
-    """XLA's float products depend on the rows of a call: a float32 engine does not draft."""
-    from engine.worker import Engine, WorkerArgs
-    e = Engine(WorkerArgs("tiny", str(TINY / "qwen3"), slots=1, ctx=64, prefill_chunks=(8,),
-                          compile_cache=None, dtype="float32"))
-    assert e.speculator.off and not e.speculator.shapes
-    assert not any(kind == "verify" for kind, _, _ in e.programs())
+@pytest.mark.parametrize("case, why", [
+    ({}, None), ({"speculative": "off"}, "--speculative off"), ({"native": False}, "native kernel"),
+    ({"weights": "float32"}, "float32 weights"), ({"weights": "fp8"}, "fp8 weights"),
+    ({"kv": np.float16}, "KV cache is not int8"), ({"kinds": ("linear", "attention")}, "linear layers"),
+    ({"mlp": ("moe", "dense")}, "router")])
+def test_drafting_is_on_only_where_it_is_exact(case, why):
+    """Guards against drafting on a path whose numbers depend on the rows beside a position (XLA's
+    float products, float caches) or whose state cannot be cut back (linear layers)."""
+    from types import SimpleNamespace
+
+    from engine.scheduler import Buckets
+    from engine.worker import Engine
+    e = Engine.__new__(Engine)
+    e.cfg = SimpleNamespace(native=case.get("native", True), layer_kinds=case.get("kinds", ("attention",)),
+                            mlp_kinds=case.get("mlp"))
+    e.args = SimpleNamespace(speculative=case.get("speculative", "auto"), ctx=4096)
+    e.weights_dtype, e.kv_dtype = case.get("weights", "int8"), np.dtype(case.get("kv", np.int8))
+    e.buckets = Buckets.for_ctx(4096, slots=8)
+    spec = e.speculator = e._speculator()
+    if why is None:
+        assert spec.off is None and spec.shapes == {1: (4, 8), 4: (4, 8)}    # 8 rows: never drafted
+        assert [p for p in e.programs() if p[0] == "verify"] == [("verify", 1, 4), ("verify", 1, 8),
+                                                                 ("verify", 4, 4), ("verify", 4, 8)]
+    else:
+        assert why in spec.off and not spec.shapes
+        assert not any(kind == "verify" for kind, _, _ in e.programs())
