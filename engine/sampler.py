@@ -261,7 +261,8 @@ def _allowed_only(logits: jax.Array, bits: jax.Array) -> jax.Array:
     """logits [B, V] with every token a row's mask does not allow set to -inf, so the draw that
     follows (greedy or sampled, penalties and filters alike) picks an allowed token. bits: int32
     [B, ceil(V / 32)], token t allowed where bit t % 32 of word t // 32 is set (llguidance's layout;
-    engine.grammar). The worker calls it only for a batch with a constrained row."""
+    engine.grammar). The worker calls it only for a batch with a constrained row; verify() at every
+    position (all ones where no row is constrained)."""
     rows, vocab = logits.shape
     lanes = jnp.arange(32, dtype=jnp.int32)
     allowed = ((bits[:, :, None] >> lanes) & 1).reshape(rows, -1)[:, :vocab]
