@@ -161,15 +161,18 @@ def _engine(speculative: str, folder: str = "qwen3", slots: int = 4):
     for the process is not read (in the full suite a concurrent read from it crashed the process
     twice here; not reproduced alone, not explained yet)."""
     import jax
+    from jax._src import compilation_cache
 
     from engine.worker import Engine, WorkerArgs
     before = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
         return Engine(WorkerArgs("tiny", str(TINY / folder), slots=slots, ctx=256, prefill_chunks=(8, 32),
                                  compile_cache=None, dtype="int8", kv_dtype="int8", speculative=speculative))
     finally:
         jax.config.update("jax_enable_compilation_cache", before)
+        compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope="module")
