@@ -35,3 +35,32 @@ def demo_folder() -> str:
         if missing:
             pytest.skip(f"demo model not built and {', '.join(missing)} not installed")
     return registry.prepare(spec, registry.ProgressBar(sys.__stderr__))
+
+
+# Every compiled XLA:CPU program keeps a few memory mappings of its own code for as long as jit's
+# caches hold it. Programs pile up over a whole suite in one process, and past the kernel's limit on
+# a process's mappings (vm.max_map_count, 65,530 by default) LLVM cannot map a new one: the next
+# compile fails ("Cannot allocate memory") and the process dies. A server compiles a fixed set once.
+MAPPINGS_SHARE = 0.5                   # caches are dropped once half the limit is in use
+
+
+def _mappings() -> tuple[int, int]:
+    try:
+        with open("/proc/self/maps", "rb") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            return sum(1 for _ in maps), int(limit.read())
+    except (OSError, ValueError):      # not Linux: no such limit to watch
+        return 0, 1
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _programs_within_the_mapping_limit():
+    """After each test module: drop jit's compiled programs when they hold half the process's
+    mapping limit (later modules compile theirs again, or read them from the persistent cache)."""
+    yield
+    used, limit = _mappings()
+    if used > MAPPINGS_SHARE * limit and "jax" in sys.modules:
+        import gc
+
+        import jax
+        jax.clear_caches()
+        gc.collect()

@@ -157,22 +157,10 @@ def test_tokens_after_a_rejected_draft_are_not_counted_for_penalties():
 # ---- the engine: drafting on against off ----------------------------------------------------------------
 
 def _engine(speculative: str, folder: str = "qwen3", slots: int = 4):
-    """A tiny int8 engine, compiled afresh: the persistent compile cache an earlier test module set
-    for the process is not read (in the full suite a concurrent read from it crashed the process
-    twice here; not reproduced alone, not explained yet)."""
-    import jax
-    from jax._src import compilation_cache
-
+    """A tiny int8 engine (drafting needs the native kernel's int8 products and cache)."""
     from engine.worker import Engine, WorkerArgs
-    before = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    try:
-        return Engine(WorkerArgs("tiny", str(TINY / folder), slots=slots, ctx=256, prefill_chunks=(8, 32),
-                                 compile_cache=None, dtype="int8", kv_dtype="int8", speculative=speculative))
-    finally:
-        jax.config.update("jax_enable_compilation_cache", before)
-        compilation_cache.reset_cache()
+    return Engine(WorkerArgs("tiny", str(TINY / folder), slots=slots, ctx=256, prefill_chunks=(8, 32),
+                             compile_cache=None, dtype="int8", kv_dtype="int8", speculative=speculative))
 
 
 @pytest.fixture(scope="module")

@@ -483,21 +483,11 @@ def test_a_constrained_row_drafted_from_its_prompt_draws_what_it_draws_undrafted
     """Guards against a drafted token the grammar forbids being kept, a mask computed for the wrong
     position of a draft, or a matcher left advanced by a draft it did not keep: the same call comes
     out with drafting on as off (engine.speculative), and drafts from the earlier call are kept."""
-    import jax
-    from jax._src import compilation_cache
-
     from engine.protocol import Submit
     from engine.worker import Engine, WorkerArgs
-    before = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()      # as tests/test_speculative.py's engines
-    try:
-        engines = [Engine(WorkerArgs("tiny", tiny_folder, slots=4, ctx=512, prefill_chunks=(8, 32),
-                                     compile_cache=None, dtype="int8", kv_dtype="int8", speculative=mode))
-                   for mode in ("auto", "off")]
-    finally:
-        jax.config.update("jax_enable_compilation_cache", before)
-        compilation_cache.reset_cache()
+    engines = [Engine(WorkerArgs("tiny", tiny_folder, slots=4, ctx=512, prefill_chunks=(8, 32),
+                                 compile_cache=None, dtype="int8", kv_dtype="int8", speculative=mode))
+               for mode in ("auto", "off")]
     if engines[0].speculator.off:
         pytest.skip(f"drafting is off here: {engines[0].speculator.off}")
     tok = chat.Tokenizer.from_folder(tiny_folder)
