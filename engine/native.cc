@@ -576,23 +576,33 @@ void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const 
   for (int64_t g32 = 0; g32 < blocks32; g32++) {
     __m256i acc[R][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_set1_epi32(-kQ5Offset * sums[r * blocks32 + g32]);
-    for (int i = 0; i < kQ5Block / kNibbleGroup; i++) {
+    // Two groups of 8 inputs at a time: their four vpmaddubsw pairs add up in int16 (levels <= 31:
+    // at most 4 x 2 x 31 x 127 = 31,496) before one vpmaddwd widens them, a quarter fewer
+    // instructions per row than widening each group's pairs.
+    for (int i = 0; i < kQ5Block / kNibbleGroup; i += 2) {
       const int64_t g = g32 * (kQ5Block / kNibbleGroup) + i;
-      _mm_prefetch(reinterpret_cast<const char*>(nb + g * 64 + kPrefetch), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(nb + g * 64 + kPrefetchL2), _MM_HINT_T1);
+      for (int j = 0; j < 2; j++) {
+        _mm_prefetch(reinterpret_cast<const char*>(nb + (g + j) * 64 + kPrefetch), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(nb + (g + j) * 64 + kPrefetchL2), _MM_HINT_T1);
+      }
       if (i == 0) {
         _mm_prefetch(reinterpret_cast<const char*>(fb + (g + kPrefetchL2 / 64) * 2), _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(db + (g32 + kPrefetchL2 / 256) * kLanes), _MM_HINT_T1);
       }
-      __m256i low[2], high[2];
-      Levels(nb + g * 64, fb + g * 2, low, high);
+      __m256i low[2][2], high[2][2];                       // [group][half]
+      Levels(nb + g * 64, fb + g * 2, low[0], high[0]);
+      Levels(nb + (g + 1) * 64, fb + (g + 1) * 2, low[1], high[1]);
       for (int r = 0; r < R; r++) {
-        int32_t first, second;                             // terms[r, 8g .. 8g+3], [8g+4 .. 8g+7]
-        __builtin_memcpy(&first, terms + r * K + g * kNibbleGroup, sizeof first);
-        __builtin_memcpy(&second, terms + r * K + g * kNibbleGroup + 4, sizeof second);
-        const __m256i f = _mm256_set1_epi32(first), s = _mm256_set1_epi32(second);
-        for (int h = 0; h < 2; h++)                        // levels <= 31: |q t| pairs fit int16
-          acc[r][h] = DotBytes(DotBytes(acc[r][h], low[h], f), high[h], s);
+        int32_t four[4];                                   // terms[r, 8g .. 8g+15], 4 at a time
+        __builtin_memcpy(four, terms + r * K + g * kNibbleGroup, sizeof four);
+        const __m256i f0 = _mm256_set1_epi32(four[0]), s0 = _mm256_set1_epi32(four[1]);
+        const __m256i f1 = _mm256_set1_epi32(four[2]), s1 = _mm256_set1_epi32(four[3]);
+        for (int h = 0; h < 2; h++) {
+          const __m256i pairs = _mm256_add_epi16(
+              _mm256_add_epi16(_mm256_maddubs_epi16(low[0][h], f0), _mm256_maddubs_epi16(high[0][h], s0)),
+              _mm256_add_epi16(_mm256_maddubs_epi16(low[1][h], f1), _mm256_maddubs_epi16(high[1][h], s1)));
+          acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+        }
       }
     }
     for (int h = 0; h < 2; h++) {
@@ -746,8 +756,8 @@ ffi::Error Int5Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer
 // outputs the 16 lanes' sub-block scales (and mins), d and dmin.
 //
 // The rows are rounded to int8 per 256 inputs (one term on its own scale, as the blocks' own
-// reference products do). Per 8 inputs the two nibble halves' products stay in int16 (at most 2 x 2
-// x 63 x 127), vpmaddwd multiplies them by each lane's sub-block scale into int32, so a super-block
+// reference products do). Per 8 inputs (Q4_K and Q5_K 16: kKSummed) the two nibble halves' products
+// stay in int16, vpmaddwd multiplies them by each lane's sub-block scale into int32, so a super-block
 // sums exactly in one register: A = sum_j sc_j sum_i q t. The mins' part, sum_j m_j sum_i t (Q6_K:
 // 32 sc_j), is folded into the float sums per sub-block. Written once, with 256-bit instructions,
 // for both tiers (no AVX-512 form: this is the form tests/test_native.py checks on this tier's CPUs).
@@ -771,6 +781,12 @@ struct KBlocks {
 
 template <KForm F>
 constexpr int kSub = F == KForm::kQ6 ? 16 : 32;     // inputs per sub-block scale
+// Groups of 8 inputs whose vpmaddubsw pairs add up in int16 before vpmaddwd takes their sub-block's
+// scale: each group's two pairs reach 2 x 2 x top level x 127, so Q4_K's (15) and Q5_K's (31) leave
+// room for two groups, Q6_K's (63) for one. Half the vpmaddwd per row, and their additions into the
+// accumulator; four of Q4_K's groups at once ran out of registers (slower from 16 rows on).
+template <KForm F>
+constexpr int kKSummed = F == KForm::kQ6 ? 1 : 2;
 
 // 64 bytes of nibbles (and Q5_K's fifth bits or Q6_K's top bits) -> the levels of the low and the
 // high nibbles, each as two 32-byte halves.
@@ -847,20 +863,25 @@ void BlockK(const KBlocks& w, const int8_t* terms, const float* sub_sums, const 
           total[r][h] = _mm256_fnmadd_ps(mins, _mm256_set1_ps(part), total[r][h]);
         }
       }
-      for (int64_t g = j * (sub / kNibbleGroup); g < (j + 1) * (sub / kNibbleGroup); g++) {
-        _mm_prefetch(reinterpret_cast<const char*>(nb + g * 64 + kPrefetch), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(nb + g * 64 + kPrefetchL2), _MM_HINT_T1);
-        if (kSix) _mm_prefetch(reinterpret_cast<const char*>(hb + g * 32 + kPrefetchL2 / 2), _MM_HINT_T1);
-        if (F == KForm::kQ5) _mm_prefetch(reinterpret_cast<const char*>(fb + (g + kPrefetchL2 / 64) * 2), _MM_HINT_T1);
-        __m256i low[2], high[2];
-        KLevels<F>(nb + g * 64, kSix ? hb + g * 32 : nullptr, fb ? fb + g * 2 : nullptr, low, high);
+      for (int64_t g0 = j * (sub / kNibbleGroup); g0 < (j + 1) * (sub / kNibbleGroup); g0 += kKSummed<F>) {
+        __m256i low[kKSummed<F>][2], high[kKSummed<F>][2];   // [group][half]
+        for (int i = 0; i < kKSummed<F>; i++) {
+          const int64_t g = g0 + i;
+          _mm_prefetch(reinterpret_cast<const char*>(nb + g * 64 + kPrefetch), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(nb + g * 64 + kPrefetchL2), _MM_HINT_T1);
+          if (kSix) _mm_prefetch(reinterpret_cast<const char*>(hb + g * 32 + kPrefetchL2 / 2), _MM_HINT_T1);
+          if (F == KForm::kQ5) _mm_prefetch(reinterpret_cast<const char*>(fb + (g + kPrefetchL2 / 64) * 2), _MM_HINT_T1);
+          KLevels<F>(nb + g * 64, kSix ? hb + g * 32 : nullptr, fb ? fb + g * 2 : nullptr, low[i], high[i]);
+        }
         for (int r = 0; r < R; r++) {
-          int32_t first, second;                           // terms[r, 8g .. 8g+3], [8g+4 .. 8g+7]
-          __builtin_memcpy(&first, terms + r * K + g * kNibbleGroup, sizeof first);
-          __builtin_memcpy(&second, terms + r * K + g * kNibbleGroup + 4, sizeof second);
-          const __m256i f = _mm256_set1_epi32(first), t = _mm256_set1_epi32(second);
+          int32_t four[2 * kKSummed<F>];                 // terms[r, 8g0 ..], 4 at a time
+          __builtin_memcpy(four, terms + r * K + g0 * kNibbleGroup, sizeof four);
           for (int h = 0; h < 2; h++) {
-            const __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(low[h], f), _mm256_maddubs_epi16(high[h], t));
+            __m256i both = _mm256_setzero_si256();
+            for (int i = 0; i < kKSummed<F>; i++)
+              both = _mm256_add_epi16(both, _mm256_add_epi16(
+                  _mm256_maddubs_epi16(low[i][h], _mm256_set1_epi32(four[2 * i])),
+                  _mm256_maddubs_epi16(high[i][h], _mm256_set1_epi32(four[2 * i + 1]))));
             acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(both, pairs[h]));
           }
         }
