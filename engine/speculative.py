@@ -44,6 +44,13 @@ PRIOR_ACCEPTANCE = 0.5
 ACCEPTANCE_WEIGHT = 0.3
 # How fast a program's measured time follows its latest runs (exponential average).
 TIME_WEIGHT = 0.2
+# A program's time is only measured when it runs, so a high estimate (a noisy warm-up, a busy spell)
+# would keep it from ever running again. A verification that was a near choice (its expected tokens
+# per second at least RECHECK_SHARE of the best's) but was passed over for RECHECK_ROUNDS rounds runs
+# once, and its time then replaces the estimate: at most one round in RECHECK_ROUNDS is a worse
+# choice than the best.
+RECHECK_ROUNDS = 32
+RECHECK_SHARE = 0.6
 MODES = ("auto", "off")
 
 
@@ -101,11 +108,14 @@ class Speculator:
     shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)   # batch rows -> T choices
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, T) -> s per call
     rows: dict[str, RowStats] = field(default_factory=dict)
+    passed: dict[tuple[int, int], int] = field(default_factory=dict)   # rounds a near choice waited
 
     def measured(self, rows: int, t: int, seconds: float) -> None:
-        """A program of `rows` x `t` tokens ran in `seconds` (decode: t = 1)."""
+        """A program of `rows` x `t` tokens ran in `seconds` (decode: t = 1). A recheck's time
+        replaces the stale estimate; other runs refine it."""
         old = self.seconds.get((rows, t))
-        self.seconds[(rows, t)] = seconds if old is None else old + TIME_WEIGHT * (seconds - old)
+        stale = self.passed.pop((rows, t), 0) >= RECHECK_ROUNDS
+        self.seconds[(rows, t)] = seconds if old is None or stale else old + TIME_WEIGHT * (seconds - old)
 
     def plan(self, batch: int, rows: list[tuple[str, list[int], list[int], int]]
              ) -> tuple[int, list[list[int]]]:
@@ -126,13 +136,22 @@ class Speculator:
             drafts.append(stats.drafter.propose(min(longest, room - 1)))
             rates.append(stats.acceptance)
         best_t, best = 1, len(rows) / self.seconds[(batch, 1)]
+        rates_by_t = {}
         for t in choices:
             seconds = self.seconds.get((batch, t))
             if seconds is None:
                 continue
-            rate = sum(expected_tokens(min(len(d), t - 1), a) for d, a in zip(drafts, rates)) / seconds
+            rates_by_t[t] = rate = sum(expected_tokens(min(len(d), t - 1), a)
+                                       for d, a in zip(drafts, rates)) / seconds
             if rate > best:
                 best_t, best = t, rate
+        if any(drafts):
+            for t, rate in rates_by_t.items():
+                if t != best_t and rate >= RECHECK_SHARE * best:
+                    self.passed[(batch, t)] = self.passed.get((batch, t), 0) + 1
+            stale = [t for t in rates_by_t if self.passed.get((batch, t), 0) >= RECHECK_ROUNDS]
+            if stale:
+                best_t = max(stale, key=lambda t: self.passed[(batch, t)])
         return best_t, [d[:best_t - 1] for d in drafts]
 
     def verified(self, rid: str, drafted: int, kept: int) -> None:

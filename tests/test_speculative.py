@@ -10,7 +10,7 @@ import pytest
 
 from engine import sampler
 from engine.protocol import Sampling, Submit
-from engine.speculative import Drafter, Speculator, expected_tokens
+from engine.speculative import RECHECK_ROUNDS, Drafter, RowStats, Speculator, expected_tokens
 
 TINY = Path(__file__).parent / "fixtures" / "tiny"
 
@@ -76,6 +76,21 @@ def test_acceptance_follows_what_a_row_keeps():
         s.verified("a", 7, 0)
     assert s.rows["a"].acceptance < 0.05 and s.plan(1, rows)[0] == 1
     assert s.finish("a") == (70, 0) and "a" not in s.rows
+
+
+def test_a_verification_passed_over_on_a_stale_time_runs_again_to_be_measured():
+    """Guards against a program's high estimate (a noisy warm-up) keeping it from ever running, and so
+    from ever being measured again: a near choice passed over RECHECK_ROUNDS times runs once."""
+    s = timed({1: (4, 8)}, {(1, 1): 1.0, (1, 4): 1.2, (1, 8): 2.9})     # 8: near, never best
+    rows = [("a", list(range(20)) * 2, [], 1000)]
+    s.rows["a"] = RowStats(Drafter(rows[0][1]), acceptance=0.9)
+    picks = [s.plan(1, rows)[0] for _ in range(RECHECK_ROUNDS)]
+    assert picks == [4] * (RECHECK_ROUNDS - 1) + [8]
+    s.measured(1, 8, 1.3)                      # it ran, cheaper than thought: now the best
+    assert s.plan(1, rows)[0] == 8 and (1, 8) not in s.passed
+    far = timed({1: (4, 8)}, {(1, 1): 1.0, (1, 4): 1.2, (1, 8): 50.0})  # not near: never retried
+    far.rows["a"] = RowStats(Drafter(rows[0][1]), acceptance=0.9)
+    assert {far.plan(1, rows)[0] for _ in range(2 * RECHECK_ROUNDS)} == {4}
 
 
 def test_expected_tokens_counts_the_kept_run_and_the_drawn_token():
