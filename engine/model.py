@@ -355,8 +355,10 @@ def _layer(layer, kv, x, slots, starts, lengths, positions, rope, valid, live, *
 # same speed). Tracing and lowering comes before the persistent compile cache can even be asked, holds
 # the GIL, and ran again at every start: traced once per kind, a start traces a few times less
 # (docs/performance.md). A routed-expert layer keeps a trace of its own (site): its path is recorded
-# per layer (engine.moe.ROUTED_SITES).
-_jit_layer = jax.jit(_layer, static_argnames=("cfg", "kind", "mlp", "site", "verify"))
+# per layer (engine.moe.ROUTED_SITES). Tests that re-jit it (a patched constant) take its static
+# arguments from LAYER_STATIC_ARGNAMES.
+LAYER_STATIC_ARGNAMES = ("cfg", "kind", "mlp", "site", "verify")
+_jit_layer = jax.jit(_layer, static_argnames=LAYER_STATIC_ARGNAMES)
 
 
 def forward(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,

@@ -63,7 +63,7 @@ def test_int8_logits_stay_close_to_float32_and_keep_the_greedy_tokens(name, int8
     # fresh functions (the forward and its layers), so jit traces them again with the patched constant
     forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
     monkeypatch.setattr(model, "_jit_layer", jax.jit(lambda *a, **k: model._layer(*a, **k),
-                                                     static_argnames=("cfg", "kind", "mlp", "site", "verify")))
+                                                     static_argnames=model.LAYER_STATIC_ARGNAMES))
     want = _logits(cfg, load_weights(folder, cfg, jnp.float32), tokens, forward)
     params = load_weights(folder, cfg, "int8", pack=False)    # XLA's products (the kernel's: test_native)
     assert params["layers"][0]["qkv"]["q"].dtype == (jnp.uint8 if offset else jnp.int8)
@@ -274,7 +274,7 @@ def test_uint8_products_leave_the_int8_models_logits_bit_for_bit(monkeypatch):
         # fresh functions (the forward and its layers), so jit traces them again with the patched flag
         forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
         monkeypatch.setattr(model, "_jit_layer", jax.jit(lambda *a, **k: model._layer(*a, **k),
-                                                         static_argnames=("cfg", "kind", "mlp", "site", "verify")))
+                                                         static_argnames=model.LAYER_STATIC_ARGNAMES))
         runs.append(_logits(cfg, params, tokens, forward, kv_dtype=jnp.int8))
     np.testing.assert_array_equal(runs[0], runs[1])
     np.testing.assert_array_equal(runs[0], runs[2])

@@ -317,7 +317,7 @@ def test_packed_weights_give_the_plain_layouts_logits(name, int8_max_rows, monke
     # fresh functions (the forward and its layers), so jit traces them again with the patched constant
     forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
     monkeypatch.setattr(model, "_jit_layer", jax.jit(lambda *a, **k: model._layer(*a, **k),
-                                                     static_argnames=("cfg", "kind", "mlp", "site", "verify")))
+                                                     static_argnames=model.LAYER_STATIC_ARGNAMES))
     packed = load_weights(folder, cfg, "int8")
     plain = load_weights(folder, cfg, "int8", pack=False)
     assert native.is_packed(packed["layers"][0]["qkv"]["q"]) and native.is_packed(packed["embed"]["q"])
@@ -340,7 +340,7 @@ def test_a_ggufs_q5_0_matrices_are_held_at_5_bits_and_compute_their_values(tiny_
     monkeypatch.setattr(products, "INT8_ROWS_MAX_ROWS", int8_max_rows)
     forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
     monkeypatch.setattr(model, "_jit_layer", jax.jit(lambda *a, **k: model._layer(*a, **k),
-                                                     static_argnames=("cfg", "kind", "mlp", "site", "verify")))
+                                                     static_argnames=model.LAYER_STATIC_ARGNAMES))
     spec, _, _ = tiny_demo
     folder = registry.prepare(spec)
     cfg = load_config(folder)
@@ -528,7 +528,7 @@ def test_prefill_widens_each_layers_weights_only_when_its_product_is_next(pack, 
     monkeypatch.setattr(products, "INT8_ROWS_MAX_ROWS", 0)        # every chunk takes the wide product
     forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
     monkeypatch.setattr(model, "_jit_layer", jax.jit(lambda *a, **k: model._layer(*a, **k),
-                                                     static_argnames=("cfg", "kind", "mlp", "site", "verify")))
+                                                     static_argnames=model.LAYER_STATIC_ARGNAMES))
     i32 = lambda *v: jnp.asarray(v, jnp.int32)  # noqa: E731
     compiled = forward.lower(params, init_cache(cfg, 1, 256, jnp.int8), jnp.zeros((1, 64), jnp.int32), i32(0),
                              i32(0), i32(64), cfg=cfg).compile()
