@@ -1,5 +1,5 @@
-// The engine's one native kernel, in two tiers (AVX-512 VNNI, or AVX2 with FMA and F16C: the
-// compiler flags choose, engine/native.py: TIERS): float rows times packed int8 weights (Int8Matmul:
+// The engine's one native kernel, in three tiers (AVX-512 VNNI; AVX2 with FMA and F16C; ARM's NEON
+// with dot products: the compiler flags choose, engine/native.py: TIERS): float rows times packed int8 weights (Int8Matmul:
 // the rows as int8 terms, their exact products, the scales), the packed weights widened for a
 // prefill chunk's dot (Int8Widen), the same two for a GGUF's 5-bit Q5_0 blocks (Int5Matmul,
 // Int5Widen) and for a GGUF's K-quant blocks (Q4KMatmul ... Q6KWiden), decode attention over the
@@ -27,7 +27,17 @@
 // exact numbers, so every product and rounding after them is the AVX-512 tier's, bit for bit
 // (tests/test_native.py holds both to the same numpy definitions). Each step that differs by tier
 // is written twice, side by side, under MASHBOX_AVX512.
+//
+// The NEON tier (AArch64 with the dot-product extension: sdot) multiplies signed bytes by signed
+// bytes, 4 to an int32 lane of 4: it takes the weights' signed values as the AVX2 tier does, and
+// the terms as they are. Its sums are the same exact integers again; steps written for it are a
+// third branch under MASHBOX_NEON, and where the AVX2 tier's step is plain C++ the two share it.
+// Its tests run here cross-compiled, under qemu-user (tests/native/harness.cc).
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#else
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -41,12 +51,21 @@
 
 namespace ffi = xla::ffi;
 
+// The tier: exactly one of these is 1.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define MASHBOX_AVX512 1
+#define MASHBOX_AVX2 0
+#define MASHBOX_NEON 0
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define MASHBOX_AVX512 0
+#define MASHBOX_AVX2 1
+#define MASHBOX_NEON 0
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#define MASHBOX_AVX512 0
+#define MASHBOX_AVX2 0
+#define MASHBOX_NEON 1
 #else
-#error "engine/native.cc is built for AVX-512 VNNI, or for AVX2 with FMA and F16C (engine/native.py: TIERS)"
+#error "engine/native.cc is built for AVX-512 VNNI, AVX2 with FMA and F16C, or AArch64 with dot products (engine/native.py: TIERS)"
 #endif
 
 namespace {
@@ -56,7 +75,8 @@ constexpr int kGroup = 4;           // inputs per lane and instruction (vpdpbusd
 #if MASHBOX_AVX512
 constexpr int kMaxTerms = 8;        // rows of int8 terms per pass: 8 accumulators plus loads
 #else
-constexpr int kMaxTerms = 4;        // AVX2: 8 accumulators (two 8-lane halves each) plus loads
+constexpr int kMaxTerms = 4;        // AVX2: 8 accumulators (two 8-lane halves each) plus loads;
+                                    // NEON: 16 (four 4-lane quarters each) of its 32 registers
 #endif
 // Blocks of 16 outputs a thread claims at a time: small enough to share out the smallest matrix
 // (896 outputs: 14 chunks of 64), large enough that claiming costs nothing. A chunk (at most 64
@@ -69,6 +89,10 @@ constexpr int64_t kPrefetch = 1024;
 // memory and then the arithmetic, in turn; fetched into L2 ahead, they overlap (5-15% at 4 rows;
 // docs/performance.md).
 constexpr int64_t kPrefetchL2 = 6144;
+
+// Fetch ahead into L1 (prefetcht0 on x86), and into L2 (prefetcht1); never faults.
+inline void Prefetch(const void* at) { __builtin_prefetch(at, 0, 3); }
+inline void PrefetchL2(const void* at) { __builtin_prefetch(at, 0, 2); }
 
 #if MASHBOX_AVX512
 // A mask of the first `left` of 16 lanes.
@@ -94,7 +118,7 @@ inline void Dpbusd(__m512i& acc, __m512i a, __m512i b) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
 }
 #else
-// The largest magnitude of x [K]; a NaN never wins (as max_ps: a > b ? a : b).
+// The largest magnitude of x [K]; a NaN never wins (as max_ps: a > b ? a : b). AVX2 and NEON.
 inline float Peak(const float* x, int64_t K) {
   float top = 0.0f;
   for (int64_t k = 0; k < K; k++) {
@@ -103,7 +127,9 @@ inline float Peak(const float* x, int64_t K) {
   }
   return top;
 }
+#endif
 
+#if MASHBOX_AVX2
 // A mask of the first `left` of 8 float lanes (all bits set in each lane taken).
 inline __m256i Lanes8(int64_t left) {
   const int32_t n = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(left, 0), 8));
@@ -129,14 +155,63 @@ inline __m256i DotBytes(__m256i acc, __m256i u, __m256i s) {
 }
 #endif
 
+#if MASHBOX_NEON
+// 4 float16 -> float32 (exact).
+inline float32x4_t Halves4(const uint16_t* h) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h))); }
+
+// 4 bytes -> int32 lanes, signed or unsigned.
+inline int32x4_t Bytes4(const int8_t* at) {
+  int32_t four;
+  __builtin_memcpy(&four, at, sizeof four);
+  return vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(four)))));
+}
+
+inline int32x4_t UBytes4(const uint8_t* at) {
+  int32_t four;
+  __builtin_memcpy(&four, at, sizeof four);
+  return vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_s32(vdup_n_s32(four))))));
+}
+
+// The 4 floats at `at`, zero past `left` (never read past it: the cache may end there).
+inline float32x4_t Load4(const float* at, int64_t left) {
+  if (left >= 4) return vld1q_f32(at);
+  float part[4] = {};
+  __builtin_memcpy(part, at, std::max<int64_t>(left, 0) * sizeof(float));
+  return vld1q_f32(part);
+}
+
+// All bits set in each of the first `left` of 4 lanes.
+inline uint32x4_t Lanes4(int64_t left) {
+  const int32_t n = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(left, 0), 4));
+  const int32x4_t index = {0, 1, 2, 3};
+  return vcltq_s32(index, vdupq_n_s32(n));
+}
+
+// One float -> bfloat16 (nearest, ties to even; NaN not expected), as Bf16x8 below.
+inline uint16_t Bf16Bits(float value) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &value, sizeof bits);
+  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+#else
 // 8 floats -> bfloat16 (nearest, ties to even; NaN not expected), in the low 128 bits
-// (both tiers: the K-quant blocks are written once, in 256-bit form).
+// (both x86 tiers: the K-quant blocks are written once, in 256-bit form).
 inline __m128i Bf16x8(__m256 value) {
   __m256i bits = _mm256_castps_si256(value);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
   bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
   const __m256i packed = _mm256_packus_epi32(bits, bits);          // per 128-bit lane: 0-3 0-3 | 4-7 4-7
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+#endif
+
+// A spinning wait's pause (x86) or yield (ARM): lets the core's other thread run.
+inline void Pause() {
+#if MASHBOX_NEON
+  asm volatile("yield");
+#else
+  _mm_pause();
+#endif
 }
 
 // Runs fn(chunk) for chunks 0 .. chunks-1 on the calling thread and XLA's intra-op pool. Each
@@ -161,7 +236,7 @@ void Parallel(ffi::ThreadPool& pool, int64_t chunks, std::function<void(int64_t)
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks) - 1;
   for (int64_t i = 0; i < helpers; i++) pool.Schedule([shared] { shared->Work(); });
   shared->Work();
-  while (shared->done.load(std::memory_order_acquire) < chunks) _mm_pause();
+  while (shared->done.load(std::memory_order_acquire) < chunks) Pause();
 }
 
 bool Packed(const ffi::Span<const int64_t>& d) {
@@ -215,7 +290,7 @@ void MakeTerms(const float* x, int64_t R, int64_t K, int8_t* terms, float* term_
     offsets[2 * r + 1] *= 128;
   }
 }
-#else
+#else  // AVX2 and NEON
 float QuantizeRow(const float* x, int8_t* q, int64_t K, int32_t* sum) {
   const float peak = Peak(x, K);
   const float scale = peak > 0.0f ? peak / 127.0f : 1.0f;
@@ -231,7 +306,7 @@ float QuantizeRow(const float* x, int8_t* q, int64_t K, int32_t* sum) {
   return scale;
 }
 
-// As the AVX-512 tier's, but for the offsets: this tier multiplies the weights' signed values.
+// As the AVX-512 tier's, but for the offsets: these tiers multiply the weights' signed values.
 void MakeTerms(const float* x, int64_t R, int64_t K, int8_t* terms, float* term_scales, int32_t* offsets) {
   std::vector<float> rest(K);
   for (int64_t r = 0; r < R; r++) {
@@ -262,8 +337,8 @@ __attribute__((always_inline)) inline void ScaledBlock(const uint8_t* w, const i
   const uint8_t* wb = w + block * kLanes * K;
   for (int64_t k = 0; k < K; k += kGroup) {
     const uint8_t* at = wb + k * kLanes;
-    _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetch), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchL2), _MM_HINT_T1);
+    Prefetch(at + kPrefetch);
+    PrefetchL2(at + kPrefetchL2);
     const __m512i wv = _mm512_loadu_si512(at);
     for (int t = 0; t < T; t++) {
       int32_t four;                                        // terms[t, k .. k+3]
@@ -279,7 +354,7 @@ __attribute__((always_inline)) inline void ScaledBlock(const uint8_t* w, const i
     _mm512_storeu_ps(out + r * N + block * kLanes, _mm512_mul_ps(_mm512_add_ps(p0, p1), sc));
   }
 }
-#else
+#elif MASHBOX_AVX2
 template <int R>
 __attribute__((always_inline)) inline void ScaledBlock(const uint8_t* w, const int8_t* terms,
                                                        const float* term_scales, const int32_t*,
@@ -292,8 +367,8 @@ __attribute__((always_inline)) inline void ScaledBlock(const uint8_t* w, const i
   const uint8_t* wb = w + block * kLanes * K;
   for (int64_t k = 0; k < K; k += kGroup) {
     const uint8_t* at = wb + k * kLanes;
-    _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetch), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchL2), _MM_HINT_T1);
+    Prefetch(at + kPrefetch);
+    PrefetchL2(at + kPrefetchL2);
     const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)), flip);
     const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32)), flip);
     for (int t = 0; t < T; t++) {
@@ -311,6 +386,42 @@ __attribute__((always_inline)) inline void ScaledBlock(const uint8_t* w, const i
       const __m256 p1 = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[2 * r + 1][h]),
                                       _mm256_set1_ps(term_scales[2 * r + 1]));
       _mm256_storeu_ps(out + r * N + block * kLanes + 8 * h, _mm256_mul_ps(_mm256_add_ps(p0, p1), sc));
+    }
+  }
+}
+#else
+// NEON: one 16-byte register holds 4 inputs of 4 outputs; sdot takes the weights' signed values (the
+// offset byte's top bit flipped) times the term's 4 inputs, repeated in each lane.
+template <int R>
+__attribute__((always_inline)) inline void ScaledBlock(const uint8_t* w, const int8_t* terms,
+                                                       const float* term_scales, const int32_t*,
+                                                       const float* scale, float* out, int64_t K,
+                                                       int64_t N, int64_t block) {
+  constexpr int T = 2 * R;
+  int32x4_t acc[T][4];                   // outputs 0-3, 4-7, 8-11, 12-15
+  for (int t = 0; t < T; t++)
+    for (int q = 0; q < 4; q++) acc[t][q] = vdupq_n_s32(0);
+  const uint8x16_t flip = vdupq_n_u8(0x80);
+  const uint8_t* wb = w + block * kLanes * K;
+  for (int64_t k = 0; k < K; k += kGroup) {
+    const uint8_t* at = wb + k * kLanes;
+    Prefetch(at + kPrefetch);
+    PrefetchL2(at + kPrefetchL2);
+    int8x16_t wv[4];
+    for (int q = 0; q < 4; q++) wv[q] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(at + 16 * q), flip));
+    for (int t = 0; t < T; t++) {
+      int32_t four;                                        // terms[t, k .. k+3]
+      __builtin_memcpy(&four, terms + t * K + k, sizeof four);
+      const int8x16_t tv = vreinterpretq_s8_s32(vdupq_n_s32(four));
+      for (int q = 0; q < 4; q++) acc[t][q] = vdotq_s32(acc[t][q], wv[q], tv);
+    }
+  }
+  for (int q = 0; q < 4; q++) {
+    const float32x4_t sc = vld1q_f32(scale + block * kLanes + 4 * q);
+    for (int r = 0; r < R; r++) {
+      const float32x4_t p0 = vmulq_f32(vcvtq_f32_s32(acc[2 * r][q]), vdupq_n_f32(term_scales[2 * r]));
+      const float32x4_t p1 = vmulq_f32(vcvtq_f32_s32(acc[2 * r + 1][q]), vdupq_n_f32(term_scales[2 * r + 1]));
+      vst1q_f32(out + r * N + block * kLanes + 4 * q, vmulq_f32(vaddq_f32(p0, p1), sc));
     }
   }
 }
@@ -429,7 +540,7 @@ ffi::Error Int8Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::AnyBuffe
         _mm256_storeu_si256(to + 3, Bf16(_mm512_extracti32x4_epi32(v[l], 3)));
       }
     }
-#else
+#elif MASHBOX_AVX2
     const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
     for (; g + 4 <= groups; g += 4) {     // 4 groups: 16 inputs of each of the 16 outputs
       const uint8_t* at = block + g * kLanes * kGroup;
@@ -445,7 +556,7 @@ ffi::Error Int8Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::AnyBuffe
       }
     }
 #endif
-    for (; g < groups; g++)
+    for (; g < groups; g++)               // the rest (NEON: every group, one weight at a time)
       for (int l = 0; l < kLanes; l++)
         for (int j = 0; j < kGroup; j++) {
           const float value = static_cast<float>(block[(g * kLanes + l) * kGroup + j]) - 128.0f;
@@ -486,7 +597,15 @@ bool Packed5(const ffi::Span<const int64_t>& nib, const ffi::Span<const int64_t>
          d[0] == nib[0] && d[1] * kQ5Block == nib[1] * kNibbleGroup && d[2] == kLanes;
 }
 
-// 32 bits -> 32 bytes, 0xFF where the bit is set (byte i: bit i). Both tiers: the AVX2 tier's
+#if MASHBOX_NEON
+// 16 bits -> 16 bytes, 0xFF where the bit is set (byte i: bit i): Levels' and KLevels' fifth bits.
+inline uint8x16_t BitBytes(uint32_t bits) {
+  const uint8x16_t spread = vcombine_u8(vdup_n_u8(static_cast<uint8_t>(bits)), vdup_n_u8(static_cast<uint8_t>(bits >> 8)));
+  const uint8x16_t select = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+  return vtstq_u8(spread, select);
+}
+#else
+// 32 bits -> 32 bytes, 0xFF where the bit is set (byte i: bit i). Both x86 tiers: the AVX2 tier's
 // Levels and the K-quant blocks' fifth bits.
 inline __m256i BitBytes(uint32_t bits) {
   const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)),
@@ -495,6 +614,7 @@ inline __m256i BitBytes(uint32_t bits) {
   const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
   return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
 }
+#endif
 
 // 64 bytes of nibbles and their fifth bits -> the levels q (0..31) of the low and the high nibbles.
 #if MASHBOX_AVX512
@@ -506,7 +626,7 @@ inline void Levels(const uint8_t* nib, const uint64_t* fifth, __m512i* low, __m5
   *low = _mm512_mask_add_epi8(lo, _cvtu64_mask64(fifth[0]), lo, sixteen);
   *high = _mm512_mask_add_epi8(hi, _cvtu64_mask64(fifth[1]), hi, sixteen);
 }
-#else
+#elif MASHBOX_AVX2
 // As above, each as two 32-byte halves.
 inline void Levels(const uint8_t* nib, const uint64_t* fifth, __m256i* low, __m256i* high) {
   const __m256i four = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(kQ5Offset);
@@ -516,6 +636,16 @@ inline void Levels(const uint8_t* nib, const uint64_t* fifth, __m256i* low, __m2
                              _mm256_and_si256(BitBytes(static_cast<uint32_t>(fifth[0] >> (32 * h))), sixteen));
     high[h] = _mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), four),
                               _mm256_and_si256(BitBytes(static_cast<uint32_t>(fifth[1] >> (32 * h))), sixteen));
+  }
+}
+#else
+// As above, each as four 16-byte quarters.
+inline void Levels(const uint8_t* nib, const uint64_t* fifth, uint8x16_t* low, uint8x16_t* high) {
+  const uint8x16_t four = vdupq_n_u8(0x0F), sixteen = vdupq_n_u8(kQ5Offset);
+  for (int h = 0; h < 4; h++) {
+    const uint8x16_t v = vld1q_u8(nib + 16 * h);
+    low[h] = vaddq_u8(vandq_u8(v, four), vandq_u8(BitBytes(static_cast<uint32_t>(fifth[0] >> (16 * h))), sixteen));
+    high[h] = vaddq_u8(vshrq_n_u8(v, 4), vandq_u8(BitBytes(static_cast<uint32_t>(fifth[1] >> (16 * h))), sixteen));
   }
 }
 #endif
@@ -539,11 +669,11 @@ void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const 
     for (int r = 0; r < R; r++) acc[r] = _mm512_set1_epi32(-kQ5Offset * sums[r * blocks32 + g32]);
     for (int i = 0; i < kQ5Block / kNibbleGroup; i++) {
       const int64_t g = g32 * (kQ5Block / kNibbleGroup) + i;
-      _mm_prefetch(reinterpret_cast<const char*>(nb + g * 64 + kPrefetch), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(nb + g * 64 + kPrefetchL2), _MM_HINT_T1);
+      Prefetch(nb + g * 64 + kPrefetch);
+      PrefetchL2(nb + g * 64 + kPrefetchL2);
       if (i == 0) {                 // the fifth bits and scales of the same weights, once per 32 inputs
-        _mm_prefetch(reinterpret_cast<const char*>(fb + (g + kPrefetchL2 / 64) * 2), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(db + (g32 + kPrefetchL2 / 256) * kLanes), _MM_HINT_T1);
+        PrefetchL2(fb + (g + kPrefetchL2 / 64) * 2);
+        PrefetchL2(db + (g32 + kPrefetchL2 / 256) * kLanes);
       }
       __m512i low, high;
       Levels(nb + g * 64, fb + g * 2, &low, &high);
@@ -562,7 +692,7 @@ void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const 
   }
   for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * N + b * kLanes, total[r]);
 }
-#else
+#elif MASHBOX_AVX2
 template <int R>
 void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const int8_t* terms,
             const int32_t* sums, const float* term_scales, float* out, int64_t K, int64_t N,
@@ -582,12 +712,12 @@ void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const 
     for (int i = 0; i < kQ5Block / kNibbleGroup; i += 2) {
       const int64_t g = g32 * (kQ5Block / kNibbleGroup) + i;
       for (int j = 0; j < 2; j++) {
-        _mm_prefetch(reinterpret_cast<const char*>(nb + (g + j) * 64 + kPrefetch), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(nb + (g + j) * 64 + kPrefetchL2), _MM_HINT_T1);
+        Prefetch(nb + (g + j) * 64 + kPrefetch);
+        PrefetchL2(nb + (g + j) * 64 + kPrefetchL2);
       }
       if (i == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(fb + (g + kPrefetchL2 / 64) * 2), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(db + (g32 + kPrefetchL2 / 256) * kLanes), _MM_HINT_T1);
+        PrefetchL2(fb + (g + kPrefetchL2 / 64) * 2);
+        PrefetchL2(db + (g32 + kPrefetchL2 / 256) * kLanes);
       }
       __m256i low[2][2], high[2][2];                       // [group][half]
       Levels(nb + g * 64, fb + g * 2, low[0], high[0]);
@@ -616,6 +746,55 @@ void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const 
   }
   for (int r = 0; r < R; r++)
     for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * N + b * kLanes + 8 * h, total[r][h]);
+}
+#else
+// NEON: the levels (0..31) are sdot's signed operand as they are.
+template <int R>
+void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const int8_t* terms,
+            const int32_t* sums, const float* term_scales, float* out, int64_t K, int64_t N,
+            int64_t b) {
+  const int64_t groups = K / kNibbleGroup, blocks32 = K / kQ5Block;
+  const uint8_t* nb = nib + b * groups * 64;
+  const uint64_t* fb = fifth + b * groups * 2;
+  const uint16_t* db = d + b * blocks32 * kLanes;
+  float32x4_t total[R][4];
+  for (int r = 0; r < R; r++)
+    for (int q = 0; q < 4; q++) total[r][q] = vdupq_n_f32(0.0f);
+  for (int64_t g32 = 0; g32 < blocks32; g32++) {
+    int32x4_t acc[R][4];
+    for (int r = 0; r < R; r++)
+      for (int q = 0; q < 4; q++) acc[r][q] = vdupq_n_s32(-kQ5Offset * sums[r * blocks32 + g32]);
+    for (int i = 0; i < kQ5Block / kNibbleGroup; i++) {
+      const int64_t g = g32 * (kQ5Block / kNibbleGroup) + i;
+      Prefetch(nb + g * 64 + kPrefetch);
+      PrefetchL2(nb + g * 64 + kPrefetchL2);
+      if (i == 0) {
+        PrefetchL2(fb + (g + kPrefetchL2 / 64) * 2);
+        PrefetchL2(db + (g32 + kPrefetchL2 / 256) * kLanes);
+      }
+      uint8x16_t low[4], high[4];
+      Levels(nb + g * 64, fb + g * 2, low, high);
+      for (int r = 0; r < R; r++) {
+        int32_t first, second;                             // terms[r, 8g .. 8g+3], [8g+4 .. 8g+7]
+        __builtin_memcpy(&first, terms + r * K + g * kNibbleGroup, sizeof first);
+        __builtin_memcpy(&second, terms + r * K + g * kNibbleGroup + 4, sizeof second);
+        const int8x16_t f = vreinterpretq_s8_s32(vdupq_n_s32(first)), t = vreinterpretq_s8_s32(vdupq_n_s32(second));
+        for (int q = 0; q < 4; q++) {
+          acc[r][q] = vdotq_s32(acc[r][q], vreinterpretq_s8_u8(low[q]), f);
+          acc[r][q] = vdotq_s32(acc[r][q], vreinterpretq_s8_u8(high[q]), t);
+        }
+      }
+    }
+    for (int q = 0; q < 4; q++) {
+      const float32x4_t scale = Halves4(db + g32 * kLanes + 4 * q);
+      for (int r = 0; r < R; r++) {
+        const float32x4_t both = vmulq_f32(scale, vdupq_n_f32(term_scales[r * blocks32 + g32]));
+        total[r][q] = vfmaq_f32(total[r][q], vcvtq_f32_s32(acc[r][q]), both);
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int q = 0; q < 4; q++) vst1q_f32(out + r * N + b * kLanes + 4 * q, total[r][q]);
 }
 #endif
 
@@ -692,12 +871,19 @@ ffi::Error Int5Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer
         Levels(np_ + (b * groups + g) * 64, fp + (b * groups + g) * 2, &lo, &hi);
         _mm512_store_si512(low, lo);
         _mm512_store_si512(high, hi);
-#else
+#elif MASHBOX_AVX2
         __m256i lo[2], hi[2];
         Levels(np_ + (b * groups + g) * 64, fp + (b * groups + g) * 2, lo, hi);
         for (int h = 0; h < 2; h++) {
           _mm256_store_si256(reinterpret_cast<__m256i*>(low + 32 * h), lo[h]);
           _mm256_store_si256(reinterpret_cast<__m256i*>(high + 32 * h), hi[h]);
+        }
+#else
+        uint8x16_t lo[4], hi[4];
+        Levels(np_ + (b * groups + g) * 64, fp + (b * groups + g) * 2, lo, hi);
+        for (int h = 0; h < 4; h++) {
+          vst1q_u8(low + 16 * h, lo[h]);
+          vst1q_u8(high + 16 * h, hi[h]);
         }
 #endif
         for (int l = 0; l < kLanes; l++) {
@@ -710,10 +896,12 @@ ffi::Error Int5Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer
       const __m512 scales = _mm512_cvtph_ps(_mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(dp + (b * blocks32 + g32) * kLanes)));
       _mm512_store_ps(scale, scales);
-#else
+#elif MASHBOX_AVX2
       for (int h = 0; h < 2; h++)
         _mm256_store_ps(scale + 8 * h, _mm256_cvtph_ps(_mm_loadu_si128(
             reinterpret_cast<const __m128i*>(dp + (b * blocks32 + g32) * kLanes + 8 * h))));
+#else
+      for (int q = 0; q < 4; q++) vst1q_f32(scale + 4 * q, Halves4(dp + (b * blocks32 + g32) * kLanes + 4 * q));
 #endif
       for (int l = 0; l < kLanes; l++) {
         uint16_t* row = op + (b * kLanes + l) * K + g32 * kQ5Block;
@@ -728,13 +916,16 @@ ffi::Error Int5Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + h),
                               _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
         }
-#else
+#elif MASHBOX_AVX2
         for (int h = 0; h < kQ5Block; h += 8) {
           const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(&lanes[l][h]));
           const __m256i level = _mm256_sub_epi32(_mm256_cvtepu8_epi32(q), _mm256_set1_epi32(kQ5Offset));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(row + h),
                            Bf16x8(_mm256_mul_ps(_mm256_cvtepi32_ps(level), _mm256_set1_ps(scale[l]))));
         }
+#else
+        for (int h = 0; h < kQ5Block; h++)
+          row[h] = Bf16Bits(static_cast<float>(lanes[l][h] - kQ5Offset) * scale[l]);
 #endif
       }
     }
@@ -760,7 +951,8 @@ ffi::Error Int5Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer
 // stay in int16, vpmaddwd multiplies them by each lane's sub-block scale into int32, so a super-block
 // sums exactly in one register: A = sum_j sc_j sum_i q t. The mins' part, sum_j m_j sum_i t (Q6_K:
 // 32 sc_j), is folded into the float sums per sub-block. Written once, with 256-bit instructions,
-// for both tiers (no AVX-512 form: this is the form tests/test_native.py checks on this tier's CPUs).
+// for both x86 tiers (no AVX-512 form: this is the form tests/test_native.py checks on this tier's
+// CPUs); NEON's sdot sums each sub-block's q t in int32 and multiplies it by the lane's scale there.
 constexpr int kSuper = 256;              // inputs per super-block (d, dmin)
 constexpr int kKRows = 4;                // float rows per pass over a block of 16 outputs
 constexpr int kQ6Offset = 32;            // Q6_K: q - 32 is the weight's level
@@ -789,7 +981,35 @@ template <KForm F>
 constexpr int kKSummed = F == KForm::kQ6 ? 1 : 2;
 
 // 64 bytes of nibbles (and Q5_K's fifth bits or Q6_K's top bits) -> the levels of the low and the
-// high nibbles, each as two 32-byte halves.
+// high nibbles, each as two 32-byte halves (NEON: four 16-byte quarters).
+#if MASHBOX_NEON
+template <KForm F>
+inline void KLevels(const uint8_t* nib, const uint8_t* hi, const uint64_t* fifth, uint8x16_t* low, uint8x16_t* high) {
+  const uint8x16_t four = vdupq_n_u8(0x0F);
+  for (int h = 0; h < 4; h++) {
+    const uint8x16_t v = vld1q_u8(nib + 16 * h);
+    low[h] = vandq_u8(v, four);
+    high[h] = vshrq_n_u8(v, 4);
+  }
+  if (F == KForm::kQ5) {
+    const uint8x16_t sixteen = vdupq_n_u8(16);
+    for (int h = 0; h < 4; h++) {
+      low[h] = vorrq_u8(low[h], vandq_u8(BitBytes(static_cast<uint32_t>(fifth[0] >> (16 * h))), sixteen));
+      high[h] = vorrq_u8(high[h], vandq_u8(BitBytes(static_cast<uint32_t>(fifth[1] >> (16 * h))), sixteen));
+    }
+  }
+  if (F == KForm::kQ6) {                 // top byte p serves nibble bytes p and p + 32
+    const uint8x16_t two = vdupq_n_u8(0x30);
+    for (int h = 0; h < 2; h++) {
+      const uint8x16_t top = vld1q_u8(hi + 16 * h);
+      low[h] = vorrq_u8(low[h], vandq_u8(vshlq_n_u8(top, 4), two));
+      high[h] = vorrq_u8(high[h], vandq_u8(vshlq_n_u8(top, 2), two));
+      low[h + 2] = vorrq_u8(low[h + 2], vandq_u8(top, two));
+      high[h + 2] = vorrq_u8(high[h + 2], vandq_u8(vshrq_n_u8(top, 2), two));
+    }
+  }
+}
+#else
 template <KForm F>
 inline void KLevels(const uint8_t* nib, const uint8_t* hi, const uint64_t* fifth, __m256i* low, __m256i* high) {
   const __m256i four = _mm256_set1_epi8(0x0F);
@@ -821,11 +1041,84 @@ inline __m256i ScalePairs(const int8_t* sc) {
   const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
   return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
 }
+#endif
 
 // One block of 16 outputs for R rows (terms per 256 inputs: term_scales [R, K/256], sub_sums [R,
 // K/sub] the terms' sums per sub-block as floats). Per sub-block j of super-block s, first the mins'
 // part: total -= (dmin m_j) (scale_s sum_j) (Q6_K: (32 d) sc_j); after the super-block, total +=
 // float(A) (d scale_s). Each operation rounded once, in that order (tests/test_native.py).
+#if MASHBOX_NEON
+template <int R, KForm F>
+void BlockK(const KBlocks& w, const int8_t* terms, const float* sub_sums, const float* term_scales,
+            float* out, int64_t N, int64_t b) {
+  constexpr bool kSix = F == KForm::kQ6;
+  constexpr int sub = kSub<F>;
+  const int64_t K = w.K, groups = K / kNibbleGroup, supers = K / kSuper, subs = K / sub;
+  const uint8_t* nb = w.nib + b * groups * 64;
+  const uint8_t* hb = kSix ? w.hi + b * groups * 32 : nullptr;
+  const uint64_t* fb = F == KForm::kQ5 ? w.fifth + b * groups * 2 : nullptr;
+  const int8_t* sb = w.sc + b * subs * kLanes;
+  const uint8_t* minsb = kSix ? reinterpret_cast<const uint8_t*>(sb) : w.mins + b * (K / 32) * kLanes;
+  const uint16_t* db = w.d + b * supers * kLanes;
+  const uint16_t* dmb = kSix ? nullptr : w.dmin + b * supers * kLanes;
+  float32x4_t total[R][4];
+  for (int r = 0; r < R; r++)
+    for (int q = 0; q < 4; q++) total[r][q] = vdupq_n_f32(0.0f);
+  for (int64_t s = 0; s < supers; s++) {
+    float32x4_t dd[4], dm[4];
+    for (int q = 0; q < 4; q++) {
+      dd[q] = Halves4(db + s * kLanes + 4 * q);
+      dm[q] = kSix ? vmulq_f32(dd[q], vdupq_n_f32(static_cast<float>(kQ6Offset))) : Halves4(dmb + s * kLanes + 4 * q);
+    }
+    int32x4_t acc[R][4];
+    for (int r = 0; r < R; r++)
+      for (int q = 0; q < 4; q++) acc[r][q] = vdupq_n_s32(0);
+    for (int64_t j = s * (kSuper / sub); j < (s + 1) * (kSuper / sub); j++) {
+      int32x4_t scales[4];
+      for (int q = 0; q < 4; q++) {
+        scales[q] = Bytes4(sb + j * kLanes + 4 * q);
+        const int32x4_t m = kSix ? Bytes4(reinterpret_cast<const int8_t*>(minsb) + j * kLanes + 4 * q)
+                                 : UBytes4(minsb + j * kLanes + 4 * q);
+        const float32x4_t mins = vmulq_f32(dm[q], vcvtq_f32_s32(m));
+        for (int r = 0; r < R; r++) {
+          const float part = term_scales[r * supers + s] * sub_sums[r * subs + j];
+          total[r][q] = vfmsq_f32(total[r][q], mins, vdupq_n_f32(part));
+        }
+      }
+      int32x4_t sums[R][4];                                 // the sub-block's q t per lane
+      for (int r = 0; r < R; r++)
+        for (int q = 0; q < 4; q++) sums[r][q] = vdupq_n_s32(0);
+      for (int64_t g = j * (sub / kNibbleGroup); g < (j + 1) * (sub / kNibbleGroup); g++) {
+        Prefetch(nb + g * 64 + kPrefetch);
+        PrefetchL2(nb + g * 64 + kPrefetchL2);
+        if (kSix) PrefetchL2(hb + g * 32 + kPrefetchL2 / 2);
+        if (F == KForm::kQ5) PrefetchL2(fb + (g + kPrefetchL2 / 64) * 2);
+        uint8x16_t low[4], high[4];
+        KLevels<F>(nb + g * 64, kSix ? hb + g * 32 : nullptr, fb ? fb + g * 2 : nullptr, low, high);
+        for (int r = 0; r < R; r++) {
+          int32_t first, second;                           // terms[r, 8g .. 8g+3], [8g+4 .. 8g+7]
+          __builtin_memcpy(&first, terms + r * K + g * kNibbleGroup, sizeof first);
+          __builtin_memcpy(&second, terms + r * K + g * kNibbleGroup + 4, sizeof second);
+          const int8x16_t f = vreinterpretq_s8_s32(vdupq_n_s32(first)), t = vreinterpretq_s8_s32(vdupq_n_s32(second));
+          for (int q = 0; q < 4; q++) {
+            sums[r][q] = vdotq_s32(sums[r][q], vreinterpretq_s8_u8(low[q]), f);
+            sums[r][q] = vdotq_s32(sums[r][q], vreinterpretq_s8_u8(high[q]), t);
+          }
+        }
+      }
+      for (int r = 0; r < R; r++)
+        for (int q = 0; q < 4; q++) acc[r][q] = vmlaq_s32(acc[r][q], sums[r][q], scales[q]);
+    }
+    for (int r = 0; r < R; r++)
+      for (int q = 0; q < 4; q++) {
+        const float32x4_t scale = vmulq_f32(dd[q], vdupq_n_f32(term_scales[r * supers + s]));
+        total[r][q] = vfmaq_f32(total[r][q], vcvtq_f32_s32(acc[r][q]), scale);
+      }
+  }
+  for (int r = 0; r < R; r++)
+    for (int q = 0; q < 4; q++) vst1q_f32(out + r * N + b * kLanes + 4 * q, total[r][q]);
+}
+#else
 template <int R, KForm F>
 void BlockK(const KBlocks& w, const int8_t* terms, const float* sub_sums, const float* term_scales,
             float* out, int64_t N, int64_t b) {
@@ -867,10 +1160,10 @@ void BlockK(const KBlocks& w, const int8_t* terms, const float* sub_sums, const 
         __m256i low[kKSummed<F>][2], high[kKSummed<F>][2];   // [group][half]
         for (int i = 0; i < kKSummed<F>; i++) {
           const int64_t g = g0 + i;
-          _mm_prefetch(reinterpret_cast<const char*>(nb + g * 64 + kPrefetch), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(nb + g * 64 + kPrefetchL2), _MM_HINT_T1);
-          if (kSix) _mm_prefetch(reinterpret_cast<const char*>(hb + g * 32 + kPrefetchL2 / 2), _MM_HINT_T1);
-          if (F == KForm::kQ5) _mm_prefetch(reinterpret_cast<const char*>(fb + (g + kPrefetchL2 / 64) * 2), _MM_HINT_T1);
+          Prefetch(nb + g * 64 + kPrefetch);
+          PrefetchL2(nb + g * 64 + kPrefetchL2);
+          if (kSix) PrefetchL2(hb + g * 32 + kPrefetchL2 / 2);
+          if (F == KForm::kQ5) PrefetchL2(fb + (g + kPrefetchL2 / 64) * 2);
           KLevels<F>(nb + g * 64, kSix ? hb + g * 32 : nullptr, fb ? fb + g * 2 : nullptr, low[i], high[i]);
         }
         for (int r = 0; r < R; r++) {
@@ -896,6 +1189,7 @@ void BlockK(const KBlocks& w, const int8_t* terms, const float* sub_sums, const 
   for (int r = 0; r < R; r++)
     for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * N + b * kLanes + 8 * h, total[r][h]);
 }
+#endif
 
 using BlockKFn = void (*)(const KBlocks&, const int8_t*, const float*, const float*, float*, int64_t, int64_t);
 template <KForm F>
@@ -946,6 +1240,15 @@ void KWiden(ffi::ThreadPool& pool, const KBlocks& w, uint16_t* out) {
     for (int64_t s = 0; s < supers; s++) {
       for (int64_t i = 0; i < kSuper / kNibbleGroup; i++) {
         const int64_t g = s * (kSuper / kNibbleGroup) + i;
+#if MASHBOX_NEON
+        uint8x16_t lo[4], hi[4];
+        KLevels<F>(w.nib + (b * groups + g) * 64, kSix ? w.hi + (b * groups + g) * 32 : nullptr,
+                   F == KForm::kQ5 ? w.fifth + (b * groups + g) * 2 : nullptr, lo, hi);
+        for (int h = 0; h < 4; h++) {
+          vst1q_u8(low + 16 * h, lo[h]);
+          vst1q_u8(high + 16 * h, hi[h]);
+        }
+#else
         __m256i lo[2], hi[2];
         KLevels<F>(w.nib + (b * groups + g) * 64, kSix ? w.hi + (b * groups + g) * 32 : nullptr,
                    F == KForm::kQ5 ? w.fifth + (b * groups + g) * 2 : nullptr, lo, hi);
@@ -953,12 +1256,19 @@ void KWiden(ffi::ThreadPool& pool, const KBlocks& w, uint16_t* out) {
           _mm256_store_si256(reinterpret_cast<__m256i*>(low + 32 * h), lo[h]);
           _mm256_store_si256(reinterpret_cast<__m256i*>(high + 32 * h), hi[h]);
         }
+#endif
         for (int l = 0; l < kLanes; l++) {
           __builtin_memcpy(&lanes[l][i * kNibbleGroup], low + 4 * l, 4);
           __builtin_memcpy(&lanes[l][i * kNibbleGroup + 4], high + 4 * l, 4);
         }
       }
       alignas(32) float d[kLanes], dmin[kLanes];
+#if MASHBOX_NEON
+      for (int q = 0; q < 4; q++) {
+        vst1q_f32(d + 4 * q, Halves4(w.d + (b * supers + s) * kLanes + 4 * q));
+        if (!kSix) vst1q_f32(dmin + 4 * q, Halves4(w.dmin + (b * supers + s) * kLanes + 4 * q));
+      }
+#else
       for (int h = 0; h < 2; h++) {
         _mm256_store_ps(d + 8 * h, _mm256_cvtph_ps(_mm_loadu_si128(
             reinterpret_cast<const __m128i*>(w.d + (b * supers + s) * kLanes + 8 * h))));
@@ -966,20 +1276,29 @@ void KWiden(ffi::ThreadPool& pool, const KBlocks& w, uint16_t* out) {
           _mm256_store_ps(dmin + 8 * h, _mm256_cvtph_ps(_mm_loadu_si128(
               reinterpret_cast<const __m128i*>(w.dmin + (b * supers + s) * kLanes + 8 * h))));
       }
+#endif
       for (int l = 0; l < kLanes; l++) {
         uint16_t* row = out + (b * kLanes + l) * K + s * kSuper;
         for (int j = 0; j < kSuper / sub; j++) {
           const int64_t at = (b * subs + s * (kSuper / sub) + j) * kLanes + l;
-          const __m256 scale = _mm256_set1_ps(d[l] * static_cast<float>(w.sc[at]));
-          const __m256 offset = _mm256_set1_ps(kSix ? 0.0f : dmin[l] * static_cast<float>(w.mins[
-              (b * (K / 32) + s * (kSuper / 32) + j) * kLanes + l]));
+          const float scale = d[l] * static_cast<float>(w.sc[at]);
+          const float offset = kSix ? 0.0f : dmin[l] * static_cast<float>(w.mins[
+              (b * (K / 32) + s * (kSuper / 32) + j) * kLanes + l]);
+#if MASHBOX_NEON
+          for (int h = 0; h < sub; h++) {
+            const int level = lanes[l][j * sub + h] - (kSix ? kQ6Offset : 0);
+            row[j * sub + h] = Bf16Bits(scale * static_cast<float>(level) - offset);
+          }
+#else
           for (int h = 0; h < sub; h += 8) {
             const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(&lanes[l][j * sub + h]));
             __m256i level = _mm256_cvtepu8_epi32(q);
             if (kSix) level = _mm256_sub_epi32(level, _mm256_set1_epi32(kQ6Offset));
-            const __m256 value = _mm256_sub_ps(_mm256_mul_ps(scale, _mm256_cvtepi32_ps(level)), offset);
+            const __m256 value = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(level)),
+                                               _mm256_set1_ps(offset));
             _mm_storeu_si128(reinterpret_cast<__m128i*>(row + j * sub + h), Bf16x8(value));
           }
+#endif
         }
       }
     }
@@ -1111,7 +1430,7 @@ constexpr int64_t kSplit = 2048;
 #if MASHBOX_AVX512
 constexpr int kRows = 8;                 // query rows per pass (2 accumulators each)
 #else
-constexpr int kRows = 4;                 // AVX2: query rows per pass (2 accumulators each, 8 lanes)
+constexpr int kRows = 4;                 // AVX2 and NEON: query rows per pass
 #endif
 constexpr int64_t kStep = 32;            // positions per step of both passes (two 16-lane halves)
 constexpr int64_t kMaxHeadDim = 1024;    // int16 queries: 16383 * 127 * D stays below 2^31
@@ -1148,7 +1467,7 @@ inline __m512i Words16(const int8_t* at, __mmask32 m) {
 inline void Dpwssd(__m512i& acc, __m512i a, __m512i b) {
   asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
 }
-#else
+#elif MASHBOX_AVX2
 inline __m256 Exp(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
@@ -1174,6 +1493,36 @@ inline __m256i Words16(const int8_t* at, int64_t left) {
   __builtin_memcpy(part, at, std::max<int64_t>(left, 0));
   return _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(part)));
 }
+#else
+inline float32x4_t Exp(float32x4_t x) {
+  x = vmaxq_f32(x, vdupq_n_f32(-87.0f));
+  const float32x4_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504f)));
+  float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(0.693145752f));
+  r = vfmsq_f32(r, n, vdupq_n_f32(1.42860677e-6f));
+  float32x4_t p = vdupq_n_f32(1.0f / 720);
+  p = vfmaq_f32(vdupq_n_f32(1.0f / 120), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f / 24), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f / 6), p, r);
+  p = vfmaq_f32(vdupq_n_f32(0.5f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+  const int32x4_t two_n = vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n), vdupq_n_s32(127)), 23);
+  return vmulq_f32(p, vreinterpretq_f32_s32(two_n));
+}
+
+// 16 int8 at `at` -> int16, positions 0-7 and 8-15 (zero past `left`; never read past it).
+inline void Words16(const int8_t* at, int64_t left, int16x8_t* words) {
+  int8x16_t bytes;
+  if (left >= 16) {
+    bytes = vld1q_s8(at);
+  } else {
+    int8_t part[16] = {};
+    __builtin_memcpy(part, at, std::max<int64_t>(left, 0));
+    bytes = vld1q_s8(part);
+  }
+  words[0] = vmovl_s8(vget_low_s8(bytes));
+  words[1] = vmovl_high_s8(bytes);
+}
 #endif
 
 // Scores of R query rows (int16, as pairs of dimensions: qp [R, D/2], scales qs [R]) over n
@@ -1198,7 +1547,7 @@ void Scores(const int32_t* qp, const float* qs, const int8_t* k, const float* ks
     const int8_t* at = k + begin + p;
     if (later && p % 64 == 0)         // into L2: the values' pass reads these positions next
       for (int64_t d = 0; d < D; d++)
-        _mm_prefetch(reinterpret_cast<const char*>(later + d * C + begin + p), _MM_HINT_T1);
+        PrefetchL2(later + d * C + begin + p);
     for (int64_t d = 0; d < pairs; d++, at += 2 * C) {
       const __m512i a = Words16(at, m), b = Words16(at + C, m);
       const __m512i lo = _mm512_permutex2var_epi16(a, first, b);    // positions p .. p+15
@@ -1243,7 +1592,7 @@ void Weighted(const int16_t* wq, int64_t stride, const int8_t* v, int64_t D, int
     }
   }
 }
-#else
+#elif MASHBOX_AVX2
 // AVX2: 16 positions per step; vpunpck{l,h}wd interleave the two dimensions per position within
 // 128-bit lanes (positions 0-3 and 8-11, then 4-7 and 12-15), put back in order before the store.
 template <int R>
@@ -1257,7 +1606,7 @@ void Scores(const int32_t* qp, const float* qs, const int8_t* k, const float* ks
     const int8_t* at = k + begin + p;
     if (later && p % 64 == 0)
       for (int64_t d = 0; d < D; d++)
-        _mm_prefetch(reinterpret_cast<const char*>(later + d * C + begin + p), _MM_HINT_T1);
+        PrefetchL2(later + d * C + begin + p);
     for (int64_t d = 0; d < pairs; d++, at += 2 * C) {
       const __m256i a = Words16(at, left), b = Words16(at + C, left);
       const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);
@@ -1297,6 +1646,71 @@ void Weighted(const int16_t* wq, int64_t stride, const int8_t* v, int64_t D, int
       acc[r * D + d] = ReduceAdd(_mm256_cvtepi32_ps(a[0][r]));
       acc[r * D + d + 1] = ReduceAdd(_mm256_cvtepi32_ps(a[1][r]));
     }
+  }
+}
+#else
+// NEON: 16 positions per step, as 4 lanes of 4; each query pair's two dimensions are multiplied and
+// added into int32 (smlal) one after the other.
+template <int R>
+void Scores(const int32_t* qp, const float* qs, const int8_t* k, const float* ks, int64_t D, int64_t C,
+            int64_t begin, int64_t n, float* w, int64_t stride, const int8_t* later) {
+  const int64_t pairs = D / 2;
+  const int16_t* qw = reinterpret_cast<const int16_t*>(qp);      // dimension 2d at 2d, 2d + 1 next
+  for (int64_t p = 0; p < n; p += 16) {
+    const int64_t left = n - p;
+    int32x4_t s[R][4];
+    for (int r = 0; r < R; r++)
+      for (int q = 0; q < 4; q++) s[r][q] = vdupq_n_s32(0);
+    const int8_t* at = k + begin + p;
+    if (later && p % 64 == 0)
+      for (int64_t d = 0; d < D; d++) PrefetchL2(later + d * C + begin + p);
+    for (int64_t d = 0; d < pairs; d++, at += 2 * C) {
+      int16x8_t a[2], b[2];
+      Words16(at, left, a);
+      Words16(at + C, left, b);
+      for (int r = 0; r < R; r++) {
+        const int16_t q0 = qw[r * D + 2 * d], q1 = qw[r * D + 2 * d + 1];
+        for (int h = 0; h < 2; h++) {
+          s[r][2 * h] = vmlal_n_s16(vmlal_n_s16(s[r][2 * h], vget_low_s16(a[h]), q0), vget_low_s16(b[h]), q1);
+          s[r][2 * h + 1] = vmlal_high_n_s16(vmlal_high_n_s16(s[r][2 * h + 1], a[h], q0), b[h], q1);
+        }
+      }
+    }
+    for (int q = 0; q < 4; q++) {
+      const float32x4_t scale = Load4(ks + begin + p + 4 * q, left - 4 * q);
+      for (int r = 0; r < R; r++)
+        vst1q_f32(w + r * stride + p + 4 * q,
+                  vmulq_f32(vmulq_f32(vcvtq_f32_s32(s[r][q]), vdupq_n_f32(qs[r])), scale));
+    }
+  }
+}
+
+// Each dimension's products in 8 int32 lanes (two registers), as the AVX2 tier's: no lane sums more
+// than 256 products of a task's 2048 positions, within int32.
+template <int R>
+void Weighted(const int16_t* wq, int64_t stride, const int8_t* v, int64_t D, int64_t C, int64_t begin,
+              int64_t n, float* acc) {
+  for (int64_t d = 0; d < D; d += 2) {
+    int32x4_t a[2][R][2];
+    for (int e = 0; e < 2; e++)
+      for (int r = 0; r < R; r++) a[e][r][0] = a[e][r][1] = vdupq_n_s32(0);
+    const int8_t* at = v + d * C + begin;
+    for (int64_t p = 0; p < n; p += 16) {
+      int16x8_t values[2][2];                              // [dimension][positions 0-7, 8-15]
+      Words16(at + p, n - p, values[0]);
+      Words16(at + C + p, n - p, values[1]);
+      for (int r = 0; r < R; r++) {
+        const int16x8_t w0 = vld1q_s16(wq + r * stride + p), w1 = vld1q_s16(wq + r * stride + p + 8);
+        for (int e = 0; e < 2; e++) {
+          a[e][r][0] = vmlal_s16(vmlal_s16(a[e][r][0], vget_low_s16(values[e][0]), vget_low_s16(w0)),
+                                 vget_low_s16(values[e][1]), vget_low_s16(w1));
+          a[e][r][1] = vmlal_high_s16(vmlal_high_s16(a[e][r][1], values[e][0], w0), values[e][1], w1);
+        }
+      }
+    }
+    for (int r = 0; r < R; r++)
+      for (int e = 0; e < 2; e++)
+        acc[r * D + d + e] = vaddvq_f32(vaddq_f32(vcvtq_f32_s32(a[e][r][0]), vcvtq_f32_s32(a[e][r][1])));
   }
 }
 #endif
@@ -1374,7 +1788,7 @@ void AttendSpan(const float* q, const int8_t* k, const int8_t* v, const float* k
     for (int64_t p = 0; p < padded; p += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(&wq[g * padded + p]),
                           _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + p), levels))));
-#else
+#elif MASHBOX_AVX2
     __m256 top = _mm256_set1_ps(-INFINITY);
     for (int64_t p = 0; p < n; p += 8) {
       const __m256 m = _mm256_castsi256_ps(Lanes8(n - p));
@@ -1402,6 +1816,25 @@ void AttendSpan(const float* q, const int8_t* k, const int8_t* v, const float* k
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(&wq[g * padded + p]),
                           _mm256_permute4x64_epi64(_mm256_packs_epi32(low, high), 0xD8));
     }
+#else
+    float peak = -INFINITY;
+    for (int64_t p = 0; p < n; p++) peak = row[p] > peak ? row[p] : peak;
+    float32x4_t sum = vdupq_n_f32(0.0f), largest = vdupq_n_f32(0.0f);
+    for (int64_t p = 0; p < padded; p += 4) {          // past n: e and the weight 0 (the scores unset)
+      const float32x4_t shifted = vsubq_f32(vld1q_f32(row + p), vdupq_n_f32(peak));
+      const float32x4_t e = vreinterpretq_f32_u32(vandq_u32(Lanes4(n - p), vreinterpretq_u32_f32(Exp(shifted))));
+      sum = vaddq_f32(sum, e);
+      const float32x4_t weight = vmulq_f32(e, Load4(vs + begin + p, n - p));
+      largest = vmaxq_f32(largest, weight);
+      vst1q_f32(row + p, weight);
+    }
+    best[g] = peak;
+    total[g] = vaddvq_f32(sum);
+    const float top_weight = vmaxvq_f32(largest);
+    unit[g] = top_weight > 0.0f ? top_weight / kWeightLevels : 0.0f;
+    const float32x4_t levels = vdupq_n_f32(top_weight > 0.0f ? kWeightLevels / top_weight : 0.0f);
+    for (int64_t p = 0; p < padded; p += 4)             // nearest, ties to even, as cvtps_epi32
+      vst1_s16(&wq[g * padded + p], vqmovn_s32(vcvtnq_s32_f32(vmulq_f32(vld1q_f32(row + p), levels))));
 #endif
   }
   for (int64_t g = 0; g < G; g += kRows)
@@ -1498,7 +1931,7 @@ Pick PickPiece(const float* x, int64_t begin, int64_t end) {
   return {peak, _mm512_mask_reduce_min_epi32(tops, where)};
 }
 #else
-// AVX2: one element at a time (the same first largest).
+// AVX2 and NEON: one element at a time (the same first largest).
 Pick PickPiece(const float* x, int64_t begin, int64_t end) {
   Pick best{-INFINITY, begin};
   for (int64_t i = begin; i < end; i++)

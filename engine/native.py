@@ -8,10 +8,11 @@ cache root (rebuilt when the source, the compiler or jaxlib changes) and registe
 custom calls.
 
 It comes in tiers, chosen by the CPU's flags (TIERS): AVX-512 VNNI, else AVX2 with FMA and F16C
-(the same products from vpmaddubsw and vpmaddwd, bit for bit); MASHBOX_NATIVE_TIER=avx2 forces the
-lower tier on a CPU that has both (tests/test_native.py runs every tier the CPU has).
+(the same products from vpmaddubsw and vpmaddwd, bit for bit), and on ARM NEON with dot products
+(sdot); MASHBOX_NATIVE_TIER=avx2 forces the lower tier on a CPU that has both. tests/test_native.py
+runs every tier the CPU has, and the NEON tier cross-compiled under qemu-user.
 
-It is optional: without either tier's instructions, without a compiler, on several devices (the
+It is optional: without a tier's instructions, without a compiler, on several devices (the
 weights split over them: a custom call is not partitioned), or with MASHBOX_NATIVE=0, the weights
 stay in their plain [out, in] layout and XLA's own products and attention serve: the same int8
 weights and cache, the products equal to a float32 rounding, attention with quantized queries and
@@ -55,12 +56,15 @@ TARGETS = {"mashbox_int8_matmul": "MashboxInt8Matmul",
            "mashbox_first_max": "MashboxFirstMax", "mashbox_filter_cuts": "MashboxFilterCuts"}
 ENV_SWITCH = "MASHBOX_NATIVE"                      # "0": never build or use the kernel
 TIER_ENV = "MASHBOX_NATIVE_TIER"                   # a tier's name: that tier, if the CPU has it
-# The kernel's tiers, the first whose instructions (/proc/cpuinfo flags) the CPU has serves; a CPU
-# with neither keeps XLA's products. native.cc's MASHBOX_AVX512 follows the compiler flags.
+# The kernel's tiers, the first whose instructions (/proc/cpuinfo flags; ARM's "Features") the CPU
+# has serves; a CPU with none keeps XLA's products. native.cc's MASHBOX_AVX512 / _AVX2 / _NEON follow
+# the compiler flags. The NEON tier (AArch64 with sdot) is tested here under qemu-user
+# (tests/test_native.py); its speed is unmeasured.
 TIERS = {
     "avx512_vnni": (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"}),
                     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c")),
     "avx2": (frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c")),
+    "neon_dotprod": (frozenset({"asimd", "asimddp"}), ("-march=armv8.2-a+dotprod",)),
 }
 # No contraction into fused multiply-adds: int8_matmul rounds each operation once, as defined.
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")

@@ -19,7 +19,109 @@ from tests.test_registry import cache, tiny_demo  # noqa: F401  (fixtures)
 TINY = os.path.join(os.path.dirname(__file__), "fixtures", "tiny")
 
 needs_kernel = pytest.mark.skipif(not native.available(),
-                                  reason="the kernel needs AVX-512 VNNI or AVX2 (FMA, F16C) and a C++ compiler")
+                                  reason="the kernel needs AVX-512 VNNI, AVX2 (FMA, F16C) or NEON dot products, "
+                                         "and a C++ compiler")
+
+HARNESS = os.path.join(os.path.dirname(__file__), "kernel_harness")
+NEON_CXX, QEMU = "aarch64-linux-gnu-g++", "qemu-aarch64"       # Debian's g++-aarch64-linux-gnu, qemu-user
+# The harness's operand types, in xla::ffi::DataType's order (tests/kernel_harness/xla/ffi/api/ffi.h).
+HARNESS_TYPES = ["float32", "uint8", "int8", "uint32", "float16", "bfloat16", "int32"]
+
+
+class XlaTier:
+    """The kernel tier this CPU runs, through XLA's custom calls (engine.native), as numpy arrays."""
+
+    def __getattr__(self, name):
+        call = jax.jit(getattr(native, name))
+        return lambda *args: np.asarray(call(*args))
+
+
+class HarnessTier:
+    """A kernel tier this machine cannot load into XLA: tests/kernel_harness/harness.cc built for it,
+    run under qemu-user, with engine.native's calls (the same operands and result shapes)."""
+
+    def __init__(self, binary: str):
+        self.binary = binary
+
+    def _run(self, name, operands, shape, dtype):
+        import struct
+        import subprocess
+        import ml_dtypes
+        dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+        parts = [name.encode() + b"\n", struct.pack("<i", len(operands) + 1)]
+        for array in [*map(np.ascontiguousarray, operands), np.empty(shape, dtype)]:
+            parts.append(struct.pack(f"<BB{array.ndim}q", HARNESS_TYPES.index(array.dtype.name), array.ndim,
+                                     *array.shape))
+            parts.append(array.tobytes())
+        parts[-1] = b""                                          # the result: its shape only
+        done = subprocess.run([QEMU, self.binary], input=b"".join(parts), capture_output=True, timeout=600)
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+        return np.frombuffer(done.stdout, dtype).reshape(shape)
+
+    def int8_matmul(self, x, q, scale):
+        return self._run("int8_matmul", [x, q, scale], (x.shape[0], q.shape[0] * native.LANES), "float32")
+
+    def widen(self, q, after):
+        return self._run("int8_widen", [q, after], (q.shape[0] * q.shape[2], q.shape[1] * q.shape[3]), "bfloat16")
+
+    def int5_matmul(self, x, w):
+        return self._run("int5_matmul", [x, w["nib"], w["fifth"], w["d"]],
+                         (x.shape[0], w["nib"].shape[0] * native.LANES), "float32")
+
+    def widen5(self, w, after):
+        blocks, groups = w["nib"].shape[:2]
+        return self._run("int5_widen", [w["nib"], w["fifth"], w["d"], after],
+                         (blocks * native.LANES, groups * native.NIBBLE_GROUP), "bfloat16")
+
+    def k_matmul(self, x, w):
+        kind = native.k_kind(w)
+        return self._run(f"{kind[:2].lower()}k_matmul", [x, *(w[key] for key in native._K_OPERANDS[kind])],
+                         (x.shape[0], w["knib"].shape[0] * native.LANES), "float32")
+
+    def widen_k(self, w, after):
+        kind = native.k_kind(w)
+        blocks, groups = w["knib"].shape[:2]
+        return self._run(f"{kind[:2].lower()}k_widen", [*(w[key] for key in native._K_OPERANDS[kind]), after],
+                         (blocks * native.LANES, groups * native.NIBBLE_GROUP), "bfloat16")
+
+    def first_max(self, logits):
+        return self._run("first_max", [logits], logits.shape[:1], "int32")
+
+    def filter_cuts(self, probs, top_k, top_p):
+        return self._run("filter_cuts", [probs, top_k, top_p], (probs.shape[0], 2), "float32")
+
+    def int8_attend(self, q, k, v, k_scale, v_scale, slots, positions):
+        return self._run("int8_attend", [q, k, v, k_scale, v_scale, slots, positions], q.shape, "float32")
+
+
+@pytest.fixture(scope="session")
+def neon_harness(tmp_path_factory):
+    """The harness built for the NEON tier (native.TIERS' flags), or a skip where this machine has no
+    cross-compiler or qemu-user, or is ARM itself (there the xla tier is the NEON one)."""
+    import platform
+    import shutil
+    import subprocess
+    if platform.machine() in ("aarch64", "arm64"):
+        pytest.skip("an ARM CPU: its own tier runs through XLA")
+    if not (shutil.which(NEON_CXX) and shutil.which(QEMU)):
+        pytest.skip(f"the NEON tier's tests need {NEON_CXX} and {QEMU} (Debian: g++-aarch64-linux-gnu, qemu-user)")
+    binary = str(tmp_path_factory.mktemp("neon") / "harness")
+    flags = [f for f in native.BASE_FLAGS if f not in ("-shared", "-fPIC")] + list(native.TIERS["neon_dotprod"][1])
+    done = subprocess.run([NEON_CXX, *flags, "-static", f"-I{HARNESS}", os.path.join(HARNESS, "harness.cc"), "-o",
+                           binary], capture_output=True, text=True, timeout=native.BUILD_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return HarnessTier(binary)
+
+
+@pytest.fixture(params=["xla", "neon"])
+def kernel(request):
+    """Each kernel test runs on this CPU's tier through XLA and on the NEON tier under qemu-user: every
+    tier held to the same numpy definitions."""
+    if request.param == "neon":
+        return request.getfixturevalue("neon_harness")
+    if not native.available():
+        pytest.skip("the kernel needs AVX-512 VNNI, AVX2 (FMA, F16C) or NEON dot products, and a C++ compiler")
+    return XlaTier()
 
 
 def _offset_weights(rng, n, k):
@@ -28,13 +130,12 @@ def _offset_weights(rng, n, k):
     return rng.integers(1, 256, (n, k), dtype=np.uint8)
 
 
-@needs_kernel
 @pytest.mark.parametrize("n, k", [(16, 4), (32, 64), (48, 68), (16, 260), (896, 4864)])
-def test_widen_gives_the_weights_int8_values_exactly(n, k):
+def test_widen_gives_the_weights_int8_values_exactly(kernel, n, k):
     """Guards against the 16 x 16 transpose or the tail of inputs (K/4 not a multiple of 16) putting
     a weight in the wrong place, or the bfloat16 conversion rounding one."""
     q = _offset_weights(np.random.default_rng(k), n, k)
-    got = np.asarray(jax.jit(native.widen)(native.pack(q), np.zeros(1, np.float32))).astype(np.float32)
+    got = kernel.widen(native.pack(q), np.zeros(1, np.float32)).astype(np.float32)
     np.testing.assert_array_equal(got, q.astype(np.float32) - 128)
 
 
@@ -51,10 +152,9 @@ def _terms(x, count=2):
     return out
 
 
-@needs_kernel
 @pytest.mark.parametrize("n, k", [(16, 4), (80, 96), (48, 68), (64, 900), (1152, 896)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
-def test_int8_matmul_is_the_two_terms_products_and_scales_rounded_once_each(n, k, rows):
+def test_int8_matmul_is_the_two_terms_products_and_scales_rounded_once_each(kernel, n, k, rows):
     """Guards against the fused call's quantization (half to even, clipped, a zero row's scale 1), a
     pass of rows (4 at a time, then the rest: 9 rows), a chunk edge, the tail of a row (K not a
     multiple of 16) or the offset's correction going wrong, or its float32 sum differing from what
@@ -64,16 +164,15 @@ def test_int8_matmul_is_the_two_terms_products_and_scales_rounded_once_each(n, k
     scale = rng.random(n).astype(np.float32)
     x = (rng.standard_normal((rows, k)) * rng.choice([1e-3, 1, 50], (rows, 1))).astype(np.float32)
     x[0, :] = 0                                        # a padding row
-    got = np.asarray(jax.jit(native.int8_matmul)(x, native.pack(q), scale))
+    got = kernel.int8_matmul(x, native.pack(q), scale)
     values = q.astype(np.int64) - 128
     want = sum((term.astype(np.int64) @ values.T).astype(np.float32) * s for term, s in _terms(x))
     np.testing.assert_array_equal(got, (want * scale).astype(np.float32))
     assert not got[0].any()
 
 
-@needs_kernel
 @pytest.mark.parametrize("vocab", [1, 15, 16, 17, 16384, 40000])
-def test_first_max_takes_each_rows_first_largest_logit(vocab):
+def test_first_max_takes_each_rows_first_largest_logit(kernel, vocab):
     """Guards the greedy pick: ties go to the first index, also across the kernel's pieces of 16384;
     a row of -inf picks 0; a NaN is never picked (XLA's reductions differ there: theirs is compared
     on the other rows); lanes past V never win."""
@@ -84,14 +183,13 @@ def test_first_max_takes_each_rows_first_largest_logit(vocab):
     x[3, vocab // 2:] = 7.0                               # the first of many equal maxima
     x[4, rng.integers(vocab)] = np.nan
     x[5, -1] = 1e30                                       # the very last logit
-    got = np.asarray(jax.jit(native.first_max)(jnp.asarray(x)))
+    got = kernel.first_max(x)
     np.testing.assert_array_equal(got, np.argmax(np.nan_to_num(x, nan=-np.inf), -1))
     reduced = np.asarray(jax.jit(sampler._first_max_reduced)(x))
     np.testing.assert_array_equal(np.delete(got, 4), np.delete(reduced, 4))
 
 
-@needs_kernel
-def test_filter_cuts_keep_what_a_full_sort_keeps():
+def test_filter_cuts_keep_what_a_full_sort_keeps(kernel):
     """Guards the sampling filters' cuts against keeping other tokens than a float64 full sort does
     (tests/test_sampler.py: _reference_mask): peaked, flat and tied rows, cuts inside the histogram's
     buckets, top-k past the vocabulary, underflowed zeros; each filter off gives a cut of 0."""
@@ -109,7 +207,7 @@ def test_filter_cuts_keep_what_a_full_sort_keeps():
     probs[4, :100] = probs[4, 0]                      # ties at the top-k cut
     top_k = np.array([r[1] for r in rows], np.int32)
     top_p = np.array([r[2] for r in rows], np.float32)
-    cuts = np.asarray(jax.jit(native.filter_cuts)(probs, top_k, top_p))
+    cuts = kernel.filter_cuts(probs, top_k, top_p)
     for row, (_, k, tp) in enumerate(rows):
         got = probs[row] >= cuts[row].max()
         want = _reference_mask(probs[row], min(k, vocab), float(np.float32(tp)))
@@ -130,10 +228,9 @@ def _q5_0_values(levels, scales):
     return (levels.astype(np.float32) - 16) * np.repeat(scales.astype(np.float32), 32, axis=1)
 
 
-@needs_kernel
 @pytest.mark.parametrize("n, k", [(16, 32), (48, 96), (896, 4864)])
 @pytest.mark.parametrize("rows", [1, 4, 5, 9])
-def test_int5_matmul_is_each_blocks_exact_product_times_its_scales(n, k, rows):
+def test_int5_matmul_is_each_blocks_exact_product_times_its_scales(kernel, n, k, rows):
     """Guards against the nibble and fifth-bit layout, a pass of 8 rows (then the rest), the level's
     offset of 16 or the scales' order going wrong: per 32 inputs each row is rounded to int8 on its
     own scale, the product with the levels is an integer, then float32, times the weights' scales
@@ -143,7 +240,7 @@ def test_int5_matmul_is_each_blocks_exact_product_times_its_scales(n, k, rows):
     x = (rng.standard_normal((rows, k)) * rng.choice([1e-3, 1, 50], (rows, 1))).astype(np.float32)
     x[0, :] = 0                                        # a padding row
     x[-1, :32] = 0                                     # a zero block
-    got = np.asarray(jax.jit(native.int5_matmul)(x, native.pack5(levels, scales)))
+    got = kernel.int5_matmul(x, native.pack5(levels, scales))
     values = levels.astype(np.int64) - 16
     want = np.zeros((rows, n), np.float32)
     for b in range(k // 32):
@@ -163,14 +260,13 @@ def test_int5_matmul_is_each_blocks_exact_product_times_its_scales(n, k, rows):
     assert (np.abs(got - x.astype(np.float64) @ weights.T) <= bound * 1.001 + 1e-6 * np.abs(got).max()).all()
 
 
-@needs_kernel
 @pytest.mark.parametrize("n, k", [(16, 32), (48, 96), (896, 4864)])
-def test_widen5_rounds_each_weight_to_bfloat16(n, k):
+def test_widen5_rounds_each_weight_to_bfloat16(kernel, n, k):
     """Guards against a weight in the wrong place or rounded other than to the nearest bfloat16 (ties
     to even) when 5-bit weights are widened for a prefill chunk's dot."""
     import ml_dtypes
     levels, scales = _q5_0(np.random.default_rng(k), n, k)
-    got = np.asarray(jax.jit(native.widen5)(native.pack5(levels, scales), np.zeros(1, np.float32)))
+    got = kernel.widen5(native.pack5(levels, scales), np.zeros(1, np.float32))
     want = _q5_0_values(levels, scales).astype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
 
@@ -223,11 +319,10 @@ def test_k_quant_parts_are_the_blocks_own_numbers(kind):
     np.testing.assert_array_equal(values, _k_values(kind, raw))
 
 
-@needs_kernel
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("n, k", [(16, 256), (48, 512), (896, 4864)])
 @pytest.mark.parametrize("rows", [1, 4, 5, 9])
-def test_k_matmul_is_each_super_blocks_exact_product_times_its_scales(kind, n, k, rows):
+def test_k_matmul_is_each_super_blocks_exact_product_times_its_scales(kernel, kind, n, k, rows):
     """Guards against the K-quant layout (nibbles, Q5_K's fifth bits, Q6_K's top bits, scales and
     mins per lane), a
     pass of 4 rows (then the rest) or the order of the roundings going wrong: per 256 inputs each row
@@ -242,7 +337,7 @@ def test_k_matmul_is_each_super_blocks_exact_product_times_its_scales(kind, n, k
     x = (rng.standard_normal((rows, k)) * rng.choice([1e-3, 1, 50], (rows, 1))).astype(np.float32)
     x[0, :] = 0                                        # a padding row
     x[-1, :256] = 0                                    # a zero super-block
-    got = np.asarray(jax.jit(native.k_matmul)(x, native.pack_k(kind, **parts)))
+    got = kernel.k_matmul(x, native.pack_k(kind, **parts))
     sub = native.K_SUB[kind]
     levels = parts["levels"].astype(np.int64)
     sc = parts["sc"].astype(np.int64)
@@ -274,15 +369,14 @@ def test_k_matmul_is_each_super_blocks_exact_product_times_its_scales(kind, n, k
     assert (np.abs(got - x.astype(np.float64) @ weights.T) <= bound * 1.001 + 1e-5 * np.abs(got).max()).all()
 
 
-@needs_kernel
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("n, k", [(16, 256), (896, 4864)])
-def test_widen_k_rounds_each_weight_to_bfloat16(kind, n, k):
+def test_widen_k_rounds_each_weight_to_bfloat16(kernel, kind, n, k):
     """Guards against a weight in the wrong place or other than gguf's value rounded to the nearest
     bfloat16 when K-quant blocks are widened for a prefill chunk's dot."""
     import ml_dtypes
     raw = random_k_blocks(np.random.default_rng(k), kind, n, k)
-    got = np.asarray(jax.jit(native.widen_k)(_k_held(kind, raw), np.zeros(1, np.float32)))
+    got = kernel.widen_k(_k_held(kind, raw), np.zeros(1, np.float32))
     want = _k_values(kind, raw).astype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
 
@@ -410,7 +504,7 @@ def test_the_avx2_tier_passes_the_kernel_tests_on_an_avx512_cpu():
     import subprocess
     import sys
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "not avx2_tier_passes"], env={**os.environ, native.TIER_ENV: "avx2"},
+                           "not avx2_tier_passes and not neon"], env={**os.environ, native.TIER_ENV: "avx2"},
                           capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:]
 
@@ -464,10 +558,9 @@ def _attention_rounded(q, k, v, k_scale, v_scale, slots, positions):
     return out
 
 
-@needs_kernel
 @pytest.mark.parametrize("group, d, positions", [(7, 64, [0, 17, 4095, 5000]), (2, 16, [1, 2047, 2048, 9]),
                                                   (12, 8, [3, 3, 3000, 40])])
-def test_int8_attend_is_softmax_attention_over_each_rows_own_context(group, d, positions):
+def test_int8_attend_is_softmax_attention_over_each_rows_own_context(kernel, group, d, positions):
     """Guards against a row reading past its own position or another slot, a task boundary (every
     2048 positions) or a tail of fewer than 32 positions merging wrongly, or groups of more than 8
     query rows losing some; and against the int16 roundings costing more than 1/2000 of the
@@ -481,13 +574,13 @@ def test_int8_attend_is_softmax_attention_over_each_rows_own_context(group, d, p
     q = (rng.standard_normal((len(positions), kv, group, d)) / 4).astype(np.float32)
     rows = np.array([2, 0, 1, 0], np.int32)[:len(positions)]
     where = np.array(positions, np.int32)
-    got = np.asarray(jax.jit(native.int8_attend)(q, k, v, k_scale, v_scale, rows, where))
+    got = kernel.int8_attend(q, k, v, k_scale, v_scale, rows, where)
     rounded = _attention_rounded(q, k, v, k_scale, v_scale, rows, where)
     np.testing.assert_allclose(got, rounded, rtol=1e-4, atol=1e-5 * np.abs(rounded).max())
     exact = _attention_reference(q, k, v, k_scale, v_scale, rows, where)
     assert np.abs(got - exact).max() < np.abs(exact).max() / 2000
     k[rows[0], :, :, positions[0] + 1:] = 127                 # what lies past a row's position is not read
-    again = np.asarray(jax.jit(native.int8_attend)(q, k, v, k_scale, v_scale, rows, where))
+    again = kernel.int8_attend(q, k, v, k_scale, v_scale, rows, where)
     np.testing.assert_array_equal(again[0], got[0])
 
 
