@@ -16,12 +16,14 @@ BF16_DOT_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 # Without them, AVX2's integer products still made int8 weights faster than float32 where measured
 # (the demo's decode step on a Zen 3 EPYC: 1.49x at 1 row, 1.14x at 4; a prefill chunk as fast), at
-# a quarter of the bytes: int8 is `auto` there too. CPUs with neither keep float32 (unmeasured).
-INT8_WEIGHTS_FLAGS = INT8_DOT_FLAGS | {"avx2"}
+# a quarter of the bytes: int8 is `auto` there too. ARM with dot products (asimddp: the native
+# kernel's NEON tier, tested under emulation only) likewise, unmeasured: a decode step streams every
+# weight, and int8 streams a quarter of float32's bytes. Other CPUs keep float32 (unmeasured).
+INT8_WEIGHTS_FLAGS = INT8_DOT_FLAGS | {"avx2", "asimddp"}
 # The int8 KV cache: CPUs with int8 dot products, and AVX2, where it was faster too (decode after 8k
 # tokens about twice as fast with the native kernel: docs/perf-log.md, "The native kernel's AVX2
-# tier"; without the kernel no slower than float16).
-INT8_KV_FLAGS = INT8_DOT_FLAGS | {"avx2"}
+# tier"; without the kernel no slower than float16), and ARM's NEON tier as above (unmeasured).
+INT8_KV_FLAGS = INT8_DOT_FLAGS | {"avx2", "asimddp"}
 # Instruction sets YNNPACK has unsigned x signed int8 kernels for (VNNI's vpdpbusd multiplies an
 # unsigned byte by a signed one; AMX likewise). Its int8 x int8 kernels use plain AVX-512 instead,
 # so there int8 weights are held offset as uint8 (engine.weights.OFFSET_INT8) and attention's rows are

@@ -139,14 +139,17 @@ def test_int8_weights_take_about_a_quarter_of_float32():
     assert memory.held_weight_bytes(folder, "int8") < 0.3 * memory.held_weight_bytes(folder, "float32")
 
 
-def test_auto_weights_dtype_is_int8_on_a_cpu_with_int8_or_avx2_integer_products(monkeypatch):
+def test_auto_weights_dtype_is_int8_on_a_cpu_with_int8_avx2_or_arm_dot_products(monkeypatch):
     monkeypatch.setattr(cpu, "flags", lambda: frozenset({"avx2", "avx512f", "avx512_vnni"}))
     assert model.weights_dtype_for("cpu", "auto") == "int8"
     assert model.weights_dtype_for("cpu", None) == "int8"
     monkeypatch.setattr(cpu, "flags", lambda: frozenset({"avx2", "fma"}))
     assert model.weights_dtype_for("cpu", "auto") == "int8"
-    monkeypatch.setattr(cpu, "flags", lambda: frozenset({"sse4_2", "fma"}))
-    assert model.weights_dtype_for("cpu", "auto") == "float32"
+    monkeypatch.setattr(cpu, "flags", lambda: frozenset({"fp", "asimd", "asimddp"}))   # ARM with sdot
+    assert model.weights_dtype_for("cpu", "auto") == "int8"
+    for flags in ({"sse4_2", "fma"}, {"fp", "asimd"}):
+        monkeypatch.setattr(cpu, "flags", lambda f=frozenset(flags): f)
+        assert model.weights_dtype_for("cpu", "auto") == "float32"
     assert model.weights_dtype_for("gpu", "auto") == "bfloat16"
     assert model.weights_dtype_for("cpu", "int8") == "int8"
     assert model.weights_dtype_for("cpu", "float32") == "float32"

@@ -459,10 +459,10 @@ def test_kv_cache_dtype_is_int8_where_the_cpu_multiplies_int8_and_bfloat16_on_ac
     """Guards against a wide cache on CPU (float32: 2-4x the memory), bfloat16 there (3-4x slower
     attention), or int8 on a CPU without integer products of any speed (engine.cpu.INT8_KV_FLAGS)."""
     from engine import cpu
-    for flags in ({"avx2", "avx512_vnni"}, {"avx_vnni"}, {"avx2", "fma", "f16c"}):
+    for flags in ({"avx2", "avx512_vnni"}, {"avx_vnni"}, {"avx2", "fma", "f16c"}, {"asimd", "asimddp"}):
         monkeypatch.setattr(cpu, "flags", lambda: frozenset(flags))
         assert attention.kv_dtype_for("cpu") == jnp.int8, flags
-    for flags in ({"sse4_2", "avx"},):
+    for flags in ({"sse4_2", "avx"}, {"asimd"}):
         monkeypatch.setattr(cpu, "flags", lambda: frozenset(flags))
         assert attention.kv_dtype_for("cpu") == jnp.float16, flags
     assert attention.kv_dtype_for("gpu") == jnp.bfloat16 and attention.kv_dtype_for("tpu") == jnp.bfloat16

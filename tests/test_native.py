@@ -479,13 +479,16 @@ def test_switched_off_or_without_a_tier_the_weights_stay_plain(monkeypatch):
 
 
 def test_the_tier_is_the_best_the_cpu_has_or_the_one_forced(monkeypatch):
-    """Guards the tier choice (native.TIERS): AVX-512 VNNI first, AVX2 without it, MASHBOX_NATIVE_TIER
+    """Guards the tier choice (native.TIERS): AVX-512 VNNI first, AVX2 without it, NEON on ARM with dot
+    products (not without), MASHBOX_NATIVE_TIER
     forcing a tier the CPU has (never one it lacks: that build would fault), none when switched off."""
     avx512 = native.TIERS["avx512_vnni"][0] | native.TIERS["avx2"][0]
     for flags, env, want in ((avx512, {}, "avx512_vnni"), (avx512, {native.TIER_ENV: "avx2"}, "avx2"),
                              (native.TIERS["avx2"][0], {}, "avx2"),
                              (native.TIERS["avx2"][0], {native.TIER_ENV: "avx512_vnni"}, None),
-                             (avx512, {native.ENV_SWITCH: "0"}, None), (frozenset({"sse4_2"}), {}, None)):
+                             (avx512, {native.ENV_SWITCH: "0"}, None), (frozenset({"sse4_2"}), {}, None),
+                             (frozenset({"fp", "asimd", "asimddp"}), {}, "neon_dotprod"),
+                             (frozenset({"fp", "asimd"}), {}, None)):
         with monkeypatch.context() as m:
             m.setattr(native.cpu, "flags", lambda: flags)
             for key in (native.TIER_ENV, native.ENV_SWITCH):
