@@ -1,11 +1,12 @@
 // The engine's one native kernel, in three tiers (AVX-512 VNNI; AVX2 with FMA and F16C; ARM's NEON
-// with dot products: the compiler flags choose, engine/native.py: TIERS): float rows times packed int8 weights (Int8Matmul:
-// the rows as int8 terms, their exact products, the scales), the packed weights widened for a
-// prefill chunk's dot (Int8Widen), the same two for a GGUF's 5-bit Q5_0 blocks (Int5Matmul,
-// Int5Widen) and for a GGUF's K-quant blocks (Q4KMatmul ... Q6KWiden), decode attention over the
-// int8 KV cache (Int8Attend), the greedy pick of each row's largest logit (FirstMax) and the
-// sampling filters' cuts (FilterCuts). engine/native.py builds and
-// registers them; engine/products.py, engine/attention.py and engine/sampler.py call them.
+// with dot products: the compiler flags choose, engine/native.py: TIERS): float rows times packed
+// int8 weights (Int8Matmul: the rows as int8 terms, their exact products, the scales), the packed
+// weights widened for a prefill chunk's dot (Int8Widen), the same two for a GGUF's 5-bit Q5_0
+// blocks (Int5Matmul, Int5Widen), its 8-bit Q8_0 blocks (Q8Matmul, Q8Widen) and its K-quant blocks
+// (Q4KMatmul ... Q6KWiden), decode attention over the int8 KV cache (Int8Attend), the greedy pick
+// of each row's largest logit (FirstMax) and the sampling filters' cuts (FilterCuts).
+// engine/native.py builds and registers them; engine/products.py, engine/attention.py and
+// engine/sampler.py call them.
 //
 // XLA:CPU hands an integer dot to YNNPACK, whose kernels ran compute-bound on a 2-core AMD EPYC
 // (Zen 4): 12.8 GB/s of weights for one decode row, against 34 GB/s for a float32 dot. A decode
@@ -927,6 +928,230 @@ ffi::Error Int5Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer
         for (int h = 0; h < kQ5Block; h++)
           row[h] = Bf16Bits(static_cast<float>(lanes[l][h] - kQ5Offset) * scale[l]);
 #endif
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// ---- 8-bit blocks: Q8_0's as the file holds them ------------------------------------------------
+
+// A GGUF's Q8_0 matrix holds each weight as an int8 level q with a float16 scale d per 32 inputs,
+// w = d q (the demo's tied embedding and LM head; every matrix of a Q8_0 file). Held as they are
+// (engine.native.pack8): the levels plus 128 in the int8 layout's packed blocks (one 64-byte load:
+// 4 inputs of 16 outputs), and d float16 [N/16, K/32, 16] as Q5_0's. The rows are rounded to int8
+// per 32 inputs as Int5Matmul's are (one term on each block's scale, where the int8 product takes
+// two per row): half the products of the int8 form for the same weights, which per channel would be
+// rounded a second time. Each 32 inputs' exact sum leaves as float32 times both scales.
+constexpr int kQ8Block = 32;             // inputs per scale
+constexpr int kQ8Offset = 128;           // held level = q + 128 (vpdpbusd's unsigned operand)
+
+bool Packed8(const ffi::Span<const int64_t>& q, const ffi::Span<const int64_t>& d) {
+  return Packed(q) && (q[1] * kGroup) % kQ8Block == 0 && d.size() == 3 && d[0] == q[0] &&
+         d[1] * kQ8Block == q[1] * kGroup && d[2] == kLanes;
+}
+
+// One block of 16 outputs for R rows (terms per 32 inputs: sums and term_scales [R, K/32]).
+#if MASHBOX_AVX512
+template <int R>
+void Block8(const uint8_t* q, const uint16_t* d, const int8_t* terms, const int32_t* sums,
+            const float* term_scales, float* out, int64_t K, int64_t N, int64_t b) {
+  const int64_t groups = K / kGroup, blocks32 = K / kQ8Block;
+  const uint8_t* qb = q + b * groups * 64;
+  const uint16_t* db = d + b * blocks32 * kLanes;
+  __m512 total[R];
+  for (int r = 0; r < R; r++) total[r] = _mm512_setzero_ps();
+  for (int64_t g32 = 0; g32 < blocks32; g32++) {
+    __m512i acc[R];                  // starts at -128 x the terms' sum: the offset's part
+    for (int r = 0; r < R; r++) acc[r] = _mm512_set1_epi32(-kQ8Offset * sums[r * blocks32 + g32]);
+    PrefetchL2(db + (g32 + kPrefetchL2 / 512) * kLanes);
+    for (int i = 0; i < kQ8Block / kGroup; i++) {
+      const int64_t g = g32 * (kQ8Block / kGroup) + i;
+      Prefetch(qb + g * 64 + kPrefetch);
+      PrefetchL2(qb + g * 64 + kPrefetchL2);
+      const __m512i wv = _mm512_loadu_si512(qb + g * 64);
+      for (int r = 0; r < R; r++) {
+        int32_t four;                                      // terms[r, 4g .. 4g+3]
+        __builtin_memcpy(&four, terms + r * K + g * kGroup, sizeof four);
+        Dpbusd(acc[r], wv, _mm512_set1_epi32(four));
+      }
+    }
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(db + g32 * kLanes)));
+    for (int r = 0; r < R; r++)
+      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]),
+                                 _mm512_mul_ps(scale, _mm512_set1_ps(term_scales[r * blocks32 + g32])), total[r]);
+  }
+  for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * N + b * kLanes, total[r]);
+}
+#elif MASHBOX_AVX2
+// The signed levels (the top bit flipped) take the terms' signs, as ScaledBlock's: a level of -128
+// would not (engine.weights keeps Q8_0 blocks only where none is).
+template <int R>
+void Block8(const uint8_t* q, const uint16_t* d, const int8_t* terms, const int32_t*,
+            const float* term_scales, float* out, int64_t K, int64_t N, int64_t b) {
+  const int64_t groups = K / kGroup, blocks32 = K / kQ8Block;
+  const uint8_t* qb = q + b * groups * 64;
+  const uint16_t* db = d + b * blocks32 * kLanes;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 total[R][2];
+  for (int r = 0; r < R; r++) total[r][0] = total[r][1] = _mm256_setzero_ps();
+  for (int64_t g32 = 0; g32 < blocks32; g32++) {
+    __m256i acc[R][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    PrefetchL2(db + (g32 + kPrefetchL2 / 512) * kLanes);
+    for (int i = 0; i < kQ8Block / kGroup; i++) {
+      const int64_t g = g32 * (kQ8Block / kGroup) + i;
+      const uint8_t* at = qb + g * 64;
+      Prefetch(at + kPrefetch);
+      PrefetchL2(at + kPrefetchL2);
+      const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)), flip);
+      const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32)), flip);
+      for (int r = 0; r < R; r++) {
+        int32_t four;
+        __builtin_memcpy(&four, terms + r * K + g * kGroup, sizeof four);
+        const __m256i tv = _mm256_set1_epi32(four), magnitude = _mm256_abs_epi8(tv);
+        acc[r][0] = DotBytes(acc[r][0], magnitude, _mm256_sign_epi8(w0, tv));
+        acc[r][1] = DotBytes(acc[r][1], magnitude, _mm256_sign_epi8(w1, tv));
+      }
+    }
+    for (int h = 0; h < 2; h++) {
+      const __m256 scale =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db + g32 * kLanes + 8 * h)));
+      for (int r = 0; r < R; r++) {
+        const __m256 both = _mm256_mul_ps(scale, _mm256_set1_ps(term_scales[r * blocks32 + g32]));
+        total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), both, total[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * N + b * kLanes + 8 * h, total[r][h]);
+}
+#else
+template <int R>
+void Block8(const uint8_t* q, const uint16_t* d, const int8_t* terms, const int32_t*,
+            const float* term_scales, float* out, int64_t K, int64_t N, int64_t b) {
+  const int64_t groups = K / kGroup, blocks32 = K / kQ8Block;
+  const uint8_t* qb = q + b * groups * 64;
+  const uint16_t* db = d + b * blocks32 * kLanes;
+  const uint8x16_t flip = vdupq_n_u8(0x80);
+  float32x4_t total[R][4];
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < 4; h++) total[r][h] = vdupq_n_f32(0.0f);
+  for (int64_t g32 = 0; g32 < blocks32; g32++) {
+    int32x4_t acc[R][4];
+    for (int r = 0; r < R; r++)
+      for (int h = 0; h < 4; h++) acc[r][h] = vdupq_n_s32(0);
+    PrefetchL2(db + (g32 + kPrefetchL2 / 512) * kLanes);
+    for (int i = 0; i < kQ8Block / kGroup; i++) {
+      const int64_t g = g32 * (kQ8Block / kGroup) + i;
+      const uint8_t* at = qb + g * 64;
+      Prefetch(at + kPrefetch);
+      PrefetchL2(at + kPrefetchL2);
+      int8x16_t wv[4];
+      for (int h = 0; h < 4; h++) wv[h] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(at + 16 * h), flip));
+      for (int r = 0; r < R; r++) {
+        int32_t four;
+        __builtin_memcpy(&four, terms + r * K + g * kGroup, sizeof four);
+        const int8x16_t tv = vreinterpretq_s8_s32(vdupq_n_s32(four));
+        for (int h = 0; h < 4; h++) acc[r][h] = vdotq_s32(acc[r][h], wv[h], tv);
+      }
+    }
+    for (int h = 0; h < 4; h++) {
+      const float32x4_t scale = Halves4(db + g32 * kLanes + 4 * h);
+      for (int r = 0; r < R; r++) {
+        const float32x4_t both = vmulq_f32(scale, vdupq_n_f32(term_scales[r * blocks32 + g32]));
+        total[r][h] = vfmaq_f32(total[r][h], vcvtq_f32_s32(acc[r][h]), both);
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < 4; h++) vst1q_f32(out + r * N + b * kLanes + 4 * h, total[r][h]);
+}
+#endif
+
+using Block8Fn = void (*)(const uint8_t*, const uint16_t*, const int8_t*, const int32_t*, const float*, float*,
+                          int64_t, int64_t, int64_t);
+#if MASHBOX_AVX512
+constexpr Block8Fn kBlocks8[kMaxTerms + 1] = {nullptr, Block8<1>, Block8<2>, Block8<3>, Block8<4>,
+                                              Block8<5>, Block8<6>, Block8<7>, Block8<8>};
+#else
+constexpr Block8Fn kBlocks8[kMaxTerms + 1] = {nullptr, Block8<1>, Block8<2>, Block8<3>, Block8<4>};
+#endif
+
+// x float32 [R, K] times Q8_0 blocks (q: levels + 128, packed; d) -> float32 [R, N]: each row
+// rounded to int8 per 32 inputs on its own scale, each block's exact product times both scales.
+ffi::Error Q8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
+                    ffi::Buffer<ffi::F16> d, ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions();
+  if (!Packed8(q.dimensions(), d.dimensions()) || xd.size() != 2 || xd[1] != q.dimensions()[1] * kGroup)
+    return ffi::Error::InvalidArgument("q8_matmul: x [R, K], q [N/16, K/4, 16, 4], d [N/16, K/32, 16]");
+  const int64_t blocks = q.dimensions()[0], K = xd[1], N = blocks * kLanes, R = xd[0];
+  const int64_t blocks32 = K / kQ8Block;
+  const float* xp = x.typed_data();
+  std::vector<int8_t> terms(R * K);
+  std::vector<float> term_scales(R * blocks32);
+  std::vector<int32_t> sums(R * blocks32, 0);
+  for (int64_t r = 0; r < R; r++)
+    for (int64_t j = 0; j < blocks32; j++) {
+      const int64_t at = r * K + j * kQ8Block;
+      term_scales[r * blocks32 + j] = QuantizeRow(xp + at, terms.data() + at, kQ8Block, &sums[r * blocks32 + j]);
+    }
+  const uint8_t* qp = q.typed_data();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.typed_data());
+  float* op = out->typed_data();
+  Parallel(pool, Chunks(blocks), [&](int64_t c) {
+    const int64_t b0 = c * kChunkBlocks, b1 = std::min(b0 + kChunkBlocks, blocks);
+    for (int64_t r0 = 0; r0 < R; r0 += kMaxTerms) {
+      const int64_t n = std::min<int64_t>(kMaxTerms, R - r0);
+      for (int64_t b = b0; b < b1; b++)
+        kBlocks8[n](qp, dp, terms.data() + r0 * K, sums.data() + r0 * blocks32, term_scales.data() + r0 * blocks32,
+                    op + r0 * N, K, N, b);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// Q8_0 blocks -> their values d q rounded to bfloat16 (nearest, ties to even) [N, K], for a prefill
+// chunk's dot. `after` as Int8Widen's.
+ffi::Error Q8Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi::F16> d, ffi::AnyBuffer after,
+                   ffi::ResultBuffer<ffi::BF16> out) {
+  if (!Packed8(q.dimensions(), d.dimensions()))
+    return ffi::Error::InvalidArgument("q8_widen: q [N/16, K/4, 16, 4], d [N/16, K/32, 16]");
+  const int64_t blocks = q.dimensions()[0], groups = q.dimensions()[1], K = groups * kGroup;
+  const int64_t blocks32 = K / kQ8Block;
+  const uint8_t* qp = q.typed_data();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.typed_data());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out->typed_data());
+  Parallel(pool, blocks, [&](int64_t b) {
+    for (int64_t g32 = 0; g32 < blocks32; g32++) {
+      alignas(32) float scale[kLanes];
+#if MASHBOX_NEON
+      for (int h = 0; h < 4; h++) vst1q_f32(scale + 4 * h, Halves4(dp + (b * blocks32 + g32) * kLanes + 4 * h));
+#else
+      for (int h = 0; h < 2; h++)
+        _mm256_store_ps(scale + 8 * h, _mm256_cvtph_ps(_mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(dp + (b * blocks32 + g32) * kLanes + 8 * h))));
+#endif
+      const uint8_t* group = qp + (b * groups + g32 * (kQ8Block / kGroup)) * kLanes * kGroup;
+      for (int l = 0; l < kLanes; l++) {
+        uint16_t* row = op + (b * kLanes + l) * K + g32 * kQ8Block;
+        for (int i = 0; i < kQ8Block / kGroup; i += 2) {   // 8 inputs: two groups' 4 of lane l
+#if MASHBOX_NEON
+          for (int j = 0; j < 2 * kGroup; j++) {
+            const int level = group[((i + j / kGroup) * kLanes + l) * kGroup + j % kGroup] - kQ8Offset;
+            row[i * kGroup + j] = Bf16Bits(static_cast<float>(level) * scale[l]);
+          }
+#else
+          int32_t four[2];
+          __builtin_memcpy(&four[0], group + (i * kLanes + l) * kGroup, 4);
+          __builtin_memcpy(&four[1], group + ((i + 1) * kLanes + l) * kGroup, 4);
+          const __m256i level = _mm256_sub_epi32(
+              _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(four))),
+              _mm256_set1_epi32(kQ8Offset));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(row + i * kGroup),
+                           Bf16x8(_mm256_mul_ps(_mm256_cvtepi32_ps(level), _mm256_set1_ps(scale[l]))));
+#endif
+        }
       }
     }
   });
@@ -2118,6 +2343,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxInt5Widen, Int5Widen,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxQ8Matmul, Q8Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxQ8Widen, Q8Widen,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::BF16>>());

@@ -1,6 +1,6 @@
 """The engine's one native kernel (engine/native.cc), for CPUs where XLA:CPU's integer dot is
 compute-bound (engine.products, engine.attention, engine.sampler call it): int8 weights, and a GGUF's
-Q5_0, Q4_K, Q5_K and Q6_K blocks, times a few rows (decode steps, small prefill chunks) at the
+Q5_0, Q8_0, Q4_K, Q5_K and Q6_K blocks, times a few rows (decode steps, small prefill chunks) at the
 memory's speed, decode attention over the int8 cache, every kind of weights widened for a prefill
 chunk's dot, and the sampler's greedy pick and filter cuts.
 It is built on first use with the host's C++ compiler against jaxlib's FFI headers, kept under the
@@ -22,7 +22,8 @@ Packed layout of an [N, K] matrix (N a multiple of 16, K of 4): [N/16, K/4, 16, 
 [n, k] at [n // 16, k // 4, n % 16, k % 4]: one 64-byte load holds 4 inputs of 16 outputs.
 5-bit weights (a GGUF's Q5_0 blocks, held as the file has them) are a dict {"nib", "fifth", "d"}:
 levels 0..31 as nibbles and fifth bits, 8 inputs of 16 outputs per 64-byte load, and a float16
-scale per 32 inputs; pack5 states the layout. K-quant weights (a GGUF's Q4_K, Q5_K, Q6_K blocks)
+scale per 32 inputs; pack5 states the layout. 8-bit ones (Q8_0) are {"q8", "q8_d"}: the levels in
+the packed layout and a float16 scale per 32 inputs (pack8). K-quant weights (a GGUF's Q4_K, Q5_K, Q6_K blocks)
 are a dict {"knib", ...} of the same nibbles with the blocks' scales, mins and top bits; pack_k
 states that layout.
 """
@@ -50,6 +51,7 @@ SOURCE = Path(__file__).with_name("native.cc")
 TARGETS = {"mashbox_int8_matmul": "MashboxInt8Matmul",
            "mashbox_int8_widen": "MashboxInt8Widen", "mashbox_int8_attend": "MashboxInt8Attend",
            "mashbox_int5_matmul": "MashboxInt5Matmul", "mashbox_int5_widen": "MashboxInt5Widen",
+           "mashbox_q8_matmul": "MashboxQ8Matmul", "mashbox_q8_widen": "MashboxQ8Widen",
            "mashbox_q4k_matmul": "MashboxQ4KMatmul", "mashbox_q4k_widen": "MashboxQ4KWiden",
            "mashbox_q5k_matmul": "MashboxQ5KMatmul", "mashbox_q5k_widen": "MashboxQ5KWiden",
            "mashbox_q6k_matmul": "MashboxQ6KMatmul", "mashbox_q6k_widen": "MashboxQ6KWiden",
@@ -71,6 +73,7 @@ BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
 BUILD_TIMEOUT_S = 300                              # about 5 s on 2 cores; a stuck compiler is given up
 LANES, GROUP = 16, 4                               # the packed block: 16 outputs x 4 inputs
 NIBBLE_GROUP, Q5_BLOCK = 8, 32                     # 5-bit: 8 inputs per load, a scale per 32
+Q8_BLOCK = 32                                      # Q8_0: a scale per 32 inputs
 K_SUPER = 256                                      # K-quants: inputs per super-block (d, dmin)
 K_SUB = {"Q4_K": 32, "Q5_K": 32, "Q6_K": 16}       # inputs per sub-block scale, by GGUF block type
 
@@ -282,6 +285,63 @@ def widen5(w, after):
     blocks, groups = w["nib"].shape[:2]
     return jax.ffi.ffi_call("mashbox_int5_widen", jax.ShapeDtypeStruct(
         (blocks * LANES, groups * NIBBLE_GROUP), jnp.bfloat16))(w["nib"], w["fifth"], w["d"], after)
+
+
+def pack8(levels: np.ndarray, scales: np.ndarray) -> dict:
+    """Q8_0 blocks of an [N, K] matrix, w = scales levels (levels int8 [N, K] in -127..127, scales
+    float16 [N, K/32]; N a multiple of 16, K of 32) -> the kernel's 8-bit form, the one statement of
+    its layout (engine/native.cc reads it so):
+      q8    uint8   [N/16, K/4, 16, 4]   the levels plus 128, packed as pack's
+      q8_d  float16 [N/16, K/32, 16]     the scales of the block's 16 outputs per 32 inputs
+    A level of -128 (which GGUF's own rounding never writes: d = largest / 127) has no place in the
+    AVX2 and NEON tiers' signed form: packable8 refuses it."""
+    n, k = levels.shape
+    d = scales.reshape(n // LANES, LANES, k // Q8_BLOCK).transpose(0, 2, 1)
+    return {"q8": pack((levels.astype(np.int16) + 128).astype(np.uint8)),
+            "q8_d": np.ascontiguousarray(d.astype(np.float16))}
+
+
+def is_q8(w) -> bool:
+    return isinstance(w, dict) and "q8" in w
+
+
+def packable8(levels: np.ndarray) -> bool:
+    """Whether Q8_0 levels [out, in] fit pack8's blocks (16 outputs x 32 inputs) with no level -128."""
+    return (levels.ndim == 2 and levels.shape[0] % LANES == 0 and levels.shape[1] % Q8_BLOCK == 0
+            and (levels.size == 0 or int(levels.min()) > -128))
+
+
+def q8_rows(w, rows):
+    """Rows `rows` (an integer array of any shape) of Q8_0 blocks (pack8) -> float32 [*rows.shape, K]:
+    the levels times their scales (exact in float32), for an embedding table held so."""
+    import jax.numpy as jnp
+    levels = packed_rows(w["q8"], rows).astype(jnp.int16) - 128
+    d = w["q8_d"][rows // LANES, :, rows % LANES].astype(jnp.float32)                # [*rows, K/32]
+    return levels.astype(jnp.float32) * jnp.repeat(d, Q8_BLOCK, axis=-1)
+
+
+def q8_matmul(x, w):
+    """Float32 rows x [R, K] times Q8_0 blocks w (pack8) -> float32 [R, N]: each row rounded to int8
+    per 32 inputs on its own scale, each block's exact product times both scales."""
+    import jax
+    import jax.numpy as jnp
+
+    _require()
+    n = w["q8"].shape[0] * LANES
+    return jax.ffi.ffi_call("mashbox_q8_matmul", jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
+        x, w["q8"], w["q8_d"])
+
+
+def widen8(w, after):
+    """Q8_0 blocks (pack8) -> their values rounded to bfloat16 [N, K], for a prefill chunk's dot.
+    after: as widen's."""
+    import jax
+    import jax.numpy as jnp
+
+    _require()
+    blocks, groups, lanes, group = w["q8"].shape
+    return jax.ffi.ffi_call("mashbox_q8_widen", jax.ShapeDtypeStruct(
+        (blocks * lanes, groups * group), jnp.bfloat16))(w["q8"], w["q8_d"], after)
 
 
 def pack_k(kind: str, levels: np.ndarray, sc: np.ndarray, d: np.ndarray, mins=None, dmin=None) -> dict:

@@ -73,6 +73,14 @@ class HarnessTier:
         return self._run("int5_widen", [w["nib"], w["fifth"], w["d"], after],
                          (blocks * native.LANES, groups * native.NIBBLE_GROUP), "bfloat16")
 
+    def q8_matmul(self, x, w):
+        return self._run("q8_matmul", [x, w["q8"], w["q8_d"]], (x.shape[0], w["q8"].shape[0] * native.LANES),
+                         "float32")
+
+    def widen8(self, w, after):
+        blocks, groups, lanes, group = w["q8"].shape
+        return self._run("q8_widen", [w["q8"], w["q8_d"], after], (blocks * lanes, groups * group), "bfloat16")
+
     def k_matmul(self, x, w):
         kind = native.k_kind(w)
         return self._run(f"{kind[:2].lower()}k_matmul", [x, *(w[key] for key in native._K_OPERANDS[kind])],
@@ -269,6 +277,67 @@ def test_widen5_rounds_each_weight_to_bfloat16(kernel, n, k):
     got = kernel.widen5(native.pack5(levels, scales), np.zeros(1, np.float32))
     want = _q5_0_values(levels, scales).astype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+def _q8_0(rng, n, k):
+    """Random Q8_0 blocks of an [n, k] matrix: levels -127..127, a float16 scale per 32 inputs (some
+    negative, one block all zero)."""
+    levels = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    scales = (rng.standard_normal((n, k // 32)) * 0.01).astype(np.float16)
+    scales[0, 0] = 0
+    return levels, scales
+
+
+def _q8_0_values(levels, scales):
+    return levels.astype(np.float32) * np.repeat(scales.astype(np.float32), 32, axis=1)
+
+
+@pytest.mark.parametrize("n, k", [(16, 32), (48, 96), (896, 4864)])
+@pytest.mark.parametrize("rows", [1, 4, 5, 9])
+def test_q8_matmul_is_each_blocks_exact_product_times_its_scales(kernel, n, k, rows):
+    """Guards against the packed levels' offset, a pass of 8 rows (AVX2 and NEON: 4; then the rest) or
+    the scales' order going wrong: per 32 inputs each row is rounded to int8 on its own scale, the
+    product with the levels is an integer, then float32, times the weights' scales times the row's
+    (one rounding) and added to the sum of the blocks before it (one rounding)."""
+    rng = np.random.default_rng(n + k + rows + 1)
+    levels, scales = _q8_0(rng, n, k)
+    x = (rng.standard_normal((rows, k)) * rng.choice([1e-3, 1, 50], (rows, 1))).astype(np.float32)
+    x[0, :] = 0                                        # a padding row
+    x[-1, :32] = 0                                     # a zero block
+    got = kernel.q8_matmul(x, native.pack8(levels, scales))
+    want = np.zeros((rows, n), np.float32)
+    for b in range(k // 32):
+        block = slice(32 * b, 32 * b + 32)
+        (term, row_scale), = _terms(x[:, block], 1)
+        exact = (term.astype(np.int64) @ levels[:, block].astype(np.int64).T).astype(np.float32)
+        both = scales[:, b].astype(np.float32) * row_scale
+        want = (want.astype(np.float64) + exact.astype(np.float64) * both.astype(np.float64)).astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    assert not got[0].any()
+
+
+@pytest.mark.parametrize("n, k", [(16, 32), (48, 96), (896, 4864)])
+def test_widen8_rounds_each_weight_to_bfloat16(kernel, n, k):
+    """Guards against a weight in the wrong place or rounded other than to the nearest bfloat16 (ties
+    to even) when Q8_0 blocks are widened for a prefill chunk's dot."""
+    import ml_dtypes
+    levels, scales = _q8_0(np.random.default_rng(k + 1), n, k)
+    got = kernel.widen8(native.pack8(levels, scales), np.zeros(1, np.float32))
+    want = _q8_0_values(levels, scales).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+def test_q8_blocks_give_an_embedding_tables_rows_and_refuse_a_level_of_minus_128():
+    """Guards the embedding's row gather from Q8_0 blocks (a tied head's table) against a level or
+    scale from another row, and pack8's refusal of -128 (the AVX2 and NEON tiers' signed levels)."""
+    levels, scales = _q8_0(np.random.default_rng(3), 48, 64)
+    rows = np.array([[0, 47], [17, 17]])
+    got = np.asarray(native.q8_rows({k: jnp.asarray(v) for k, v in native.pack8(levels, scales).items()},
+                                    jnp.asarray(rows)))
+    np.testing.assert_array_equal(got, _q8_0_values(levels, scales)[rows])
+    assert native.packable8(levels)
+    levels[5, 7] = -128
+    assert not native.packable8(levels) and not native.packable8(np.zeros((40, 64), np.int8))
 
 
 def random_k_blocks(rng, kind: str, rows: int, cols: int, step: float = 3e-4) -> np.ndarray:

@@ -87,6 +87,8 @@ const std::map<std::string, ffi::Error (*)(std::vector<Operand>&)> kKernels = {
     {"int8_attend", [](std::vector<Operand>& o) { return Call(Int8Attend, o); }},
     {"int5_matmul", [](std::vector<Operand>& o) { return Call(Int5Matmul, o); }},
     {"int5_widen", [](std::vector<Operand>& o) { return Call(Int5Widen, o); }},
+    {"q8_matmul", [](std::vector<Operand>& o) { return Call(Q8Matmul, o); }},
+    {"q8_widen", [](std::vector<Operand>& o) { return Call(Q8Widen, o); }},
     {"q4k_matmul", [](std::vector<Operand>& o) { return Call(Q4KMatmul, o); }},
     {"q5k_matmul", [](std::vector<Operand>& o) { return Call(Q5KMatmul, o); }},
     {"q6k_matmul", [](std::vector<Operand>& o) { return Call(Q6KMatmul, o); }},
