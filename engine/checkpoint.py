@@ -45,6 +45,7 @@ GGUF_SUFFIX = ".gguf"
 # with the slice, so a 545 MB embedding table costs its float32 result, not several copies of it.
 DEQUANT_CHUNK_BYTES = 64 << 20
 Q5_0_BLOCK, Q5_0_BYTES = 32, 22         # GGUF's Q5_0: weights per block, bytes per block (q5_0)
+Q8_0_BLOCK, Q8_0_BYTES = 32, 34         # GGUF's Q8_0: a float16 scale, then 32 int8 levels (q8_0)
 K_BLOCK = 256                           # GGUF's K-quants: weights per super-block
 K_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}    # bytes per super-block (k_quant)
 FP8, FP8_SCALE = "F8_E4M3", "_scale_inv"  # an FP8 checkpoint's weights, and their scales' suffix
@@ -504,6 +505,25 @@ class Checkpoint:
         bits = (fifth[..., None] >> np.arange(Q5_0_BLOCK, dtype=np.uint32)) & 1
         levels = (low | (bits.astype(np.uint8) << 4)).reshape(rows, cols)
         return levels, scales
+
+    def q8_0(self, name: str, rows: slice | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """A GGUF tensor stored as Q8_0 [rows, cols] -> (levels int8 [rows, cols], scales float16 [rows,
+        cols / 32]), the weights = scales levels, each scale repeated over its 32 columns: the file's
+        own numbers, for weights held at 8.5 bits (engine.native.pack8); rows: only those."""
+        if self.formats.get(name) != "Q8_0":
+            raise WeightsError(f"tensor {name} is not stored as Q8_0")
+        blocks = self._q8_0_blocks(name)[rows or slice(None)]
+        scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
+        levels = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(blocks.shape[0], -1)
+        return levels, scales
+
+    def q8_0_lowest(self, name: str) -> int:
+        """The lowest level of a Q8_0 tensor, read in place (a view of the file: no copy)."""
+        return int(self._q8_0_blocks(name)[..., 2:].view(np.int8).min())
+
+    def _q8_0_blocks(self, name: str) -> np.ndarray:
+        (_, offset, size, data), shape = self._tensors[name], self.shapes[name]
+        return data[offset:offset + size].reshape(shape[0], -1, Q8_0_BYTES)
 
     def k_quant(self, name: str, rows: slice | None = None) -> dict:
         """A GGUF tensor stored as Q4_K, Q5_K or Q6_K [rows, cols] -> its blocks' own numbers per row, for

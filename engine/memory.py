@@ -13,7 +13,8 @@ server sizes the worker before it starts one.
                    each:   + 4 B per key channel of each attention layer (its key smoothing)
                    (a GGUF's Q5_0, Q4_K, Q5_K and Q6_K matrices held in their blocks take 0.69,
                    0.58, 0.70 and 0.82 B per weight, not 1: the plan counts 1, a bound that holds
-                   whether the kernel runs or not)
+                   whether the kernel runs or not; its Q8_0 ones 1 B and a 2 B scale per 32
+                   weights, counted in place of the row's scale)
     KV bytes     = per attention layer, KV head, key and value: head_dim x 2 B (float16), or
                    head_dim x 1 B + a 4 B scale (int8; engine.cpu.auto_kv_dtype picks)
 
@@ -33,7 +34,7 @@ import os
 from dataclasses import dataclass
 
 from engine import cpu
-from engine.checkpoint import FP8, Checkpoint
+from engine.checkpoint import FP8, Q8_0_BLOCK, Checkpoint
 from engine.config import ModelConfig
 from engine.scheduler import SLOT_SNAPSHOTS
 
@@ -49,6 +50,7 @@ CPU_WEIGHT_BYTES = 4
 # per output channel (held_weight_bytes).
 WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "fp8": 1}
 SCALE_BYTES = 4
+Q8_0_SCALE_BYTES = 2                  # a GGUF Q8_0 block's float16 scale (per Q8_0_BLOCK weights)
 # What the worker holds besides weights, KV cache and host cache: the interpreter, jax and XLA, the
 # compiled programs, the tokenizer, sampler state and a decode step's temporaries. Measured: a
 # worker serving the tiny test model held 0.55 GiB resident; rounded up.
@@ -119,8 +121,10 @@ def held_weight_bytes(folder: str, weights_dtype: str, float_bytes: int = CPU_WE
         narrow = lambda name, shape: checkpoint.formats.get(name) == FP8 and fp8_held_tensor(name)  # noqa: E731
         scales = lambda name, shape: _count(shape) // checkpoint.fp8_scale_columns(name) * SCALE_BYTES  # noqa: E731
     elif weights_dtype == "int8":            # a scale per output row (of each expert, where stacked)
+        formats = Checkpoint(folder).formats
         narrow = lambda name, shape: int8_held_tensor(name) and len(shape) >= 2  # noqa: E731
-        scales = lambda name, shape: _count(shape[:-1]) * SCALE_BYTES  # noqa: E731
+        scales = lambda name, shape: max(_count(shape[:-1]) * SCALE_BYTES, (  # noqa: E731
+            _count(shape) // Q8_0_BLOCK * Q8_0_SCALE_BYTES if formats.get(name) == "Q8_0" else 0))
     else:
         return total + sum(_count(shape) for _, shape in tensors) * WEIGHT_BYTES[weights_dtype]
     for name, shape in tensors:

@@ -11,6 +11,7 @@ A weight is one of four kinds (weight_kind), each with one product:
                  signed int8 kernels (engine.weights.OFFSET_INT8)
     int8_packed  the same, q in engine.native's packed layout for its kernel
     q5_0         a GGUF's Q5_0 blocks as the file has them (engine.native.pack5)
+    q8_0         a GGUF's Q8_0 blocks as the file has them (engine.native.pack8)
     q4_k, q5_k,  a GGUF's Q4_K, Q5_K or Q6_K blocks as the file has them (engine.native.pack_k)
     q6_k
     fp8          {"f8": float8_e4m3fn [out, in], "f8_scale": float32 [out, in / block]}: an FP8
@@ -38,7 +39,7 @@ from engine.weights import INT8_OFFSET
 
 F32 = jnp.float32
 
-WEIGHT_KINDS = ("float", "int8", "int8_packed", "q5_0", "q4_k", "q5_k", "q6_k", "fp8")
+WEIGHT_KINDS = ("float", "int8", "int8_packed", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k", "fp8")
 
 # XLA:CPU's dot of a few rows runs well below the memory's speed, while the same product written as
 # a broadcast multiply summed over the input (one fused reduction) streams the weights once. One
@@ -65,6 +66,8 @@ def weight_kind(w) -> str:
         return "float"
     if native.is_int5(w):
         return "q5_0"
+    if native.is_q8(w):
+        return "q8_0"
     if kind := native.k_kind(w):
         return kind.lower()
     if "f8" in w:
@@ -235,6 +238,13 @@ def _q5_0_matmul(flat, w):
     return _wide_dot(flat, native.widen5(w, after=flat))
 
 
+def _q8_0_matmul(flat, w):
+    """As _q5_0_matmul, for Q8_0 blocks."""
+    if flat.shape[0] <= INT8_ROWS_MAX_ROWS:
+        return native.q8_matmul(flat, w)
+    return _wide_dot(flat, native.widen8(w, after=flat))
+
+
 def _k_matmul(flat, w):
     """As _q5_0_matmul, for K-quant blocks."""
     if flat.shape[0] <= INT8_ROWS_MAX_ROWS:
@@ -262,6 +272,8 @@ def _shape(w, kind: str) -> tuple[int, int]:
     """(out, in) of a quantized weight as a matrix."""
     if kind == "q5_0":
         return w["nib"].shape[0] * native.LANES, w["nib"].shape[1] * native.NIBBLE_GROUP
+    if kind == "q8_0":
+        return w["q8"].shape[0] * native.LANES, w["q8"].shape[1] * native.GROUP
     if kind in ("q4_k", "q5_k", "q6_k"):
         return w["knib"].shape[0] * native.LANES, w["knib"].shape[1] * native.NIBBLE_GROUP
     if kind == "fp8":
@@ -271,7 +283,7 @@ def _shape(w, kind: str) -> tuple[int, int]:
 
 
 _QUANTIZED_MATMUL = {"int8": _int8_matmul, "int8_packed": _int8_packed_matmul, "q5_0": _q5_0_matmul,
-                     "q4_k": _k_matmul, "q5_k": _k_matmul, "q6_k": _k_matmul, "fp8": _fp8_matmul}
+                     "q8_0": _q8_0_matmul, "q4_k": _k_matmul, "q5_k": _k_matmul, "q6_k": _k_matmul, "fp8": _fp8_matmul}
 
 
 def matmul(x, w):
@@ -293,10 +305,13 @@ def matmul(x, w):
 
 
 def embed(table, tokens):
-    """Rows of the embedding table for tokens, in float32 (an int8 table: its rows times their scales)."""
+    """Rows of the embedding table for tokens, in float32 (an int8 table: its rows times their scales;
+    Q8_0 blocks: their levels times their block scales)."""
     kind = weight_kind(table)
     if kind == "float":
         return table[tokens].astype(F32)
+    if kind == "q8_0":
+        return native.q8_rows(table, tokens)
     q = table["q"]
     rows = native.packed_rows(q, tokens) if kind == "int8_packed" else q[tokens]
     return int8_values(rows).astype(F32) * table["scale"][tokens][..., None]

@@ -116,6 +116,8 @@ INT8_PARTS = ("q", "scale")
 # A GGUF's 5-bit matrices (engine.native.pack5) are held only on one device (the kernel is not
 # split): their parts, each with the output blocks first, follow the matrix's output axis.
 INT5_PARTS = ("nib", "fifth", "d")
+# And so are its Q8_0 matrices (engine.native.pack8).
+Q8_PARTS = ("q8", "q8_d")
 # And so are its K-quant matrices (engine.native.pack_k).
 K_PARTS = ("knib", "kfifth", "khi", "ksc", "kmin", "kd", "kdmin")
 # FP8 matrices are {"f8": [out, in], "f8_scale": [out, in / block]}: both split like the float matrix
@@ -180,7 +182,7 @@ def spec_of(path: str) -> tuple:
     if key in PARAM_SPECS:
         return PARAM_SPECS[key]
     base, _, part = key.rpartition(".")
-    if part in INT8_PARTS + INT5_PARTS + K_PARTS + FP8_PARTS and base in PARAM_SPECS:
+    if part in INT8_PARTS + INT5_PARTS + Q8_PARTS + K_PARTS + FP8_PARTS and base in PARAM_SPECS:
         spec = PARAM_SPECS[base]
         return spec if part in ("q",) + FP8_PARTS else spec[:1]
     raise KeyError(f"no partition spec for parameter {path!r}: add it to engine.sharding.PARAM_SPECS")

@@ -226,6 +226,13 @@ class _Reader:
         self.check_shape(name, shape)
         return self.checkpoint.q5_0(self.names.get(name, name))
 
+    def q8_0(self, name: str, shape: tuple[int, ...], rows: slice | None = None) -> tuple[np.ndarray, np.ndarray]:
+        self.check_shape(name, shape)
+        return self.checkpoint.q8_0(self.names.get(name, name), rows)
+
+    def q8_0_lowest(self, name: str) -> int:
+        return self.checkpoint.q8_0_lowest(self.names.get(name, name))
+
     def k_quant(self, name: str, shape: tuple[int, ...], rows: slice | None = None) -> dict:
         self.check_shape(name, shape)
         return self.checkpoint.k_quant(self.names.get(name, name), rows)
@@ -506,6 +513,11 @@ class _Loader:
             levels = combine(*(b[0] for b in blocks))
             if native.packable5(levels.shape):
                 return native.pack5(levels, combine(*(b[1] for b in blocks)))
+        if self.pack and all(self.r.format(name) == "Q8_0" for name, _ in parts):
+            blocks = [self.r.q8_0(name, shape) for name, shape in parts]
+            levels = combine(*(b[0] for b in blocks))
+            if native.packable8(levels.shape, int(levels.min())):
+                return native.pack8(levels, combine(*(b[1] for b in blocks)))
         kinds = {self.r.format(name) for name, _ in parts}
         if self.pack and len(kinds) == 1 and (kind := kinds.pop()) in native.K_SUB:
             blocks = [self.r.k_quant(name, shape) for name, shape in parts]
@@ -518,18 +530,22 @@ class _Loader:
 
     def put_rows(self, name: str, shape: tuple[int, int], blocks: bool = False):
         """A vocabulary-sized matrix (the embedding table, a separate LM head) as projection holds
-        it (blocks: K-quant ones kept too), read, narrowed and packed PUT_ROWS rows at a time, so
-        that no float32 copy of the whole (0.9 GB for a 1.5B model's table) is ever resident."""
+        it (blocks: K-quant ones kept too; Q8_0 ones always, engine.products.embed reads their
+        rows), read, narrowed and packed PUT_ROWS rows at a time, so that no float32 copy of the
+        whole (0.9 GB for a 1.5B model's table) is ever resident."""
         kind = self.r.format(name)
         if not self.int8 or (blocks and kind == "Q5_0"):
             return self.projection(lambda w: w, [(name, shape)])
         keep = blocks and self.pack and kind in native.K_SUB and native.packable_k(shape)
+        keep8 = self.pack and kind == "Q8_0" and native.packable8(shape, self.r.q8_0_lowest(name))
         packed = native.packable(shape)                    # decided for the whole, not per slice
         parts = []
         for start in range(0, shape[0], PUT_ROWS):
             rows = slice(start, start + PUT_ROWS)
             if keep:
                 parts.append(native.pack_k(kind, **self.r.k_quant(name, shape, rows)))
+            elif keep8:
+                parts.append(native.pack8(*self.r.q8_0(name, shape, rows)))
             else:
                 parts.append(self.put_matrix(self.r.get(name, shape, rows), packed))
         return _part_by_part(np.concatenate, parts)
@@ -580,7 +596,7 @@ def _assemble(parts: dict, cfg: ModelConfig) -> dict:
 # a restarted worker must not pay it again. So int8 weights are written once, as they are held, one
 # .npy file per array with a manifest of the tree, under the cache root (engine.worker names the
 # folder after everything the arrays depend on), and later starts map them in as they are.
-HELD_FORMAT = "held-weights-7"       # bumped when the layout of what is written changes
+HELD_FORMAT = "held-weights-8"       # bumped when the layout of what is written changes
 HELD_KEEP = 2                        # held copies kept under one cache folder (the newest used)
 HELD_TMP_STALE_S = 600               # an unfinished copy this old was left by a worker that died
 _MANIFEST = "manifest.json"
@@ -700,15 +716,17 @@ def held_note(checkpoint, params, dtype: str) -> str | None:
     blocks = ", ".join(f"{kind} x{n}" for kind, n in sorted(kinds.items()))
     if dtype != "int8":
         return f"{checkpoint.file}: matrices {blocks}, held as {dtype} (their values exactly)"
-    kept = {"Q5_0": 0, "Q4_K": 0, "Q5_K": 0, "Q6_K": 0}
-    is_blocks = lambda leaf: native.is_int5(leaf) or native.k_kind(leaf) is not None  # noqa: E731
+    kept = {"Q5_0": 0, "Q8_0": 0, "Q4_K": 0, "Q5_K": 0, "Q6_K": 0}
+    block_kind = lambda leaf: ("Q5_0" if native.is_int5(leaf) else "Q8_0" if native.is_q8(leaf)  # noqa: E731
+                               else native.k_kind(leaf))
+    is_blocks = lambda leaf: block_kind(leaf) is not None  # noqa: E731
     for leaf in {id(x): x for x in jax.tree_util.tree_leaves(params, is_leaf=is_blocks)}.values():
         if is_blocks(leaf):
-            kept["Q5_0" if native.is_int5(leaf) else native.k_kind(leaf)] += 1
+            kept[block_kind(leaf)] += 1
     held = ", ".join(f"{n} {kind}" for kind, n in kept.items() if n) or "none"
     return (f"{checkpoint.file}: matrices {blocks}; held in the file's own blocks (where every part of a "
-            f"matrix has one of Q5_0, Q4_K, Q5_K, Q6_K and the native kernel serves): {held}; the rest rounded "
-            f"again to int8 per channel")
+            f"matrix has one of Q5_0, Q8_0, Q4_K, Q5_K, Q6_K and the native kernel serves): {held}; the rest "
+            f"rounded again to int8 per channel")
 
 
 def weights_bytes(params) -> int:

@@ -335,9 +335,9 @@ def test_q8_blocks_give_an_embedding_tables_rows_and_refuse_a_level_of_minus_128
     got = np.asarray(native.q8_rows({k: jnp.asarray(v) for k, v in native.pack8(levels, scales).items()},
                                     jnp.asarray(rows)))
     np.testing.assert_array_equal(got, _q8_0_values(levels, scales)[rows])
-    assert native.packable8(levels)
+    assert native.packable8(levels.shape, int(levels.min()))
     levels[5, 7] = -128
-    assert not native.packable8(levels) and not native.packable8(np.zeros((40, 64), np.int8))
+    assert not native.packable8(levels.shape, int(levels.min())) and not native.packable8((40, 64), 0)
 
 
 def random_k_blocks(rng, kind: str, rows: int, cols: int, step: float = 3e-4) -> np.ndarray:
@@ -527,6 +527,38 @@ def test_a_ggufs_q5_0_matrices_are_held_at_5_bits_and_compute_their_values(tiny_
     logits = _logits(cfg, narrow, tokens, forward)
     np.testing.assert_array_equal(_logits(cfg, again, tokens, forward), logits)
     want = _logits(cfg, wide, tokens, forward)
+    np.testing.assert_allclose(logits, want, atol=tolerance * np.abs(want).max(), rtol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("int8_max_rows", [products.INT8_ROWS_MAX_ROWS, 0])
+def test_a_ggufs_q8_0_head_is_held_in_its_blocks_and_computes_its_values(tiny_demo, int8_max_rows, tmp_path,
+                                                                         monkeypatch):
+    """Guards against a GGUF's Q8_0 head (the demo's) being rounded again to int8 per channel, or a
+    matrix with another block type in it (the tiny GGUF's gate_up: a Q5_0 gate beside a Q8_0 up) held
+    as Q8_0; and the Q8_0 path (the kernel's product, or the widened weights of a prefill chunk when
+    int8_max_rows is 0), or its held copy, computing other logits than the file's values in float32."""
+    monkeypatch.setattr(products, "INT8_ROWS_MAX_ROWS", int8_max_rows)
+    forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
+    spec, _, _ = tiny_demo
+    folder = registry.prepare(spec)
+    cfg = load_config(folder)
+    held = str(tmp_path / "held")
+    narrow = load_weights(folder, cfg, "int8", held_cache=held)
+    assert native.is_q8(narrow["lm_head"]) and not cfg.tie_word_embeddings
+    assert not native.is_q8(narrow["layers"][0]["gate_up"]) and not native.is_q8(narrow["embed"])
+    again = load_weights(folder, cfg, "int8", held_cache=held)                   # the held copy
+    assert native.is_q8(again["lm_head"])
+    head = load_weights(folder, cfg, jnp.float32)["lm_head"]          # Q8_0 decodes into float32 exactly
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, cfg.hidden_size)), jnp.float32)
+    tolerance = 2e-2          # bfloat16 rows and weights, or the kernel's rows in int8 per 32 inputs
+    got = np.asarray(jax.jit(products.matmul)(x, narrow["lm_head"]))
+    want = np.asarray(x) @ np.asarray(head).T
+    np.testing.assert_allclose(got, want, rtol=0, atol=tolerance * np.abs(want).max())
+    tokens = np.arange(2, 26) % cfg.vocab_size
+    logits = _logits(cfg, narrow, tokens, forward)
+    np.testing.assert_array_equal(_logits(cfg, again, tokens, forward), logits)
+    want = _logits(cfg, {**narrow, "lm_head": head}, tokens, forward)
     np.testing.assert_allclose(logits, want, atol=tolerance * np.abs(want).max(), rtol=0)
 
 

@@ -267,8 +267,10 @@ def write_tiny_gguf(path: Path) -> dict[str, np.ndarray]:
     from gguf.quants import quantize
     tokens = byte_alphabet() + [m.replace(" ", "") for m in TINY_MERGES]
     types = [1] * len(tokens)
-    tokens += [s for s, _ in TINY_SPECIALS] + ["[PAD1]", "[PAD2]"]
-    types += [t for _, t in TINY_SPECIALS] + [5, 5]
+    # Unused ids pad the vocabulary to a multiple of 16, as the demo's is (151,936): its head packs.
+    pads = 2 + -(len(tokens) + len(TINY_SPECIALS) + 2) % 16
+    tokens += [s for s, _ in TINY_SPECIALS] + [f"[PAD{i}]" for i in range(1, pads + 1)]
+    types += [t for _, t in TINY_SPECIALS] + [5] * pads
     w = GGUFWriter(str(path), "qwen2")
     add_hyperparameters(w, {"num_hidden_layers": TINY["layers"], "max_position_embeddings": TINY["ctx"],
                             "hidden_size": TINY["hidden"], "intermediate_size": TINY["ffn"],
