@@ -4956,8 +4956,8 @@ def arg_parser() -> argparse.ArgumentParser:
     run.add_argument("--weights-dtype", choices=registry.WEIGHTS_DTYPE_CHOICES,
                      help="how the worker holds the weights: int8 = int8 matrices with per-channel "
                           "scales (a quarter of float32's memory; where the native kernel runs, a "
-                          "GGUF's Q5_0, Q4_K, Q5_K and Q6_K matrices keep their own blocks); fp8 = an FP8 checkpoint's "
-                          "float8 matrices as they are; auto = the platform's fastest (int8 on CPUs with "
+                          "GGUF's Q5_0, Q8_0, Q4_K, Q5_K and Q6_K matrices keep their own blocks); "
+                          "fp8 = an FP8 checkpoint's float8 matrices as they are; auto = the platform's fastest (int8 on CPUs with "
                           "int8 dot instructions or AVX2, else float32; on accelerators bfloat16, or fp8 "
                           "for an FP8 checkpoint) unless models.json sets one")
     run.add_argument("--devices", type=_devices, default=default.devices, metavar="N",

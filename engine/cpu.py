@@ -3,7 +3,20 @@ server sizes a worker (engine.memory) before one starts, and the answer must be 
 
 The choices rest on measurements (engine.model, beside _matmul; tests/bench/bench_narrow.py), not on
 the platform's name: a product runs in a narrow type where the CPU has dot-product instructions for
-that type, else in float32.
+that type, else in float32. What `auto` holds on each kind of CPU, with or without the native kernel
+(engine.native.TIERS; MASHBOX_NATIVE=0 or no compiler), and what stands behind it (docs/perf-log.md):
+
+  CPU flags              kernel tier    weights  KV cache  measured
+  avx512_vnni, bw, vl    avx512_vnni    int8     int8      Zen 4: int8 1.4-1.8x float32 at 1-4 rows
+                                                           without the kernel; decode with it
+                                                           1.13-1.41x llama.cpp after 512 tokens
+  avx2, fma, f16c        avx2           int8     int8      Zen 3: decode 1.27x llama.cpp after 512
+                                                           tokens, 1.55x after 8k; without the kernel
+                                                           int8 1.49x float32 at 1 row, 1.14x at 4,
+                                                           and the int8 cache no slower than float16
+  avx_vnni (no AVX-512)  avx2           int8     int8      not measured (no such CPU here)
+  asimddp (ARM)          neon_dotprod   int8     int8      not measured (tested under qemu-user only)
+  none of these          none           float32  float16   not measured: the safe choice
 """
 from __future__ import annotations
 

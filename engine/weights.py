@@ -67,9 +67,11 @@ Q5_0 tensors (the demo's gate_up and o, and qkv where v is Q5_0 too) keeps the f
 instead, read without floats (engine.checkpoint: q5_0) and held at 5.5 bits (engine.native.pack5):
 int8 per channel would round the file's values a second time, in more bytes. So does a matrix made
 only of Q4_K, only of Q5_K or only of Q6_K tensors (the blocks of Q4_K_M / Q5_K_M / Q6_K files;
-engine.native.pack_k, at 4.6, 5.6 and 6.6 bits), and a separate LM head of one of them. Other block
-types (Q8_0 among them: its 8.5 bits are more than int8's) and matrices mixing types are rounded to
-int8 per channel; the log says how many of each.
+engine.native.pack_k, at 4.6, 5.6 and 6.6 bits), and a separate LM head of one of them; and a matrix
+made only of Q8_0 tensors, the embedding table and head included (engine.native.pack8, 8.5 bits:
+the file's values, with half the int8 form's products for a few rows; engine.products.embed reads
+a table's rows from them). Other block types and matrices mixing types are rounded to int8 per
+channel; the log says how many of each.
 
 Weights dtype "fp8" (an official FP8 checkpoint, on accelerators by default): every dense layer
 matrix the checkpoint stores as float8 becomes {"f8": float8_e4m3fn [out, in], "f8_scale": float32
