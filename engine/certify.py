@@ -114,8 +114,10 @@ def reference_logits(folder: str, cfg, tokens: list[int]) -> np.ndarray:
     """float64 logits [len(tokens), vocab] of the model in `folder` for one prompt from position 0."""
     t = _Tensors(folder)
     n, d = len(tokens), cfg.head_dim
-    embed = t.get("model.embed_tokens.weight")
-    x = embed[np.asarray(tokens)].astype(np.float64)                       # [T, hidden]
+    # the prompt's rows of the embedding only, and the head VOCAB_BLOCK rows at a time (below): never
+    # a whole float32 vocabulary table (0.55 GB each for the demo's embedding and separate head)
+    x = np.concatenate([t.get("model.embed_tokens.weight", slice(tok, tok + 1)) for tok in tokens]
+                       ).astype(np.float64)                                  # [T, hidden]
     inv, scale = _inverse_frequencies(cfg)
     angles = np.arange(n, dtype=np.float64)[:, None] * inv[None, :]       # [T, d/2]
     cos, sin = np.cos(angles)[:, None] * scale, np.sin(angles)[:, None] * scale
@@ -155,9 +157,9 @@ def reference_logits(folder: str, cfg, tokens: list[int]) -> np.ndarray:
             x = x + _swiglu(h, t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"],
                             t[p + "mlp.down_proj.weight"])
     x = _rms(x, t["model.norm.weight"], cfg.rms_norm_eps)
-    head = embed if not t.has("lm_head.weight") else t.get("lm_head.weight")
-    return np.concatenate([x @ head[s:s + VOCAB_BLOCK].astype(np.float64).T
-                           for s in range(0, head.shape[0], VOCAB_BLOCK)], axis=-1)
+    head = "lm_head.weight" if t.has("lm_head.weight") else "model.embed_tokens.weight"
+    return np.concatenate([x @ t.get(head, slice(s, s + VOCAB_BLOCK)).astype(np.float64).T
+                           for s in range(0, t.shapes[head][0], VOCAB_BLOCK)], axis=-1)
 
 
 # ---- running the compiled programs -------------------------------------------------------------------
