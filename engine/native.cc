@@ -33,7 +33,7 @@
 // bytes, 4 to an int32 lane of 4: it takes the weights' signed values as the AVX2 tier does, and
 // the terms as they are. Its sums are the same exact integers again; steps written for it are a
 // third branch under MASHBOX_NEON, and where the AVX2 tier's step is plain C++ the two share it.
-// Its tests run here cross-compiled, under qemu-user (tests/native/harness.cc).
+// Its tests run here cross-compiled, under qemu-user (tests/kernel_harness/harness.cc).
 #if defined(__aarch64__)
 #include <arm_neon.h>
 #else
@@ -188,11 +188,16 @@ inline uint32x4_t Lanes4(int64_t left) {
   return vcltq_s32(index, vdupq_n_s32(n));
 }
 
-// One float -> bfloat16 (nearest, ties to even; NaN not expected), as Bf16x8 below.
-inline uint16_t Bf16Bits(float value) {
-  uint32_t bits;
-  __builtin_memcpy(&bits, &value, sizeof bits);
-  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+// 4 unsigned bytes minus `offset`, as floats (exact).
+inline float32x4_t Levels4(const uint8_t* at, int offset) {
+  return vcvtq_f32_s32(vsubq_s32(UBytes4(at), vdupq_n_s32(offset)));
+}
+
+// 4 floats -> bfloat16 (nearest, ties to even; NaN not expected), as Bf16x8 below.
+inline uint16x4_t Bf16x4(float32x4_t value) {
+  const uint32x4_t bits = vreinterpretq_u32_f32(value);
+  const uint32x4_t odd = vandq_u32(vshrq_n_u32(bits, 16), vdupq_n_u32(1));
+  return vshrn_n_u32(vaddq_u32(bits, vaddq_u32(vdupq_n_u32(0x7FFF), odd)), 16);
 }
 #else
 // 8 floats -> bfloat16 (nearest, ties to even; NaN not expected), in the low 128 bits
@@ -556,8 +561,24 @@ ffi::Error Int8Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::AnyBuffe
         _mm_storeu_si128(to + 1, high);
       }
     }
+#else
+    const uint8x16_t flip = vdupq_n_u8(0x80);
+    for (; g + 4 <= groups; g += 4) {     // 4 groups: 16 inputs of each of the 16 outputs
+      const uint8_t* at = block + g * kLanes * kGroup;
+      for (int l = 0; l < kLanes; l++) {
+        uint8_t sixteen[16];
+        for (int i = 0; i < 4; i++) __builtin_memcpy(sixteen + 4 * i, at + i * kLanes * kGroup + l * kGroup, 4);
+        const int8x16_t values = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(sixteen), flip));
+        const int16x8_t words[2] = {vmovl_s8(vget_low_s8(values)), vmovl_high_s8(values)};
+        uint16_t* to = rows + l * K + g * kGroup;
+        for (int h = 0; h < 2; h++)         // exact in bfloat16: a float32's top half
+          vst1q_u16(to + 8 * h, vcombine_u16(
+              vshrn_n_u32(vreinterpretq_u32_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(words[h])))), 16),
+              vshrn_n_u32(vreinterpretq_u32_f32(vcvtq_f32_s32(vmovl_high_s16(words[h]))), 16)));
+      }
+    }
 #endif
-    for (; g < groups; g++)               // the rest (NEON: every group, one weight at a time)
+    for (; g < groups; g++)               // the rest
       for (int l = 0; l < kLanes; l++)
         for (int j = 0; j < kGroup; j++) {
           const float value = static_cast<float>(block[(g * kLanes + l) * kGroup + j]) - 128.0f;
@@ -925,8 +946,8 @@ ffi::Error Int5Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer
                            Bf16x8(_mm256_mul_ps(_mm256_cvtepi32_ps(level), _mm256_set1_ps(scale[l]))));
         }
 #else
-        for (int h = 0; h < kQ5Block; h++)
-          row[h] = Bf16Bits(static_cast<float>(lanes[l][h] - kQ5Offset) * scale[l]);
+        for (int h = 0; h < kQ5Block; h += 4)
+          vst1_u16(row + h, Bf16x4(vmulq_f32(Levels4(&lanes[l][h], kQ5Offset), vdupq_n_f32(scale[l]))));
 #endif
       }
     }
@@ -1137,10 +1158,9 @@ ffi::Error Q8Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi
         uint16_t* row = op + (b * kLanes + l) * K + g32 * kQ8Block;
         for (int i = 0; i < kQ8Block / kGroup; i += 2) {   // 8 inputs: two groups' 4 of lane l
 #if MASHBOX_NEON
-          for (int j = 0; j < 2 * kGroup; j++) {
-            const int level = group[((i + j / kGroup) * kLanes + l) * kGroup + j % kGroup] - kQ8Offset;
-            row[i * kGroup + j] = Bf16Bits(static_cast<float>(level) * scale[l]);
-          }
+          for (int j = 0; j < 2; j++)
+            vst1_u16(row + (i + j) * kGroup, Bf16x4(vmulq_f32(Levels4(group + ((i + j) * kLanes + l) * kGroup, kQ8Offset),
+                                                              vdupq_n_f32(scale[l]))));
 #else
           int32_t four[2];
           __builtin_memcpy(&four[0], group + (i * kLanes + l) * kGroup, 4);
@@ -1510,9 +1530,9 @@ void KWiden(ffi::ThreadPool& pool, const KBlocks& w, uint16_t* out) {
           const float offset = kSix ? 0.0f : dmin[l] * static_cast<float>(w.mins[
               (b * (K / 32) + s * (kSuper / 32) + j) * kLanes + l]);
 #if MASHBOX_NEON
-          for (int h = 0; h < sub; h++) {
-            const int level = lanes[l][j * sub + h] - (kSix ? kQ6Offset : 0);
-            row[j * sub + h] = Bf16Bits(scale * static_cast<float>(level) - offset);
+          for (int h = 0; h < sub; h += 4) {
+            const float32x4_t level = Levels4(&lanes[l][j * sub + h], kSix ? kQ6Offset : 0);
+            vst1_u16(row + j * sub + h, Bf16x4(vsubq_f32(vmulq_f32(vdupq_n_f32(scale), level), vdupq_n_f32(offset))));
           }
 #else
           for (int h = 0; h < sub; h += 8) {

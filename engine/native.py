@@ -294,7 +294,7 @@ def pack8(levels: np.ndarray, scales: np.ndarray) -> dict:
       q8    uint8   [N/16, K/4, 16, 4]   the levels plus 128, packed as pack's
       q8_d  float16 [N/16, K/32, 16]     the scales of the block's 16 outputs per 32 inputs
     A level of -128 (which GGUF's own rounding never writes: d = largest / 127) has no place in the
-    AVX2 and NEON tiers' signed form: packable8 says where it fits."""
+    AVX2 tier's products (its sign trick negates it to itself): packable8 says where it fits."""
     n, k = levels.shape
     d = scales.reshape(n // LANES, LANES, k // Q8_BLOCK).transpose(0, 2, 1)
     return {"q8": pack((levels.astype(np.int16) + 128).astype(np.uint8)),
@@ -307,7 +307,7 @@ def is_q8(w) -> bool:
 
 def packable8(shape, lowest: int) -> bool:
     """Whether Q8_0 levels of an [out, in] matrix fit pack8's blocks (16 outputs x 32 inputs); lowest:
-    their lowest level (a -128 has no place in the AVX2 and NEON tiers' signed form)."""
+    their lowest level (a -128 has no place in the AVX2 tier's products: pack8)."""
     return len(shape) == 2 and shape[0] % LANES == 0 and shape[1] % Q8_BLOCK == 0 and lowest > -128
 
 

@@ -329,7 +329,7 @@ def test_widen8_rounds_each_weight_to_bfloat16(kernel, n, k):
 
 def test_q8_blocks_give_an_embedding_tables_rows_and_refuse_a_level_of_minus_128():
     """Guards the embedding's row gather from Q8_0 blocks (a tied head's table) against a level or
-    scale from another row, and pack8's refusal of -128 (the AVX2 and NEON tiers' signed levels)."""
+    scale from another row, and packable8's refusal of -128 (the AVX2 tier's sign trick)."""
     levels, scales = _q8_0(np.random.default_rng(3), 48, 64)
     rows = np.array([[0, 47], [17, 17]])
     got = np.asarray(native.q8_rows({k: jnp.asarray(v) for k, v in native.pack8(levels, scales).items()},
