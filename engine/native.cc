@@ -829,43 +829,52 @@ constexpr Block5Fn kBlocks5[kMaxTerms + 1] = {nullptr, Block5<1>, Block5<2>, Blo
 constexpr Block5Fn kBlocks5[kMaxTerms + 1] = {nullptr, Block5<1>, Block5<2>, Block5<3>, Block5<4>};
 #endif
 
-// x float32 [R, K] times 5-bit weights -> float32 [R, N]. Each row is rounded to int8 per 32 inputs,
-// on each block's own scale (largest magnitude / 127), as the weights are: one term per row, where
-// the int8 product's per-row scales need two. Each 32 inputs' exact product is added times both
-// scales.
-ffi::Error Int5Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> nib,
-                      ffi::Buffer<ffi::U32> fifth, ffi::Buffer<ffi::F16> d,
-                      ffi::ResultBuffer<ffi::F32> out) {
-  const auto xd = x.dimensions();
-  if (!Packed5(nib.dimensions(), fifth.dimensions(), d.dimensions()) || xd.size() != 2 ||
-      xd[1] != nib.dimensions()[1] * kNibbleGroup)
-    return ffi::Error::InvalidArgument("int5_matmul: x [R, K], nib [N/16, K/8, 16, 4], fifth [N/16, K/8, 4], "
-                                       "d [N/16, K/32, 16]");
-  const int64_t blocks = nib.dimensions()[0], K = xd[1], N = blocks * kLanes, R = xd[0];
-  const int64_t blocks32 = K / kQ5Block;
-  const float* xp = x.typed_data();
+// The products whose weights change scale every 32 inputs (Q5_0's and Q8_0's blocks): rows x [R, K]
+// rounded to int8 per 32 inputs on each block's own scale (one term, where the int8 product's
+// per-row scales need two), then block(n, terms, sums, term_scales, out, b) for each block b of 16
+// outputs, n <= kMaxTerms rows at a time (terms [n, K]; sums, term_scales [n, K/32]; out [n, N]).
+constexpr int kTermBlock = 32;           // inputs per row scale
+template <typename Block>
+void PerBlockProduct(ffi::ThreadPool& pool, const float* x, int64_t R, int64_t K, int64_t blocks, float* out,
+                     Block block) {
+  const int64_t N = blocks * kLanes, blocks32 = K / kTermBlock;
   std::vector<int8_t> terms(R * K);
   std::vector<float> term_scales(R * blocks32);             // per row and 32 inputs
   std::vector<int32_t> sums(R * blocks32, 0);               // the terms' sum per row and 32 inputs
   for (int64_t r = 0; r < R; r++)
     for (int64_t j = 0; j < blocks32; j++) {
-      const int64_t at = r * K + j * kQ5Block;
-      term_scales[r * blocks32 + j] =
-          QuantizeRow(xp + at, terms.data() + at, kQ5Block, &sums[r * blocks32 + j]);
+      const int64_t at = r * K + j * kTermBlock;
+      term_scales[r * blocks32 + j] = QuantizeRow(x + at, terms.data() + at, kTermBlock, &sums[r * blocks32 + j]);
     }
+  Parallel(pool, Chunks(blocks), [&](int64_t c) {
+    const int64_t b0 = c * kChunkBlocks, b1 = std::min(b0 + kChunkBlocks, blocks);
+    for (int64_t r0 = 0; r0 < R; r0 += kMaxTerms) {        // 8 rows per pass over the chunk (AVX2, NEON: 4)
+      const int64_t n = std::min<int64_t>(kMaxTerms, R - r0);
+      for (int64_t b = b0; b < b1; b++)
+        block(n, terms.data() + r0 * K, sums.data() + r0 * blocks32, term_scales.data() + r0 * blocks32,
+              out + r0 * N, b);
+    }
+  });
+}
+
+// x float32 [R, K] times 5-bit weights -> float32 [R, N] (PerBlockProduct): each 32 inputs' exact
+// product is added times both scales.
+ffi::Error Int5Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> nib,
+                      ffi::Buffer<ffi::U32> fifth, ffi::Buffer<ffi::F16> d,
+                      ffi::ResultBuffer<ffi::F32> out) {
+  static_assert(kQ5Block == kTermBlock, "a Q5_0 block is a row term's block");
+  const auto xd = x.dimensions();
+  if (!Packed5(nib.dimensions(), fifth.dimensions(), d.dimensions()) || xd.size() != 2 ||
+      xd[1] != nib.dimensions()[1] * kNibbleGroup)
+    return ffi::Error::InvalidArgument("int5_matmul: x [R, K], nib [N/16, K/8, 16, 4], fifth [N/16, K/8, 4], "
+                                       "d [N/16, K/32, 16]");
+  const int64_t blocks = nib.dimensions()[0], K = xd[1], N = blocks * kLanes;
   const uint8_t* np_ = nib.typed_data();
   const uint64_t* fp = reinterpret_cast<const uint64_t*>(fifth.typed_data());
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.typed_data());
-  float* op = out->typed_data();
-  Parallel(pool, Chunks(blocks), [&](int64_t c) {
-    const int64_t b0 = c * kChunkBlocks, b1 = std::min(b0 + kChunkBlocks, blocks);
-    for (int64_t r0 = 0; r0 < R; r0 += kMaxTerms) {        // 8 rows per pass over the chunk (AVX2: 4)
-      const int64_t n = std::min<int64_t>(kMaxTerms, R - r0);
-      for (int64_t b = b0; b < b1; b++)
-        kBlocks5[n](np_, fp, dp, terms.data() + r0 * K, sums.data() + r0 * blocks32,
-                    term_scales.data() + r0 * blocks32, op + r0 * N, K, N, b);
-    }
-  });
+  PerBlockProduct(pool, x.typed_data(), xd[0], K, blocks, out->typed_data(),
+                  [&](int64_t n, const int8_t* terms, const int32_t* sums, const float* term_scales, float* o,
+                      int64_t b) { kBlocks5[n](np_, fp, dp, terms, sums, term_scales, o, K, N, b); });
   return ffi::Error::Success();
 }
 
@@ -1099,36 +1108,20 @@ constexpr Block8Fn kBlocks8[kMaxTerms + 1] = {nullptr, Block8<1>, Block8<2>, Blo
 constexpr Block8Fn kBlocks8[kMaxTerms + 1] = {nullptr, Block8<1>, Block8<2>, Block8<3>, Block8<4>};
 #endif
 
-// x float32 [R, K] times Q8_0 blocks (q: levels + 128, packed; d) -> float32 [R, N]: each row
-// rounded to int8 per 32 inputs on its own scale, each block's exact product times both scales.
+// x float32 [R, K] times Q8_0 blocks (q: levels + 128, packed; d) -> float32 [R, N]
+// (PerBlockProduct): each 32 inputs' exact product is added times both scales.
 ffi::Error Q8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
                     ffi::Buffer<ffi::F16> d, ffi::ResultBuffer<ffi::F32> out) {
+  static_assert(kQ8Block == kTermBlock, "a Q8_0 block is a row term's block");
   const auto xd = x.dimensions();
   if (!Packed8(q.dimensions(), d.dimensions()) || xd.size() != 2 || xd[1] != q.dimensions()[1] * kGroup)
     return ffi::Error::InvalidArgument("q8_matmul: x [R, K], q [N/16, K/4, 16, 4], d [N/16, K/32, 16]");
-  const int64_t blocks = q.dimensions()[0], K = xd[1], N = blocks * kLanes, R = xd[0];
-  const int64_t blocks32 = K / kQ8Block;
-  const float* xp = x.typed_data();
-  std::vector<int8_t> terms(R * K);
-  std::vector<float> term_scales(R * blocks32);
-  std::vector<int32_t> sums(R * blocks32, 0);
-  for (int64_t r = 0; r < R; r++)
-    for (int64_t j = 0; j < blocks32; j++) {
-      const int64_t at = r * K + j * kQ8Block;
-      term_scales[r * blocks32 + j] = QuantizeRow(xp + at, terms.data() + at, kQ8Block, &sums[r * blocks32 + j]);
-    }
+  const int64_t blocks = q.dimensions()[0], K = xd[1], N = blocks * kLanes;
   const uint8_t* qp = q.typed_data();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.typed_data());
-  float* op = out->typed_data();
-  Parallel(pool, Chunks(blocks), [&](int64_t c) {
-    const int64_t b0 = c * kChunkBlocks, b1 = std::min(b0 + kChunkBlocks, blocks);
-    for (int64_t r0 = 0; r0 < R; r0 += kMaxTerms) {
-      const int64_t n = std::min<int64_t>(kMaxTerms, R - r0);
-      for (int64_t b = b0; b < b1; b++)
-        kBlocks8[n](qp, dp, terms.data() + r0 * K, sums.data() + r0 * blocks32, term_scales.data() + r0 * blocks32,
-                    op + r0 * N, K, N, b);
-    }
-  });
+  PerBlockProduct(pool, x.typed_data(), xd[0], K, blocks, out->typed_data(),
+                  [&](int64_t n, const int8_t* terms, const int32_t* sums, const float* term_scales, float* o,
+                      int64_t b) { kBlocks8[n](qp, dp, terms, sums, term_scales, o, K, N, b); });
   return ffi::Error::Success();
 }
 
