@@ -672,6 +672,43 @@ inline void Levels(const uint8_t* nib, const uint64_t* fifth, uint8x16_t* low, u
 }
 #endif
 
+// A per-block product's step (Block5, Block8): total[r] += float(acc[r]) * (the 16 outputs' float16
+// scales d16 times row r's scale ts[r * stride]), each operation rounded once (the multiply-add fused).
+#if MASHBOX_AVX512
+template <int R>
+__attribute__((always_inline)) inline void AddBlock32(__m512* total, const __m512i* acc, const uint16_t* d16,
+                                                      const float* ts, int64_t stride) {
+  const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d16)));
+  for (int r = 0; r < R; r++)
+    total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(scale, _mm512_set1_ps(ts[r * stride])),
+                               total[r]);
+}
+#elif MASHBOX_AVX2
+template <int R>
+__attribute__((always_inline)) inline void AddBlock32(__m256 (*total)[2], const __m256i (*acc)[2],
+                                                      const uint16_t* d16, const float* ts, int64_t stride) {
+  for (int h = 0; h < 2; h++) {
+    const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d16 + 8 * h)));
+    for (int r = 0; r < R; r++) {
+      const __m256 both = _mm256_mul_ps(scale, _mm256_set1_ps(ts[r * stride]));
+      total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), both, total[r][h]);
+    }
+  }
+}
+#else
+template <int R>
+__attribute__((always_inline)) inline void AddBlock32(float32x4_t (*total)[4], const int32x4_t (*acc)[4],
+                                                      const uint16_t* d16, const float* ts, int64_t stride) {
+  for (int h = 0; h < 4; h++) {
+    const float32x4_t scale = Halves4(d16 + 4 * h);
+    for (int r = 0; r < R; r++) {
+      const float32x4_t both = vmulq_f32(scale, vdupq_n_f32(ts[r * stride]));
+      total[r][h] = vfmaq_f32(total[r][h], vcvtq_f32_s32(acc[r][h]), both);
+    }
+  }
+}
+#endif
+
 // One block of 16 outputs for R rows, each quantized per 32 inputs (Int5Matmul): per 32 inputs, sum
 // q t exactly, take 16 times the terms' sum off (the level is q - 16), and add it times the weights'
 // and the row's scales in float32.
@@ -707,10 +744,7 @@ void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const 
         Dpbusd(acc[r], high, _mm512_set1_epi32(second));
       }
     }
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(db + g32 * kLanes)));
-    for (int r = 0; r < R; r++)
-      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]),
-                                 _mm512_mul_ps(scale, _mm512_set1_ps(term_scales[r * blocks32 + g32])), total[r]);
+    AddBlock32<R>(total, acc, db + g32 * kLanes, term_scales + g32, blocks32);
   }
   for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * N + b * kLanes, total[r]);
 }
@@ -757,14 +791,7 @@ void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const 
         }
       }
     }
-    for (int h = 0; h < 2; h++) {
-      const __m256 scale =
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db + g32 * kLanes + 8 * h)));
-      for (int r = 0; r < R; r++) {
-        const __m256 both = _mm256_mul_ps(scale, _mm256_set1_ps(term_scales[r * blocks32 + g32]));
-        total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), both, total[r][h]);
-      }
-    }
+    AddBlock32<R>(total, acc, db + g32 * kLanes, term_scales + g32, blocks32);
   }
   for (int r = 0; r < R; r++)
     for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * N + b * kLanes + 8 * h, total[r][h]);
@@ -807,13 +834,7 @@ void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const 
         }
       }
     }
-    for (int q = 0; q < 4; q++) {
-      const float32x4_t scale = Halves4(db + g32 * kLanes + 4 * q);
-      for (int r = 0; r < R; r++) {
-        const float32x4_t both = vmulq_f32(scale, vdupq_n_f32(term_scales[r * blocks32 + g32]));
-        total[r][q] = vfmaq_f32(total[r][q], vcvtq_f32_s32(acc[r][q]), both);
-      }
-    }
+    AddBlock32<R>(total, acc, db + g32 * kLanes, term_scales + g32, blocks32);
   }
   for (int r = 0; r < R; r++)
     for (int q = 0; q < 4; q++) vst1q_f32(out + r * N + b * kLanes + 4 * q, total[r][q]);
@@ -1006,10 +1027,7 @@ void Block8(const uint8_t* q, const uint16_t* d, const int8_t* terms, const int3
         Dpbusd(acc[r], wv, _mm512_set1_epi32(four));
       }
     }
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(db + g32 * kLanes)));
-    for (int r = 0; r < R; r++)
-      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]),
-                                 _mm512_mul_ps(scale, _mm512_set1_ps(term_scales[r * blocks32 + g32])), total[r]);
+    AddBlock32<R>(total, acc, db + g32 * kLanes, term_scales + g32, blocks32);
   }
   for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * N + b * kLanes, total[r]);
 }
@@ -1044,14 +1062,7 @@ void Block8(const uint8_t* q, const uint16_t* d, const int8_t* terms, const int3
         acc[r][1] = DotBytes(acc[r][1], magnitude, _mm256_sign_epi8(w1, tv));
       }
     }
-    for (int h = 0; h < 2; h++) {
-      const __m256 scale =
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db + g32 * kLanes + 8 * h)));
-      for (int r = 0; r < R; r++) {
-        const __m256 both = _mm256_mul_ps(scale, _mm256_set1_ps(term_scales[r * blocks32 + g32]));
-        total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), both, total[r][h]);
-      }
-    }
+    AddBlock32<R>(total, acc, db + g32 * kLanes, term_scales + g32, blocks32);
   }
   for (int r = 0; r < R; r++)
     for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * N + b * kLanes + 8 * h, total[r][h]);
@@ -1086,13 +1097,7 @@ void Block8(const uint8_t* q, const uint16_t* d, const int8_t* terms, const int3
         for (int h = 0; h < 4; h++) acc[r][h] = vdotq_s32(acc[r][h], wv[h], tv);
       }
     }
-    for (int h = 0; h < 4; h++) {
-      const float32x4_t scale = Halves4(db + g32 * kLanes + 4 * h);
-      for (int r = 0; r < R; r++) {
-        const float32x4_t both = vmulq_f32(scale, vdupq_n_f32(term_scales[r * blocks32 + g32]));
-        total[r][h] = vfmaq_f32(total[r][h], vcvtq_f32_s32(acc[r][h]), both);
-      }
-    }
+    AddBlock32<R>(total, acc, db + g32 * kLanes, term_scales + g32, blocks32);
   }
   for (int r = 0; r < R; r++)
     for (int h = 0; h < 4; h++) vst1q_f32(out + r * N + b * kLanes + 4 * h, total[r][h]);
