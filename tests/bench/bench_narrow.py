@@ -34,7 +34,7 @@ the relative RMS error of the int8 values against the dequantized ones (sqrt(sum
 instead: no error.)
 
 blocks: one matrix (the demo's down projection, 896 x 4864, and a Qwen3-8B-sized 4096 x 4096) held
-each way the native kernel takes it (int8 per channel, packed; Q5_0; Q4_K; Q5_K; Q6_K; random blocks), its
+each way the native kernel takes it (int8 per channel, packed; Q5_0; Q8_0; Q4_K; Q5_K; Q6_K; random blocks), its
 product at 1, 4, 16 and 64 rows (the kernel) and 512 rows (widened, then XLA's dot), in turn, best
 of REPEATS; prints ms per product and the bytes held per weight.
 
@@ -425,7 +425,9 @@ def block_forms() -> None:
                 "scale": np.full(n, 0.01, np.float32)}
         q5 = native.pack5(rng.integers(0, 32, (n, k), dtype=np.uint8),
                           (rng.standard_normal((n, k // 32)) * 0.01).astype(np.float16))
-        forms = {"int8": int8, "Q5_0": q5}
+        q8 = native.pack8(rng.integers(-127, 128, (n, k), dtype=np.int8),
+                          (rng.standard_normal((n, k // 32)) * 0.01).astype(np.float16))
+        forms = {"int8": int8, "Q5_0": q5, "Q8_0": q8}
         for kind in ("Q4_K", "Q5_K", "Q6_K"):
             forms[kind] = native.pack_k(kind, **k_quant_parts(kind, random_k_blocks(rng, kind, n, k)))
         held = {name: sum(a.nbytes for a in jax.tree_util.tree_leaves(w)) * 8 / (n * k)
