@@ -115,7 +115,7 @@ def reference_logits(folder: str, cfg, tokens: list[int]) -> np.ndarray:
     t = _Tensors(folder)
     n, d = len(tokens), cfg.head_dim
     # the prompt's rows of the embedding only, and the head VOCAB_BLOCK rows at a time (below): never
-    # a whole float32 vocabulary table (0.55 GB each for the demo's embedding and separate head)
+    # a whole float32 vocabulary table (docs/perf-log.md, "The first start's peak memory")
     x = np.concatenate([t.get("model.embed_tokens.weight", slice(tok, tok + 1)) for tok in tokens]
                        ).astype(np.float64)                                  # [T, hidden]
     inv, scale = _inverse_frequencies(cfg)

@@ -593,8 +593,8 @@ class Checkpoint:
     def _release(self, name: str) -> None:
         """Drop this process's page mappings of a GGUF tensor's bytes once they are read (what is
         returned is a copy): the pages stay in the page cache and a later read maps them again, but
-        the file no longer adds up in the worker's RSS while the whole model is converted (with the
-        certification reference's reads beside it, the demo's first start peaked at 3.2 GB)."""
+        the file no longer adds up in the worker's RSS while the whole model is converted beside the
+        certification reference's reads (docs/perf-log.md, "The first start's peak memory")."""
         mapped = self._maps.get(name)
         if mapped is None:
             return
