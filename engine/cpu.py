@@ -14,7 +14,11 @@ that type, else in float32. What `auto` holds on each kind of CPU, with or witho
                                                            tokens, 1.55x after 8k; without the kernel
                                                            int8 1.49x float32 at 1 row, 1.14x at 4,
                                                            and the int8 cache no slower than float16
-  avx_vnni (no AVX-512)  avx2           int8     int8      not measured (no such CPU here)
+  avx_vnni (no AVX-512)  avx_vnni       int8     int8      its products, forced on an Emerald Rapids
+                                                           Xeon: int8 and Q8_0 at 16-64 rows 1.3-1.9x
+                                                           the avx2 tier's, 1-4 rows and Q5_0 /
+                                                           K-quants the same; no such CPU here to
+                                                           time a whole decode
   asimddp (ARM)          neon_dotprod   int8     int8      not measured (tested under qemu-user only)
   none of these          none           float32  float16   not measured: the safe choice
 """

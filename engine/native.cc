@@ -1,5 +1,6 @@
-// The engine's one native kernel, in three tiers (AVX-512 VNNI; AVX2 with FMA and F16C; ARM's NEON
-// with dot products: the compiler flags choose, engine/native.py: TIERS): float rows times packed
+// The engine's one native kernel, in four tiers (AVX-512 VNNI; AVX2 with FMA and F16C, and the same
+// with AVX-VNNI; ARM's NEON with dot products: the compiler flags choose, engine/native.py: TIERS):
+// float rows times packed
 // int8 weights (Int8Matmul: the rows as int8 terms, their exact products, the scales), the packed
 // weights widened for a prefill chunk's dot (Int8Widen), the same two for a GGUF's 5-bit Q5_0
 // blocks (Int5Matmul, Int5Widen), its 8-bit Q8_0 blocks (Q8Matmul, Q8Widen) and its K-quant blocks
@@ -27,7 +28,9 @@
 // x 127 (a weight is never -128: engine.weights holds -127..127). The integer sums are the same
 // exact numbers, so every product and rounding after them is the AVX-512 tier's, bit for bit
 // (tests/test_native.py holds both to the same numpy definitions). Each step that differs by tier
-// is written twice, side by side, under MASHBOX_AVX512.
+// is written twice, side by side, under MASHBOX_AVX512. With AVX-VNNI (MASHBOX_AVXVNNI, within the
+// AVX2 tier) the 256-bit vpdpbusd and vpdpwssd replace those pairs of instructions, and the int8
+// and Q8_0 products take the offset weights as the AVX-512 tier does.
 //
 // The NEON tier (AArch64 with the dot-product extension: sdot) multiplies signed bytes by signed
 // bytes, 4 to an int32 lane of 4: it takes the weights' signed values as the AVX2 tier does, and
@@ -67,6 +70,14 @@ namespace ffi = xla::ffi;
 #define MASHBOX_NEON 1
 #else
 #error "engine/native.cc is built for AVX-512 VNNI, AVX2 with FMA and F16C, or AArch64 with dot products (engine/native.py: TIERS)"
+#endif
+// The AVX-VNNI tier is the AVX2 tier with AVX-VNNI's 256-bit vpdpbusd and vpdpwssd (Alder Lake and
+// later Intel cores without AVX-512): each "multiply byte pairs, widen, add" step in one instruction,
+// the same exact int32 sums, so every result equals the AVX2 tier's bit for bit.
+#if MASHBOX_AVX2 && defined(__AVXVNNI__)
+#define MASHBOX_AVXVNNI 1
+#else
+#define MASHBOX_AVXVNNI 0
 #endif
 
 namespace {
@@ -150,9 +161,26 @@ inline float ReduceMax(__m256 v) {
 }
 
 // acc += the 4-byte dot products of unsigned bytes u and signed bytes s in each int32 lane (|u s|
-// pairs must fit int16: the callers' operands do).
+// pairs must fit int16 for vpmaddubsw: the callers' operands do).
 inline __m256i DotBytes(__m256i acc, __m256i u, __m256i s) {
+#if MASHBOX_AVXVNNI
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+#endif
+
+#if MASHBOX_AVX512 || MASHBOX_AVX2
+// acc += the 2-word dot products of int16 a and b in each int32 lane (vpdpwssd where there is VNNI).
+inline __m256i DotWords(__m256i acc, __m256i a, __m256i b) {
+#if MASHBOX_AVX512
+  return _mm256_dpwssd_epi32(acc, a, b);
+#elif MASHBOX_AVXVNNI
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
 }
 #endif
 
@@ -312,7 +340,8 @@ float QuantizeRow(const float* x, int8_t* q, int64_t K, int32_t* sum) {
   return scale;
 }
 
-// As the AVX-512 tier's, but for the offsets: these tiers multiply the weights' signed values.
+// As the AVX-512 tier's, but for the offsets where these tiers multiply the weights' signed values
+// (AVX2 without VNNI, NEON): none.
 void MakeTerms(const float* x, int64_t R, int64_t K, int8_t* terms, float* term_scales, int32_t* offsets) {
   std::vector<float> rest(K);
   for (int64_t r = 0; r < R; r++) {
@@ -321,7 +350,9 @@ void MakeTerms(const float* x, int64_t R, int64_t K, int8_t* terms, float* term_
     const float s0 = term_scales[2 * r] = QuantizeRow(row, q0, K, &offsets[2 * r]);
     for (int64_t k = 0; k < K; k++) rest[k] = row[k] - static_cast<float>(q0[k]) * s0;
     term_scales[2 * r + 1] = QuantizeRow(rest.data(), q0 + K, K, &offsets[2 * r + 1]);
-    offsets[2 * r] = offsets[2 * r + 1] = 0;
+    const int32_t offset = MASHBOX_AVXVNNI ? 128 : 0;
+    offsets[2 * r] *= offset;
+    offsets[2 * r + 1] *= offset;
   }
 }
 #endif
@@ -361,15 +392,17 @@ __attribute__((always_inline)) inline void ScaledBlock(const uint8_t* w, const i
   }
 }
 #elif MASHBOX_AVX2
+// With AVX-VNNI, vpdpbusd takes the offset weights as they are, as the AVX-512 tier's does (the
+// accumulators start at minus the offsets); without it, the sign trick.
 template <int R>
 __attribute__((always_inline)) inline void ScaledBlock(const uint8_t* w, const int8_t* terms,
-                                                       const float* term_scales, const int32_t*,
+                                                       const float* term_scales, const int32_t* offsets,
                                                        const float* scale, float* out, int64_t K,
                                                        int64_t N, int64_t block) {
   constexpr int T = 2 * R;
   __m256i acc[T][2];                     // outputs 0-7 and 8-15
-  for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_set1_epi32(-offsets[t]);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(MASHBOX_AVXVNNI ? 0 : 0x80));
   const uint8_t* wb = w + block * kLanes * K;
   for (int64_t k = 0; k < K; k += kGroup) {
     const uint8_t* at = wb + k * kLanes;
@@ -380,9 +413,15 @@ __attribute__((always_inline)) inline void ScaledBlock(const uint8_t* w, const i
     for (int t = 0; t < T; t++) {
       int32_t four;                                        // terms[t, k .. k+3]
       __builtin_memcpy(&four, terms + t * K + k, sizeof four);
-      const __m256i tv = _mm256_set1_epi32(four), magnitude = _mm256_abs_epi8(tv);
+      const __m256i tv = _mm256_set1_epi32(four);
+#if MASHBOX_AVXVNNI
+      acc[t][0] = DotBytes(acc[t][0], w0, tv);
+      acc[t][1] = DotBytes(acc[t][1], w1, tv);
+#else
+      const __m256i magnitude = _mm256_abs_epi8(tv);
       acc[t][0] = DotBytes(acc[t][0], magnitude, _mm256_sign_epi8(w0, tv));
       acc[t][1] = DotBytes(acc[t][1], magnitude, _mm256_sign_epi8(w1, tv));
+#endif
     }
   }
   for (int h = 0; h < 2; h++) {
@@ -787,7 +826,7 @@ void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const 
           const __m256i pairs = _mm256_add_epi16(
               _mm256_add_epi16(_mm256_maddubs_epi16(low[0][h], f0), _mm256_maddubs_epi16(high[0][h], s0)),
               _mm256_add_epi16(_mm256_maddubs_epi16(low[1][h], f1), _mm256_maddubs_epi16(high[1][h], s1)));
-          acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+          acc[r][h] = DotWords(acc[r][h], pairs, _mm256_set1_epi16(1));
         }
       }
     }
@@ -1033,19 +1072,21 @@ void Block8(const uint8_t* q, const uint16_t* d, const int8_t* terms, const int3
 }
 #elif MASHBOX_AVX2
 // The signed levels (the top bit flipped) take the terms' signs, as ScaledBlock's: a level of -128
-// would not (engine.weights keeps Q8_0 blocks only where none is).
+// would not (engine.weights keeps Q8_0 blocks only where none is). With AVX-VNNI, the held levels
+// as they are, as the AVX-512 tier's.
 template <int R>
-void Block8(const uint8_t* q, const uint16_t* d, const int8_t* terms, const int32_t*,
+void Block8(const uint8_t* q, const uint16_t* d, const int8_t* terms, const int32_t* sums,
             const float* term_scales, float* out, int64_t K, int64_t N, int64_t b) {
   const int64_t groups = K / kGroup, blocks32 = K / kQ8Block;
   const uint8_t* qb = q + b * groups * 64;
   const uint16_t* db = d + b * blocks32 * kLanes;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(MASHBOX_AVXVNNI ? 0 : 0x80));
+  const int32_t offset = MASHBOX_AVXVNNI ? kQ8Offset : 0;
   __m256 total[R][2];
   for (int r = 0; r < R; r++) total[r][0] = total[r][1] = _mm256_setzero_ps();
   for (int64_t g32 = 0; g32 < blocks32; g32++) {
     __m256i acc[R][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_set1_epi32(-offset * sums[r * blocks32 + g32]);
     PrefetchL2(db + (g32 + kPrefetchL2 / 512) * kLanes);
     for (int i = 0; i < kQ8Block / kGroup; i++) {
       const int64_t g = g32 * (kQ8Block / kGroup) + i;
@@ -1057,9 +1098,15 @@ void Block8(const uint8_t* q, const uint16_t* d, const int8_t* terms, const int3
       for (int r = 0; r < R; r++) {
         int32_t four;
         __builtin_memcpy(&four, terms + r * K + g * kGroup, sizeof four);
-        const __m256i tv = _mm256_set1_epi32(four), magnitude = _mm256_abs_epi8(tv);
+        const __m256i tv = _mm256_set1_epi32(four);
+#if MASHBOX_AVXVNNI
+        acc[r][0] = DotBytes(acc[r][0], w0, tv);
+        acc[r][1] = DotBytes(acc[r][1], w1, tv);
+#else
+        const __m256i magnitude = _mm256_abs_epi8(tv);
         acc[r][0] = DotBytes(acc[r][0], magnitude, _mm256_sign_epi8(w0, tv));
         acc[r][1] = DotBytes(acc[r][1], magnitude, _mm256_sign_epi8(w1, tv));
+#endif
       }
     }
     AddBlock32<R>(total, acc, db + g32 * kLanes, term_scales + g32, blocks32);
@@ -1418,7 +1465,7 @@ void BlockK(const KBlocks& w, const int8_t* terms, const float* sub_sums, const 
               both = _mm256_add_epi16(both, _mm256_add_epi16(
                   _mm256_maddubs_epi16(low[i][h], _mm256_set1_epi32(four[2 * i])),
                   _mm256_maddubs_epi16(high[i][h], _mm256_set1_epi32(four[2 * i + 1]))));
-            acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(both, pairs[h]));
+            acc[r][h] = DotWords(acc[r][h], both, pairs[h]);
           }
         }
       }
@@ -1855,8 +1902,8 @@ void Scores(const int32_t* qp, const float* qs, const int8_t* k, const float* ks
       const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);
       for (int r = 0; r < R; r++) {
         const __m256i q = _mm256_set1_epi32(qp[r * pairs + d]);
-        s[0][r] = _mm256_add_epi32(s[0][r], _mm256_madd_epi16(lo, q));
-        s[1][r] = _mm256_add_epi32(s[1][r], _mm256_madd_epi16(hi, q));
+        s[0][r] = DotWords(s[0][r], lo, q);
+        s[1][r] = DotWords(s[1][r], hi, q);
       }
     }
     for (int h = 0; h < 2; h++) {
@@ -1881,8 +1928,8 @@ void Weighted(const int16_t* wq, int64_t stride, const int8_t* v, int64_t D, int
       const __m256i v0 = Words16(at + p, n - p), v1 = Words16(at + C + p, n - p);
       for (int r = 0; r < R; r++) {
         const __m256i wr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + r * stride + p));
-        a[0][r] = _mm256_add_epi32(a[0][r], _mm256_madd_epi16(v0, wr));
-        a[1][r] = _mm256_add_epi32(a[1][r], _mm256_madd_epi16(v1, wr));
+        a[0][r] = DotWords(a[0][r], v0, wr);
+        a[1][r] = DotWords(a[1][r], v1, wr);
       }
     }
     for (int r = 0; r < R; r++) {

@@ -8,8 +8,9 @@ cache root (rebuilt when the source, the compiler or jaxlib changes) and registe
 custom calls.
 
 It comes in tiers, chosen by the CPU's flags (TIERS): AVX-512 VNNI, else AVX2 with FMA and F16C
+and AVX-VNNI's 256-bit dot products (Alder Lake and later cores without AVX-512), else AVX2 alone
 (the same products from vpmaddubsw and vpmaddwd, bit for bit), and on ARM NEON with dot products
-(sdot); MASHBOX_NATIVE_TIER=avx2 forces the lower tier on a CPU that has both. tests/test_native.py
+(sdot); MASHBOX_NATIVE_TIER=avx2 forces a lower tier on a CPU that has several. tests/test_native.py
 runs every tier the CPU has, and the NEON tier cross-compiled under qemu-user.
 
 It is optional: without a tier's instructions, without a compiler, on several devices (the
@@ -59,12 +60,14 @@ TARGETS = {"mashbox_int8_matmul": "MashboxInt8Matmul",
 ENV_SWITCH = "MASHBOX_NATIVE"                      # "0": never build or use the kernel
 TIER_ENV = "MASHBOX_NATIVE_TIER"                   # a tier's name: that tier, if the CPU has it
 # The kernel's tiers, the first whose instructions (/proc/cpuinfo flags; ARM's "Features") the CPU
-# has serves; a CPU with none keeps XLA's products. native.cc's MASHBOX_AVX512 / _AVX2 / _NEON follow
-# the compiler flags. The NEON tier (AArch64 with sdot) is tested here under qemu-user
-# (tests/test_native.py); its speed is unmeasured.
+# has serves; a CPU with none keeps XLA's products. native.cc's MASHBOX_AVX512 / _AVX2 (with
+# _AVXVNNI) / _NEON follow the compiler flags. The AVX-VNNI tier is tested on CPUs that have it
+# beside AVX-512, and the NEON tier (AArch64 with sdot) under qemu-user (tests/test_native.py, as a
+# command: tests/kernel_harness); neither's speed is measured on a CPU of its own.
 TIERS = {
     "avx512_vnni": (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"}),
                     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c")),
+    "avx_vnni": (frozenset({"avx2", "fma", "f16c", "avx_vnni"}), ("-mavx2", "-mfma", "-mf16c", "-mavxvnni")),
     "avx2": (frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c")),
     "neon_dotprod": (frozenset({"asimd", "asimddp"}), ("-march=armv8.2-a+dotprod",)),
 }
@@ -85,12 +88,17 @@ def _compiler() -> str | None:
     return None
 
 
+# Tiers whose build failed in this process (a compiler too old for its flags: GCC learned -mavxvnni
+# in version 11): the next tier the CPU has serves instead.
+_unbuildable: set[str] = set()
+
+
 def tier() -> str | None:
     """The tier this CPU runs (TIERS; TIER_ENV picks a lower one), or None: no tier's instructions,
     or the kernel switched off."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
-    have = [name for name, (flags, _) in TIERS.items() if flags <= cpu.flags()]
+    have = [name for name, (flags, _) in TIERS.items() if flags <= cpu.flags() and name not in _unbuildable]
     asked = os.environ.get(TIER_ENV)
     if asked:
         return asked if asked in have else None
@@ -168,6 +176,20 @@ def serves(devices: int) -> bool:
     return devices == 1 and available()
 
 
+def _build_best(compiler: str) -> Path:
+    """The library of the best tier the CPU has that the compiler builds (_build's errors if none)."""
+    while True:
+        try:
+            return _build(compiler)
+        except RuntimeError as e:             # the compiler refused this tier's flags: the next one
+            failed = tier()
+            _unbuildable.add(failed)
+            if tier() is None:
+                raise
+            log.warning("int8 kernel: the %s tier did not build (%s); building the %s tier",
+                        failed, str(e)[-300:], tier())
+
+
 def _build_and_register() -> bool:
     global _registered
     if _registered:                       # available() asked again (its cache cleared): still there
@@ -180,7 +202,7 @@ def _build_and_register() -> bool:
     try:
         import jax.ffi
 
-        library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
+        library = ctypes.cdll.LoadLibrary(str(_build_best(compiler)))
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
                                         platform="cpu")

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import model, native, products, registry, sampler, weights
+from engine import cpu, model, native, products, registry, sampler, weights
 from engine.cache import init_cache
 from engine.config import load_config
 from engine.weights import held_key, load_weights
@@ -37,11 +37,12 @@ class XlaTier:
 
 
 class HarnessTier:
-    """A kernel tier this machine cannot load into XLA: tests/kernel_harness/harness.cc built for it,
-    run under qemu-user, with engine.native's calls (the same operands and result shapes)."""
+    """A kernel tier this machine cannot load into XLA beside its own: tests/kernel_harness/harness.cc
+    built for it and run as a command (under qemu-user for another architecture), with engine.native's
+    calls (the same operands and result shapes)."""
 
-    def __init__(self, binary: str):
-        self.binary = binary
+    def __init__(self, command: list[str]):
+        self.command = command
 
     def _run(self, name, operands, shape, dtype):
         import struct
@@ -54,7 +55,7 @@ class HarnessTier:
                                      *array.shape))
             parts.append(array.tobytes())
         parts[-1] = b""                                          # the result: its shape only
-        done = subprocess.run([QEMU, self.binary], input=b"".join(parts), capture_output=True, timeout=600)
+        done = subprocess.run(self.command, input=b"".join(parts), capture_output=True, timeout=600)
         assert done.returncode == 0, done.stderr.decode()[-2000:]
         return np.frombuffer(done.stdout, dtype).reshape(shape)
 
@@ -102,33 +103,53 @@ class HarnessTier:
         return self._run("int8_attend", [q, k, v, k_scale, v_scale, slots, positions], q.shape, "float32")
 
 
+def _harness(tmp_path_factory, compiler: str, tier: str, extra: tuple[str, ...] = ()) -> str:
+    """The harness built with `compiler` at a tier's flags (native.TIERS): the binary's path."""
+    import subprocess
+    binary = str(tmp_path_factory.mktemp(tier) / "harness")
+    flags = [f for f in native.BASE_FLAGS if f not in ("-shared", "-fPIC")] + list(native.TIERS[tier][1])
+    done = subprocess.run([compiler, *flags, *extra, f"-I{HARNESS}", os.path.join(HARNESS, "harness.cc"), "-o",
+                           binary], capture_output=True, text=True, timeout=native.BUILD_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return binary
+
+
 @pytest.fixture(scope="session")
 def neon_harness(tmp_path_factory):
-    """The harness built for the NEON tier (native.TIERS' flags), or a skip where this machine has no
-    cross-compiler or qemu-user, or is ARM itself (there the xla tier is the NEON one)."""
+    """The harness built for the NEON tier, or a skip where this machine has no cross-compiler or
+    qemu-user, or is ARM itself (there the xla tier is the NEON one)."""
     import platform
     import shutil
-    import subprocess
     if platform.machine() in ("aarch64", "arm64"):
         pytest.skip("an ARM CPU: its own tier runs through XLA")
     if not (shutil.which(NEON_CXX) and shutil.which(QEMU)):
         pytest.skip(f"the NEON tier's tests need {NEON_CXX} and {QEMU} (Debian: g++-aarch64-linux-gnu, qemu-user)")
-    binary = str(tmp_path_factory.mktemp("neon") / "harness")
-    flags = [f for f in native.BASE_FLAGS if f not in ("-shared", "-fPIC")] + list(native.TIERS["neon_dotprod"][1])
-    done = subprocess.run([NEON_CXX, *flags, "-static", f"-I{HARNESS}", os.path.join(HARNESS, "harness.cc"), "-o",
-                           binary], capture_output=True, text=True, timeout=native.BUILD_TIMEOUT_S)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return HarnessTier(binary)
+    return HarnessTier([QEMU, _harness(tmp_path_factory, NEON_CXX, "neon_dotprod", ("-static",))])
 
 
-@pytest.fixture(params=["xla", "neon"])
+@pytest.fixture(scope="session")
+def avx_vnni_harness(tmp_path_factory):
+    """The harness built for the AVX-VNNI tier and run here, on a CPU that has its instructions but
+    serves another tier through XLA (AVX-512 VNNI ones from Sapphire Rapids and Zen 5 on); a skip
+    elsewhere (there it is the xla tier, or cannot run)."""
+    if not native.TIERS["avx_vnni"][0] <= cpu.flags():
+        pytest.skip("this CPU has no AVX-VNNI")
+    if native.tier() == "avx_vnni":
+        pytest.skip("the AVX-VNNI tier is this CPU's own: it runs through XLA")
+    if native._compiler() is None:
+        pytest.skip("no C++ compiler")
+    return HarnessTier([_harness(tmp_path_factory, native._compiler(), "avx_vnni")])
+
+
+@pytest.fixture(params=["xla", "avx_vnni", "neon"])
 def kernel(request):
-    """Each kernel test runs on this CPU's tier through XLA and on the NEON tier under qemu-user: every
-    tier held to the same numpy definitions."""
-    if request.param == "neon":
-        return request.getfixturevalue("neon_harness")
+    """Each kernel test runs on this CPU's tier through XLA, and on the tiers that run here beside it
+    as the harness (AVX-VNNI on a CPU with AVX-512 VNNI too; NEON under qemu-user): every tier held
+    to the same numpy definitions."""
+    if request.param != "xla":
+        return request.getfixturevalue(f"{request.param}_harness")
     if not native.available():
-        pytest.skip("the kernel needs AVX-512 VNNI, AVX2 (FMA, F16C) or NEON dot products, and a C++ compiler")
+        pytest.skip("the kernel needs AVX-512 VNNI, AVX-VNNI or AVX2 (FMA, F16C), or NEON dot products, and a C++ compiler")
     return XlaTier()
 
 
@@ -580,13 +601,16 @@ def test_switched_off_or_without_a_tier_the_weights_stay_plain(monkeypatch):
 
 
 def test_the_tier_is_the_best_the_cpu_has_or_the_one_forced(monkeypatch):
-    """Guards the tier choice (native.TIERS): AVX-512 VNNI first, AVX2 without it, NEON on ARM with dot
-    products (not without), MASHBOX_NATIVE_TIER
-    forcing a tier the CPU has (never one it lacks: that build would fault), none when switched off."""
-    avx512 = native.TIERS["avx512_vnni"][0] | native.TIERS["avx2"][0]
+    """Guards the tier choice (native.TIERS): AVX-512 VNNI first, then AVX-VNNI, then AVX2, NEON on ARM
+    with dot products (not without), MASHBOX_NATIVE_TIER forcing a tier the CPU has (never one it
+    lacks: that build would fault), none when switched off."""
+    avx2, avx_vnni = native.TIERS["avx2"][0], native.TIERS["avx_vnni"][0]
+    avx512 = native.TIERS["avx512_vnni"][0] | avx_vnni
     for flags, env, want in ((avx512, {}, "avx512_vnni"), (avx512, {native.TIER_ENV: "avx2"}, "avx2"),
-                             (native.TIERS["avx2"][0], {}, "avx2"),
-                             (native.TIERS["avx2"][0], {native.TIER_ENV: "avx512_vnni"}, None),
+                             (avx512, {native.TIER_ENV: "avx_vnni"}, "avx_vnni"),
+                             (avx_vnni, {}, "avx_vnni"), (avx_vnni, {native.TIER_ENV: "avx2"}, "avx2"),
+                             (avx2, {}, "avx2"), (avx2, {native.TIER_ENV: "avx512_vnni"}, None),
+                             (avx2, {native.TIER_ENV: "avx_vnni"}, None),
                              (avx512, {native.ENV_SWITCH: "0"}, None), (frozenset({"sse4_2"}), {}, None),
                              (frozenset({"fp", "asimd", "asimddp"}), {}, "neon_dotprod"),
                              (frozenset({"fp", "asimd"}), {}, None)):
@@ -601,14 +625,30 @@ def test_the_tier_is_the_best_the_cpu_has_or_the_one_forced(monkeypatch):
         assert set(native.TIERS[native.tier()][1]) <= set(native.compile_flags())
 
 
-@pytest.mark.skipif(native.tier() != "avx512_vnni", reason="this CPU's only tier is the one the suite runs")
-def test_the_avx2_tier_passes_the_kernel_tests_on_an_avx512_cpu():
+@pytest.mark.skipif(not native.available(), reason="the kernel does not run here")
+def test_a_tier_the_compiler_cannot_build_gives_way_to_the_next(monkeypatch):
+    """A compiler too old for a tier's flags (GCC before 11 has no -mavxvnni) costs that tier, not
+    the kernel: the next tier the CPU has is built instead."""
+    monkeypatch.delenv(native.TIER_ENV, raising=False)
+    own = native.tier()
+    monkeypatch.setattr(native, "TIERS", {"unbuildable": (frozenset(), ("-mno-such-instructions",)), **native.TIERS})
+    monkeypatch.setattr(native, "_unbuildable", set())
+    assert native.tier() == "unbuildable"
+    library = native._build_best(native._compiler())
+    assert native.tier() == own and library.name.startswith(f"native-{own}-") and library.exists()
+    assert native._unbuildable == {"unbuildable"}
+
+
+@pytest.mark.skipif(native.tier() not in ("avx512_vnni", "avx_vnni"),
+                    reason="this CPU's only tier is the one the suite runs")
+def test_the_avx2_tier_passes_the_kernel_tests_on_a_vnni_cpu():
     """Every tier is held to the same numpy definitions on one machine: the kernel tests again, in a
     process whose kernel is built for AVX2 (MASHBOX_NATIVE_TIER)."""
     import subprocess
     import sys
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "not avx2_tier_passes and not neon"], env={**os.environ, native.TIER_ENV: "avx2"},
+                           "not avx2_tier_passes and not neon and not avx_vnni"],
+                          env={**os.environ, native.TIER_ENV: "avx2"},
                           capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:]
 
