@@ -35,7 +35,7 @@ from engine import cpu
 from engine.attention import attend, write_kv
 from engine.config import ModelConfig
 from engine.moe import routed_experts
-from engine.products import F32, embed, matmul, swiglu
+from engine.products import F32, embed, matmul, swiglu, tree_sum
 
 
 def dtype_for(platform: str):
@@ -60,23 +60,9 @@ def weights_dtype_for(platform: str, asked: str | None = "auto", fp8: bool = Fal
 
 # ---- building blocks ---------------------------------------------------------------------------
 
-def _tree_sum(x):
-    """The sum over x's last axis (kept, size 1) in one fixed pairwise order: the upper half added to
-    the lower, elementwise, until one is left (zeros pad it to a power of two). XLA's reduce orders a
-    row's sum by the shape around it (from 8 rows on it vectorizes across rows): with it a decode
-    step and a verification of drafts (engine.speculative) gave one position different numbers."""
-    n = x.shape[-1]
-    size = 1 << max(n - 1, 0).bit_length()
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - n)])
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    return x
-
-
 def _rms_norm(x, weight, eps):
     x = x.astype(F32)
-    return x * lax.rsqrt(_tree_sum(x * x) / x.shape[-1] + eps) * weight.astype(F32)
+    return x * lax.rsqrt(tree_sum(x * x) / x.shape[-1] + eps) * weight.astype(F32)
 
 
 def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:

@@ -37,7 +37,8 @@ from jax import lax
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from engine.config import ROUTED_PATHS, ModelConfig
-from engine.products import F32, fp8_values, gated, int8_values, matmul, swiglu, weight_kind, wide_dtype
+from engine.products import (F32, INT8_ROWS_MAX_ROWS, fp8_values, gated, int8_values, matmul,
+                             row_exact_matmul, swiglu, tree_sum, weight_kind, wide_dtype)
 from engine.sharding import MODEL_AXIS
 
 ROUTED_KINDS = ("kernel", "exact")
@@ -102,11 +103,20 @@ def _routed_path(cfg: ModelConfig) -> tuple[str, str | None]:
 
 
 def _route(x, router, cfg: ModelConfig):
-    """x [N, hidden] -> (weights [N, k] float32, experts [N, k] int32), the top k by probability."""
-    probs = jax.nn.softmax(matmul(x, router), axis=-1)
+    """x [N, hidden] -> (weights [N, k] float32, experts [N, k] int32), the top k by probability.
+    On XLA:CPU, up to INT8_ROWS_MAX_ROWS rows (decode steps, verifications of drafts), every sum is
+    in one fixed order (tree_sum), so a row is routed alike whatever rows run beside it: drafting
+    (engine.speculative) stays exact."""
+    exact = jax.default_backend() == "cpu" and x.shape[0] <= INT8_ROWS_MAX_ROWS
+    scores = row_exact_matmul(x, router) if exact else matmul(x, router)
+    if exact:
+        e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+        probs = e / tree_sum(e)
+    else:
+        probs = jax.nn.softmax(scores, axis=-1)
     weights, experts = lax.top_k(probs, cfg.experts_per_token)
     if cfg.norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights / (tree_sum(weights) if exact else jnp.sum(weights, axis=-1, keepdims=True))
     return weights, experts.astype(jnp.int32)
 
 
@@ -187,7 +197,9 @@ def _routed_exact(x, weights, experts, moe, tile: int):
     _, y = lax.scan(one_tile, None, jnp.arange(tiles))
     y = jnp.concatenate([y.reshape(tiles * tile, -1), jnp.zeros((1, x.shape[1]), F32)])
     at = jnp.zeros(pairs, jnp.int32).at[order].set(where).reshape(n, k)
-    return jnp.einsum("nk,nkh->nh", jnp.where(experts < num, weights, 0.0), y[at])
+    # The picks' weighted sum in tree_sum's order (as _route's: the same per row whatever beside it).
+    weighted = jnp.where(experts < num, weights, 0.0)[..., None] * y[at]           # [token, pick, hidden]
+    return tree_sum(jnp.swapaxes(weighted, 1, 2))[..., 0]
 
 
 def _per_device(routed, x, weights, experts, moe, cfg: ModelConfig):

@@ -317,6 +317,28 @@ def embed(table, tokens):
     return int8_values(rows).astype(F32) * table["scale"][tokens][..., None]
 
 
+def tree_sum(x):
+    """The sum over x's last axis (kept, size 1) in one fixed pairwise order: the upper half added to
+    the lower, elementwise, until one is left (zeros pad it to a power of two). XLA's reduce orders a
+    row's sum by the shape around it (from 8 rows on it vectorizes across rows): with it a decode
+    step and a verification of drafts (engine.speculative) gave one position different numbers."""
+    n = x.shape[-1]
+    size = 1 << max(n - 1, 0).bit_length()
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - n)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x
+
+
+def row_exact_matmul(x, w):
+    """x [rows, in] times float w [out, in], each output summed in tree_sum's order: a row's numbers
+    whatever the rows beside it, as the integer products' are (a MoE router's scores in a decode step
+    and in a verification of drafts). Reads w once; up to INT8_ROWS_MAX_ROWS rows (its broadcast
+    product is rows x out x in floats)."""
+    return tree_sum(w[None].astype(F32) * x[:, None, :].astype(F32))[..., 0]
+
+
 def swiglu(rows, gate_up, down):
     """The SwiGLU MLP (dense layers, each routed expert, the shared expert): down(silu(gate) * up)."""
     return matmul(gated(matmul(rows, gate_up)), down)

@@ -311,9 +311,9 @@ class Engine:
                "the KV cache is not int8 (the kernel's attention reads int8)" if self.kv_dtype != np.int8 else
                "its linear layers' state cannot be cut back to the last kept position"
                if "linear" in cfg.layer_kinds else
-               "its router's float product is not the same per position whatever the rows beside it"
-               if "moe" in (cfg.mlp_kinds or ())
-               else None)
+               f"a decode step of every slot ({args.slots} rows) is past the {products.INT8_ROWS_MAX_ROWS} "
+               "rows whose products are the same per row whatever the rows beside it"
+               if args.slots > products.INT8_ROWS_MAX_ROWS else None)
         shapes = {} if why else {
             rows: tuple(t for t in VERIFY_TOKENS if rows * t <= products.INT8_ROWS_MAX_ROWS
                         and t <= NATIVE_ATTENTION_MAX_TOKENS and t < args.ctx)

@@ -319,8 +319,10 @@ def cold():
 def test_the_engine_facts_carry_the_traced_routed_experts(engine):
     """Guards against facts that report nothing (or a guess) for an MoE model."""
     report = _valid(engine.facts.routed_experts)
-    # One site per routed layer and token count a program runs (decode rows, prefill chunks).
-    rows = set(engine.buckets.decode_rows) | set(engine.buckets.chunks)
+    # One site per routed layer and token count a program runs (decode rows, prefill chunks,
+    # verifications of drafts: rows x tokens).
+    rows = (set(engine.buckets.decode_rows) | set(engine.buckets.chunks)
+            | {n * t for n, ts in engine.speculator.shapes.items() for t in ts})
     assert report == routed_report(engine.cfg, rows)
     assert sum(report["sites"].values()) == engine.cfg.mlp_kinds.count("moe") * len(rows)
     assert engine.compiles_after_ready() == 0

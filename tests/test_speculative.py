@@ -178,12 +178,13 @@ def _engine(speculative: str, folder: str = "qwen3", slots: int = 4):
                              compile_cache=None, dtype="int8", kv_dtype="int8", speculative=speculative))
 
 
-@pytest.fixture(scope="module")
-def engines():
-    on = _engine("auto")
+@pytest.fixture(scope="module", params=["qwen3", "qwen3-moe"])
+def engines(request):
+    """The tiny dense and mixture-of-experts models, drafting on and off."""
+    on = _engine("auto", request.param)
     if on.speculator.off:
         pytest.skip(f"drafting is off here: {on.speculator.off}")
-    return on, _engine("off")
+    return on, _engine("off", request.param)
 
 
 def _run(engine, submits) -> dict:
@@ -282,7 +283,7 @@ def test_a_drafted_row_stops_at_its_limit_and_at_a_stop_token(engines):
     ({}, None), ({"speculative": "off"}, "--speculative off"), ({"native": False}, "native kernel"),
     ({"weights": "float32"}, "float32 weights"), ({"weights": "fp8"}, "fp8 weights"),
     ({"kv": np.float16}, "KV cache is not int8"), ({"kinds": ("linear", "attention")}, "linear layers"),
-    ({"mlp": ("moe", "dense")}, "router")])
+    ({"mlp": ("moe", "dense")}, None), ({"slots": 65}, "every slot (65 rows)")])
 def test_drafting_is_on_only_where_it_is_exact(case, why):
     """Guards against drafting on a path whose numbers depend on the rows beside a position (XLA's
     float products, float caches) or whose state cannot be cut back (linear layers)."""
@@ -293,7 +294,7 @@ def test_drafting_is_on_only_where_it_is_exact(case, why):
     e = Engine.__new__(Engine)
     e.cfg = SimpleNamespace(native=case.get("native", True), layer_kinds=case.get("kinds", ("attention",)),
                             mlp_kinds=case.get("mlp"))
-    e.args = SimpleNamespace(speculative=case.get("speculative", "auto"), ctx=4096)
+    e.args = SimpleNamespace(speculative=case.get("speculative", "auto"), ctx=4096, slots=case.get("slots", 8))
     e.weights_dtype, e.kv_dtype = case.get("weights", "int8"), np.dtype(case.get("kv", np.int8))
     e.buckets = Buckets.for_ctx(4096, slots=8)
     spec = e.speculator = e._speculator()
