@@ -1,11 +1,10 @@
 // The engine's one native kernel, in four tiers (AVX-512 VNNI; AVX2 with FMA and F16C, and the same
 // with AVX-VNNI; ARM's NEON with dot products: the compiler flags choose, engine/native.py: TIERS):
-// float rows times packed
-// int8 weights (Int8Matmul: the rows as int8 terms, their exact products, the scales), the packed
-// weights widened for a prefill chunk's dot (Int8Widen), the same two for a GGUF's 5-bit Q5_0
-// blocks (Int5Matmul, Int5Widen), its 8-bit Q8_0 blocks (Q8Matmul, Q8Widen) and its K-quant blocks
-// (Q4KMatmul ... Q6KWiden), decode attention over the int8 KV cache (Int8Attend), the greedy pick
-// of each row's largest logit (FirstMax) and the sampling filters' cuts (FilterCuts).
+// float rows times packed int8 weights (Int8Matmul: the rows as int8 terms, their exact products, the
+// scales), the packed weights widened for a prefill chunk's dot (Int8Widen), the same two for a
+// GGUF's 5-bit Q5_0 blocks (Int5Matmul, Int5Widen), its 8-bit Q8_0 blocks (Q8Matmul, Q8Widen) and its
+// K-quant blocks (Q4KMatmul ... Q6KWiden), decode attention over the int8 KV cache (Int8Attend), the
+// greedy pick of each row's largest logit (FirstMax) and the sampling filters' cuts (FilterCuts).
 // engine/native.py builds and registers them; engine/products.py, engine/attention.py and
 // engine/sampler.py call them.
 //
