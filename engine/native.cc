@@ -170,6 +170,25 @@ inline __m256i DotBytes(__m256i acc, __m256i u, __m256i s) {
 }
 #endif
 
+#if MASHBOX_AVX2
+// 32 packed weight bytes as this tier multiplies them: the offset bytes as they are where AVX-VNNI's
+// vpdpbusd takes them (unsigned), else their signed values (the top bit flipped) for the sign trick.
+inline __m256i HeldBytes(const uint8_t* at) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+  return MASHBOX_AVXVNNI ? v : _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
+}
+
+// acc += HeldBytes' weights w times a term's 4 inputs tv (the same 4 in every lane). With the sign
+// trick, the term's magnitudes are the unsigned operand and the weights take its signs.
+inline __m256i AddTerm(__m256i acc, __m256i w, __m256i tv) {
+#if MASHBOX_AVXVNNI
+  return DotBytes(acc, w, tv);
+#else
+  return DotBytes(acc, _mm256_abs_epi8(tv), _mm256_sign_epi8(w, tv));
+#endif
+}
+#endif
+
 #if MASHBOX_AVX512 || MASHBOX_AVX2
 // acc += the 2-word dot products of int16 a and b in each int32 lane (vpdpwssd where there is VNNI).
 inline __m256i DotWords(__m256i acc, __m256i a, __m256i b) {
@@ -401,26 +420,18 @@ __attribute__((always_inline)) inline void ScaledBlock(const uint8_t* w, const i
   constexpr int T = 2 * R;
   __m256i acc[T][2];                     // outputs 0-7 and 8-15
   for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_set1_epi32(-offsets[t]);
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(MASHBOX_AVXVNNI ? 0 : 0x80));
   const uint8_t* wb = w + block * kLanes * K;
   for (int64_t k = 0; k < K; k += kGroup) {
     const uint8_t* at = wb + k * kLanes;
     Prefetch(at + kPrefetch);
     PrefetchL2(at + kPrefetchL2);
-    const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)), flip);
-    const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32)), flip);
+    const __m256i w0 = HeldBytes(at), w1 = HeldBytes(at + 32);
     for (int t = 0; t < T; t++) {
       int32_t four;                                        // terms[t, k .. k+3]
       __builtin_memcpy(&four, terms + t * K + k, sizeof four);
       const __m256i tv = _mm256_set1_epi32(four);
-#if MASHBOX_AVXVNNI
-      acc[t][0] = DotBytes(acc[t][0], w0, tv);
-      acc[t][1] = DotBytes(acc[t][1], w1, tv);
-#else
-      const __m256i magnitude = _mm256_abs_epi8(tv);
-      acc[t][0] = DotBytes(acc[t][0], magnitude, _mm256_sign_epi8(w0, tv));
-      acc[t][1] = DotBytes(acc[t][1], magnitude, _mm256_sign_epi8(w1, tv));
-#endif
+      acc[t][0] = AddTerm(acc[t][0], w0, tv);
+      acc[t][1] = AddTerm(acc[t][1], w1, tv);
     }
   }
   for (int h = 0; h < 2; h++) {
@@ -1079,7 +1090,6 @@ void Block8(const uint8_t* q, const uint16_t* d, const int8_t* terms, const int3
   const int64_t groups = K / kGroup, blocks32 = K / kQ8Block;
   const uint8_t* qb = q + b * groups * 64;
   const uint16_t* db = d + b * blocks32 * kLanes;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(MASHBOX_AVXVNNI ? 0 : 0x80));
   const int32_t offset = MASHBOX_AVXVNNI ? kQ8Offset : 0;
   __m256 total[R][2];
   for (int r = 0; r < R; r++) total[r][0] = total[r][1] = _mm256_setzero_ps();
@@ -1092,20 +1102,13 @@ void Block8(const uint8_t* q, const uint16_t* d, const int8_t* terms, const int3
       const uint8_t* at = qb + g * 64;
       Prefetch(at + kPrefetch);
       PrefetchL2(at + kPrefetchL2);
-      const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)), flip);
-      const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32)), flip);
+      const __m256i w0 = HeldBytes(at), w1 = HeldBytes(at + 32);
       for (int r = 0; r < R; r++) {
         int32_t four;
         __builtin_memcpy(&four, terms + r * K + g * kGroup, sizeof four);
         const __m256i tv = _mm256_set1_epi32(four);
-#if MASHBOX_AVXVNNI
-        acc[r][0] = DotBytes(acc[r][0], w0, tv);
-        acc[r][1] = DotBytes(acc[r][1], w1, tv);
-#else
-        const __m256i magnitude = _mm256_abs_epi8(tv);
-        acc[r][0] = DotBytes(acc[r][0], magnitude, _mm256_sign_epi8(w0, tv));
-        acc[r][1] = DotBytes(acc[r][1], magnitude, _mm256_sign_epi8(w1, tv));
-#endif
+        acc[r][0] = AddTerm(acc[r][0], w0, tv);
+        acc[r][1] = AddTerm(acc[r][1], w1, tv);
       }
     }
     AddBlock32<R>(total, acc, db + g32 * kLanes, term_scales + g32, blocks32);
