@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import sampler
+from engine import products, sampler
 from engine.protocol import Sampling, Submit
 from engine.speculative import RECHECK_ROUNDS, Drafter, RowStats, Speculator, expected_tokens
 
@@ -283,7 +283,8 @@ def test_a_drafted_row_stops_at_its_limit_and_at_a_stop_token(engines):
     ({}, None), ({"speculative": "off"}, "--speculative off"), ({"native": False}, "native kernel"),
     ({"weights": "float32"}, "float32 weights"), ({"weights": "fp8"}, "fp8 weights"),
     ({"kv": np.float16}, "KV cache is not int8"), ({"kinds": ("linear", "attention")}, "linear layers"),
-    ({"mlp": ("moe", "dense")}, None), ({"slots": 65}, "every slot (65 rows)")])
+    ({"mlp": ("moe", "dense")}, None),
+    ({"slots": products.INT8_ROWS_MAX_ROWS + 1}, f"every slot ({products.INT8_ROWS_MAX_ROWS + 1} rows)")])
 def test_drafting_is_on_only_where_it_is_exact(case, why):
     """Guards against drafting on a path whose numbers depend on the rows beside a position (XLA's
     float products, float caches) or whose state cannot be cut back (linear layers)."""
