@@ -191,8 +191,8 @@ def wide_dtype():
     return jnp.bfloat16 if CPU_HAS_BF16 or not _xla_cpu() else F32
 
 
-def _wide_dot(flat, values):
-    wide = wide_dtype()
+def _wide_dot(flat, values, wide=None):
+    wide = wide or wide_dtype()
     return lax.dot_general(flat.astype(wide), values.astype(wide), (((1,), (1,)), ((), ())),
                            preferred_element_type=F32)
 
@@ -264,8 +264,11 @@ def fp8_values(w, dtype):
 def _fp8_matmul(flat, w):
     """FP8 weights widened per block at use, then one dot: on accelerators in bfloat16 (XLA fuses
     the widening into the dot's operand where it can: tests/bench/device_bench.py measures it), on a
-    CPU in float32. The weights stay 1 byte each in memory."""
-    return _wide_dot(flat, fp8_values(w, wide_dtype()))
+    CPU in float32, even one with bfloat16 dot products (the rows' bfloat16 rounding is what int8's
+    prefill chunks trade for speed; FP8's dot serves every row). The weights stay 1 byte each in
+    memory."""
+    wide = F32 if _xla_cpu() else wide_dtype()
+    return _wide_dot(flat, fp8_values(w, wide), wide)
 
 
 def _shape(w, kind: str) -> tuple[int, int]:
