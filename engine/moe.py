@@ -108,15 +108,12 @@ def _route(x, router, cfg: ModelConfig):
     in one fixed order (tree_sum), so a row is routed alike whatever rows run beside it: drafting
     (engine.speculative) stays exact."""
     exact = jax.default_backend() == "cpu" and x.shape[0] <= INT8_ROWS_MAX_ROWS
+    total = tree_sum if exact else (lambda v: jnp.sum(v, axis=-1, keepdims=True))
     scores = row_exact_matmul(x, router) if exact else matmul(x, router)
-    if exact:
-        e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-        probs = e / tree_sum(e)
-    else:
-        probs = jax.nn.softmax(scores, axis=-1)
-    weights, experts = lax.top_k(probs, cfg.experts_per_token)
+    e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))            # the softmax
+    weights, experts = lax.top_k(e / total(e), cfg.experts_per_token)
     if cfg.norm_topk_prob:
-        weights = weights / (tree_sum(weights) if exact else jnp.sum(weights, axis=-1, keepdims=True))
+        weights = weights / total(weights)
     return weights, experts.astype(jnp.int32)
 
 

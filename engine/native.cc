@@ -168,9 +168,7 @@ inline __m256i DotBytes(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
-#endif
 
-#if MASHBOX_AVX2
 // 32 packed weight bytes as this tier multiplies them: the offset bytes as they are where AVX-VNNI's
 // vpdpbusd takes them (unsigned), else their signed values (the top bit flipped) for the sign trick.
 inline __m256i HeldBytes(const uint8_t* at) {
