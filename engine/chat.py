@@ -415,7 +415,7 @@ def tool_constraint(job: Job, fmt: str) -> Constraint | None:
     the model starts one."""
     if job.prompt is not None or not job.tools:
         return None
-    think = fmt == "qwen3" and job.thinking and not _is_forced(job)
+    think = "may_open" if fmt == "qwen3" and job.thinking and not _is_forced(job) else "none"
     if job.tool_choice == "none":
         return Constraint("none", think=think)
     tools = [(t.name, t.parameters) for t in callable_tools(job)]

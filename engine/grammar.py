@@ -166,8 +166,8 @@ def _tool_rules(tools: list[tuple[str, dict]], plain: frozenset[str]) -> tuple[l
 def lark(c: Constraint, plain: frozenset[str] = frozenset()) -> str:
     """The grammar of what the answer may be, from where the prompt leaves off (after
     chat.answer_prefix). `plain`: tools whose schema is not enforced (only their name)."""
-    think = f"think: {THINK_OPEN} TEXT {THINK_CLOSE}\n" if c.think else ""
-    start = "think? " if c.think else ""
+    think = f"think: {THINK_OPEN} TEXT {THINK_CLOSE}\n" if c.think == "may_open" else ""
+    start = "think? " if c.think == "may_open" else ""
     if c.mode == "none":
         return f"%llguidance {{}}\nstart: {start}TEXT\n{think}{_TERMINALS}"
     tools = [(name, schema) for name, schema in c.tools]

@@ -36,7 +36,14 @@ class Constraint:
                                   # answer is calls; "named": one call of `name`; "none": no call
     tools: list[tuple[str, dict]] = field(default_factory=list)   # (name, arguments' JSON schema)
     name: str | None = None       # "named": the tool called
-    think: bool = False           # the answer may open with a <think> block (Qwen3, thinking on)
+    # Where the answer's thinking stands: "none" (no thought), "may_open" (the answer may open with a
+    # <think> block: Qwen3, thinking on) or "open" (the prompt opened the thought: the answer starts
+    # inside it and closes it with </think> before any call: Qwen3.5, thinking on).
+    think: str = "none"
+    # How the chat format writes a call inside <tool_call></tool_call>: "json" (Hermes: {"name": ...,
+    # "arguments": ...}, Qwen3 and Qwen2.5) or "xml" (<function=NAME> with <parameter=P> elements,
+    # Qwen3.5 and Qwen3-Coder). required / named continue the call the prompt opened in this form.
+    form: str = "json"
 
 
 # ---- server -> worker -------------------------------------------------------------------------

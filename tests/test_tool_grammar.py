@@ -136,7 +136,7 @@ def test_required_named_and_none(grammars, tok):
 
 def test_thinking_comes_before_the_answer_and_holds_anything(grammars, tok):
     """Guards against a Qwen3 answer that opens with its thinking being forced into a call there."""
-    c = constraint(think=True)
+    c = constraint(think="may_open")
     assert accepts(grammars, tok, c, '<think>\nMaybe {"name": "Agent"}?\n</think>\n\n' + CALL)
     assert not accepts(grammars, tok, c, '<think>\nok\n</think>\n\n{"name": "Agent", "arguments": {}}')
 
@@ -150,7 +150,7 @@ def test_the_chat_template_and_the_grammar_agree_on_forced_calls(tok):
     assert chat.answer_prefix(job, "qwen2.5").endswith('"arguments": ')
     assert chat.tool_constraint(job, "qwen3") == constraint("named", name="Read")
     job.tool_choice, job.thinking = "auto", True
-    assert chat.tool_constraint(job, "qwen3").think and not chat.tool_constraint(job, "qwen2.5").think
+    assert chat.tool_constraint(job, "qwen3").think == "may_open" and chat.tool_constraint(job, "qwen2.5").think == "none"
     assert chat.tool_constraint(Job(messages=job.messages), "qwen3") is None           # no tools
     assert chat.tool_constraint(Job(prompt="x", tools=TOOLS), "qwen3") is None       # Completions
 
