@@ -667,33 +667,57 @@ def tokenizer_files(meta: dict) -> tuple[dict, dict]:
     # Control tokens (<|im_start|>, <|endoftext|>, ...) are special: skipped when decoding with
     # skip_special_tokens. User-defined ones (<tool_call>) are text the output parser reads.
     # Unused ids ([PAD151665] ...) exist only to round the embedding table up; they get no token.
-    added = [{"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": kind == _CONTROL}
+    added = [added_token(i, tok, kind == _CONTROL)
              for i, (tok, kind) in enumerate(zip(tokens, types)) if kind in (_CONTROL, _USER_DEFINED)]
     merges = [m.split(" ") for m in meta.get("tokenizer.ggml.merges", [])]
+    tokenizer = byte_level_tokenizer(vocab, merges, added, _PRE_TOKENIZER_REGEX[pre])
+    by_id = {a["id"]: a["content"] for a in added}
+    bos, eos, pad = (by_id[int(meta[f"tokenizer.ggml.{k}_token_id"])] for k in ("bos", "eos", "padding"))
+    config = tokenizer_config(added, bos=bos, eos=eos, pad=pad,
+                              add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+                              max_length=int(meta[f"{meta['general.architecture']}.context_length"]))
+    if meta.get("tokenizer.chat_template"):     # kept for the record: engine.chat renders the prompts
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    return tokenizer, config
+
+
+def added_token(token_id: int, content: str, special: bool) -> dict:
+    """One of tokenizer.json's added tokens: matched whole in the raw text, before anything else."""
+    return {"id": token_id, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
+            "normalized": False, "special": special}
+
+
+def byte_level_tokenizer(vocab: dict[str, int], merges: list, added: list[dict], pattern: str,
+                         ignore_merges: bool = False) -> dict:
+    """tokenizer.json for a byte-level BPE vocabulary (tokens spelled in GPT-2's byte alphabet, merges
+    as pairs in priority order): NFC, then the pattern's split, then BPE. ignore_merges: a piece that
+    is itself a token is that token, as tiktoken does, even where no merge leads to it."""
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
-    tokenizer = {
+    return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
         "added_tokens": added,
         "normalizer": {"type": "NFC"},
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": _PRE_TOKENIZER_REGEX[pre]}, "behavior": "Isolated",
-             "invert": False},
+            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
             byte_level]},
         "post_processor": byte_level,
         "decoder": byte_level,
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
                   "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False,
-                  "ignore_merges": False, "vocab": vocab, "merges": merges},
+                  "ignore_merges": ignore_merges, "vocab": vocab, "merges": merges},
     }
-    by_id = {a["id"]: a["content"] for a in added}
-    bos, eos, pad = (by_id[int(meta[f"tokenizer.ggml.{k}_token_id"])] for k in ("bos", "eos", "padding"))
+
+
+def tokenizer_config(added: list[dict], *, bos: str | None, eos: str, pad: str, add_bos: bool,
+                     max_length: int) -> dict:
+    """tokenizer_config.json beside byte_level_tokenizer's file: the named tokens (eos: what
+    engine.chat stops on besides its own stop tokens) and every added token's flags."""
     named = {bos, eos, pad}
-    config = {
+    return {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": add_bos,
         "add_prefix_space": False,
         "bos_token": bos,
         "eos_token": eos,
@@ -704,12 +728,9 @@ def tokenizer_files(meta: dict) -> tuple[dict, dict]:
         "added_tokens_decoder": {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added},
         "clean_up_tokenization_spaces": False,
         "errors": "replace",
-        "model_max_length": int(meta[f"{meta['general.architecture']}.context_length"]),
+        "model_max_length": max_length,
         "split_special_tokens": False,
     }
-    if meta.get("tokenizer.chat_template"):     # kept for the record: engine.chat renders the prompts
-        config["chat_template"] = meta["tokenizer.chat_template"]
-    return tokenizer, config
 
 
 def _check_tokenizer_loads(path: Path) -> None:
