@@ -143,11 +143,13 @@ SERVER_HEAP_ARENAS = 2
 
 # ---- request bodies as JSON: what a parse may cost, and names as the APIs define them ----
 
-# Values in a body, counted (from above) by its brackets and commas before it is parsed: json.loads
-# holds the GIL about 0.2 us a value whatever thread it runs in, and a value costs about 100 bytes
-# parsed. An agent's 250 KB request has 10-30 thousand; 500,000 bound a parse to about 0.1 s and 50 MB,
-# and a prompt with that much punctuation could not fit any context anyway.
-MAX_JSON_VALUES = 500_000
+# Values in a body, counted (from above) by its brackets, commas and colons before it is parsed:
+# json.loads holds the GIL whatever thread it runs in, about 0.04 us a value in a list and 0.3 us a
+# colon and comma of an object's entry (its key is a new string; an ignored field such as a
+# 300,000-entry logit_bias costs as much as any other), and a value costs about 100 bytes parsed. An
+# agent's 250 KB request has 10-60 thousand; 200,000 bound a parse to about 0.06 s and 20 MB, and a
+# prompt with that much punctuation could not fit any context anyway.
+MAX_JSON_VALUES = 200_000
 # Nesting of objects and arrays: the agents' requests nest 12 deep (a tool schema's properties within
 # properties); every walk of a body (templates, schemas, the grammar) stays far from Python's recursion
 # limit below this.
@@ -224,6 +226,8 @@ def sse(data: Any, event: str | None = None) -> bytes:
 
 # Token characters (RFC 9110 s5.6.2): methods and header names are made of these.
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
+# The start of a request line as far as it has come: a method's characters (a space ends them).
+_METHOD_SO_FAR = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]*")
 _VERSION = re.compile(rb"HTTP/([0-9])\.([0-9])\Z")
 # A request-target is visible ASCII; a header value has no control characters but tab (RFC 9110 s5.5).
 _TARGET = re.compile(rb"[\x21-\x7e]+\Z")
@@ -377,6 +381,11 @@ class RequestReader:
 
     def _check_partial_head(self) -> None:
         """Refuse at once what can never become a valid head, instead of waiting for the timeout."""
+        method = _METHOD_SO_FAR.match(self._buf).end()
+        if method < len(self._buf) and self._buf[method] != 0x20:
+            why = "a TLS handshake: this server speaks plain HTTP (use http://)" if self._buf[:1] == b"\x16" \
+                else "not an HTTP request line"
+            raise _bad(f"malformed request: {why}")
         line_end = self._buf.find(b"\n")
         if line_end < 0:
             if len(self._buf) > MAX_REQUEST_LINE:
@@ -1583,10 +1592,10 @@ def json_body(req) -> dict:
     except UnicodeDecodeError as e:
         raise ApiError(400, f"body: not UTF-8 (byte {e.start}: {raw[e.start:e.start + 4]!r}); JSON "
                             "bodies must be UTF-8") from None
-    values = raw.count(b"{") + raw.count(b"[") + raw.count(b",")
+    values = raw.count(b"{") + raw.count(b"[") + raw.count(b",") + raw.count(b":")
     if values > MAX_JSON_VALUES:
-        raise ApiError(400, f"body: more than {MAX_JSON_VALUES} JSON values ({values} brackets and "
-                            "commas)")
+        raise ApiError(400, f"body: more than {MAX_JSON_VALUES} JSON values ({values} brackets, commas "
+                            "and colons)")
     try:
         body = json.loads(text)
     except ValueError as e:

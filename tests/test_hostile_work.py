@@ -666,6 +666,7 @@ def test_escaped_surrogate_pairs_cost_a_walk_not_gigabytes(server):
 @pytest.mark.parametrize("body, words", [
     ('{"a": ' + "[" * 100 + "]" * 100 + "}", "deeper than 64"),
     ('{"a": [' + "[]," * 600_000 + "[]]}", "values"),
+    ('{"logit_bias": {' + ", ".join(f'"{i}": 5' for i in range(300_000)) + "}}", "values"),
     ('{"model": "x"}'.encode("utf-16").decode("latin-1"), "not UTF-8"),
 ])
 def test_bodies_that_cost_more_to_parse_than_they_are_worth_are_400(server, body, words):
