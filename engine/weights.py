@@ -205,6 +205,9 @@ def key_smoothing(k_rows, k_bias, attn_norm, k_norm, head_dim: int) -> np.ndarra
 
 # Where a multimodal checkpoint keeps its language model's tensors.
 LANGUAGE_MODEL = "model.language_model."
+# What such a checkpoint holds beside it and the loader never reads (unread_notes says so, once).
+UNREAD_PARTS = {"model.visual.": "vision tower: {} tensors, not loaded (image parts are refused with 400)",
+                "mtp.": "mtp: {} tensors, not used"}
 
 
 class _Reader:
@@ -729,6 +732,12 @@ def held_note(checkpoint, params, dtype: str) -> str | None:
     return (f"{checkpoint.file}: matrices {blocks}; held in the file's own blocks (where every part of a "
             f"matrix has one of Q5_0, Q8_0, Q4_K, Q5_K, Q6_K and the native kernel serves): {held}; the rest "
             f"rounded again to int8 per channel")
+
+
+def unread_notes(checkpoint) -> list[str]:
+    """For the log: the parts of a multimodal checkpoint left unread (UNREAD_PARTS) it holds."""
+    counts = {part: sum(1 for name in checkpoint.shapes if name.startswith(part)) for part in UNREAD_PARTS}
+    return [UNREAD_PARTS[part].format(n) for part, n in counts.items() if n]
 
 
 def weights_bytes(params) -> int:

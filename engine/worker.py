@@ -44,7 +44,7 @@ from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Note, Ready, Sh
 from engine.registry import cache_root
 from engine.scheduler import (PREFILL_CHUNKS, VERIFY_MAX_ROWS, VERIFY_TOKENS, Buckets, Decode, Prefill,
                               Sequence, Scheduler)
-from engine.weights import held_key, held_note, load_weights, packs_int8, weights_bytes
+from engine.weights import held_key, held_note, load_weights, packs_int8, unread_notes, weights_bytes
 
 # Every program goes to the persistent compile cache, however quick its compile: a restarted worker
 # then loads all of them and compiles none (dozens of quick compiles still add up to seconds).
@@ -253,6 +253,7 @@ class Engine:
         family = cfg.model_type
         checkpoint = Checkpoint(args.weights_folder)     # headers only: what the facts name as loaded
         self.start_notes += [note for note in [held_note(checkpoint, self.params, self.weights_dtype)] if note]
+        self.start_notes += unread_notes(checkpoint)      # a vision tower, an MTP module: not loaded
         namespace = args.cache_namespace or prefix.namespace_id(
             self.component_set_sha, args.model_id, family, f"{self.weights_dtype}/kv-{self.kv_dtype.name}",
             args.prefix_cache)

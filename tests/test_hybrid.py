@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,10 +26,18 @@ FOLDER = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "qwen3-next
 QWEN3_5 = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "qwen3-5")
 # Qwen3.5's mixture of experts (Qwen3_5MoeForCausalLM): routed experts and a shared expert everywhere.
 QWEN3_5_MOE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "qwen3-5-moe")
+# Qwen3.8-27B's shapes at a tiny width, in its published layout (Qwen3_5ForConditionalGeneration:
+# the outer config, model.language_model.* names, a vision tower and the MTP module beside them,
+# bfloat16), with its ratios: 6 query heads per KV head, 3 value heads per key head, a quarter of each
+# head rotary; its reference is transformers' Qwen3_5ForConditionalGeneration on text token ids.
+QWEN3_8 = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "qwen3-8")
 # float32 against float32 transformers. Measured at most 1.4e-4 over the 80 reference positions
 # (most below 3e-5): the chunked delta rule's triangular solve and scan sum in another order than
 # torch's, and the fixture's large random weights (logits std 1.7) amplify that.
 PARITY_ATOL = 3e-4
+# qwen3-8 is drawn with a smaller spread (make_tiny.SPREAD; logits std 0.9): measured at most 4.5e-5
+# over its 80 positions, prefill and decode.
+QWEN3_8_ATOL = 1e-4
 # The same model over differently chunked prefills or token by token: only summation order differs
 # (chunks of up to 128 rows and longer ones take different product forms, engine.products.matmul);
 # measured up to 1.7e-4 on a few of 48,000 logits, the rest within 1e-5.
@@ -43,13 +52,16 @@ def next_model():
     return cfg, load_weights(FOLDER, cfg, jnp.float32), reference
 
 
-@pytest.fixture(scope="module", params=[FOLDER, QWEN3_5, QWEN3_5_MOE], ids=["qwen3-next", "qwen3.5", "qwen3.5-moe"])
+@pytest.fixture(scope="module", params=[FOLDER, QWEN3_5, QWEN3_5_MOE, QWEN3_8],
+                ids=["qwen3-next", "qwen3.5", "qwen3.5-moe", "qwen3.8"])
 def parity_model(request, next_model):
+    """(config, float32 weights, reference, the tolerance it is held to)."""
+    atol = QWEN3_8_ATOL if request.param == QWEN3_8 else PARITY_ATOL
     if request.param == FOLDER:
-        return next_model
+        return (*next_model, atol)
     cfg = load_config(request.param)
     return cfg, load_weights(request.param, cfg, jnp.float32), \
-        load_file(os.path.join(request.param, "reference.safetensors"))
+        load_file(os.path.join(request.param, "reference.safetensors")), atol
 
 
 def _run(params, cache, cfg, tokens, slots, starts, lengths, all_logits=False):
@@ -112,18 +124,18 @@ def test_qwen3_next_reads_shared_expert_zero_centred_norms_and_partial_rotary():
 def test_prefill_logits_match_transformers(parity_model):
     """Guards against any numerical difference in the gated attention, the Gated DeltaNet (conv,
     delta rule across a 64-token chunk boundary, gated norm), the shared expert or the norms."""
-    cfg, params, ref = parity_model
+    cfg, params, ref, atol = parity_model
     tokens = ref["tokens"]
     logits, _ = _run(params, init_cache(cfg, SLOTS, CTX, jnp.float32), cfg, tokens, [1], [0],
                      [len(tokens)], all_logits=True)
-    np.testing.assert_allclose(np.asarray(logits[0]), ref["logits"], atol=PARITY_ATOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(logits[0]), ref["logits"], atol=atol, rtol=0)
     assert (np.asarray(logits[0]).argmax(-1) == ref["logits"].argmax(-1)).all()
 
 
 def test_step_by_step_decode_matches_transformers(parity_model):
     """Guards against a one-step recurrence (conv state roll, delta step) that drifts from the
     chunked form: a short prefill, then one token per step in a batch whose other row is idle."""
-    cfg, params, ref = parity_model
+    cfg, params, ref, atol = parity_model
     tokens, prompt = ref["tokens"], 19
     cache = init_cache(cfg, SLOTS, CTX, jnp.float32)
     logits, cache = _prefill(params, cache, cfg, tokens[:prompt], slot=2, chunk=prompt, bucket=32)
@@ -131,7 +143,7 @@ def test_step_by_step_decode_matches_transformers(parity_model):
     for pos in range(prompt, len(tokens)):
         step, cache = _run(params, cache, cfg, [tokens[pos], 0], [2, 0], [pos, 0], [1, 0])
         got.append(np.asarray(step[0]))
-    np.testing.assert_allclose(np.stack(got), ref["logits"][prompt - 1:], atol=PARITY_ATOL, rtol=0)
+    np.testing.assert_allclose(np.stack(got), ref["logits"][prompt - 1:], atol=atol, rtol=0)
 
 
 def test_qwen3_5_and_its_moe_read_their_text_model_types():
@@ -144,6 +156,77 @@ def test_qwen3_5_and_its_moe_read_their_text_model_types():
     moe = load_config(QWEN3_5_MOE)       # no intermediate_size, no norm_topk_prob: always normalized
     assert moe.model_type == "qwen3_5_moe" and set(moe.mlp_kinds) == {"moe"}
     assert moe.norm_topk_prob and moe.shared_expert_intermediate_size == 48
+
+
+def test_qwen3_8_reads_the_published_ratios_from_its_text_config():
+    """Guards against the outer multimodal config read for the language model's keys (its vision
+    tower's hidden size, say) or the ratios lost: 6 query heads per KV head, q|gate rows, 3 value
+    heads per key head, a quarter of each head rotary, the 3:1 pattern, an untied head."""
+    cfg = load_config(QWEN3_8)
+    assert cfg.model_type == "qwen3_5" and cfg.hidden_size == 64 and cfg.vocab_size == 320
+    assert cfg.layer_kinds == (("linear",) * 3 + ("gated_attention",)) * 2
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim) == (12, 2, 32, 8)
+    assert (cfg.linear_key_heads, cfg.linear_value_heads) == (2, 6) and not cfg.tie_word_embeddings
+    assert cfg.rope_theta == 1e7 and cfg.eos_token_ids == (44,) and cfg.zero_centred_norms
+
+
+def test_qwen3_8_loads_its_language_model_without_reading_or_holding_vision_or_mtp(tmp_path, monkeypatch):
+    """Guards against a checkpoint with a vision tower and an MTP module failing to load, or its
+    loader reading them or keeping them: what is read is the language model and the head, and the
+    weights equal those of the same checkpoint without the two."""
+    from safetensors.numpy import save_file
+    from engine.checkpoint import Checkpoint
+    names = Checkpoint(QWEN3_8).shapes
+    vision = [n for n in names if n.startswith("model.visual.")]
+    mtp = [n for n in names if n.startswith("mtp.")]
+    assert vision and len(mtp) == 15 and names["mtp.fc.weight"] == (64, 128)
+    read = []
+    real_get = Checkpoint.get
+    monkeypatch.setattr(Checkpoint, "get",
+                        lambda self, name, rows=None: read.append(name) or real_get(self, name, rows))
+    cfg = load_config(QWEN3_8)
+    params = load_weights(QWEN3_8, cfg, jnp.float32)
+    assert not [n for n in read if n in vision or n in mtp]
+    assert set(read) == {n for n in names if n.startswith("model.language_model.") or n == "lm_head.weight"}
+    text_only = tmp_path / "text-only"
+    text_only.mkdir()
+    (text_only / "config.json").write_text(open(os.path.join(QWEN3_8, "config.json")).read())
+    tensors = load_file(os.path.join(QWEN3_8, "model.safetensors"))
+    save_file({n: v for n, v in tensors.items() if n not in vision + mtp},
+              str(text_only / "model.safetensors"))
+    alone = load_weights(str(text_only), cfg, jnp.float32)
+    flat, tree = jax.tree_util.tree_flatten(params)
+    flat_alone, tree_alone = jax.tree_util.tree_flatten(alone)
+    assert tree == tree_alone
+    for held, want in zip(flat, flat_alone):
+        np.testing.assert_array_equal(np.asarray(held), np.asarray(want))
+
+
+def test_a_served_qwen3_8_logs_its_unread_vision_tower_and_mtp_once_and_answers_as_transformers():
+    """Guards the served path of the published layout: the worker starts on it, says once that the
+    vision tower is not loaded and the MTP module not used, and its greedy first tokens after
+    prompts of the reference's tokens are transformers' (float32 weights and cache)."""
+    from engine.protocol import Submit
+    from engine.worker import Engine, WorkerArgs
+    from tests.test_worker import run
+    engine = Engine(WorkerArgs("tiny-qwen3.8", QWEN3_8, slots=1, ctx=128, prefill_chunks=(32,),
+                               prefix_cache=False, compile_cache=None, weights_cache=None,
+                               certify_dir=None, dtype="float32", kv_dtype="float32",
+                               speculative="off"))
+    notes = [n.message for n in engine.take_notes()]
+    vision = sum(1 for n in load_file(os.path.join(QWEN3_8, "model.safetensors"))
+                 if n.startswith("model.visual."))
+    assert f"vision tower: {vision} tensors, not loaded (image parts are refused with 400)" in notes
+    assert "mtp: 15 tensors, not used" in notes
+    ref = load_file(os.path.join(QWEN3_8, "reference.safetensors"))
+    top2 = np.sort(ref["logits"], axis=-1)[:, -2:]
+    # prompts whose next token float32's differences cannot change (its lead over the second > 2 atol)
+    lengths = [n for n in (19, 40, 64, 80) if top2[n - 1, 1] - top2[n - 1, 0] > 2 * QWEN3_8_ATOL]
+    assert len(lengths) >= 3
+    for n in lengths:
+        got = run(engine, Submit(f"p{n}", [int(t) for t in ref["tokens"][:n]], 1))[f"p{n}"]["tokens"]
+        assert got == [int(ref["logits"][n - 1].argmax())], n
+    assert not [n for n in engine.take_notes() if "vision tower" in n.message or "mtp" in n.message]
 
 
 # ---- the recurrent state across chunks, rows and slots -----------------------------------------
