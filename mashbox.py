@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Protocol
 
 from engine import chat, memory, protocol, registry
-from engine.config import ConfigError, ModelConfig, check_weights_dtype, load_config
+from engine.config import ConfigError, ModelConfig, check_weights_dtype, config_from_dict, load_config
 from engine.sharding import DevicesError, check_devices, distributed_settings
 from engine.chat import Job, new_id
 
@@ -4964,19 +4964,23 @@ def arg_parser() -> argparse.ArgumentParser:
     run.add_argument("model", nargs="?", default=None,
                      help="a model id from models.json, a Hugging Face folder, or a GGUF file of a qwen2, qwen3 "
                           "or qwen3moe model (default: models.json's default)")
-    run.add_argument("--weights", metavar="PATH", help="the weights folder (overrides models.json)")
+    run.add_argument("--weights", metavar="PATH", help="the weights folder (overrides models.json), or random[:SEED]: "
+                                                       "weights drawn at the id's real shape from the seed (default 0), "
+                                                       "reading no weight file (benchmarks without the weights)")
     run.add_argument("--host", default=default.host, help=f"address to listen on (default {default.host})")
     run.add_argument("--port", type=_port, default=default.port,
                      help=f"port (default {default.port}; 0 = any free port)")
     run.add_argument("--slots", type=_at_least(1, "--slots"), help="requests decoded together")
     run.add_argument("--ctx", type=_at_least(16, "--ctx"), help="tokens of context per slot")
-    run.add_argument("--weights-dtype", choices=registry.WEIGHTS_DTYPE_CHOICES,
+    run.add_argument("--weights-dtype", choices=registry.WEIGHTS_DTYPE_CHOICES + registry.RANDOM_BLOCK_FORMS,
                      help="how the worker holds the weights: int8 = int8 matrices with per-channel "
                           "scales (a quarter of float32's memory; where the native kernel runs, a "
                           "GGUF's Q5_0, Q8_0, Q4_K, Q5_K and Q6_K matrices keep their own blocks); "
                           "fp8 = an FP8 checkpoint's float8 matrices as they are; auto = the platform's fastest (int8 on CPUs with "
                           "int8 dot instructions or AVX2, else float32; on accelerators bfloat16, or fp8 "
-                          "for an FP8 checkpoint) unless models.json sets one")
+                          "for an FP8 checkpoint) unless models.json sets one. Random weights (--weights "
+                          "random) also come as a GGUF's blocks, q8_0, q6_k, q5_k or q4_k, where the native "
+                          "kernel runs; their auto is the widest form that fits the memory")
     run.add_argument("--devices", type=_devices, default=default.devices, metavar="N",
                      help=f"split the model over N devices of the platform (tensor parallel; default "
                           f"{default.devices}; all = every one); N must divide the model's attention heads")
@@ -5041,6 +5045,37 @@ def worker_args(spec: "registry.ModelSpec", config: ServeConfig, folder: str,
 def weights_dtype(spec: "registry.ModelSpec", config: ServeConfig) -> str:
     """--weights-dtype, else the model's default from models.json ("auto": the worker picks)."""
     return config.weights_dtype or spec.weights_dtype
+
+
+def check_block_form(spec: "registry.ModelSpec", config: ServeConfig) -> None:
+    """A --weights-dtype of GGUF blocks (registry.RANDOM_BLOCK_FORMS) is a form of random weights, held
+    by the native kernel: a registry.RegistryError where there are no random weights or no kernel."""
+    from engine import native
+    asked = weights_dtype(spec, config)
+    if asked not in registry.RANDOM_BLOCK_FORMS:
+        return
+    if spec.random_seed is None:
+        raise registry.RegistryError(f"--weights-dtype {asked} is a form of random weights (--weights random); "
+                                     "a GGUF file's own blocks are held as they are with int8 (or auto)")
+    if native.tier() is None or not memory.engine_on_host():
+        raise registry.RegistryError(f"--weights-dtype {asked}: GGUF blocks are held by the native kernel, which "
+                                     "does not run here (it needs a CPU with one of its tiers): use int8")
+
+
+def random_form(spec: "registry.ModelSpec", config: ServeConfig, cfg: ModelConfig) -> str:
+    """--weights random: the form its folder is drawn in (registry.random_storage), --weights-dtype's
+    or, for auto, the widest that fits this host's memory (memory.random_weights_dtype); config then
+    asks the worker for the dtype that holds it."""
+    asked = weights_dtype(spec, config)
+    if asked == "auto":
+        asked = memory.random_weights_dtype(cfg, lambda checkpoint, held: memory.size(
+            cfg, checkpoint, slots=config.slots, ctx=config.ctx, cache_ram_mib=config.cache_ram_mib,
+            default_slots=spec.slots, default_ctx=spec.ctx, default_cache_ram_mib=spec.cache_ram_mib,
+            weights_dtype=held))
+        log.info("random weights: %s (the widest form whose worker fits %.0f%% of the available memory)",
+                 asked, 100 * memory.RANDOM_AUTO_SHARE)
+    stored, config.weights_dtype = registry.random_storage(asked)
+    return stored
 
 
 def size_worker(spec: "registry.ModelSpec", config: ServeConfig, folder: str,
@@ -5168,15 +5203,14 @@ def main(argv: list[str] | None = None) -> int:
     app.planned_ctx = config.ctx or spec.ctx
 
     def prepare() -> dict:
-        folder = registry.prepare(spec, progress_display())
+        check_block_form(spec, config)
+        form = random_form(spec, config, laid_out(config_from_dict(spec.config))) \
+            if spec.random_seed is not None else "bf16"
+        folder = registry.prepare(spec, progress_display(), form=form)
         # A model the engine cannot run (a family not built yet, an unsupported option) is a start-up
         # error, not a worker that dies and is restarted forever. config.py reads JSON only (no jax);
         # so does the device check, for a count given ("all" is counted by the worker).
-        cfg = load_config(folder)
-        if config.devices != "all":
-            # and the KV cache is sized with the KV heads the worker lays out (repeated on more
-            # devices than the model has KV heads); with several hosts each brings --devices
-            cfg = replace(cfg, num_kv_heads=check_devices(cfg, config.devices * (config.num_processes or 1)))
+        cfg = laid_out(load_config(folder))
         sizing = size_worker(spec, config, folder, cfg)
         app.planned_ctx = sizing.ctx        # the model card's context while the worker loads
         # The tokenizer now, not when the worker is ready: a file missing (a weights-only folder) or
@@ -5192,6 +5226,13 @@ def main(argv: list[str] | None = None) -> int:
         app.tokenizer.max_token_bytes      # its byte table, built now rather than in a request
         app.tokenizer_folder = folder
         return worker_args(spec, config, folder, sizing)
+
+    def laid_out(cfg: ModelConfig) -> ModelConfig:
+        if config.devices == "all":
+            return cfg
+        # the KV cache is sized with the KV heads the worker lays out (repeated on more devices than the
+        # model has KV heads); with several hosts each brings --devices
+        return replace(cfg, num_kv_heads=check_devices(cfg, config.devices * (config.num_processes or 1)))
     try:
         asyncio.run(serve(app, prepare=prepare))
     except (registry.RegistryError, ConfigError, OSError, memory.DoesNotFit) as e:
@@ -5207,7 +5248,8 @@ def follow_leader(spec: "registry.ModelSpec", config: ServeConfig) -> int:
     when it keeps failing before it follows: it then waits in jax.distributed.initialize until the
     group forms again (process 0's server restarts its own worker too). Returns when process 0's
     worker stops cleanly (its server shut down), or on SIGINT/SIGTERM."""
-    folder = registry.prepare(spec, progress_display())
+    form = random_form(spec, config, config_from_dict(spec.config)) if spec.random_seed is not None else "bf16"
+    folder = registry.prepare(spec, progress_display(), form=form)
     args = {"model_id": spec.id, "weights_folder": folder, "distributed": config.distributed}
     # a signal ends this process through its finally (the worker is killed with it)
     signal.signal(signal.SIGTERM, lambda sig, frame: sys.exit(128 + sig))

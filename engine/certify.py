@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.checkpoint import Checkpoint
+from engine.checkpoint import Checkpoint, is_random
 
 # Max |compiled - reference| over the vocabulary, in reference standard deviations: what the weights
 # dtype may cost (TOLERANCE) plus what the KV cache's may (KV_TOLERANCE), their roundings being
@@ -53,6 +53,8 @@ CORRUPT_ENV = "MASHBOX_CERTIFY_CORRUPT"
 RECORD_DIR = "certified"
 # Reference lm_head rows multiplied per block (bounds the float64 copy of a large vocabulary).
 VOCAB_BLOCK = 16384
+# What random weights (--weights random) report: no reference or golden answer can hold for them.
+RANDOM_DETAIL = "random weights, not certified"
 
 
 def fixed_prompt(vocab_size: int) -> list[int]:
@@ -253,6 +255,8 @@ class Reference:
         self.tokens = fixed_prompt(cfg.vocab_size)
         self._result: np.ndarray | BaseException | None = None
         self._thread = None
+        if is_random(folder):              # never certified (gate): nothing to compute
+            return
         if saved is not None and not fresh:
             try:
                 kept = np.load(saved)
@@ -353,6 +357,8 @@ def gate(engine, folder: str | None, recertify: bool = False, golden: dict | Non
     """("certified" | "not_certified", detail): the recorded result for this component set and
     deployment, or the gate's, run now and recorded (folder None: never recorded). reference: the
     gate's float64 logits if a Reference was started early."""
+    if is_random(engine.args.weights_folder):
+        return "not_certified", RANDOM_DETAIL
     path = record_path(folder, engine.component_set_sha, engine.deployment_id) if folder else None
     if path is not None and not recertify and path.exists():
         try:

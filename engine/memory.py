@@ -88,12 +88,24 @@ def slot_state_bytes(cfg: ModelConfig) -> int:
     return linear * per_layer * STATE_ELEMENT_BYTES
 
 
-def _model_tensors(folder: str):
-    """(name, shape) of the model's tensors (model.*, lm_head.*) in a weights folder, read from the
-    files' headers (engine.checkpoint; no tensor is loaded)."""
-    for key, shape in sorted(Checkpoint(folder).shapes.items()):
-        if key.startswith(("model.", "lm_head.")):
-            yield key, shape
+# Where a multimodal checkpoint keeps its text model's tensors (engine.weights.LANGUAGE_MODEL), and
+# what else it holds that the worker never loads (its vision tower).
+_LANGUAGE_MODEL, _UNLOADED = "model.language_model.", ("model.visual.",)
+
+
+def _checkpoint(source) -> Checkpoint:
+    return source if isinstance(source, Checkpoint) else Checkpoint(source)
+
+
+def _model_tensors(source):
+    """(name, shape, stored format) of the text model's tensors (model.*, lm_head.*, by their text-only
+    names) in a weights folder or a Checkpoint, read from the files' headers (engine.checkpoint; no
+    tensor is loaded)."""
+    checkpoint = _checkpoint(source)
+    for key, shape in sorted(checkpoint.shapes.items()):
+        if key.startswith(("model.", "lm_head.")) and not key.startswith(_UNLOADED):
+            name = "model." + key[len(_LANGUAGE_MODEL):] if key.startswith(_LANGUAGE_MODEL) else key
+            yield name, shape, checkpoint.formats.get(key)
 
 
 def _count(shape) -> int:
@@ -103,36 +115,68 @@ def _count(shape) -> int:
     return count
 
 
-def parameter_count(folder: str) -> int:
-    """Weights of the model's tensors, from the files' headers."""
-    return sum(_count(shape) for _, shape in _model_tensors(folder))
+def parameter_count(source) -> int:
+    """Weights of the model's tensors (a weights folder or a Checkpoint), from the files' headers."""
+    return sum(_count(shape) for _, shape, _ in _model_tensors(source))
 
 
-def held_weight_bytes(folder: str, weights_dtype: str, float_bytes: int = CPU_WEIGHT_BYTES) -> int:
-    """Bytes the worker holds the weights in (the formula in the module docstring); float_bytes is
-    what the float tensors take beside int8 ones. A tied head is the embedding table: counted once."""
+def held_weight_bytes(source, weights_dtype: str, float_bytes: int = CPU_WEIGHT_BYTES) -> int:
+    """Bytes the worker holds the weights in (the formula in the module docstring) of a weights folder
+    or a Checkpoint; float_bytes is what the float tensors take beside int8 ones. A tied head is the
+    embedding table: counted once."""
     from engine.weights import fp8_held_tensor, int8_held_tensor
-    tensors = list(_model_tensors(folder))
+    checkpoint = _checkpoint(source)
+    tensors = list(_model_tensors(checkpoint))
     # Each attention layer adds its keys' smoothing factors (engine.weights.key_smoothing): float32,
     # one per key channel.
-    total = sum(shape[0] * SCALE_BYTES for name, shape in tensors if name.endswith("self_attn.k_proj.weight"))
+    total = sum(shape[0] * SCALE_BYTES for name, shape, _ in tensors if name.endswith("self_attn.k_proj.weight"))
     if weights_dtype == "fp8":           # the float8 matrices as stored, a scale per row and block of columns
-        checkpoint = Checkpoint(folder)
-        narrow = lambda name, shape: checkpoint.formats.get(name) == FP8 and fp8_held_tensor(name)  # noqa: E731
-        scales = lambda name, shape: _count(shape) // checkpoint.fp8_scale_columns(name) * SCALE_BYTES  # noqa: E731
+        narrow = lambda name, shape, kind: kind == FP8 and fp8_held_tensor(name)  # noqa: E731
+        scales = lambda name, shape, kind: _count(shape) // _fp8_columns(checkpoint, name) * SCALE_BYTES  # noqa: E731
     elif weights_dtype == "int8":            # a scale per output row (of each expert, where stacked)
-        formats = Checkpoint(folder).formats
-        narrow = lambda name, shape: int8_held_tensor(name) and len(shape) >= 2  # noqa: E731
-        scales = lambda name, shape: max(_count(shape[:-1]) * SCALE_BYTES, (  # noqa: E731
-            _count(shape) // Q8_0_BLOCK * Q8_0_SCALE_BYTES if formats.get(name) == "Q8_0" else 0))
+        narrow = lambda name, shape, kind: int8_held_tensor(name) and len(shape) >= 2  # noqa: E731
+        scales = lambda name, shape, kind: max(_count(shape[:-1]) * SCALE_BYTES, (  # noqa: E731
+            _count(shape) // Q8_0_BLOCK * Q8_0_SCALE_BYTES if kind == "Q8_0" else 0))
     else:
-        return total + sum(_count(shape) for _, shape in tensors) * WEIGHT_BYTES[weights_dtype]
-    for name, shape in tensors:
-        if narrow(name, shape):
-            total += _count(shape) * WEIGHT_BYTES[weights_dtype] + scales(name, shape)
+        return total + sum(_count(shape) for _, shape, _ in tensors) * WEIGHT_BYTES[weights_dtype]
+    blocks = weights_dtype == "int8" and _uniform_blocks(checkpoint)
+    for name, shape, kind in tensors:
+        if blocks and _kept_in_blocks(name, kind):
+            total += int(_count(shape) * BLOCK_HELD_BYTES[kind])
+        elif narrow(name, shape, kind):
+            total += _count(shape) * WEIGHT_BYTES[weights_dtype] + scales(name, shape, kind)
         else:
             total += _count(shape) * float_bytes
     return total
+
+
+def _fp8_columns(checkpoint: Checkpoint, name: str) -> int:
+    stored = name if name in checkpoint.shapes else _LANGUAGE_MODEL + name[len("model."):]
+    return checkpoint.fp8_scale_columns(stored)
+
+
+# What engine.native's kernel holds a weight of each GGUF block type in (pack5, pack8, pack_k: the
+# levels' bits, and the scales, mins and d of its blocks), bytes per weight.
+BLOCK_HELD_BYTES = {"Q5_0": 0.6875, "Q8_0": 1.0625, "Q4_K": 0.578125, "Q5_K": 0.703125, "Q6_K": 0.8203125}
+
+
+def _uniform_blocks(checkpoint: Checkpoint) -> bool:
+    """Whether a checkpoint's matrices are counted in their blocks (BLOCK_HELD_BYTES): random weights
+    in a block form, where the kernel has a tier on this CPU (without it the worker rounds them to int8).
+    A GGUF's are counted as int8, a bound: its files mix block types within a layer matrix (Q4_K_M's
+    q and k Q4_K, v Q6_K), and a matrix of mixed parts is rounded to int8."""
+    from engine import native
+    return checkpoint.kind == "random" and native.tier() is not None
+
+
+def _kept_in_blocks(name: str, kind: str | None) -> bool:
+    """Whether the loader keeps a tensor of a uniformly block-stored checkpoint in its blocks
+    (engine.weights.projection, put_rows): the layer projections, and the head; the embedding table
+    only in Q8_0 (its rows read from them); routed experts are read as floats and rounded to int8."""
+    from engine.weights import quantized_tensor
+    if kind not in BLOCK_HELD_BYTES or not quantized_tensor(name):
+        return False
+    return kind == "Q8_0" or name != "model.embed_tokens.weight"
 
 
 def engine_on_host() -> bool:
@@ -223,7 +267,7 @@ class Sizing:
                 f"{self.total / GIB:.2f} GiB; {have}")
 
 
-def size(cfg: ModelConfig, folder: str, *, slots: int | None, ctx: int | None, cache_ram_mib: int | None,
+def size(cfg: ModelConfig, folder, *, slots: int | None, ctx: int | None, cache_ram_mib: int | None,
          default_slots: int, default_ctx: int, default_cache_ram_mib: int,
          available: int | None = None, on_host: bool | None = None,
          weights_dtype: str = "auto") -> Sizing:
@@ -251,11 +295,55 @@ def size(cfg: ModelConfig, folder: str, *, slots: int | None, ctx: int | None, c
     while slots is None and plan.total > budget and plan.slots > 1:
         plan.slots, plan.shrunk = plan.slots - 1, True
     if plan.total > available:
-        raise DoesNotFit(
-            f"not enough memory for this worker: {plan.describe()}. Lower --slots, --ctx or "
-            f"--cache-ram (the KV cache costs {plan.kv_per_token * plan.ctx / GIB:.2f} GiB per slot "
-            f"of {plan.ctx} tokens)")
+        raise DoesNotFit(f"not enough memory for this worker: {plan.describe()}. {_what_fits(plan, folder)}")
     return plan
+
+
+# llama.cpp's Q4_K_M: Q4_K matrices, with Q6_K for the head and half the value and down projections,
+# about 4.85 bits per weight in all (its quantize tool's table; Qwen3.8-27B's: ~16 GB).
+Q4_K_M_BITS = 4.85
+
+
+def _what_fits(plan: Sizing, folder) -> str:
+    """What to do about a plan that does not fit: a smaller KV cache where the weights fit, else the
+    model as a Q4_K_M GGUF, with its size."""
+    if plan.weights + RUNTIME_BYTES + plan.slots * plan.state_per_slot < plan.available:
+        return (f"Lower --slots, --ctx or --cache-ram (the KV cache costs "
+                f"{plan.kv_per_token * plan.ctx / GIB:.2f} GiB per slot of {plan.ctx} tokens)")
+    gguf = parameter_count(folder) * Q4_K_M_BITS / 8
+    return (f"The weights alone need {plan.weights / GIB:.1f} GiB: serve a Q4_K_M GGUF of the model "
+            f"instead (about {gguf / 1e9:.0f} GB: mashbox run FILE.gguf) or use a host with more memory")
+
+
+# --weights random with --weights-dtype auto on a CPU: the widest form whose worker (at the model's
+# defaults, lowered to fit) takes at most RANDOM_AUTO_SHARE of the memory available: the platform's
+# auto (int8 per channel from a bfloat16 checkpoint), else a GGUF's blocks where engine.native's kernel
+# holds them, Q8_0 down to Q4_K. The rest is for what the plan does not count: a first start converts
+# one matrix at a time beside the weights, and XLA's compiles take their own memory.
+RANDOM_AUTO_BLOCK_FORMS = ("q8_0", "q6_k", "q5_k", "q4_k")
+RANDOM_AUTO_SHARE = 0.8
+
+
+def random_weights_dtype(cfg: ModelConfig, plan, available: int | None = None) -> str:
+    """--weights-dtype auto for random weights of cfg on this host (RANDOM_AUTO_SHARE's comment). plan:
+    (checkpoint, weights dtype) -> Sizing (size's, with the server's settings); "auto" on an
+    accelerator, where the worker picks."""
+    from engine import native
+    from engine.checkpoint import random_checkpoint
+    from engine.registry import random_storage
+    if not engine_on_host():
+        return "auto"
+    available = available_bytes() if available is None else available
+    forms = (cpu.auto_weights_dtype(),) + (RANDOM_AUTO_BLOCK_FORMS if native.tier() else ())
+    for form in forms:
+        stored, held = random_storage(form)
+        try:
+            sizing = plan(random_checkpoint(cfg, 0, stored), held)
+        except DoesNotFit:
+            continue
+        if available is None or sizing.total <= available * RANDOM_AUTO_SHARE:
+            return form
+    return forms[-1]
 
 
 def release_free_heap() -> None:

