@@ -1,32 +1,59 @@
 """Tool-call grammars: which tokens may come next, so that every call the model starts is a real call
-that names one of the request's tools with arguments valid for that tool's JSON schema.
+that names one of the request's tools with arguments valid for that tool's JSON schema, written
+byte for byte as the model's chat template writes calls.
 
     lark(constraint, plain)      a Constraint (engine.protocol) as a grammar in llguidance's Lark
                                  dialect: the call forms engine.chat renders and reads, each tool's
-                                 arguments as its JSON schema (`plain` tools: any JSON object)
+                                 arguments as its JSON schema (`plain` tools: any arguments)
     Grammars(folder, vocab)      the worker's side: grammars compiled off the engine's thread and kept
                                  per tool set, one matcher per constrained request, the rows' masks
 
 The masks come from llguidance (an optional extra: pip install 'mashbox[tools]'); without it every
 request runs unconstrained and the output parser reads whatever the model wrote, as before.
 
+The call forms (Constraint.form), inside <tool_call> ... </tool_call> exactly as the templates write
+calls in history, no other whitespace anywhere:
+  json  <tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>, ARGS compact as json.dumps
+        writes it (", " and ": ")
+  xml   <tool_call>\\n<function=NAME>\\n, per parameter <parameter=P>\\nVALUE\\n</parameter>\\n (the
+        schema's order, the required ones always), </function>\\n</tool_call>; VALUE is raw text for a
+        string parameter (one that has no other type), else compact JSON valid for its schema (a
+        boolean also as True / False, as Qwen3.5's template writes it)
+Calls follow each other after a "\\n". Where the XML form cannot hold a schema (xml_holds):
+  - a string parameter with a pattern, or keywords other than enum / const / minLength / maxLength,
+    takes any text (its other parameters stay typed);
+  - a schema whose top level says more than properties, required and additionalProperties (anyOf,
+    patternProperties, a required name with no property ...) gets its properties, each optional, in
+    its order; one with no properties gets any parameter names, their values any text.
+The name and the layout hold either way. `plain` tools (a schema the library refuses, or a tool set
+too large) get that last form, and in the json form any JSON object as arguments.
+
 The modes (engine.chat.tool_constraint picks one):
-  auto      lazy: the model writes freely until it starts a call in one of the forms small Qwen models
-            write calls in: <tool_call>, a ```json (or bare ```) fence whose object opens with "name",
-            such an object at the very start of the answer or right after another call, or
-            <function=. From there the call must
-            name an offered tool and give arguments valid for its schema; after it, text again. Text
-            that is not a call (a ```python block, JSON that does not open with "name") stays text.
+  auto      lazy: the model writes freely until it starts a call: <tool_call> (the request's form,
+            exact), or one of the forms small Qwen models improvise: a ```json (or bare ```) fence
+            whose object opens with "name", such an object at the very start of the answer or right
+            after another call, or <function=. From there the call must name an offered tool and give
+            arguments valid for its schema; after it, text again. The improvised forms allow blanks
+            between the object's keys and around it (WHITESPACE_RUN at most); their arguments are
+            compact. Text that is not a call (a ```python block, JSON that does not open with "name")
+            stays text; text never spells a call's or a thought's markers out in characters (the
+            output parser would read them as markup).
   required  the prompt opened the call already (chat.answer_prefix): its name and arguments, then
             more calls or the end, no text
-  named     the prompt opened the call up to its arguments: those, then the end
+  named     the prompt opened the call up to its arguments (json) or parameters (xml): those, then
+            the end
   none      text only: no <tool_call> token
+And where the thinking stands (Constraint.think): "may_open" lets the answer open with a
+<think> ... </think> block, "open" starts inside the thought: text, then </think>, then the mode's
+answer. required / named with a thought: the thought, "\\n\\n", then the whole call (the prompt could
+not have opened it).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -35,36 +62,69 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.chat import CALL_CLOSE, CALL_OPEN, THINK_CLOSE, THINK_OPEN, XML_OPEN, Tokenizer
+from engine.chat import (_XML_VALUE_ENDS, CALL_CLOSE, CALL_HEAD, CALL_OPEN, THINK_CLOSE, THINK_OPEN,
+                         XML_OPEN, Tokenizer)
 from engine.protocol import Constraint
 
 # ---- the grammar -----------------------------------------------------------------------------------
 
-# Whitespace a call may hold between its tokens (bounded: a model that would rather write text than
-# go on with the call must not fill the answer with blanks), the gap between calls (and before the end
-# where no text may follow them), and free text (anything; special tokens are not text, so
-# <|im_start|> and the like cannot appear in it).
+MODES = ("auto", "required", "named", "none")
+THINKS = ("none", "may_open", "open")
+FORMS = ("json", "xml")
+
+# The template's bytes around a call (engine.chat writes the same): after <tool_call>, the opening of
+# each form; between a Hermes call's name and its arguments; an XML parameter's end and the
+# function's; between two calls; between a thought and a forced call.
+_JSON_OPEN = CALL_HEAD[len(CALL_OPEN):]
+_XML_CALL_OPEN = "\n" + XML_OPEN
+_ARGUMENTS = '", "arguments": '
+_NAME_END = ">\n"
+_PARAM_END = "\n</parameter>\n"
+_FUNCTION_END = "</function>"
+_BETWEEN = "\n"
+_AFTER_THOUGHT = "\n\n"
+# The markers engine.chat's output parser finds in the text it reads: free text must not spell them
+# out in characters (the special tokens are not text at all).
+_MARKERS = (CALL_OPEN, CALL_CLOSE, THINK_OPEN, THINK_CLOSE)
+
+# Whitespace the improvised forms may hold between their keys and around their object (bounded: a
+# model that would rather write text than go on with the call must not fill the answer with blanks).
 WHITESPACE_RUN = 40
-_TERMINALS = rf"""WS: /[ \t\r\n]{{0,{WHITESPACE_RUN}}}/
-GAP: /\n{{0,2}}/
-TEXT: /(.|\n)*/
+
+
+def _regex_text(text: str) -> str:
+    """A literal string inside a Lark /regex/ (Rust regex syntax; the slash is the delimiter)."""
+    return re.sub(r"([\\.+*?()|\[\]{}^$#&~\-/])", r"\\\1", text)
+
+
+def _without(*texts: str) -> str:
+    """A terminal's regex: any text that holds none of `texts`."""
+    return rf"/(.|\n)*/ & ~/(.|\n)*({'|'.join(_regex_text(t) for t in texts)})(.|\n)*/"
+
+
+# Free text (anything but the markers; special tokens are not text, so <|im_start|> and the like
+# cannot appear in it), the improvised forms' blanks, and a string parameter's raw value: text that
+# holds none of what ends a value where engine.chat reads one, then the parameter's end.
+_TERMINALS = f"""TEXT: {_without(*_MARKERS)}
+WS: /[ \\t\\r\\n]{{0,{WHITESPACE_RUN}}}/
+RAW: {_without(*_XML_VALUE_ENDS)}
+xml_string[lazy]: RAW {json.dumps(_PARAM_END)}
+PARAM_NAME: /[^<>\\s]+/
 """
-# The opening of a Hermes call object, up to the quote that opens its name, as the triggers match it.
+# The opening of an improvised Hermes object, up to the quote that opens its name, as the triggers
+# match it.
 _OPENING = r'\{[ \t\r\n]*"name"[ \t\r\n]*:[ \t\r\n]*"'
 # The lazy triggers of "auto": each matches as little as it can, so it ends at the first place the
 # text opens a call in that form, and the call's grammar takes over from there.
 _TRIGGERS = rf"""fenced_head[lazy]: TEXT /```(json)?[ \t]*\r?\n?[ \t]*{_OPENING}/
 bare_head[lazy]: /[ \t\r\n]*{_OPENING}/
-xml_head[lazy]: TEXT "<function="
-"""
-# A string parameter's value in the XML form: its text, up to the closing tag.
-_XML_STRING = r"""xml_string[lazy]: /(.|\n)*<\/parameter>/
+xml_head[lazy]: TEXT {json.dumps(XML_OPEN)}
 """
 
 
 def _literal(text: str) -> str:
     """A Lark string literal (llguidance reads JSON string escapes)."""
-    return json.dumps(text)
+    return json.dumps(text, ensure_ascii=False)
 
 
 def _json_name(name: str) -> str:
@@ -72,11 +132,14 @@ def _json_name(name: str) -> str:
     return json.dumps(name, ensure_ascii=False)[1:-1]
 
 
+# JSON as the templates' tojson writes it (engine.chat.tojson): ", " and ": " and no other
+# whitespace; keywords the library does not implement are ignored rather than refused (lenient).
+_EXACT_JSON = {"lenient": True, "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def _schema(schema: dict) -> str:
-    """A tool's arguments schema for %json: keywords the library does not implement are ignored
-    rather than refused (lenient), and whitespace runs are bounded as WS is."""
-    options = {"lenient": True, "whitespace_pattern": f"[ \\t\\r\\n]{{0,{WHITESPACE_RUN}}}"}
-    return json.dumps({**schema, "x-guidance": options}, ensure_ascii=False)
+    """A JSON schema for %json, written as the templates write JSON."""
+    return json.dumps({**schema, "x-guidance": _EXACT_JSON}, ensure_ascii=False)
 
 
 def _properties(schema: dict) -> dict:
@@ -93,105 +156,187 @@ def _is_string(spec: dict) -> bool:
     return not isinstance(kind, str) or kind == "string"
 
 
-# Schema keywords that say nothing about a value: a string parameter with only these takes any text.
-_ANNOTATIONS = frozenset({"type", "description", "title", "default", "examples", "$comment", "deprecated"})
-# The keywords of an arguments schema whose XML form (one parameter per property) can be held to it.
-_XML_ROOT = frozenset({"type", "properties", "required", "additionalProperties", "description", "title"})
-# A string enum longer than this gets no XML form (the JSON form takes it as one lexeme; as raw-text
-# alternatives a huge enum would cost the compile seconds).
+# Keywords that say nothing about a value (a string parameter with only these takes any text).
+# "format" is an annotation too unless a validator opts in (JSON Schema 2020-12): raw text is not
+# held to it.
+_ANNOTATIONS = frozenset({"type", "description", "title", "default", "examples", "$comment", "deprecated",
+                          "format", "readOnly", "writeOnly"})
+# The top-level keywords of an arguments schema whose XML form (one parameter per property, the
+# required ones always) holds it; definitions are carried into the parameters that refer to them.
+_XML_ROOT = frozenset({"type", "properties", "required", "additionalProperties", "description", "title",
+                       "$schema", "$id", "$comment", "$defs", "definitions", "examples", "default"})
+# A string enum longer than this is raw text in the XML form (the JSON form takes it as one lexeme; as
+# raw-text alternatives a huge enum would cost the compile seconds).
 XML_ENUM_MAX = 64
 
 
-def _xml_value(spec: dict) -> str | None:
-    """An XML parameter's value and its </parameter>, as engine.chat reads it back: raw text for a
-    string (one newline on either side is layout), JSON for other types. None where raw text could
-    not be held to the schema (a string with a pattern or a length, a $ref)."""
-    if "$ref" in json.dumps(spec):
+def _readable(param: str) -> bool:
+    """Whether engine.chat reads a parameter's name back as written (<parameter=([^>\\n]*)>, stripped)."""
+    return bool(param) and param == param.strip() and not any(c in param for c in "<>\n")
+
+
+def _with_defs(spec: dict, schema: dict) -> dict | None:
+    """A parameter's schema with the definitions its $refs name carried over from the tool's schema,
+    or None where a $ref points elsewhere (the tool's root, another document)."""
+    refs = re.findall(r'"\$ref": "([^"]*)"', json.dumps(spec))
+    if not refs:
+        return spec
+    defs = {key: schema[key] for key in ("$defs", "definitions") if isinstance(schema.get(key), dict)}
+    if not all(any(ref.startswith(f"#/{key}/") for key in defs) for ref in refs):
         return None
-    if not _is_string(spec):
-        return f'WS %json {_schema(spec)} WS "</parameter>"'
-    if set(spec) <= _ANNOTATIONS:
-        return "xml_string"
-    values = spec.get("enum", [spec.get("const")])
-    if set(spec) <= _ANNOTATIONS | {"enum", "const"} and isinstance(values, list) and \
-            0 < len(values) <= XML_ENUM_MAX and all(isinstance(v, str) and v.strip("\n") == v for v in values):
-        return f'"\\n"? ({" | ".join(_literal(v) for v in values)}) "\\n"? "</parameter>"'
+    return {**spec, **defs}
+
+
+def _string_value(rule: str, spec: dict) -> list[str] | None:
+    """The rules of a raw string value (rule `rule`, up to its parameter's end) held to its schema, or
+    None where raw text cannot be (a pattern, keywords other than enum / const / minLength /
+    maxLength)."""
+    extra = set(spec) - _ANNOTATIONS
+    if not extra:
+        return [f"{rule}: xml_string"]
+    values = spec["enum"] if "enum" in spec else [spec.get("const")]
+    if extra in ({"enum"}, {"const"}) and isinstance(values, list) and 0 < len(values) <= XML_ENUM_MAX \
+            and all(isinstance(v, str) and not any(end in v for end in _XML_VALUE_ENDS) for v in values):
+        return [f"{rule}: ({' | '.join(_literal(v) for v in values)}) {_literal(_PARAM_END)}"]
+    low, high = spec.get("minLength", 0), spec.get("maxLength", "")
+    if extra <= {"minLength", "maxLength"} and all(isinstance(n, int) and n >= 0 for n in (low, high or 0)):
+        terminal = rule.upper()
+        return [rf"{terminal}: (RAW & /(.|\n){{{low},{high}}}/) {_literal(_PARAM_END)}",
+                f"{rule}[lazy]: {terminal}"]
     return None
 
 
-def _xml_rules(i: int, name: str, schema: dict) -> list[str] | None:
-    """The XML form of tool i: <function=NAME>, its parameters in the schema's order (the required
-    ones always, the others optional), </function>. None where it cannot be held to the schema."""
+def _xml_value(rule: str, spec: dict, schema: dict) -> tuple[list[str], bool]:
+    """(rules, held) of one XML parameter's value (rule `rule`) as engine.chat reads it back: raw
+    text for a string, JSON of its schema for another type; then the parameter's end. held: the value
+    is held to the parameter's schema (else it is any text, or any JSON)."""
+    if spec.get("type") == "boolean" and set(spec) <= _ANNOTATIONS:
+        # Qwen3.5's and Qwen3-Coder's templates write a boolean as Python's str() does, Qwen3.8's as
+        # JSON; engine.chat reads either.
+        return [f'{rule}: ("true" | "false" | "True" | "False") {_literal(_PARAM_END)}'], True
+    if not _is_string(spec):
+        typed = _with_defs(spec, schema)
+        if typed is None:
+            return [f"{rule}: %json {_schema({})} {_literal(_PARAM_END)}"], False
+        return [f"{rule}: %json {_schema(typed)} {_literal(_PARAM_END)}"], True
+    string = _string_value(rule, spec)
+    return (string, True) if string is not None else ([f"{rule}: xml_string"], False)
+
+
+def xml_holds(schema: dict) -> bool:
+    """Whether the XML form holds a tool's arguments schema whole: its top level (parameters by name,
+    the required ones always) and every parameter's value; else it gets the fallback the module's
+    docstring describes."""
+    return _xml_rules(0, "tool", schema)[1]
+
+
+def _xml_rules(i: int, name: str, schema: dict) -> tuple[list[str], bool]:
+    """(rules, held) of tool i's XML form after `<function=`: x{i} is its name and p{i}, p{i} its
+    parameters in the schema's order (the required ones always, where the top level holds) and
+    </function>. A schema that declares no parameters takes any (their values any text) unless it
+    forbids them."""
     props, required = _properties(schema), schema.get("required", [])
-    values = {param: _xml_value(spec) for param, spec in props.items()}
-    if not set(schema) <= _XML_ROOT or not isinstance(required, list) or not set(required) <= set(props) \
-            or None in values.values():
-        return None
-    rules, parts = [], []
-    for j, (param, value) in enumerate(values.items()):
-        rules.append(f"x{i}_{j}: {_literal(f'<parameter={param}>')} {value} WS")
-        parts.append(f"x{i}_{j}" if param in required else f"x{i}_{j}?")
-    return [f'x{i}: {_literal(name + ">")} WS {" ".join(parts)} "</function>"', *rules]
+    root = set(schema) <= _XML_ROOT and isinstance(required, list) and set(required) <= set(props) \
+        and all(_readable(p) for p in required)
+    params = {p: spec for p, spec in props.items() if _readable(p)}
+    rules, parts, held = [f"x{i}: {_literal(name + _NAME_END)} p{i}"], [], root and len(params) == len(props)
+    extra = schema.get("additionalProperties", True)
+    if not params and extra is not False:
+        return [*rules, f"p{i}: p_any"], held and extra is True
+    for j, (param, spec) in enumerate(params.items()):
+        value, typed = _xml_value(f"v{i}_{j}", spec, schema)
+        rules += [*value, f"x{i}_{j}: {_literal(f'<parameter={param}' + _NAME_END)} v{i}_{j}"]
+        parts.append(f"x{i}_{j}" if root and param in required else f"x{i}_{j}?")
+        held = held and typed
+    return [*rules, f"p{i}: {' '.join([*parts, _literal(_FUNCTION_END)])}"], held
 
 
-def _tool_rules(tools: list[tuple[str, dict]], plain: frozenset[str]) -> tuple[list[str], bool]:
-    """(rules, whether any tool has an XML form). hermes: the rest of a Hermes call after the quote
-    that opens its name; xml: the rest of an XML call after `<function=`. One alternative per tool;
-    `plain` tools share one that takes any JSON object as arguments and any parameters."""
-    rules, hermes, xml = [], [], []
-    arguments = r'"\"" WS "," WS "\"arguments\"" WS ":" WS'
+def _hermes_rules(key, name: str, schema: dict | None) -> list[str]:
+    """The Hermes form of tool `key` after the quote that opens its name (`name`: the name's Lark
+    expression): h{key} exact, l{key} with blanks between the keys (the improvised forms), both to
+    the object's closing brace; a{key} the arguments (schema None: any object)."""
+    args = f"a{key}: %json {_schema(schema if schema is not None else {'type': 'object'})}"
+    return [f"h{key}: {name} {_literal(_ARGUMENTS)} a{key} \"}}\"",
+            f'l{key}: {name} "\\"" WS "," WS "\\"arguments\\"" WS ":" WS a{key} WS "}}"', args]
+
+
+def _tool_rules(c: Constraint, plain: frozenset[str]) -> list[str]:
+    """hermes / loose / xml: the alternatives of the forms the grammar needs, one per tool; `plain`
+    tools share one of each that names any of them (arguments: any object; parameters: any names,
+    any text)."""
+    tools = [(n, s) for n, s in c.tools if c.mode != "named" or n == c.name]
+    if not tools:
+        raise ValueError(f"the named tool {c.name!r} is not one of the request's tools")
+    json_form, xml_form = c.form == "json" or c.mode == "auto", c.form == "xml" or c.mode == "auto"
+    names = sorted({n for n, _ in tools if n in plain})
+    rules, keys = [], []
     for i, (name, schema) in enumerate(tools):
-        if name in plain:
-            continue
-        hermes.append(f"h{i}")
-        rules.append(f'h{i}: {_literal(_json_name(name))} {arguments} a{i} WS "}}"')
-        rules.append(f"a{i}: %json {_schema(schema)}")
-        form = _xml_rules(i, name, schema)
-        if form is not None:
-            xml.append(f"x{i}")
-            rules += form
-    if any(name in plain for name, _ in tools):
-        names = sorted({name for name, _ in tools if name in plain})
-        rules.append("PLAIN_NAME: " + " | ".join(_literal(_json_name(n)) for n in names))
-        rules.append("PLAIN_TAG: " + " | ".join(_literal(n + ">") for n in names))
-        rules.append('any_object: %json {"type": "object"}')
-        rules.append(f'h_plain: PLAIN_NAME {arguments} any_object WS "}}"')
-        rules.append(r'x_plain: PLAIN_TAG WS ("<parameter=" /[^>\n]+/ ">" xml_string WS)* "</function>"')
-        hermes.append("h_plain")
-        xml.append("x_plain")
-    heads = [f"hermes: {' | '.join(hermes)}"] + ([f"xml: {' | '.join(xml)}"] if xml else [])
-    return heads + rules, bool(xml)
+        if name not in plain:
+            keys.append(i)
+            rules += _hermes_rules(i, _literal(_json_name(name)), schema) if json_form else []
+            rules += _xml_rules(i, name, schema)[0] if xml_form else []
+    if names:
+        keys.append("_plain")
+        if json_form:
+            rules += [*_hermes_rules("_plain", "PLAIN_NAME", None),
+                      "PLAIN_NAME: " + " | ".join(_literal(_json_name(n)) for n in names)]
+        if xml_form:
+            rules += ["x_plain: PLAIN_TAG p_plain", "p_plain: p_any",
+                      "PLAIN_TAG: " + " | ".join(_literal(n + _NAME_END) for n in names)]
+    heads = []
+    if json_form:
+        heads += [f"hermes: {' | '.join(f'h{k}' for k in keys)}", f"loose: {' | '.join(f'l{k}' for k in keys)}"]
+    if xml_form:
+        heads += [f"xml: {' | '.join(f'x{k}' for k in keys)}",
+                  f"p_any: ({_literal('<parameter=')} PARAM_NAME {_literal(_NAME_END)} xml_string)* "
+                  f"{_literal(_FUNCTION_END)}"]
+    return heads + rules
+
+
+def _thought(think: str) -> tuple[str, str, list[str]]:
+    """(what opens the answer before a free answer, before a forced call, rules) for Constraint.think:
+    nothing; an optional <think> block; the open thought's text and its </think>."""
+    if think == "may_open":
+        return "think? ", f"(think {_literal(_AFTER_THOUGHT)})? ", [f"think: {THINK_OPEN} TEXT {THINK_CLOSE}"]
+    if think == "open":
+        return f"TEXT {THINK_CLOSE} ", f"TEXT {THINK_CLOSE} {_literal(_AFTER_THOUGHT)} ", []
+    return "", "", []
+
+
+def _start(c: Constraint, plain: frozenset[str]) -> list[str]:
+    """The rules from the start of the answer (where chat.answer_prefix leaves off) to its end (the
+    mode is one of MODES)."""
+    free, forced, rules = _thought(c.think)
+    form = "hermes" if c.form == "json" else "xml"
+    close = f"{_literal(_BETWEEN)} {CALL_CLOSE}"
+    opening = _JSON_OPEN if c.form == "json" else _XML_CALL_OPEN
+    call = f"call: {CALL_OPEN} {_literal(opening)} {form} {close}"
+    more = f"({_literal(_BETWEEN)} call)*"
+    if c.mode == "none":
+        return [f"start: {free}TEXT", *rules]
+    if c.mode == "auto":
+        # A bare object opens a call only where engine.chat reads one: at the start, or right after
+        # another call.
+        return [f"start: {free}bare* ((tagged | fenced | xml_bare) bare*)* TEXT", "tagged: TEXT call",
+                'fenced: fenced_head loose WS "```"', "bare: bare_head loose", "xml_bare: xml_head xml",
+                call, *rules, _TRIGGERS.rstrip("\n")]
+    if forced:                          # the prompt could not have opened the call: it is all here
+        return [f"start: {forced}call{' ' + more if c.mode == 'required' else ''}", call, *rules]
+    if c.mode == "required":
+        return [f"start: {form} {close} {more}", call]
+    key = "_plain" if c.name in plain else 0
+    rest = f'a{key} "}}"' if c.form == "json" else f"p{key}"      # the arguments and their call's brace
+    return [f"start: {rest} {close}"]
 
 
 def lark(c: Constraint, plain: frozenset[str] = frozenset()) -> str:
     """The grammar of what the answer may be, from where the prompt leaves off (after
     chat.answer_prefix). `plain`: tools whose schema is not enforced (only their name)."""
-    think = f"think: {THINK_OPEN} TEXT {THINK_CLOSE}\n" if c.think == "may_open" else ""
-    start = "think? " if c.think == "may_open" else ""
-    if c.mode == "none":
-        return f"%llguidance {{}}\nstart: {start}TEXT\n{think}{_TERMINALS}"
-    tools = [(name, schema) for name, schema in c.tools]
-    if c.mode == "named":
-        tools = [t for t in tools if t[0] == c.name]
-    rules, xml = _tool_rules(tools, plain)
-    forms = ['"{" WS "\\"name\\"" WS ":" WS "\\"" hermes'] + ([f"{_literal(XML_OPEN)} xml"] if xml else [])
-    call = f"{CALL_OPEN} WS ({' | '.join(forms)}) WS {CALL_CLOSE}"
-    if c.mode == "auto":
-        # A bare object opens a call only where engine.chat reads one: at the start, or right after
-        # another call.
-        head = (f"start: {start}bare* ((tagged | fenced{' | xml_bare' if xml else ''}) bare*)* TEXT\n{think}"
-                f"tagged: TEXT {call}\n"
-                'fenced: fenced_head hermes WS "```"\n'
-                "bare: bare_head hermes\n"
-                + ("xml_bare: xml_head xml\n" if xml else "") + _TRIGGERS)
-    elif c.mode == "required":
-        head = f"start: hermes WS {CALL_CLOSE} (GAP {call})* GAP\n"
-    elif c.mode == "named":
-        head = f'start: {"any_object" if c.name in plain else "a0"} WS "}}" WS {CALL_CLOSE} GAP\n'
-    else:
-        raise ValueError(f"unknown constraint mode {c.mode!r}")
-    return "\n".join(["%llguidance {}", head.rstrip("\n"), _TERMINALS.rstrip("\n"), _XML_STRING.rstrip("\n"),
-                      *rules]) + "\n"
+    for field, value, known in (("mode", c.mode, MODES), ("think", c.think, THINKS), ("form", c.form, FORMS)):
+        if value not in known:
+            raise ValueError(f"unknown constraint {field} {value!r}; known: {', '.join(known)}")
+    tools = _tool_rules(c, plain) if c.mode != "none" else []
+    return "\n".join(["%llguidance {}", *_start(c, plain), _TERMINALS.rstrip("\n"), *tools]) + "\n"
 
 
 # ---- the worker's side -----------------------------------------------------------------------------
@@ -216,7 +361,8 @@ def mask_words(vocab_size: int) -> int:
 
 def cache_key(c: Constraint) -> str:
     """The compiled grammar's key: everything lark() reads."""
-    text = json.dumps([c.mode, c.name, c.think, c.tools], ensure_ascii=False, sort_keys=True, default=str)
+    text = json.dumps([c.mode, c.name, c.think, c.form, c.tools], ensure_ascii=False, sort_keys=True,
+                      default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

