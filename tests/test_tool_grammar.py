@@ -738,6 +738,16 @@ def _values(text: str, form: str) -> list[bool]:
     return inside + [False]
 
 
+def _next_of(side: Side, allowed: np.ndarray, rest: str) -> int | None:
+    """rest's next token: its own tokenization's, or where the mask takes another split of forced
+    bytes, the longest allowed token that rest starts with; None where the grammar takes none."""
+    token = side.tok.encode(rest)[0]
+    if allowed[token]:
+        return token
+    fits = [int(t) for t in np.flatnonzero(allowed) if _fits(side, int(t), rest)]
+    return max(fits, key=lambda t: len(side.tok.token_bytes(t))) if fits else None
+
+
 def _blank_filling_cost(side: Side, m, call: str, start: int, form: str) -> int:
     """The tokens a writer spends on a call (ASCII) from `start`, and on the end, under matcher m when
     it writes a blank wherever the grammar lets it add one outside the values (what the demo model
@@ -754,7 +764,11 @@ def _blank_filling_cost(side: Side, m, call: str, start: int, form: str) -> int:
                 token, at, extra = t, at + own, extra + 1
                 break
         if token is None:
-            token = side.tok.encode(rest[at:])[0]
+            token = _next_of(side, allowed, rest[at:])
+            if token is None and rest[at].isspace():
+                at += 1                  # the blanks written stand for the call's own (a bounded run)
+                continue
+            assert token is not None, f"the grammar takes no token of {rest[at:]!r}"
             at += len(side.tok.decode([token]))
         assert m.consume_token(token), rest[at:]
         spent += 1
