@@ -2,9 +2,10 @@
 // with AVX-VNNI; ARM's NEON with dot products: the compiler flags choose, engine/native.py: TIERS):
 // float rows times packed int8 weights (Int8Matmul: the rows as int8 terms, their exact products, the
 // scales), the packed weights widened for a prefill chunk's dot (Int8Widen), the same two for a
-// GGUF's 5-bit Q5_0 blocks (Int5Matmul, Int5Widen), its 8-bit Q8_0 blocks (Q8Matmul, Q8Widen) and its
-// K-quant blocks (Q4KMatmul ... Q6KWiden), decode attention over the int8 KV cache (Int8Attend), the
-// greedy pick of each row's largest logit (FirstMax) and the sampling filters' cuts (FilterCuts).
+// GGUF's 5-bit Q5_0 blocks (Int5Matmul, Int5Widen), its 8-bit Q8_0 blocks (Q8Matmul, Q8Widen), its
+// K-quant blocks (Q4KMatmul ... Q6KWiden) and its scaled-level blocks (IQ4_NL, IQ4_XS, IQ3_S, Q3_K:
+// Iq4NlMatmul ... Q3KWiden), decode attention over the int8 KV cache (Int8Attend), the greedy pick of
+// each row's largest logit (FirstMax) and the sampling filters' cuts (FilterCuts).
 // engine/native.py builds and registers them; engine/products.py, engine/attention.py and
 // engine/sampler.py call them.
 //
@@ -1704,6 +1705,501 @@ ffi::Error Q6KWiden(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer<
   return KWidened<KForm::kQ6>(pool, Q6KArrays(nib, hi, sc, d, &w), w, out);
 }
 
+// ---- scaled-level blocks: IQ4_NL, IQ4_XS, IQ3_S and Q3_K as the file holds them ------------------
+
+// The blocks Unsloth's dynamic quants mix into their K-quants (and llama.cpp's IQ files). Each weight
+// is a small signed level times a float16 d and, but for IQ4_NL, an integer scale per sub-block; no
+// mins. The level is a 4-bit code's (Q3_K: a 3-bit code's) entry in a table of 16 (8):
+//   IQ4_NL  w = d v[c]           v: IQ4's 16 levels (-127 .. 113), d per 32 inputs     (4.5 bits)
+//   IQ4_XS  w = d sc v[c]        sc -32..31 per 32 inputs, d per 256                   (4.25 bits)
+//   IQ3_S   w = d sc (2c - 15)   sc odd 1..31 per 32 inputs, d per 256; the file's 9-bit grid
+//                                index per 4 inputs and their signs, expanded to a code each
+//                                (the file: 3.4375 bits; held: 4.3125)
+//   Q3_K    w = d sc (c - 4)     c 0..7, sc -32..31 per 16 inputs, d per 256           (3.4375 bits)
+// Held in the layout engine.native.pack_s states (its docstring is the one statement): the 4-bit
+// codes as pack5's nibbles; Q3_K's codes' low two bits as Q6_K's top bits (32 bytes per group of 8
+// inputs) and their third bits as pack5's fifth-bit masks; per block of 16 outputs the 16 lanes'
+// scales and d.
+//
+// A group of 8 inputs decodes into two vectors of 64 level bytes, as Levels' and KLevels' do (inputs
+// 0-3 and 4-7 of the 16 outputs): the 4-bit codes through the table in one byte shuffle (vpshufb;
+// NEON's tbl), Q3_K's bits by shifts and masks. The table's bytes follow HeldBytes' convention (the
+// level + 128, vpdpbusd's unsigned operand, where there is VNNI; else the signed level: the AVX2
+// tier's sign trick, NEON's sdot); Q3_K's bytes are the codes on every tier. The rows are rounded to
+// int8 per d's span (IQ4_NL: 32 inputs, its block; else 256), one term on its own scale; per
+// sub-block the levels' exact sum S_j = sum held byte x term - offset x the terms' sum, then
+// A = sum_j sc_j S_j exactly in int32 (|A| <= 32 x 256 x 127 x 127 < 2^31), and the float32 sum
+// takes A times d times the row's scale in one fused multiply-add (AddBlock32).
+enum class SForm { kIq4Nl, kIq4Xs, kIq3S, kQ3K };
+
+template <SForm F>
+constexpr bool kTabled = F != SForm::kQ3K;               // 4-bit codes through a table of 16
+template <SForm F>
+constexpr bool kScaled = F != SForm::kIq4Nl;             // an integer scale per sub-block
+template <SForm F>
+constexpr int kSSpan = F == SForm::kIq4Nl ? 32 : 256;    // inputs per d, and per row term
+template <SForm F>
+constexpr int kSSub = F == SForm::kQ3K ? 16 : 32;        // inputs per sub-block scale
+constexpr int kTableOffset = MASHBOX_AVX512 || MASHBOX_AVXVNNI ? 128 : 0;   // HeldBytes' convention
+template <SForm F>
+constexpr int kSOffset = kTabled<F> ? kTableOffset : 4;  // level = held byte - offset
+constexpr int kSRows = kMaxTerms;                        // float rows per pass over a block
+
+// IQ4's 16 levels (IQ4_NL and IQ4_XS share them).
+constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// A table form's 16 levels as this tier holds them (level + kTableOffset, as bytes).
+template <SForm F>
+struct STable {
+  alignas(16) uint8_t held[16] = {};
+  constexpr STable() {
+    for (int c = 0; c < 16; c++)
+      held[c] = static_cast<uint8_t>((F == SForm::kIq3S ? 2 * c - 15 : kIq4Levels[c]) + kTableOffset);
+  }
+};
+template <SForm F>
+constexpr STable<F> kSTable{};
+
+// One matrix's arrays (pack_s), all per block of 16 outputs.
+struct SBlocks {
+  const uint8_t* codes;   // table forms: nibbles [N/16, K/8, 16, 4]; Q3_K: low two bits [N/16, K/8, 32]
+  const uint64_t* third;  // Q3_K: the codes' third bits [N/16, K/8, 2]; else null
+  const int8_t* sc;       // [N/16, K/sub, 16]; IQ4_NL: null
+  const uint16_t* d;      // float16 [N/16, K/span, 16]
+  int64_t blocks, K;
+};
+
+// Bytes of codes per group of 8 inputs of 16 outputs.
+template <SForm F>
+constexpr int kCodeBytes = kTabled<F> ? 64 : 32;
+
+// Group `at` (block b's group g: b * K/8 + g) -> its held level bytes, low (inputs 0-3) and high
+// (4-7): AVX-512 in one register each; both x86 tiers in two 32-byte halves (the AVX2 tiers'
+// products, and every x86 tier's widening); NEON in four 16-byte quarters.
+#if MASHBOX_AVX512
+template <SForm F>
+inline void SLevels(const SBlocks& w, int64_t at, __m512i table, __m512i* low, __m512i* high) {
+  if constexpr (kTabled<F>) {
+    const __m512i four = _mm512_set1_epi8(0x0F);
+    const __m512i v = _mm512_loadu_si512(w.codes + at * 64);
+    *low = _mm512_shuffle_epi8(table, _mm512_and_si512(v, four));
+    *high = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), four));
+  } else {                               // byte p: low p, high p, low p + 32, high p + 32
+    const __m256i top = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.codes + at * 32));
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(top), _mm256_srli_epi16(top, 4), 1);
+    const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+    const __m512i lo = _mm512_and_si512(both, three), hi = _mm512_and_si512(_mm512_srli_epi16(both, 2), three);
+    *low = _mm512_mask_add_epi8(lo, _cvtu64_mask64(w.third[at * 2]), lo, four);
+    *high = _mm512_mask_add_epi8(hi, _cvtu64_mask64(w.third[at * 2 + 1]), hi, four);
+  }
+}
+#endif
+
+#if MASHBOX_NEON
+template <SForm F>
+inline void SLevels(const SBlocks& w, int64_t at, uint8x16_t table, uint8x16_t* low, uint8x16_t* high) {
+  if constexpr (kTabled<F>) {
+    for (int h = 0; h < 4; h++) {
+      const uint8x16_t v = vld1q_u8(w.codes + at * 64 + 16 * h);
+      low[h] = vqtbl1q_u8(table, vandq_u8(v, vdupq_n_u8(0x0F)));
+      high[h] = vqtbl1q_u8(table, vshrq_n_u8(v, 4));
+    }
+  } else {
+    const uint8x16_t three = vdupq_n_u8(3), four = vdupq_n_u8(4);
+    for (int h = 0; h < 2; h++) {
+      const uint8x16_t top = vld1q_u8(w.codes + at * 32 + 16 * h);
+      low[h] = vandq_u8(top, three);
+      high[h] = vandq_u8(vshrq_n_u8(top, 2), three);
+      low[h + 2] = vandq_u8(vshrq_n_u8(top, 4), three);
+      high[h + 2] = vshrq_n_u8(top, 6);
+    }
+    for (int h = 0; h < 4; h++) {
+      low[h] = vorrq_u8(low[h], vandq_u8(BitBytes(static_cast<uint32_t>(w.third[at * 2] >> (16 * h))), four));
+      high[h] = vorrq_u8(high[h], vandq_u8(BitBytes(static_cast<uint32_t>(w.third[at * 2 + 1] >> (16 * h))), four));
+    }
+  }
+}
+#else
+template <SForm F>
+inline void SLevels(const SBlocks& w, int64_t at, __m256i table, __m256i* low, __m256i* high) {
+  if constexpr (kTabled<F>) {
+    const __m256i four = _mm256_set1_epi8(0x0F);
+    for (int h = 0; h < 2; h++) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.codes + at * 64 + 32 * h));
+      low[h] = _mm256_shuffle_epi8(table, _mm256_and_si256(v, four));
+      high[h] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), four));
+    }
+  } else {
+    const __m256i top = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.codes + at * 32));
+    const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+    low[0] = _mm256_and_si256(top, three);
+    high[0] = _mm256_and_si256(_mm256_srli_epi16(top, 2), three);
+    low[1] = _mm256_and_si256(_mm256_srli_epi16(top, 4), three);
+    high[1] = _mm256_and_si256(_mm256_srli_epi16(top, 6), three);
+    for (int h = 0; h < 2; h++) {
+      const uint32_t lows = static_cast<uint32_t>(w.third[at * 2] >> (32 * h));
+      const uint32_t highs = static_cast<uint32_t>(w.third[at * 2 + 1] >> (32 * h));
+      low[h] = _mm256_or_si256(low[h], _mm256_and_si256(BitBytes(lows), four));
+      high[h] = _mm256_or_si256(high[h], _mm256_and_si256(BitBytes(highs), four));
+    }
+  }
+}
+#endif
+
+// The next groups' codes (and Q3_K's third bits) fetched ahead, as the other block products do.
+template <SForm F>
+inline void SPrefetch(const SBlocks& w, int64_t at) {
+  const uint8_t* codes = w.codes + at * kCodeBytes<F>;
+  Prefetch(codes + kPrefetch);
+  PrefetchL2(codes + kPrefetchL2);
+  if (!kTabled<F>) PrefetchL2(w.third + (at + kPrefetchL2 / kCodeBytes<F>) * 2);
+}
+
+// One block of 16 outputs for R rows (terms per span: term_scales [R, K/span]; sub_sums [R, K/sub]
+// the terms' sums per sub-block). Per sub-block j the exact S_j (acc, starting at -offset x the
+// terms' sum), into A (whole) times sc_j; per span, A times d times the row's scale into the float32
+// sum (AddBlock32). IQ4_NL's span is its one sub-block, unscaled: its S is its A.
+#if MASHBOX_AVX512
+template <int R, SForm F>
+void BlockS(const SBlocks& w, const int8_t* terms, const int32_t* sub_sums, const float* term_scales,
+            float* out, int64_t N, int64_t b) {
+  constexpr int span = kSSpan<F>, sub = kSSub<F>;
+  const int64_t K = w.K, groups = K / kNibbleGroup, spans = K / span, subs = K / sub;
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kSTable<F>.held)));
+  __m512 total[R];
+  for (int r = 0; r < R; r++) total[r] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < spans; s++) {
+    __m512i whole[R];
+    for (int r = 0; r < R; r++) whole[r] = _mm512_setzero_si512();
+    for (int64_t j = s * (span / sub); j < (s + 1) * (span / sub); j++) {
+      __m512i acc[R];
+      for (int r = 0; r < R; r++) acc[r] = _mm512_set1_epi32(-kSOffset<F> * sub_sums[r * subs + j]);
+      for (int64_t g = j * (sub / kNibbleGroup); g < (j + 1) * (sub / kNibbleGroup); g++) {
+        SPrefetch<F>(w, b * groups + g);
+        __m512i low, high;
+        SLevels<F>(w, b * groups + g, table, &low, &high);
+        for (int r = 0; r < R; r++) {
+          int32_t first, second;                           // terms[r, 8g .. 8g+3], [8g+4 .. 8g+7]
+          __builtin_memcpy(&first, terms + r * K + g * kNibbleGroup, sizeof first);
+          __builtin_memcpy(&second, terms + r * K + g * kNibbleGroup + 4, sizeof second);
+          Dpbusd(acc[r], low, _mm512_set1_epi32(first));
+          Dpbusd(acc[r], high, _mm512_set1_epi32(second));
+        }
+      }
+      if constexpr (kScaled<F>) {
+        const __m512i sc = _mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + (b * subs + j) * kLanes)));
+        for (int r = 0; r < R; r++) acc[r] = _mm512_mullo_epi32(acc[r], sc);
+      }
+      for (int r = 0; r < R; r++) whole[r] = _mm512_add_epi32(whole[r], acc[r]);
+    }
+    AddBlock32<R>(total, whole, w.d + (b * spans + s) * kLanes, term_scales + s, spans);
+  }
+  for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * N + b * kLanes, total[r]);
+}
+#elif MASHBOX_AVX2
+// acc += a group half's held bytes times a term's 4 inputs: the table's bytes by HeldBytes'
+// convention (AddTerm), Q3_K's codes (0..7) as the unsigned operand.
+template <SForm F>
+inline __m256i SDot(__m256i acc, __m256i held, __m256i tv) {
+  return kTabled<F> ? AddTerm(acc, held, tv) : DotBytes(acc, held, tv);
+}
+
+template <int R, SForm F>
+void BlockS(const SBlocks& w, const int8_t* terms, const int32_t* sub_sums, const float* term_scales,
+            float* out, int64_t N, int64_t b) {
+  constexpr int span = kSSpan<F>, sub = kSSub<F>;
+  const int64_t K = w.K, groups = K / kNibbleGroup, spans = K / span, subs = K / sub;
+  const __m256i table = _mm256_broadcastsi128_si256(
+      _mm_load_si128(reinterpret_cast<const __m128i*>(kSTable<F>.held)));
+  __m256 total[R][2];
+  for (int r = 0; r < R; r++) total[r][0] = total[r][1] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < spans; s++) {
+    __m256i whole[R][2];
+    for (int r = 0; r < R; r++) whole[r][0] = whole[r][1] = _mm256_setzero_si256();
+    for (int64_t j = s * (span / sub); j < (s + 1) * (span / sub); j++) {
+      __m256i acc[R][2];
+      for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_set1_epi32(-kSOffset<F> * sub_sums[r * subs + j]);
+      for (int64_t g = j * (sub / kNibbleGroup); g < (j + 1) * (sub / kNibbleGroup); g++) {
+        SPrefetch<F>(w, b * groups + g);
+        __m256i low[2], high[2];
+        SLevels<F>(w, b * groups + g, table, low, high);
+        for (int r = 0; r < R; r++) {
+          int32_t first, second;
+          __builtin_memcpy(&first, terms + r * K + g * kNibbleGroup, sizeof first);
+          __builtin_memcpy(&second, terms + r * K + g * kNibbleGroup + 4, sizeof second);
+          const __m256i f = _mm256_set1_epi32(first), t = _mm256_set1_epi32(second);
+          for (int h = 0; h < 2; h++) acc[r][h] = SDot<F>(SDot<F>(acc[r][h], low[h], f), high[h], t);
+        }
+      }
+      for (int h = 0; h < 2; h++) {
+        const __m256i sc = kScaled<F> ? _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+            reinterpret_cast<const __m128i*>(w.sc + (b * subs + j) * kLanes + 8 * h))) : _mm256_set1_epi32(1);
+        for (int r = 0; r < R; r++)
+          whole[r][h] = _mm256_add_epi32(whole[r][h], kScaled<F> ? _mm256_mullo_epi32(acc[r][h], sc) : acc[r][h]);
+      }
+    }
+    AddBlock32<R>(total, whole, w.d + (b * spans + s) * kLanes, term_scales + s, spans);
+  }
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * N + b * kLanes + 8 * h, total[r][h]);
+}
+#else
+template <int R, SForm F>
+void BlockS(const SBlocks& w, const int8_t* terms, const int32_t* sub_sums, const float* term_scales,
+            float* out, int64_t N, int64_t b) {
+  constexpr int span = kSSpan<F>, sub = kSSub<F>;
+  const int64_t K = w.K, groups = K / kNibbleGroup, spans = K / span, subs = K / sub;
+  const uint8x16_t table = vld1q_u8(kSTable<F>.held);
+  float32x4_t total[R][4];
+  for (int r = 0; r < R; r++)
+    for (int q = 0; q < 4; q++) total[r][q] = vdupq_n_f32(0.0f);
+  for (int64_t s = 0; s < spans; s++) {
+    int32x4_t whole[R][4];
+    for (int r = 0; r < R; r++)
+      for (int q = 0; q < 4; q++) whole[r][q] = vdupq_n_s32(0);
+    for (int64_t j = s * (span / sub); j < (s + 1) * (span / sub); j++) {
+      int32x4_t acc[R][4];
+      for (int r = 0; r < R; r++)
+        for (int q = 0; q < 4; q++) acc[r][q] = vdupq_n_s32(-kSOffset<F> * sub_sums[r * subs + j]);
+      for (int64_t g = j * (sub / kNibbleGroup); g < (j + 1) * (sub / kNibbleGroup); g++) {
+        SPrefetch<F>(w, b * groups + g);
+        uint8x16_t low[4], high[4];
+        SLevels<F>(w, b * groups + g, table, low, high);
+        for (int r = 0; r < R; r++) {
+          int32_t first, second;
+          __builtin_memcpy(&first, terms + r * K + g * kNibbleGroup, sizeof first);
+          __builtin_memcpy(&second, terms + r * K + g * kNibbleGroup + 4, sizeof second);
+          const int8x16_t f = vreinterpretq_s8_s32(vdupq_n_s32(first)), t = vreinterpretq_s8_s32(vdupq_n_s32(second));
+          for (int q = 0; q < 4; q++) {
+            acc[r][q] = vdotq_s32(acc[r][q], vreinterpretq_s8_u8(low[q]), f);
+            acc[r][q] = vdotq_s32(acc[r][q], vreinterpretq_s8_u8(high[q]), t);
+          }
+        }
+      }
+      for (int q = 0; q < 4; q++) {
+        const int32x4_t sc = kScaled<F> ? Bytes4(w.sc + (b * subs + j) * kLanes + 4 * q) : vdupq_n_s32(1);
+        for (int r = 0; r < R; r++) whole[r][q] = vmlaq_s32(whole[r][q], acc[r][q], sc);
+      }
+    }
+    AddBlock32<R>(total, whole, w.d + (b * spans + s) * kLanes, term_scales + s, spans);
+  }
+  for (int r = 0; r < R; r++)
+    for (int q = 0; q < 4; q++) vst1q_f32(out + r * N + b * kLanes + 4 * q, total[r][q]);
+}
+#endif
+
+using BlockSFn = void (*)(const SBlocks&, const int8_t*, const int32_t*, const float*, float*, int64_t, int64_t);
+#if MASHBOX_AVX512
+template <SForm F>
+constexpr BlockSFn kBlocksS[kSRows + 1] = {nullptr, BlockS<1, F>, BlockS<2, F>, BlockS<3, F>, BlockS<4, F>,
+                                           BlockS<5, F>, BlockS<6, F>, BlockS<7, F>, BlockS<8, F>};
+#else
+template <SForm F>
+constexpr BlockSFn kBlocksS[kSRows + 1] = {nullptr, BlockS<1, F>, BlockS<2, F>, BlockS<3, F>, BlockS<4, F>};
+#endif
+
+// x float32 [R, K] times scaled-level blocks -> float32 [R, N]: each row rounded to int8 per span,
+// the terms' sums per sub-block, then BlockS, kSRows rows per pass over each chunk.
+template <SForm F>
+void SMatmul(ffi::ThreadPool& pool, const float* x, int64_t R, const SBlocks& w, float* out) {
+  constexpr int span = kSSpan<F>, sub = kSSub<F>;
+  const int64_t K = w.K, N = w.blocks * kLanes, spans = K / span, subs = K / sub;
+  std::vector<int8_t> terms(R * K);
+  std::vector<float> term_scales(R * spans);
+  std::vector<int32_t> sub_sums(R * subs);
+  for (int64_t r = 0; r < R; r++) {
+    for (int64_t s = 0; s < spans; s++) {
+      int32_t unused;
+      term_scales[r * spans + s] = QuantizeRow(x + r * K + s * span, terms.data() + r * K + s * span, span, &unused);
+    }
+    for (int64_t j = 0; j < subs; j++) {
+      int32_t sum = 0;
+      for (int i = 0; i < sub; i++) sum += terms[r * K + j * sub + i];
+      sub_sums[r * subs + j] = sum;
+    }
+  }
+  Parallel(pool, Chunks(w.blocks), [&](int64_t c) {
+    const int64_t b0 = c * kChunkBlocks, b1 = std::min(b0 + kChunkBlocks, w.blocks);
+    for (int64_t r0 = 0; r0 < R; r0 += kSRows) {
+      const int64_t n = std::min<int64_t>(kSRows, R - r0);
+      for (int64_t b = b0; b < b1; b++)
+        kBlocksS<F>[n](w, terms.data() + r0 * K, sub_sums.data() + r0 * subs, term_scales.data() + r0 * spans,
+                       out + r0 * N, N, b);
+    }
+  });
+}
+
+// Scaled-level blocks -> their values (d sc) level, rounded to bfloat16 [N, K] (nearest, ties to
+// even), for a prefill chunk's dot. d sc and its product with the level are exact in float32 (at most
+// 11 + 6 + 7 significant bits): gguf's own dequantization's numbers, rounded once to bfloat16.
+template <SForm F>
+void SWiden(ffi::ThreadPool& pool, const SBlocks& w, uint16_t* out) {
+  constexpr int span = kSSpan<F>, sub = kSSub<F>;
+  const int64_t K = w.K, groups = K / kNibbleGroup, spans = K / span, subs = K / sub;
+  Parallel(pool, w.blocks, [&](int64_t b) {
+    alignas(64) uint8_t lanes[kLanes][span];             // one span's held levels per output
+    alignas(32) uint8_t low[64], high[64];
+#if MASHBOX_NEON
+    const uint8x16_t table = vld1q_u8(kSTable<F>.held);
+#else
+    const __m256i table = _mm256_broadcastsi128_si256(
+      _mm_load_si128(reinterpret_cast<const __m128i*>(kSTable<F>.held)));
+#endif
+    for (int64_t s = 0; s < spans; s++) {
+      for (int64_t i = 0; i < span / kNibbleGroup; i++) {
+        const int64_t at = b * groups + s * (span / kNibbleGroup) + i;
+#if MASHBOX_NEON
+        uint8x16_t lo[4], hi[4];
+        SLevels<F>(w, at, table, lo, hi);
+        for (int h = 0; h < 4; h++) {
+          vst1q_u8(low + 16 * h, lo[h]);
+          vst1q_u8(high + 16 * h, hi[h]);
+        }
+#else
+        __m256i lo[2], hi[2];
+        SLevels<F>(w, at, table, lo, hi);
+        for (int h = 0; h < 2; h++) {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(low + 32 * h), lo[h]);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(high + 32 * h), hi[h]);
+        }
+#endif
+        for (int l = 0; l < kLanes; l++) {
+          __builtin_memcpy(&lanes[l][i * kNibbleGroup], low + 4 * l, 4);
+          __builtin_memcpy(&lanes[l][i * kNibbleGroup + 4], high + 4 * l, 4);
+        }
+      }
+      alignas(32) float d[kLanes];
+#if MASHBOX_NEON
+      for (int q = 0; q < 4; q++) vst1q_f32(d + 4 * q, Halves4(w.d + (b * spans + s) * kLanes + 4 * q));
+#else
+      for (int h = 0; h < 2; h++)
+        _mm256_store_ps(d + 8 * h, _mm256_cvtph_ps(_mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(w.d + (b * spans + s) * kLanes + 8 * h))));
+#endif
+      for (int l = 0; l < kLanes; l++) {
+        for (int j = 0; j < span / sub; j++) {
+          const int64_t at = (b * subs + s * (span / sub) + j) * kLanes + l;
+          const float scale = kScaled<F> ? d[l] * static_cast<float>(w.sc[at]) : d[l];
+          uint16_t* row = out + (b * kLanes + l) * K + s * span + j * sub;
+#if MASHBOX_NEON                          // held bytes signed (offset 0) or 0..7 (Q3_K's, offset 4)
+          for (int h = 0; h < sub; h += 4) {
+            const int32x4_t level = vsubq_s32(Bytes4(reinterpret_cast<const int8_t*>(&lanes[l][j * sub + h])),
+                                              vdupq_n_s32(kSOffset<F>));
+            vst1_u16(row + h, Bf16x4(vmulq_f32(vdupq_n_f32(scale), vcvtq_f32_s32(level))));
+          }
+#else
+          for (int h = 0; h < sub; h += 8) {   // held bytes unsigned where the offset is 128, else signed
+            const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(&lanes[l][j * sub + h]));
+            const __m256i held = kSOffset<F> == 128 ? _mm256_cvtepu8_epi32(q) : _mm256_cvtepi8_epi32(q);
+            const __m256i level = _mm256_sub_epi32(held, _mm256_set1_epi32(kSOffset<F>));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(row + h),
+                             Bf16x8(_mm256_mul_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(level))));
+          }
+#endif
+        }
+      }
+    }
+  });
+}
+
+// The arrays of a scaled-level matrix into w: codes (pack_s), Q3_K's third bits, the scales (IQ4_NL:
+// none) and d, their shapes checked.
+template <SForm F>
+ffi::Error SArrays(ffi::Buffer<ffi::U8>& codes, ffi::Buffer<ffi::U32>* third, ffi::Buffer<ffi::S8>* sc,
+                   ffi::Buffer<ffi::F16>& d, SBlocks* w) {
+  const auto cd = codes.dimensions(), dd = d.dimensions();
+  const bool codes_ok = kTabled<F> ? cd.size() == 4 && cd[2] == kLanes && cd[3] == 4
+                                   : cd.size() == 3 && cd[2] == kCodeBytes<F>;
+  const int64_t K = cd.size() >= 2 ? cd[1] * kNibbleGroup : 0;
+  bool ok = codes_ok && K % kSSpan<F> == 0 && dd.size() == 3 && dd[0] == cd[0] && dd[1] * kSSpan<F> == K &&
+            dd[2] == kLanes;
+  if (third) {
+    const auto td = third->dimensions();
+    ok = ok && td.size() == 3 && td[0] == cd[0] && td[1] == cd[1] && td[2] == 4;
+  }
+  if (sc) {
+    const auto sd = sc->dimensions();
+    ok = ok && sd.size() == 3 && sd[0] == cd[0] && sd[1] * kSSub<F> == K && sd[2] == kLanes;
+  }
+  if (!ok)
+    return ffi::Error::InvalidArgument(
+        "scaled-level blocks: codes [N/16, K/8, 16, 4] (Q3_K: [N/16, K/8, 32]), Q3_K's third [N/16, K/8, 4], "
+        "sc [N/16, K/sub, 16], d [N/16, K/span, 16] (engine.native.pack_s)");
+  *w = {codes.typed_data(), third ? reinterpret_cast<const uint64_t*>(third->typed_data()) : nullptr,
+        sc ? sc->typed_data() : nullptr, reinterpret_cast<const uint16_t*>(d.typed_data()), cd[0], K};
+  return ffi::Error::Success();
+}
+
+// x [R, K] times the blocks w (their arrays' check's error first), into out.
+template <SForm F>
+ffi::Error SProduct(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Error checked, const SBlocks& w,
+                    ffi::ResultBuffer<ffi::F32>& out) {
+  if (checked.failure()) return checked;
+  if (x.dimensions().size() != 2 || x.dimensions()[1] != w.K)
+    return ffi::Error::InvalidArgument("scaled-level matmul: x [R, K]");
+  SMatmul<F>(pool, x.typed_data(), x.dimensions()[0], w, out->typed_data());
+  return ffi::Error::Success();
+}
+
+template <SForm F>
+ffi::Error SWidened(ffi::ThreadPool& pool, ffi::Error checked, const SBlocks& w, ffi::ResultBuffer<ffi::BF16>& out) {
+  if (checked.failure()) return checked;
+  SWiden<F>(pool, w, reinterpret_cast<uint16_t*>(out->typed_data()));
+  return ffi::Error::Success();
+}
+
+ffi::Error Iq4NlMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
+                       ffi::Buffer<ffi::F16> d, ffi::ResultBuffer<ffi::F32> out) {
+  SBlocks w;
+  return SProduct<SForm::kIq4Nl>(pool, x, SArrays<SForm::kIq4Nl>(codes, nullptr, nullptr, d, &w), w, out);
+}
+
+ffi::Error Iq4XsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
+                       ffi::Buffer<ffi::S8> sc, ffi::Buffer<ffi::F16> d, ffi::ResultBuffer<ffi::F32> out) {
+  SBlocks w;
+  return SProduct<SForm::kIq4Xs>(pool, x, SArrays<SForm::kIq4Xs>(codes, nullptr, &sc, d, &w), w, out);
+}
+
+ffi::Error Iq3SMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
+                      ffi::Buffer<ffi::S8> sc, ffi::Buffer<ffi::F16> d, ffi::ResultBuffer<ffi::F32> out) {
+  SBlocks w;
+  return SProduct<SForm::kIq3S>(pool, x, SArrays<SForm::kIq3S>(codes, nullptr, &sc, d, &w), w, out);
+}
+
+ffi::Error Q3KMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
+                     ffi::Buffer<ffi::U32> third, ffi::Buffer<ffi::S8> sc, ffi::Buffer<ffi::F16> d,
+                     ffi::ResultBuffer<ffi::F32> out) {
+  SBlocks w;
+  return SProduct<SForm::kQ3K>(pool, x, SArrays<SForm::kQ3K>(codes, &third, &sc, d, &w), w, out);
+}
+
+// `after` as Int8Widen's.
+ffi::Error Iq4NlWiden(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F16> d,
+                      ffi::AnyBuffer after, ffi::ResultBuffer<ffi::BF16> out) {
+  SBlocks w;
+  return SWidened<SForm::kIq4Nl>(pool, SArrays<SForm::kIq4Nl>(codes, nullptr, nullptr, d, &w), w, out);
+}
+
+ffi::Error Iq4XsWiden(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S8> sc,
+                      ffi::Buffer<ffi::F16> d, ffi::AnyBuffer after, ffi::ResultBuffer<ffi::BF16> out) {
+  SBlocks w;
+  return SWidened<SForm::kIq4Xs>(pool, SArrays<SForm::kIq4Xs>(codes, nullptr, &sc, d, &w), w, out);
+}
+
+ffi::Error Iq3SWiden(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S8> sc,
+                     ffi::Buffer<ffi::F16> d, ffi::AnyBuffer after, ffi::ResultBuffer<ffi::BF16> out) {
+  SBlocks w;
+  return SWidened<SForm::kIq3S>(pool, SArrays<SForm::kIq3S>(codes, nullptr, &sc, d, &w), w, out);
+}
+
+ffi::Error Q3KWiden(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::U32> third,
+                    ffi::Buffer<ffi::S8> sc, ffi::Buffer<ffi::F16> d, ffi::AnyBuffer after,
+                    ffi::ResultBuffer<ffi::BF16> out) {
+  SBlocks w;
+  return SWidened<SForm::kQ3K>(pool, SArrays<SForm::kQ3K>(codes, &third, &sc, d, &w), w, out);
+}
+
 // ---- decode attention over the int8 cache -----------------------------------------------------
 
 // Both products run on vpdpwssd (int16 pairs into int32, exact): the query rows are rounded to int16
@@ -2489,6 +2985,78 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxQ6KWiden, Q6KWiden,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxIq4NlMatmul, Iq4NlMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxIq4NlWiden, Iq4NlWiden,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxIq4XsMatmul, Iq4XsMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxIq4XsWiden, Iq4XsWiden,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxIq3SMatmul, Iq3SMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxIq3SWiden, Iq3SWiden,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxQ3KMatmul, Q3KMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxQ3KWiden, Q3KWiden,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::AnyBuffer>()

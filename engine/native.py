@@ -1,8 +1,8 @@
 """The engine's one native kernel (engine/native.cc), for CPUs where XLA:CPU's integer dot is
 compute-bound (engine.products, engine.attention, engine.sampler call it): int8 weights, and a GGUF's
-Q5_0, Q8_0, Q4_K, Q5_K and Q6_K blocks, times a few rows (decode steps, small prefill chunks) at the
-memory's speed, decode attention over the int8 cache, every kind of weights widened for a prefill
-chunk's dot, and the sampler's greedy pick and filter cuts.
+Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_S and Q3_K blocks, times a few rows (decode steps,
+small prefill chunks) at the memory's speed, decode attention over the int8 cache, every kind of
+weights widened for a prefill chunk's dot, and the sampler's greedy pick and filter cuts.
 It is built on first use with the host's C++ compiler against jaxlib's FFI headers, kept under the
 cache root (rebuilt when the source, the compiler or jaxlib changes) and registered with XLA as
 custom calls.
@@ -26,7 +26,10 @@ levels 0..31 as nibbles and fifth bits, 8 inputs of 16 outputs per 64-byte load,
 scale per 32 inputs; pack5 states the layout. 8-bit ones (Q8_0) are {"q8", "q8_d"}: the levels in
 the packed layout and a float16 scale per 32 inputs (pack8). K-quant weights (a GGUF's Q4_K, Q5_K, Q6_K blocks)
 are a dict {"knib", ...} of the same nibbles with the blocks' scales, mins and top bits; pack_k
-states that layout.
+states that layout. Scaled-level weights (IQ4_NL, IQ4_XS, IQ3_S, Q3_K: a small level per weight
+times d and a sub-block's integer scale, no mins) are a dict {"iq4nl" | "iq4xs" | "iq3s" | "q3k", ...}
+of 4-bit codes as the same nibbles (Q3_K's 3-bit codes as Q6_K's top bits and a mask), their
+scales and d; pack_s states that layout, and s_block_parts reads the file's blocks into its arguments.
 """
 from __future__ import annotations
 
@@ -56,6 +59,10 @@ TARGETS = {"mashbox_int8_matmul": "MashboxInt8Matmul",
            "mashbox_q4k_matmul": "MashboxQ4KMatmul", "mashbox_q4k_widen": "MashboxQ4KWiden",
            "mashbox_q5k_matmul": "MashboxQ5KMatmul", "mashbox_q5k_widen": "MashboxQ5KWiden",
            "mashbox_q6k_matmul": "MashboxQ6KMatmul", "mashbox_q6k_widen": "MashboxQ6KWiden",
+           "mashbox_iq4nl_matmul": "MashboxIq4NlMatmul", "mashbox_iq4nl_widen": "MashboxIq4NlWiden",
+           "mashbox_iq4xs_matmul": "MashboxIq4XsMatmul", "mashbox_iq4xs_widen": "MashboxIq4XsWiden",
+           "mashbox_iq3s_matmul": "MashboxIq3SMatmul", "mashbox_iq3s_widen": "MashboxIq3SWiden",
+           "mashbox_q3k_matmul": "MashboxQ3KMatmul", "mashbox_q3k_widen": "MashboxQ3KWiden",
            "mashbox_first_max": "MashboxFirstMax", "mashbox_filter_cuts": "MashboxFilterCuts"}
 ENV_SWITCH = "MASHBOX_NATIVE"                      # "0": never build or use the kernel
 TIER_ENV = "MASHBOX_NATIVE_TIER"                   # a tier's name: that tier, if the CPU has it
@@ -79,6 +86,15 @@ NIBBLE_GROUP, Q5_BLOCK = 8, 32                     # 5-bit: 8 inputs per load, a
 Q8_BLOCK = 32                                      # Q8_0: a scale per 32 inputs
 K_SUPER = 256                                      # K-quants: inputs per super-block (d, dmin)
 K_SUB = {"Q4_K": 32, "Q5_K": 32, "Q6_K": 16}       # inputs per sub-block scale, by GGUF block type
+# Scaled-level blocks (pack_s), by GGUF block type: inputs per d (and per row term in the kernel's
+# product), inputs per sub-block scale, and bytes per block in the file.
+S_SPAN = {"IQ4_NL": 32, "IQ4_XS": 256, "IQ3_S": 256, "Q3_K": 256}
+S_SUB = {"IQ4_NL": 32, "IQ4_XS": 32, "IQ3_S": 32, "Q3_K": 16}
+S_BYTES = {"IQ4_NL": 18, "IQ4_XS": 136, "IQ3_S": 110, "Q3_K": 110}
+# Each code's level (w = d sc level[code]): IQ4's 16 levels, IQ3_S's odd -15..15, Q3_K's -4..3.
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+S_LEVELS = {"IQ4_NL": IQ4_LEVELS, "IQ4_XS": IQ4_LEVELS, "IQ3_S": np.arange(-15, 16, 2, dtype=np.int8),
+            "Q3_K": np.arange(-4, 4, dtype=np.int8)}
 
 
 def _compiler() -> str | None:
@@ -268,12 +284,22 @@ def _nibbles(levels: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(((blocked[..., 0, :] & 15) | ((blocked[..., 1, :] & 15) << 4)).astype(np.uint8))
 
 
-def _fifth_bits(levels: np.ndarray) -> np.ndarray:
-    """pack5's fifth: the levels' fifth bits as two 64-bit masks per 64 nibble bytes."""
+def _fifth_bits(levels: np.ndarray, bit: int = 4) -> np.ndarray:
+    """pack5's fifth: the levels' fifth bits (or another `bit`: Q3_K's third) as two 64-bit masks per
+    64 nibble bytes."""
     n, k = levels.shape
-    bits = ((_blocked(levels) >> 4) & 1).transpose(0, 1, 3, 2, 4).reshape(n // LANES, k // NIBBLE_GROUP, 2, 64)
+    bits = ((_blocked(levels) >> bit) & 1).transpose(0, 1, 3, 2, 4).reshape(n // LANES, k // NIBBLE_GROUP, 2, 64)
     fifth = np.packbits(bits.astype(np.uint8), axis=-1, bitorder="little").view("<u8")[..., 0]
     return np.ascontiguousarray(fifth).view(np.uint32)
+
+
+def _bit_pairs(pairs: np.ndarray) -> np.ndarray:
+    """Two-bit values [N, K] -> 32 bytes per 64 nibble bytes (pack_k's khi): byte p's bits 0-1 and 2-3
+    those of nib byte p's low and high nibble, bits 4-5 and 6-7 those of nib byte p + 32's."""
+    n = pairs.shape[0]
+    blocked = _blocked(pairs)                                                   # [N/16, K/8, 16, 2, 4]
+    byte = (blocked[..., 0, :] | (blocked[..., 1, :] << 2)).reshape(n // LANES, -1, 64)
+    return np.ascontiguousarray((byte[..., :32] | (byte[..., 32:] << 4)).astype(np.uint8))
 
 
 def is_int5(w) -> bool:
@@ -387,9 +413,7 @@ def pack_k(kind: str, levels: np.ndarray, sc: np.ndarray, d: np.ndarray, mins=No
     per_lane = lambda a: np.ascontiguousarray(a.reshape(n // LANES, LANES, -1).transpose(0, 2, 1))  # noqa: E731
     held = {"knib": _nibbles(levels), "ksc": per_lane(sc).view(np.int8), "kd": per_lane(d.astype(np.float16))}
     if kind == "Q6_K":
-        top = (_blocked(levels) >> 4) & 3                                       # [N/16, K/8, 16, 2, 4]
-        byte = (top[..., 0, :] | (top[..., 1, :] << 2)).reshape(n // LANES, -1, 64)
-        held["khi"] = np.ascontiguousarray((byte[..., :32] | (byte[..., 32:] << 4)).astype(np.uint8))
+        held["khi"] = _bit_pairs((levels >> 4) & 3)
         return held
     if kind == "Q5_K":
         held["kfifth"] = _fifth_bits(levels)
@@ -439,6 +463,156 @@ def widen_k(w, after):
     blocks, groups = w["knib"].shape[:2]
     return jax.ffi.ffi_call(f"mashbox_{kind[:2].lower()}k_widen", jax.ShapeDtypeStruct(
         (blocks * LANES, groups * NIBBLE_GROUP), jnp.bfloat16))(*(w[key] for key in _K_OPERANDS[kind]), after)
+
+
+def _uint8(values) -> np.ndarray:
+    return np.asarray(values, np.uint8)
+
+
+def s_block_parts(kind: str, blocks: np.ndarray) -> dict:
+    """A GGUF's scaled-level blocks uint8 [rows, n, S_BYTES[kind]] -> {codes uint8 [rows, n span], d
+    float16 [rows, n], and but for IQ4_NL sc int8 [rows, n span / sub]}, each per row (pack_s's
+    arguments); w = d sc S_LEVELS[kind][code]:
+      IQ4_NL (18 bytes per 32 inputs): d; 16 bytes of codes, input i's in byte i's low nibble, input
+        16 + i's in its high.
+      IQ4_XS (136 bytes per 256): d; the 8 sub-blocks' 6-bit scales ls (sc = ls - 32), their top two
+        bits in a little-endian uint16 (2 per sub-block), their low four in 4 bytes (low nibble
+        first); 128 bytes of codes, 16 per 32 inputs as IQ4_NL's.
+      IQ3_S (110 bytes per 256): d; 64 grid indices' low 8 bits and 8 bytes of their ninth (bit i of
+        byte k: index 8k + i), each index 4 inputs' magnitudes in gguf's grid of 512 (odd 1..15);
+        32 bytes of signs (bit i of byte k: input 8k + i negative); 4 bytes of 4-bit scales s, low
+        nibble first (sc = 1 + 2 s). Each input's code is (its signed magnitude + 15) / 2.
+      Q3_K (110 bytes per 256): 32 bytes of the levels' third bits (bit m of byte i: input 32 m + i),
+        64 of their low two bits (bits 2c of byte 32 h + i: input 128 h + 32 c + i), 12 bytes of 16
+        6-bit scales (sc = s - 32: the low four bits of scale j in byte j % 8, nibble j // 8; the top
+        two in byte 8 + j % 4, bits 2 (j // 4)), d last. code = the level + 4.
+    IQ3_S's grid is gguf's own (gguf.quants), imported here: these blocks come from a GGUF."""
+    if kind not in S_BYTES:
+        raise ValueError(f"scaled-level blocks: no form for {kind!r} (one of {', '.join(S_BYTES)})")
+    if blocks.ndim != 3 or blocks.shape[-1] != S_BYTES[kind]:
+        raise ValueError(f"scaled-level blocks: {kind} blocks are [rows, n, {S_BYTES[kind]}] bytes, got "
+                         f"{list(blocks.shape)}")
+    rows, n, _ = blocks.shape
+    at = 108 if kind == "Q3_K" else 0
+    d = np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0]
+    parts = {"d": d, **_S_PARSERS[kind](blocks, rows, n)}
+    parts["codes"] = np.ascontiguousarray(parts["codes"].reshape(rows, n * S_SPAN[kind]).astype(np.uint8))
+    if "sc" in parts:
+        parts["sc"] = np.ascontiguousarray(parts["sc"].reshape(rows, -1).astype(np.int8))
+    return parts
+
+
+def _iq4_nl_parts(blocks, rows, n):
+    qs = blocks[..., 2:18].reshape(rows, n, 1, 16)
+    return {"codes": (qs >> _uint8([0, 4]).reshape(2, 1)) & 15}
+
+
+def _iq4_xs_parts(blocks, rows, n):
+    top = np.ascontiguousarray(blocks[..., 2:4]).view("<u2")                      # [rows, n, 1]
+    j = np.arange(8)
+    ls = ((blocks[..., 4 + j // 2] >> _uint8(4 * (j % 2))) & 15) | (((top >> (2 * j).astype(np.uint16)) & 3) << 4)
+    qs = blocks[..., 8:136].reshape(rows, n, 8, 1, 16)
+    return {"codes": (qs >> _uint8([0, 4]).reshape(2, 1)) & 15, "sc": ls.astype(np.int16) - 32}
+
+
+def _iq3_s_parts(blocks, rows, n):
+    from gguf.quants import IQ3_S
+    IQ3_S.init_grid()
+    grid = IQ3_S.grid.reshape(512, 4).astype(np.int8)                              # odd 1..15
+    k = np.arange(64)
+    ninth = (blocks[..., 66 + k // 8] >> _uint8(k % 8)) & 1
+    magnitudes = grid[blocks[..., 2:66].astype(np.int16) | (ninth.astype(np.int16) << 8)].reshape(rows, n, 256)
+    i = np.arange(256)
+    negative = (blocks[..., 74 + i // 8] >> _uint8(i % 8)) & 1
+    j = np.arange(8)
+    s = (blocks[..., 106 + j // 2] >> _uint8(4 * (j % 2))) & 15
+    return {"codes": (np.where(negative == 1, -magnitudes, magnitudes) + 15) // 2, "sc": 1 + 2 * s.astype(np.int16)}
+
+
+def _q3_k_parts(blocks, rows, n):
+    low = (blocks[..., 32:96].reshape(rows, n, 2, 1, 32) >> _uint8([0, 2, 4, 6]).reshape(4, 1)) & 3
+    third = (blocks[..., 0:32].reshape(rows, n, 1, 1, 32) >> _uint8(np.arange(8)).reshape(2, 4, 1)) & 1
+    j = np.arange(16)
+    s = ((blocks[..., 96 + j % 8] >> _uint8(4 * (j // 8))) & 15) | (
+        ((blocks[..., 104 + j % 4] >> _uint8(2 * (j // 4))) & 3) << 4)
+    return {"codes": low | (third << 2), "sc": s.astype(np.int16) - 32}
+
+
+_S_PARSERS = {"IQ4_NL": _iq4_nl_parts, "IQ4_XS": _iq4_xs_parts, "IQ3_S": _iq3_s_parts, "Q3_K": _q3_k_parts}
+# The held dict's keys by block type: its codes' key names the kind (s_kind); the kernel's operands
+# in their order.
+_S_KEY = {"IQ4_NL": "iq4nl", "IQ4_XS": "iq4xs", "IQ3_S": "iq3s", "Q3_K": "q3k"}
+_S_OPERANDS = {kind: (key, *(("q3k_third",) if kind == "Q3_K" else ()), *(() if kind == "IQ4_NL" else (f"{key}_sc",)),
+                      f"{key}_d") for kind, key in _S_KEY.items()}
+
+
+def pack_s(kind: str, codes: np.ndarray, d: np.ndarray, sc=None) -> dict:
+    """Scaled-level blocks of an [N, K] matrix as a GGUF holds them (s_block_parts: codes uint8 [N, K],
+    d float16 [N, K / S_SPAN], sc int8 [N, K / S_SUB] but for IQ4_NL; N a multiple of 16, K of the
+    span) -> the kernel's form, the one statement of its layout (engine/native.cc reads it so), with
+    key = iq4nl, iq4xs, iq3s or q3k (_S_KEY):
+      key          uint8   [N/16, K/8, 16, 4]  IQ4_NL, IQ4_XS, IQ3_S: the 4-bit codes, as pack5's nib
+                   uint8   [N/16, K/8, 32]     Q3_K: the codes' low two bits, as pack_k's khi
+      q3k_third    uint32  [N/16, K/8, 4]      Q3_K: the codes' third bits, as pack5's fifth
+      key_sc       int8    [N/16, K/sub, 16]   the 16 outputs' sub-block scales (not IQ4_NL)
+      key_d        float16 [N/16, K/span, 16]  their d
+    IQ3_S's codes take 4 bits where the file's grid indices and signs take 3.25 per weight."""
+    key = _S_KEY[kind]
+    n = codes.shape[0]
+    per_lane = lambda a: np.ascontiguousarray(a.reshape(n // LANES, LANES, -1).transpose(0, 2, 1))  # noqa: E731
+    if kind == "Q3_K":
+        held = {key: _bit_pairs(codes & 3), "q3k_third": _fifth_bits(codes, bit=2)}
+    else:
+        held = {key: _nibbles(codes)}
+    if kind != "IQ4_NL":
+        held[f"{key}_sc"] = per_lane(np.asarray(sc, np.int8))
+    held[f"{key}_d"] = per_lane(np.asarray(d, np.float16))
+    return held
+
+
+def s_kind(w) -> str | None:
+    """"IQ4_NL", "IQ4_XS", "IQ3_S" or "Q3_K" for weights held by pack_s, else None."""
+    if isinstance(w, dict):
+        for kind, key in _S_KEY.items():
+            if key in w:
+                return kind
+    return None
+
+
+def packable_s(kind: str, shape) -> bool:
+    """Whether an [out, in] matrix fits pack_s's blocks of `kind` (16 outputs x its span of inputs)."""
+    return len(shape) == 2 and shape[0] % LANES == 0 and shape[1] % S_SPAN[kind] == 0
+
+
+def s_shape(w) -> tuple[int, int]:
+    """(out, in) of weights held by pack_s."""
+    codes = w[_S_KEY[s_kind(w)]]
+    return codes.shape[0] * LANES, codes.shape[1] * NIBBLE_GROUP
+
+
+def s_matmul(x, w):
+    """Float32 rows x [R, K] times scaled-level blocks w (pack_s) -> float32 [R, N]: each row rounded
+    to int8 per span (IQ4_NL 32 inputs, else 256), each sub-block's exact integer sum times its scale,
+    each span's sum times d and the row's scale."""
+    import jax
+    import jax.numpy as jnp
+
+    _require()
+    kind = s_kind(w)
+    return jax.ffi.ffi_call(f"mashbox_{_S_KEY[kind]}_matmul", jax.ShapeDtypeStruct(
+        (x.shape[0], s_shape(w)[0]), jnp.float32))(x, *(w[key] for key in _S_OPERANDS[kind]))
+
+
+def widen_s(w, after):
+    """Scaled-level blocks (pack_s) -> their values rounded to bfloat16 [N, K], for a prefill chunk's
+    dot. after: as widen's."""
+    import jax
+    import jax.numpy as jnp
+
+    _require()
+    kind = s_kind(w)
+    return jax.ffi.ffi_call(f"mashbox_{_S_KEY[kind]}_widen", jax.ShapeDtypeStruct(s_shape(w), jnp.bfloat16))(
+        *(w[key] for key in _S_OPERANDS[kind]), after)
 
 
 def int8_matmul(x, q, scale):

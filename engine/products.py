@@ -14,6 +14,9 @@ A weight is one of four kinds (weight_kind), each with one product:
     q8_0         a GGUF's Q8_0 blocks as the file has them (engine.native.pack8)
     q4_k, q5_k,  a GGUF's Q4_K, Q5_K or Q6_K blocks as the file has them (engine.native.pack_k)
     q6_k
+    iq4_nl,      a GGUF's IQ4_NL, IQ4_XS, IQ3_S or Q3_K blocks as the file has them (IQ3_S's grid
+    iq4_xs,      expanded to a 4-bit code per weight: engine.native.pack_s)
+    iq3_s, q3_k
     fp8          {"f8": float8_e4m3fn [out, in], "f8_scale": float32 [out, in / block]}: an FP8
                  checkpoint's values, w = f8 * f8_scale per block of columns (engine.weights)
 The packed kinds exist only where engine.native's kernel serves the model (ModelConfig.native,
@@ -39,7 +42,8 @@ from engine.weights import INT8_OFFSET
 
 F32 = jnp.float32
 
-WEIGHT_KINDS = ("float", "int8", "int8_packed", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k", "fp8")
+WEIGHT_KINDS = ("float", "int8", "int8_packed", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs",
+                "iq3_s", "q3_k", "fp8")
 
 # XLA:CPU's dot of a few rows runs well below the memory's speed, while the same product written as
 # a broadcast multiply summed over the input (one fused reduction) streams the weights once. One
@@ -68,7 +72,7 @@ def weight_kind(w) -> str:
         return "q5_0"
     if native.is_q8(w):
         return "q8_0"
-    if kind := native.k_kind(w):
+    if kind := native.k_kind(w) or native.s_kind(w):
         return kind.lower()
     if "f8" in w:
         return "fp8"
@@ -252,6 +256,16 @@ def _k_matmul(flat, w):
     return _wide_dot(flat, native.widen_k(w, after=flat))
 
 
+_S_KINDS = ("iq4_nl", "iq4_xs", "iq3_s", "q3_k")          # engine.native.pack_s's
+
+
+def _s_matmul(flat, w):
+    """As _q5_0_matmul, for scaled-level blocks (IQ4_NL, IQ4_XS, IQ3_S, Q3_K)."""
+    if flat.shape[0] <= INT8_ROWS_MAX_ROWS:
+        return native.s_matmul(flat, w)
+    return _wide_dot(flat, native.widen_s(w, after=flat))
+
+
 def fp8_values(w, dtype):
     """FP8 weights -> their values f8 * f8_scale [..., out, in] in dtype (stacked experts too): each
     block's product rounded once from float32 (exact in float32: an e4m3 value has 4 significant
@@ -279,6 +293,8 @@ def _shape(w, kind: str) -> tuple[int, int]:
         return w["q8"].shape[0] * native.LANES, w["q8"].shape[1] * native.GROUP
     if kind in ("q4_k", "q5_k", "q6_k"):
         return w["knib"].shape[0] * native.LANES, w["knib"].shape[1] * native.NIBBLE_GROUP
+    if kind in _S_KINDS:
+        return native.s_shape(w)
     if kind == "fp8":
         return w["f8"].shape
     q = w["q"]
@@ -286,7 +302,8 @@ def _shape(w, kind: str) -> tuple[int, int]:
 
 
 _QUANTIZED_MATMUL = {"int8": _int8_matmul, "int8_packed": _int8_packed_matmul, "q5_0": _q5_0_matmul,
-                     "q8_0": _q8_0_matmul, "q4_k": _k_matmul, "q5_k": _k_matmul, "q6_k": _k_matmul, "fp8": _fp8_matmul}
+                     "q8_0": _q8_0_matmul, "q4_k": _k_matmul, "q5_k": _k_matmul, "q6_k": _k_matmul,
+                     **{kind: _s_matmul for kind in _S_KINDS}, "fp8": _fp8_matmul}
 
 
 def matmul(x, w):

@@ -93,6 +93,16 @@ class HarnessTier:
         return self._run(f"{kind[:2].lower()}k_widen", [*(w[key] for key in native._K_OPERANDS[kind]), after],
                          (blocks * native.LANES, groups * native.NIBBLE_GROUP), "bfloat16")
 
+    def s_matmul(self, x, w):
+        kind = native.s_kind(w)
+        return self._run(f"{native._S_KEY[kind]}_matmul", [x, *(w[key] for key in native._S_OPERANDS[kind])],
+                         (x.shape[0], native.s_shape(w)[0]), "float32")
+
+    def widen_s(self, w, after):
+        kind = native.s_kind(w)
+        return self._run(f"{native._S_KEY[kind]}_widen", [*(w[key] for key in native._S_OPERANDS[kind]), after],
+                         native.s_shape(w), "bfloat16")
+
     def first_max(self, logits):
         return self._run("first_max", [logits], logits.shape[:1], "int32")
 
@@ -469,6 +479,139 @@ def test_widen_k_rounds_each_weight_to_bfloat16(kernel, kind, n, k):
     got = kernel.widen_k(_k_held(kind, raw), np.zeros(1, np.float32))
     want = _k_values(kind, raw).astype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+S_KINDS = list(native.S_BYTES)
+
+
+def random_s_blocks(rng, kind: str, rows: int, cols: int, step: float = 3e-4, extremes: bool = False) -> np.ndarray:
+    """Random GGUF blocks of `kind` for an [rows, cols] matrix, uint8 [rows, cols / span, bytes]: every
+    code, grid index, sign and scale drawn at random (each form's every bit pattern is a valid block),
+    d about `step` (some negative), one block's d zero as in a pruned row, the last block all zero
+    bytes; with `extremes`, d at float16's largest (65504) and smallest subnormal magnitudes too."""
+    span = native.S_SPAN[kind]
+    raw = rng.integers(0, 256, (rows, cols // span, native.S_BYTES[kind]), dtype=np.uint8)
+    d = (rng.standard_normal((rows, cols // span)) * step).astype(np.float16)
+    d[0, 0] = 0
+    if extremes:
+        d.flat[1::5] = np.float16(65504)
+        d.flat[2::5] = -np.float16(2.0 ** -24)
+    at = 108 if kind == "Q3_K" else 0
+    raw[..., at:at + 2] = d.view(np.uint8).reshape(rows, -1, 2)
+    raw[-1, -1] = 0
+    return raw
+
+
+def _s_values(kind, raw):
+    """gguf's own dequantization of blocks [rows, n, bytes] -> float32 [rows, span n]."""
+    import gguf
+    from gguf.quants import dequantize
+    rows = raw.shape[0]
+    return dequantize(raw.reshape(rows, -1), gguf.GGMLQuantizationType[kind]).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", S_KINDS)
+def test_s_block_parts_are_the_blocks_own_numbers(kind):
+    """Guards against IQ4_XS's split 6-bit scales, IQ3_S's grid indices' ninth bits, signs and odd
+    scales, Q3_K's three bit planes and packed scales, or any form's code order being read into other
+    numbers than gguf's own decoder gives, bit for bit: (d sc) level[code], d at float16's extremes
+    and all-zero blocks included."""
+    raw = random_s_blocks(np.random.default_rng(1), kind, 16, 512, extremes=True)
+    parts = native.s_block_parts(kind, raw)
+    span, sub = native.S_SPAN[kind], native.S_SUB[kind]
+    assert parts["codes"].max() < len(native.S_LEVELS[kind])
+    d = np.repeat(parts["d"].astype(np.float32), span // sub, axis=1)
+    if kind != "IQ4_NL":
+        d = d * parts["sc"].astype(np.float32)
+    values = np.repeat(d, sub, axis=1) * native.S_LEVELS[kind][parts["codes"]].astype(np.float32)
+    want = _s_values(kind, raw)
+    assert np.isfinite(want).all() and (want == 0).any() and np.abs(want).max() > 1e6
+    np.testing.assert_array_equal(values, want)
+
+
+def test_s_block_parts_name_a_wrong_block_size_or_type():
+    """Bad input is a clear error naming the block type and its size, not an index error deep in numpy."""
+    with pytest.raises(ValueError, match=r"IQ4_XS blocks are \[rows, n, 136\]"):
+        native.s_block_parts("IQ4_XS", np.zeros((2, 1, 110), np.uint8))
+    with pytest.raises(ValueError, match="no form for 'IQ2_S'"):
+        native.s_block_parts("IQ2_S", np.zeros((2, 1, 82), np.uint8))
+
+
+def _s_held(kind, raw):
+    return native.pack_s(kind, **native.s_block_parts(kind, raw))
+
+
+@pytest.mark.parametrize("kind", S_KINDS)
+@pytest.mark.parametrize("n, k", [(16, 256), (48, 512), (896, 4864)])
+@pytest.mark.parametrize("rows", [1, 4, 5, 9])
+def test_s_matmul_is_each_spans_exact_product_times_its_scales(kernel, kind, n, k, rows):
+    """Guards against the scaled-level layouts (nibble codes through the table, Q3_K's bit pairs and
+    third-bit masks, scales and d per lane), a pass of 8 rows (AVX2 and NEON: 4; then the rest), the
+    held levels' offset or the order of the roundings going wrong: per span (IQ4_NL 32 inputs, else
+    256) each row is rounded to int8 on its own scale; per sub-block the exact integer sum of level x
+    term times its scale adds to the span's integer sum, which in float32 times d times the row's
+    scale (rounded once) is added to the float32 sum (a fused multiply-add)."""
+    rng = np.random.default_rng(n + k + rows)
+    raw = random_s_blocks(rng, kind, n, k)
+    parts = native.s_block_parts(kind, raw)
+    x = (rng.standard_normal((rows, k)) * rng.choice([1e-3, 1, 50], (rows, 1))).astype(np.float32)
+    if k > 256:
+        x[-1, :256] = 0                                # a zero span
+    if rows > 1:
+        x[0, :] = 0                                    # a padding row (one row: the decode step's own)
+    got = kernel.s_matmul(x, native.pack_s(kind, **parts))
+    span, sub = native.S_SPAN[kind], native.S_SUB[kind]
+    levels = native.S_LEVELS[kind][parts["codes"]].astype(np.int64)
+    sc = parts["sc"].astype(np.int64) if kind != "IQ4_NL" else np.ones((n, k // sub), np.int64)
+    d = parts["d"].astype(np.float32)
+    want = np.zeros((rows, n), np.float32)
+    for s in range(k // span):
+        (term, row_scale), = _terms(x[:, span * s:span * s + span], 1)
+        exact = np.zeros((rows, n), np.int64)
+        for j in range(span // sub):
+            at = slice(span * s + sub * j, span * s + sub * j + sub)
+            exact += (term[:, sub * j:sub * j + sub].astype(np.int64) @ levels[:, at].T) * sc[:, at.start // sub]
+        both = d[:, s][None, :] * row_scale                                                  # rounded once
+        want = (exact.astype(np.float32).astype(np.float64) * both.astype(np.float64) + want).astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    assert got.any() and (rows == 1 or not got[0].any())
+    # Within what rounding each input by at most half its span's step can move the product.
+    weights = _s_values(kind, raw).astype(np.float64)
+    steps = np.concatenate([np.repeat(_terms(x[:, span * s:span * s + span], 1)[0][1], span, axis=-1)
+                            for s in range(k // span)], axis=-1)
+    bound = (steps / 2) @ np.abs(weights).T
+    assert (np.abs(got - x.astype(np.float64) @ weights.T) <= bound * 1.001 + 1e-5 * np.abs(got).max()).all()
+
+
+@pytest.mark.parametrize("kind", S_KINDS)
+@pytest.mark.parametrize("n, k", [(16, 256), (896, 4864)])
+def test_widen_s_rounds_each_weight_to_bfloat16(kernel, kind, n, k):
+    """Guards against a weight in the wrong place or other than gguf's value rounded to the nearest
+    bfloat16 (ties to even) when scaled-level blocks are widened for a prefill chunk's dot; d at float16's
+    extremes and all-zero blocks included."""
+    import ml_dtypes
+    raw = random_s_blocks(np.random.default_rng(k), kind, n, k, extremes=True)
+    got = kernel.widen_s(_s_held(kind, raw), np.zeros(1, np.float32))
+    want = _s_values(kind, raw).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", S_KINDS)
+@pytest.mark.parametrize("int8_max_rows", [products.INT8_ROWS_MAX_ROWS, 0])
+def test_products_multiply_scaled_level_blocks_in_their_own_form(kind, int8_max_rows, monkeypatch):
+    """Guards engine.products' dispatch: weights held by pack_s are their own kind, of their matrix's
+    shape, multiplied by the kernel's product for a few rows or widened for a prefill chunk's dot
+    (int8_max_rows 0), either way within rounding of the blocks' values in float32."""
+    monkeypatch.setattr(products, "INT8_ROWS_MAX_ROWS", int8_max_rows)
+    raw = random_s_blocks(np.random.default_rng(5), kind, 48, 512)
+    held = _s_held(kind, raw)
+    assert products.weight_kind(held) == kind.lower() and native.s_shape(held) == (48, 512)
+    x = np.random.default_rng(6).standard_normal((2, 3, 512)).astype(np.float32)
+    got = np.asarray(jax.jit(products.matmul)(jnp.asarray(x), {key: jnp.asarray(v) for key, v in held.items()}))
+    want = x @ _s_values(kind, raw).T
+    assert got.shape == (2, 3, 48)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
 
 
 def test_packed_layout_round_trips_and_reads_rows():
