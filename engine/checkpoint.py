@@ -11,7 +11,7 @@
         .k_quant(name) -> {levels, sc, d, [mins, dmin]}   a GGUF's Q4_K, Q5_K or Q6_K tensor, likewise
         .fp8(name) -> (values, scales)    an FP8 weight as stored, its block scales per row
 
-Three kinds of folder:
+Four kinds of folder:
 - Hugging Face safetensors (one file, or shards listed by model.safetensors.index.json): get() returns
   the tensor in its stored dtype.
 - An official FP8 checkpoint (config.json's quantization_config, engine.config.fp8_block): safetensors
@@ -23,6 +23,9 @@ Three kinds of folder:
   names are mapped to Hugging Face's and each tensor is dequantized to float32 by gguf's own block
   decoders (Q4_K, Q5_0, Q6_K, Q8_0, ...) when it is read, a slice of rows at a time: the weights
   loader narrows it at once (engine.weights), so the whole model is never held in float32.
+- Random weights (--weights random: RANDOM_MARKER beside config.json, no weight file): every tensor of
+  the config's model drawn from a seed when it is read, stored as the marker's form says (bfloat16, FP8
+  with block scales, or a GGUF's Q8_0 / K-quant blocks), read through the same methods (RandomSource).
 
 This module must stay importable without jax and without gguf (the server process reads shapes for
 its memory plan): gguf is imported when a GGUF folder is opened.

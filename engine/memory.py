@@ -14,7 +14,8 @@ server sizes the worker before it starts one.
                    (a GGUF's Q5_0, Q4_K, Q5_K and Q6_K matrices held in their blocks take 0.69,
                    0.58, 0.70 and 0.82 B per weight, not 1: the plan counts 1, a bound that holds
                    whether the kernel runs or not; its Q8_0 ones 1 B and a 2 B scale per 32
-                   weights, counted in place of the row's scale)
+                   weights, counted in place of the row's scale; random weights in a block form
+                   are counted at their blocks' bytes where the kernel has a tier: BLOCK_HELD_BYTES)
     KV bytes     = per attention layer, KV head, key and value: head_dim x 2 B (float16), or
                    head_dim x 1 B + a 4 B scale (int8; engine.cpu.auto_kv_dtype picks)
 
@@ -273,7 +274,9 @@ def size(cfg: ModelConfig, folder, *, slots: int | None, ctx: int | None, cache_
          weights_dtype: str = "auto") -> Sizing:
     """Slots, ctx and --cache-ram for a worker: the given ones as they are, the others from the
     defaults, shrunk to fit (see the module docstring). Raises DoesNotFit, naming the numbers, when
-    what was given (or the smallest defaults) needs more than is available. weights_dtype: as
+    what was given (or the smallest defaults) needs more than is available. folder: a weights folder
+    or a Checkpoint (engine.checkpoint.random_checkpoint: a form weighed before its folder is made).
+    weights_dtype: as
     --weights-dtype ("auto": on a CPU engine.cpu.auto_weights_dtype, as the worker decides in
     engine.model.weights_dtype_for; on accelerators the weights are not in host memory)."""
     on_host = engine_on_host() if on_host is None else on_host

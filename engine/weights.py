@@ -60,8 +60,9 @@ output channel (per vocabulary row of the embedding, which is the tied head's ou
 channel, so one int8 table serves both). So do the routed experts, each expert's matrices with
 their own scales, the parts stacked along a first axis ({"q": [experts, ...], "scale": [experts,
 out]}). Each tensor is quantized as it is read, so no second full float32 copy is ever resident.
-Norms, biases, MoE routers, shared experts and Gated DeltaNet matrices stay in the float dtype
-(float32 on CPU, bfloat16 on accelerators): engine.products.matmul computes with either form.
+So do a Gated DeltaNet layer's "in" and "out" projections. Norms, biases, MoE routers, shared experts
+and the DeltaNet's conv and decay stay in the float dtype (float32 on CPU, bfloat16 on accelerators):
+engine.products.matmul computes with either form.
 Where the int8 matrices are packed for engine.native's kernel, a layer matrix made only of a GGUF's
 Q5_0 tensors (the demo's gate_up and o, and qkv where v is Q5_0 too) keeps the file's own blocks
 instead, read without floats (engine.checkpoint: q5_0) and held at 5.5 bits (engine.native.pack5):
@@ -78,8 +79,9 @@ matrix the checkpoint stores as float8 becomes {"f8": float8_e4m3fn [out, in], "
 [out, in / block columns]}, the file's own values and each row's block scales (engine.checkpoint:
 fp8), so that w = f8 * f8_scale per block of columns: 1 byte per weight, and 1/32 more for the
 scales of 128-column blocks; so are the MoE experts' and the shared expert's (each part of the
-routed experts stacked along a first axis). What the checkpoint keeps in bfloat16 (embedding, LM
-head, norms, routers) and float8 matrices of other layers (Gated DeltaNet's) are in the float dtype.
+routed experts stacked along a first axis), and a Gated DeltaNet layer's projections where every
+part of one is float8. What the checkpoint keeps in bfloat16 (embedding, LM head, norms, routers) is
+in the float dtype.
 """
 from __future__ import annotations
 
@@ -322,13 +324,14 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
         raise WeightsError(f"kv_heads {kv_heads} is not a multiple of the config's {cfg.num_kv_heads}")
     load = _Loader(_Reader(folder), cfg, np.dtype(float_dtype or np.float32) if narrow else np.dtype(dtype),
                    int8=int8, fp8=str(dtype) == "fp8", pack=pack, kv_heads=kv_heads)
-    parts = {}
-    for i, (kind, mlp) in enumerate(zip(cfg.layer_kinds, cfg.mlp_kinds or ("dense",) * cfg.num_layers)):
-        parts[f"layers.{i}"] = place(f"layers.{i}", load.layer(i, kind, mlp))
-    parts["embed"] = place("embed", load.embedding())
+    # The vocabulary-sized ends first: a table's slices, the whole and its device copy (twice the
+    # table, 2.5 GB for a 27B's int8 one) then meet while little else is held, not on top of the layers.
+    parts = {"embed": place("embed", load.embedding())}
     if not cfg.tie_word_embeddings:
         parts["lm_head"] = place("lm_head", load.lm_head())
     parts["norm"] = place("norm", load.norm("model.norm.weight", cfg.hidden_size))
+    for i, (kind, mlp) in enumerate(zip(cfg.layer_kinds, cfg.mlp_kinds or ("dense",) * cfg.num_layers)):
+        parts[f"layers.{i}"] = place(f"layers.{i}", load.layer(i, kind, mlp))
     if writer is not None:
         writer.finish()
     return _assemble(parts, cfg)

@@ -21,17 +21,9 @@ BIG = "qwen3-8-27b"          # the spec's model: Qwen3.8-27B's shape
 SMALL_27B = {"num_hidden_layers": 4, "vocab_size": 4096}
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """A private cache root for the module (Qwen3.5's vocabulary is converted into it once)."""
-    root = tmp_path_factory.mktemp("random") / "cache"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(registry.ENV_CACHE, str(root))
-        patch.delenv(registry.ENV_WEIGHTS, raising=False)
-        yield root
-
-
 def spec_of(model_id: str, seed: int = 0) -> registry.ModelSpec:
+    """The id's random weights; their folders are made under the cache root, as the server makes them
+    (the native kernel's build and Qwen3.5's converted vocabulary are there once, not once per run)."""
     return registry.resolve(model_id, f"random:{seed}")
 
 
@@ -111,7 +103,7 @@ def test_random_weights_have_the_real_shapes_and_the_form_named():
     assert scales.shape == (5120, 6144 // 128) and f8.formats["lm_head.weight"] == "BF16"
 
 
-def test_random_folder_holds_no_weight_file_and_its_identity_names_random_and_the_seed(cache):
+def test_random_folder_holds_no_weight_file_and_its_identity_names_random_and_the_seed():
     """Guards against a random folder that writes or reads weight files, or whose component set sha
     is the same for two seeds (two different models): its only "weights" are the marker."""
     spec = spec_of(BIG, 7)
@@ -128,11 +120,11 @@ def test_random_folder_holds_no_weight_file_and_its_identity_names_random_and_th
     assert registry.random_folder(spec, "q4_k", SMALL_27B) == folder          # made once, reused
 
 
-def test_bad_random_weights_are_refused_naming_what_is_wrong(cache):
+def test_bad_random_weights_are_refused_naming_what_is_wrong(tmp_path):
     with pytest.raises(registry.RegistryError, match="random:SEED"):
         registry.resolve(BIG, "random:x")
     with pytest.raises(registry.RegistryError, match="models.json id"):
-        registry.resolve(str(cache), "random")
+        registry.resolve(str(tmp_path), "random")
     with pytest.raises(registry.RegistryError, match="not an FP8 checkpoint"):
         registry.random_folder(spec_of(BIG), "fp8")
 
@@ -156,7 +148,7 @@ def _logits(folder, dtype):
 # The bfloat16 case's MLPs narrowed too: drawing and rounding floats is the slow part of a test.
 @pytest.mark.parametrize("form, dtype, narrower", [("bf16", "int8", {"intermediate_size": 1024}),
                                                    ("q4_k", "int8", {})])
-def test_a_random_27b_shape_loads_without_reading_a_file_and_gives_finite_spread_logits(cache, monkeypatch,
+def test_a_random_27b_shape_loads_without_reading_a_file_and_gives_finite_spread_logits(monkeypatch,
                                                                                        form, dtype, narrower):
     """Guards against a random model whose forward is not finite or whose logits are flat (every token
     alike), against a loader that opens a weight file for it, and against Gated DeltaNet matrices left
@@ -221,7 +213,7 @@ def test_auto_random_weights_on_a_24_gb_cpu_are_the_widest_blocks_that_fit_and_i
 
 # ---- a served random model ------------------------------------------------------------------------
 
-def test_a_served_random_model_answers_a_chat_request_and_says_what_it_holds(cache, tmp_path):
+def test_a_served_random_model_answers_a_chat_request_and_says_what_it_holds():
     """Guards against random weights that the server cannot serve end to end (its tokenizer, the
     worker's load, the programs) or describes untruthfully: a real server and worker on a real socket,
     Qwen3-0.6B's shape cut to one layer; /v1/models names the random weights, their stored bits per
@@ -231,8 +223,7 @@ def test_a_served_random_model_answers_a_chat_request_and_says_what_it_holds(cac
     from tests.harness import HOST, Server
     folder = registry.random_folder(spec_of("qwen3-0.6b"), "bf16", {"num_hidden_layers": 1})
     args = {"model_id": "qwen3-0.6b", "weights_folder": str(folder), "slots": 1, "ctx": 256, "dtype": "int8",
-            "prefill_chunks": [32], "cache_ram_mib": 0, "compile_cache": str(tmp_path / "jax"),
-            "chat_format": "qwen3"}
+            "prefill_chunks": [32], "cache_ram_mib": 0, "chat_format": "qwen3"}   # the server's compile cache
     app = mashbox.App(mashbox.ServeConfig(host=HOST, port=0, model="qwen3-0.6b"),
                       bridge=mashbox.Bridge(args, log=lambda m: None))
     server = Server(app, args)
