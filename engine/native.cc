@@ -1723,9 +1723,9 @@ ffi::Error Q6KWiden(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer<
 //
 // A group of 8 inputs decodes into two vectors of 64 level bytes, as Levels' and KLevels' do (inputs
 // 0-3 and 4-7 of the 16 outputs): the 4-bit codes through the table in one byte shuffle (vpshufb;
-// NEON's tbl), Q3_K's bits by shifts and masks. The table's bytes follow HeldBytes' convention (the
-// level + 128, vpdpbusd's unsigned operand, where there is VNNI; else the signed level: the AVX2
-// tier's sign trick, NEON's sdot); Q3_K's bytes are the codes on every tier. The rows are rounded to
+// NEON's tbl), Q3_K's bits by shifts and masks. The table's bytes are the level + 128 on the AVX-512
+// tier (vpdpbusd's unsigned operand), else the signed level (the AVX2 tiers' sign trick, NEON's
+// sdot); Q3_K's bytes are the codes on every tier. The rows are rounded to
 // int8 per d's span (IQ4_NL: 32 inputs, its block; else 256), one term on its own scale; per
 // sub-block the levels' exact sum S_j = sum held byte x term - offset x the terms' sum, then
 // A = sum_j sc_j S_j exactly in int32 (|A| <= 32 x 256 x 127 x 127 < 2^31), and the float32 sum
@@ -1740,7 +1740,7 @@ template <SForm F>
 constexpr int kSSpan = F == SForm::kIq4Nl ? 32 : 256;    // inputs per d, and per row term
 template <SForm F>
 constexpr int kSSub = F == SForm::kQ3K ? 16 : 32;        // inputs per sub-block scale
-constexpr int kTableOffset = MASHBOX_AVX512 || MASHBOX_AVXVNNI ? 128 : 0;   // HeldBytes' convention
+constexpr int kTableOffset = MASHBOX_AVX512 ? 128 : 0;  // vpdpbusd's unsigned operand (AVX-512: BlockS)
 template <SForm F>
 constexpr int kSOffset = kTabled<F> ? kTableOffset : 4;  // level = held byte - offset
 constexpr int kSRows = kMaxTerms;                        // float rows per pass over a block
@@ -1898,13 +1898,12 @@ void BlockS(const SBlocks& w, const int8_t* terms, const int32_t* sub_sums, cons
   for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * N + b * kLanes, total[r]);
 }
 #elif MASHBOX_AVX2
-// acc += a group half's held bytes times a term's 4 inputs: the table's bytes by HeldBytes'
-// convention (AddTerm), Q3_K's codes (0..7) as the unsigned operand.
-template <SForm F>
-inline __m256i SDot(__m256i acc, __m256i held, __m256i tv) {
-  return kTabled<F> ? AddTerm(acc, held, tv) : DotBytes(acc, held, tv);
-}
-
+// Both AVX2 tiers take the table's signed levels with the terms' signs (the sign trick: kTableOffset
+// is 0 here, with or without VNNI), and each sub-block's scale in the instruction that widens the
+// pairs into int32 (vpmaddwd, AVX-VNNI's vpdpwssd; IQ4_NL's scale is 1), as the K-quant products do:
+// no int32 multiply. Q3_K's codes (0..7) are the unsigned operand as they are: a sub-block's two
+// groups' pairs add up in int16 (at most 4 x 2 x 7 x 127 = 7,112) before one vpmaddwd takes the
+// scale, and sc times -4 times the terms' sum comes off in another.
 template <int R, SForm F>
 void BlockS(const SBlocks& w, const int8_t* terms, const int32_t* sub_sums, const float* term_scales,
             float* out, int64_t N, int64_t b) {
@@ -1915,28 +1914,50 @@ void BlockS(const SBlocks& w, const int8_t* terms, const int32_t* sub_sums, cons
   __m256 total[R][2];
   for (int r = 0; r < R; r++) total[r][0] = total[r][1] = _mm256_setzero_ps();
   for (int64_t s = 0; s < spans; s++) {
-    __m256i whole[R][2];
+    __m256i whole[R][2];                 // sum_j sc_j S_j, so far
     for (int r = 0; r < R; r++) whole[r][0] = whole[r][1] = _mm256_setzero_si256();
     for (int64_t j = s * (span / sub); j < (s + 1) * (span / sub); j++) {
-      __m256i acc[R][2];
-      for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_set1_epi32(-kSOffset<F> * sub_sums[r * subs + j]);
-      for (int64_t g = j * (sub / kNibbleGroup); g < (j + 1) * (sub / kNibbleGroup); g++) {
-        SPrefetch<F>(w, b * groups + g);
-        __m256i low[2], high[2];
-        SLevels<F>(w, b * groups + g, table, low, high);
-        for (int r = 0; r < R; r++) {
-          int32_t first, second;
-          __builtin_memcpy(&first, terms + r * K + g * kNibbleGroup, sizeof first);
-          __builtin_memcpy(&second, terms + r * K + g * kNibbleGroup + 4, sizeof second);
-          const __m256i f = _mm256_set1_epi32(first), t = _mm256_set1_epi32(second);
-          for (int h = 0; h < 2; h++) acc[r][h] = SDot<F>(SDot<F>(acc[r][h], low[h], f), high[h], t);
+      __m256i scale[2];                  // the lanes' sc_j in both int16 halves of each int32 lane
+      for (int h = 0; h < 2; h++)
+        scale[h] = kScaled<F> ? ScalePairs(w.sc + (b * subs + j) * kLanes + 8 * h) : _mm256_set1_epi16(1);
+      if constexpr (F == SForm::kQ3K) {
+        static_assert(kSSub<F> == 2 * kNibbleGroup, "a Q3_K sub-block is two groups");
+        const int64_t g = j * 2;
+        __m256i low[2][2], high[2][2];   // [group][half]
+        for (int i = 0; i < 2; i++) {
+          SPrefetch<F>(w, b * groups + g + i);
+          SLevels<F>(w, b * groups + g + i, table, low[i], high[i]);
         }
-      }
-      for (int h = 0; h < 2; h++) {
-        const __m256i sc = kScaled<F> ? _mm256_cvtepi8_epi32(_mm_loadl_epi64(
-            reinterpret_cast<const __m128i*>(w.sc + (b * subs + j) * kLanes + 8 * h))) : _mm256_set1_epi32(1);
-        for (int r = 0; r < R; r++)
-          whole[r][h] = _mm256_add_epi32(whole[r][h], kScaled<F> ? _mm256_mullo_epi32(acc[r][h], sc) : acc[r][h]);
+        for (int r = 0; r < R; r++) {
+          int32_t four[4];               // terms[r, 8g .. 8g+15], 4 at a time
+          __builtin_memcpy(four, terms + r * K + g * kNibbleGroup, sizeof four);
+          const __m256i minus = _mm256_set1_epi32(static_cast<uint16_t>(-kSOffset<F> * sub_sums[r * subs + j]));
+          for (int h = 0; h < 2; h++) {
+            const __m256i pairs = _mm256_add_epi16(
+                _mm256_add_epi16(_mm256_maddubs_epi16(low[0][h], _mm256_set1_epi32(four[0])),
+                                 _mm256_maddubs_epi16(high[0][h], _mm256_set1_epi32(four[1]))),
+                _mm256_add_epi16(_mm256_maddubs_epi16(low[1][h], _mm256_set1_epi32(four[2])),
+                                 _mm256_maddubs_epi16(high[1][h], _mm256_set1_epi32(four[3]))));
+            whole[r][h] = DotWords(DotWords(whole[r][h], pairs, scale[h]), scale[h], minus);
+          }
+        }
+      } else {
+        for (int64_t g = j * (sub / kNibbleGroup); g < (j + 1) * (sub / kNibbleGroup); g++) {
+          SPrefetch<F>(w, b * groups + g);
+          __m256i low[2], high[2];
+          SLevels<F>(w, b * groups + g, table, low, high);
+          for (int r = 0; r < R; r++) {
+            int32_t first, second;         // terms[r, 8g .. 8g+3], [8g+4 .. 8g+7]
+            __builtin_memcpy(&first, terms + r * K + g * kNibbleGroup, sizeof first);
+            __builtin_memcpy(&second, terms + r * K + g * kNibbleGroup + 4, sizeof second);
+            const __m256i f = _mm256_set1_epi32(first), t = _mm256_set1_epi32(second);
+            const __m256i fm = _mm256_abs_epi8(f), tm = _mm256_abs_epi8(t);
+            for (int h = 0; h < 2; h++) {
+              whole[r][h] = DotWords(whole[r][h], _mm256_maddubs_epi16(fm, _mm256_sign_epi8(low[h], f)), scale[h]);
+              whole[r][h] = DotWords(whole[r][h], _mm256_maddubs_epi16(tm, _mm256_sign_epi8(high[h], t)), scale[h]);
+            }
+          }
+        }
       }
     }
     AddBlock32<R>(total, whole, w.d + (b * spans + s) * kLanes, term_scales + s, spans);
