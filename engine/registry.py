@@ -89,7 +89,7 @@ class DemoSource:
 class ModelSpec:
     id: str
     family: str                   # engine.config.SUPPORTED_FAMILIES
-    chat_format: str              # "qwen2.5" | "qwen3"
+    chat_format: str              # engine.chat.FORMATS: "qwen2.5", "qwen3", "qwen3.5", ...
     context_length: int           # the model's own maximum (config max_position_embeddings)
     weights: str                  # the HF folder (for the demo: where prepare() builds it)
     slots: int                    # default --slots
@@ -270,7 +270,8 @@ def _spec_from_folder(folder: str, model_id: str | None = None) -> ModelSpec:
     family = _family_of(config, folder)
     context = int(config.get("max_position_embeddings") or FOLDER_DEFAULTS["ctx"])
     return ModelSpec(
-        id=model_id or Path(folder).name.lower(), family=family, chat_format=CHAT_FORMAT[family],
+        id=model_id or Path(folder).name.lower(), family=family,
+        chat_format=format_of(_chat_template(folder), family),
         context_length=context, weights=folder, slots=FOLDER_DEFAULTS["slots"],
         ctx=min(context, FOLDER_DEFAULTS["ctx"]), cache_ram_mib=FOLDER_DEFAULTS["cache_ram_mib"])
 
@@ -375,18 +376,44 @@ def _say_template(file: str, folder: str, chat_format: str) -> None:
 
 
 def _chat_template(folder: str) -> str:
-    """The chat template a companion folder carries (tokenizer_config.json's, from the GGUF)."""
+    """The chat template a folder carries: chat_template.jinja (newer Hugging Face folders), else
+    tokenizer_config.json's (a GGUF's companion folder has it there)."""
+    try:
+        return (Path(folder) / "chat_template.jinja").read_text(encoding="utf-8")
+    except (OSError, ValueError):
+        pass
     try:
         config = json.loads((Path(folder) / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return ""
-    return str(config.get("chat_template") or "")
+    template = config.get("chat_template")
+    return template if isinstance(template, str) else ""
 
 
 # What a template of each chat format writes: a file whose template lacks these was made for another
 # prompt layout than the one mashbox renders (engine.chat), not merely another version of it.
 _TEMPLATE_MARKS = {"qwen3": ("<|im_start|>", "<|im_end|>", "<think>"),
-                   "qwen2.5": ("<|im_start|>", "<|im_end|>")}
+                   "qwen2.5": ("<|im_start|>", "<|im_end|>"),
+                   "qwen3.5": ("<|im_start|>", "<|im_end|>", "<think>", "<function="),
+                   "qwen3.8": ("<|im_start|>", "<|im_end|>", "<think>", "<function=", "reasoning_effort"),
+                   "qwen3-coder": ("<|im_start|>", "<|im_end|>", "<function=", "<parameters>")}
+# The formats a family's models come in besides its default (config.CHAT_FORMAT): a folder's or a
+# GGUF's template picks one of these when it is that format's, a tested one or a variant of it.
+_FAMILY_FORMATS = {"qwen3": ("qwen3-coder",), "qwen3_moe": ("qwen3-coder",), "qwen3_5": ("qwen3.8",),
+                   "qwen3_5_moe": ("qwen3.8",)}
+
+
+def format_of(template: str, family: str) -> str:
+    """The chat format a folder's template is written in: the one whose official template it is
+    (chat.TESTED_TEMPLATES), else a format of its family whose marks it has (a variant: Qwen3.8's
+    reasoning tiers, Qwen3-Coder's tool listing), else the family's."""
+    tested = TESTED_TEMPLATES.get(hashlib.sha256(template.encode()).hexdigest())
+    if tested is not None:
+        return tested
+    for fmt in _FAMILY_FORMATS.get(family, ()):
+        if all(mark in template for mark in _TEMPLATE_MARKS[fmt]):
+            return fmt
+    return CHAT_FORMAT[family]
 _QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud."    # Qwen2.5's default system prompt
 
 

@@ -62,8 +62,9 @@ def test_models_json_lists_real_qwen3_models_with_consistent_fields():
                      "qwen3-next-80b-a3b-thinking"):
         assert required in models
     for model_id, entry in models.items():
-        # the family's format, or another the entry names (Qwen3.8's: engine.chat.FORMATS)
-        assert entry["chat_format"] in (registry.CHAT_FORMAT[entry["family"]], "qwen3.8"), model_id
+        # the family's format, or another of its family the entry names (Qwen3.8's, Qwen3-Coder's)
+        assert entry["chat_format"] in (registry.CHAT_FORMAT[entry["family"]],
+                                        *registry._FAMILY_FORMATS.get(entry["family"], ())), model_id
         d = entry["defaults"]
         assert 0 < d["ctx"] <= entry["context_length"], model_id
         assert d["slots"] > 0 and d["cache_ram_mib"] >= 0, model_id
@@ -585,3 +586,23 @@ def test_demo_folder_has_the_published_qwen25_coder_shape(demo_folder):
     assert registry.stop_token_ids(demo_folder) == [151645, 151643]
     tc = json.loads((Path(demo_folder) / "tokenizer_config.json").read_text())
     assert "You are Qwen, created by Alibaba Cloud." in tc["chat_template"]
+
+
+@pytest.mark.parametrize("template, family, fmt", [
+    ("qwen3.8", "qwen3_5", "qwen3.8"), ("qwen3.5", "qwen3_5", "qwen3.5"), ("qwen3-coder", "qwen3_moe", "qwen3-coder"),
+    ("", "qwen3_5", "qwen3.5"), ("", "qwen3_moe", "qwen3"), ("variant of qwen3.8", "qwen3_5", "qwen3.8"),
+])
+def test_a_folders_own_template_picks_its_chat_format(tmp_path, template, family, fmt):
+    """Guards against a Qwen3.8 or Qwen3-Coder folder being prompted in its family's older format
+    (the official template, or a variant of it that writes the format's marks)."""
+    templates = Path(__file__).parent / "fixtures" / "templates"
+    text = ""
+    if template.startswith("variant of "):
+        text = (templates / f"{template.split()[-1]}.jinja").read_text() + "\n{#- a fix of someone's #}"
+    elif template:
+        text = (templates / f"{template}.jinja").read_text()
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": family}))
+    if text:
+        (tmp_path / "chat_template.jinja").write_text(text)
+    assert registry.resolve(str(tmp_path)).chat_format == fmt
+    assert (registry.template_note(text, fmt) is None) == (template == fmt)
