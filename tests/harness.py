@@ -249,9 +249,13 @@ class CliServer:
         self.port = None
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
-        until(lambda: self.port is not None or self.proc.poll() is not None, "listening on")
-        assert self.port, self.lines
-        until(lambda: self.health().get("status") == "ok", "the worker", wait_s)
+        try:
+            until(lambda: self.port is not None or self.proc.poll() is not None, "listening on")
+            assert self.port, self.lines
+            until(lambda: self.health().get("status") == "ok", "the worker", wait_s)
+        except AssertionError as e:        # never leave a server (and its worker) running behind
+            self.close()
+            raise AssertionError(f"{e}; its log: {''.join(self.lines[-20:])}") from None
 
     def _read(self):
         for line in self.proc.stderr:
