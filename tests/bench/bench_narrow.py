@@ -6,6 +6,7 @@
     python tests/bench/bench_narrow.py kv [FOLDER]      # decode at 512 / 8k positions: KV float16 vs int8
     python tests/bench/bench_narrow.py gguf [FOLDER]    # GGUF blocks -> int8 per channel: the error
     python tests/bench/bench_narrow.py blocks           # the kernel's block forms against its int8
+    python tests/bench/bench_narrow.py blocks-27b       # Qwen3.8-27B's GGUF forms against Q4_K
     python tests/bench/bench_narrow.py fp8              # FP8 blocks -> int8 per channel: the error
     python tests/bench/bench_narrow.py fp8-kl [FOLDER]  # an FP8 checkpoint held as int8 vs float32
 
@@ -34,9 +35,11 @@ the relative RMS error of the int8 values against the dequantized ones (sqrt(sum
 instead: no error.)
 
 blocks: one matrix (the demo's down projection, 896 x 4864, and a Qwen3-8B-sized 4096 x 4096) held
-each way the native kernel takes it (int8 per channel, packed; Q5_0; Q8_0; Q4_K; Q5_K; Q6_K; random blocks), its
-product at 1, 4, 16 and 64 rows (the kernel) and 512 rows (widened, then XLA's dot), in turn, best
-of REPEATS; prints ms per product and the bytes held per weight.
+each way the native kernel takes it (int8 per channel, packed; Q5_0; Q8_0; Q4_K; Q5_K; Q6_K; IQ4_NL;
+IQ4_XS; IQ3_S; Q3_K; random blocks), its product at 1, 4, 16 and 64 rows (the kernel) and 512 rows
+(widened, then XLA's dot), in turn, best of REPEATS; prints ms per product and the bits held per
+weight (beside the file's). blocks-27b: the same for Qwen3.8-27B's down projection (5120 x 17408) in
+the forms its GGUFs mix (Q4_K, IQ4_NL, IQ4_XS, IQ3_S, Q3_K), at 1, 4, 16 and 64 rows.
 
 fp8-kl: an FP8 checkpoint in Qwen's official layout made from a model's float weights (the demo's,
 dequantized from its GGUF; and the tiny Qwen3 fixture), read by engine.checkpoint and held as float32
@@ -410,32 +413,52 @@ def kv_dtypes(folder: str) -> None:
     print("# load after:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 
 
-def block_forms() -> None:
-    from engine import native, products as engine_products
+# The file's bits per weight of each GGUF block form (its blocks' bytes x 8 / their weights).
+FILE_BITS = {"Q5_0": 5.5, "Q8_0": 8.5, "Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625, "IQ4_NL": 4.5, "IQ4_XS": 4.25,
+             "IQ3_S": 3.4375, "Q3_K": 3.4375}
+
+
+def _block_form(rng, kind: str, n: int, k: int) -> dict:
+    """An [n, k] matrix of random blocks of `kind` in the kernel's form, on the device."""
+    from engine import native
     from engine.checkpoint import k_quant_parts
-    from tests.test_native import random_k_blocks
+    from tests.test_native import random_k_blocks, random_s_blocks
+
+    if kind == "int8":
+        held = {"q": native.pack(rng.integers(1, 256, (n, k), dtype=np.uint8)), "scale": np.full(n, 0.01, np.float32)}
+    elif kind == "Q5_0":
+        held = native.pack5(rng.integers(0, 32, (n, k), dtype=np.uint8),
+                            (rng.standard_normal((n, k // 32)) * 0.01).astype(np.float16))
+    elif kind == "Q8_0":
+        held = native.pack8(rng.integers(-127, 128, (n, k), dtype=np.int8),
+                            (rng.standard_normal((n, k // 32)) * 0.01).astype(np.float16))
+    elif kind in native.K_SUB:
+        held = native.pack_k(kind, **k_quant_parts(kind, random_k_blocks(rng, kind, n, k)))
+    else:
+        held = native.pack_s(kind, **native.s_block_parts(kind, random_s_blocks(rng, kind, n, k)))
+    return jax.tree_util.tree_map(jnp.asarray, held)
+
+
+def block_forms(shapes=((896, 4864), (4096, 4096)), kinds=("int8", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
+                                                             "IQ4_NL", "IQ4_XS", "IQ3_S", "Q3_K"),
+                rows_list=(1, 4, 16, 64, 512)) -> None:
+    from engine import native, products as engine_products
 
     if not native.available():
         sys.exit("blocks: the native kernel does not run here")
     print("# load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     print(f"# native kernel: {native.tier()}", flush=True)
     rng = np.random.default_rng(0)
-    for n, k in ((896, 4864), (4096, 4096)):
-        int8 = {"q": native.pack(rng.integers(1, 256, (n, k), dtype=np.uint8)),
-                "scale": np.full(n, 0.01, np.float32)}
-        q5 = native.pack5(rng.integers(0, 32, (n, k), dtype=np.uint8),
-                          (rng.standard_normal((n, k // 32)) * 0.01).astype(np.float16))
-        q8 = native.pack8(rng.integers(-127, 128, (n, k), dtype=np.int8),
-                          (rng.standard_normal((n, k // 32)) * 0.01).astype(np.float16))
-        forms = {"int8": int8, "Q5_0": q5, "Q8_0": q8}
-        for kind in ("Q4_K", "Q5_K", "Q6_K"):
-            forms[kind] = native.pack_k(kind, **k_quant_parts(kind, random_k_blocks(rng, kind, n, k)))
+    for n, k in shapes:
+        forms = {kind: _block_form(rng, kind, n, k) for kind in kinds}
         held = {name: sum(a.nbytes for a in jax.tree_util.tree_leaves(w)) * 8 / (n * k)
                 for name, w in forms.items()}
-        print(f"[{n}, {k}] bits held per weight: " + ", ".join(f"{name} {b:.2f}" for name, b in held.items()))
+        print(f"[{n}, {k}] bits held per weight: " + ", ".join(
+            f"{name} {b:.4f}" + (f" (file {FILE_BITS[name]})" if name in FILE_BITS else "")
+            for name, b in held.items()))
         product = jax.jit(engine_products.matmul)
-        for rows in (1, 4, 16, 64, 512):
-            x = rng.standard_normal((rows, k)).astype(np.float32)
+        for rows in rows_list:
+            x = jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32))
             times = {name: [] for name in forms}
             for i in range(REPEATS + 1):
                 for name, w in forms.items():
@@ -445,6 +468,7 @@ def block_forms() -> None:
                         times[name].append(time.perf_counter() - t0)
             print(f"  {rows:3d} rows: " + ", ".join(f"{name} {min(t) * 1e3:.2f} ms" for name, t in times.items()),
                   flush=True)
+        del forms
     print("# load after:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 
 
@@ -579,6 +603,8 @@ if __name__ == "__main__":
         fp8_conversion()
     elif what == "blocks":
         block_forms()
+    elif what == "blocks-27b":                         # Qwen3.8-27B's down projection, the forms its GGUFs mix
+        block_forms(((5120, 17408),), ("Q4_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "Q3_K"), (1, 4, 16, 64))
     elif what == "transposed":
         products(((4, 8), ["f32 summed", "i8 summed", "i8T summed"]))
         products(((1,), ["f32 dot", "i8 pad2 summed", "i8T pad2 summed"]))
@@ -596,4 +622,5 @@ if __name__ == "__main__":
         else:
             forward(folder)
     else:
-        sys.exit(f"unknown mode {what!r}: products, transposed, forward, kv, blocks, gguf, fp8, fp8-kl or kl")
+        sys.exit(f"unknown mode {what!r}: products, transposed, forward, kv, blocks, blocks-27b, gguf, fp8, "
+                 "fp8-kl or kl")
