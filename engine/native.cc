@@ -1714,7 +1714,9 @@ ffi::Error Q6KWiden(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer<
 //   IQ4_XS  w = d sc v[c]        sc -32..31 per 32 inputs, d per 256                   (4.25 bits)
 //   IQ3_S   w = d sc (2c - 15)   sc odd 1..31 per 32 inputs, d per 256; the file's 9-bit grid
 //                                index per 4 inputs and their signs, expanded to a code each
-//                                (the file: 3.4375 bits; held: 4.3125)
+//                                (the file: 3.4375 bits; held: 4.3125): the grid read as it is
+//                                would be a gather per 4 inputs of 16 outputs (NEON has none),
+//                                where the codes take IQ4's one shuffle
 //   Q3_K    w = d sc (c - 4)     c 0..7, sc -32..31 per 16 inputs, d per 256           (3.4375 bits)
 // Held in the layout engine.native.pack_s states (its docstring is the one statement): the 4-bit
 // codes as pack5's nibbles; Q3_K's codes' low two bits as Q6_K's top bits (32 bytes per group of 8
@@ -1725,11 +1727,11 @@ ffi::Error Q6KWiden(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> nib, ffi::Buffer<
 // 0-3 and 4-7 of the 16 outputs): the 4-bit codes through the table in one byte shuffle (vpshufb;
 // NEON's tbl), Q3_K's bits by shifts and masks. The table's bytes are the level + 128 on the AVX-512
 // tier (vpdpbusd's unsigned operand), else the signed level (the AVX2 tiers' sign trick, NEON's
-// sdot); Q3_K's bytes are the codes on every tier. The rows are rounded to
-// int8 per d's span (IQ4_NL: 32 inputs, its block; else 256), one term on its own scale; per
-// sub-block the levels' exact sum S_j = sum held byte x term - offset x the terms' sum, then
-// A = sum_j sc_j S_j exactly in int32 (|A| <= 32 x 256 x 127 x 127 < 2^31), and the float32 sum
-// takes A times d times the row's scale in one fused multiply-add (AddBlock32).
+// sdot); Q3_K's bytes are the codes on every tier. The rows are rounded to int8 per d's span (IQ4_NL:
+// 32 inputs, its block; else 256), one term on its own scale; per sub-block the levels' exact sum
+// S_j = sum held byte x term - offset x the terms' sum, then A = sum_j sc_j S_j exactly in int32
+// (|A| <= 32 x 256 x 127 x 127 < 2^31), and the float32 sum takes A times d times the row's scale in
+// one fused multiply-add (AddBlock32).
 enum class SForm { kIq4Nl, kIq4Xs, kIq3S, kQ3K };
 
 template <SForm F>
