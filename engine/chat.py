@@ -1000,7 +1000,8 @@ _HERMES_ARGS_KEYS = (',"arguments":', ',"parameters":')
 _NAME_MAY_END = re.compile(r'["{}\[\]<]')
 _XML_FUNCTION = re.compile(r"\s*<function=([^>\n]*)>")
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]*)>")
-_XML_VALUE_ENDS = ("</parameter>", "<parameter=", "</function>", CALL_CLOSE)
+# What ends an XML parameter's raw value (engine.grammar keeps raw values from writing them).
+XML_VALUE_ENDS = ("</parameter>", "<parameter=", "</function>", CALL_CLOSE)
 # A <function= tag longer than this is not a tag: the call is text.
 MAX_XML_TAG = 256
 
@@ -1445,7 +1446,7 @@ class _CallReader:
                 self.value_start = self.value_sent = self.pos = self.pos + 1
             self.value_fresh = False
         # No end tag can begin inside what was already sent (a partial one is always held back).
-        ends = [(body.find(t, self.value_sent), t) for t in _XML_VALUE_ENDS]
+        ends = [(body.find(t, self.value_sent), t) for t in XML_VALUE_ENDS]
         ends = [(i, t) for i, t in ends if i >= 0]
         if ends or final:
             stop, tag = min(ends) if ends else (len(body), "")
@@ -1460,7 +1461,7 @@ class _CallReader:
             return None
         if self.param_kind == "string":
             # Send what cannot be the start of an end tag, keeping one newline that may be layout.
-            hold = max(_partial_suffix(body, t) for t in _XML_VALUE_ENDS)
+            hold = max(_partial_suffix(body, t) for t in XML_VALUE_ENDS)
             safe = len(body) - hold
             if safe > self.value_sent and body[safe - 1] == "\n":
                 safe -= 1

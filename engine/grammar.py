@@ -62,8 +62,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.chat import (_XML_VALUE_ENDS, CALL_CLOSE, CALL_HEAD, CALL_OPEN, THINK_CLOSE, THINK_OPEN,
-                         XML_OPEN, Tokenizer)
+from engine.chat import (CALL_CLOSE, CALL_HEAD, CALL_OPEN, THINK_CLOSE, THINK_OPEN, XML_OPEN, XML_VALUE_ENDS,
+                         Tokenizer)
 from engine.protocol import Constraint
 
 # ---- the grammar -----------------------------------------------------------------------------------
@@ -107,7 +107,7 @@ def _without(*texts: str) -> str:
 # holds none of what ends a value where engine.chat reads one, then the parameter's end.
 _TERMINALS = f"""TEXT: {_without(*_MARKERS)}
 WS: /[ \\t\\r\\n]{{0,{WHITESPACE_RUN}}}/
-RAW: {_without(*_XML_VALUE_ENDS)}
+RAW: {_without(*XML_VALUE_ENDS)}
 xml_string[lazy]: RAW {json.dumps(_PARAM_END)}
 PARAM_NAME: /[^<>\\s]+/
 """
@@ -196,7 +196,7 @@ def _string_value(rule: str, spec: dict) -> list[str] | None:
         return [f"{rule}: xml_string"]
     values = spec["enum"] if "enum" in spec else [spec.get("const")]
     if extra in ({"enum"}, {"const"}) and isinstance(values, list) and 0 < len(values) <= XML_ENUM_MAX \
-            and all(isinstance(v, str) and not any(end in v for end in _XML_VALUE_ENDS) for v in values):
+            and all(isinstance(v, str) and not any(end in v for end in XML_VALUE_ENDS) for v in values):
         return [f"{rule}: ({' | '.join(_literal(v) for v in values)}) {_literal(_PARAM_END)}"]
     low, high = spec.get("minLength", 0), spec.get("maxLength", "")
     if extra <= {"minLength", "maxLength"} and all(isinstance(n, int) and n >= 0 for n in (low, high or 0)):
