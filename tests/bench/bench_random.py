@@ -7,7 +7,8 @@ Runs `python -m mashbox run MODEL --weights random --slots 1 --ctx CTX` with a f
 MASHBOX_CACHE (--weights-dtype auto: the form the memory allows; --layers N serves the same shape cut
 to N layers, for development: its random folder is made here and served as a folder) and measures:
   - the host's memory bandwidth: a 2 GiB array OR-ed as 64-bit words on every core at once (what decode
-    does: stream the weights once per step), the best of BANDWIDTH_RUNS;
+    does: stream the weights once per step), the best of BANDWIDTH_RUNS before the server starts and
+    again after the decode runs (other work on a shared host lowers both);
   - ready: empty caches to /health ok (the random folder made, the weights drawn and packed, every
     program compiled), and the worker's peak RSS (VmHWM) then and after the requests;
   - the spec's example requests (/v1/chat/completions, /v1/completions, /v1/messages,
@@ -137,6 +138,8 @@ def run(model: list[str], cache: Path, opts, bw: float, cfg) -> int:
                 return 1
             best = max(best, answer["timings"]["predicted_per_second"] or 0.0)
         read = step_bytes(cfg, card["gb"] * 1e9)
+        bw = max(bw, bandwidth())           # again beside the decode: a shared host's load moves both
+        print(f"memory bandwidth after the decode runs: best {bw / 1e9:.1f} GB/s")
         print(f"held: {card['weights']} ({card['bpw']} bits per weight stored), {card['gb']:.2f} GB; "
               f"worker peak RSS {proc_status(worker)['VmHWM'] / 1e9:.2f} GB")
         print(f"decode: {best:.2f} tok/s (1 row, {opts.steps} tokens, best of {DECODE_RUNS}); one step reads "
