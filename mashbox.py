@@ -1422,14 +1422,14 @@ async def handle_generation(app, req, out, fmt: "ApiFormat", tenant: str) -> Non
         e2e = time.monotonic() - t0
         # The whole wait before the request ran: the server's queue and the worker's (from timings).
         waited = outcome.timings["queue_ms"] / 1000 if outcome.timings else outcome.queue_s
+        ttft = outcome.first_token_at - t0 if outcome.admitted and outcome.first_token_at else None
         if outcome.admitted:   # requests refused before they ran are counted by their rejection
-            ttft = outcome.first_token_at - t0 if outcome.first_token_at else None
             decode = (time.monotonic() - outcome.first_token_at) if outcome.first_token_at else None
             app.metrics.request_done(outcome.finish or "stop", outcome.usage, waited, e2e, ttft, decode)
             app.metrics.constrained_done(outcome.constrained, outcome.mask_s)
             app.metrics.drafts_done(outcome.timings)
         app.log(request_log_line(req.method, req.path, outcome, outcome.prompt_tokens, waited, e2e,
-                                 job.session if job is not None else None))
+                                 job.session if job is not None else None, ttft))
 
 
 async def admit_and_run(app, req, out, fmt: "ApiFormat", job: Job, tenant: str, outcome: Outcome,
@@ -2867,6 +2867,20 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 10.0, 20.0, 40.0, 80.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Prompt lengths (tokens, upper bounds) that time to first token is also counted by: a chat turn, a
+# short agent request, a long agent turn, a full demo context. A short request's first token must
+# not follow the long prompts read beside it (engine.scheduler), and this shows whether it does.
+PROMPT_LENGTH_BUCKETS = (128, 1024, 8192, 32768)
+
+
+def prompt_length_label(tokens: int) -> str:
+    """The prompt-length range a prompt of `tokens` tokens is counted in ("1-128", ..., "32769+")."""
+    low = 1
+    for high in PROMPT_LENGTH_BUCKETS:
+        if tokens <= high:
+            return f"{low}-{high}"
+        low = high + 1
+    return f"{low}+"
 
 
 def _label_value(v: str) -> str:
@@ -2988,6 +3002,10 @@ class Metrics:
         add("spec_decode_num_accepted_tokens_total", "counter", "Drafted tokens kept: the model drew "
             "the same token.").inc(0)
         add("time_to_first_token_seconds", "histogram", "Time to the first new token.", TTFT_BUCKETS)
+        by_length = add("time_to_first_token_by_prompt_seconds", "histogram", "Time to the first new "
+                        "token, by the prompt's length in tokens (prompt_tokens: a range).", TTFT_BUCKETS)
+        for tokens in (1, *(high + 1 for high in PROMPT_LENGTH_BUCKETS)):   # every range, from zero
+            by_length.hist[(("prompt_tokens", prompt_length_label(tokens)),)] = [[0] * len(TTFT_BUCKETS), 0.0, 0]
         add("request_queue_time_seconds", "histogram", "Time waiting for a slot.", LATENCY_BUCKETS)
         add("e2e_request_latency_seconds", "histogram", "Time from request to its last byte.", LATENCY_BUCKETS)
         add("request_time_per_output_token_seconds", "histogram", "Time per new token after the first.",
@@ -3016,6 +3034,9 @@ class Metrics:
         self.m["e2e_request_latency_seconds"].observe(e2e_s)
         if ttft_s is not None:
             self.m["time_to_first_token_seconds"].observe(ttft_s)
+            if usage is not None:
+                self.m["time_to_first_token_by_prompt_seconds"].observe(
+                    ttft_s, prompt_tokens=prompt_length_label(usage.prompt_tokens))
 
     def drafts_done(self, timings: dict | None) -> None:
         """Account one finished request's drafted and kept tokens (its timings block)."""
@@ -3141,14 +3162,16 @@ def log_tag(value: str | None) -> str | None:
 
 
 def request_log_line(method: str, path: str, outcome: "Outcome", prompt_tokens: int, queue_s: float,
-                     total_s: float, session: str | None) -> str:
-    """The one line logged when a generation request ends. Never the key, the tenant or the prompt."""
+                     total_s: float, session: str | None, ttft_s: float | None = None) -> str:
+    """The one line logged when a generation request ends. Never the key, the tenant or the prompt.
+    ttft_ms is the time to the first new token ("-" when none came)."""
     u = outcome.usage
     tag = log_tag(session)
+    ttft = "-" if ttft_s is None else f"{ttft_s * 1000:.0f}"
     return (f"{method} {path} {outcome.status} finish={outcome.finish or '-'} "
             f"prompt={u.prompt_tokens if u else prompt_tokens} cached={u.cached_tokens if u else 0} "
             f"generated={u.completion_tokens if u else 0} queue_ms={queue_s * 1000:.0f} "
-            f"total_ms={total_s * 1000:.0f}" + _drafts_text(outcome.timings)
+            f"ttft_ms={ttft} total_ms={total_s * 1000:.0f}" + _drafts_text(outcome.timings)
             + (" retried=1" if outcome.retried else "")
             + (f" session={tag}" if tag else ""))
 

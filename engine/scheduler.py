@@ -1,11 +1,20 @@
 """Which requests run in the next device call, and what their new tokens mean. Pure Python: no
-arrays, no clock, no device; the worker turns a Plan into model calls and feeds the tokens back.
+arrays, no clock, no device; the worker turns a Plan into model calls and feeds the tokens back (and,
+for pacing, how long its calls took).
 
-Each round is at most one prefill chunk (of the one request whose prompt is being read) and one
-decode step of every slot whose request is generating, so a new request joins the running batch at
-the very next device call. A slot holds one whole sequence; when its request ends, the slot keeps
-those tokens, and a later prompt that starts the same way reuses them instead of running them again.
-With a host cache (--cache-ram), what a slot holds is saved to host memory before the slot is given
+Every request gets a slot as soon as one is free, and the prompts in slots are read side by side:
+each round is one decode step of every slot whose request is generating (never skipped) and at most
+one prefill chunk, of the prompt whose turn it is (Scheduler.order: the shortest rest first, none
+passed over more than MAX_PASSED times in a row). So a short prompt that arrives while a long one
+is read waits for the chunk under way, not for the whole long prompt. While rows decode, prompts
+take at most PREFILL_SHARE of the device's time (Pace). A prompt's chunks depend only on the prompt,
+its cached start and its cut points, never on what else is read: its numbers are the same
+whatever runs beside it.
+
+A slot holds one whole sequence; when its request ends, the slot keeps those tokens, and a later
+prompt that starts the same way reuses them instead of running them again. A prompt that shares
+its start with a prompt still being read waits until that start is read, then copies it. With a
+host cache (--cache-ram), what a slot holds is saved to host memory before the slot is given
 to a prompt that diverges from it, and a prompt whose start was saved there is loaded back into its
 slot instead of being run again (the worker does the copies the Plan names).
 
@@ -51,6 +60,19 @@ VERIFY_MAX_ROWS = 4
 # share; the latest are where the next turn of the same conversation resumes.
 SLOT_SNAPSHOTS = 4
 
+# ---- prompts read side by side --------------------------------------------------------------------
+
+# While rows decode, the prompts being read take at most this share of the device's time (Pace), so
+# a streaming answer keeps at least 1 - share of its speed beside long prompts (the target is 0.7x;
+# the host's work between calls is not counted, hence the margin).
+PREFILL_SHARE = 0.25
+# The order in which prompts being read take chunks: "shortest" (the fewest tokens left first) or
+# "tenant" (tenants take turns, each tenant's prompts oldest first).
+PREFILL_ORDERS = ("shortest", "tenant")
+# A prompt passed over this many times in a row reads next: shorter prompts arriving one after
+# another slow a long prompt to one chunk in MAX_PASSED + 1, never stop it.
+MAX_PASSED = 4
+
 
 @dataclass(frozen=True)
 class Buckets:
@@ -69,7 +91,7 @@ class Buckets:
         """Rows of the decode program for `live` generating requests."""
         return next(r for r in self.decode_rows if r >= live)
 
-    def chunk_for(self, remaining: int) -> int:
+    def chunk_for(self, remaining: int, start: int = 0) -> int:
         """Chunk length for a prompt with `remaining` tokens still to run: the smallest chunk that
         holds them all when at most half of it is padding, else the largest chunk that is filled
         (one call more costs one more read of the weights; a padded token costs its compute).
@@ -111,6 +133,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     finish: str | None = None
     first_sent: bool = False      # its first Step (with prompt_tokens) went out
+    passed: int = 0               # chunks of other prompts read since its own last one
     times: dict = field(default_factory=dict)   # the worker's clock: arrived, started, first, last
 
     @property
@@ -205,6 +228,31 @@ class Plan:
 
 
 @dataclass
+class Pace:
+    """The device time prompts take while rows decode. The worker says what each round's calls took
+    (Scheduler.spent): a decode step earns prompts share / (1 - share) of its time, a chunk read
+    beside decoding rows spends its own, and a chunk runs only when nothing is owed, so over a few
+    rounds decode keeps 1 - share of the device. A chunk that ends its prompt (it gives the first
+    token) may run on credit, once until the debt is repaid: a short prompt then waits for the call
+    under way, not for the repayment of a long prompt's chunk. With no row decoding nothing is owed."""
+    share: float = PREFILL_SHARE
+    owed: float = 0.0             # seconds of reading not yet repaid by decode steps
+    lent: bool = False            # a chunk ran on credit since nothing was owed
+
+    def allows(self, decoding: bool, last: bool) -> bool:
+        return not decoding or self.owed <= 0 or (last and not self.lent)
+
+    def spent(self, decode_s: float, prefill_s: float, decoding: bool) -> None:
+        if not decoding:
+            self.owed, self.lent = 0.0, False
+            return
+        self.lent = self.lent or (prefill_s > 0 and self.owed > 0)
+        self.owed = max(0.0, self.owed + prefill_s - decode_s * self.share / (1 - self.share))
+        if self.owed == 0:
+            self.lent = False
+
+
+@dataclass
 class Emit:
     """New tokens of one request after a round, and its end if it ended."""
     request: Sequence
@@ -217,7 +265,9 @@ class Emit:
 class Scheduler:
     def __init__(self, slots: int, ctx: int, vocab_size: int, buckets: Buckets | None = None,
                  prefix_cache: bool = True, host: prefix.HostCache | None = None,
-                 recurrent: bool = False):
+                 recurrent: bool = False, order: str = PREFILL_ORDERS[0], share: float = PREFILL_SHARE):
+        if order not in PREFILL_ORDERS:
+            raise ValueError(f"order: must be one of {PREFILL_ORDERS}, got {order!r}")
         self.ctx = ctx
         # The model has linear layers: a prefix is reused only where their state is known.
         self.recurrent = recurrent
@@ -233,6 +283,9 @@ class Scheduler:
         self.prefix_hits = 0                      # prompt tokens served from a cache (cumulative)
         self.host_hits = 0                        # of which from the host cache
         self.notes: list[tuple[str, str]] = []    # (rid, text) for the server log; the worker sends them
+        self.order = order
+        self.pace = Pace(share)
+        self.served: dict[str, int] = {}         # order "tenant": tenant -> the tick of its last chunk
 
     # -- intake ---------------------------------------------------------------------------------
 
@@ -271,42 +324,86 @@ class Scheduler:
     # -- one round ------------------------------------------------------------------------------
 
     def schedule(self) -> Plan:
+        """Every waiting request that can have a slot gets one; rows that are generating decode; and
+        the prompt whose turn it is reads one chunk, if the pace allows it beside decoding rows."""
         plan = Plan()
         decoding = [s.request for s in self.slots if s.request and not s.request.prefilling]
         if decoding:
             plan.decode = Decode(decoding, self.buckets.decode_batch(len(decoding)))
-        reading = next((s.request for s in self.slots if s.request and s.request.prefilling), None)
-        if reading is None and self.waiting:
-            reading = self._assign(plan)
-        if reading is not None:
-            start = reading.done
-            end = len(reading.prompt)
-            if self.snapshots:                       # the next cut point ends a chunk
-                end = min((c for c in reading.cuts if c > start), default=end)
-            chunk = self.buckets.chunk_for(end - start)
-            tokens = reading.prompt[start:min(start + chunk, end)]
-            # The prompt's end is snapshotted too: the next turn shares it (it ends with the
-            # assistant turn's opening, which the answer follows) even when the answer differs.
-            ends = start + len(tokens)
-            plan.prefill = Prefill(reading, start, tokens, chunk, snapshot=self.snapshots and (
-                ends in reading.cuts or ends == len(reading.prompt)))
+        while self.waiting and any(s.request is None for s in self.slots):
+            request = next((r for r in self.waiting if not self._follows(r)), None)
+            if request is None:
+                break
+            self._assign(plan, request)
+        readers = [s.request for s in self.slots if s.request and s.request.prefilling]
+        if readers:
+            reading = min(readers, key=self._turn)
+            work = self._chunk(reading)
+            if self.pace.allows(bool(decoding), work.last):
+                plan.prefill = work
+                for r in readers:
+                    r.passed = 0 if r is reading else r.passed + 1
+                self.tick += 1
+                self.served = {r.tenant: self.served.get(r.tenant, 0) for r in readers}
+                self.served[reading.tenant] = self.tick
         return plan
+
+    def spent(self, plan: Plan, decode_s: float, prefill_s: float) -> None:
+        """What the plan's decode step and prefill chunk took (seconds, the worker's clock): pacing."""
+        self.pace.spent(decode_s, prefill_s, plan.decode is not None)
+
+    def _turn(self, request: Sequence) -> tuple:
+        """Sort key of the prompts being read: the least is read next."""
+        if self.order == "tenant":
+            return self.served.get(request.tenant, 0), -request.passed, request.slot
+        return request.passed < MAX_PASSED, len(request.prompt) - request.done, request.slot
+
+    def _chunk(self, reading: Sequence) -> Prefill:
+        """The next chunk of a prompt: as long as its rest and its next cut point allow."""
+        start = reading.done
+        end = len(reading.prompt)
+        if self.snapshots:                       # the next cut point ends a chunk
+            end = min((c for c in reading.cuts if c > start), default=end)
+        chunk = self.buckets.chunk_for(end - start, start)
+        tokens = reading.prompt[start:min(start + chunk, end)]
+        # The prompt's end is snapshotted too: the next turn shares it (it ends with the
+        # assistant turn's opening, which the answer follows) even when the answer differs.
+        ends = start + len(tokens)
+        return Prefill(reading, start, tokens, chunk, snapshot=self.snapshots and (
+            ends in reading.cuts or ends == len(reading.prompt)))
+
+    def _follows(self, request: Sequence) -> bool:
+        """Whether a prompt being read shares more of this one's start than any cache serves now (at
+        least a smallest chunk more) and has not read it yet: the request waits, then copies that
+        start, rather than the two prompts reading it twice. A hybrid model's shared start ends at
+        one of the other prompt's cut points, where its state is snapshotted."""
+        readers = [s.request for s in self.slots if s.request and s.request.prefilling]
+        if not self.prefix_cache or not readers:
+            return False
+        now = self._best_slot(request.prompt)[1]
+        if self.host is not None:
+            now = max(now, self.host.lookup(request.prompt).tokens)
+        for other in readers:
+            shared = prefix.reusable(other.prompt, request.prompt)
+            if self.recurrent:
+                shared = max((c for c in (*other.cuts, len(other.prompt)) if c <= shared), default=0)
+            if other.done < shared and shared >= now + self.buckets.chunks[0]:
+                return True
+        return False
 
     @property
     def snapshots(self) -> bool:
         """Whether prefills snapshot the linear layers' state at cut points."""
         return self.recurrent and self.prefix_cache
 
-    def _assign(self, plan: Plan) -> Sequence | None:
-        """Give the oldest waiting request a free slot, reusing the longest cached start of its
+    def _assign(self, plan: Plan, request: Sequence) -> None:
+        """Give a waiting request a free slot, reusing the longest cached start of its
         prompt: a free slot that holds it is taken as is; one held by a running request is copied
         into the least recently used free slot; a longer start in the host cache is loaded into the
         chosen slot. What the chosen slot held beyond the part kept is saved to the host cache first.
         For a hybrid model the start reused ends where the linear layers' state is known."""
         free = [s for s in self.slots if s.request is None]
-        if not free:
-            return None
-        request = self.waiting.popleft()
+        self.waiting.remove(request)
         self.tick += 1
         slot, reuse, source, load, restore = min(free, key=lambda s: s.last_used), 0, None, None, None
         if self.prefix_cache:
@@ -358,7 +455,6 @@ class Scheduler:
         self.prefix_queries += len(request.prompt)
         self.prefix_hits += reuse
         plan.started.append(request)
-        return request
 
     def _best_slot(self, prompt: list[int]) -> tuple[int | None, int, int]:
         """(slot index, tokens it can serve, tokens it shares with the prompt) of the slot serving

@@ -536,12 +536,15 @@ class Engine:
         if plan.saves or plan.loads:       # segments evicted, slot reads and writes freed
             memory.release_free_heap()
         emits = []
+        t0 = time.perf_counter()
         if plan.decode is not None:
             emits += self.scheduler.decoded(plan.decode, self._decode(plan.decode))
+        t1 = time.perf_counter()
         if plan.prefill is not None:
             token = self._prefill(plan.prefill)
             snapshot = self._read_state(plan.prefill.request.slot) if plan.prefill.snapshot else None
             emits += self.scheduler.prefilled(plan.prefill, token, snapshot)
+        self.scheduler.spent(plan, t1 - t0, time.perf_counter() - t1)    # the pace of prompts
         now = time.time()
         # A request given a slot is told at once how much of its prompt came from a cache: the
         # server's first frames report it (Anthropic's message_start) before the first token.

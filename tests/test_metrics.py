@@ -46,6 +46,8 @@ FAMILIES = {
     # mashbox's own: requests whose tool calls a grammar constrained, by mode, and their masks' time
     "constrained_requests_total": "counter", "grammar_mask_seconds_total": "counter",
     "spec_decode_num_draft_tokens_total": "counter", "spec_decode_num_accepted_tokens_total": "counter",
+    # mashbox's own: time to first token by the prompt's length (a range of tokens)
+    "time_to_first_token_by_prompt_seconds": "histogram",
 }
 # vLLM's bucket boundaries (vllm/v1/metrics/loggers.py), which dashboards built for it assume.
 VLLM_BUCKETS = {
@@ -60,7 +62,7 @@ VLLM_BUCKETS["request_queue_time_seconds"] = VLLM_BUCKETS["e2e_request_latency_s
 # Every label a family may carry. Anything else could be a user's text.
 LABELS = {"finished_reason", "reason", "le", "block_size", "num_gpu_blocks", "enable_prefix_caching",
           "cache_ram_mib", "path", "kernel", "kernel_version", "kernel_package",
-          "deployment_id", "component_set_sha", "certification", "mode"}
+          "deployment_id", "component_set_sha", "certification", "mode", "prompt_tokens"}
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +204,29 @@ def test_counters_after_n_requests_match_the_answers(server):
     assert delta("request_time_per_output_token_seconds_count") == sum(
         1 for u in usages if u["completion_tokens"] > 1)
     assert after.value("num_requests_running") == 0 and after.value("num_requests_waiting") == 0
+
+
+def test_time_to_first_token_is_counted_in_its_prompts_length_range(server):
+    """Guards against a short request's first-token time hidden among long prompts' (the by-length
+    histogram is what shows a short request waiting behind a long one), a range missing before its
+    first request, or a request counted in two ranges."""
+    assert mashbox.prompt_length_label(1) == "1-128" and mashbox.prompt_length_label(128) == "1-128"
+    assert mashbox.prompt_length_label(129) == "129-1024"
+    assert mashbox.prompt_length_label(32769) == "32769+"
+    before = Scrape(server)
+    ranges = {s.labels["prompt_tokens"] for s in before.families["time_to_first_token_by_prompt_seconds"].samples}
+    assert ranges == {"1-128", "129-1024", "1025-8192", "8193-32768", "32769+"}
+    short = chat(server, "echo: short one")["usage"]["prompt_tokens"]
+    longer = chat(server, "echo: " + " ".join(["word"] * 300))["usage"]["prompt_tokens"]
+    after = Scrape(server)
+
+    def delta(label):
+        name = "time_to_first_token_by_prompt_seconds_count"
+        return after.value(name, prompt_tokens=label) - before.value(name, prompt_tokens=label)
+
+    assert short <= 128 < longer <= 1024
+    assert (delta("1-128"), delta("129-1024"), delta("1025-8192")) == (1, 1, 0)
+    assert after.value("time_to_first_token_seconds_count") - before.value("time_to_first_token_seconds_count") == 2
 
 
 def test_counters_only_grow(server):
@@ -379,6 +404,7 @@ def test_one_log_line_per_request_with_its_numbers(server, caplog):
     assert (int(fields["prompt"]), int(fields["cached"]), int(fields["generated"])) == (
         u["prompt_tokens"], cached(u), u["completion_tokens"])
     assert int(fields["queue_ms"]) >= 0 and int(fields["total_ms"]) >= int(fields["queue_ms"])
+    assert int(fields["queue_ms"]) <= int(fields["ttft_ms"]) <= int(fields["total_ms"])
     record = next(r for r in caplog.records if r.getMessage() == line)
     assert record.created > 0       # the formatter prints its time
     caplog.clear()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.protocol import Sampling
-from engine.scheduler import Buckets, Sequence, Scheduler
+from engine.scheduler import MAX_PASSED, PREFILL_SHARE, Buckets, Sequence, Scheduler
 
 VOCAB = 1000
 STOP = 999
@@ -341,3 +341,201 @@ def test_a_hybrid_prefix_copied_from_a_running_slot_comes_with_its_snapshot():
     plan = s.schedule()
     assert plan.copies == [(a.slot, b.slot, 20)] and plan.restores == [(b.slot, "a@20")]
     assert b.cached == 20
+
+
+# ---- prompts read side by side -------------------------------------------------------------------
+
+def run_timed(s, decode_s=0.01, chunk_s=lambda p: 0.001 * len(p.tokens), next_token=lambda r: 7):
+    """run_round, and tell the scheduler what the calls took (as the worker does)."""
+    plan, emits = run_round(s, next_token)
+    s.spent(plan, decode_s if plan.decode else 0.0, chunk_s(plan.prefill) if plan.prefill else 0.0)
+    return plan, emits
+
+
+def chunks_of(s, rid, rounds=1000, **kw):
+    """Run until `rid` has its first token; its chunks as (start, tokens, chunk)."""
+    seen = []
+    for _ in range(rounds):
+        plan, emits = run_timed(s, **kw)
+        if plan.prefill and plan.prefill.request.rid == rid:
+            p = plan.prefill
+            seen.append((p.start, len(p.tokens), p.chunk))
+        if any(e.request.rid == rid for e in emits):
+            return seen
+    raise AssertionError(f"{rid} never got its first token")
+
+
+def test_every_waiting_request_gets_a_free_slot_in_the_same_round():
+    """Guards against requests taking slots one at a time, each waiting for the prompt before it."""
+    s = scheduler(slots=3)
+    for i, rid in enumerate("abc"):
+        s.add(request(rid, range(100 * i + 1, 100 * i + 60)))
+    plan = s.schedule()
+    assert sorted(r.rid for r in plan.started) == ["a", "b", "c"] and not s.waiting
+    assert len({r.slot for r in plan.started}) == 3
+
+
+def test_a_short_prompt_is_read_after_the_chunk_under_way_not_after_the_long_prompt():
+    """Guards against one prompt being read at a time: a chat's first token waited for another
+    tenant's whole 8,700-token prompt (51.5 s)."""
+    s = scheduler(slots=2)
+    s.add(request("long", range(1, 201), max_tokens=5))
+    run_timed(s)
+    s.add(request("short", range(300, 306), max_tokens=5))
+    plan, emits = run_timed(s)
+    assert plan.prefill.request.rid == "short"
+    assert [e.tokens for e in emits if e.request.rid == "short"] == [[7]]
+    assert s.requests["long"].prefilling
+
+
+def test_a_prompts_chunks_are_the_same_whatever_is_read_beside_it():
+    """Guards against chunks cut by what else is read: a prompt's numbers would then depend on
+    other tenants' traffic."""
+    alone = scheduler(slots=3)
+    alone.add(request("a", range(1, 151)))
+    want = chunks_of(alone, "a")
+    busy = scheduler(slots=3)
+    busy.add(request("b", range(400, 450), max_tokens=40))
+    busy.add(request("a", range(1, 151)))
+    busy.add(request("c", range(500, 520), max_tokens=3))
+    assert chunks_of(busy, "a") == want
+
+
+def test_shorter_prompts_pass_a_long_one_at_most_max_passed_times_in_a_row():
+    """Guards against a stream of short prompts starving a long one (shortest first alone would)."""
+    s = scheduler(slots=2)
+    s.add(request("long", range(1, 201), max_tokens=1))
+    gaps, gap, n = [], 0, 0
+    while "long" in s.requests:
+        if not s.waiting and s.live < 2:
+            n += 1
+            s.add(request(f"short{n}", range(300, 305), max_tokens=1))
+        plan, _ = run_timed(s)
+        if plan.prefill and plan.prefill.request.rid == "long":
+            gaps.append(gap)
+            gap = 0
+        elif plan.prefill:
+            gap += 1
+    assert n > 10 and max(gaps) == MAX_PASSED
+
+
+def test_prompts_take_their_share_of_the_time_beside_decoding_rows_which_never_stall():
+    """Guards against decoding rows slowed to the pace of long prefill chunks (each round a 0.3 s
+    chunk beside a 0.03 s step left streaming answers at a tenth of their speed)."""
+    s = scheduler(slots=2, ctx=4096)
+    s.add(request("talk", range(1, 9), max_tokens=3000))
+    run_timed(s)
+    s.add(request("long", range(100, 2100), max_tokens=1))
+    decode_s = prefill_s = 0.0
+    while "long" in s.requests:
+        plan, _ = run_timed(s, decode_s=0.03, chunk_s=lambda p: 0.3)
+        assert plan.decode and [r.rid for r in plan.decode.rows] == ["talk"]
+        decode_s += 0.03
+        prefill_s += 0.3 if plan.prefill else 0.0
+    assert prefill_s / (decode_s + prefill_s) == pytest.approx(PREFILL_SHARE, abs=0.02)
+    # with nothing decoding, prompts take every round
+    s = scheduler(slots=2)
+    s.add(request("long", range(1, 201), max_tokens=1))
+    s.add(request("other", range(300, 500), max_tokens=1))
+    while s.busy:
+        assert run_timed(s, chunk_s=lambda p: 0.3)[0].prefill
+
+
+def test_a_chunk_that_gives_a_first_token_may_run_once_on_credit():
+    """Guards against a short prompt waiting for decode steps to repay a long prompt's chunk (the
+    wait would be (1 - share) / share of that chunk), and against credit without bound."""
+    s = scheduler(slots=4, ctx=4096)
+    s.add(request("talk", range(1, 9), max_tokens=3000))
+    run_timed(s)
+    s.add(request("long", range(100, 2100), max_tokens=1))
+    plan, _ = run_timed(s, decode_s=0.03, chunk_s=lambda p: 0.3)
+    assert plan.prefill.request.rid == "long" and s.pace.owed > 0
+    s.add(request("short", range(3000, 3006), max_tokens=1))
+    s.add(request("short2", range(3100, 3106), max_tokens=1))
+    plan, emits = run_timed(s, decode_s=0.03, chunk_s=lambda p: 0.01)
+    assert plan.prefill.request.rid in ("short", "short2") and s.pace.lent
+    plan, _ = run_timed(s, decode_s=0.03, chunk_s=lambda p: 0.01)
+    assert plan.prefill is None                      # one loan until the debt is repaid
+    rounds = 1
+    while not run_timed(s, decode_s=0.03, chunk_s=lambda p: 0.01)[0].prefill:
+        rounds += 1
+    earned = 0.03 * PREFILL_SHARE / (1 - PREFILL_SHARE)       # per decode step
+    assert rounds == pytest.approx((0.3 - earned) / earned, abs=1)   # the long chunk's debt, repaid
+
+
+def test_a_prompt_sharing_the_start_of_one_being_read_waits_for_it_then_copies_it():
+    """Guards against two prompts with one system prompt and tools both reading it when they arrive
+    together (side by side, neither could copy it from the other)."""
+    s = scheduler(slots=2)
+    shared = list(range(1, 91))
+    s.add(request("a", shared + [200, 201, 202], max_tokens=20))
+    s.add(request("b", shared + [300, 301], max_tokens=2))
+    read = {"a": 0, "b": 0}
+    copies = []
+    while s.busy:
+        plan, _ = run_timed(s)
+        copies += plan.copies
+        if plan.prefill:
+            read[plan.prefill.request.rid] += len(plan.prefill.tokens)
+    assert read == {"a": 93, "b": 2} and copies == [(0, 1, 90)]
+
+
+def test_a_prompt_that_shares_little_with_one_being_read_does_not_wait():
+    """Guards against waiting for a shared start shorter than a chunk: reading it costs less."""
+    s = scheduler(slots=2)
+    s.add(request("a", range(1, 200), max_tokens=2))
+    run_timed(s)
+    s.add(request("b", [1, 2, 3] + list(range(500, 520)), max_tokens=2))
+    plan, _ = run_timed(s)
+    assert [r.rid for r in plan.started] == ["b"]
+
+
+def test_cancelling_a_prompt_mid_read_frees_its_slot_and_the_others_read_on():
+    """Guards against a cancelled prompt holding its slot, or a chunk of it read after the cancel."""
+    s = scheduler(slots=2)
+    s.add(request("a", range(1, 200), max_tokens=2))
+    s.add(request("b", range(300, 500), max_tokens=2))
+    s.add(request("c", range(600, 610), max_tokens=2))
+    run_timed(s)
+    run_timed(s)
+    assert s.requests["a"].prefilling and s.requests["b"].prefilling
+    s.cancel("a")
+    plan, _ = run_timed(s)
+    assert [r.rid for r in plan.started] == ["c"]
+    rids = set()
+    while s.busy:
+        plan, _ = run_timed(s)
+        if plan.prefill:
+            rids.add(plan.prefill.request.rid)
+    assert "a" not in rids and s.requests == {}
+
+
+def test_tenants_take_turns_when_ordered_by_tenant():
+    """Guards against the tenant order serving one tenant's prompts while another's wait."""
+    s = Scheduler(3, 512, VOCAB, Buckets.for_ctx(512, (8, 32), 3), True, order="tenant")
+    for i, (rid, tenant) in enumerate((("a1", "x"), ("a2", "x"), ("b", "y"))):
+        r = request(rid, range(100 * i + 1, 100 * i + 101), max_tokens=1)
+        r.tenant = tenant
+        s.add(r)
+    tenants = []
+    for _ in range(6):
+        plan, _ = run_timed(s)
+        tenants.append(plan.prefill.request.tenant)
+    assert tenants == ["x", "y", "x", "y", "x", "y"]
+    with pytest.raises(ValueError, match="order"):
+        Scheduler(1, 64, VOCAB, order="fastest")
+
+
+def test_hybrid_prompts_read_side_by_side_snapshot_each_at_its_own_cut_points():
+    """Guards against a snapshot taken at another prompt's cut point or in another's slot when
+    chunks of several prompts alternate."""
+    s = hybrid(slots=2)
+    a, b = request("a", range(1, 71), max_tokens=2), request("b", range(300, 500), max_tokens=2)
+    a.cuts, b.cuts = [10, 45], [20]
+    s.add(a)
+    s.add(b)
+    prefills = run_hybrid(s)
+    rids = [p.request.rid for p in prefills]
+    assert sum(x != y for x, y in zip(rids, rids[1:])) >= 2              # their chunks alternate
+    assert s.slots[a.slot].snapshots == {10: "slot0@10", 45: "slot0@45", 70: "slot0@70"}
+    assert s.slots[b.slot].snapshots == {20: "slot1@20", 200: "slot1@200"}
