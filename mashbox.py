@@ -3682,7 +3682,8 @@ class ChatEncoder(Encoder):
         self.job, self.meta = job, meta
         self.content: list[str] = []
         self.reasoning: list[str] = []
-        self.calls: dict[int, dict] = {}      # index -> {"id", "type", "function": {name, arguments}}
+        self.started: dict[int, chat.ToolCallStart] = {}
+        self.calls: dict[int, dict] = {}      # finished calls: index -> {"id", "type", "function": ...}
         self.done: chat.Done | None = None
 
     def _chunk(self, delta: dict | None, finish: str | None = None, **extra: Any) -> bytes:
@@ -3705,15 +3706,15 @@ class ChatEncoder(Encoder):
             self.reasoning.append(ev.text)
             return [self._chunk({"reasoning_content": ev.text})]
         if isinstance(ev, chat.ToolCallStart):
-            self.calls[ev.index] = {"id": ev.id, "type": "function",
-                                    "function": {"name": ev.name, "arguments": ""}}
-            return [self._chunk({"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
-                                                 "function": {"name": ev.name, "arguments": ""}}]})]
-        if isinstance(ev, chat.ToolCallEnd):
-            # The spec's chunk carries a call's whole arguments: one delta when the call is complete
-            # (clients that join pieces get the same text), never half an object.
-            self.calls[ev.index]["function"]["arguments"] = ev.arguments
-            return [self._chunk({"tool_calls": [{"index": ev.index, "function": {"arguments": ev.arguments}}]})]
+            self.started[ev.index] = ev
+            return []
+        if isinstance(ev, chat.ToolCallEnd) and ev.index in self.started:
+            # A call goes out whole, in one chunk, once it is complete (clients that join pieces get
+            # the same text): never half an object, and never a call cut off by max_tokens.
+            start = self.started[ev.index]
+            call = {"id": start.id, "type": "function", "function": {"name": start.name, "arguments": ev.arguments}}
+            self.calls[ev.index] = call
+            return [self._chunk({"tool_calls": [{"index": ev.index, **call}]})]
         if isinstance(ev, chat.Done):
             return self._finish(ev)
         return []   # ToolCallArgs: the arguments go out whole with ToolCallEnd
@@ -4144,6 +4145,7 @@ class MessagesEncoder(Encoder):
         self.content: list[dict] = []        # the body's blocks so far
         self.open: int | None = None         # index of the block being streamed, if any
         self.tool_blocks: dict[int, int] = {}    # tool call index -> its block's index
+        self.finished: set[int] = set()          # tool call indices whose call ended (ToolCallEnd)
         self.args_sent: dict[int, str] = {}      # block index -> arguments text streamed so far
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
@@ -4178,7 +4180,9 @@ class MessagesEncoder(Encoder):
         return self._event("ping")
 
     def body(self) -> dict:
-        return self._message(self.content)
+        # A tool_use block whose call never finished (cut off by max_tokens) is not a call to run.
+        cut = {at for index, at in self.tool_blocks.items() if index not in self.finished}
+        return self._message([block for at, block in enumerate(self.content) if at not in cut])
 
     def error(self, err: ApiError) -> list[bytes]:
         if self.ended:
@@ -4252,6 +4256,7 @@ class MessagesEncoder(Encoder):
         at = self.tool_blocks.get(ev.index)
         if at is None:
             return []
+        self.finished.add(ev.index)
         self.content[at]["input"] = _tool_input(ev.arguments)
         if at != self.open:
             return []

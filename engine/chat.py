@@ -102,6 +102,9 @@ class ToolCallArgs:
 
 @dataclass
 class ToolCallEnd:
+    """A call the model finished writing. A call cut off (max_tokens, or the answer's end inside it)
+    gets none: it started, but it is not a call its tool can run, and the encoders report it as the
+    APIs report a truncated answer."""
     index: int
     arguments: str                # the whole arguments JSON text ("{}" when none)
 
@@ -1263,6 +1266,7 @@ class _CallReader:
         self.value_start = 0
         self.value_sent = 0
         self.value_fresh = False  # the newline right after <parameter=...> is not yet decided
+        self.value_cut = False    # the output ended inside a value: the call is not whole
 
     # -- events --
     def start(self, name: str) -> None:
@@ -1275,10 +1279,14 @@ class _CallReader:
             self.args.append(delta)
             self.p._out.append(ToolCallArgs(self.index, delta))
 
-    def end(self) -> None:
+    def end(self, complete: bool = True) -> None:
+        """The call's end. complete False: the output ended inside it (its arguments would be
+        broken): no ToolCallEnd."""
         if not self.args:
             self.send("{}")
-        self.p._out.append(ToolCallEnd(self.index, "".join(self.args)))
+        if complete:
+            self.p._out.append(ToolCallEnd(self.index, "".join(self.args)))
+            self.p._complete_calls += 1
         self.phase = "tail"
 
     # -- reading --
@@ -1323,7 +1331,8 @@ class _CallReader:
             call = read_json(body[:stop].strip())
         except (ValueError, RecursionError):
             call = None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        whole = isinstance(call, dict) and isinstance(call.get("name"), str)
+        if not whole:
             if self.index is None:
                 return "text"
             call = {}
@@ -1332,7 +1341,7 @@ class _CallReader:
         value = call.get("arguments", call.get("parameters"))
         if not self.args and value is not None:
             self.send(arguments_text(value))
-        self.end()
+        self.end(complete=whole)
         self.pos, self.closed = stop, True
         return self._tail(body, final)
 
@@ -1387,7 +1396,7 @@ class _CallReader:
         self.send(body[sent:self.value_scan.pos])
         if complete or final:
             self.pos = self.value_scan.pos
-            self.end()
+            self.end(complete)
             return None
         return "more"
 
@@ -1418,7 +1427,7 @@ class _CallReader:
                 return None
         if final:
             self.send("}" if self.args else "")
-            self.end()
+            self.end(complete=not self.value_cut)
             self.closed = True
             return None
         incomplete_tag = head.startswith("<parameter=") or any(
@@ -1450,6 +1459,7 @@ class _CallReader:
         ends = [(i, t) for i, t in ends if i >= 0]
         if ends or final:
             stop, tag = min(ends) if ends else (len(body), "")
+            self.value_cut = not ends            # the output ended inside this value
             raw = body[self.value_start:stop]
             raw = raw[:-1] if raw.endswith("\n") else raw        # and so is the one before the end
             if self.param_kind == "string":
@@ -1547,6 +1557,7 @@ class OutputParser:
         self._judged = 0                                # _buf before this: no untagged call starts
         self._call: _CallReader | None = None
         self._ncalls = 0
+        self._complete_calls = 0                        # calls with a ToolCallEnd (not cut off)
         self._reasoning_tokens = 0
         self._out: list = []
         # The prompt already wrote the answer's start (empty thought, forced call): read it silently,
@@ -1571,7 +1582,7 @@ class OutputParser:
         usage.reasoning_tokens = self._reasoning_tokens
         if self.stop_hit is not None:
             finish_reason = "stop"
-        elif finish_reason == "stop" and self._ncalls:
+        elif finish_reason == "stop" and self._complete_calls:
             finish_reason = "tool_calls"
         return self._take() + [Done(finish_reason, usage, self.stop_hit, timings)]
 

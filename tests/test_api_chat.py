@@ -402,8 +402,7 @@ def test_chat_stream_frames_are_exact():
         chunk({"content": "Running"}),
         chunk({"content": " it."}),
         chunk({"tool_calls": [{"index": 0, "id": "call_abc", "type": "function",
-                               "function": {"name": "bash", "arguments": ""}}]}),
-        chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"command": "ls"}'}}]}),
+                               "function": {"name": "bash", "arguments": '{"command": "ls"}'}}]}),
         {**chunk({}, "tool_calls"), "timings": TIMINGS},
         {**HEAD, "choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 6, "total_tokens": 16,
                                           "prompt_tokens_details": {"cached_tokens": 2}},
@@ -445,7 +444,35 @@ def test_call_without_argument_deltas_still_streams_its_arguments():
     _, frames = run_encoder(ChatEncoder, seeded_job(stream=True), [
         chat.ToolCallStart(0, "c", "f"), chat.ToolCallEnd(0, "{}"), chat.Done("tool_calls")])
     deltas = [f["choices"][0]["delta"] for f in frames_json(frames)[1:-1]]
-    assert deltas[1] == {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}
+    assert deltas[0] == {"tool_calls": [{"index": 0, "id": "c", "type": "function",
+                                         "function": {"name": "f", "arguments": "{}"}}]}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_call_cut_off_by_max_tokens_is_no_call_and_the_answer_is_length(stream):
+    """Guards against a call that max_tokens cut off reaching the client as a call with arguments that
+    are not JSON (or "" ): the answer is reported as truncated, its text kept."""
+    enc, frames = run_encoder(ChatEncoder, seeded_job(stream=stream), [
+        chat.TextDelta("Checking."), chat.ToolCallStart(0, "c", "f"), chat.ToolCallArgs(0, '{"a": "b'),
+        chat.Done("length")])
+    if stream:
+        chunks = frames_json(frames)[1:-1]
+        assert not any("tool_calls" in c["choices"][0]["delta"] for c in chunks)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    else:
+        choice = enc.body()["choices"][0]
+        assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
+        assert choice["message"]["content"] == "Checking."
+
+
+def test_messages_drops_a_tool_use_cut_off_by_max_tokens_from_the_body():
+    """Guards against a non-streamed Message holding a tool_use whose input never finished."""
+    from mashbox import MessagesEncoder
+    enc, _ = run_encoder(MessagesEncoder, seeded_job(), [
+        chat.TextDelta("Checking."), chat.ToolCallStart(0, "c", "f"), chat.ToolCallArgs(0, '{"a": "b'),
+        chat.Done("length")])
+    body = enc.body()
+    assert [b["type"] for b in body["content"]] == ["text"] and body["stop_reason"] == "max_tokens"
 
 
 def test_abort_finishes_as_stop_and_no_usage_chunk_without_include_usage():

@@ -87,7 +87,7 @@ def check_invariants(events: list) -> None:
             assert args.pop(e.index) == e.arguments
         elif isinstance(e, (chat.TextDelta, chat.ReasoningDelta)):
             assert "\ufffd" not in e.text
-    assert not args, "a call was started but never ended"
+    # A call left open is one the output ended inside (cut off): it never gets a ToolCallEnd.
 
 
 def chunkings(tok, text: str):
@@ -270,12 +270,25 @@ def test_hermes_call_without_arguments_and_keys_in_other_order(tok):
         ("done", "tool_calls", None)]
 
 
-def test_call_cut_off_by_length_is_closed(tok):
-    """Guards against a call left open (no ToolCallEnd) when max_tokens ends the answer mid-call."""
+def test_call_cut_off_by_length_is_never_a_finished_call(tok):
+    """Guards against a call that max_tokens cut off mid-arguments being handed on as a call its tool
+    could run (its arguments are not JSON): no ToolCallEnd, and the answer ends as "length"."""
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
     events, _ = run(tok, job_with(), "qwen3", [tok.encode(text)], finish="length")
     assert canonical(events) == [("start", 0, "get_weather"), ("args", 0, '{"city": "Par'),
-                                 ("end", 0, '{"city": "Par'), ("done", "length", None)]
+                                 ("done", "length", None)]
+
+
+@pytest.mark.parametrize("text, finished", [
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nPar", False),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n", True),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}', True),
+])
+def test_a_call_is_finished_only_when_its_arguments_are_whole(tok, text, finished):
+    """Guards against an XML value cut mid-way becoming a call (its JSON would look whole), and
+    against a call whose arguments are whole being dropped because its closing tags never came."""
+    events, _ = run(tok, job_with(), "qwen3.5", [tok.encode(text)], finish="length")
+    assert any(isinstance(e, chat.ToolCallEnd) for e in events) is finished
 
 
 def test_call_arguments_stream_before_the_call_ends(tok):
@@ -415,12 +428,11 @@ def test_bare_json_is_held_only_while_it_can_become_a_call(tok):
     assert canonical(parser.feed(tok.encode('{"ci'))) == [("text", '{"ci')]
 
 
-def test_bare_json_cut_off_by_length_is_a_closed_call(tok):
-    """Guards against a bare call left open (no ToolCallEnd) when max_tokens ends it mid-arguments."""
+def test_bare_json_cut_off_by_length_is_never_a_finished_call(tok):
+    """Guards against a bare call that max_tokens ended mid-arguments being handed on as a call."""
     text = '{"name": "get_weather", "arguments": {"city": "Par'
     assert events_everywhere(tok, job_with(), "qwen2.5", text, finish="length") == [
-        ("start", 0, "get_weather"), ("args", 0, '{"city": "Par'), ("end", 0, '{"city": "Par'),
-        ("done", "length", None)]
+        ("start", 0, "get_weather"), ("args", 0, '{"city": "Par'), ("done", "length", None)]
 
 
 def test_random_bare_json_gives_the_same_events_however_split(tok):
@@ -489,12 +501,11 @@ def test_fence_is_held_only_while_it_can_open_a_call(tok):
     assert canonical(parser.feed(tok.encode("Run:\n```python\n"))) == [("text", "Run:\n```python")]
 
 
-def test_fenced_call_cut_off_by_length_is_a_closed_call(tok):
-    """Guards against a fenced call left open when max_tokens ends it before its fence closes."""
+def test_fenced_call_cut_off_by_length_is_never_a_finished_call(tok):
+    """Guards against a fenced call that max_tokens ended before its fence closed becoming a call."""
     text = 'x\n```json\n{"name": "run_shell", "arguments": {"cmd": "l'
     assert events_everywhere(tok, job_with(), "qwen2.5", text, finish="length") == [
-        ("text", "x"), ("start", 0, "run_shell"), ("args", 0, '{"cmd": "l'), ("end", 0, '{"cmd": "l'),
-        ("done", "length", None)]
+        ("text", "x"), ("start", 0, "run_shell"), ("args", 0, '{"cmd": "l'), ("done", "length", None)]
 
 
 def test_xml_call_without_tags_is_a_call(tok):
