@@ -557,6 +557,9 @@ def pack_s(kind: str, codes: np.ndarray, d: np.ndarray, sc=None) -> dict:
       key_sc       int8    [N/16, K/sub, 16]   the 16 outputs' sub-block scales (not IQ4_NL)
       key_d        float16 [N/16, K/span, 16]  their d
     IQ3_S's codes take 4 bits where the file's grid indices and signs take 3.25 per weight."""
+    if not packable_s(kind, codes.shape):
+        raise ValueError(f"pack_s: {kind} codes are [N, K] with N a multiple of {LANES} and K of "
+                         f"{S_SPAN[kind]}, got {list(codes.shape)}")
     key = _S_KEY[kind]
     n = codes.shape[0]
     per_lane = lambda a: np.ascontiguousarray(a.reshape(n // LANES, LANES, -1).transpose(0, 2, 1))  # noqa: E731

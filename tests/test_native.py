@@ -535,12 +535,15 @@ def test_s_block_parts_are_the_blocks_own_numbers(kind):
     np.testing.assert_array_equal(values, want)
 
 
-def test_s_block_parts_name_a_wrong_block_size_or_type():
+def test_s_block_parts_and_pack_s_name_a_wrong_size_or_type():
     """Bad input is a clear error naming the block type and its size, not an index error deep in numpy."""
     with pytest.raises(ValueError, match=r"IQ4_XS blocks are \[rows, n, 136\]"):
         native.s_block_parts("IQ4_XS", np.zeros((2, 1, 110), np.uint8))
     with pytest.raises(ValueError, match="no form for 'IQ2_S'"):
         native.s_block_parts("IQ2_S", np.zeros((2, 1, 82), np.uint8))
+    parts = native.s_block_parts("Q3_K", np.zeros((8, 1, 110), np.uint8))
+    with pytest.raises(ValueError, match=r"Q3_K codes are \[N, K\] with N a multiple of 16 and K of 256, got \[8, 256\]"):
+        native.pack_s("Q3_K", **parts)
 
 
 def _s_held(kind, raw):
