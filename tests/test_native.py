@@ -542,7 +542,8 @@ def test_s_block_parts_and_pack_s_name_a_wrong_size_or_type():
     with pytest.raises(ValueError, match="no form for 'IQ2_S'"):
         native.s_block_parts("IQ2_S", np.zeros((2, 1, 82), np.uint8))
     parts = native.s_block_parts("Q3_K", np.zeros((8, 1, 110), np.uint8))
-    with pytest.raises(ValueError, match=r"Q3_K codes are \[N, K\] with N a multiple of 16 and K of 256, got \[8, 256\]"):
+    with pytest.raises(ValueError, match=r"Q3_K codes are \[N, K\] with N a multiple of 16 and K of 256, "
+                                         r"got \[8, 256\]"):
         native.pack_s("Q3_K", **parts)
 
 
