@@ -96,6 +96,7 @@ import ml_dtypes
 import numpy as np
 
 from engine import cpu, native
+from engine.memory import release_free_heap
 from engine.checkpoint import FP8, Checkpoint, WeightsError
 from engine.config import MIXER_KINDS, ModelConfig
 
@@ -332,6 +333,9 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
     parts["norm"] = place("norm", load.norm("model.norm.weight", cfg.hidden_size))
     for i, (kind, mlp) in enumerate(zip(cfg.layer_kinds, cfg.mlp_kinds or ("dense",) * cfg.num_layers)):
         parts[f"layers.{i}"] = place(f"layers.{i}", load.layer(i, kind, mlp))
+        # Each layer's temporaries handed back to the kernel as they go: kept by the heap until the end,
+        # they stood on the held weights through the compiles that follow (a 27B's peak).
+        release_free_heap()
     if writer is not None:
         writer.finish()
     return _assemble(parts, cfg)
@@ -708,9 +712,11 @@ class HeldWeights:
 def held_note(checkpoint, params, dtype: str) -> str | None:
     """For the log, what a GGUF's blocks became: which block types its matrices have, how many layer
     matrices are held at 5 bits as the file has them, and that the rest were rounded again to int8 per
-    channel (or widened to a float dtype, exactly); what an FP8 checkpoint's float8 matrices became.
-    None for other checkpoints."""
-    if checkpoint.kind != "gguf":
+    channel (or widened to a float dtype, exactly); what an FP8 checkpoint's float8 matrices became;
+    random weights drawn as blocks likewise. None for other checkpoints."""
+    blocks = checkpoint.kind == "gguf" or (checkpoint.kind == "random" and any(
+        kind in native.K_SUB or kind == "Q8_0" for kind in checkpoint.formats.values()))
+    if not blocks:
         fp8 = sum(1 for kind in checkpoint.formats.values() if kind == FP8)
         if not fp8:
             return None

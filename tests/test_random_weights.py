@@ -18,7 +18,7 @@ GIB = 1 << 30
 BIG = "qwen3-8-27b"          # the spec's model: Qwen3.8-27B's shape
 # Fewer layers and a small vocabulary, the rest of the 27B's shape: one full-attention layer and three
 # Gated DeltaNet layers at their real widths, a forward in seconds (the vocabulary only sizes the ends).
-SMALL_27B = {"num_hidden_layers": 4, "vocab_size": 4096}
+SMALL_27B = {"num_hidden_layers": 4, "vocab_size": 4096, "eos_token_id": [4095]}
 
 
 def spec_of(model_id: str, seed: int = 0) -> registry.ModelSpec:
