@@ -10,7 +10,8 @@ to N layers, for development: its random folder is made here and served as a fol
     does: stream the weights once per step), the best of BANDWIDTH_RUNS before the server starts and
     again after the decode runs (other work on a shared host lowers both);
   - ready: empty caches to /health ok (the random folder made, the weights drawn and packed, every
-    program compiled), and the worker's peak RSS (VmHWM) then and after the requests;
+    program compiled), and the worker's peak RSS (VmHWM) then and after the requests, with the log
+    line last written when a once-a-second sample of it was largest (the start's phase then);
   - the spec's example requests (/v1/chat/completions, /v1/completions, /v1/messages,
     /v1/messages/count_tokens, /v1/responses on model qwen3-8-27b), each must answer 200;
   - decode tok/s of one row (the timings block's predicted_per_second of a chat answer of --steps
@@ -114,14 +115,46 @@ def main() -> int:
         shutil.rmtree(cache, ignore_errors=True)
 
 
+class Sampler:
+    """The server's worker's RSS once a second from a thread: its largest, and the log line last
+    written before it (which phase of the start it was in)."""
+
+    def __init__(self, server: Server):
+        self.server, self.peak, self.when, self.done = server, 0, "", False
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while not self.done:
+            for pid in _children(self.server.proc.pid):
+                try:
+                    rss = proc_status(pid)["VmRSS"]
+                except (OSError, KeyError):
+                    continue
+                if rss > self.peak:
+                    self.peak, self.when = rss, (self.server.lines or [""])[-1].strip()[:100]
+            time.sleep(1)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
 def run(model: list[str], cache: Path, opts, bw: float, cfg) -> int:
     t0 = time.monotonic()
     server = Server(cache, (*model, "--slots", "1", "--ctx", str(opts.ctx)))
+    sampler = Sampler(server)
     try:
         health = server.wait_ok()
         ready_s = time.monotonic() - t0
         worker = health["worker_pid"]
-        print(f"ready after {ready_s:.0f} s; worker peak RSS {proc_status(worker)['VmHWM'] / 1e9:.2f} GB")
+        print(f"ready after {ready_s:.0f} s; worker peak RSS {proc_status(worker)['VmHWM'] / 1e9:.2f} GB "
+              f"(sampled each second: {sampler.peak / 1e9:.2f} GB, after: {sampler.when})")
         failed = 0
         served = server.get("/v1/models")["data"][0]["id"]      # a folder cut to --layers has its own
         for path, body in EXAMPLES:
@@ -147,6 +180,7 @@ def run(model: list[str], cache: Path, opts, bw: float, cfg) -> int:
               f"({100 * best * read / bw:.0f}% of it)")
         return 1 if failed else 0
     finally:
+        sampler.done = True
         server.stop()
 
 
