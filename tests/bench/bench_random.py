@@ -171,8 +171,9 @@ def run(model: list[str], cache: Path, opts, bw: float, cfg) -> int:
                 return 1
             best = max(best, answer["timings"]["predicted_per_second"] or 0.0)
         read = step_bytes(cfg, card["gb"] * 1e9)
-        bw = max(bw, bandwidth())           # again beside the decode: a shared host's load moves both
-        print(f"memory bandwidth after the decode runs: best {bw / 1e9:.1f} GB/s")
+        after = bandwidth()                 # again beside the decode: a shared host's load moves both
+        print(f"memory bandwidth after the decode runs: {after / 1e9:.1f} GB/s")
+        bw = max(bw, after)
         print(f"held: {card['weights']} ({card['bpw']} bits per weight stored), {card['gb']:.2f} GB; "
               f"worker peak RSS {proc_status(worker)['VmHWM'] / 1e9:.2f} GB")
         print(f"decode: {best:.2f} tok/s (1 row, {opts.steps} tokens, best of {DECODE_RUNS}); one step reads "
