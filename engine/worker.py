@@ -140,14 +140,31 @@ def compiles_so_far() -> int:
     return _compiles
 
 
-def _compile_together(calls, done=None, then=None) -> None:
-    """Compile jitted calls [(function, args, static kwargs)] at once, one thread per core: XLA
-    releases the GIL while it compiles, and jit keeps each compiled program for the call that runs
-    it later (or the persistent cache serves it). Arguments are only looked at (shapes, dtypes and
-    shardings, which a donated array keeps), never consumed. then(i) runs in this thread, in the
-    calls' order, as soon as call i's program is ready, while the pool still compiles the rest:
-    every process of a multi-host group runs its programs in the same order."""
-    with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+# What compiling one model program takes of the host's memory, per layer it holds (XLA's graph and
+# LLVM's buffers: a 64-layer program of the 27B about 2 GB), with room for the estimate to be low.
+COMPILE_BYTES_PER_LAYER = 32 << 20
+COMPILE_MEMORY_MARGIN = 2
+
+
+def compile_threads(layers: int) -> int:
+    """How many programs of `layers` layers compile at once: one per core, as many as the memory
+    left beside the weights and the cache allows (a 27B held in 16 GB of a 24 GB host compiles one
+    at a time: two at once took its worker past 20 GB)."""
+    cores = max(1, os.cpu_count() or 1)
+    free = memory.available_bytes()
+    if free is None:
+        return cores
+    return max(1, min(cores, free // (COMPILE_MEMORY_MARGIN * COMPILE_BYTES_PER_LAYER * max(1, layers))))
+
+
+def _compile_together(calls, done=None, then=None, threads: int | None = None) -> None:
+    """Compile jitted calls [(function, args, static kwargs)] at once, `threads` at a time (one per
+    core by default): XLA releases the GIL while it compiles, and jit keeps each compiled program for
+    the call that runs it later (or the persistent cache serves it). Arguments are only looked at
+    (shapes, dtypes and shardings, which a donated array keeps), never consumed. then(i) runs in this
+    thread, in the calls' order, as soon as call i's program is ready, while the pool still compiles
+    the rest: every process of a multi-host group runs its programs in the same order."""
+    with ThreadPoolExecutor(threads or max(1, os.cpu_count() or 1)) as pool:
         futures = [pool.submit(lambda c=c: c[0].lower(*c[1], **c[2]).compile()) for c in calls]
         for i, future in enumerate(futures):        # progress is reported from this thread only
             future.result()
@@ -404,7 +421,8 @@ class Engine:
 
         _compile_together([(jit_forward, self._model_call(rows, t),
                             {"cfg": self.cfg, **self._program_options(kind)})
-                           for kind, rows, t in programs], compiled, then=first_run)
+                           for kind, rows, t in programs], compiled, then=first_run,
+                          threads=compile_threads(self.cfg.num_layers))
         samples, masks = [], []
         for rows in self.buckets.decode_rows:      # every row count a prefill chunk has too (one)
             logits, self.cache = jit_forward(*self._model_call(rows, 1), cfg=self.cfg)

@@ -343,3 +343,16 @@ def test_int8_weights_get_their_own_cache_namespace_and_deployment_id(engine):
     assert narrow.deployment_id != engine.deployment_id
     assert narrow.component_set_sha == engine.component_set_sha       # the same files on disk
     assert narrow.facts.gb < 0.3 * engine.facts.gb
+
+
+def test_programs_compile_one_at_a_time_when_memory_is_tight(monkeypatch):
+    """Guards against a large model's compiles, run one per core, taking the worker past the memory
+    its plan counted (the 27B on a 24 GB host: two 64-layer compiles at once peaked at 20.8 GB)."""
+    from engine import memory, worker
+    monkeypatch.setattr(worker.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 5 << 30)        # 16 GB of 22 already held
+    assert worker.compile_threads(64) == 1
+    monkeypatch.setattr(memory, "available_bytes", lambda: 20 << 30)       # the demo's start
+    assert worker.compile_threads(24) == 2
+    monkeypatch.setattr(memory, "available_bytes", lambda: None)           # not Linux: one per core
+    assert worker.compile_threads(64) == 2
