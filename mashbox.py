@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Protocol
 
 from engine import chat, memory, protocol, registry
+from engine.checkpoint import Checkpoint, WeightsError, check_shapes
 from engine.config import ConfigError, ModelConfig, check_weights_dtype, config_from_dict, load_config
 from engine.sharding import DevicesError, check_devices, distributed_settings
 from engine.chat import Job, new_id
@@ -2093,10 +2094,15 @@ def spawn_worker(entry: str, args) -> tuple[Any, Any]:
 
 
 def _worker_trampoline(entry: str, conn, args) -> None:
-    """Runs in the child process: import the worker's module there, and run it."""
+    """Runs in the child process: import the worker's module there, and run it. A model's files that
+    do not read as its config says end it with exit status 1 and no traceback: the worker has sent the
+    reason as a Fault, which the server logs (and stops on, when it repeats while loading)."""
     import importlib
     module, _, func = entry.partition(":")
-    getattr(importlib.import_module(module), func)(conn, args)
+    try:
+        getattr(importlib.import_module(module), func)(conn, args)
+    except (WeightsError, ConfigError):
+        sys.exit(1)
 
 
 def restart_delay(failures: int, first_s: float = RESTART_BACKOFF_FIRST_S,
@@ -2167,6 +2173,10 @@ class Bridge:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._failures = 0               # consecutive deaths before a Ready, for the backoff
+        self._load_fault: str | None = None    # the Fault the worker now loading sent, if any
+        self._last_load_fault: str | None = None   # the one the worker before it died of while loading
+        self.failed: str | None = None   # why the bridge gave up: the same fault twice while loading
+        self.on_failed: list[Callable[[], None]] = []
         self._generation = 0             # which worker process a message came from
         self._last_progress = time.monotonic()
         self.on_ready: list[Callable[[], None]] = []
@@ -2274,10 +2284,13 @@ class Bridge:
             if self._failures:
                 self.log(f"worker {self.pid} is ready again after {self.restarts} restart(s)")
             self._failures = 0
+            self._last_load_fault = None
             for fn in self.on_ready:
                 fn()
         elif isinstance(msg, protocol.Fault):
             self.log(f"worker fault: {msg.message}")
+            if self.status != "ok":
+                self._load_fault = msg.message
         if not isinstance(msg, protocol.Step):
             for fn in self.watchers:
                 fn(msg)
@@ -2291,7 +2304,9 @@ class Bridge:
         if proc is not None and proc.is_alive():
             proc.kill()        # stuck, or it broke its pipe and lives on: it must not hold the device
             status = "killed by the server"
-        self.log(f"worker {self.pid} died ({why}; {status}); starting a new one")
+        repeated = self._same_load_fault()
+        self.log(f"worker {self.pid} died ({why}; {status}); "
+                 + ("not starting another" if repeated else "starting a new one"))
         if self.stats is not None:
             self.compiles_after_ready_before += self.stats.compiles_after_ready
         self.stats = None
@@ -2300,6 +2315,12 @@ class Bridge:
         streams, self._streams = self._streams, {}
         for q in streams.values():
             q.put_nowait(WorkerDied(why))
+        if repeated:
+            self.failed = f"the worker failed twice in a row while loading: {self._last_load_fault}"
+            self.log(f"{self.failed}; stopping")
+            for fn in self.on_failed:
+                fn()
+            return
         self._failures += 1
         self.restarts += 1
         delay = self.restart_delay(self._failures)
@@ -2310,6 +2331,16 @@ class Bridge:
 
     def restart_delay(self, failures: int) -> float:
         return restart_delay(failures, self.backoff_first_s, self.backoff_max_s)
+
+    def _same_load_fault(self) -> bool:
+        """After a death: whether it is the second in a row of a worker that failed the same way while
+        loading (the same Fault: a model that cannot load, which no restart mends). The bridge then
+        gives up (failed, on_failed: the server stops with that reason) instead of starting workers
+        that fail forever; a death without a Fault (a kill, a crash) is restarted as before."""
+        fault, self._load_fault = self._load_fault, None
+        repeated = fault is not None and fault == self._last_load_fault
+        self._last_load_fault = fault
+        return repeated
 
     def _respawn(self) -> None:
         if not self._stopping:
@@ -5181,6 +5212,7 @@ async def serve(app: App, stop: asyncio.Event | None = None,
     try:
         if prepare is not None:
             app.bridge.worker_args = await asyncio.to_thread(prepare)
+        app.bridge.on_failed.append(stop.set)
         if app.bridge.worker_args is not None:
             app.bridge.start()
         await stop.wait()
@@ -5238,7 +5270,9 @@ def main(argv: list[str] | None = None) -> int:
         # A model the engine cannot run (a family not built yet, an unsupported option) is a start-up
         # error, not a worker that dies and is restarted forever. config.py reads JSON only (no jax);
         # so does the device check, for a count given ("all" is counted by the worker).
-        cfg = laid_out(load_config(folder))
+        model = load_config(folder)
+        check_shapes(Checkpoint(folder), model)       # the weights are what the config says, by name
+        cfg = laid_out(model)
         sizing = size_worker(spec, config, folder, cfg)
         app.planned_ctx = sizing.ctx        # the model card's context while the worker loads
         # The tokenizer now, not when the worker is ready: a file missing (a weights-only folder) or
@@ -5263,8 +5297,11 @@ def main(argv: list[str] | None = None) -> int:
         return replace(cfg, num_kv_heads=check_devices(cfg, config.devices * (config.num_processes or 1)))
     try:
         asyncio.run(serve(app, prepare=prepare))
-    except (registry.RegistryError, ConfigError, OSError, memory.DoesNotFit) as e:
+    except (registry.RegistryError, ConfigError, WeightsError, OSError, memory.DoesNotFit) as e:
         print(f"mashbox: {e}", file=sys.stderr)
+        return 1
+    if app.bridge.failed:
+        print(f"mashbox: {app.bridge.failed}", file=sys.stderr)
         return 1
     return 0
 

@@ -33,10 +33,12 @@ its memory plan): gguf is imported when a GGUF folder is opened.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import re
 import struct
+from typing import Iterator
 
 import numpy as np
 
@@ -235,70 +237,236 @@ def split_parts(path: str) -> list[str] | None:
     return parts
 
 
-# GGUF metadata value types (the format's numbering) -> their size in bytes; 8 is a string, 9 an array.
-_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
+# ---- a GGUF file's header -------------------------------------------------------------------------
+#
+# Every count, length and dimension in a GGUF header is the file's word, and a damaged or hostile file
+# can say anything (a tensor of 4294967295 dimensions, 2^63 tensors): each is checked against the bytes
+# the file has left before anything is read or allocated by it, so reading a header costs at most
+# about the file's own size, and a file that lies is refused naming the key or tensor.
+
+# GGUF metadata value types (the format's numbering) -> their struct code; 8 is a string, 9 an array.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY, _GGUF_UINT32 = 8, 9, 4
 _GGUF_MAGIC = b"GGUF"
+_GGUF_HEAD = struct.Struct("<4sIQQ")    # magic, version, tensor count, metadata key count
+_GGUF_LENGTH = struct.Struct("<Q")      # a string's length
 _GGUF_DEFAULT_ALIGNMENT = 32
+# The format's own bounds: a tensor has at most 4 dimensions (GGML_MAX_DIMS), its name at most 64 bytes
+# (GGML_MAX_NAME), a metadata key at most 65,535 bytes.
+GGUF_MAX_DIMS, GGUF_MAX_NAME, GGUF_MAX_KEY = 4, 64, 65535
+# The fewest bytes a metadata entry (an empty key, a type, one byte) and a tensor's entry (an empty
+# name, one dimension, type, offset) take: a header's counts cannot be more than its bytes hold.
+_GGUF_MIN_KV_BYTES, _GGUF_MIN_TENSOR_BYTES = 8 + 4 + 1, 8 + 4 + 8 + 4 + 8
+# Values a metadata array read as a value may hold: far above any a Qwen GGUF holds (its largest are
+# the vocabulary and its merges: 151,936 tokens in the demo, 248,320 in Qwen3.5's), so that no key
+# makes the reader build a list the size of the file.
+GGUF_MAX_ARRAY = 1 << 22
+
+
+class GGUFHeader:
+    """A GGUF file's header (version 2 or 3), read from a memory map without trusting it (the comment
+    above): .tensors [(name, dimensions fastest first, GGML type number, absolute byte offset)] and its
+    metadata as a read-only mapping, each value decoded when it is asked for (arrays as lists), so a
+    key that is never read costs nothing. Use it in a `with` block: the map stays open while it is
+    read. gguf's own reader decodes every value first, about 8 s for the demo's 151k-token vocabulary;
+    this lists them in a fraction of a second. Errors are WeightsErrors naming the key or tensor."""
+
+    def __init__(self, path: str):
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < _GGUF_HEAD.size:
+                raise WeightsError(f"{path} is not a GGUF file")
+            self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)   # only the header's pages are read
+        try:
+            if self._buf[:4] != _GGUF_MAGIC:
+                raise WeightsError(f"{path} is not a GGUF file")
+            self._read()
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> "GGUFHeader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._buf.close()
+
+    def _read(self) -> None:
+        _, version, n_tensors, n_kv = _GGUF_HEAD.unpack_from(self._buf)
+        if version not in (2, 3):
+            raise WeightsError(f"the GGUF's version {version} is not supported (2 and 3 are)")
+        self._pos = _GGUF_HEAD.size
+        self._check_count(n_kv, _GGUF_MIN_KV_BYTES, "metadata entries")
+        self._values: dict[str, tuple[int, int]] = {}        # key -> (type, where its value begins)
+        for _ in range(n_kv):
+            key = self._string(GGUF_MAX_KEY, "a metadata key")
+            kind = self._scalar("I", f"metadata key {key}'s type")
+            if key in self._values:
+                raise WeightsError(f"the GGUF's metadata key {key} appears twice")
+            self._values[key] = (kind, self._pos)
+            self._skip(kind, key)
+        self._check_count(n_tensors, _GGUF_MIN_TENSOR_BYTES, "tensors")
+        infos = [self._tensor_info() for _ in range(n_tensors)]
+        end = self._pos
+        alignment = self._alignment()
+        start = end + (-end % alignment)          # tensor data begins aligned, after the header
+        self.tensors = [(name, dims, kind, start + offset) for name, dims, kind, offset in infos]
+        self._check_tensors(alignment, start)
+
+    def _check_count(self, count: int, least: int, what: str) -> None:
+        room = (len(self._buf) - self._pos) // least
+        if count > room:
+            raise WeightsError(f"the GGUF's header lists {count} {what}; the {len(self._buf)}-byte file holds "
+                               f"at most {room}")
+
+    def _take(self, n: int, what: str) -> int:
+        """The position of the next n bytes (what: for the error), moving past them."""
+        if n > len(self._buf) - self._pos:
+            raise WeightsError(f"the GGUF does not read ({what} runs past the end of the file: {n} bytes at "
+                               f"byte {self._pos} of {len(self._buf)}); is the file whole?")
+        self._pos += n
+        return self._pos - n
+
+    def _scalar(self, code: str, what: str):
+        return struct.unpack_from("<" + code, self._buf, self._take(struct.calcsize(code), what))[0]
+
+    def _string(self, most: int, what: str) -> str:
+        n = self._scalar("Q", what)
+        if n > most:
+            raise WeightsError(f"the GGUF's header has {what} of {n} bytes (the format allows {most})")
+        start = self._take(n, what)
+        return self._buf[start:start + n].decode("utf-8", "replace")
+
+    def _skip(self, kind: int, key: str, in_array: bool = False) -> None:
+        """Move past a value of this type, its bytes checked to be there."""
+        what = f"metadata key {key}'s value"
+        if kind in _GGUF_SCALARS:
+            self._take(struct.calcsize(_GGUF_SCALARS[kind]), what)
+        elif kind == _GGUF_STRING:
+            self._take(self._scalar("Q", what), what)
+        elif kind == _GGUF_ARRAY and not in_array:
+            item, count = self._array_head(key)
+            if item in _GGUF_SCALARS:
+                self._take(count * struct.calcsize(_GGUF_SCALARS[item]), what)
+            elif item == _GGUF_STRING:
+                self._strings(count, key, keep=False)
+            else:
+                self._skip(item, key, in_array=True)
+        else:
+            raise WeightsError(f"the GGUF's metadata key {key} has value type {kind}, which "
+                               + ("GGUF does not nest in an array" if in_array and kind == _GGUF_ARRAY
+                                  else "GGUF does not define"))
+
+    def _array_head(self, key: str) -> tuple[int, int]:
+        """An array's item type and length, the length checked against the bytes left."""
+        item = self._scalar("I", f"metadata key {key}'s array type")
+        count = self._scalar("Q", f"metadata key {key}'s array length")
+        least = struct.calcsize(_GGUF_SCALARS[item]) if item in _GGUF_SCALARS else 8   # a string: its length
+        if count > (len(self._buf) - self._pos) // least:
+            raise WeightsError(f"the GGUF does not read (metadata key {key} is an array of {count} values, "
+                               f"more than the rest of the file holds); is the file whole?")
+        return item, count
+
+    def _alignment(self) -> int:
+        if "general.alignment" not in self._values:
+            return _GGUF_DEFAULT_ALIGNMENT
+        kind, _ = self._values["general.alignment"]
+        value = self["general.alignment"] if kind == _GGUF_UINT32 else None
+        if value is None or value <= 0 or value & (value - 1):
+            raise WeightsError("the GGUF's metadata general.alignment must be a uint32 power of two, got "
+                               + (f"{value}" if value is not None else f"a value of type {kind}"))
+        return value
+
+    def _tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
+        name = self._string(GGUF_MAX_NAME, "a tensor name")
+        n_dims = self._scalar("I", f"tensor {name}'s dimension count")
+        if not 1 <= n_dims <= GGUF_MAX_DIMS:
+            raise WeightsError(f"the GGUF's tensor {name} has {n_dims} dimensions (the format allows 1 to "
+                               f"{GGUF_MAX_DIMS})")
+        dims = struct.unpack_from(f"<{n_dims}Q", self._buf, self._take(8 * n_dims, f"tensor {name}'s dimensions"))
+        if 0 in dims:
+            raise WeightsError(f"the GGUF's tensor {name} has a dimension of 0 ({list(dims)})")
+        return name, dims, self._scalar("I", f"tensor {name}'s type"), self._scalar("Q", f"tensor {name}'s offset")
+
+    def _check_tensors(self, alignment: int, start: int) -> None:
+        """Each tensor once, of a type gguf knows, its rows whole blocks, aligned and inside the file."""
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+        seen = set()
+        for name, dims, kind, offset in self.tensors:
+            if name in seen:
+                raise WeightsError(f"the GGUF lists its tensor {name} twice")
+            seen.add(name)
+            try:
+                block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+            except (ValueError, KeyError):
+                raise WeightsError(f"the GGUF's tensor {name} has a type mashbox does not know (number {kind})") \
+                    from None
+            if dims[0] % block:
+                raise WeightsError(f"the GGUF's tensor {name} has rows of {dims[0]} values, not whole "
+                                   f"{GGMLQuantizationType(kind).name} blocks of {block}")
+            size = math.prod(dims) // block * block_bytes
+            if (offset - start) % alignment or offset + size > len(self._buf):
+                raise WeightsError(f"the GGUF's tensor {name} ({size} bytes at byte {offset}) is not aligned to "
+                                   f"{alignment} bytes or runs past the end of the {len(self._buf)}-byte file")
+
+    # ---- the metadata: a read-only mapping ----
+
+    def __contains__(self, key) -> bool:
+        return key in self._values
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def get(self, key: str, default=None):
+        return self[key] if key in self._values else default
+
+    def __getitem__(self, key: str):
+        kind, where = self._values[key]
+        self._pos = where
+        if kind != _GGUF_ARRAY:
+            return self._value(kind, key)
+        item, count = self._array_head(key)
+        if count > GGUF_MAX_ARRAY:
+            raise WeightsError(f"the GGUF's metadata key {key} is an array of {count} values; mashbox reads "
+                               f"at most {GGUF_MAX_ARRAY}")
+        if item in _GGUF_SCALARS:
+            code = _GGUF_SCALARS[item]
+            at = self._take(count * struct.calcsize(code), f"metadata key {key}'s value")
+            return list(struct.unpack_from(f"<{count}{code}", self._buf, at))
+        return self._strings(count, key, keep=True)
+
+    def _strings(self, count: int, key: str, keep: bool) -> list[str] | None:
+        """An array's `count` strings (keep: decoded, else only moved past), each length checked
+        against the bytes left; one tight loop, as a vocabulary has hundreds of thousands."""
+        buf, pos, end, length = self._buf, self._pos, len(self._buf), _GGUF_LENGTH.unpack_from
+        out = [] if keep else None
+        for _ in range(count):
+            n = length(buf, pos)[0] if pos + 8 <= end else end
+            if pos + 8 + n > end:
+                raise WeightsError(f"the GGUF does not read (metadata key {key}'s strings run past the end "
+                                   f"of the file at byte {pos} of {end}); is the file whole?")
+            if keep:
+                out.append(buf[pos + 8:pos + 8 + n].decode("utf-8", "replace"))
+            pos += 8 + n
+        self._pos = pos
+        return out
+
+    def _value(self, kind: int, key: str):
+        if kind == _GGUF_STRING:
+            return self._string(len(self._buf), f"metadata key {key}'s value")
+        return self._scalar(_GGUF_SCALARS[kind], f"metadata key {key}'s value")
 
 
 def gguf_tensor_index(path: str) -> list[tuple[str, tuple[int, ...], int, int]]:
     """(name, dimensions fastest first, GGML type number, absolute byte offset) of each tensor of a GGUF
-    file (version 2 or 3), read from its header. Written here because gguf's reader decodes every
-    metadata value first, about 8 s for the demo's 151k-token vocabulary; this skips them in 0.1 s."""
-    with open(path, "rb") as f:
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)   # only the header's pages are read
-    if len(buf) < 24 or buf[:4] != _GGUF_MAGIC:
-        raise WeightsError(f"{path} is not a GGUF file")
-    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-    if version not in (2, 3):
-        raise WeightsError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
-    pos, alignment = 24, _GGUF_DEFAULT_ALIGNMENT
-
-    def u32() -> int:
-        nonlocal pos
-        pos += 4
-        return struct.unpack_from("<I", buf, pos - 4)[0]
-
-    def u64() -> int:
-        nonlocal pos
-        pos += 8
-        return struct.unpack_from("<Q", buf, pos - 8)[0]
-
-    def string() -> str:
-        nonlocal pos
-        n = u64()
-        pos += n
-        return buf[pos - n:pos].decode("utf-8", "replace")
-
-    def skip(kind: int) -> None:
-        nonlocal pos
-        if kind == _GGUF_STRING:
-            n = u64()
-            pos += n
-        elif kind == _GGUF_ARRAY:
-            item, count = u32(), u64()
-            if item in _GGUF_SCALAR_BYTES:
-                pos += count * _GGUF_SCALAR_BYTES[item]
-            else:
-                for _ in range(count):
-                    skip(item)
-        else:
-            pos += _GGUF_SCALAR_BYTES[kind]
-
-    for _ in range(n_kv):
-        key, kind = string(), u32()
-        if key == "general.alignment" and kind == 4:
-            alignment = struct.unpack_from("<I", buf, pos)[0]
-        skip(kind)
-    infos = []
-    for _ in range(n_tensors):
-        name, n_dims = string(), u32()
-        dims = tuple(u64() for _ in range(n_dims))
-        infos.append((name, dims, u32(), u64()))
-    buf.close()
-    start = pos + (-pos % alignment)          # tensor data begins aligned, after the header
-    return [(name, dims, kind, start + offset) for name, dims, kind, offset in infos]
+    file, read from its header (GGUFHeader)."""
+    with GGUFHeader(path) as header:
+        return header.tensors
 
 
 def _e4m3_table() -> np.ndarray:
@@ -309,11 +477,97 @@ def _e4m3_table() -> np.ndarray:
     return np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
 
 
+# safetensors' own bound on a file's JSON header (its reader's MAX_HEADER_SIZE).
+SAFETENSORS_MAX_HEADER = 100_000_000
+# Bytes per value of each safetensors dtype of a whole byte or more (a tensor's span is checked by them).
+_SAFETENSORS_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+                      "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
 def _safetensors_header(path: str) -> tuple[dict, int]:
-    """(the header, the byte offset where the tensors' data begins)."""
+    """(the header, the byte offset where the tensors' data begins). Its length is checked against the
+    file before it is read, and each tensor's entry (dtype, shape, where its bytes are) against the
+    file's size: a WeightsError naming the file and tensor."""
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n)), 8 + n
+        size = os.fstat(f.fileno()).st_size
+        (n,) = struct.unpack("<Q", f.read(8).ljust(8, b"\xff"))
+        if n > min(SAFETENSORS_MAX_HEADER, size - 8):
+            raise WeightsError(f"{path} is not a whole safetensors file: its header's length is {n} bytes, "
+                               f"in a file of {size}")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise WeightsError(f"{path}: its safetensors header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise WeightsError(f"{path}: its safetensors header is not a JSON object")
+    for name, info in header.items():
+        if name != "__metadata__":
+            _check_safetensors_entry(path, name, info, size - 8 - n)
+    return header, 8 + n
+
+
+def _check_safetensors_entry(path: str, name: str, info, data_bytes: int) -> None:
+    try:
+        dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
+        whole = all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (*shape, start, end))
+    except (TypeError, KeyError, ValueError):
+        whole = False
+    if not whole or not isinstance(dtype, str) or not start <= end <= data_bytes:
+        raise WeightsError(f"{path}: tensor {name}'s entry {json.dumps(info)[:120]} is not a dtype, a shape and "
+                           f"data offsets within the file's {data_bytes} bytes of data")
+    if dtype in _SAFETENSORS_BYTES and end - start != math.prod(shape) * _SAFETENSORS_BYTES[dtype]:
+        raise WeightsError(f"{path}: tensor {name} ({dtype} {shape}) holds {end - start} bytes, not "
+                           f"{math.prod(shape) * _SAFETENSORS_BYTES[dtype]}")
+
+
+# ---- the checkpoint against its config -----------------------------------------------------------
+
+def check_shapes(checkpoint: "Checkpoint", cfg) -> None:
+    """A WeightsError naming the first tensor the model of `cfg` (a ModelConfig) reads that the
+    checkpoint lacks or holds in another shape. Said at start-up, in one line, before a worker loads
+    anything: there it would fail partway through the load, and again in each worker started after it.
+    The tensors are model_tensors' (the loader's), by their text-only names (a multimodal checkpoint's
+    language model is read under its prefix), with a mixture of experts' experts one by one or stacked,
+    as the checkpoint holds them."""
+    from engine.weights import LANGUAGE_MODEL          # where the loader reads a multimodal checkpoint's text model
+    if checkpoint.kind == "random":                    # drawn as model_tensors gives them
+        return
+    stored = {"model." + name[len(LANGUAGE_MODEL):]: name for name in checkpoint.shapes
+              if name.startswith(LANGUAGE_MODEL)}
+    for name, shape in _expected_shapes(cfg, lambda n: stored.get(n, n) in checkpoint.shapes):
+        held = checkpoint.shapes.get(stored.get(name, name))
+        if held is None or tuple(held) != tuple(shape):
+            gguf = checkpoint.gguf_names.get(name)
+            where = f"tensor {name}" + (f" (the GGUF's {gguf})" if gguf else "")
+            raise WeightsError(f"{where} is missing from the checkpoint" if held is None else
+                               f"{where} has shape {list(held)}; the model's config gives {list(shape)}: the "
+                               "config (config.json, or a GGUF's metadata) does not describe these weights")
+
+
+def _expected_shapes(cfg, has) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """model_tensors(cfg)'s (name, shape), a layer at a time: a config that asks for more layers or
+    experts than the checkpoint holds is found at its first layer, never listed whole (10^3 layers of
+    10^3 experts are millions of names). Each "moe" layer's experts as the checkpoint holds them
+    (has(name)): stacked [experts, 2 x width, hidden] and [experts, hidden, width] where it has
+    experts.gate_up_proj, else one by one (the loader reads them either way)."""
+    from dataclasses import replace
+    e, m, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    first, kinds = "model.layers.0.", {}
+    for i, kind in enumerate(zip(cfg.layer_kinds, cfg.mlp_kinds or ("dense",) * cfg.num_layers)):
+        if kind not in kinds:        # layer 0 of a one-layer model of this kind (and the model's ends)
+            kinds[kind] = model_tensors(replace(cfg, num_layers=1, layer_kinds=kind[:1], mlp_kinds=kind[1:]))
+        if i == 0:
+            yield from ((name, shape) for name, shape in kinds[kind].items() if not name.startswith(first))
+        p = f"model.layers.{i}."
+        yield from ((p + name[len(first):], shape) for name, shape in kinds[kind].items()
+                    if name.startswith(first) and ".mlp.experts." not in name)
+        if kind[1] != "moe":
+            continue
+        if has(p + "mlp.experts.gate_up_proj"):
+            yield from ((p + "mlp.experts.gate_up_proj", (e, 2 * m, h)), (p + "mlp.experts.down_proj", (e, h, m)))
+        else:
+            for j in range(e):
+                yield from _swiglu_tensors(f"{p}mlp.experts.{j}.", m, h).items()
 
 
 # ---- the checkpoint -------------------------------------------------------------------------------
@@ -331,6 +585,7 @@ class Checkpoint:
         self._open: dict[str, object] = {}
         self._tensors: dict[str, tuple] = {}      # gguf: name -> (type, byte offset, bytes, its file's map)
         self._maps: dict[str, mmap.mmap] = {}     # gguf: name -> its file's mmap (_release)
+        self.gguf_names: dict[str, str] = {}      # gguf: name -> the file's own name for it (llama.cpp's)
         data_bytes = weights = 0
         if self.kind == "random":
             self._init_random(_random_source(folder))
@@ -356,6 +611,7 @@ class Checkpoint:
                     self.formats[name] = qtype.name
                     self._tensors[name] = (qtype, offset, count // block * block_bytes, data)
                     self._maps[name] = mapped
+                    self.gguf_names[name] = gguf_name
                     data_bytes += count // block * block_bytes
                     weights += count
             self._join_parts()
@@ -376,7 +632,7 @@ class Checkpoint:
                     start, end = info["data_offsets"]
                     self._raw[name] = (path, data + start, data + end)
                     data_bytes += end - start
-                    weights += int(np.prod(info["shape"], dtype=np.int64))
+                    weights += math.prod(info["shape"])
             weights -= self._pair_fp8_scales()
         self.bits_per_weight = round(8 * data_bytes / weights, 2) if weights else 0.0
 

@@ -12,6 +12,7 @@ branch in engine.model.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -55,6 +56,30 @@ DEFAULT_NEXT_LINEAR = {"linear_num_key_heads": 16, "linear_num_value_heads": 32,
 # YaRN's rotation bounds, from the YaRN paper (the values every Qwen checkpoint relies on).
 DEFAULT_YARN_BETA_FAST = 32.0
 DEFAULT_YARN_BETA_SLOW = 1.0
+
+# Bounds on a config's sizes, far above any Qwen checkpoint's (the largest: Qwen2.5-72B's hidden 8,192
+# and MLP 29,568, Qwen3-235B's 94 layers, Qwen3-Coder-480B's 96 heads, Qwen3.5's 512 experts and
+# 248,320-token vocabulary, Qwen2.5-1M's 1,010,000 positions): a number past one is a damaged or
+# hostile file, refused before anything is sized or repeated by it (a layer count of 10^9 made a tuple
+# of 10^9 layer kinds; a vocabulary of 2^40, an embedding table no machine holds).
+MAX_LAYERS = 1024
+MAX_WIDTH = 1 << 17                     # hidden and MLP widths
+MAX_VOCAB = 1 << 22
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 1024
+MAX_EXPERTS = 4096
+MAX_POSITIONS = 1 << 24
+MAX_CONV_KERNEL = 64                    # the Gated DeltaNet's convolution (Qwen's: 4)
+# Every integer key read, and its bound (int_problem).
+INT_LIMITS = {
+    "num_hidden_layers": MAX_LAYERS, "full_attention_interval": MAX_LAYERS, "decoder_sparse_step": MAX_LAYERS,
+    "hidden_size": MAX_WIDTH, "intermediate_size": MAX_WIDTH, "moe_intermediate_size": MAX_WIDTH,
+    "shared_expert_intermediate_size": MAX_WIDTH, "vocab_size": MAX_VOCAB,
+    "num_attention_heads": MAX_HEADS, "num_key_value_heads": MAX_HEADS, "linear_num_key_heads": MAX_HEADS,
+    "linear_num_value_heads": MAX_HEADS, "head_dim": MAX_HEAD_DIM, "linear_key_head_dim": MAX_HEAD_DIM,
+    "linear_value_head_dim": MAX_HEAD_DIM, "num_experts": MAX_EXPERTS, "num_experts_per_tok": MAX_EXPERTS,
+    "max_position_embeddings": MAX_POSITIONS, "original_max_position_embeddings": MAX_POSITIONS,
+    "linear_conv_kernel_dim": MAX_CONV_KERNEL}
 
 
 class ConfigError(ValueError):
@@ -161,7 +186,7 @@ def load_config(folder: str) -> ModelConfig:
 
 def family_of(model_type):
     """The family of a config.json model_type (a text model's type names its family's)."""
-    return TEXT_MODEL_TYPES.get(model_type, model_type)
+    return TEXT_MODEL_TYPES.get(model_type, model_type) if isinstance(model_type, str) else model_type
 
 
 # Quantized checkpoints: Qwen's official FP8 ones are read (engine.checkpoint dequantizes each weight
@@ -183,9 +208,9 @@ def fp8_block(raw: dict) -> tuple[int, int] | None:
         raise ConfigError(f"config.json quantization_config.fmt {quant['fmt']!r} is not served (only e4m3)")
     block = quant.get("weight_block_size") or FP8_DEFAULT_BLOCK
     if (not isinstance(block, (list, tuple)) or len(block) != 2
-            or not all(isinstance(n, int) and n > 0 for n in block)):
+            or not all(isinstance(n, int) and not isinstance(n, bool) and 0 < n <= MAX_WIDTH for n in block)):
         raise ConfigError(f"config.json quantization_config.weight_block_size {block!r} must be two "
-                          "positive integers")
+                          f"positive integers of at most {MAX_WIDTH:,}")
     return int(block[0]), int(block[1])
 
 
@@ -203,6 +228,8 @@ def config_from_dict(raw: dict) -> ModelConfig:
     # Multimodal or nested checkpoints keep the language model's keys under text_config.
     if isinstance(raw.get("text_config"), dict):
         raw = {**raw, **raw["text_config"]}
+    elif raw.get("text_config") is not None:
+        raise ConfigError(f"config.json text_config must be an object, got {raw['text_config']!r:.80}")
     model_type = family_of(raw.get("model_type"))
     if model_type not in SUPPORTED_FAMILIES:
         raise ConfigError(f"config.json model_type {model_type!r} is not supported "
@@ -219,32 +246,20 @@ def config_from_dict(raw: dict) -> ModelConfig:
     if heads % kv_heads:
         raise ConfigError(f"config.json num_attention_heads ({heads}) must be a multiple of "
                           f"num_key_value_heads ({kv_heads})")
-    # Qwen3 states head_dim (0.6B: 16 heads x 128 > hidden 1024); Qwen2 derives it.
-    if raw.get("head_dim") is not None:
-        head_dim = _int(raw, "head_dim")
-    elif model_type in HYBRID_FAMILIES:
-        head_dim = DEFAULT_NEXT_HEAD_DIM
-    elif hidden % heads:
-        raise ConfigError(f"config.json hidden_size ({hidden}) is not a multiple of "
-                          f"num_attention_heads ({heads}) and head_dim is absent")
-    else:
-        head_dim = hidden // heads
-    if head_dim % 2:
-        raise ConfigError(f"config.json head_dim ({head_dim}) must be even for rotary embeddings")
-
+    head_dim = _head_dim(raw, model_type, hidden, heads)
     num_layers = _int(raw, "num_hidden_layers")
+    vocab = _int(raw, "vocab_size")
     rope = _rope(raw)
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     layer_kinds, mlp_kinds = _layer_kinds(raw, model_type, num_layers)
     rotary_dim = _rotary_dim(raw, model_type, head_dim)
+    _mrope(raw, rotary_dim or head_dim)
     return ModelConfig(
         model_type=model_type,
-        vocab_size=_int(raw, "vocab_size"),
+        vocab_size=vocab,
         hidden_size=hidden,
         # Only dense MLP layers read it: Qwen3.5's mixture of experts has none and no key for it.
-        intermediate_size=_int(raw, "intermediate_size") if "dense" in mlp_kinds
-        else raw.get("intermediate_size") or 0,
+        intermediate_size=_int(raw, "intermediate_size")
+        if "dense" in mlp_kinds or raw.get("intermediate_size") is not None else 0,
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -258,13 +273,29 @@ def config_from_dict(raw: dict) -> ModelConfig:
         max_position_embeddings=_int(raw, "max_position_embeddings", DEFAULT_MAX_POSITIONS),
         layer_kinds=layer_kinds,
         mlp_kinds=mlp_kinds,
-        eos_token_ids=tuple(int(i) for i in eos_ids),
+        eos_token_ids=_eos_ids(raw, vocab),
         **rope,
         **(_experts(raw, model_type) if "moe" in mlp_kinds else {}),
         **(_hybrid(raw) if model_type in HYBRID_FAMILIES else {}),
         rotary_dim=rotary_dim,
         fp8=fp8,
     )
+
+
+def _head_dim(raw: dict, model_type: str, hidden: int, heads: int) -> int:
+    """Qwen3 states head_dim (0.6B: 16 heads x 128 > hidden 1024); Qwen2 derives it."""
+    if raw.get("head_dim") is not None:
+        head_dim = _int(raw, "head_dim")
+    elif model_type in HYBRID_FAMILIES:
+        head_dim = DEFAULT_NEXT_HEAD_DIM
+    elif hidden % heads:
+        raise ConfigError(f"config.json hidden_size ({hidden}) is not a multiple of "
+                          f"num_attention_heads ({heads}) and head_dim is absent")
+    else:
+        head_dim = hidden // heads
+    if head_dim % 2:
+        raise ConfigError(f"config.json head_dim ({head_dim}) must be even for rotary embeddings")
+    return head_dim
 
 
 def _layer_kinds(raw: dict, model_type: str, num_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -362,43 +393,97 @@ def _rotary_dim(raw: dict, model_type: str, head_dim: int) -> int:
 def _rope(raw: dict) -> dict:
     """RoPE keys, from either the classic layout (rope_theta + rope_scaling) or the newer
     rope_parameters dict; returns ModelConfig fields."""
-    params = dict(raw.get("rope_parameters") or {})
-    scaling = raw.get("rope_scaling") or {}
-    params = {**scaling, **params}
-    theta = params.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))
+    params = {**_object(raw, "rope_scaling"), **_object(raw, "rope_parameters")}
+    theta = _positive("rope_theta", params.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA)))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    out = {"rope_theta": float(theta), "rope_type": kind}
+    out = {"rope_theta": theta, "rope_type": kind}
     if kind == "default":
         return out
     if kind != "yarn":
-        raise ConfigError(f"config.json rope type {kind!r} is not supported (default, yarn)")
+        raise ConfigError(f"config.json rope type {kind!r:.80} is not supported (default, yarn)")
     original = params.get("original_max_position_embeddings")
     if original is None:
         raise ConfigError("config.json yarn rope scaling needs original_max_position_embeddings")
+    original = _int(params, "original_max_position_embeddings")
     factor = params.get("factor")
     if factor is None:
         factor = _int(raw, "max_position_embeddings") / original
+    attention = params.get("attention_factor")
     out.update(
-        rope_factor=float(factor),
-        rope_original_max_positions=int(original),
-        rope_attention_factor=(None if params.get("attention_factor") is None
-                               else float(params["attention_factor"])),
-        rope_beta_fast=float(params.get("beta_fast") or DEFAULT_YARN_BETA_FAST),
-        rope_beta_slow=float(params.get("beta_slow") or DEFAULT_YARN_BETA_SLOW),
+        rope_factor=_positive("rope factor", factor),
+        rope_original_max_positions=original,
+        rope_attention_factor=None if attention is None else _positive("rope attention_factor", attention),
+        rope_beta_fast=_positive("rope beta_fast", params.get("beta_fast") or DEFAULT_YARN_BETA_FAST),
+        rope_beta_slow=_positive("rope beta_slow", params.get("beta_slow") or DEFAULT_YARN_BETA_SLOW),
         rope_truncate=bool(params.get("truncate", True)),
     )
     return out
 
 
+def _mrope(raw: dict, rope_dim: int) -> None:
+    """Qwen3.5's mrope_section (rope_parameters): how the rotated frequencies split between time, height
+    and width positions, which a text-only prompt gives alike; checked to be such a split of them."""
+    params = {**_object(raw, "rope_scaling"), **_object(raw, "rope_parameters")}
+    section = params.get("mrope_section")
+    if section is None:
+        return
+    if (not isinstance(section, list) or len(section) != 3
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in section)
+            or sum(section) != rope_dim // 2):
+        raise ConfigError(f"config.json mrope_section must be 3 counts summing to half the {rope_dim} rotary "
+                          f"dimensions, got {section!r:.80}")
+
+
+def _object(raw: dict, key: str) -> dict:
+    """A key holding an object (rope_scaling, rope_parameters); absent or null: {}."""
+    value = raw.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"config.json {key} must be an object, got {value!r:.80}")
+    return value
+
+
+def _eos_ids(raw: dict, vocab: int) -> tuple[int, ...]:
+    """eos_token_id (an id or a list of them), each a token of the vocabulary."""
+    eos = raw.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+            raise ConfigError(f"config.json eos_token_id {eos!r:.80} must be token ids of the {vocab}-token "
+                              "vocabulary")
+    return tuple(ids)
+
+
+def int_problem(key: str, value) -> str | None:
+    """What is wrong with `value` as the integer key `key` (positive, within INT_LIMITS), or None."""
+    most = INT_LIMITS[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= most:
+        return f"must be a positive integer of at most {most:,}, got {value!r}"
+    return None
+
+
+def float_problem(value) -> str | None:
+    """What is wrong with `value` as a positive number (NaN and the infinities are not), or None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        return f"must be a positive number, got {value!r}"
+    return None
+
+
 def _int(raw: dict, key: str, default: int | None = None) -> int:
     value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"config.json {key} must be a positive integer, got {value!r}")
+    problem = int_problem(key, value)
+    if problem:
+        raise ConfigError(f"config.json {key} {problem}")
     return value
 
 
 def _float(raw: dict, key: str, default: float) -> float:
-    value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(f"config.json {key} must be a positive number, got {value!r}")
+    return _positive(key, raw.get(key, default))
+
+
+def _positive(key: str, value) -> float:
+    problem = float_problem(value)
+    if problem:
+        raise ConfigError(f"config.json {key} {problem}")
     return float(value)

@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import shutil
-import struct
 import sys
 import tempfile
 import time
@@ -35,10 +34,10 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from engine.checkpoint import (GGUF_SUFFIX, SPLIT_PART, WeightsError, gguf_tensor_index, hf_name, split_parts,
-                               weight_files)
+from engine.checkpoint import (GGUF_SUFFIX, SPLIT_PART, GGUFHeader, WeightsError, gguf_tensor_index, hf_name,
+                               split_parts, weight_files)
 from engine.chat import TESTED_TEMPLATES
-from engine.config import CHAT_FORMAT, family_of
+from engine.config import CHAT_FORMAT, family_of, float_problem, int_problem
 
 MODELS_JSON = Path(__file__).resolve().parent.parent / "models.json"
 log = logging.getLogger("mashbox.registry")
@@ -281,14 +280,17 @@ def _read_config(folder: str) -> dict:
     if not path.is_file():
         raise RegistryError(f"no Hugging Face model at {folder}: config.json is missing")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise RegistryError(f"{path} is not readable JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise RegistryError(f"{path} must hold a JSON object, not a {type(config).__name__}")
+    return config
 
 
 def _family_of(config: dict, folder: str) -> str:
     family = family_of(config.get("model_type"))
-    if family not in CHAT_FORMAT:
+    if not isinstance(family, str) or family not in CHAT_FORMAT:
         raise RegistryError(f"{folder}/config.json: model_type {family!r} is not supported "
                             f"(supported: {', '.join(CHAT_FORMAT)})")
     return family
@@ -332,7 +334,7 @@ def gguf_folder(path: str) -> Path:
     if _marker(folder / GGUF_MARKER) == made_from:
         return folder
     try:
-        from gguf import GGUFReader
+        import gguf  # noqa: F401  (its block tables: engine.checkpoint reads the file's tensors by them)
     except ImportError:
         raise RegistryError("serving a GGUF file needs the gguf package: pip install 'mashbox[demo]'") from None
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -343,17 +345,13 @@ def gguf_folder(path: str) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
         try:
             try:
-                names = {name for p in parts for name, _, _, _ in gguf_tensor_index(str(p))}
-                reader = GGUFReader(str(file))        # the metadata: in the first part
-                write_gguf_companions(reader, tmp, names)
-                del reader
+                tensors = {name: dims for p in parts for name, dims, _, _ in gguf_tensor_index(str(p))}
+                with GGUFHeader(str(file)) as header:        # the metadata: in the first part
+                    write_gguf_companions(header, tmp, tensors)
             except (RegistryError, WeightsError) as e:
                 raise RegistryError(f"{path}: {e}") from None
             except KeyError as e:
                 raise RegistryError(f"{path}: the GGUF's metadata has no {e.args[0]}") from None
-            except (ValueError, IndexError, struct.error) as e:   # gguf's reader on a damaged file
-                raise RegistryError(f"{path}: the GGUF does not read ({type(e).__name__}: {e}); "
-                                    f"is the file whole?") from None
             if len(parts) == 1:
                 (tmp / GGUF_LINK).symlink_to(file)
             else:
@@ -653,26 +651,30 @@ def build_demo(demo: DemoSource, out: Path, progress: Progress | None = None) ->
     reads directly (engine.checkpoint), and the Hugging Face config and tokenizer files made from its
     metadata."""
     try:
-        from gguf import GGUFReader
+        import gguf  # noqa: F401  (its block tables: engine.checkpoint reads the file's tensors by them)
     except ImportError:
         raise RegistryError(f"building the model needs the gguf package: pip install 'mashbox[{demo.extra}]'") \
             from None
     gguf_path = assemble_gguf(demo, out / DEMO_GGUF, progress)
-    write_gguf_companions(GGUFReader(gguf_path), out)
+    try:
+        with GGUFHeader(str(gguf_path)) as header:
+            write_gguf_companions(header, out, {name: dims for name, dims, _, _ in header.tensors})
+    except WeightsError as e:
+        raise RegistryError(str(e)) from None
+    except KeyError as e:
+        raise RegistryError(f"the GGUF's metadata has no {e.args[0]}") from None
     _write_json(out / DEMO_MARKER, {"version": DEMO_BUILD_VERSION, "sha256": demo.sha256,
                                     "built_at": int(time.time())})
 
 
-def write_gguf_companions(reader, out: Path, names: set[str] | None = None) -> dict:
-    """Beside a GGUF (a gguf.GGUFReader of it), the Hugging Face files the engine and server read,
-    made from its metadata: config.json, tokenizer.json, tokenizer_config.json (with the file's chat
-    template), generation_config.json. Every tensor name is checked first (names: every part's, for a
-    split GGUF; else the reader's): one mashbox does not know fails here, naming it. Returns the config."""
-    meta = _gguf_metadata(reader)
-    names = names or {t.name for t in reader.tensors}
-    for name in names:
+def write_gguf_companions(meta, out: Path, tensors: dict[str, tuple[int, ...]]) -> dict:
+    """Beside a GGUF (meta: its metadata, a GGUFHeader; tensors: every part's tensors' dimensions), the
+    Hugging Face files the engine and server read, made from its metadata: config.json, tokenizer.json,
+    tokenizer_config.json (with the file's chat template), generation_config.json. Every tensor name is
+    checked first: one mashbox does not know fails here, naming it. Returns the config."""
+    for name in tensors:
         hf_name(name)
-    config = gguf_config(meta, names)
+    config = gguf_config(meta, tensors)
     tokenizer, tokenizer_config = tokenizer_files(meta)
     _write_json(out / "config.json", config)
     _write_json(out / "tokenizer.json", tokenizer)
@@ -693,11 +695,6 @@ def _write_json(path: Path, obj: dict) -> None:
         f.write("\n")
 
 
-def _gguf_metadata(reader) -> dict:
-    """Every GGUF key -> its Python value (lists for arrays)."""
-    return {name: field.contents() for name, field in reader.fields.items()}
-
-
 def _f32(value: float) -> float:
     """A float32 from GGUF as its shortest decimal (1e-06, not 9.999999974752427e-07)."""
     return float(str(np.float32(value)))
@@ -713,75 +710,139 @@ GGUF_ARCHITECTURES = {"qwen2": ("Qwen2ForCausalLM", "qwen2"), "qwen3": ("Qwen3Fo
 GGUF_FOLDER_ONLY = ("qwen35", "qwen35moe")
 
 
-def gguf_config(meta: dict, tensor_names: set[str]) -> dict:
-    """config.json from a GGUF's hyperparameters (keys `{architecture}.*`) and its tensor names (a tied
-    head has no output.weight; a qwen3moe layer without stacked experts is dense)."""
+def gguf_config(meta, tensors) -> dict:
+    """config.json from a GGUF's hyperparameters (keys `{architecture}.*`) and its tensors (names, or
+    names -> dimensions: a tied head has no output.weight; a qwen3moe layer without stacked experts is
+    dense). Each number is checked as the config key it becomes (engine.config's bounds), naming the
+    GGUF's key: nothing is sized by a number before that."""
     arch = meta.get("general.architecture")
     if arch in GGUF_FOLDER_ONLY:
         raise RegistryError(f"architecture {arch!r} is not served from a GGUF ({', '.join(GGUF_ARCHITECTURES)}): "
                             f"give its Hugging Face folder")
-    if arch not in GGUF_ARCHITECTURES:
-        raise RegistryError(f"architecture {arch!r} is not served ({', '.join(GGUF_ARCHITECTURES)})")
+    if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
+        raise RegistryError(f"architecture {arch!r:.80} is not served ({', '.join(GGUF_ARCHITECTURES)})")
     architecture, model_type = GGUF_ARCHITECTURES[arch]
-    key = lambda name: meta[f"{arch}.{name}"]  # noqa: E731
-    layers = int(key("block_count"))
+    number = lambda name, config_key: _meta_int(meta, f"{arch}.{name}", config_key)  # noqa: E731
+    layers = _block_count(meta, arch, tensors)
+    tokens = _vocabulary(meta)
     config = {
         "architectures": [architecture],
         "model_type": model_type,
-        "hidden_size": int(key("embedding_length")),
-        "intermediate_size": int(meta.get(f"{arch}.feed_forward_length") or 0),
+        "hidden_size": number("embedding_length", "hidden_size"),
         "num_hidden_layers": layers,
-        "num_attention_heads": int(key("attention.head_count")),
-        "num_key_value_heads": int(key("attention.head_count_kv")),
-        "max_position_embeddings": int(key("context_length")),
-        "rope_theta": _f32(key("rope.freq_base")),
-        "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon")),
-        "vocab_size": len(meta["tokenizer.ggml.tokens"]),
+        "num_attention_heads": number("attention.head_count", "num_attention_heads"),
+        "num_key_value_heads": number("attention.head_count_kv", "num_key_value_heads"),
+        "max_position_embeddings": number("context_length", "max_position_embeddings"),
+        "rope_theta": _meta_float(meta, f"{arch}.rope.freq_base"),
+        "rms_norm_eps": _meta_float(meta, f"{arch}.attention.layer_norm_rms_epsilon"),
+        "vocab_size": len(tokens),
         "hidden_act": "silu",
-        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "tie_word_embeddings": "output.weight" not in tensors,
         "use_sliding_window": False,
         "attention_dropout": 0.0,
-        "bos_token_id": int(meta["tokenizer.ggml.bos_token_id"]),
-        "eos_token_id": int(meta["tokenizer.ggml.eos_token_id"]),
+        "bos_token_id": _token_id(meta, "tokenizer.ggml.bos_token_id", tokens),
+        "eos_token_id": _token_id(meta, "tokenizer.ggml.eos_token_id", tokens),
         "torch_dtype": "float32",         # what engine.checkpoint dequantizes the GGUF's blocks to
     }
+    # qwen3moe's files may leave it out: every layer has experts.
+    config["intermediate_size"] = (number("feed_forward_length", "intermediate_size")
+                                   if meta.get(f"{arch}.feed_forward_length") else 0)
     if f"{arch}.attention.key_length" in meta:
-        config["head_dim"] = int(key("attention.key_length"))
-    if f"{arch}.rope.scaling.type" in meta and meta[f"{arch}.rope.scaling.type"] not in ("none", ""):
-        config["rope_scaling"] = {"rope_type": meta[f"{arch}.rope.scaling.type"],
-                                  "factor": _f32(key("rope.scaling.factor")),
-                                  "original_max_position_embeddings":
-                                      int(key("rope.scaling.original_context_length"))}
+        config["head_dim"] = number("attention.key_length", "head_dim")
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none", ""):
+        config["rope_scaling"] = {"rope_type": scaling, "factor": _meta_float(meta, f"{arch}.rope.scaling.factor"),
+                                  "original_max_position_embeddings": number(
+                                      "rope.scaling.original_context_length", "original_max_position_embeddings")}
     if arch == "qwen3next":
-        # The Gated DeltaNet's shape as llama.cpp's converter names it (ssm.*): the key head count is
-        # the group count, the value head count the time step rank, the state size the key head's.
-        value_heads = int(key("ssm.time_step_rank"))
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        config.update({
-            "linear_num_key_heads": int(key("ssm.group_count")), "linear_num_value_heads": value_heads,
-            "linear_key_head_dim": int(key("ssm.state_size")),
-            "linear_value_head_dim": int(key("ssm.inner_size")) // value_heads,
-            "linear_conv_kernel_dim": int(key("ssm.conv_kernel")),
-            "full_attention_interval": int(key("full_attention_interval")),
-            "partial_rotary_factor": int(key("rope.dimension_count")) / head_dim,
-            "shared_expert_intermediate_size": int(key("expert_shared_feed_forward_length"))})
+        config.update(_gguf_delta_net(meta, arch, config))
     if arch in ("qwen3moe", "qwen3next"):
         config.update({
-            "num_experts": int(key("expert_count")), "num_experts_per_tok": int(key("expert_used_count")),
-            "moe_intermediate_size": int(key("expert_feed_forward_length")),
+            "num_experts": number("expert_count", "num_experts"),
+            "num_experts_per_tok": number("expert_used_count", "num_experts_per_tok"),
+            "moe_intermediate_size": number("expert_feed_forward_length", "moe_intermediate_size"),
             "norm_topk_prob": True, "decoder_sparse_step": 1,
-            "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in tensor_names]})
+            "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in tensors]})
     return config
 
 
-def generation_config(meta: dict) -> dict:
-    """Both the GGUF's eos (<|im_end|>, the end of a turn) and <|endoftext|> end a generation."""
-    eos = [int(meta["tokenizer.ggml.eos_token_id"])]
+def _gguf_delta_net(meta, arch: str, config: dict) -> dict:
+    """qwen3next's Gated DeltaNet shape as llama.cpp's converter names it (ssm.*): the key head count is
+    the group count, the value head count the time step rank, the state size the key head's."""
+    number = lambda name, config_key: _meta_int(meta, f"{arch}.{name}", config_key)  # noqa: E731
+    value_heads = number("ssm.time_step_rank", "linear_num_value_heads")
+    inner = number("ssm.inner_size", "hidden_size")
+    if inner % value_heads:
+        raise RegistryError(f"the GGUF's {arch}.ssm.inner_size ({inner}) is not a multiple of its "
+                            f"{arch}.ssm.time_step_rank ({value_heads})")
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return {"linear_num_key_heads": number("ssm.group_count", "linear_num_key_heads"),
+            "linear_num_value_heads": value_heads,
+            "linear_key_head_dim": number("ssm.state_size", "linear_key_head_dim"),
+            "linear_value_head_dim": inner // value_heads,
+            "linear_conv_kernel_dim": number("ssm.conv_kernel", "linear_conv_kernel_dim"),
+            "full_attention_interval": number("full_attention_interval", "full_attention_interval"),
+            "partial_rotary_factor": number("rope.dimension_count", "head_dim") / max(head_dim, 1),
+            "shared_expert_intermediate_size": number("expert_shared_feed_forward_length",
+                                                      "shared_expert_intermediate_size")}
+
+
+def _meta_int(meta, key: str, config_key: str) -> int:
+    """A GGUF integer that becomes config key `config_key`, within that key's bound."""
+    value = meta[key]
+    problem = int_problem(config_key, value)
+    if problem:
+        raise RegistryError(f"the GGUF's {key} {problem}")
+    return value
+
+
+def _meta_float(meta, key: str) -> float:
+    """A GGUF float32 that must be positive and finite."""
+    value = meta[key]
+    problem = float_problem(value)
+    if problem:
+        raise RegistryError(f"the GGUF's {key} {problem}")
+    return _f32(value)
+
+
+def _block_count(meta, arch: str, tensors) -> int:
+    """{arch}.block_count, which must be the layers (blk.N) the file's tensors are of."""
+    count = _meta_int(meta, f"{arch}.block_count", "num_hidden_layers")
+    blocks = {int(name.split(".")[1]) for name in tensors if name.startswith("blk.") and name.split(".")[1].isdigit()}
+    if blocks != set(range(count)):
+        held = f"blocks 0 to {max(blocks)}" if blocks and blocks == set(range(max(blocks) + 1)) else \
+            f"{len(blocks)} blocks (numbered {min(blocks, default='-')} to {max(blocks, default='-')})"
+        raise RegistryError(f"the GGUF's {arch}.block_count is {count}, but its tensors are of {held}")
+    return count
+
+
+def _vocabulary(meta) -> list[str]:
+    """tokenizer.ggml.tokens: a list of strings, as many as a config's vocabulary may hold."""
     tokens = meta["tokenizer.ggml.tokens"]
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise RegistryError("the GGUF's tokenizer.ggml.tokens must be an array of strings")
+    problem = int_problem("vocab_size", len(tokens))
+    if problem:
+        raise RegistryError(f"the GGUF's tokenizer.ggml.tokens: its length {problem}")
+    return tokens
+
+
+def _token_id(meta, key: str, tokens: list[str]) -> int:
+    """A token id the metadata names (bos, eos, padding): one of the vocabulary's."""
+    value = meta[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < len(tokens):
+        raise RegistryError(f"the GGUF's {key} {value!r:.80} is not a token of its {len(tokens)}-token vocabulary")
+    return value
+
+
+def generation_config(meta) -> dict:
+    """Both the GGUF's eos (<|im_end|>, the end of a turn) and <|endoftext|> end a generation."""
+    tokens = _vocabulary(meta)
+    eos = [_token_id(meta, "tokenizer.ggml.eos_token_id", tokens)]
     if "<|endoftext|>" in tokens and tokens.index("<|endoftext|>") not in eos:
         eos.append(tokens.index("<|endoftext|>"))
-    return {"bos_token_id": int(meta["tokenizer.ggml.bos_token_id"]), "eos_token_id": eos,
-            "pad_token_id": int(meta["tokenizer.ggml.padding_token_id"])}
+    return {"bos_token_id": _token_id(meta, "tokenizer.ggml.bos_token_id", tokens), "eos_token_id": eos,
+            "pad_token_id": _token_id(meta, "tokenizer.ggml.padding_token_id", tokens)}
 
 
 # ---- the tokenizer, from the GGUF vocabulary ------------------------------------------------------
@@ -804,23 +865,35 @@ def tokenizer_files(meta: dict) -> tuple[dict, dict]:
         raise RegistryError(f"the GGUF's tokenizer is {meta.get('tokenizer.ggml.model')!r}, "
                             f"not byte-level BPE ('gpt2')")
     pre = meta.get("tokenizer.ggml.pre")
-    if pre not in _PRE_TOKENIZER_REGEX:
-        raise RegistryError(f"the GGUF's pre-tokenizer {pre!r} is not supported")
-    tokens = meta["tokenizer.ggml.tokens"]
+    if not isinstance(pre, str) or pre not in _PRE_TOKENIZER_REGEX:
+        raise RegistryError(f"the GGUF's pre-tokenizer {pre!r:.80} is not supported")
+    tokens = _vocabulary(meta)
     types = meta["tokenizer.ggml.token_type"]
+    if not isinstance(types, list) or len(types) != len(tokens):
+        raise RegistryError(f"the GGUF's tokenizer.ggml.token_type must list a type for each of its "
+                            f"{len(tokens)} tokens")
     vocab = {tok: i for i, (tok, kind) in enumerate(zip(tokens, types)) if kind == _NORMAL}
     # Control tokens (<|im_start|>, <|endoftext|>, ...) are special: skipped when decoding with
     # skip_special_tokens. User-defined ones (<tool_call>) are text the output parser reads.
     # Unused ids ([PAD151665] ...) exist only to round the embedding table up; they get no token.
     added = [added_token(i, tok, kind == _CONTROL)
              for i, (tok, kind) in enumerate(zip(tokens, types)) if kind in (_CONTROL, _USER_DEFINED)]
-    merges = [m.split(" ") for m in meta.get("tokenizer.ggml.merges", [])]
-    tokenizer = byte_level_tokenizer(vocab, merges, added, _PRE_TOKENIZER_REGEX[pre])
+    merges = meta.get("tokenizer.ggml.merges", [])
+    if not isinstance(merges, list) or not all(isinstance(m, str) and m.count(" ") == 1 for m in merges):
+        raise RegistryError("the GGUF's tokenizer.ggml.merges must be an array of strings, two tokens each")
+    tokenizer = byte_level_tokenizer(vocab, [m.split(" ") for m in merges], added, _PRE_TOKENIZER_REGEX[pre])
     by_id = {a["id"]: a["content"] for a in added}
-    bos, eos, pad = (by_id[int(meta[f"tokenizer.ggml.{k}_token_id"])] for k in ("bos", "eos", "padding"))
-    config = tokenizer_config(added, bos=bos, eos=eos, pad=pad,
+    named = {}
+    for kind in ("bos", "eos", "padding"):
+        key = f"tokenizer.ggml.{kind}_token_id"
+        token = _token_id(meta, key, tokens)
+        if token not in by_id:
+            raise RegistryError(f"the GGUF's {key} {token} is {tokens[token]!r:.80}, not one of its control tokens")
+        named[kind] = by_id[token]
+    arch = meta["general.architecture"]
+    config = tokenizer_config(added, bos=named["bos"], eos=named["eos"], pad=named["padding"],
                               add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-                              max_length=int(meta[f"{meta['general.architecture']}.context_length"]))
+                              max_length=_meta_int(meta, f"{arch}.context_length", "max_position_embeddings"))
     if meta.get("tokenizer.chat_template"):     # kept for the record: engine.chat renders the prompts
         config["chat_template"] = meta["tokenizer.chat_template"]
     return tokenizer, config

@@ -14,7 +14,8 @@ pipeline, parsers and encoders run for real; only the model is replaced:
   every other request runs on.
 
 FakeArgs tunes timing and faults: `delay_s` between tokens, `prefill_s` before a request's first token,
-`load_s` before Ready; `die_at` ("load": before Ready, "submit": when a request arrives) and `die_after`
+`load_s` before Ready; `die_at` ("load": before Ready, sending `load_fault` first when set, as the real
+worker says why it cannot load; "submit": when a request arrives) and `die_after`
 (tokens sent in the process's life) make the process exit abruptly, `hang_after` makes it stop
 answering (a stuck worker). With `fault_file`, the faults fire at most `fault_times` times over all
 the processes that share the file, so the server's next worker runs clean.
@@ -62,6 +63,7 @@ class FakeArgs:
     ctx: int = 4096
     slots: int = 4
     die_at: str | None = None         # "load" | "submit": exit at that point (fault injection)
+    load_fault: str | None = None     # with die_at "load": the Fault sent first, as the real worker's
     die_after: int | None = None      # tokens sent before the process exits (fault injection)
     hang_after: int | None = None     # tokens sent before the process stops answering for good
     fault_file: str | None = None     # counts the faults fired; None: every process fires them
@@ -164,6 +166,8 @@ def main(conn: Connection, args: FakeArgs | dict) -> None:
     conn.send(protocol.Loading("weights", 0, 1))
     time.sleep(args.load_s)
     if args.die_at == "load" and _fault(args):
+        if args.load_fault is not None:
+            conn.send(protocol.Fault(args.load_fault))
         os._exit(FAULT_EXIT_CODE)
     # The ids as the real worker makes them: its components (the tokenizer files, no weights), and a
     # "deployment" of the fake's settings.
