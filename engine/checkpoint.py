@@ -179,9 +179,10 @@ def _model_type(folder: str) -> str | None:
     """config.json's model_type in the folder (a GGUF's companion folder has one), if any."""
     try:
         with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-            return json.load(f).get("model_type")
+            config = json.load(f)
     except (OSError, ValueError):
         return None
+    return config.get("model_type") if isinstance(config, dict) else None
 
 
 def _joined_name(name: str) -> tuple[str, tuple[str, str]] | None:

@@ -267,7 +267,10 @@ def _demo_source(d: dict) -> DemoSource:
 def _spec_from_folder(folder: str, model_id: str | None = None) -> ModelSpec:
     config = _read_config(folder)
     family = _family_of(config, folder)
-    context = int(config.get("max_position_embeddings") or FOLDER_DEFAULTS["ctx"])
+    context = config.get("max_position_embeddings") or FOLDER_DEFAULTS["ctx"]
+    problem = int_problem("max_position_embeddings", context)
+    if problem:
+        raise RegistryError(f"{folder}/config.json max_position_embeddings {problem}")
     return ModelSpec(
         id=model_id or Path(folder).name.lower(), family=family,
         chat_format=format_of(_chat_template(folder), family),

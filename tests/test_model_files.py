@@ -296,6 +296,7 @@ QWEN3 = json.loads((TINY / "qwen3" / "config.json").read_text())
     (dict(QWEN3, rope_scaling={"rope_type": "yarn", "factor": math.nan, "original_max_position_embeddings": 64}),
      "config.json rope factor must be a positive number, got nan"),
     (dict(QWEN3, model_type=["qwen3"]), "model_type"),
+    (dict(QWEN3, max_position_embeddings="4096"), "config.json max_position_embeddings must be a positive integer"),
     (dict(QWEN3, intermediate_size=96), "tensor model.layers.0.mlp.gate_proj.weight has shape [128, 64]; the "
                                         "model's config gives [96, 64]"),
 ])
