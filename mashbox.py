@@ -2338,7 +2338,10 @@ class Bridge:
         gives up (failed, on_failed: the server stops with that reason) instead of starting workers
         that fail forever; a death without a Fault (a kill, a crash) is restarted as before."""
         fault, self._load_fault = self._load_fault, None
-        repeated = fault is not None and fault == self._last_load_fault
+        # A worker of a multi-host group also fails while loading when a peer is gone or slow to come,
+        # and that passes once the peer is back (docs/scale-out.md): a group keeps being restarted.
+        grouped = isinstance(self.worker_args, dict) and bool(self.worker_args.get("distributed"))
+        repeated = fault is not None and fault == self._last_load_fault and not grouped
         self._last_load_fault = fault
         return repeated
 

@@ -446,3 +446,17 @@ def test_a_fault_while_loading_that_passes_is_restarted_as_before(tmp_path):
         assert any("worker fault: OSError: the disk was busy" in line for line in logs), logs
     finally:
         server.stop()
+
+
+def test_a_multi_host_groups_worker_is_restarted_through_repeated_faults():
+    """Guards against a leader that gives up while a follower host is away (its worker fails loading
+    the same way, a peer gone, until the peer is back: docs/scale-out.md); one host's server stops."""
+    import mashbox
+    from engine import protocol
+    for distributed, stops in ((["10.0.0.1:7000", 2, 0], False), (None, True)):
+        bridge = mashbox.Bridge({"distributed": distributed})
+        said = []
+        for _ in range(2):
+            bridge._on_message(bridge._generation, protocol.Fault("RuntimeError: follower process 1 disconnected"))
+            said.append(bridge._same_load_fault())
+        assert said == [False, stops], distributed
