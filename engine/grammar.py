@@ -5,8 +5,10 @@ byte for byte as the model's chat template writes calls.
     lark(constraint, plain)      a Constraint (engine.protocol) as a grammar in llguidance's Lark
                                  dialect: the call forms engine.chat renders and reads, each tool's
                                  arguments as its JSON schema (`plain` tools: any arguments)
-    Grammars(folder, vocab)      the worker's side: grammars compiled off the engine's thread and kept
-                                 per tool set, one matcher per constrained request, the rows' masks
+    Grammars(folder, vocab)      the worker's side: grammars compiled off the engine's thread (each
+                                 first in a trial process, killed past its budget), tenants in
+                                 turn, kept per tool set; one matcher per constrained request, the
+                                 rows' masks
 
 The masks come from llguidance (an optional extra: pip install 'mashbox[tools]'); without it every
 request runs unconstrained and the output parser reads whatever the model wrote, as before.
@@ -50,15 +52,19 @@ not have opened it).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import re
+import select
+import subprocess
+import sys
 import threading
 import time
-from collections import OrderedDict
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -346,14 +352,32 @@ def lark(c: Constraint, plain: frozenset[str] = frozenset()) -> str:
 # Compiled grammars kept, per tool set (agents send the same tools with every request): the least
 # recently used go first.
 CACHE_GRAMMARS = 32
-# A request waits this long for its grammar to compile, then runs unconstrained; the compile goes on
-# and the next request with the same tools finds it ready. Real agents' tool sets compile in
-# milliseconds (docs/tool-calls.md); a hostile one can take seconds and must not hold a slot.
+# A request waits this long for its grammar to compile, then runs unconstrained. Real agents' tool
+# sets compile in milliseconds (docs/tool-calls.md); a hostile one must not hold a slot.
 COMPILE_WAIT_S = 2.0
 # Past either bound every tool is constrained by its name only (arguments: any JSON object): a
 # thousand small schemas take about half a second to compile, ten thousand exceed the library's limits.
 SCHEMA_TOOLS_MAX = 512
 SCHEMA_BYTES_MAX = 1 << 20
+# What compiling one request's schemas may spend: CPU seconds of its trial process (what a loaded
+# host does not stretch), and wall-clock seconds (a starved one). The library bounds its lexer and
+# parser (LLParserLimits) but not its JSON-schema stage (an allOf of anyOfs multiplies out: four of
+# ten string patterns are 10,000 intersections, seconds a tool), and a compile cannot be stopped
+# inside the worker: so every grammar is first compiled in a trial process, killed past either bound,
+# and then the tool set is constrained by name only. A grammar that passes compiles again here, in
+# about the trial's CPU time. Real agents' tool sets take milliseconds (docs/tool-calls.md).
+COMPILE_BUDGET_S = 2.0
+COMPILE_WALL_S = 10.0
+# How often a trial's CPU time is read while it compiles.
+TRIAL_POLL_S = 0.05
+# Grammars compiled at once, each of a different tenant: a tenant's compiles wait behind its own.
+COMPILE_THREADS = 2
+# How long a trial process may take to start (its imports) before schemas go unchecked (names only).
+TRIAL_START_S = 30.0
+# Address space a trial may take beyond what its process holds when it starts: past it the trial fails.
+TRIAL_MEMORY_BYTES = 1 << 30
+# A trial's messages: the length of what follows, in bytes.
+_FRAME = 8
 
 
 def mask_words(vocab_size: int) -> int:
@@ -368,6 +392,146 @@ def cache_key(c: Constraint) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _limits(llg):
+    """The library's default bounds on a grammar's size and each step's work, with short errors."""
+    return llg.LLParserLimits(verbose_errors=False)
+
+
+@dataclass
+class _Budget:
+    """Where one request's trial compiles stop: the trial process's CPU seconds, time.monotonic()."""
+    cpu: float
+    wall: float
+
+
+class _Trial:
+    """A process that compiles grammars as the library does without a tokenizer (the schemas, the
+    grammar, its lexer: what the tokenizer adds is bounded by LLParserLimits) and says what failed.
+    Started at its first use; killed when a compile runs past its budget, and started again at once,
+    so that the next compile finds its imports (about 0.3 s, more on a loaded machine) done."""
+
+    def __init__(self):
+        self._proc: subprocess.Popen | None = None
+        self._ready = False
+
+    def ready(self) -> None:
+        """Wait until the process is there to compile (started if it is not): a compile's budget
+        counts from here. OSError if it does not start within TRIAL_START_S."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+        if not self._ready:
+            said = self._reply(self._proc, time.monotonic() + TRIAL_START_S)
+            if said != "":
+                self.close()
+                raise OSError(f"the trial process did not start: {said or f'not within {TRIAL_START_S:g} s'}")
+            self._ready = True
+
+    def check(self, text: str, budget: "_Budget") -> str | None:
+        """"" when the grammar compiles, the library's error when it does not, None when the budget
+        ran out first (the process is killed, and a fresh one starts). Call ready() first."""
+        if self.cpu_s() >= budget.cpu or time.monotonic() >= budget.wall:
+            return None
+        data = text.encode()
+        try:
+            self._proc.stdin.write(len(data).to_bytes(_FRAME, "little") + data)
+            self._proc.stdin.flush()
+            reply = self._reply(self._proc, budget.wall, budget.cpu)
+        except OSError as e:
+            self.close()
+            return f"the trial compile failed: {e}"
+        if reply is None:
+            self.close()
+            self._start()
+        return reply
+
+    def cpu_s(self) -> float:
+        """The process's CPU seconds so far (0 where /proc does not say: the wall-clock bound alone)."""
+        try:
+            with open(f"/proc/{self._proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, AttributeError):
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def _start(self) -> None:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, PYTHONPATH=path, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+        self._proc = subprocess.Popen([sys.executable, "-m", "engine.grammar"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, env=env)
+        self._ready = False
+
+    def _reply(self, proc: subprocess.Popen, deadline: float, cpu: float = float("inf")) -> str | None:
+        """The trial's next message, or None past the deadline (time.monotonic()) or once the process
+        has spent `cpu` seconds. A process that ended answers its exit."""
+        fd, data, need = proc.stdout.fileno(), b"", _FRAME
+        while len(data) < need:
+            ready, _, _ = select.select([fd], [], [], max(0.0, min(TRIAL_POLL_S, deadline - time.monotonic())))
+            if not ready:
+                if time.monotonic() >= deadline or self.cpu_s() >= cpu:
+                    return None
+                continue
+            chunk = os.read(fd, need - len(data))
+            if not chunk:
+                return f"the trial compile ended with exit status {proc.wait()}"
+            data += chunk
+            if len(data) == _FRAME and need == _FRAME:
+                need += int.from_bytes(data, "little")
+        return data[_FRAME:].decode(errors="replace")
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+
+def _serve_trials() -> None:
+    """The trial process (python -m engine.grammar): grammars in, the library's verdict out (the
+    first line of its error, or nothing), until the worker closes the pipe or dies."""
+    import resource
+    import llguidance
+    if sys.platform == "linux":                 # killed with the worker, not left compiling
+        import ctypes
+        ctypes.CDLL(None).prctl(1, 9)           # PR_SET_PDEATHSIG, SIGKILL
+    with open("/proc/self/statm") as f:
+        held = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    soft = held + TRIAL_MEMORY_BYTES if hard == resource.RLIM_INFINITY else min(held + TRIAL_MEMORY_BYTES, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    limits = _limits(llguidance)
+    source, sink = sys.stdin.buffer, sys.stdout.buffer
+    try:
+        sink.write(bytes(_FRAME))               # ready: an empty message
+        sink.flush()
+        while len(head := source.read(_FRAME)) == _FRAME:
+            text = source.read(int.from_bytes(head, "little")).decode()
+            try:
+                error = llguidance.LLMatcher.validate_grammar(text, None, limits=limits)
+            except Exception as e:   # noqa: BLE001 - the verdict is the text
+                error = f"{type(e).__name__}: {e}"
+            reply = (error.splitlines() or [""])[0].encode()
+            sink.write(len(reply).to_bytes(_FRAME, "little") + reply)
+            sink.flush()
+    except BrokenPipeError:
+        return                                  # the worker is gone
+
+
+def _allows(bits: np.ndarray, token: int) -> bool:
+    """Whether a row's mask (int32 words, llguidance's layout) allows a token."""
+    return bool(bits.view(np.uint32)[token >> 5] >> np.uint32(token & 31) & 1)
+
+
+def _forbid(bits: np.ndarray, token: int) -> None:
+    """Take a token out of a row's mask, unless it is the only one the mask allows (then the state
+    before it is the dead end, and the grammar drops when that token is drawn, as without drafts)."""
+    words, w = bits.view(np.uint32), token >> 5
+    before = words[w]
+    words[w] = before & ~np.uint32(1 << (token & 31))
+    if not words.any():
+        words[w] = before
+
+
 @dataclass
 class _Row:
     mode: str
@@ -375,21 +539,38 @@ class _Row:
     mask_s: float = 0.0
 
 
+@dataclass
+class _Job:
+    """One tenant's compile of a tool set: the requests waiting for it (a request that goes, or stops
+    waiting, leaves; a job nobody waits for is dropped before it starts) and its result."""
+    key: str
+    constraint: Constraint
+    tenant: str
+    rids: set[str] = field(default_factory=set)
+    result: tuple[object | None, str | None] | None = None      # (pristine matcher, note) once done
+
+
 class Grammars:
-    """Tool-call constraints in the engine worker: open() a request's Constraint when it arrives (the
-    grammar compiles on a thread of its own, or comes from the cache), and once settled() it is
-    scheduled; masks() gives the next token's mask of every constrained row of a batch, advance()
-    feeds each drawn token to its row, close() ends the row. Without llguidance, `off` says why and
-    every request settles at once, unconstrained. Notes for the server log collect in `notes`."""
+    """Tool-call constraints in the engine worker: open() a request's Constraint when it arrives (from
+    the cache at once, or compiled off the engine's thread: COMPILE_THREADS threads, one tenant's
+    compile on each, tenants in turn), and once settled() it is scheduled; masks() gives the next
+    token's mask of every constrained row of a batch, advance() feeds each drawn token to its row,
+    close() ends the row. Without llguidance, `off` says why and every request settles at once,
+    unconstrained. Notes for the server log collect in `notes`."""
 
     def __init__(self, folder: str, vocab_size: int):
         self.vocab_size = vocab_size
         self.words = mask_words(vocab_size)
         self.notes: list[tuple[str, str]] = []
         self.rows: dict[str, _Row] = {}
-        self._jobs: dict[str, tuple[Constraint, Future, float]] = {}
+        self.dropped = 0                  # compiles dropped before they started: nobody waited
+        self._waiting: dict[str, tuple[str, _Job, float]] = {}       # rid -> (mode, its job, since)
         self._cache: OrderedDict[str, tuple[object | None, str | None]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._queues: OrderedDict[str, deque[_Job]] = OrderedDict()  # tenant -> its jobs, in turn
+        self._jobs: dict[tuple[str, str], _Job] = {}                 # (tenant, key) -> queued or running
+        self._compiling: set[str] = set()                            # tenants with a compile running
+        self._trials: list[_Trial] = []                              # idle trial processes
+        self._cond = threading.Condition()
         try:
             import llguidance
         except ImportError:
@@ -400,114 +581,197 @@ class Grammars:
             return
         self.off, self.version = None, f"llguidance {getattr(llguidance, '__version__', '')}".strip()
         self._llg = llguidance
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         # The tokenizer's token trie (about a second) is built first, beside the worker's start-up.
-        self._tokenizer = self._pool.submit(self._load_tokenizer, folder)
+        self._tokenizer: Future = Future()
+        threading.Thread(target=self._load_tokenizer, args=(folder,), name="grammar-tokenizer", daemon=True).start()
+        for i in range(COMPILE_THREADS):
+            threading.Thread(target=self._serve, name=f"grammar-{i}", daemon=True).start()
         self._executor = llguidance.LLExecutor()
 
-    def _load_tokenizer(self, folder: str):
-        stop_ids = Tokenizer.from_folder(folder).stop_ids
-        return self._llg.LLTokenizer(os.path.join(folder, "tokenizer.json"), n_vocab=self.vocab_size,
-                                     eos_token=stop_ids)
+    def _load_tokenizer(self, folder: str) -> None:
+        try:
+            stop_ids = Tokenizer.from_folder(folder).stop_ids
+            self._tokenizer.set_result(self._llg.LLTokenizer(
+                os.path.join(folder, "tokenizer.json"), n_vocab=self.vocab_size, eos_token=stop_ids))
+        except BaseException as e:   # noqa: BLE001 - every compile reports it
+            self._tokenizer.set_exception(e)
 
     # -- a request's grammar ---------------------------------------------------------------------
 
-    def open(self, rid: str, c: Constraint) -> None:
+    def open(self, rid: str, c: Constraint, tenant: str = "") -> None:
+        """A request's constraint: its row at once from the cache (never behind a compile), else
+        its tenant's compile of it, queued or joined."""
         if self.off is not None:
             self.rows[rid] = _Row(c.mode, None)
             return
-        self._jobs[rid] = (c, self._pool.submit(self._compiled, c), time.monotonic())
+        key = cache_key(c)
+        with self._cond:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                self.rows[rid] = self._row(c.mode, self._cache[key][0])
+                return
+            job = self._jobs.get((tenant, key))
+            if job is None:
+                job = self._jobs[(tenant, key)] = _Job(key, c, tenant)
+                self._queues.setdefault(tenant, deque()).append(job)
+                self._cond.notify_all()
+            job.rids.add(rid)
+            self._waiting[rid] = (c.mode, job, time.monotonic())
+
+    @staticmethod
+    def _row(mode: str, pristine) -> _Row:
+        return _Row(mode, pristine.deep_copy() if pristine is not None else None)
 
     def settled(self, rid: str) -> bool:
         """Whether the request can be scheduled: its grammar is ready (or failed, or took too long,
         and it runs unconstrained)."""
         if rid in self.rows:
             return True
-        c, job, since = self._jobs[rid]
-        if job.done():
-            matcher, note = job.result()
-        elif time.monotonic() - since >= COMPILE_WAIT_S:
-            matcher, note = None, (f"tool-call grammar not compiled after {COMPILE_WAIT_S:g} s; the "
-                                   "request runs unconstrained (the compile goes on for the next one)")
-        else:
-            return False
-        del self._jobs[rid]
+        mode, job, since = self._waiting[rid]
+        with self._cond:
+            if job.result is not None:
+                (pristine, note), found = job.result, True
+            elif job.key in self._cache:        # another tenant's compile of the same tools
+                (pristine, _), note, found = self._cache[job.key], None, True
+            else:
+                found = False
+            if not found and time.monotonic() - since < COMPILE_WAIT_S:
+                return False
+            del self._waiting[rid]
+            job.rids.discard(rid)
+        if not found:
+            pristine, note = None, (f"tool-call grammar not compiled after {COMPILE_WAIT_S:g} s; the request "
+                                    "runs unconstrained")
         if note:
             self.notes.append((rid, note))
-        self.rows[rid] = _Row(c.mode, matcher.deep_copy() if matcher is not None else None)
+        self.rows[rid] = self._row(mode, pristine)
         return True
 
     def wait(self, timeout: float) -> None:
         """Block until some compile finishes (or the timeout): the engine has nothing else to do."""
-        jobs = [job for _, job, _ in self._jobs.values()]
-        if jobs:
-            wait(jobs, timeout=timeout, return_when=FIRST_COMPLETED)
+        with self._cond:
+            jobs = [job for _, job, _ in self._waiting.values()]
+            if jobs and not any(job.result is not None or job.key in self._cache for job in jobs):
+                self._cond.wait(timeout)
 
     @property
     def waiting(self) -> int:
-        return len(self._jobs)
+        return len(self._waiting)
+
+    # -- the compile threads ---------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        """A compile thread: the next tenant's oldest job that someone waits for, compiled."""
+        while True:
+            job = self._next_job()
+            result = self._compiled(job.constraint)
+            with self._cond:
+                job.result = result
+                self._compiling.discard(job.tenant)
+                del self._jobs[(job.tenant, job.key)]
+                self._cond.notify_all()
+
+    def _next_job(self) -> _Job:
+        """Tenants take turns (the one served goes to the back), each with one compile at most; jobs
+        whose requests all went (or stopped waiting) are dropped."""
+        with self._cond:
+            while True:
+                for tenant in list(self._queues):
+                    queue = self._queues[tenant]
+                    if tenant in self._compiling:
+                        continue
+                    while queue and not queue[0].rids:
+                        gone = queue.popleft()
+                        del self._jobs[(tenant, gone.key)]
+                        self.dropped += 1
+                    if not queue:
+                        del self._queues[tenant]
+                        continue
+                    self._queues.move_to_end(tenant)
+                    self._compiling.add(tenant)
+                    return queue.popleft()
+                self._cond.wait()
 
     def _compiled(self, c: Constraint) -> tuple[object | None, str | None]:
-        """(pristine matcher, note for the log) for a Constraint, compiled now or from the cache. Runs
-        on the grammar thread, and never raises: what fails leaves the request unconstrained."""
-        try:
-            return self._compile(c)
-        except Exception as e:       # noqa: BLE001 - a request runs unconstrained, the worker lives
-            return None, f"tool-call grammar failed; the request runs unconstrained: {type(e).__name__}: {e}"
-
-    def _compile(self, c: Constraint) -> tuple[object | None, str | None]:
-        """A tool whose schema the library refuses is constrained by name only; so is every tool of a
-        set too large to compile schema by schema."""
+        """(pristine matcher, note for the log) for a Constraint, compiled now or from the cache. Never
+        raises: what fails leaves the request unconstrained."""
         key = cache_key(c)
-        with self._lock:
+        with self._cond:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key][0], None
+        with self._cond:
+            trial = self._trials.pop() if self._trials else _Trial()
+        try:
+            result = self._compile(c, trial)
+        except Exception as e:       # noqa: BLE001 - a request runs unconstrained, the worker lives
+            result = None, f"tool-call grammar failed; the request runs unconstrained: {type(e).__name__}: {e}"
+        with self._cond:
+            self._trials.append(trial)
+            self._cache[key] = result
+            while len(self._cache) > CACHE_GRAMMARS:
+                self._cache.popitem(last=False)
+        return result
+
+    def _compile(self, c: Constraint, trial: _Trial) -> tuple[object | None, str | None]:
+        """Schemas within the bounds and the budget are enforced; a tool whose schema the library
+        refuses is constrained by name only, and so is every tool of a set too large or too slow."""
         tok = self._tokenizer.result()
-        names = [name for name, _ in c.tools]
         size = sum(len(json.dumps(s, default=str)) for _, s in c.tools)
-        plain: frozenset[str] = frozenset()
         if len(c.tools) > SCHEMA_TOOLS_MAX or size > SCHEMA_BYTES_MAX:
-            plain = frozenset(names)
+            plain = frozenset(name for name, _ in c.tools)
             note = (f"{len(c.tools)} tools, {size:,} bytes of schemas: calls are constrained by tool "
                     f"name only (at most {SCHEMA_TOOLS_MAX} tools and {SCHEMA_BYTES_MAX:,} bytes)")
         else:
-            note = None
+            try:
+                trial.ready()
+                budget = _Budget(trial.cpu_s() + COMPILE_BUDGET_S, time.monotonic() + COMPILE_WALL_S)
+                plain, note = self._screened(c, trial, budget)
+            except OSError as e:
+                plain = frozenset(name for name, _ in c.tools)
+                note = f"tool-call grammar: the schemas are not checked, so not enforced (only the names): {e}"
         matcher, error = self._matcher(tok, c, plain)
-        if error and not plain:
-            refused = frozenset(name for name, schema in c.tools if self._refused(tok, schema))
-            plain = refused or frozenset(names)
-            note = (f"tool-call grammar: the schemas of {', '.join(sorted(refused)) or 'the tool set'} "
-                    f"are not enforced (only the names): {error[:300]}")
+        if error and len(plain) < len(c.tools):     # past what the trial compiles: by the names
+            plain = frozenset(name for name, _ in c.tools)
+            note = f"tool-call grammar: the schemas are not enforced (only the names): {error[:300]}"
             matcher, error = self._matcher(tok, c, plain)
         if error:
             matcher, note = None, f"tool-call grammar failed; the request runs unconstrained: {error[:300]}"
-        with self._lock:
-            self._cache[key] = (matcher, note)
-            while len(self._cache) > CACHE_GRAMMARS:
-                self._cache.popitem(last=False)
         return matcher, note
+
+    def _screened(self, c: Constraint, trial: _Trial, budget: _Budget) -> tuple[frozenset[str], str | None]:
+        """(the tools constrained by name only, a note) after trial compiles within the budget: the
+        whole grammar, and when it fails each tool's schema on its own (in order, while the budget
+        lasts; those left are by name)."""
+        error = trial.check(lark(c), budget)
+        if error == "":
+            return frozenset(), None
+        tools = [(n, s) for n, s in c.tools if c.mode != "named" or n == c.name]
+        names = frozenset(name for name, _ in c.tools)
+        if error is None:
+            return names, (f"tool-call grammar: the schemas did not compile within {COMPILE_BUDGET_S:g} s of CPU "
+                           f"({COMPILE_WALL_S:g} s in all); calls are constrained by tool name only")
+        refused: set[str] = set()
+        for i, (name, schema) in enumerate(tools):
+            verdict = trial.check(lark(dataclasses.replace(c, tools=[(name, schema)])), budget)
+            if verdict is None:
+                refused.update(n for n, _ in tools[i:])
+                error += f" (past the budget: {len(tools) - i} of the schemas not checked)"
+                break
+            if verdict:
+                refused.add(name)
+        plain = frozenset(refused) or names
+        return plain, (f"tool-call grammar: the schemas of {', '.join(sorted(refused)) or 'the tool set'} "
+                       f"are not enforced (only the names): {error[:300]}")
 
     def _matcher(self, tok, c: Constraint, plain: frozenset[str]):
         try:
             matcher = self._llg.LLMatcher(tok, self._llg.LLMatcher.grammar_from_lark(lark(c, plain)),
-                                          log_level=0, limits=self._limits())
+                                          log_level=0, limits=_limits(self._llg))
         except Exception as e:       # noqa: BLE001 - the library's own failures are reported as text
             return None, f"{type(e).__name__}: {e}"
         # The first line says what failed; the rest would quote the schemas into the log.
         return (None, matcher.get_error().splitlines()[0]) if matcher.is_error() else (matcher, None)
-
-    def _limits(self):
-        """The library's default bounds on a grammar's size and each step's work, with short errors."""
-        return self._llg.LLParserLimits(verbose_errors=False)
-
-    def _refused(self, tok, schema: dict) -> bool:
-        """Whether the library refuses one tool's arguments schema on its own."""
-        try:
-            grammar = self._llg.LLMatcher.grammar_from_lark(f"start: %json {_schema(schema)}\n")
-            return bool(self._llg.LLMatcher.validate_grammar(grammar, tok, limits=self._limits()))
-        except Exception:            # noqa: BLE001
-            return True
 
     # -- the rows ----------------------------------------------------------------------------------
 
@@ -540,35 +804,38 @@ class Grammars:
     def masks_ahead(self, rids: list[str | None], drafts: list[list[int]], t: int
                     ) -> tuple[np.ndarray, list[list[int]]]:
         """The masks of a decode step whose rows carry drafts (engine.speculative): [rows, t, words]
-        int32, position i's mask given the row's first i drafted tokens, and the drafts cut where
-        the grammar refuses a token (the sampler could not draw it there). A row with no
-        constraint, and positions past a row's draft, allow every token. Each matcher consumes the
-        draft to compute the masks and rolls it back: advance() feeds the tokens drawn."""
+        int32, position i's mask given the row's first i drafted tokens, and each draft cut before
+        its first token that its position's mask refuses (the sampler could not draw it there) or
+        after which no token may follow (a dead end the library sees only once there: that token
+        leaves its position's mask). A row's draft runs on a copy of its matcher, so the row's own
+        advances by the drawn tokens only (advance()), as without drafts, whatever a draft holds. A
+        row with no constraint, and positions past a row's draft, allow every token."""
         bits = np.full((len(rids), t, self.words), -1, np.int32)
         drafts = [list(d) for d in drafts]
         first = self.masks(rids)
         if first is None:
             return bits, drafts
         bits[:, 0] = first
-        t0 = time.perf_counter()
         for i, rid in enumerate(rids):
-            if not self.constrained(rid) or not drafts[i]:
-                continue
-            row = self.rows[rid]
-            matcher = row.matcher
-            draft = drafts[i][:matcher.validate_tokens(drafts[i])]
-            consumed = 0
-            for token in draft:
-                if not matcher.consume_token(token):
-                    break
-                consumed += 1
-                mask = bits[i, consumed]
-                matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
-            matcher.rollback(consumed)
-            drafts[i] = draft[:consumed]
-            row.mask_s += time.perf_counter() - t0
-            t0 = time.perf_counter()
+            if self.constrained(rid) and drafts[i]:
+                row = self.rows[rid]
+                t0 = time.perf_counter()
+                drafts[i] = self._ahead(row.matcher.deep_copy(), drafts[i], bits[i])
+                row.mask_s += time.perf_counter() - t0
         return bits, drafts
+
+    def _ahead(self, matcher, draft: list[int], bits: np.ndarray) -> list[int]:
+        """One row's masks after each drafted token (bits[1:], bits[0] given), on a matcher of its
+        own; the draft as far as the sampler could draw it."""
+        for k, token in enumerate(draft):
+            if not 0 <= token < self.vocab_size or not _allows(bits[k], token) or not matcher.consume_token(token):
+                return draft[:k]
+            mask = bits[k + 1]
+            matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+            if matcher.is_error():              # nothing may follow the token: never draw it here
+                _forbid(bits[k], token)
+                return draft[:k]
+        return draft
 
     def advance(self, rid: str, token: int) -> None:
         """The token drawn for a row (the mask allowed it); a stop id ends the grammar's answer."""
@@ -581,9 +848,17 @@ class Grammars:
         row.matcher = None
 
     def close(self, rid: str) -> tuple[str | None, float]:
-        """End a request's row: (the mode it ran constrained under, or None; its mask time in ms)."""
-        self._jobs.pop(rid, None)
+        """End a request's row: (the mode it ran constrained under, or None; its mask time in ms). A
+        request that goes while its grammar is queued leaves the compile (dropped if nobody else waits)."""
+        with self._cond:
+            waiting = self._waiting.pop(rid, None)
+            if waiting is not None:
+                waiting[1].rids.discard(rid)
         row = self.rows.pop(rid, None)
         if row is None:
             return None, 0.0
         return (row.mode if row.matcher is not None else None), round(row.mask_s * 1000, 3)
+
+
+if __name__ == "__main__":
+    _serve_trials()

@@ -497,7 +497,7 @@ class Engine:
                           cuts=sorted(set(msg.cuts)), tenant=msg.tenant)
         request.times["arrived"] = msg.submitted_at or now
         if msg.constraint is not None:
-            self.grammars.open(msg.rid, msg.constraint)
+            self.grammars.open(msg.rid, msg.constraint, msg.tenant)     # its compile queues per tenant
             self.held[msg.rid] = request
             self._release_held()
         else:

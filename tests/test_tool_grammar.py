@@ -871,6 +871,113 @@ def test_a_compile_is_kept_per_tool_set(grammars):
     assert again is first and time.perf_counter() - t0 < 0.01
 
 
+def costly_schema(salt: str) -> dict:
+    """Arguments whose one string must match an allOf of 4 anyOfs of 10 patterns each: cheap to send
+    (1.6 KB), 10,000 pattern intersections for the library's JSON-schema stage (seconds), which has no
+    bound of its own. `salt` changes the last pattern, so the cache never has it."""
+    return {"type": "object", "required": ["v"], "properties": {"v": {"allOf": [
+        {"anyOf": [{"type": "string", "pattern": f"{chr(97 + j)}{i}" + (salt if (j, i) == (3, 9) else "")}
+                   for i in range(10)]} for j in range(4)]}}}
+
+
+def costly_tools(n: int, salt: str) -> list[tuple[str, dict]]:
+    return [(f"costly_{i}", costly_schema(f"{salt}x{i}")) for i in range(n)]
+
+
+def _until_idle(g: grammar.Grammars) -> None:
+    """Wait until no compile runs or waits (a test's costly compiles must not hold the next test's)."""
+    t0 = time.monotonic()
+    while g._compiling or g._queues:
+        assert time.monotonic() - t0 < 2 * grammar.COMPILE_WALL_S, "the compile threads stay busy"
+        time.sleep(0.05)
+
+
+def _settle(g: grammar.Grammars, rid: str, c: Constraint, tenant: str = "", bound: float = 30.0) -> float:
+    """Open a request's constraint and wait until it settles; the seconds that took."""
+    t0 = time.monotonic()
+    g.open(rid, c, tenant)
+    while not g.settled(rid):
+        assert time.monotonic() - t0 < bound, f"{rid} did not settle"
+        g.wait(0.02)
+    return time.monotonic() - t0
+
+
+# CPU a killed trial process spent beyond its budget: its start (imports) before the budget counts,
+# and the polls of its CPU time (every TRIAL_POLL_S, in clock ticks).
+BUDGET_SLACK_S = 1.0
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's children that have ended (a killed trial process among them)."""
+    t = os.times()
+    return t.children_user + t.children_system
+
+
+@pytest.mark.parametrize("tools", [
+    costly_tools(6, "six"),
+    [("broken", {"type": "object", "properties": {"k": {"type": "integer", "minimum": 5, "maximum": 3}}}),
+     *costly_tools(6, "retry")],
+], ids=["6 costly schemas", "a refused schema beside 6 costly ones"])
+def test_a_tool_set_past_the_compile_budget_is_constrained_by_name_within_it(grammars, tok, tools):
+    """Guards against schemas that take the library seconds each (an allOf of anyOfs of patterns)
+    compiling without a bound, and against the retry that checks every tool alone after the whole
+    set failed multiplying it: the compile ends within COMPILE_BUDGET_S, and the calls keep their
+    names (any arguments)."""
+    c = Constraint("auto", tools)
+    grammars._tokenizer.result()               # the token trie, built once per worker
+    cpu, t0 = _children_cpu_s(), time.monotonic()
+    pristine, note = grammars._compiled(c)
+    assert time.monotonic() - t0 < grammar.COMPILE_WALL_S, note
+    assert _children_cpu_s() - cpu < grammar.COMPILE_BUDGET_S + BUDGET_SLACK_S, note    # the killed trial's
+    assert pristine is not None and note, note         # the log says why the schemas are not held
+    for name in ("costly_0", "costly_5"):              # by name: arguments no schema takes
+        call = f'<tool_call>\n{{"name": "{name}", "arguments": {{"v": "no pattern"}}}}\n</tool_call>'
+        assert accepts(grammars, tok, c, call) and not accepts(grammars, tok, c, call.replace(name, "nobody"))
+    # The trial process killed at the budget was replaced: the next tool set is checked and enforced.
+    assert grammars._compiled(constraint(tools=[Tool(f"after_{time.time_ns()}", "", {"type": "object"})]))[1] is None
+
+
+def test_one_tenants_costly_compiles_do_not_hold_another_tenants_request(grammars):
+    """Guards against one grammar thread for everyone: a tenant sending tool sets that take seconds
+    each held every other tenant's constrained requests until they ran unconstrained. Another
+    tenant's compile runs beside them, and the first tenant's compiles whose requests went are
+    dropped before they start."""
+    grammars._tokenizer.result()               # the token trie, built once per worker
+    salt = f"hold{time.time_ns()}"
+    for i in range(4):
+        grammars.open(f"mallory-{i}", Constraint("auto", costly_tools(2, f"{salt}{i}")), "mallory")
+    time.sleep(0.05)                                   # mallory's first compile is running
+    alice = constraint(tools=[Tool(f"alice_{salt}", "", {"type": "object", "properties": {"q": {"type": "string"}}})])
+    _settle(grammars, "alice", alice, "alice")
+    assert grammars.close("alice")[0] == "auto"        # compiled before the wait ran out
+    dropped = grammars.dropped
+    for i in range(4):                                 # their clients went
+        grammars.close(f"mallory-{i}")
+    t0 = time.monotonic()
+    while grammars.dropped < dropped + 3:
+        assert time.monotonic() - t0 < grammar.COMPILE_WALL_S, "queued compiles ran"
+        time.sleep(0.02)
+    _until_idle(grammars)
+
+
+def test_a_cached_tool_set_is_ready_at_once_while_every_thread_compiles(grammars):
+    """Guards against a request whose tools are compiled already waiting behind compiles of tools
+    that are not (an agent resends its tools with every request)."""
+    grammars._tokenizer.result()               # the token trie, built once per worker
+    agent = constraint(tools=[Tool(f"agent_{time.time_ns()}", "", {"type": "object"})])
+    _settle(grammars, "first", agent, "alice")
+    assert grammars.close("first")[0] == "auto"
+    salt = f"busy{time.time_ns()}"
+    for i in range(grammar.COMPILE_THREADS):
+        grammars.open(f"busy-{i}", Constraint("auto", costly_tools(2, f"{salt}{i}")), f"tenant-{i}")
+    time.sleep(0.05)
+    grammars.open("again", agent, "alice")
+    assert grammars.settled("again") and grammars.close("again")[0] == "auto"
+    for i in range(grammar.COMPILE_THREADS):
+        grammars.close(f"busy-{i}")
+    _until_idle(grammars)
+
+
 def _fixture_jobs():
     """(where, Job) of every recorded agent request that offers tools."""
     import mashbox
@@ -892,6 +999,8 @@ def test_agents_tool_sets_compile_with_every_schema_enforced(grammars, fmt):
         pytest.skip("the recorded client traffic (../shared/fixtures/clients) is not here")
     if fmt not in chat.CHAT_FORMATS:
         pytest.skip(f"no {fmt} chat format here")
+    # The trial process started (once per worker, about 0.3 s), not counted against the first set.
+    assert grammars._compiled(constraint(tools=[Tool(f"warm_{time.time_ns()}", "", {"type": "object"})]))[1] is None
     seen = 0
     for where, job in _fixture_jobs():
         c = chat.tool_constraint(job, fmt)
@@ -942,13 +1051,15 @@ def test_the_sampler_mask_reads_llguidance_bits():
 BYTE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>"]
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory) -> str:
-    """The tiny Qwen3 checkpoint with a byte-level tokenizer of its own (256 bytes and the chat
-    specials within its 320 ids), so that a grammar can constrain what the random model draws."""
+TINY_VOCAB = 320                    # the tiny checkpoint's logits
+
+
+def byte_level_folder(folder: Path) -> str:
+    """The tiny Qwen3 checkpoint copied into `folder` with a byte-level tokenizer of its own (256
+    bytes and the chat specials within its TINY_VOCAB ids), so that a grammar can constrain what the
+    random model draws."""
     import shutil
     from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
-    folder = tmp_path_factory.mktemp("tiny-tokenizer")
     for f in (Path(__file__).parent / "fixtures" / "tiny" / "qwen3").iterdir():
         shutil.copy(f, folder / f.name)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -958,6 +1069,11 @@ def tiny_folder(tmp_path_factory) -> str:
     hf.add_special_tokens(BYTE_SPECIALS)
     hf.save(str(folder / "tokenizer.json"))
     return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> str:
+    return byte_level_folder(tmp_path_factory.mktemp("tiny-tokenizer"))
 
 
 @pytest.fixture(scope="module")
@@ -1035,6 +1151,69 @@ def test_a_constrained_row_drafted_from_its_prompt_draws_what_it_draws_undrafted
     assert engines[0].compiles_after_ready() == 0
 
 
+@pytest.fixture(scope="module")
+def byte_grammars(tiny_folder) -> grammar.Grammars:
+    """Grammars on the byte-level vocabulary: one token a character, so a draft is exactly its text."""
+    g = grammar.Grammars(tiny_folder, TINY_VOCAB)
+    g._tokenizer.result()
+    return g
+
+
+TWO_NUMBERS = {"type": "object", "additionalProperties": False,
+               "properties": {"n": {"type": "integer"}, "m": {"type": "integer"}}}
+
+
+def test_a_rolled_back_draft_leaves_no_mask_behind(byte_grammars, tiny_folder):
+    """Guards against a draft's masks reaching the row once the drawn tokens leave it: the library
+    keeps the last mask it computed under the lexer's state and the parser row's index, and a
+    rollback reuses row indices, so after a drafted '{"n": 5' the drawn '{"m": 5' was given its
+    mask (a comma allowed, which "m", the last property, cannot take: drawn, it drops the grammar)."""
+    tok = chat.Tokenizer.from_folder(tiny_folder)
+    g = byte_grammars
+    _settle(g, "stale", Constraint("named", [("pick", TWO_NUMBERS)], name="pick"))
+    undrafted = g.rows["stale"].matcher.deep_copy()
+    draft = tok.encode('{"n": 5')
+    _, kept = g.masks_ahead(["stale"], [draft], len(draft) + 1)
+    assert kept == [draft]
+    for token in tok.encode('{"m": 5'):
+        g.advance("stale", token)
+        undrafted.consume_token(token)
+    allowed = _allowed(g.masks(["stale"])[0], TINY_VOCAB)
+    assert (allowed == _mask(undrafted, TINY_VOCAB)).all() and not allowed[tok.encode(",")[0]]
+    assert g.close("stale")[0] == "named"
+
+
+def test_a_draft_through_the_end_of_the_answer_leaves_the_row_able_to_go_on(byte_grammars, tiny_folder):
+    """Guards against a draft running through the call's end and its stop id breaking the row: the
+    rollback past the end left the matcher refusing the next token drawn, and the grammar dropped."""
+    tok = chat.Tokenizer.from_folder(tiny_folder)
+    g = byte_grammars
+    _settle(g, "through", Constraint("named", [("pick", PICK.parameters)], name="pick"))
+    head, rest = '{"unit": "celsius", "', 'n": true}}\n</tool_call>'
+    for token in tok.encode(head):
+        g.advance("through", token)
+    draft = tok.encode(rest) + [tok.stop_ids[0]]
+    g.masks_ahead(["through"], [draft], len(draft) + 1)
+    for token in draft:
+        assert _allowed(g.masks(["through"])[0], TINY_VOCAB)[token]
+        g.advance("through", token)
+    assert not g.notes and g.close("through")[0] == "named"
+
+
+def test_drafted_tokens_are_cut_where_their_masks_refuse_them(byte_grammars, tiny_folder):
+    """Guards against drafting past a token the sampler could not draw there (its verification would
+    only throw the rest away) or computing masks after it."""
+    tok = chat.Tokenizer.from_folder(tiny_folder)
+    g = byte_grammars
+    _settle(g, "cut", Constraint("named", [("pick", TWO_NUMBERS)], name="pick"))
+    draft = tok.encode('{"n": x1')
+    bits, kept = g.masks_ahead(["cut", None], [draft, draft], len(draft) + 1)
+    assert kept == [tok.encode('{"n": '), draft]
+    assert (bits[0, len(kept[0]) + 1:] == -1).all() and (bits[1] == -1).all()
+    assert _allowed(bits[0, len(kept[0])], TINY_VOCAB)[tok.encode("7")[0]]
+    assert g.close("cut")[0] == "named"
+
+
 def test_a_request_waiting_for_its_grammar_can_be_cancelled(tiny_engine):
     """Guards against a request held for its grammar's compile being lost to a Cancel (no answer)."""
     from engine.protocol import Submit
@@ -1051,11 +1230,10 @@ def test_a_grammar_slower_than_the_wait_leaves_its_request_unconstrained(tiny_en
     past COMPILE_WAIT_S the request runs unconstrained and the log says why."""
     from engine.protocol import Submit
     monkeypatch.setattr(grammar, "COMPILE_WAIT_S", 0.2)
-    busy = tiny_engine.grammars._pool.submit(time.sleep, 1.0)       # the compile thread is taken
-    c = Constraint("auto", [(f"slow_{time.time_ns()}", {"type": "object"})])
+    c = Constraint("auto", costly_tools(2, f"slow{time.time_ns()}"))
     t0 = time.monotonic()
     out = _run(tiny_engine, Submit("slow", [1, 2, 3], 5, constraint=c))
-    assert time.monotonic() - t0 < 1.0 and not busy.done()
+    assert time.monotonic() - t0 < grammar.COMPILE_BUDGET_S
     assert out["slow"]["last"].constrained is None and len(out["slow"]["tokens"]) == 5
     assert any("not compiled after 0.2 s" in n.message for n in tiny_engine.take_notes())
 
