@@ -791,3 +791,151 @@ def test_a_flood_of_count_tokens_is_bounded_per_tenant_and_others_are_served(key
     statuses = [s for s, _ in results]
     assert set(statuses) == {200, 529} and statuses.count(200) >= mashbox.MAX_COUNTING_PER_TENANT, statuses
     assert all(r == str(mashbox.RETRY_AFTER_BUSY_S) for s, r in results if s == 529)
+
+
+# ---- round three: what a tenant can make the grammar threads do ---------------------------------------
+
+MALLORY = "sk-hostile-mallory-3"
+# The real worker compiles the tiny model's programs before it is ready (the persistent cache keeps them).
+ENGINE_START_S = 300
+PICK = {"name": "pick", "parameters": {"type": "object", "additionalProperties": False, "required": ["unit", "n"],
+                                       "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "n": {"type": "boolean"}}}}
+# The worker's CPU while nothing is asked of it, over IDLE_WINDOW_S: its compile threads included.
+IDLE_WINDOW_S = 3.0
+IDLE_CPU_S = 0.6
+
+
+@pytest.fixture(scope="module")
+def engine_server(tmp_path_factory):
+    """The server with the real worker: the tiny model with a byte-level tokenizer (so its grammars
+    constrain what the random model draws: a forced call comes back valid only when it ran under its
+    grammar), int8 so that it drafts, and keys for two tenants."""
+    import asyncio
+    from mashbox import App, Guard, ServeConfig
+    from tests.harness import HOST, Server, key_set
+    from tests.test_tool_grammar import byte_level_folder
+    folder = byte_level_folder(tmp_path_factory.mktemp("tiny-bytes"))
+    worker = {"model_id": MODEL_ID, "weights_folder": folder, "slots": 4, "ctx": 8192, "dtype": "int8",
+              "kv_dtype": "int8", "cache_ram_mib": 0}
+    app = App(ServeConfig(host=HOST, port=0, model=MODEL_ID),
+              bridge=mashbox.Bridge(worker, entry=mashbox.WORKER_ENTRY, log=lambda m: None),
+              limits=ConnLimits(**LIMITS), guard=Guard(key_set({KEY: "alice", MALLORY: "mallory"}), HOST))
+    server = Server(app, worker)
+    try:
+        server.call(asyncio.wait_for(app.wait_ready(), ENGINE_START_S), ENGINE_START_S + 1)
+        yield server
+    finally:
+        server.stop()
+
+
+def forced_call(server, key: str, tool: dict, messages: list[dict] | None = None, **sampling) -> tuple[float, dict]:
+    """A Chat request forcing a call of `tool`: (its seconds, the call's arguments), which must be
+    valid for the tool's schema."""
+    import jsonschema
+    t0 = time.monotonic()
+    status, _, answer = server.request("POST", CHAT, {
+        "model": MODEL_ID, "max_tokens": 120, "tools": [{"type": "function", "function": tool}],
+        "tool_choice": {"type": "function", "function": {"name": tool["name"]}},
+        "messages": messages or [{"role": "user", "content": "Pick one."}], **sampling},
+        {"x-api-key": key}, timeout=ANSWER_S)
+    assert status == 200, answer[:300]
+    calls = json.loads(answer)["choices"][0]["message"].get("tool_calls") or []
+    assert len(calls) == 1 and calls[0]["function"]["name"] == tool["name"], answer[:300]
+    arguments = json.loads(calls[0]["function"]["arguments"])
+    jsonschema.validate(arguments, tool["parameters"])
+    return time.monotonic() - t0, arguments
+
+
+def costly_tool_list(salt: str, n: int = 2) -> list[dict]:
+    from tests.test_tool_grammar import costly_tools
+    return [{"type": "function", "function": {"name": name, "parameters": schema}}
+            for name, schema in costly_tools(n, salt)]
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of a process and of its children alive now (the worker and its trial compiles)."""
+    import os
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(entry) == pid or int(fields[1]) == pid:
+            total += int(fields[11]) + int(fields[12])
+    return total / ticks
+
+
+def metric(server, name: str) -> float:
+    """A counter's value from /metrics (name with its labels, as the exposition writes it)."""
+    status, _, text = server.request("GET", "/metrics", headers={"x-api-key": KEY})
+    assert status == 200
+    line = next((x for x in text.decode().splitlines() if x.startswith(f"mashbox:{name} ")), None)
+    return float(line.rsplit(" ", 1)[1]) if line else 0.0
+
+
+def test_a_tenants_costly_tool_sets_neither_hold_another_tenants_calls_nor_keep_the_worker_busy(engine_server):
+    """Guards against the worker's one grammar thread (round three): six requests whose tool sets take
+    the library seconds each to compile held another tenant's forced calls until they ran
+    unconstrained (not calls at all from this model), and the worker went on compiling for a minute
+    after they were answered. Each compile now stops at its budget, another tenant's compile runs
+    beside it, and the compiles of requests that went are dropped."""
+    server = engine_server
+    pid = server.app.health()["worker_pid"]
+    salt = f"{time.time_ns()}"
+    statuses: list[int] = []
+
+    def attack(i: int) -> None:
+        status, _, _ = server.request("POST", CHAT, {
+            "model": MODEL_ID, "max_tokens": 8, "tools": costly_tool_list(f"{salt}-{i}"),
+            "messages": [{"role": "user", "content": "hi"}]}, {"x-api-key": MALLORY}, timeout=ANSWER_S * 3)
+        statuses.append(status)
+    with Bystanders(server, normal=False):
+        attackers = [threading.Thread(target=attack, args=(i,)) for i in range(6)]
+        for t in attackers:
+            t.start()
+        time.sleep(0.5)                                # mallory's compiles are queued and running
+        for i in range(3):         # each a tool set the worker has not seen: valid, so constrained
+            forced_call(server, KEY, {**PICK, "name": f"pick_{salt}_{i}"})
+        for t in attackers:
+            t.join(ANSWER_S * 3)
+    assert statuses == [200] * 6
+    time.sleep(grammar_budget_s() + 0.5)               # a compile under way ends within its budget
+    before = tree_cpu_s(pid)
+    time.sleep(IDLE_WINDOW_S)
+    busy = tree_cpu_s(pid) - before
+    assert busy < IDLE_CPU_S, f"the idle worker spent {busy:.1f} s of CPU in {IDLE_WINDOW_S:g} s"
+
+
+def grammar_budget_s() -> float:
+    from engine import grammar
+    return grammar.COMPILE_BUDGET_S
+
+
+def test_calls_drafted_from_the_conversation_stay_under_their_grammar(engine_server):
+    """Guards against drafting losing the grammar mid-call (round three: 'grammar dropped ...
+    NoExtensionBias' on 3 of ~40 drafted constrained requests): a conversation whose earlier turns
+    hold calls is forced to call again, the worker drafts from those calls, and every call comes back
+    valid, each request counted as constrained."""
+    server = engine_server
+    number = {"type": "integer", "minimum": 0, "maximum": 10**9}     # a call short enough to finish
+    two = {"name": "count", "parameters": {"type": "object", "additionalProperties": False,
+                                           "properties": {"n": number, "m": number}}}
+    messages = [{"role": "user", "content": "Count."}]
+    for i in range(3):
+        messages += [{"role": "assistant", "content": None, "tool_calls": [{
+                         "id": f"c{i}", "type": "function",
+                         "function": {"name": "count", "arguments": json.dumps({"n": 123456789})}}]},
+                     {"role": "tool", "tool_call_id": f"c{i}", "content": "ok"}]
+    messages.append({"role": "user", "content": "Again."})
+    named, kept = metric(server, 'constrained_requests_total{mode="named"}'), \
+        metric(server, "spec_decode_num_accepted_tokens_total")
+    with Bystanders(server, normal=False):
+        for seed in range(8):
+            forced_call(server, KEY, two, messages, temperature=1.0, seed=seed)
+    assert metric(server, 'constrained_requests_total{mode="named"}') == named + 8
+    assert metric(server, "spec_decode_num_accepted_tokens_total") > kept
