@@ -40,6 +40,15 @@ from engine.protocol import Sampling
 # padding waste stays bounded (see chunk_for). Attention length is not a shape: the forward reads each
 # slot up to its live length at run time, so one program per chunk serves every context length.
 PREFILL_CHUNKS = (32, 128, 512)
+# A chunk is at most this much work, counted in tokens at a prompt's start (Buckets.cost), unless it
+# is the smallest: a request that arrives while prompts are read waits for the one chunk under way,
+# and decoding rows for at most one chunk between their steps. The demo's 512-token chunk took
+# seconds (docs/perf-log.md, "Prompts read side by side"), which every first token then waited for.
+ROUND_TOKENS = 160
+# The position where a prompt token's attention costs what its weights' products cost, so a token
+# at position p costs 1 + p / ATTENTION_SPAN tokens at the start (fitted to the demo on a 2-core CPU:
+# docs/perf-log.md, "Prompts read side by side").
+ATTENTION_SPAN = 4096
 # Decode batch sizes below the full slot count (each is one more program).
 # Measured on a 2-core CPU (Qwen2.5-0.5B, float32, the forward alone): 2, 4 and 8 rows cost 1.22x,
 # 1.15x and 1.38x one row (78 ms). One row runs its own program (the full batch would cost it 1.4x),
@@ -92,20 +101,29 @@ class Buckets:
         return next(r for r in self.decode_rows if r >= live)
 
     def chunk_for(self, remaining: int, start: int = 0) -> int:
-        """Chunk length for a prompt with `remaining` tokens still to run: the smallest chunk that
-        holds them all when at most half of it is padding, else the largest chunk that is filled
-        (one call more costs one more read of the weights; a padded token costs its compute).
+        """Chunk length for a prompt with `remaining` tokens still to run from position `start`,
+        among the chunks whose cost there is within ROUND_TOKENS (the smallest always is): the
+        smallest chunk that holds them all when at most half of it is padding, else the largest
+        chunk that is filled (one call more costs one more read of the weights; a padded token
+        costs its compute). It depends on the prompt alone, never on what else is read.
         One last token runs alone, in the one-row decode program: a prompt served from a cache but
         for its last token would otherwise pay for a whole padded chunk's attention over its context
         (at 11k positions, 31 padded rows cost more than the weights)."""
         if remaining == 1:
             return 1
-        for c in self.chunks:
+        chunks = [c for c in self.chunks if c == self.chunks[0] or self.cost(c, start) <= ROUND_TOKENS]
+        for c in chunks:
             if c >= remaining:
-                if c <= 2 * remaining or c == self.chunks[0]:
+                if c <= 2 * remaining or c == chunks[0]:
                     return c
                 break
-        return max([c for c in self.chunks if c <= remaining] or [self.chunks[0]])
+        return max([c for c in chunks if c <= remaining] or [chunks[0]])
+
+    @staticmethod
+    def cost(chunk: int, start: int) -> float:
+        """A chunk's work from position `start`, in tokens at a prompt's start: its tokens' products
+        and their attention over the positions before them."""
+        return chunk * (1 + (start + chunk / 2) / ATTENTION_SPAN)
 
     def min_fill(self, chunk: int) -> int:
         """The fewest real tokens chunk_for ever puts in `chunk`: at most half of a chunk is padding,
@@ -233,23 +251,18 @@ class Pace:
     (Scheduler.spent): a decode step earns prompts share / (1 - share) of its time, a chunk read
     beside decoding rows spends its own, and a chunk runs only when nothing is owed, so over a few
     rounds decode keeps 1 - share of the device. A chunk that ends its prompt (it gives the first
-    token) may run on credit, once until the debt is repaid: a short prompt then waits for the call
-    under way, not for the repayment of a long prompt's chunk. With no row decoding nothing is owed."""
+    token: a short prompt's only chunk) runs whatever is owed, and the prompts' later chunks repay
+    it: a short request waits for the call under way, not for the repayment of a long prompt's
+    chunk. With no row decoding nothing is owed."""
     share: float = PREFILL_SHARE
     owed: float = 0.0             # seconds of reading not yet repaid by decode steps
-    lent: bool = False            # a chunk ran on credit since nothing was owed
 
     def allows(self, decoding: bool, last: bool) -> bool:
-        return not decoding or self.owed <= 0 or (last and not self.lent)
+        return not decoding or last or self.owed <= 0
 
     def spent(self, decode_s: float, prefill_s: float, decoding: bool) -> None:
-        if not decoding:
-            self.owed, self.lent = 0.0, False
-            return
-        self.lent = self.lent or (prefill_s > 0 and self.owed > 0)
-        self.owed = max(0.0, self.owed + prefill_s - decode_s * self.share / (1 - self.share))
-        if self.owed == 0:
-            self.lent = False
+        self.owed = max(0.0, self.owed + prefill_s - decode_s * self.share / (1 - self.share)) \
+            if decoding else 0.0
 
 
 @dataclass
