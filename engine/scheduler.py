@@ -354,11 +354,7 @@ class Scheduler:
             work = self._chunk(reading)
             if self.pace.allows(bool(decoding), work.last):
                 plan.prefill = work
-                for r in readers:
-                    r.passed = 0 if r is reading else r.passed + 1
-                self.tick += 1
-                self.served = {r.tenant: self.served.get(r.tenant, 0) for r in readers}
-                self.served[reading.tenant] = self.tick
+                self._took_turn(reading, readers, work)
         return plan
 
     def spent(self, plan: Plan, decode_s: float, prefill_s: float) -> None:
@@ -367,9 +363,21 @@ class Scheduler:
 
     def _turn(self, request: Sequence) -> tuple:
         """Sort key of the prompts being read: the least is read next."""
+        shortest = (request.passed < MAX_PASSED, len(request.prompt) - request.done, request.slot)
         if self.order == "tenant":
-            return self.served.get(request.tenant, 0), -request.passed, request.slot
-        return request.passed < MAX_PASSED, len(request.prompt) - request.done, request.slot
+            return (self.served.get(request.tenant, 0.0), *shortest)
+        return shortest
+
+    def _took_turn(self, reading: Sequence, readers: list[Sequence], work: Prefill) -> None:
+        """The prompts passed over count it; the reader's tenant is counted the chunk's work. Work
+        counted before the least any reading tenant has is forgotten: a tenant that comes back does
+        not find credit saved up while it was away."""
+        for r in readers:
+            r.passed = 0 if r is reading else r.passed + 1
+        floor = min(self.served.get(r.tenant, 0.0) for r in readers)
+        self.served = {t: v - floor for t, v in self.served.items() if v > floor}
+        self.served[reading.tenant] = self.served.get(reading.tenant, 0.0) + \
+            self.buckets.cost(work.chunk, work.start)
 
     def _chunk(self, reading: Sequence) -> Prefill:
         """The next chunk of a prompt: as long as its rest and its next cut point allow."""

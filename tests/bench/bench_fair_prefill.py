@@ -197,6 +197,123 @@ def part_decode(port: int, texts: Texts, a) -> dict:
             "prompts_read_throughout": busy_until >= result["end"]}
 
 
+# ---- the scheduler alone, on a cost model ----------------------------------------------------------
+
+# Seconds of one prefill call of the demo (chunk -> (at position 0, per position more)) and of a
+# decode step (fixed, per row, per position of the deepest row), measured on a 2-core AMD EPYC (Zen 4)
+# at load 8-9 (docs/perf-log.md, "Prompts read side by side"); --scale shrinks them toward an idle
+# machine. The policy's figures are relative: no device runs.
+CHUNK_S = {1: (0.045, 2e-6), 32: (0.140, 3.1e-5), 128: (1.006, 1.46e-4), 512: (4.026, 9e-4)}
+DECODE_S = (0.045, 0.004, 2e-6)
+
+
+class Simulation:
+    """engine.scheduler.Scheduler driven as the worker drives it, each round's calls taking what
+    CHUNK_S and DECODE_S say; arrivals join between rounds."""
+
+    def __init__(self, scale: float, **scheduler):
+        from engine.scheduler import Buckets, Scheduler
+        self.s = Scheduler(4, 32768, 150000, Buckets.for_ctx(32768, slots=4), **scheduler)
+        self.scale, self.t, self.n = scale, 0.0, 0
+        self.arrivals: list[tuple[float, object]] = []
+        self.first: dict[str, float] = {}
+        self.sent: dict[str, float] = {}
+
+    def request(self, tokens: int, max_tokens: int, tenant: str, at: float | None = None) -> str:
+        from engine.protocol import Sampling
+        from engine.scheduler import Sequence
+        self.n += 1
+        rid = f"{tenant}-{self.n}"
+        ids = [(self.n * 7919 + i * 104729) % 149000 for i in range(tokens)]
+        self.arrivals.append((self.t if at is None else at, Sequence(rid, ids, max_tokens, Sampling(), frozenset(),
+                                                                  tenant=tenant)))
+        return rid
+
+    def round(self) -> list:
+        """One round (or a jump to the next arrival when idle); the requests that ended."""
+        for at, r in [a for a in self.arrivals if a[0] <= self.t]:
+            self.arrivals.remove((at, r))
+            self.sent[r.rid] = at
+            self.s.add(r)
+        if not self.s.busy:
+            self.t = min(at for at, _ in self.arrivals)
+            return []
+        plan, emits, d, p = self.s.schedule(), [], 0.0, 0.0
+        if plan.decode:
+            base, row, pos = DECODE_S
+            deepest = max(len(r.prompt) + len(r.output) for r in plan.decode.rows)
+            d = self.scale * (base + row * len(plan.decode.rows) + pos * deepest)
+            emits += self.s.decoded(plan.decode, [5] * len(plan.decode.rows))
+        if plan.prefill:
+            w = plan.prefill
+            base, pos = CHUNK_S[w.chunk]
+            p = self.scale * (base + pos * (w.start + w.chunk / 2))
+            emits += self.s.prefilled(w, 5 if w.last else None)
+        self.s.spent(plan, d, p)
+        self.t += d + p
+        for e in emits:
+            self.first.setdefault(e.request.rid, self.t)
+        return [e.request for e in emits if e.finish]
+
+    def ttft(self, rid: str) -> float:
+        return self.first[rid] - self.sent[rid]
+
+
+def simulate_ttft(a, **scheduler) -> dict:
+    """Three tenants keep sending long prompts, a fourth short ones 0.2-1 s apart."""
+    sim, rng, shorts = Simulation(a.scale, **scheduler), random.Random(0), []
+    for k in range(LONG_CLIENTS):
+        sim.request(a.long_tokens, a.long_max_tokens, f"long{k}")
+    sim.request(a.short_tokens + 27, a.short_max_tokens, "short", at=a.settle)
+    while sim.t < a.settle + a.seconds:
+        for r in sim.round():
+            if r.tenant == "short":
+                shorts.append(sim.ttft(r.rid))
+                sim.request(a.short_tokens + 27, a.short_max_tokens, "short", at=sim.t + rng.uniform(0.2, 1.0))
+            else:
+                sim.request(a.long_tokens, a.long_max_tokens, r.tenant)
+    return {"short_n": len(shorts), "ttft_median_s": statistics.median(shorts), "ttft_max_s": max(shorts)}
+
+
+def simulate_together(a, tenants: list[str], **scheduler) -> list[float]:
+    """Long prompts arriving at once (one-token answers): each one's first token, seconds."""
+    sim = Simulation(a.scale, **scheduler)
+    rids = [sim.request(a.long_tokens, 1, t) for t in tenants]
+    while sim.s.busy or sim.arrivals:
+        sim.round()
+    return [round(sim.ttft(r), 1) for r in rids]
+
+
+def simulate_flood(a, clients: int, **scheduler) -> dict:
+    """One tenant's long prompt while another sends short prompts from `clients` clients, each
+    prompt after its client's last answer (4 tokens): the long prompt's first token, seconds."""
+    sim = Simulation(a.scale, **scheduler)
+    rid, served = sim.request(a.long_tokens, 1, "long"), 0
+    for _ in range(clients):
+        sim.request(a.short_tokens + 27, 4, "flood")
+    while rid not in sim.first:
+        for r in sim.round():
+            if r.tenant == "flood":
+                served += 1
+                sim.request(a.short_tokens + 27, 4, "flood")
+    return {"long_ttft_s": round(sim.ttft(rid), 1), "short_answers": served}
+
+
+def part_simulate(a) -> dict:
+    out = {}
+    for order in a.orders.split(","):
+        kw = {"order": order} if order else {}
+        out[order or "default"] = r = {
+            "ttft": simulate_ttft(a, **kw),
+            "three_tenants_at_once": simulate_together(a, ["a", "b", "c"], **kw),
+            "a_twice_b_once": simulate_together(a, ["a", "a", "b"], **kw),
+            "long_alone_s": simulate_flood(a, 0, **kw)["long_ttft_s"],
+            "long_beside_3_flooding_clients": simulate_flood(a, 3, **kw),
+            "long_beside_1_flooding_client": simulate_flood(a, 1, **kw)}
+        print(f"  {order or 'default'}: {json.dumps(r)}", flush=True)
+    return out
+
+
 # ---- main -----------------------------------------------------------------------------------------
 
 def main() -> int:
@@ -212,7 +329,12 @@ def main() -> int:
     p.add_argument("--slots", type=int, default=4)
     p.add_argument("--ctx", type=int, default=32768)
     p.add_argument("--cache-ram", type=int, default=384)
+    p.add_argument("--scale", type=float, default=1.0, help="simulate: the costs' factor")
+    p.add_argument("--orders", default="", help="simulate: Scheduler orders to compare, by comma")
     a = p.parse_args()
+    if a.parts == "simulate":
+        report({"simulate": part_simulate(a)})
+        return 0
     key_file = Path(tempfile.mkdtemp(prefix="mashbox-bench-fair-")) / "keys.txt"
     key_file.write_text("".join(f"{k} {t}\n" for k, t in KEYS.items()))
     texts = Texts()
