@@ -4,9 +4,10 @@ for pacing, how long its calls took).
 
 Every request gets a slot as soon as one is free, and the prompts in slots are read side by side:
 each round is one decode step of every slot whose request is generating (never skipped) and at most
-one prefill chunk, of the prompt whose turn it is (Scheduler.order: the shortest rest first, none
-passed over more than MAX_PASSED times in a row). So a short prompt that arrives while a long one
-is read waits for the chunk under way, not for the whole long prompt. While rows decode, prompts
+one prefill chunk, of the prompt whose turn it is (Scheduler._turn: tenants take turns by the work
+their chunks cost; within a tenant the shortest rest first, none passed over more than MAX_PASSED
+times in a row). So a short prompt that arrives while a long one is read waits for the chunk under
+way, not for the whole long prompt, and one tenant's prompts cannot take another's turns. While rows decode, prompts
 take at most PREFILL_SHARE of the device's time (Pace). A prompt's chunks depend only on the prompt,
 its cached start and its cut points, never on what else is read: its numbers are the same
 whatever runs beside it.
@@ -75,9 +76,6 @@ SLOT_SNAPSHOTS = 4
 # a streaming answer keeps at least 1 - share of its speed beside long prompts (the target is 0.7x;
 # the host's work between calls is not counted, hence the margin).
 PREFILL_SHARE = 0.25
-# The order in which prompts being read take chunks: "shortest" (the fewest tokens left first) or
-# "tenant" (tenants take turns, each tenant's prompts oldest first).
-PREFILL_ORDERS = ("shortest", "tenant")
 # A prompt passed over this many times in a row reads next: shorter prompts arriving one after
 # another slow a long prompt to one chunk in MAX_PASSED + 1, never stop it.
 MAX_PASSED = 4
@@ -278,9 +276,7 @@ class Emit:
 class Scheduler:
     def __init__(self, slots: int, ctx: int, vocab_size: int, buckets: Buckets | None = None,
                  prefix_cache: bool = True, host: prefix.HostCache | None = None,
-                 recurrent: bool = False, order: str = PREFILL_ORDERS[0], share: float = PREFILL_SHARE):
-        if order not in PREFILL_ORDERS:
-            raise ValueError(f"order: must be one of {PREFILL_ORDERS}, got {order!r}")
+                 recurrent: bool = False, share: float = PREFILL_SHARE):
         self.ctx = ctx
         # The model has linear layers: a prefix is reused only where their state is known.
         self.recurrent = recurrent
@@ -296,9 +292,9 @@ class Scheduler:
         self.prefix_hits = 0                      # prompt tokens served from a cache (cumulative)
         self.host_hits = 0                        # of which from the host cache
         self.notes: list[tuple[str, str]] = []    # (rid, text) for the server log; the worker sends them
-        self.order = order
         self.pace = Pace(share)
-        self.served: dict[str, int] = {}         # order "tenant": tenant -> the tick of its last chunk
+        # tenant -> the work its chunks cost (Buckets.cost), beyond the least of the reading tenants'
+        self.served: dict[str, float] = {}
 
     # -- intake ---------------------------------------------------------------------------------
 
@@ -362,11 +358,11 @@ class Scheduler:
         self.pace.spent(decode_s, prefill_s, plan.decode is not None)
 
     def _turn(self, request: Sequence) -> tuple:
-        """Sort key of the prompts being read: the least is read next."""
-        shortest = (request.passed < MAX_PASSED, len(request.prompt) - request.done, request.slot)
-        if self.order == "tenant":
-            return (self.served.get(request.tenant, 0.0), *shortest)
-        return shortest
+        """Sort key of the prompts being read: the least is read next. The tenant whose chunks have
+        cost the least goes first (a stream of one tenant's short prompts takes no more than its
+        share from another's long prompt); within a tenant, the fewest tokens left first."""
+        return (self.served.get(request.tenant, 0.0), request.passed < MAX_PASSED,
+                len(request.prompt) - request.done, request.slot)
 
     def _took_turn(self, reading: Sequence, readers: list[Sequence], work: Prefill) -> None:
         """The prompts passed over count it; the reader's tenant is counted the chunk's work. Work

@@ -526,20 +526,33 @@ def test_cancelling_a_prompt_mid_read_frees_its_slot_and_the_others_read_on():
     assert "a" not in rids and s.requests == {}
 
 
-def test_tenants_take_turns_when_ordered_by_tenant():
-    """Guards against the tenant order serving one tenant's prompts while another's wait."""
-    s = Scheduler(3, 512, VOCAB, Buckets.for_ctx(512, (8, 32), 3), True, order="tenant")
+def test_tenants_take_turns_by_the_work_of_their_chunks():
+    """Guards against one tenant's prompts taking another's turns: two prompts of one tenant beside
+    one of another get half of the chunks between them, and a tenant whose chunks cost more (longer
+    chunks) gets fewer of them."""
+    s = Scheduler(3, 512, VOCAB, Buckets.for_ctx(512, (8, 32), 3), True)
     for i, (rid, tenant) in enumerate((("a1", "x"), ("a2", "x"), ("b", "y"))):
         r = request(rid, range(100 * i + 1, 100 * i + 101), max_tokens=1)
         r.tenant = tenant
         s.add(r)
-    tenants = []
-    for _ in range(6):
-        plan, _ = run_timed(s)
-        tenants.append(plan.prefill.request.tenant)
+    tenants = [run_timed(s)[0].prefill.request.tenant for _ in range(6)]
     assert tenants == ["x", "y", "x", "y", "x", "y"]
-    with pytest.raises(ValueError, match="order"):
-        Scheduler(1, 64, VOCAB, order="fastest")
+    # tenant x's 8-token prompts one after another, tenant y's long prompt in 32-token chunks: by
+    # work, not by chunks (by chunks, x's stream would take a fifth of y's share)
+    s = Scheduler(3, 512, VOCAB, Buckets((8, 32), (1, 3)), True)
+    long = request("long", range(1, 400), max_tokens=1)
+    long.tenant = "y"
+    s.add(long)
+    tokens, n = {"x": 0, "y": 0}, 0
+    for _ in range(40):
+        while s.live + len(s.waiting) < 3:
+            n += 1
+            r = request(f"x{n}", range(1000 + 10 * n, 1008 + 10 * n), max_tokens=1)
+            r.tenant = "x"
+            s.add(r)
+        p = run_timed(s)[0].prefill
+        tokens[p.request.tenant] += len(p.tokens)
+    assert abs(tokens["x"] - tokens["y"]) <= 32 and tokens["y"] >= 32 * 5
 
 
 def test_hybrid_prompts_read_side_by_side_snapshot_each_at_its_own_cut_points():

@@ -13,6 +13,10 @@ keys, one tenant each, and measures over HTTP (streamed Chat Completions, greedy
               the time of the three together against the sum of their times one after another.
   decode      a long answer's decode speed (generated tokens after the first per second) alone, then
               while three long prompts are read beside it from its first token on.
+  simulate    (alone: --parts simulate [--scale F]) no server: engine.scheduler driven on the demo's
+              measured call costs (CHUNK_S, DECODE_S) through the ttft scenario, long prompts of
+              several tenants at once, and one tenant's stream of short prompts beside another's
+              long prompt. Seconds of simulated time; a check of the policy, not of the machine.
 Targets (docs/limits.md; issue 52): short TTFT median <= 1 s and max <= 3 s; the three together
 >= 0.9x the throughput of one after another; decode beside long prompts >= 0.7x its speed alone.
 
@@ -211,9 +215,9 @@ class Simulation:
     """engine.scheduler.Scheduler driven as the worker drives it, each round's calls taking what
     CHUNK_S and DECODE_S say; arrivals join between rounds."""
 
-    def __init__(self, scale: float, **scheduler):
+    def __init__(self, scale: float):
         from engine.scheduler import Buckets, Scheduler
-        self.s = Scheduler(4, 32768, 150000, Buckets.for_ctx(32768, slots=4), **scheduler)
+        self.s = Scheduler(4, 32768, 150000, Buckets.for_ctx(32768, slots=4))
         self.scale, self.t, self.n = scale, 0.0, 0
         self.arrivals: list[tuple[float, object]] = []
         self.first: dict[str, float] = {}
@@ -259,9 +263,9 @@ class Simulation:
         return self.first[rid] - self.sent[rid]
 
 
-def simulate_ttft(a, **scheduler) -> dict:
+def simulate_ttft(a) -> dict:
     """Three tenants keep sending long prompts, a fourth short ones 0.2-1 s apart."""
-    sim, rng, shorts = Simulation(a.scale, **scheduler), random.Random(0), []
+    sim, rng, shorts = Simulation(a.scale), random.Random(0), []
     for k in range(LONG_CLIENTS):
         sim.request(a.long_tokens, a.long_max_tokens, f"long{k}")
     sim.request(a.short_tokens + 27, a.short_max_tokens, "short", at=a.settle)
@@ -275,19 +279,19 @@ def simulate_ttft(a, **scheduler) -> dict:
     return {"short_n": len(shorts), "ttft_median_s": statistics.median(shorts), "ttft_max_s": max(shorts)}
 
 
-def simulate_together(a, tenants: list[str], **scheduler) -> list[float]:
+def simulate_together(a, tenants: list[str]) -> list[float]:
     """Long prompts arriving at once (one-token answers): each one's first token, seconds."""
-    sim = Simulation(a.scale, **scheduler)
+    sim = Simulation(a.scale)
     rids = [sim.request(a.long_tokens, 1, t) for t in tenants]
     while sim.s.busy or sim.arrivals:
         sim.round()
     return [round(sim.ttft(r), 1) for r in rids]
 
 
-def simulate_flood(a, clients: int, **scheduler) -> dict:
+def simulate_flood(a, clients: int) -> dict:
     """One tenant's long prompt while another sends short prompts from `clients` clients, each
     prompt after its client's last answer (4 tokens): the long prompt's first token, seconds."""
-    sim = Simulation(a.scale, **scheduler)
+    sim = Simulation(a.scale)
     rid, served = sim.request(a.long_tokens, 1, "long"), 0
     for _ in range(clients):
         sim.request(a.short_tokens + 27, 4, "flood")
@@ -300,18 +304,12 @@ def simulate_flood(a, clients: int, **scheduler) -> dict:
 
 
 def part_simulate(a) -> dict:
-    out = {}
-    for order in a.orders.split(","):
-        kw = {"order": order} if order else {}
-        out[order or "default"] = r = {
-            "ttft": simulate_ttft(a, **kw),
-            "three_tenants_at_once": simulate_together(a, ["a", "b", "c"], **kw),
-            "a_twice_b_once": simulate_together(a, ["a", "a", "b"], **kw),
-            "long_alone_s": simulate_flood(a, 0, **kw)["long_ttft_s"],
-            "long_beside_3_flooding_clients": simulate_flood(a, 3, **kw),
-            "long_beside_1_flooding_client": simulate_flood(a, 1, **kw)}
-        print(f"  {order or 'default'}: {json.dumps(r)}", flush=True)
-    return out
+    return {"ttft": simulate_ttft(a),
+            "three_tenants_at_once": simulate_together(a, ["a", "b", "c"]),
+            "a_twice_b_once": simulate_together(a, ["a", "a", "b"]),
+            "long_alone_s": simulate_flood(a, 0)["long_ttft_s"],
+            "long_beside_3_flooding_clients": simulate_flood(a, 3),
+            "long_beside_1_flooding_client": simulate_flood(a, 1)}
 
 
 # ---- main -----------------------------------------------------------------------------------------
@@ -325,12 +323,11 @@ def main() -> int:
     p.add_argument("--decode-tokens", type=int, default=256)
     p.add_argument("--seconds", type=float, default=180.0, help="how long the short client runs")
     p.add_argument("--settle", type=float, default=5.0, help="seconds before the short client starts")
-    p.add_argument("--parts", default="ttft,throughput,decode")
+    p.add_argument("--parts", default="ttft,throughput,decode", help="by comma; or simulate alone")
     p.add_argument("--slots", type=int, default=4)
     p.add_argument("--ctx", type=int, default=32768)
     p.add_argument("--cache-ram", type=int, default=384)
     p.add_argument("--scale", type=float, default=1.0, help="simulate: the costs' factor")
-    p.add_argument("--orders", default="", help="simulate: Scheduler orders to compare, by comma")
     a = p.parse_args()
     if a.parts == "simulate":
         report({"simulate": part_simulate(a)})
