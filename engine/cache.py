@@ -279,3 +279,28 @@ def write_state(cache, slot: int, snapshot: list[dict]):
         raise ValueError(f"write_state: slot {slot} of {slots}, {len(snapshot)} layers given for "
                          f"{linear} linear layers")
     return _write_state(cache, jnp.int32(slot), snapshot)
+
+
+# ---- linear layers' state after a verification of drafts ------------------------------------------
+
+@partial(jax.jit, donate_argnames=("cache",))
+def keep_steps(cache, steps, slots, at):
+    """After a verification of drafts (engine.speculative): row b's slot keeps its linear layers'
+    state after position at[b] of the verification, its last kept token; a row with at[b] < 0
+    (idle) leaves its slot as it was. steps: engine.model.forward's states of a verification, one
+    per linear layer ({"conv": the conv's inputs [B, kernel - 1 + T, C], "state": [B, T, H, dk, dv]}).
+    The states are selected, not recomputed: each is the one T decode steps would have reached."""
+    given, out = iter(steps), []
+    rows = jnp.arange(slots.shape[0])
+    for layer in cache:
+        if _positional(layer):
+            out.append(layer)
+            continue
+        step = next(given)
+        where = jnp.where(at >= 0, slots, layer["state"].shape[0])           # idle rows: dropped
+        keep = jnp.maximum(at, 0)
+        width = layer["conv"].shape[-1]                                     # kernel - 1 inputs
+        window = jax.vmap(lambda s, n: lax.dynamic_slice_in_dim(s, n + 1, width, axis=0))(step["conv"], keep)
+        out.append({"conv": layer["conv"].at[where].set(jnp.swapaxes(window, 1, 2), mode="drop"),
+                    "state": layer["state"].at[where].set(step["state"][rows, keep], mode="drop")})
+    return out

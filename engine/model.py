@@ -19,12 +19,16 @@ value: the cost follows the live context, not ctx, and one compiled program per 
 shape serves every context length.
 
 Numerics: the residual stream, norms, RoPE and softmax are float32; matrix products take the
-weights in their own form and accumulate in float32 (bfloat16 weights on accelerators).
+weights in their own form and accumulate in float32 (bfloat16 weights on accelerators). A linear
+layer's per-token arithmetic is plain float32, each operation rounded once, in every program (see
+"arithmetic whose bits do not depend on the program around it").
 
 The rooms beside this one: engine.products (every weight form's matrix product), engine.attention
 (the KV cache written and read, XLA's and the native kernel's), engine.moe (routed experts).
 """
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +39,8 @@ from engine import cpu
 from engine.attention import attend, write_kv
 from engine.config import ModelConfig
 from engine.moe import routed_experts
-from engine.products import F32, embed, matmul, swiglu, tree_sum
+from engine.products import (F32, INT8_ROWS_MAX_ROWS, embed, gated, matmul, rounded, row_exact_matmul,
+                             swiglu, tree_sum, weight_kind)
 
 
 def dtype_for(platform: str):
@@ -190,16 +195,107 @@ DELTA_CHUNK = 64
 L2_EPS = 1e-6
 
 
-def _l2norm(x):
-    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+# ---- arithmetic whose bits do not depend on the program around it --------------------------------
+#
+# A verification of drafts (engine.speculative) must give every position the numbers of a decode
+# step, and a linear layer's recurrent state carries any difference to every later token. XLA:CPU
+# rounds some things by the program around them: it turns a product and the sum it feeds into one
+# fused multiply-add wherever both land in one fusion, and its exp gave some elements other last bits
+# by the length of the loop around it (3, 5-7, 11 and 13-15 elements did). So the linear layers'
+# per-token arithmetic is written out here in float32 operations each rounded once: every product
+# that a sum uses is rounded on its own (engine.products.rounded), and exp, log1p and the sigmoid
+# are polynomials of such operations.
+
+# exp: e^x = 2^n e^r with n = round(x log2 e) and |r| <= ln 2 / 2, r = x - n ln 2 in two parts (the
+# high part's 9 bits times n's 8 are exact), e^r by its Taylor series to r^EXP_DEGREE (the rest is
+# below 2^-27 of it). Inputs are clipped to +-EXP_LIMIT, where 2^n stays a normal float32.
+LOG2E = 1.4426950408889634
+LN2_HI = 0.693359375
+LN2_LO = -2.1219444005469057e-4
+EXP_DEGREE = 7
+EXP_LIMIT = 87.0
+# log1p(t) for t in [0, 1] as 2 atanh(s), s = t / (2 + t) <= 1/3: the odd series to s^(2 n - 1)
+# with n = LOG1P_TERMS (the rest is below 2^-27 of it).
+LOG1P_TERMS = 8
 
 
-def _delta_step(q, k, v, g, beta, state):
-    """One token for every row: q, k [B, H, dk], v [B, H, dv], g, beta [B, H], state [B, H, dk, dv]."""
-    state = state * jnp.exp(g)[..., None, None]
-    predicted = jnp.einsum("bhk,bhkv->bhv", k, state)
-    state = state + k[..., None] * ((v - predicted) * beta[..., None])[..., None, :]
-    return jnp.einsum("bhk,bhkv->bhv", q, state), state
+def _zero(counts):
+    """A run-time 0 (engine.products.rounded) from int32 values the caller knows are never negative."""
+    return jnp.minimum(jnp.min(counts), 0)
+
+
+def _exp(x, zero):
+    """e^x (within 1.2 ulp; see EXP_DEGREE)."""
+    x = jnp.clip(x, -EXP_LIMIT, EXP_LIMIT)
+    n = jnp.floor(rounded(x * LOG2E, zero) + 0.5)
+    r = x - rounded(n * LN2_HI, zero) - rounded(n * LN2_LO, zero)
+    p = jnp.full_like(r, 1.0 / math.factorial(EXP_DEGREE))
+    for k in range(EXP_DEGREE - 1, -1, -1):
+        p = rounded(p * r, zero) + 1.0 / math.factorial(k)
+    two_n = lax.bitcast_convert_type(lax.shift_left(n.astype(jnp.int32) + 127, 23), F32)
+    return rounded(p * two_n, zero)
+
+
+def _log1p(t, zero):
+    """log(1 + t) for t in [0, 1] (within 3 ulp; see LOG1P_TERMS)."""
+    s = t / (2.0 + t)
+    s2 = rounded(s * s, zero)
+    p = jnp.full_like(s, 1.0 / (2 * LOG1P_TERMS - 1))
+    for k in range(LOG1P_TERMS - 2, -1, -1):
+        p = rounded(p * s2, zero) + 1.0 / (2 * k + 1)
+    return rounded(2.0 * s * p, zero)
+
+
+def _sigmoid(x, zero):
+    return 1.0 / (1.0 + _exp(-x, zero))
+
+
+def _silu(x, zero):
+    return rounded(x * _sigmoid(x, zero), zero)
+
+
+def _softplus(x, zero):
+    """log(1 + e^x), as jax.nn.softplus computes it."""
+    return jnp.maximum(x, 0.0) + _log1p(_exp(-jnp.abs(x), zero), zero)
+
+
+def _l2norm(x, zero):
+    return x * lax.rsqrt(tree_sum(rounded(x * x, zero)) + L2_EPS)
+
+
+def _key_sum(x):
+    """x [..., dk, dv] summed over its keys (dk) in tree_sum's fixed pairwise order: a row's numbers
+    whatever the rows and positions beside it (XLA's dot orders its sums by the shape around it)."""
+    n = x.shape[-2]
+    size = 1 << max(n - 1, 0).bit_length()
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, size - n), (0, 0)])
+    while x.shape[-2] > 1:
+        half = x.shape[-2] // 2
+        x = x[..., :half, :] + x[..., half:, :]
+    return x[..., 0, :]
+
+
+def _delta_step(q, k, v, decay, beta, state, zero):
+    """One token for every row: q, k [B, H, dk], v [B, H, dv], decay (exp(g)), beta [B, H], state
+    [B, H, dk, dv]; zero a run-time 0 (engine.products.rounded). Every product is rounded before it
+    is summed."""
+    state = rounded(state * decay[..., None, None], zero)
+    predicted = _key_sum(rounded(k[..., None] * state, zero))
+    written = rounded((v - predicted) * beta[..., None], zero)            # what k writes
+    state = state + rounded(k[..., None] * written[..., None, :], zero)
+    return _key_sum(rounded(q[..., None] * state, zero)), state
+
+
+def _delta_steps(q, k, v, decay, beta, state, zero):
+    """T tokens per row one at a time, as T decode steps run them (a verification of drafts,
+    engine.speculative): q, k [B, T, H, dk], v [B, T, H, dv], decay, beta [B, T, H].
+    Returns (out [B, T, H, dv], the state after each position [B, T, H, dk, dv])."""
+    outs, states = [], []
+    for i in range(k.shape[1]):
+        out, state = _delta_step(q[:, i], k[:, i], v[:, i], decay[:, i], beta[:, i], state, zero)
+        outs.append(out)
+        states.append(state)
+    return jnp.stack(outs, axis=1), jnp.stack(states, axis=1)
 
 
 def _delta_chunked(q, k, v, g, beta, state):
@@ -250,63 +346,91 @@ def _delta_chunked(q, k, v, g, beta, state):
     return jnp.moveaxis(out, 1, 2), state
 
 
-def _linear_attention(layer, state, x, slots, starts, lengths, valid, *, cfg: ModelConfig):
-    """A Gated DeltaNet layer. x [B, T, hidden] float32 (already normed); state the layer's
-    {"conv", "state"} pool (engine.cache). Returns (output [B, T, hidden], the updated pool)."""
+def _delta_inputs(lin, x, conv_state, valid, zero, cfg: ModelConfig):
+    """A Gated DeltaNet layer's projections and causal conv for x [B, T, hidden]: (the conv's inputs
+    [B, kernel - 1 + T, C], q, k [B, T, H, dk], v, z [B, T, H, dv], g, beta [B, T, H]); padded tokens
+    (not valid) get g = 0 and beta = 0, which leave the state exactly as it was."""
     b, t, _ = x.shape
-    lin = layer["linear"]
     kh, vh, dk, dv = cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim
-    vd, kernel = vh * dv, cfg.linear_conv_kernel
-    per = vh // kh                       # each key head serves `per` consecutive value heads
+    kernel, per = cfg.linear_conv_kernel, vh // kh     # each key head serves `per` value heads
     # Rows grouped by key head (engine.weights): its q, k, then its value heads' v, z, b, a; the
     # conv channels (and the conv state) grouped the same way, so a device of a tensor-parallel
     # mesh holds whole key heads with their value heads.
-    mixed = matmul(x, lin["in"]).reshape(b, t, kh, 2 * dk + 2 * per * dv + 2 * per)
+    mixed = rounded(matmul(x, lin["in"]), zero).reshape(b, t, kh, 2 * dk + 2 * per * dv + 2 * per)
     qkv, z, beta, a = jnp.split(mixed, np.cumsum([2 * dk + per * dv, per * dv, per]), axis=-1)
     qkv = qkv.reshape(b, t, kh * (2 * dk + per * dv))
-    beta, a = beta.reshape(b, t, vh), a.reshape(b, t, vh)
+    # Short causal depthwise convolution over the last `kernel` inputs, the first kernel - 1 of
+    # which the conv state holds (padding comes after a row's real tokens, so it never reaches a
+    # real token's output).
+    seq = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2), qkv], axis=1)    # [B, kernel-1+T, C]
+    w = lin["conv"].astype(F32)
+    conv = _silu(sum(rounded(seq[:, j:j + t] * w[:, j], zero) for j in range(kernel)), zero)
+    q, k, v = jnp.split(conv.reshape(b, t, kh, -1), [dk, 2 * dk], axis=-1)
+    q = rounded(_l2norm(jnp.repeat(q, per, axis=2), zero) * (1.0 / np.sqrt(dk)), zero)
+    k = rounded(_l2norm(jnp.repeat(k, per, axis=2), zero), zero)
+    real = valid[..., None]
+    beta = jnp.where(real, _sigmoid(beta.reshape(b, t, vh), zero), 0.0)
+    g = -_exp(lin["A_log"], zero) * _softplus(a.reshape(b, t, vh) + lin["dt_bias"], zero)
+    g = rounded(jnp.where(real, g, 0.0), zero)
+    return seq, q, k, v.reshape(b, t, vh, dv), z.reshape(b, t, vh, dv), g, beta
 
+
+def _linear_attention(layer, state, x, slots, starts, lengths, valid, zero, *, cfg: ModelConfig,
+                      verify: bool = False):
+    """A Gated DeltaNet layer. x [B, T, hidden] float32 (already normed); state the layer's
+    {"conv", "state"} pool (engine.cache); zero a run-time 0 (engine.products.rounded). Returns
+    (output [B, T, hidden], the updated pool, None). verify: the T tokens run one at a time as decode
+    steps run them, the pool is left as it was, and the third item is the state after each position
+    (engine.cache.keep_steps picks the one of each row's last kept token): {"conv": the conv's
+    inputs [B, kernel - 1 + T, C], "state": [B, T, H, dk, dv]}."""
+    b, t, _ = x.shape
+    lin = layer["linear"]
     # This row's slot state; a row starting at position 0 starts a new sequence from zero.
     fresh = (starts == 0)[:, None, None]
     conv_state = jnp.where(fresh, 0.0, state["conv"][slots])              # [B, C, kernel - 1]
     recurrent = jnp.where(fresh[..., None], 0.0, state["state"][slots])    # [B, H, dk, dv]
-
-    # Short causal depthwise convolution over the last `kernel` inputs, the first kernel - 1 of
-    # which the conv state holds; the new conv state is the last kernel - 1 inputs of the row's
-    # real tokens (padding comes after them, so it never reaches a real token's output).
-    seq = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2), qkv], axis=1)    # [B, kernel-1+T, C]
-    w = lin["conv"].astype(F32)
-    conv = jax.nn.silu(sum(seq[:, j:j + t] * w[:, j] for j in range(kernel)))
-    new_conv = jax.vmap(lambda s, n: lax.dynamic_slice_in_dim(s, n, kernel - 1, axis=0))(seq, lengths)
-
-    q, k, v = jnp.split(conv.reshape(b, t, kh, -1), [dk, 2 * dk], axis=-1)
-    q = jnp.repeat(q, per, axis=2)
-    k = jnp.repeat(k, per, axis=2)
-    q, k = _l2norm(q) * (1.0 / np.sqrt(dk)), _l2norm(k)
-    v = v.reshape(b, t, vh, dv)
-    real = valid[..., None]
-    beta = jnp.where(real, jax.nn.sigmoid(beta), 0.0)                      # [B, T, H]
-    g = jnp.where(real, -jnp.exp(lin["A_log"]) * jax.nn.softplus(a + lin["dt_bias"]), 0.0)
-    if t == 1:
-        out, recurrent = _delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], recurrent)
+    seq, q, k, v, z, g, beta = _delta_inputs(lin, x, conv_state, valid, zero, cfg)
+    steps = None
+    if verify:
+        out, states = _delta_steps(q, k, v, _exp(g, zero), beta, recurrent, zero)
+        steps = {"conv": seq, "state": states}
+    elif t == 1:
+        out, recurrent = _delta_step(q[:, 0], k[:, 0], v[:, 0], _exp(g[:, 0], zero), beta[:, 0], recurrent,
+                                     zero)
         out = out[:, None]
     else:
         out, recurrent = _delta_chunked(q, k, v, g, beta, recurrent)
-
     # Gated RMSNorm per value head: normalized, scaled, times silu of the z projection.
-    out = _rms_norm(out, lin["norm"], cfg.rms_norm_eps) * jax.nn.silu(z.reshape(b, t, vh, dv))
-    out = matmul(out.reshape(b, t, vd), lin["out"])
-    # Rows with no tokens (idle decode rows) write nothing: they aim past the pool and are dropped.
+    out = _rms_norm(out, lin["norm"], cfg.rms_norm_eps) * _silu(z, zero)
+    out = matmul(out.reshape(b, t, -1), lin["out"])
+    if verify:
+        return out, state, steps
+    # The new conv state is the last kernel - 1 inputs of the row's real tokens. Rows with no
+    # tokens (idle decode rows) write nothing: they aim past the pool and are dropped.
+    width = cfg.linear_conv_kernel - 1
+    new_conv = jax.vmap(lambda s, n: lax.dynamic_slice_in_dim(s, n, width, axis=0))(seq, lengths)
     where = jnp.where(lengths > 0, slots, state["state"].shape[0])
     return out, {"conv": state["conv"].at[where].set(jnp.swapaxes(new_conv, 1, 2), mode="drop"),
-                 "state": state["state"].at[where].set(recurrent, mode="drop")}
+                 "state": state["state"].at[where].set(recurrent, mode="drop")}, None
 
 
 def _mlp(layer, x):
     return swiglu(x, layer["gate_up"], layer["down"])
 
 
-def _moe(layer, x, valid, cfg: ModelConfig, site: int):
+def _shared_expert(x, shared, zero):
+    """Qwen3-Next's shared expert on rows x [N, hidden]: its SwiGLU times sigmoid(x . its gate). Its
+    matrices stay float (engine.weights); up to INT8_ROWS_MAX_ROWS rows on XLA:CPU each float product
+    sums in one fixed order (row_exact_matmul), so a row's numbers are those of a decode step
+    whatever runs beside it (a verification of drafts, engine.speculative), as routing's are."""
+    def product(rows, w):
+        exact = jax.default_backend() == "cpu" and rows.shape[0] <= INT8_ROWS_MAX_ROWS
+        return row_exact_matmul(rows, w) if exact and weight_kind(w) == "float" else matmul(rows, w)
+    out = product(gated(product(x, shared["gate_up"])), shared["down"])
+    return _sigmoid(product(x, shared["gate"]), zero) * out
+
+
+def _moe(layer, x, valid, zero, cfg: ModelConfig, site: int):
     """A "moe" layer's MLP on x [B, T, hidden]; Qwen3-Next's shared expert (layer["moe"]["shared"])
     adds its SwiGLU on every row times sigmoid(x . its gate)."""
     b, t, h = x.shape
@@ -314,7 +438,7 @@ def _moe(layer, x, valid, cfg: ModelConfig, site: int):
                          site=site).reshape(b, t, h)
     shared = layer["moe"].get("shared")
     if shared is not None:
-        out = out + jax.nn.sigmoid(matmul(x, shared["gate"])) * swiglu(x, shared["gate_up"], shared["down"])
+        out = out + _shared_expert(x.reshape(b * t, h), shared, zero).reshape(b, t, h)
     return out
 
 
@@ -322,10 +446,13 @@ def _moe(layer, x, valid, cfg: ModelConfig, site: int):
 
 def _layer(layer, kv, x, slots, starts, lengths, positions, rope, valid, live, *, cfg: ModelConfig,
            kind: str, mlp: str, site: int | None, verify: bool = False):
-    """One decoder layer on the residual stream x [B, T, hidden]: (x after it, its updated cache)."""
+    """One decoder layer on the residual stream x [B, T, hidden]: (x after it, its updated cache,
+    a linear layer's state after each position in a verification or else None)."""
     normed = _rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+    steps, zero = None, _zero(lengths)
     if kind == "linear":
-        h, kv = _linear_attention(layer, kv, normed, slots, starts, lengths, valid, cfg=cfg)
+        h, kv, steps = _linear_attention(layer, kv, normed, slots, starts, lengths, valid, zero, cfg=cfg,
+                                         verify=verify)
     elif kind in ("attention", "gated_attention"):
         h, kv = _attention(layer, kv, normed, slots, positions, rope, valid, live, cfg=cfg,
                            gated=kind == "gated_attention", verify=verify)
@@ -333,7 +460,8 @@ def _layer(layer, kv, x, slots, starts, lengths, positions, rope, valid, live, *
         raise ValueError(f"layer kind {kind!r} is not implemented")
     x = x + h
     normed = _rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-    return x + (_moe(layer, normed, valid, cfg, site) if mlp == "moe" else _mlp(layer, normed)), kv
+    mixed = _moe(layer, normed, valid, zero, cfg, site) if mlp == "moe" else _mlp(layer, normed)
+    return x + mixed, kv, steps
 
 
 # Each layer as a jitted call inside forward: layers of one kind whose weights have the same shapes
@@ -352,31 +480,38 @@ def forward(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,
     """See the module docstring. tokens int32 [B, T]; slots, starts, lengths int32 [B].
     Returns float32 logits [B, vocab] at each row's last valid token ([B, T, vocab] with
     all_logits or verify), and the updated cache. verify: each row is a decode step's token and its
-    draft (engine.speculative), every position computed as a decode step computes it."""
+    draft (engine.speculative), every position computed as a decode step computes it; a third item
+    is then each linear layer's state after every position (a list, empty for a model without
+    them: _linear_attention), which the linear layers of the returned cache do not hold yet
+    (engine.cache.keep_steps)."""
     all_logits = all_logits or verify
     b, t = tokens.shape
     ctx = next(layer["k"] for layer in cache if "k" in layer).shape[-1]     # linear layers: no ctx
     if slots.shape != (b,) or starts.shape != (b,) or lengths.shape != (b,):
         raise ValueError(f"slots, starts and lengths must have shape ({b},) like tokens' rows")
-    steps = jnp.arange(t, dtype=jnp.int32)
-    positions = starts[:, None] + steps[None, :]                           # [B, T]
-    valid = steps[None, :] < lengths[:, None]                              # [B, T]
+    offsets = jnp.arange(t, dtype=jnp.int32)
+    positions = starts[:, None] + offsets[None, :]                         # [B, T]
+    valid = offsets[None, :] < lengths[:, None]                            # [B, T]
     # Positions attention must read; at least one, so that idle rows (all lengths 0) stay finite.
     live = jnp.clip(jnp.max(starts + lengths), 1, ctx)
     rope = _rope_tables(positions, cfg)
     x = embed(params["embed"], tokens)                                    # [B, T, hidden]
-    new_cache = []
+    new_cache, states = [], []
     # A Python loop, not lax.scan: XLA:CPU runs the unrolled layers 2-4x faster.
     mlp_kinds = cfg.mlp_kinds or ("dense",) * cfg.num_layers
     for i, (kind, mlp, layer, kv) in enumerate(zip(cfg.layer_kinds, mlp_kinds, params["layers"], cache)):
-        x, kv = _jit_layer(layer, kv, x, slots, starts, lengths, positions, rope, valid, live, cfg=cfg,
-                           kind=kind, mlp=mlp, site=i if mlp == "moe" else None, verify=verify)
+        x, kv, steps = _jit_layer(layer, kv, x, slots, starts, lengths, positions, rope, valid, live,
+                                  cfg=cfg, kind=kind, mlp=mlp, site=i if mlp == "moe" else None,
+                                  verify=verify)
         new_cache.append(kv)
+        if steps is not None:
+            states.append(steps)
     if not all_logits:
         last = jnp.maximum(lengths - 1, 0)                                 # idle rows: any row
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]      # [B, hidden]
     x = _rms_norm(x, params["norm"], cfg.rms_norm_eps)
-    return matmul(x, params["lm_head"]), new_cache
+    logits = matmul(x, params["lm_head"])
+    return (logits, new_cache, states) if verify else (logits, new_cache)
 
 
 jit_forward = jax.jit(forward, donate_argnames=("cache",),

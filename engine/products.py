@@ -152,10 +152,21 @@ def int8_product(terms, other, dimension_numbers):
     return y[..., :-1, :] - 128 * y[..., -1:, :]
 
 
-def sum_terms(products, scales, n: int):
+def rounded(x, zero):
+    """x (float32), each value rounded on its own before what uses it. XLA:CPU turns a product and
+    the sum it feeds into one fused multiply-add (one rounding, not two) wherever both land in one
+    fusion, and which land together depends on the program around them (a decode step's and a
+    verification's, engine.speculative); an integer or with `zero`, a run-time 0 the compiler cannot
+    fold, keeps the product a value of its own, rounded as the kernel's are."""
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.int32) | zero, F32)
+
+
+def sum_terms(products, scales, n: int, zero=None):
     """The int32 products of n int8 terms (int8_terms of x [..., rows, c], stacked along the rows),
-    each times its scales, summed: [..., rows, out] float32, x's product."""
-    return sum(jnp.split(products.astype(F32) * scales, n, axis=-2))
+    each times its scales, summed: [..., rows, out] float32, x's product. zero: a run-time 0 that
+    rounds each term's product before the sum (rounded)."""
+    parts = products.astype(F32) * scales
+    return sum(jnp.split(parts if zero is None else rounded(parts, zero), n, axis=-2))
 
 
 def int8_terms_product(terms, scales, n: int, other, dimension_numbers):
@@ -210,7 +221,8 @@ def _int8_matmul(flat, w):
             products = offset_weights_product(q, terms)
         else:
             products = int8_product(terms, q, (((1,), (1,)), ((), ())))
-        return sum_terms(products, scales, ROW_TERMS) * scale
+        # The weights' scales are never negative: a run-time 0 (a row's numbers in every program).
+        return sum_terms(products, scales, ROW_TERMS, zero=(scale[0] < 0).astype(jnp.int32)) * scale
     if _xla_cpu():
         # Each matrix widened when its product is next, not all at a program's start: XLA:CPU's
         # scheduler hoists what reads only weights (a 512-token chunk of the demo held every layer's

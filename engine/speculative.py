@@ -21,8 +21,13 @@ comes from the target with the draft token removed).
 That holds only where a position's numbers do not depend on how many positions run beside it: the
 native kernel's products are exact integer sums per row and its attention reads each query row on its
 own (engine.attention), up to products.INT8_ROWS_MAX_ROWS rows. Elsewhere (XLA's float products,
-accelerators) and for models whose layers hold a recurrent state (it cannot be cut back to the
-accepted position) drafting is off: the worker says why at start (Speculator.off).
+accelerators) drafting is off: the worker says why at start (Speculator.off).
+
+A hybrid model's linear layers hold a recurrent state and a conv window that a verification advances
+past every drafted token. Its T positions run one at a time, in the arithmetic of T decode steps
+(engine.model: its float32 operations each rounded once, whatever the program around them), and the
+state after each position comes back with the logits; once the sampler has decided, each row's slot
+keeps the state of its last kept position (engine.cache.keep_steps: selected, not recomputed).
 
 Whether drafting pays is measured, not assumed: a verification program of T tokens per row costs
 more than a decode step (how much depends on the CPU's integer throughput: docs/performance.md), so
@@ -34,6 +39,8 @@ as before.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 # The n-gram lengths the drafter matches, longest first: a longer match predicts its continuation
 # better; two tokens still find an identifier or a line being copied.
@@ -93,6 +100,15 @@ class RowStats:
     accepted: int = 0
 
 
+def kept_counts(picks, drafts, lengths):
+    """Each row's kept drafts after a verification: the drafted tokens (drafts[b, :lengths[b] - 1])
+    before the first one that differs from the token drawn at its position (picks [B, T]). The row's
+    new tokens are picks[b, :kept + 1], and its last kept position is kept[b]. numpy int [B]."""
+    picks, drafts, lengths = np.asarray(picks), np.asarray(drafts), np.asarray(lengths)
+    drafted = np.arange(picks.shape[1])[None] < (lengths - 1)[:, None]
+    return np.cumprod(drafted & (picks == drafts), axis=1).sum(axis=1)
+
+
 def expected_tokens(draft: int, acceptance: float) -> float:
     """Tokens a verification gives a row with `draft` drafted tokens when each is kept with
     probability `acceptance` given the ones before it were: the drawn token plus the kept run."""
@@ -109,6 +125,10 @@ class Speculator:
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, T) -> s per call
     rows: dict[str, RowStats] = field(default_factory=dict)
     passed: dict[tuple[int, int], int] = field(default_factory=dict)   # rounds a near choice waited
+    # Since start: rows' verifications that carried a draft, tokens drafted, and tokens kept.
+    verifications: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
     def measured(self, rows: int, t: int, seconds: float) -> None:
         """A program of `rows` x `t` tokens ran in `seconds` (decode: t = 1). A recheck's time
@@ -156,14 +176,15 @@ class Speculator:
 
     def verified(self, rid: str, drafted: int, kept: int) -> None:
         """A row's draft of `drafted` tokens ran; the first `kept` were kept."""
-        if drafted <= 0:
-            return
         stats = self.rows.get(rid)
-        if stats is None:
+        if drafted <= 0 or stats is None:
             return
         stats.acceptance += ACCEPTANCE_WEIGHT * (kept / drafted - stats.acceptance)
         stats.drafted += drafted
         stats.accepted += kept
+        self.verifications += 1
+        self.drafted += drafted
+        self.accepted += kept
 
     def finish(self, rid: str) -> tuple[int, int]:
         """A request ended: (tokens it drafted, tokens kept)."""

@@ -33,8 +33,9 @@ import numpy as np
 from engine import (certify, grammar, identity, memory, mirror, native, prefix, products, sampler,
                     sharding, speculative)
 from engine.checkpoint import Checkpoint
-from engine.cache import (copy_prefix, has_state, host_block, init_cache, position_bytes, read_slot,
-                          read_state, warm_host_copies, warm_state_copies, write_slot, write_state)
+from engine.cache import (copy_prefix, has_state, host_block, init_cache, keep_steps, position_bytes,
+                          read_slot, read_state, warm_host_copies, warm_state_copies, write_slot,
+                          write_state)
 from engine.config import CHAT_FORMAT, check_weights_dtype, load_config
 from engine.attention import NATIVE_ATTENTION_MAX_TOKENS, kv_dtype_for
 from engine.model import dtype_for, jit_forward, weights_dtype_for
@@ -327,8 +328,6 @@ class Engine:
                "rows beside them (int8 and block weights' integer products are)"
                if self.weights_dtype != "int8" else
                "the KV cache is not int8 (the kernel's attention reads int8)" if self.kv_dtype != np.int8 else
-               "its linear layers' state cannot be cut back to the last kept position"
-               if "linear" in cfg.layer_kinds else
                f"a decode step of every slot ({args.slots} rows) is past the {products.INT8_ROWS_MAX_ROWS} "
                "rows whose products are the same per row whatever the rows beside it"
                if args.slots > products.INT8_ROWS_MAX_ROWS else None)
@@ -438,7 +437,10 @@ class Engine:
             masks.append((sampler.allowed_only, (logits, bits), {}))
         for rows, ts in self.speculator.shapes.items():
             for t in ts:
-                logits, self.cache = jit_forward(*self._model_call(rows, t), cfg=self.cfg, verify=True)
+                logits, self.cache, steps = jit_forward(*self._model_call(rows, t), cfg=self.cfg, verify=True)
+                if steps:                               # the commit after it, on idle rows (a no-op)
+                    self.cache = keep_steps(self.cache, steps, np.arange(rows, dtype=np.int32),
+                                            np.full(rows, -1, np.int32))
                 params = sampler.row_params([(sampler.Sampling(), 0, 0)] * rows)
                 bits = np.zeros((rows, t, grammar.mask_words(self.cfg.vocab_size)), np.int32)
                 for flags in sampler.FLAG_COMBINATIONS:
@@ -468,8 +470,8 @@ class Engine:
                 times = []
                 for _ in range(1 + TIMING_RUNS):
                     t0 = time.perf_counter()
-                    logits, self.cache = jit_forward(*self._model_call(rows, t), cfg=self.cfg,
-                                                     verify=t > 1)
+                    logits, self.cache, *_ = jit_forward(*self._model_call(rows, t), cfg=self.cfg,
+                                                         verify=t > 1)
                     jax.block_until_ready(logits)
                     times.append(time.perf_counter() - t0)
                 self.speculator.measured(rows, t, min(times[1:]))
@@ -664,9 +666,9 @@ class Engine:
         picks = self._verify(tokens, slots, starts, lengths, drafted, draw + (masks,))
         self.speculator.measured(n, t, time.perf_counter() - t0)
         out = []
+        kept_by_row = speculative.kept_counts(picks, drafted, lengths)
         for row, r in zip(where, work.rows):
-            draft = by_row[row]
-            kept = next((i for i, d in enumerate(draft) if int(picks[row, i]) != d), len(draft))
+            draft, kept = by_row[row], int(kept_by_row[row])
             new = [int(x) for x in picks[row, :kept + 1]]
             stop = next((i for i, x in enumerate(new) if x in r.stop_ids), None)
             new = new if stop is None else new[:stop + 1]
@@ -704,12 +706,16 @@ class Engine:
         last token and its draft (lengths[b] of them real), drafts [B, T] the drafted tokens after
         each position; draw = (row params, every_slot, batch flags, masks [B, T, words]). The tokens
         drawn at every position [B, T] (sampler.verify)."""
-        logits, self.cache = jit_forward(self.params, self.cache, tokens, slots, starts, lengths,
-                                         cfg=self.cfg, verify=True)
+        logits, self.cache, steps = jit_forward(self.params, self.cache, tokens, slots, starts, lengths,
+                                                cfg=self.cfg, verify=True)
         params, every, flags, masks = draw
         picks, self.state = sampler.verify(self.state, logits, drafts, slots, lengths, params, masks,
                                            every_slot=every, native_kernel=self.cfg.native, **flags)
-        return sharding.to_host(picks)
+        picks = sharding.to_host(picks)
+        if steps:            # linear layers: each row keeps the state at its last kept position
+            at = np.where(lengths > 0, speculative.kept_counts(picks, drafts, lengths), -1)
+            self.cache = keep_steps(self.cache, steps, slots, at.astype(np.int32))
+        return picks
 
     @device_call
     def logits(self, tokens, slots, starts, lengths) -> np.ndarray:

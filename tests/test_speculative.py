@@ -171,20 +171,34 @@ def test_tokens_after_a_rejected_draft_are_not_counted_for_penalties():
 
 # ---- the engine: drafting on against off ----------------------------------------------------------------
 
-def _engine(speculative: str, folder: str = "qwen3", slots: int = 4):
+# Tiny models drafted: dense, mixture of experts, and the hybrids (Gated DeltaNet layers beside
+# gated attention: Qwen3.5, Qwen3-Next with its shared expert, Qwen3.8-27B's ratios).
+MODELS = ["qwen3", "qwen3-moe", "qwen3-5", "qwen3-next", "qwen3-8"]
+HYBRID = MODELS[2:]
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """One persistent compile cache for this file's engines: drafting on and off share their prefill
+    and decode programs, and a restarted worker loads its programs from it."""
+    return str(tmp_path_factory.mktemp("compile-cache"))
+
+
+def _engine(speculative: str, folder: str = "qwen3", slots: int = 4, compile_cache=None, **more):
     """A tiny int8 engine (drafting needs the native kernel's int8 products and cache)."""
     from engine.worker import Engine, WorkerArgs
     return Engine(WorkerArgs("tiny", str(TINY / folder), slots=slots, ctx=256, prefill_chunks=(8, 32),
-                             compile_cache=None, dtype="int8", kv_dtype="int8", speculative=speculative))
+                             compile_cache=compile_cache, dtype="int8", kv_dtype="int8",
+                             speculative=speculative, **more))
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3-moe"])
-def engines(request):
-    """The tiny dense and mixture-of-experts models, drafting on and off."""
-    on = _engine("auto", request.param)
+@pytest.fixture(scope="module", params=MODELS)
+def engines(request, compile_cache):
+    """Each tiny model, drafting on and off."""
+    on = _engine("auto", request.param, compile_cache=compile_cache)
     if on.speculator.off:
         pytest.skip(f"drafting is off here: {on.speculator.off}")
-    return on, _engine("off", request.param)
+    return on, _engine("off", request.param, compile_cache=compile_cache)
 
 
 def _run(engine, submits) -> dict:
@@ -208,13 +222,14 @@ def _prompts():
     return [piece * 4, piece[:7] * 5 + [9, 8], [int(x) for x in rng.integers(5, 200, 30)]]
 
 
-@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.8, top_k=20, seed=11),
-                                      Sampling(temperature=1.0, repetition_penalty=1.2, frequency_penalty=0.3,
-                                               seed=3)], ids=["greedy", "seeded", "penalties"])
-def test_output_with_drafting_is_the_output_without_token_for_token(engines, sampling):
-    """Guards against a drafted row's tokens differing from plain decoding's, alone (the one-row
-    programs) and beside others (the four-row ones), greedy or seeded, or a program compiled after
-    ready."""
+SAMPLINGS = [Sampling(), Sampling(temperature=0.8, top_k=20, seed=11),
+             Sampling(temperature=1.0, repetition_penalty=1.2, frequency_penalty=0.3, seed=3)]
+SAMPLING_IDS = ["greedy", "seeded", "penalties"]
+
+
+def _on_and_off(engines, sampling) -> tuple[dict, dict]:
+    """Each prompt alone (the one-row programs) and all together (the four-row ones), drafting off
+    (rid -> tokens) and on (rid -> the whole result, with its timings)."""
     on, off = engines
     prompts = _prompts()
     alone = [Submit(f"alone{i}", p, 48, sampling) for i, p in enumerate(prompts)]
@@ -222,13 +237,65 @@ def test_output_with_drafting_is_the_output_without_token_for_token(engines, sam
     want = {**{s.rid: _run(off, [s])[s.rid]["tokens"] for s in alone}, **{
         rid: r["tokens"] for rid, r in _run(off, together).items()}}
     got = {**{s.rid: _run(on, [s])[s.rid] for s in alone}, **_run(on, together)}
+    return want, got
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=SAMPLING_IDS)
+def test_output_with_drafting_is_the_output_without_token_for_token(engines, sampling):
+    """Guards against a drafted row's tokens differing from plain decoding's, alone (the one-row
+    programs) and beside others (the four-row ones), greedy or seeded, or a program compiled after
+    ready. The dense tiny models' greedy output repeats its prompt, so the drafter finds drafts."""
+    on, _ = engines
+    want, got = _on_and_off(engines, sampling)
     assert {rid: r["tokens"] for rid, r in got.items()} == want
     assert on.compiles_after_ready() == 0
     drafted = sum(r["timings"]["draft_n"] for r in got.values())
     kept = sum(r["timings"]["draft_n_accepted"] for r in got.values())
     assert 0 <= kept <= drafted
-    if sampling.temperature == 0:
+    if sampling.temperature == 0 and on.cfg.model_type in ("qwen3", "qwen3_moe"):
         assert kept > 0, "the tiny model's repetitive greedy output was never drafted from"
+
+
+def _oracle(monkeypatch, engine, truth: dict[tuple, list[int]], wrong_every: int = 5) -> None:
+    """Make `engine` draft the output it must give (truth: prompt -> output), each wrong_every-th
+    output token drafted wrong, so that verifications keep runs of every length and reject the
+    rest; and make it take every verification for as cheap as a decode step (its real cost would
+    keep the tiny hybrids from drafting at all). The drafter only proposes: the output stays
+    verification's."""
+    from engine import speculative
+
+    def propose(self, k):
+        for prompt, out in truth.items():
+            if tuple(self.tokens[:len(prompt)]) == prompt and len(self.tokens) >= len(prompt):
+                done = len(self.tokens) - len(prompt)
+                return [(x + 1) % engine.cfg.vocab_size if (done + i) % wrong_every == wrong_every - 1 else x
+                        for i, x in enumerate(out[done:done + k])]
+        return []
+    monkeypatch.setattr(speculative.Drafter, "propose", propose)
+    spec = engine.speculator
+    for rows, ts in spec.shapes.items():
+        for t in ts:
+            spec.seconds[(rows, t)] = spec.seconds[(rows, 1)]
+    monkeypatch.setattr(spec, "measured", lambda *args: None)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=SAMPLING_IDS)
+def test_output_with_drafts_right_and_wrong_in_turns_is_the_output_without(engines, sampling, monkeypatch):
+    """Guards against a kept run or a rejected draft changing what follows (the KV cache written
+    past the kept position, a linear layer's state or conv window after a rejected token): drafts
+    that are right for 0 to 4 tokens at a time, greedy, seeded and penalized, alone and beside
+    others, give plain decoding's tokens."""
+    on, off = engines
+    want, _ = _on_and_off((off, off), sampling)
+    prompts = _prompts()
+    truth = {tuple(p): want[f"alone{i}"] for i, p in enumerate(prompts)}
+    _oracle(monkeypatch, on, truth)
+    _, got = _on_and_off((on, off), sampling)
+    assert {rid: r["tokens"] for rid, r in got.items()} == want
+    drafted = sum(r["timings"]["draft_n"] for r in got.values())
+    kept = sum(r["timings"]["draft_n_accepted"] for r in got.values())
+    assert 0 < kept < drafted
+    assert on.compiles_after_ready() == 0
 
 
 @pytest.mark.parametrize("t", [4, 8])
@@ -244,8 +311,8 @@ def test_a_verification_gives_each_position_the_logits_of_a_decode_step_bit_for_
     start = len(on.scheduler.slots[slot].tokens)
     tokens = np.arange(7, 7 + t, dtype=np.int32)[None]
     args = (np.array([slot], np.int32), np.array([start], np.int32))
-    together, on.cache = jit_forward(on.params, on.cache, tokens, *args[:1], args[1], np.array([t], np.int32),
-                                     cfg=on.cfg, verify=True)
+    together, on.cache, _ = jit_forward(on.params, on.cache, tokens, *args[:1], args[1], np.array([t], np.int32),
+                                        cfg=on.cfg, verify=True)
     together = np.asarray(together)[0]
     for i in range(t):
         one, on.cache = jit_forward(on.params, on.cache, tokens[:, i:i + 1], args[0], args[1] + i,
@@ -279,15 +346,100 @@ def test_a_drafted_row_stops_at_its_limit_and_at_a_stop_token(engines):
         assert r["tokens"] == full[:full.index(stop)] and r["finish"] == "stop"
 
 
+# ---- hybrid models: the linear layers' state at each row's last kept position -------------------------
+
+def test_a_verification_leaves_each_row_the_linear_state_of_its_last_kept_position(engines):
+    """Guards against a rejected draft's tokens staying in the recurrent state or the conv window
+    (gibberish after a rejected draft): after a verification of 8 positions a row keeps, for each
+    kept length, exactly the state 1 + kept decode steps reach; two rows keeping different lengths
+    keep their own; an idle row and the verification itself leave the pool as it was."""
+    from engine.cache import has_state, keep_steps, read_state, write_state
+    from engine.model import jit_forward
+    on, _ = engines
+    if not has_state(on.cache):
+        pytest.skip("no linear layers")
+    _run(on, [Submit("p", _prompts()[2], 1), Submit("q", _prompts()[1], 1)])
+    a, b = (next(s.index for s in on.scheduler.slots if len(s.tokens) == len(p)) for p in _prompts()[2:0:-1])
+    t, rows = 8, np.array([a, b, 2, 3], np.int32)
+    rows[2:] = [i for i in range(4) if i not in (a, b)]
+    starts = np.array([len(on.scheduler.slots[a].tokens), len(on.scheduler.slots[b].tokens), 0, 0], np.int32)
+    tokens = np.zeros((4, t), np.int32)
+    tokens[:2] = np.arange(7, 7 + 2 * t).reshape(2, t)
+    before = {slot: read_state(on.cache, slot) for slot in rows}
+    _, on.cache, steps = jit_forward(on.params, on.cache, tokens, rows, starts, np.array([t, t, 0, 0], np.int32),
+                                     cfg=on.cfg, verify=True)
+    assert all(_same(read_state(on.cache, slot), before[slot]) for slot in rows)
+    reached = {a: [], b: []}
+    for i in range(t):
+        one = np.array([1, 1, 0, 0], np.int32)
+        _, on.cache = jit_forward(on.params, on.cache, tokens[:, i:i + 1], rows, starts + i, one, cfg=on.cfg)
+        for slot in (a, b):
+            reached[slot].append(read_state(on.cache, slot))
+    for kept_a, kept_b in [(0, 7), (3, 1), (7, 0), (5, 5)]:
+        for slot in rows:
+            on.cache = write_state(on.cache, slot, before[slot])
+        on.cache = keep_steps(on.cache, steps, rows, np.array([kept_a, kept_b, -1, -1], np.int32))
+        assert _same(read_state(on.cache, a), reached[a][kept_a]), f"row a kept {kept_a}"
+        assert _same(read_state(on.cache, b), reached[b][kept_b]), f"row b kept {kept_b}"
+        assert all(_same(read_state(on.cache, slot), before[slot]) for slot in rows[2:])
+
+
+def _same(x: list[dict], y: list[dict]) -> bool:
+    return all(np.array_equal(p[k], q[k]) for p, q in zip(x, y) for k in p)
+
+
+def _conversations(engine, seeds, turns: int = 3, answer: int = 24) -> dict[int, list[tuple]]:
+    """Conversations (one per seed) taking turns on one engine: each turn appends a user turn to its
+    history, cut at every turn boundary (the prompt cache snapshots there), and its answer. Returns
+    each conversation's (prompt, answer) per turn."""
+    from tests.test_worker import run
+    rngs = {seed: np.random.default_rng(seed) for seed in seeds}
+    history = {seed: ([], []) for seed in seeds}
+    answers: dict[int, list[tuple]] = {seed: [] for seed in seeds}
+    for t in range(turns):
+        for seed in seeds:
+            tokens, cuts = history[seed]
+            tokens = tokens + [int(x) for x in rngs[seed].integers(5, 200, 12)]
+            rid = f"s{seed}-{t}"
+            got = run(engine, Submit(rid, tokens, answer, cuts=cuts + [len(tokens)]))[rid]["tokens"]
+            answers[seed].append((tokens, got))
+            history[seed] = (tokens + got, cuts + [len(tokens), len(tokens) + len(got)])
+    return answers
+
+
+def test_a_hybrid_conversation_drafted_from_the_prompt_cache_and_across_a_restart_is_the_cold_output(
+        compile_cache, monkeypatch):
+    """Guards against a drafted row whose linear state is not the one its slot's tokens reach once
+    prefixes are reused (the snapshots of turn boundaries, one slot shared by conversations taking
+    turns so each reloads from the host cache) and after the worker restarts (programs loaded from
+    the compile cache): every answer equals drafting off without any cache, and drafting ran."""
+    from engine.cache import has_state
+    hot = _engine("auto", "qwen3-8", slots=1, compile_cache=compile_cache, cache_ram_mib=16)
+    cold = _engine("off", "qwen3-8", slots=1, compile_cache=compile_cache, prefix_cache=False)
+    assert has_state(hot.cache) and hot.speculator.off is None
+    seeds = [1, 2, 3]
+    want = _conversations(cold, seeds)
+    truth = {tuple(prompt): answer for turns in want.values() for prompt, answer in turns}
+    _oracle(monkeypatch, hot, truth)
+    assert _conversations(hot, seeds) == want
+    assert hot.scheduler.host_hits > 0 and hot.speculator.accepted > 0
+    assert hot.compiles_after_ready() == 0
+    del hot
+    again = _engine("auto", "qwen3-8", slots=1, compile_cache=compile_cache, cache_ram_mib=16)
+    _oracle(monkeypatch, again, truth)
+    assert _conversations(again, seeds[::-1]) == {seed: want[seed] for seed in seeds[::-1]}
+    assert again.speculator.accepted > 0 and again.compiles_after_ready() == 0
+
+
 @pytest.mark.parametrize("case, why", [
     ({}, None), ({"speculative": "off"}, "--speculative off"), ({"native": False}, "native kernel"),
     ({"weights": "float32"}, "float32 weights"), ({"weights": "fp8"}, "fp8 weights"),
-    ({"kv": np.float16}, "KV cache is not int8"), ({"kinds": ("linear", "attention")}, "linear layers"),
+    ({"kv": np.float16}, "KV cache is not int8"), ({"kinds": ("linear", "attention")}, None),
     ({"mlp": ("moe", "dense")}, None),
     ({"slots": products.INT8_ROWS_MAX_ROWS + 1}, f"every slot ({products.INT8_ROWS_MAX_ROWS + 1} rows)")])
 def test_drafting_is_on_only_where_it_is_exact(case, why):
     """Guards against drafting on a path whose numbers depend on the rows beside a position (XLA's
-    float products, float caches) or whose state cannot be cut back (linear layers)."""
+    float products, float caches); linear layers draft (each position's state is kept)."""
     from types import SimpleNamespace
 
     from engine.scheduler import Buckets

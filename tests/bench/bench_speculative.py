@@ -225,8 +225,8 @@ def exactness(positions: int = 8) -> str:
         slots = np.arange(rows, dtype=np.int32)
         starts, lengths = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         starts[0], lengths[0] = 600, positions
-        together, engine.cache = jit_forward(engine.params, engine.cache, tokens, slots, starts, lengths,
-                                             cfg=engine.cfg, verify=True)
+        together, engine.cache, _ = jit_forward(engine.params, engine.cache, tokens, slots, starts, lengths,
+                                                cfg=engine.cfg, verify=True)
         together = np.asarray(together)[0]
         worst = 0.0
         for i in range(positions):
