@@ -376,7 +376,7 @@ COMPILE_THREADS = 2
 TRIAL_START_S = 30.0
 # Address space a trial may take beyond what its process holds when it starts: past it the trial fails.
 TRIAL_MEMORY_BYTES = 1 << 30
-# A trial's messages: the length of what follows, in bytes.
+# A trial's message starts with the length of what follows, in this many bytes (little-endian).
 _FRAME = 8
 
 
@@ -426,7 +426,7 @@ class _Trial:
                 raise OSError(f"the trial process did not start: {said or f'not within {TRIAL_START_S:g} s'}")
             self._ready = True
 
-    def check(self, text: str, budget: "_Budget") -> str | None:
+    def check(self, text: str, budget: _Budget) -> str | None:
         """"" when the grammar compiles, the library's error when it does not, None when the budget
         ran out first (the process is killed, and a fresh one starts). Call ready() first."""
         if self.cpu_s() >= budget.cpu or time.monotonic() >= budget.wall:
@@ -466,7 +466,8 @@ class _Trial:
         has spent `cpu` seconds. A process that ended answers its exit."""
         fd, data, need = proc.stdout.fileno(), b"", _FRAME
         while len(data) < need:
-            ready, _, _ = select.select([fd], [], [], max(0.0, min(TRIAL_POLL_S, deadline - time.monotonic())))
+            wait = max(0.0, min(TRIAL_POLL_S, deadline - time.monotonic()))
+            ready, _, _ = select.select([fd], [], [], wait)
             if not ready:
                 if time.monotonic() >= deadline or self.cpu_s() >= cpu:
                     return None
@@ -489,16 +490,9 @@ class _Trial:
 def _serve_trials() -> None:
     """The trial process (python -m engine.grammar): grammars in, the library's verdict out (the
     first line of its error, or nothing), until the worker closes the pipe or dies."""
-    import resource
     import llguidance
-    if sys.platform == "linux":                 # killed with the worker, not left compiling
-        import ctypes
-        ctypes.CDLL(None).prctl(1, 9)           # PR_SET_PDEATHSIG, SIGKILL
-    with open("/proc/self/statm") as f:
-        held = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
-    soft = held + TRIAL_MEMORY_BYTES if hard == resource.RLIM_INFINITY else min(held + TRIAL_MEMORY_BYTES, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    if sys.platform == "linux":
+        _bound_trial()
     limits = _limits(llguidance)
     source, sink = sys.stdin.buffer, sys.stdout.buffer
     try:
@@ -515,6 +509,18 @@ def _serve_trials() -> None:
             sink.flush()
     except BrokenPipeError:
         return                                  # the worker is gone
+
+
+def _bound_trial() -> None:
+    """The trial process dies with the worker (not left compiling), and its address space is bounded."""
+    import ctypes
+    import resource
+    ctypes.CDLL(None).prctl(1, 9)               # PR_SET_PDEATHSIG, SIGKILL
+    with open("/proc/self/statm") as f:
+        held = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    soft = held + TRIAL_MEMORY_BYTES
+    resource.setrlimit(resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
 
 
 def _allows(bits: np.ndarray, token: int) -> bool:
@@ -583,7 +589,8 @@ class Grammars:
         self._llg = llguidance
         # The tokenizer's token trie (about a second) is built first, beside the worker's start-up.
         self._tokenizer: Future = Future()
-        threading.Thread(target=self._load_tokenizer, args=(folder,), name="grammar-tokenizer", daemon=True).start()
+        threading.Thread(target=self._load_tokenizer, args=(folder,), name="grammar-tokenizer",
+                         daemon=True).start()
         for i in range(COMPILE_THREADS):
             threading.Thread(target=self._serve, name=f"grammar-{i}", daemon=True).start()
         self._executor = llguidance.LLExecutor()
@@ -705,7 +712,8 @@ class Grammars:
         try:
             result = self._compile(c, trial)
         except Exception as e:       # noqa: BLE001 - a request runs unconstrained, the worker lives
-            result = None, f"tool-call grammar failed; the request runs unconstrained: {type(e).__name__}: {e}"
+            result = None, ("tool-call grammar failed; the request runs unconstrained: "
+                            f"{type(e).__name__}: {e}")
         with self._cond:
             self._trials.append(trial)
             self._cache[key] = result
@@ -729,7 +737,7 @@ class Grammars:
                 plain, note = self._screened(c, trial, budget)
             except OSError as e:
                 plain = frozenset(name for name, _ in c.tools)
-                note = f"tool-call grammar: the schemas are not checked, so not enforced (only the names): {e}"
+                note = f"tool-call grammar: the schemas go unchecked, so unenforced (only the names): {e}"
         matcher, error = self._matcher(tok, c, plain)
         if error and len(plain) < len(c.tools):     # past what the trial compiles: by the names
             plain = frozenset(name for name, _ in c.tools)
@@ -749,8 +757,8 @@ class Grammars:
         tools = [(n, s) for n, s in c.tools if c.mode != "named" or n == c.name]
         names = frozenset(name for name, _ in c.tools)
         if error is None:
-            return names, (f"tool-call grammar: the schemas did not compile within {COMPILE_BUDGET_S:g} s of CPU "
-                           f"({COMPILE_WALL_S:g} s in all); calls are constrained by tool name only")
+            return names, (f"tool-call grammar: the schemas did not compile within {COMPILE_BUDGET_S:g} s of "
+                           f"CPU ({COMPILE_WALL_S:g} s in all); calls are constrained by tool name only")
         refused: set[str] = set()
         for i, (name, schema) in enumerate(tools):
             verdict = trial.check(lark(dataclasses.replace(c, tools=[(name, schema)])), budget)
@@ -828,7 +836,8 @@ class Grammars:
         """One row's masks after each drafted token (bits[1:], bits[0] given), on a matcher of its
         own; the draft as far as the sampler could draw it."""
         for k, token in enumerate(draft):
-            if not 0 <= token < self.vocab_size or not _allows(bits[k], token) or not matcher.consume_token(token):
+            drawable = 0 <= token < self.vocab_size and _allows(bits[k], token)
+            if not drawable or not matcher.consume_token(token):
                 return draft[:k]
             mask = bits[k + 1]
             matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)

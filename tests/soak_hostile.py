@@ -17,9 +17,17 @@ model output nested 985 deep or with lone surrogates. Normal clients (tenant "bo
 requests to the four generation APIs and must get exactly their text back; a 429/503/529 with
 Retry-After is retried and counted, anything else is a lost request.
 
-It passes when: 0 worker restarts (same worker pid), 0 lost requests, every attack answered as it
-should be, and the server's memory (RSS) back within 20% of its start after the attacks end.
-/health latency (p50, p99, max) is reported.
+Round three's grammar attacks need the real worker's grammars, so a second `mashbox run` serves the
+tiny model with a byte-level tokenizer (its forced calls come back valid only when they ran under
+their grammar): mallory sends six requests at once whose tool sets take the library seconds each to
+compile, and forced calls in a conversation holding earlier calls (the worker drafts from them); bob
+sends forced calls there too, each with a tool set the worker has not seen, and a call that is not
+valid for its schema is a lost request.
+
+It passes when: 0 worker restarts (same worker pids), 0 lost requests, every attack answered as it
+should be, the server's memory (RSS) back within 20% of its start after the attacks end, and the
+grammar server's worker (with its trial compiles) idle within its budget once the attacks end.
+/health latency (p50, p99, max) of both servers is reported.
 """
 from __future__ import annotations
 
@@ -238,8 +246,9 @@ def costly_json(port):
                                MALLORY, {"Content-Type": "application/json"})[0])
         except (BrokenPipeError, ConnectionResetError):
             got.append(503)     # refused at the connection bound while the 9 MB body was still going out
-    # 503: the connection bound, when a flood runs at the same time.
-    return None if set(got) <= {400, 503} else f"deep, dense, UTF-16 and escaped-pair bodies: {got}"
+    # 503: the connection bound, when a flood runs at the same time; 429: the escaped pairs' body is a
+    # request like any other, and the tenant's queue may be full of its other attacks' requests.
+    return None if set(got) <= {400, 429, 503} else f"deep, dense, UTF-16 and escaped-pair bodies: {got}"
 
 
 def byte_chunks(port):
@@ -317,6 +326,66 @@ def hostile_output(port):
     return None if got == [200] * 4 else f"hostile model output: {got}"
 
 
+def costly_tool_sets(port):
+    """Six requests at once, each with tool sets the grammar's library takes seconds to compile."""
+    from tests.test_tool_grammar import costly_tools
+
+    def send():
+        tools = [{"type": "function", "function": {"name": n, "parameters": schema}}
+                 for n, schema in costly_tools(2, f"{time.time_ns()}")]
+        return request(port, "POST", "/v1/chat/completions", chat("hi", max_tokens=8, tools=tools), MALLORY)[0]
+    statuses = at_once(6, send)
+    # 429: mallory's queue is full (the other attacker sends these too).
+    return None if set(statuses) <= {200, 429} else f"costly tool sets: {dict(statuses)}"
+
+
+NUMBER = {"type": "integer", "minimum": 0, "maximum": 10**9}       # a call short enough to finish
+COUNT = {"name": "count", "parameters": {"type": "object", "additionalProperties": False,
+                                         "properties": {"n": NUMBER, "m": NUMBER}}}
+
+
+def forced_call(port, key: str, tool: dict, messages: list[dict], **sampling) -> str | None:
+    """A forced call of `tool`: None when it came back as one call valid for its schema, else why not."""
+    import jsonschema
+    status, headers, answer = request(port, "POST", "/v1/chat/completions", {
+        "max_tokens": 120, "messages": messages, "tools": [{"type": "function", "function": tool}],
+        "tool_choice": {"type": "function", "function": {"name": tool["name"]}}, **sampling}, key)
+    if status != 200:
+        refused = status in (429, 503, 529) and "retry-after" in headers
+        return "retry" if refused else f"{status} {answer[:120]!r}"
+    calls = json.loads(answer)["choices"][0]["message"].get("tool_calls") or []
+    try:
+        assert len(calls) == 1 and calls[0]["function"]["name"] == tool["name"]
+        jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), tool["parameters"])
+    except (AssertionError, ValueError, jsonschema.ValidationError):
+        choice = json.loads(answer)["choices"][0]
+        return f"not a valid call ({choice['finish_reason']}): {json.dumps(choice['message'])[:200]}"
+    return None
+
+
+def drafted_calls(port):
+    """Forced calls in a conversation whose earlier turns hold calls: the worker drafts from them."""
+    messages = [{"role": "user", "content": "Count."}]
+    for i in range(3):
+        call = {"id": f"c{i}", "type": "function", "function": {"name": "count", "arguments": '{"n": 123456789}'}}
+        messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": f"c{i}", "content": "ok"}]
+    messages.append({"role": "user", "content": "Again."})
+    # Alice's: mallory's own costly compiles come before mallory's other requests (by design).
+    why = [forced_call(port, ALICE, COUNT, messages, temperature=1.0, seed=time.time_ns() % 2**31)
+           for _ in range(4)]
+    wrong = [w for w in why if w not in (None, "retry")]
+    return None if not wrong else f"drafted calls: {wrong[:2]}"
+
+
+# Run against the grammar server (the real worker), in turn with ATTACKS.
+GRAMMAR_ATTACKS = (costly_tool_sets, drafted_calls)
+# The grammar server's worker, its trial compiles included, once the attacks are over: CPU seconds in
+# IDLE_WINDOW_S at most (a compile under way ends within its budget first).
+IDLE_WINDOW_S = 5.0
+IDLE_CPU_S = 1.0
+
+
 ATTACKS = (keyless_bodies, huge_stop_list, longest_stops, huge_prompt, long_prompt, bad_sampling, surrogates,
            slow_reader, connection_flood, full_tenant_queue, small_tricks, tool_lists, costly_json, byte_chunks,
            keyless_reads, idle_flood, unread_streams, count_flood, hostile_output)
@@ -362,6 +431,86 @@ def normal_once(port: int, rng: random.Random, counts: Counter, bad: list) -> No
     bad.append(f"{api}: refused 20 times")
 
 
+def grammar_once(port: int, counts: Counter, bad: list) -> None:
+    """Bob's forced call on the grammar server, with a tool set it has not seen: a valid call, or lost."""
+    tool = {"name": f"pick_{time.time_ns()}", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["unit", "n"],
+        "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "n": {"type": "boolean"}}}}
+    for _ in range(20):
+        try:
+            why = forced_call(port, BOB, tool, [{"role": "user", "content": "Pick one."}])
+        except OSError as e:
+            why = repr(e)
+        if why == "retry":
+            counts["grammar refused, retried"] += 1
+            time.sleep(0.2)
+            continue
+        if why:
+            bad.append(f"forced call: {why}")
+        else:
+            counts["grammar calls"] += 1
+        return
+    bad.append("forced call: refused 20 times")
+
+
+def latency(ms: list[float]) -> dict:
+    """p50, p99 and max of sorted latencies."""
+    return {"n": len(ms), "p50": round(ms[len(ms) // 2], 1), "p99": round(ms[int(len(ms) * 0.99)], 1),
+            "max": round(ms[-1], 1)}
+
+
+class EngineServer:
+    """`python -m mashbox run` with the real worker: the tiny model, a byte-level tokenizer, int8 (it
+    drafts), the same keys."""
+
+    def __init__(self, keys: str):
+        from tests.test_tool_grammar import byte_level_folder
+        folder = byte_level_folder(Path(tempfile.mkdtemp()))
+        env = {k: v for k, v in os.environ.items() if k not in ("MASHBOX_WORKER_ENTRY", "MASHBOX_FAKE")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mashbox", "run", folder, "--port", "0", "--api-key-file", keys,
+             "--slots", "4", "--ctx", "8192", "--weights-dtype", "int8"],
+            cwd=ROOT, env=dict(env, PYTHONPATH=str(ROOT)), stderr=subprocess.PIPE, text=True)
+        self.port: int | None = None
+        self.log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.log.append(line.rstrip())
+            if self.port is None and "listening on http://" in line:
+                self.port = int(line.rsplit(":", 1)[1])
+
+    def wait_ready(self, seconds: float = 600) -> dict:
+        deadline = time.monotonic() + seconds
+        while self.port is None or json.loads(request(self.port, "GET", "/health")[2]).get("status") != "ok":
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the grammar server did not start:\n" + "\n".join(self.log[-20:]))
+            time.sleep(0.2)
+        return json.loads(request(self.port, "GET", "/health", key=ALICE)[2])
+
+    def worker_cpu_s(self, pid: int) -> float:
+        """CPU seconds of the worker and of its children alive now (the trial compiles)."""
+        total = 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(entry) == pid or int(fields[1]) == pid:
+                total += int(fields[11]) + int(fields[12])
+        return total / os.sysconf("SC_CLK_TCK")
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
 # ---- the run -------------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
@@ -393,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
                 port.append(int(line.rsplit(":", 1)[1]))
     threading.Thread(target=read_log, daemon=True).start()
     report: dict = {}
+    engine: EngineServer | None = None
     try:
         deadline = time.monotonic() + 120
         while not port or json.loads(request(port[0], "GET", "/health")[2]).get("status") != "ok":
@@ -401,20 +551,31 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.2) if port else time.sleep(0.05)
         p = port[0]
         health0 = json.loads(request(p, "GET", "/health", key=ALICE)[2])
+        engine = EngineServer(keys.name)
+        grammar0 = engine.wait_ready()
+        gp = engine.port
+        attacks = [(a, p) for a in ATTACKS] + [(a, gp) for a in GRAMMAR_ATTACKS]
 
         counts, bad, failed_attacks, attack_counts = Counter(), [], [], Counter()
         health_ms: list[float] = []
         stop_all, stop_attacks = threading.Event(), threading.Event()
 
+        grammar_health_ms: list[float] = []
+
         def probe():
             while not stop_all.is_set():
-                t0 = time.monotonic()
-                try:
-                    request(p, "GET", "/health", timeout=10)
-                except OSError:
-                    pass
-                health_ms.append((time.monotonic() - t0) * 1000)
+                for server, times in ((p, health_ms), (gp, grammar_health_ms)):
+                    t0 = time.monotonic()
+                    try:
+                        request(server, "GET", "/health", timeout=10)
+                    except OSError:
+                        pass
+                    times.append((time.monotonic() - t0) * 1000)
                 time.sleep(0.05)
+
+        def grammar_client():
+            while not stop_all.is_set():
+                grammar_once(gp, counts, bad)
 
         def client(n):
             rng = random.Random(n)
@@ -424,10 +585,10 @@ def main(argv: list[str] | None = None) -> int:
         def attacker(n):
             i = n
             while not stop_attacks.is_set():
-                attack = ATTACKS[i % len(ATTACKS)]
+                attack, at = attacks[i % len(attacks)]
                 i += 1
                 try:
-                    why = attack(p)
+                    why = attack(at)
                 except Exception as e:   # noqa: BLE001 - a failed attack is reported, not raised
                     why = f"{attack.__name__}: {e!r}"
                 attack_counts[attack.__name__] += 1
@@ -436,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
 
         workers = [threading.Thread(target=probe, daemon=True)]
         workers += [threading.Thread(target=client, args=(n,), daemon=True) for n in range(args.clients)]
+        workers.append(threading.Thread(target=grammar_client, daemon=True))
         for w in workers:
             w.start()
         time.sleep(10)                         # warm: every program compiled, every pool started
@@ -450,25 +612,33 @@ def main(argv: list[str] | None = None) -> int:
         rss_peak_seen = rss(proc.pid)
         time.sleep(15)                         # attacks over: lingering connections close
         rss_end = rss(proc.pid)
-        stop_all.set()
+        stop_all.set()                         # the grammar server's worker is left with nothing to do
         for w in workers:
             w.join(ANSWER_S)
+        cpu0 = engine.worker_cpu_s(grammar0["worker_pid"])
+        time.sleep(IDLE_WINDOW_S)
+        idle_cpu = engine.worker_cpu_s(grammar0["worker_pid"]) - cpu0
         health1 = json.loads(request(p, "GET", "/health", key=ALICE)[2])
+        grammar1 = json.loads(request(gp, "GET", "/health", key=ALICE)[2])
         ms = sorted(health_ms)
         report = {
             "minutes": args.minutes, "attacks": dict(attack_counts), "failed_attacks": failed_attacks[:20],
             "normal": dict(counts), "lost": bad[:20], "lost_count": len(bad),
-            "worker_restarts": health1["worker_restarts"],
-            "same_worker": health1["worker_pid"] == health0["worker_pid"],
+            "worker_restarts": health1["worker_restarts"] + grammar1["worker_restarts"],
+            "same_worker": health1["worker_pid"] == health0["worker_pid"]
+            and grammar1["worker_pid"] == grammar0["worker_pid"],
+            "grammar_worker_idle_cpu_s": round(idle_cpu, 2),
             "rss_mib": {"start": round(rss_start / 2**20, 1), "end_of_attacks": round(rss_peak_seen / 2**20, 1),
                         "after": round(rss_end / 2**20, 1)},
-            "health_ms": {"n": len(ms), "p50": round(ms[len(ms) // 2], 1), "p99": round(ms[int(len(ms) * 0.99)], 1),
-                          "max": round(ms[-1], 1)},
+            "health_ms": latency(ms), "grammar_server_health_ms": latency(sorted(grammar_health_ms)),
         }
         report["ok"] = (not failed_attacks and not bad and counts["answered"] > 0
-                        and health1["worker_restarts"] == 0 and report["same_worker"]
+                        and counts["grammar calls"] > 0
+                        and report["worker_restarts"] == 0 and report["same_worker"] and idle_cpu < IDLE_CPU_S
                         and abs(rss_end - rss_start) <= RSS_SLACK * rss_start)
     finally:
+        if engine is not None:
+            engine.close()
         proc.terminate()
         try:
             proc.wait(60)

@@ -798,8 +798,9 @@ def test_a_flood_of_count_tokens_is_bounded_per_tenant_and_others_are_served(key
 MALLORY = "sk-hostile-mallory-3"
 # The real worker compiles the tiny model's programs before it is ready (the persistent cache keeps them).
 ENGINE_START_S = 300
-PICK = {"name": "pick", "parameters": {"type": "object", "additionalProperties": False, "required": ["unit", "n"],
-                                       "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "n": {"type": "boolean"}}}}
+PICK = {"name": "pick", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["unit", "n"],
+    "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "n": {"type": "boolean"}}}}
 # The worker's CPU while nothing is asked of it, over IDLE_WINDOW_S: its compile threads included.
 IDLE_WINDOW_S = 3.0
 IDLE_CPU_S = 0.6
@@ -828,11 +829,10 @@ def engine_server(tmp_path_factory):
         server.stop()
 
 
-def forced_call(server, key: str, tool: dict, messages: list[dict] | None = None, **sampling) -> tuple[float, dict]:
-    """A Chat request forcing a call of `tool`: (its seconds, the call's arguments), which must be
-    valid for the tool's schema."""
+def forced_call(server, key: str, tool: dict, messages: list[dict] | None = None, **sampling) -> dict:
+    """A Chat request forcing a call of `tool`: the call's arguments, which must be valid for the
+    tool's schema."""
     import jsonschema
-    t0 = time.monotonic()
     status, _, answer = server.request("POST", CHAT, {
         "model": MODEL_ID, "max_tokens": 120, "tools": [{"type": "function", "function": tool}],
         "tool_choice": {"type": "function", "function": {"name": tool["name"]}},
@@ -843,7 +843,7 @@ def forced_call(server, key: str, tool: dict, messages: list[dict] | None = None
     assert len(calls) == 1 and calls[0]["function"]["name"] == tool["name"], answer[:300]
     arguments = json.loads(calls[0]["function"]["arguments"])
     jsonschema.validate(arguments, tool["parameters"])
-    return time.monotonic() - t0, arguments
+    return arguments
 
 
 def costly_tool_list(salt: str, n: int = 2) -> list[dict]:

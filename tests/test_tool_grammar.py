@@ -884,6 +884,12 @@ def costly_tools(n: int, salt: str) -> list[tuple[str, dict]]:
     return [(f"costly_{i}", costly_schema(f"{salt}x{i}")) for i in range(n)]
 
 
+def _fresh_set(name: str) -> Constraint:
+    """A small tool set no compile has seen."""
+    return constraint(tools=[Tool(f"{name}_{time.time_ns()}", "", {"type": "object", "properties": {
+        "q": {"type": "string"}}})])
+
+
 def _until_idle(g: grammar.Grammars) -> None:
     """Wait until no compile runs or waits (a test's costly compiles must not hold the next test's)."""
     t0 = time.monotonic()
@@ -934,7 +940,7 @@ def test_a_tool_set_past_the_compile_budget_is_constrained_by_name_within_it(gra
         call = f'<tool_call>\n{{"name": "{name}", "arguments": {{"v": "no pattern"}}}}\n</tool_call>'
         assert accepts(grammars, tok, c, call) and not accepts(grammars, tok, c, call.replace(name, "nobody"))
     # The trial process killed at the budget was replaced: the next tool set is checked and enforced.
-    assert grammars._compiled(constraint(tools=[Tool(f"after_{time.time_ns()}", "", {"type": "object"})]))[1] is None
+    assert grammars._compiled(_fresh_set("after"))[1] is None
 
 
 def test_one_tenants_costly_compiles_do_not_hold_another_tenants_request(grammars):
@@ -947,7 +953,7 @@ def test_one_tenants_costly_compiles_do_not_hold_another_tenants_request(grammar
     for i in range(4):
         grammars.open(f"mallory-{i}", Constraint("auto", costly_tools(2, f"{salt}{i}")), "mallory")
     time.sleep(0.05)                                   # mallory's first compile is running
-    alice = constraint(tools=[Tool(f"alice_{salt}", "", {"type": "object", "properties": {"q": {"type": "string"}}})])
+    alice = _fresh_set("alice")
     _settle(grammars, "alice", alice, "alice")
     assert grammars.close("alice")[0] == "auto"        # compiled before the wait ran out
     dropped = grammars.dropped
@@ -964,7 +970,7 @@ def test_a_cached_tool_set_is_ready_at_once_while_every_thread_compiles(grammars
     """Guards against a request whose tools are compiled already waiting behind compiles of tools
     that are not (an agent resends its tools with every request)."""
     grammars._tokenizer.result()               # the token trie, built once per worker
-    agent = constraint(tools=[Tool(f"agent_{time.time_ns()}", "", {"type": "object"})])
+    agent = _fresh_set("agent")
     _settle(grammars, "first", agent, "alice")
     assert grammars.close("first")[0] == "auto"
     salt = f"busy{time.time_ns()}"
@@ -1000,7 +1006,7 @@ def test_agents_tool_sets_compile_with_every_schema_enforced(grammars, fmt):
     if fmt not in chat.CHAT_FORMATS:
         pytest.skip(f"no {fmt} chat format here")
     # The trial process started (once per worker, about 0.3 s), not counted against the first set.
-    assert grammars._compiled(constraint(tools=[Tool(f"warm_{time.time_ns()}", "", {"type": "object"})]))[1] is None
+    assert grammars._compiled(_fresh_set("warm"))[1] is None
     seen = 0
     for where, job in _fixture_jobs():
         c = chat.tool_constraint(job, fmt)
