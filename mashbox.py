@@ -12,10 +12,11 @@ this list and the sections' titles the same):
     Admission                  the waiting queues
     Generation                 handle_generation -> admit_and_run -> run_generation -> run_attempt
     Engine bridge              the worker process
-    Routes                     the routes table, the App
+    Routes                     the routes table
+    The server state           the App: configuration, routes, bridge, what the routes share
     Metrics                    Prometheus text, the request log
-    API formats (appendix)     parse_* (JSON body -> Job) and one Encoder (events -> JSON/SSE) per API
-    CLI
+    API formats (appendix)     API_FORMATS (the index), then per API: parse_* and an Encoder
+    CLI, start and stop        the flags, start-up sizing, serve and shut down, a follower host
 A request's life is told by the four functions of Generation, in that order: handle_generation
 (parse; log and count), admit_and_run (refuse, admit, render), run_generation (the retry rule) and
 run_attempt (one attempt: submit, then tokens -> output parser -> encoder).
@@ -134,8 +135,8 @@ MAX_UNREAD_BODY = 4 * 1024
 
 # After a request with a body this large, the server hands the heap pages it freed back to the
 # system (memory.release_free_heap): its parse, rendering and tokenizing ran in threads whose glibc
-# arenas would otherwise keep them for good (the figures: README, The server's own memory). A trim
-# costs milliseconds in a thread, and at most one runs each TRIM_DELAY_S, however many such end.
+# arenas would otherwise keep them for good (docs/limits.md, "The server's own memory"). A trim costs
+# milliseconds in a thread, and at most one runs each TRIM_DELAY_S, however many such end.
 TRIM_AFTER_BODY_BYTES = 128 * 1024
 TRIM_DELAY_S = 0.5
 # glibc heaps the server's threads share (memory.limit_heap_arenas): with its default of 8 a core,
@@ -1667,8 +1668,8 @@ def model_not_found(name: str, served: str, hint: str = "") -> ApiError:
 # ---- the prompt: the one template, then its tokens ------------------------------------------------
 
 # Prompts up to this many characters are tokenized in a thread of the server, by encode_batch, which
-# lets go of the GIL (encode holds it: a 250k-character prompt paused the loop 0.3 s; README, Hostile
-# input). Longer ones go to the tokenizer process (TokenizerProcess), one at a time: tokenizing takes
+# lets go of the GIL (encode holds it, pausing the loop: docs/limits.md, "Long prompts"). Longer ones
+# go to the tokenizer process (TokenizerProcess), one at a time: tokenizing takes
 # about 150 bytes a character, which a process gives back to the system when it ends.
 TOKENIZE_IN_THREAD_CHARS = 256 * 1024
 
@@ -2657,7 +2658,9 @@ def ui_page() -> tuple[bytes, tuple[tuple[str, str], ...]]:
     return _ui_cache[0]
 
 
-# ---- the server state ----------------------------------------------------------------------------
+# =================================================================================================
+# The server state: the App, what the routes share
+# =================================================================================================
 
 class App:
     """The server's state: its configuration, the route table, the engine bridge and what the routes
@@ -3307,6 +3310,45 @@ class EngineLog:
 # API formats (appendix): parse_* (JSON body -> Job, or ApiError naming a field), one Encoder per API
 # (neutral events -> that API's SSE frames or JSON body). Pure: no await, no sockets, no token ids.
 # =================================================================================================
+
+@dataclass(frozen=True)
+class ApiFormat:
+    """Everything that differs between the four APIs; the routes and run_generation ask this, never the
+    API's name. Its parse function and encoder are named, and looked up when asked for, so that this
+    index stands at the appendix's head, above the subsections that define them (a test holds each
+    name to its subsection)."""
+    name: str                              # "chat", "completions", "messages", "responses"
+    parse_name: str                        # its parse_*: JSON body -> Job, or ApiError naming a field
+    encoder_name: str                      # its Encoder: neutral events -> SSE frames or a JSON body
+    subsection: str                        # the title of the subsection below that defines both
+    error_body: Callable[[ApiError], dict]
+    id_prefix: str                         # the response id's prefix, as the real API spells it
+    echoes_model: bool                     # the answer names the model the client asked for
+    anthropic: bool = False                # error statuses: 529 instead of 429/503; any model name
+    prompt_field: str = "messages"         # the field a prompt too long for the context is named by
+
+    @property
+    def parse(self) -> Callable[[dict], Job]:
+        return globals()[self.parse_name]
+
+    @property
+    def encoder(self) -> type:
+        return globals()[self.encoder_name]
+
+
+# Every wire format by name, one line each; the routes table points at these. Messages and Responses
+# answer with the model name the client sent (Claude Code sends claude-* and checks it comes back);
+# Chat and Completions with the served id, as OpenAI-compatible servers do.
+API_FORMATS: dict[str, ApiFormat] = {api.name: api for api in (
+    ApiFormat("chat", "parse_chat", "ChatEncoder", "OpenAI Chat Completions", openai_error_body, "chatcmpl-", False),
+    ApiFormat("completions", "parse_completion", "CompletionEncoder", "OpenAI Completions", openai_error_body,
+              "cmpl-", False, prompt_field="prompt"),
+    ApiFormat("messages", "parse_messages", "MessagesEncoder", "Anthropic Messages", anthropic_error_body, "msg_",
+              True, anthropic=True),
+    ApiFormat("responses", "parse_responses", "ResponsesEncoder", "OpenAI Responses", openai_error_body, "resp_",
+              True, prompt_field="input"),
+)}
+
 
 @dataclass
 class Meta:
@@ -4914,36 +4956,8 @@ class ResponsesEncoder(Encoder):
                 self._response_event("response.failed")]
 
 
-@dataclass(frozen=True)
-class ApiFormat:
-    """Everything that differs between the four APIs; the routes and run_generation ask this, never the
-    API's name."""
-    name: str                              # "chat", "completions", "messages", "responses"
-    parse: Callable[[dict], Job]
-    encoder: type
-    error_body: Callable[[ApiError], dict]
-    id_prefix: str                         # the response id's prefix, as the real API spells it
-    echoes_model: bool                     # the answer names the model the client asked for
-    anthropic: bool = False                # error statuses: 529 instead of 429/503; any model name
-    prompt_field: str = "messages"         # the field a prompt too long for the context is named by
-
-
-# Every wire format by name; the routes table points at these. Messages and Responses answer with the
-# model name the client sent (Claude Code sends claude-* and checks it comes back); Chat and
-# Completions with the served id, as OpenAI-compatible servers do.
-API_FORMATS: dict[str, ApiFormat] = {
-    "chat": ApiFormat("chat", parse_chat, ChatEncoder, openai_error_body, "chatcmpl-", False),
-    "completions": ApiFormat("completions", parse_completion, CompletionEncoder, openai_error_body, "cmpl-",
-                             False, prompt_field="prompt"),
-    "messages": ApiFormat("messages", parse_messages, MessagesEncoder, anthropic_error_body, "msg_", True,
-                          anthropic=True),
-    "responses": ApiFormat("responses", parse_responses, ResponsesEncoder, openai_error_body, "resp_", True,
-                           prompt_field="input"),
-}
-
-
 # =================================================================================================
-# CLI
+# CLI, start and stop
 # =================================================================================================
 
 @dataclass
