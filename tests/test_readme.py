@@ -101,6 +101,22 @@ def test_every_engine_file_is_on_the_map_once():
     assert len(entries) == len(set(entries)), entries
 
 
+def server_modules() -> set[str]:
+    """engine/__init__.py's SERVER_MODULES, read as source."""
+    tree = ast.parse((ROOT / "engine" / "__init__.py").read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "SERVER_MODULES")
+    return set(ast.literal_eval(node.value))
+
+
+def test_the_maps_server_process_names_the_modules_the_server_loads():
+    """Guards against the map's server process and engine.SERVER_MODULES (which a test holds to what
+    start-up loads) telling two stories."""
+    built = section(readme(), "## How it is built")
+    server = built[built.index("The server process"):built.index("The worker process")]
+    named = set(re.findall(r"engine/(\w+)\.py", server)) - {"__init__"}
+    assert named == server_modules()
+
+
 def test_every_option_is_one_line_with_a_link():
     """Guards against a flag of `mashbox run` missing from the README's Options, or told there at
     length instead of in its page."""
