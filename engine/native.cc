@@ -1,42 +1,61 @@
-// The engine's one native kernel, in four tiers (AVX-512 VNNI; AVX2 with FMA and F16C, and the same
-// with AVX-VNNI; ARM's NEON with dot products: the compiler flags choose, engine/native.py: TIERS):
-// float rows times packed int8 weights (Int8Matmul: the rows as int8 terms, their exact products, the
-// scales), the packed weights widened for a prefill chunk's dot (Int8Widen), the same two for a
-// GGUF's 5-bit Q5_0 blocks (Int5Matmul, Int5Widen), its 8-bit Q8_0 blocks (Q8Matmul, Q8Widen), its
-// K-quant blocks (Q4KMatmul ... Q6KWiden) and its scaled-level blocks (IQ4_NL, IQ4_XS, IQ3_S, Q3_K:
-// Iq4NlMatmul ... Q3KWiden), decode attention over the int8 KV cache (Int8Attend), the greedy pick of
-// each row's largest logit (FirstMax) and the sampling filters' cuts (FilterCuts).
-// engine/native.py builds and registers them; engine/products.py, engine/attention.py and
-// engine/sampler.py call them.
+// The engine's one native kernel: float rows times weights held narrow, at the memory's speed, and
+// the few other steps XLA:CPU ran slowly. engine/native.py builds it with the host's compiler for the
+// CPU's tier and registers each entry point with XLA as a custom call.
 //
-// XLA:CPU hands an integer dot to YNNPACK, whose kernels ran compute-bound on a 2-core AMD EPYC
-// (Zen 4): 12.8 GB/s of weights for one decode row, against 34 GB/s for a float32 dot. A decode
-// step reads every weight once for a handful of rows, so it should run at the memory's speed. This
-// kernel does: weights packed so that one 64-byte load holds 4 consecutive inputs of 16 outputs,
-// each term's 4 inputs broadcast to all 16 lanes, and vpdpbusd accumulates 16 outputs at once with
-// no horizontal sums; the weights stream in one sequential pass per thread.
+// Contents, in file order: each section, its entry points (the XLA FFI handlers at the end of the
+// file), the engine/native.py function that calls each, and that function's callers. A *Matmul
+// multiplies a few float rows (decode steps, a draft's verification, small prefill chunks) by the
+// held weights; a *Widen widens the held weights to bfloat16 for a prefill chunk's dot.
+//   (no title)                       the tier macros and constants, Peak, Rounded, Dpbusd, HeldBytes,
+//                                    AddTerm, Parallel (XLA's intra-op pool): what the sections share
+//   the whole product of float rows  Int8Matmul: int8_matmul <- products._int8_packed_matmul
+//   the weights widened              Int8Widen: widen <- products._int8_packed_matmul
+//   5-bit weights                    Int5Matmul, Int5Widen: int5_matmul, widen5 <- products._q5_0_matmul
+//   8-bit blocks                     Q8Matmul, Q8Widen: q8_matmul, widen8 <- products._q8_0_matmul
+//   K-quant blocks                   Q4KMatmul, Q5KMatmul, Q6KMatmul, Q4KWiden, Q5KWiden, Q6KWiden:
+//                                    k_matmul, widen_k <- products._k_matmul
+//   scaled-level blocks              Iq4NlMatmul, Iq4XsMatmul, Iq3SMatmul, Q3KMatmul, Iq4NlWiden,
+//                                    Iq4XsWiden, Iq3SWiden, Q3KWiden: s_matmul, widen_s
+//                                    <- products._s_matmul
+//   decode attention                 Int8Attend: int8_attend <- attention.attend
+//   the greedy pick                  FirstMax: first_max <- sampler._first_max
+//   the sampling filters' cuts       FilterCuts: filter_cuts <- sampler.filter_mask
+// (tests/test_layout.py holds this list to the handlers, the titles and engine/native.py.)
+//
+// Why: XLA:CPU hands an integer dot to YNNPACK, whose kernels run compute-bound, well short of the
+// memory's speed (docs/perf-log.md: "YNNPACK's integer kernels, not the memory, set the pace"). A
+// decode step reads every weight once for a handful of rows, so it should run at the memory's speed.
+// This kernel does: weights packed so that one 64-byte load holds 4 consecutive inputs of 16
+// outputs, each term's 4 inputs broadcast to all 16 lanes, and vpdpbusd accumulates 16 outputs at
+// once with no horizontal sums; the weights stream in one sequential pass per thread.
 //
 // Packed weights (row-major): uint8 [N/16, K/4, 16, 4], the int8 weight q[n, k] + 128 at
 // [n/16, k/4, n%16, k%4]. vpdpbusd multiplies unsigned by signed bytes, so the weights are held
 // offset (uint8) and 128 times each term row's sum comes off. int32 cannot overflow for K < 65536
 // (|q| <= 127 is stored as at most 255, |term| <= 127).
 //
-// The AVX2 tier has no vpdpbusd: vpmaddubsw multiplies unsigned by signed bytes into int16 pairs
-// and vpmaddwd adds the pairs into int32. An offset weight (up to 255) times a term would overflow
-// an int16 pair, so there the weights' signed values (the offset byte's top bit flipped) take the
-// terms' signs and the terms' magnitudes are the unsigned operand: |t| q pairs stay within 2 x 127
-// x 127 (a weight is never -128: engine.weights holds -127..127). The integer sums are the same
-// exact numbers, so every product and rounding after them is the AVX-512 tier's, bit for bit
-// (tests/test_native.py holds both to the same numpy definitions). Each step that differs by tier
-// is written twice, side by side, under MASHBOX_AVX512. With AVX-VNNI (MASHBOX_AVXVNNI, within the
-// AVX2 tier) the 256-bit vpdpbusd and vpdpwssd replace those pairs of instructions, and the int8
-// and Q8_0 products take the offset weights as the AVX-512 tier does.
+// Tiers. Exactly one of MASHBOX_AVX512 (AVX-512 VNNI), MASHBOX_AVX2 (AVX2 with FMA and F16C) and
+// MASHBOX_NEON (AArch64 with dot products) is 1, as the compiler flags choose (engine/native.py:
+// TIERS); MASHBOX_AVXVNNI is 1 within the AVX2 tier where AVX-VNNI is there too (Alder Lake and later
+// Intel cores without AVX-512). Each step that differs by tier is written once per tier, side by
+// side, as ScaledBlock (one block of 16 outputs of the int8 product) is:
+//   #if MASHBOX_AVX512    16 outputs in one 512-bit register; vpdpbusd on the offset weights
+//   #elif MASHBOX_AVX2    two 8-lane halves; vpmaddubsw into int16 pairs, vpmaddwd into int32, on
+//                         the weights' signed values (below); under MASHBOX_AVXVNNI one vpdpbusd on
+//                         the offset weights, as AVX-512's (HeldBytes and AddTerm choose)
+//   #else                 NEON: four 4-lane quarters; sdot on the weights' signed values
+//   #endif
+// and where the AVX2 and NEON tiers' step is plain C++, one "#else  // AVX2 and NEON" branch serves
+// both (QuantizeRow). Every tier makes the same exact integer sums, so every product and rounding
+// after them is the same bit for bit (tests/test_native.py holds each tier to the same numpy
+// definitions; the NEON tier's tests run cross-compiled, under qemu-user: tests/kernel_harness/).
 //
-// The NEON tier (AArch64 with the dot-product extension: sdot) multiplies signed bytes by signed
-// bytes, 4 to an int32 lane of 4: it takes the weights' signed values as the AVX2 tier does, and
-// the terms as they are. Its sums are the same exact integers again; steps written for it are a
-// third branch under MASHBOX_NEON, and where the AVX2 tier's step is plain C++ the two share it.
-// Its tests run here cross-compiled, under qemu-user (tests/kernel_harness/harness.cc).
+// The weights' signed values: vpmaddubsw's int16 pair would overflow with an offset weight (up to
+// 255) times a term, so the AVX2 tier without AVX-VNNI flips the offset byte's top bit (the signed
+// weight) and gives it the term's sign, the term's magnitude being the unsigned operand: |t| q pairs
+// stay within 2 x 127 x 127 (a weight is never -128: engine.weights holds -127..127). sdot multiplies
+// signed bytes by signed bytes, 4 to an int32 lane of 4, so NEON takes the signed weights and the
+// terms as they are.
 #if defined(__aarch64__)
 #include <arm_neon.h>
 #else
@@ -1224,7 +1243,7 @@ ffi::Error Q8Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
-// ---- K-quant blocks: Q4_K and Q6_K as the file holds them ---------------------------------------
+// ---- K-quant blocks: Q4_K, Q5_K and Q6_K as the file holds them ---------------------------------
 
 // The blocks of a GGUF's Q4_K_M / Q5_K_M / Q6_K files. Each holds 256 inputs per super-block with a
 // float16 d (Q4_K and Q5_K a float16 dmin too), and small integer scales per sub-block:

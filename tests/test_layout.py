@@ -1,8 +1,9 @@
 """The server file's table of contents (its module docstring) and its titled sections agree, in order;
 the request's four stages are defined in the order a request meets them; the API-formats appendix opens
 with its index, each API's parse function and encoder in the subsection the index names. Read as
-source; and the engine modules the server process loads are engine.SERVER_MODULES, found by running
-its start-up in a fresh interpreter."""
+source; the engine modules the server process loads are engine.SERVER_MODULES, found by running its
+start-up in a fresh interpreter; and engine/native.cc's table of contents names every entry point, in
+its section, with the engine/native.py function that calls it and that function's callers."""
 from __future__ import annotations
 
 import ast
@@ -139,3 +140,60 @@ def test_the_server_loads_the_engine_modules_its_list_names_and_never_jax(tmp_pa
     drawn = loaded_at_startup(tmp_path, "qwen3-0.6b", "random")
     assert not drawn["jax"]
     assert drawn["engine"] == sorted(engine.SERVER_MODULES)
+
+
+NATIVE = ROOT / "engine" / "native.cc"
+
+
+def native_contents(text: str) -> list[tuple[str, list[str], list[str], list[str]]]:
+    """native.cc's table of contents: (section title, entry points, native.py functions, callers)."""
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("//   (no title)"))
+    rows: list[list[str]] = []
+    for line in lines[first:]:
+        if not line.startswith("//   "):
+            break
+        title, _, rest = line[5:].partition("  ")
+        if title.strip():
+            rows.append([title.strip(), rest.strip()])
+        else:
+            rows[-1][1] += " " + rest.strip()
+    table = []
+    for title, entry in rows[1:]:                  # the first row: what the sections share
+        handlers, _, calls = entry.partition(": ")
+        wrappers, _, callers = calls.partition(" <- ")
+        table.append((title, handlers.split(", "), wrappers.split(", "), callers.split(", ")))
+    return table
+
+
+def test_native_ccs_contents_map_every_entry_point_to_its_section_and_callers():
+    """Guards against an entry point added to the kernel (a new block form) without its line in the
+    head comment, a section retitled or moved, and a caller renamed."""
+    text = NATIVE.read_text()
+    lines = text.splitlines()
+    table = native_contents(text)
+    handlers = re.findall(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\(Mashbox\w+, (\w+),", text)
+    listed = [h for _, names, _, _ in table for h in names]
+    assert sorted(listed) == sorted(handlers) and len(set(listed)) == len(listed) >= 20, listed
+    titles = [i for i, line in enumerate(lines) if line.startswith("// ---- ")]
+    at = [next((i for i in titles if lines[i].startswith(f"// ---- {title}")), -1) for title, *_ in table]
+    assert -1 not in at, [title for (title, *_), i in zip(table, at) if i < 0]
+    assert at == sorted(at), "the contents list the sections out of order"
+    ends = titles[1:] + [len(lines)]
+    defined = {m.group(1): text[:m.start()].count("\n") for m in re.finditer(r"^ffi::Error (\w+)\(", text, re.M)}
+    for (title, names, wrappers, callers), start in zip(table, at):
+        end = ends[titles.index(start)]
+        assert all(start < defined[name] < end for name in names), (title, names)
+        native_py = definitions_of(ROOT / "engine" / "native.py")
+        assert set(wrappers) <= set(native_py), wrappers
+        for caller in callers:
+            module, name = caller.split(".")
+            source = definitions_of(ROOT / "engine" / f"{module}.py").get(name, "")
+            assert any(f"native.{w}(" in source for w in wrappers), (caller, wrappers)
+
+
+def definitions_of(path: Path) -> dict[str, str]:
+    """Each top-level function of a module -> its source."""
+    text = path.read_text()
+    return {node.name: ast.get_source_segment(text, node) for node in ast.parse(text).body
+            if isinstance(node, ast.FunctionDef)}
