@@ -13,6 +13,8 @@ keys, one tenant each, and measures over HTTP (streamed Chat Completions, greedy
               the time of the three together against the sum of their times one after another.
   decode      a long answer's decode speed (generated tokens after the first per second) alone, then
               while three long prompts are read beside it from its first token on.
+  chunks      (alone: --parts chunks) no server: one call of each prefill program of the demo from
+              positions 0 to 15,800, in this process (what CHUNK_S is fitted to).
   simulate    (alone: --parts simulate [--scale F]) no server: engine.scheduler driven on the demo's
               measured call costs (CHUNK_S, DECODE_S) through the ttft scenario, long prompts of
               several tenants at once, and one tenant's stream of short prompts beside another's
@@ -312,6 +314,27 @@ def part_simulate(a) -> dict:
             "long_beside_1_flooding_client": simulate_flood(a, 1)}
 
 
+def part_chunks(a) -> dict:
+    """Seconds of one call of each prefill program from several positions (the best of --reps, the
+    programs taking turns), in this process: the figures CHUNK_S is fitted to."""
+    import numpy as np
+    from engine import registry
+    from engine.worker import Engine, WorkerArgs
+    engine = Engine(WorkerArgs("bench", registry.prepare(registry.resolve(None)), slots=1, ctx=16384))
+    chunks, depths = engine.buckets.chunks, (0, 1024, 2048, 4096, 8192, 12288, 15800)
+    best = {(c, d): float("inf") for c in chunks for d in depths}
+    for _ in range(a.reps):
+        for (c, d) in best:
+            t0 = time.perf_counter()
+            engine._forward(np.ones((1, c), np.int32), np.zeros(1, np.int32), np.array([d], np.int32),
+                            np.array([c], np.int32), None)
+            best[c, d] = min(best[c, d], time.perf_counter() - t0)
+    for d in depths:
+        print(f"  from position {d:5d}: " + "  ".join(
+            f"{c} tokens {best[c, d] * 1000:6.0f} ms ({c / best[c, d]:4.0f} tok/s)" for c in chunks), flush=True)
+    return {f"{c}@{d}": round(best[c, d], 4) for c, d in best}
+
+
 # ---- main -----------------------------------------------------------------------------------------
 
 def main() -> int:
@@ -328,9 +351,12 @@ def main() -> int:
     p.add_argument("--ctx", type=int, default=32768)
     p.add_argument("--cache-ram", type=int, default=384)
     p.add_argument("--scale", type=float, default=1.0, help="simulate: the costs' factor")
+    p.add_argument("--reps", type=int, default=4, help="chunks: runs of each program at each position")
     a = p.parse_args()
-    if a.parts == "simulate":
-        report({"simulate": part_simulate(a)})
+    if a.parts in ("simulate", "chunks"):
+        before = load()
+        report({a.parts: {"load_before": before, **(part_simulate(a) if a.parts == "simulate" else part_chunks(a)),
+                          "load_after": load()}})
         return 0
     key_file = Path(tempfile.mkdtemp(prefix="mashbox-bench-fair-")) / "keys.txt"
     key_file.write_text("".join(f"{k} {t}\n" for k, t in KEYS.items()))
