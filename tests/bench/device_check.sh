@@ -1,10 +1,13 @@
 #!/bin/sh
-# The accelerator checks, one short run (at most about 8 minutes):
+# The accelerator checks, one short run (at most about 10 minutes):
 #  1. one chip (tests/bench/device_bench.py): the tiny fixture models' logits against transformers', and
 #     decode tok/s at 1 and 8 rows and prefill tok/s of a random Qwen3-8B-shaped model in bfloat16,
 #     int8 and fp8, each beside the HBM-bandwidth bound of the chip's name, and one FP8 matrix's
 #     product three ways;
-#  2. tensor parallelism: the tiny dense, MoE, int8 and hybrid models split over every power-of-two count
+#  2. the spec's model, Qwen3.8-27B with random weights, served (tests/bench/device_qwen38.py):
+#     time per output token at 1 and 16 busy slots, an 8k prefill, what it holds, bfloat16 and fp8,
+#     beside the published figures (QWEN38_LAYERS=N: the shape cut to N layers, a shorter run);
+#  3. tensor parallelism: the tiny dense, MoE, int8 and hybrid models split over every power-of-two count
 #     of the machine's chips give the logits of one chip (tests/tp_parity.py).
 #
 #     sh tests/bench/device_check.sh            (from the project folder, jax with the chips' plugin)
@@ -20,6 +23,7 @@ TOLERANCE=${TOLERANCE:-2e-2}
 
 bench=0
 "$PYTHON" tests/bench/device_bench.py ${LAYERS:+--layers "$LAYERS"} || bench=1
+"$PYTHON" tests/bench/device_qwen38.py ${QWEN38_LAYERS:+--layers "$QWEN38_LAYERS"} || bench=1
 
 chips=$("$PYTHON" -c 'import jax; print(len(jax.devices()))')
 platform=$("$PYTHON" -c 'import jax; print(jax.default_backend())')
