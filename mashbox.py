@@ -1827,7 +1827,7 @@ async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list
                          outcome: Outcome, engine_done: Callable[[], None] = lambda: None) -> None:
     """Generate for one parsed, rendered, admitted request and write its answer (JSON or SSE).
 
-    Owns the spec's retry rule (one attempt is run_attempt). When the worker dies (or the device fails
+    Owns the spec's retry rule (run_attempts; one attempt is run_attempt). When the worker dies (or the device fails
     this request) before the client has received any output, the request is sent again once, from the
     start, to the next worker: not streamed, until its response is written; streamed, until its first
     output is sent (the frames of enc.start() are not output). A failure after that, or of the retry,
@@ -1839,16 +1839,31 @@ async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list
     request, before the rest is written: its slot goes to the next request, and what a slow client has
     still to read is bounded output, cut off by the stall timeout like any other.
     """
-    bridge = app.bridge
-    facts = bridge.facts
-    room = facts.max_model_len - len(prompt)
-    max_tokens = room if job.max_tokens is None else min(job.max_tokens, room)
-    rid = new_id(fmt.id_prefix)
-    answer_model = (job.model or facts.id) if fmt.echoes_model else facts.id
-    meta = Meta(id=rid, created=int(time.time()), model=answer_model, prompt_tokens=len(prompt))
+    meta, max_tokens = answer_meta(app.bridge.facts, fmt, job, prompt)
     delivery = _Delivery(out, job, fmt.encoder(job, meta) if job.stream else None)
     if job.stream:
         await delivery.begin()
+    encoder, err = await run_attempts(app, req, fmt, job, prompt, max_tokens, meta, delivery, outcome)
+    engine_done()
+    await write_answer(out, job, delivery, encoder, err, outcome)
+
+
+def answer_meta(facts, fmt: "ApiFormat", job: Job, prompt: list[int]) -> tuple[Meta, int]:
+    """The answer's id, model name (the client's where its API echoes it) and prompt length, and the
+    most tokens it may generate: what it asked for, within what the context leaves."""
+    room = facts.max_model_len - len(prompt)
+    max_tokens = room if job.max_tokens is None else min(job.max_tokens, room)
+    answer_model = (job.model or facts.id) if fmt.echoes_model else facts.id
+    return Meta(id=new_id(fmt.id_prefix), created=int(time.time()), model=answer_model,
+                prompt_tokens=len(prompt)), max_tokens
+
+
+async def run_attempts(app, req, fmt: "ApiFormat", job: Job, prompt: list[int], max_tokens: int, meta: Meta,
+                       delivery: _Delivery, outcome: Outcome) -> tuple[Any, ApiError | None]:
+    """The retry rule's loop over run_attempt: once, and once more where the worker died before the
+    client had any output. Returns the last attempt's encoder and the error that ended the request
+    (None: it finished); a client gone, stalled or a server stopping at once is raised."""
+    bridge, rid = app.bridge, meta.id
     err: ApiError | None = None
     for attempt in range(RETRIES_AFTER_FAULT + 1):
         encoder = delivery.enc if job.stream else fmt.encoder(job, meta)
@@ -1880,7 +1895,12 @@ async def run_generation(app, req, out, fmt: "ApiFormat", job: Job, prompt: list
             outcome.finish = outcome.finish or "abort"
             raise
         break
-    engine_done()
+    return encoder, err
+
+
+async def write_answer(out, job: Job, delivery: _Delivery, encoder, err: ApiError | None, outcome: Outcome) -> None:
+    """The answer's end: a stream's last frames, or the whole JSON body; for an error, a raised ApiError
+    (not streamed: its route answers it) or the stream's error frames."""
     if err is None:
         if job.stream:
             await out.end_stream()
@@ -5033,13 +5053,19 @@ def _port(text: str) -> int:
 
 def arg_parser() -> argparse.ArgumentParser:
     """`mashbox run`'s flags; each one's default is ServeConfig's, named only there."""
-    default = ServeConfig()
     parser = argparse.ArgumentParser(prog="mashbox", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="serve one model over HTTP")
+    _model_and_engine_flags(run, ServeConfig())
+    _server_flags(run, ServeConfig())
+    return parser
+
+
+def _model_and_engine_flags(run: argparse.ArgumentParser, default: ServeConfig) -> None:
+    """What is served and how the engine runs it, and where the server listens."""
     run.add_argument("model", nargs="?", default=None,
-                     help="a model id from models.json, a Hugging Face folder, or a GGUF file of a qwen2, qwen3 "
-                          "or qwen3moe model (default: models.json's default)")
+                     help="a model id from models.json, a Hugging Face folder, or a GGUF file of a qwen2, qwen3, "
+                          "qwen3moe or qwen3next model (default: models.json's default)")
     run.add_argument("--weights", metavar="PATH", help="the weights folder (overrides models.json), or random[:SEED]: "
                                                        "weights drawn at the id's real shape from the seed (default 0), "
                                                        "reading no weight file (benchmarks without the weights)")
@@ -5072,6 +5098,10 @@ def arg_parser() -> argparse.ArgumentParser:
                      help="speculative decoding: draft the next tokens from the conversation's own text "
                           "and check them in one step (output unchanged); auto = where it is exact (the "
                           "native kernel) and measured to pay (default auto)")
+
+
+def _server_flags(run: argparse.ArgumentParser, default: ServeConfig) -> None:
+    """The host cache, who may call, what is logged, admission's bounds, the page, the gate."""
     run.add_argument("--cache-ram", dest="cache_ram_mib", metavar="MIB", type=_at_least(0, "--cache-ram"),
                      help="host memory for saved prompt states, MiB (0 = off)")
     run.add_argument("--api-key-file", metavar="PATH", type=_path("--api-key-file"),
@@ -5091,7 +5121,6 @@ def arg_parser() -> argparse.ArgumentParser:
                      help="serve the MASHBOX Chat page at / (health stays at /health and /v1/health)")
     run.add_argument("--recertify", action="store_true",
                      help="run the certification gate even when this build's result is recorded")
-    return parser
 
 
 def config_from_args(argv: list[str] | None) -> ServeConfig:
