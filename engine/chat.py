@@ -1628,25 +1628,49 @@ class OutputParser:
         self._judged = 0
 
     def _advance_text(self, final: bool) -> bool:
+        """Text: read the buffer up to the first thing that ends text (a bare call at the answer's
+        start, a stop string, <tool_call>, a fence or <function=, the opening <think>) and go on from
+        there; else hand on the text that can no longer be the start of one. True: read on."""
         buf = self._buf
         if self._strip:
             buf = buf.lstrip(self._strip)      # only before any text: the automaton has read none
             if buf:
                 self._strip = ""
         if self._bare_ok and buf.lstrip().startswith("{"):
-            verdict = self._bare_call(buf.lstrip(), final)
-            if verdict == "more":
-                self._buf = buf
-                return False
-            if verdict == "call":
-                self._buf, self._mode = buf.lstrip(), _CALL
-                self._call = _CallReader(self, "bare")
-                self._at_start = False
-                self._dropped = ""
-                self._leave_text()
-                return True
-            self._bare_ok = False
+            moved = self._bare_start(buf, final)
+            if moved is not None:
+                return moved
         untagged = self._untagged_call(buf, final) if self._calls_on else None
+        end = self._text_end(buf, untagged)
+        if end is not None:
+            return self._end_text(buf, end, untagged)
+        if final:
+            self._text(buf)
+            self._buf, self._stops_read = "", 0
+            return False
+        self._hold_back(buf, untagged)
+        return False
+
+    def _bare_start(self, buf: str, final: bool) -> bool | None:
+        """A JSON object at the answer's very start: a call (True: read on, as a call), not known
+        yet (False: wait for more), or text (None: read it as text)."""
+        verdict = self._bare_call(buf.lstrip(), final)
+        if verdict == "more":
+            self._buf = buf
+            return False
+        if verdict == "call":
+            self._buf, self._mode = buf.lstrip(), _CALL
+            self._call = _CallReader(self, "bare")
+            self._at_start = False
+            self._dropped = ""
+            self._leave_text()
+            return True
+        self._bare_ok = False
+        return None
+
+    def _text_end(self, buf: str, untagged) -> tuple[int, int, str] | None:
+        """The first thing in buf that ends text: (where, 0 for a stop string else 1, what: the stop
+        string, CALL_OPEN, THINK_OPEN or the untagged call's form), or None."""
         found = []
         if self._stops is not None:
             hit = self._stops.feed(buf, self._stops_read)
@@ -1662,35 +1686,39 @@ class OutputParser:
         if untagged is not None and untagged[1] == "call":
             found.append((untagged[0], 1, untagged[2]))
         found = [f for f in found if f[0] >= 0]
-        if found:
-            i, _, what = min(found)
-            self._leave_text()
-            if what in ("fenced", "xml"):          # the fence's head is not part of the call
-                before = buf[:i].rstrip()
-                self._text(before)
-                self._dropped = buf[len(before):untagged[3]]
-                self._buf, self._mode = buf[untagged[3]:], _CALL
-                self._call = _CallReader(self, what)
-                self._at_start = False
-            elif what == CALL_OPEN:
-                before = buf[:i].rstrip()
-                self._text(before)
-                self._dropped = buf[len(before):i]
-                self._buf, self._mode = buf[i + len(CALL_OPEN):], _CALL
-                self._call = _CallReader(self)
-                self._at_start = False
-            elif what == THINK_OPEN:
-                self._buf, self._mode, self._at_start = buf[i + len(THINK_OPEN):], _THINK, False
-                self._strip = "\n"
-            else:
-                self._text(buf[:i])
-                self.stop_hit, self._buf, self._mode = what, "", _STOPPED
-                return False
-            return True
-        if final:
-            self._text(buf)
-            self._buf, self._stops_read = "", 0
+        return min(found) if found else None
+
+    def _end_text(self, buf: str, end: tuple[int, int, str], untagged) -> bool:
+        """Text ends at end (_text_end): the text before it handed on, then a call, the thought or
+        the stop. True: read on, in the new mode."""
+        i, _, what = end
+        self._leave_text()
+        if what in ("fenced", "xml"):          # the fence's head is not part of the call
+            before = buf[:i].rstrip()
+            self._text(before)
+            self._dropped = buf[len(before):untagged[3]]
+            self._buf, self._mode = buf[untagged[3]:], _CALL
+            self._call = _CallReader(self, what)
+            self._at_start = False
+        elif what == CALL_OPEN:
+            before = buf[:i].rstrip()
+            self._text(before)
+            self._dropped = buf[len(before):i]
+            self._buf, self._mode = buf[i + len(CALL_OPEN):], _CALL
+            self._call = _CallReader(self)
+            self._at_start = False
+        elif what == THINK_OPEN:
+            self._buf, self._mode, self._at_start = buf[i + len(THINK_OPEN):], _THINK, False
+            self._strip = "\n"
+        else:
+            self._text(buf[:i])
+            self.stop_hit, self._buf, self._mode = what, "", _STOPPED
             return False
+        return True
+
+    def _hold_back(self, buf: str, untagged) -> None:
+        """No end in buf yet: hand on the text that can no longer begin a marker, a stop string or a
+        call, and keep the rest for the next tokens."""
         markers = [CALL_OPEN, FENCE, XML_OPEN] if self._calls_on else []
         markers += [THINK_OPEN] if self._at_start else []
         hold = max((_partial_suffix(buf, m) for m in markers), default=0)
@@ -1707,7 +1735,6 @@ class OutputParser:
         self._buf = buf[keep:]
         self._stops_read = len(buf) - keep      # what is held back was read: never read again
         self._judged = max(0, self._judged - keep)
-        return False
 
     def _untagged_call(self, buf: str, final: bool) -> tuple[int, str, str, int] | None:
         """The first place in buf, past what was judged already, that opens a call without
