@@ -2,8 +2,9 @@
 the request's four stages are defined in the order a request meets them; the API-formats appendix opens
 with its index, each API's parse function and encoder in the subsection the index names. Read as
 source; the engine modules the server process loads are engine.SERVER_MODULES, found by running its
-start-up in a fresh interpreter; and engine/native.cc's table of contents names every entry point, in
-its section, with the engine/native.py function that calls it and that function's callers."""
+start-up in a fresh interpreter; engine/native.cc's table of contents names every entry point, in its
+section, with the engine/native.py function that calls it and that function's callers; and no function
+of the server or the engine is longer than a screen."""
 from __future__ import annotations
 
 import ast
@@ -197,3 +198,35 @@ def definitions_of(path: Path) -> dict[str, str]:
     text = path.read_text()
     return {node.name: ast.get_source_segment(text, node) for node in ast.parse(text).body
             if isinstance(node, ast.FunctionDef)}
+
+
+# A function is read in one screen; a longer one becomes a short list of named steps.
+FUNCTION_MAX_LINES = 60
+# The functions still over the bound, each to be split (then taken off this list): the worker's
+# start-up, beside the worker's other changes under way.
+LONG_FUNCTIONS = {"engine/worker.py: Engine.__init__", "engine/worker.py: Engine._warm_up"}
+
+
+def long_functions(path: Path) -> set[str]:
+    """path's functions and methods (nested ones too) over FUNCTION_MAX_LINES, as "file: Class.name"."""
+    found = set()
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = prefix + getattr(child, "name", "")
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if child.end_lineno - child.lineno + 1 > FUNCTION_MAX_LINES:
+                    found.add(f"{path.relative_to(ROOT)}: {name}")
+                walk(child, name + ".")
+            elif isinstance(child, ast.ClassDef):
+                walk(child, name + ".")
+    walk(ast.parse(path.read_text()), "")
+    return found
+
+
+def test_no_function_of_the_server_or_the_engine_is_over_a_screen():
+    """Guards against a function growing past FUNCTION_MAX_LINES (split it into named steps), and
+    against LONG_FUNCTIONS keeping a function that was split."""
+    found = set().union(*(long_functions(p) for p in [SERVER, *sorted((ROOT / "engine").glob("*.py"))]))
+    assert found == LONG_FUNCTIONS, {"over the bound": sorted(found - LONG_FUNCTIONS),
+                                     "split, take off LONG_FUNCTIONS": sorted(LONG_FUNCTIONS - found)}
