@@ -1,9 +1,9 @@
 """What this CPU's instructions make fast, read once from its flags (/proc/cpuinfo). No jax: the
 server sizes a worker (engine.memory) before one starts, and the answer must be the worker's.
 
-The choices rest on measurements (engine.model, beside _matmul; tests/bench/bench_narrow.py), not on
-the platform's name: a product runs in a narrow type where the CPU has dot-product instructions for
-that type, else in float32. What `auto` holds on each kind of CPU, with or without the native kernel
+The choices rest on measurements (engine.products, beside INT8_ROWS_MAX_ROWS and UINT8_DOT;
+tests/bench/bench_narrow.py), not on the platform's name: a product runs in a narrow type where the
+CPU has dot-product instructions for that type, else in float32. What `auto` holds on each kind of CPU, with or without the native kernel
 (engine.native.TIERS; MASHBOX_NATIVE=0 or no compiler), and what stands behind it (docs/perf-log.md):
 
   CPU flags              kernel tier    weights  KV cache  measured
