@@ -3,8 +3,9 @@ server sizes a worker (engine.memory) before one starts, and the answer must be 
 
 The choices rest on measurements (engine.products, beside INT8_ROWS_MAX_ROWS and UINT8_DOT;
 tests/bench/bench_narrow.py), not on the platform's name: a product runs in a narrow type where the
-CPU has dot-product instructions for that type, else in float32. What `auto` holds on each kind of CPU, with or without the native kernel
-(engine.native.TIERS; MASHBOX_NATIVE=0 or no compiler), and what stands behind it (docs/perf-log.md):
+CPU has dot-product instructions for that type, else in float32. What `auto` holds on each kind of
+CPU, with or without the native kernel (engine.native.TIERS; MASHBOX_NATIVE=0 or no compiler), and
+what stands behind it (docs/perf-log.md):
 
   CPU flags              kernel tier    weights  KV cache  measured
   avx512_vnni, bw, vl    avx512_vnni    int8     int8      Zen 4: int8 1.4-1.8x float32 at 1-4 rows
