@@ -9,6 +9,8 @@
         .get(name) -> ndarray       one tensor, read now
         .q5_0(name) -> (levels, scales)   a GGUF's Q5_0 tensor as its blocks hold it (no floats)
         .k_quant(name) -> {levels, sc, d, [mins, dmin]}   a GGUF's Q4_K, Q5_K or Q6_K tensor, likewise
+        .s_quant(name) -> {codes, d, [sc]}   a GGUF's IQ4_NL, IQ4_XS, IQ3_S or Q3_K tensor, likewise
+        .column_order(name)         where the blocks readers' columns differ from get()'s (a qwen35 file)
         .fp8(name) -> (values, scales)    an FP8 weight as stored, its block scales per row
 
 Four kinds of folder:
@@ -22,7 +24,9 @@ Four kinds of folder:
 - One GGUF file beside config.json and the tokenizer files (the demo model, engine.registry). llama.cpp
   names are mapped to Hugging Face's and each tensor is dequantized to float32 by gguf's own block
   decoders (Q4_K, Q5_0, Q6_K, Q8_0, ...) when it is read, a slice of rows at a time: the weights
-  loader narrows it at once (engine.weights), so the whole model is never held in float32.
+  loader narrows it at once (engine.weights), so the whole model is never held in float32. What
+  llama.cpp's converter reshaped or reordered (qwen3next, qwen35, qwen35moe) is read back to Hugging
+  Face's layout, and an MTP module it kept in a block past the trunk's is listed under mtp.*.
 - Random weights (--weights random: RANDOM_MARKER beside config.json, no weight file): every tensor of
   the config's model drawn from a seed when it is read, stored as the marker's form says (bfloat16, FP8
   with block scales, or a GGUF's Q8_0 / K-quant blocks), read through the same methods (RandomSource).
@@ -131,13 +135,27 @@ _LAYER_NAMES = {
     "ssm_conv1d.weight": "linear_attn.ssm_conv1d",
     "attn_qkv.weight": "linear_attn.in_proj_qkv",
     "attn_gate.weight": "linear_attn.in_proj_z",
+    # qwen35 / qwen35moe: the Gated DeltaNet's beta and decay projections on their own (the rest as
+    # qwen3next's names, read by _qwen35_layout).
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    # The MTP module's own tensors, kept by llama.cpp's converter in the block after the trunk's
+    # (renamed to Hugging Face's mtp.* by Checkpoint._mtp_names).
+    **{f"nextn.{name}.weight": f"nextn.{name}.weight"
+       for name in ("eh_proj", "enorm", "hnorm", "shared_head_norm", "embed_tokens", "shared_head_head")},
 }
+# The MTP module's tensors by Hugging Face's names (mtp.*, beside model.*: the drafter reads them there,
+# from a folder or a GGUF alike): a nextn tensor of the first block past the trunk -> its name.
+MTP_NAMES = {"nextn.eh_proj.weight": "mtp.fc.weight", "nextn.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+             "nextn.hnorm.weight": "mtp.pre_fc_norm_hidden.weight", "nextn.shared_head_norm.weight": "mtp.norm.weight",
+             "nextn.embed_tokens.weight": "mtp.embed_tokens.weight",
+             "nextn.shared_head_head.weight": "mtp.lm_head.weight"}
 # How llama.cpp's converter stores qwen3next's tensors, undone at read (Checkpoint._qwen3next_layout):
 # A as -exp(A_log); the conv kernels [channels, kernel] without their middle axis; in_proj_qkvz split
 # into its q, k, v rows (each for all key heads in turn) and its z rows, where Hugging Face
 # interleaves them per key head; every zero-centred RMSNorm's weight w stored as 1 + w (these).
-_NEXT_ONE_PLUS = re.compile(r"(model\.norm|model\.layers\.\d+\.(input_layernorm|post_attention_layernorm"
-                            r"|self_attn\.[qk]_norm))\.weight")
+_NEXT_ONE_PLUS = re.compile(r"(model\.norm|(model|mtp)\.layers\.\d+\.(input_layernorm|post_attention_layernorm"
+                            r"|self_attn\.[qk]_norm)|mtp\.(norm|pre_fc_norm_embedding|pre_fc_norm_hidden))\.weight")
 # Stacked experts as engine.weights reads them: gate and up joined along the rows of each expert
 # (transformers' own stacked layout), read from the GGUF's two tensors.
 _JOINED = {"mlp.experts.gate_up_proj": ("mlp.experts.gate_proj", "mlp.experts.up_proj")}
@@ -175,14 +193,18 @@ def _readable_type(gguf_name: str, kind: int):
     return qtype
 
 
-def _model_type(folder: str) -> str | None:
-    """config.json's model_type in the folder (a GGUF's companion folder has one), if any."""
+def _config_json(folder: str) -> dict:
+    """config.json in the folder (a GGUF's companion folder has one; its text model's keys where it
+    nests them), or {}."""
     try:
         with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
             config = json.load(f)
     except (OSError, ValueError):
-        return None
-    return config.get("model_type") if isinstance(config, dict) else None
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    text = config.get("text_config")
+    return {**config, **text} if isinstance(text, dict) else config
 
 
 def _joined_name(name: str) -> tuple[str, tuple[str, str]] | None:
@@ -192,6 +214,18 @@ def _joined_name(name: str) -> tuple[str, tuple[str, str]] | None:
             prefix = name[: -len(first)]
             return prefix + joined, (name, prefix + second)
     return None
+
+
+def _grouped_from_tiled(key_heads: int, value_heads: int) -> np.ndarray:
+    """Where each value head of Hugging Face's order (grouped by key head: head k r + j is key head
+    k's j-th) is in llama.cpp's tiled order (head j key_heads + k)."""
+    per = value_heads // key_heads
+    grouped = np.arange(value_heads)
+    return (grouped % per) * key_heads + grouped // per
+
+
+# GGUF model types whose layout llama.cpp's converter changed, and the Checkpoint method that reads it back.
+_GGUF_LAYOUTS = {"qwen3_next": "_qwen3next_layout", "qwen3_5": "_qwen35_layout", "qwen3_5_moe": "_qwen35_layout"}
 
 
 # ---- finding the files ----------------------------------------------------------------------------
@@ -587,38 +621,16 @@ class Checkpoint:
         self._tensors: dict[str, tuple] = {}      # gguf: name -> (type, byte offset, bytes, its file's map)
         self._maps: dict[str, mmap.mmap] = {}     # gguf: name -> its file's mmap (_release)
         self.gguf_names: dict[str, str] = {}      # gguf: name -> the file's own name for it (llama.cpp's)
+        # gguf: name -> where Hugging Face's rows (columns) are in the file: its row i is the file's
+        # row order[i] (a qwen35 file's value heads in llama.cpp's tiled order: _qwen35_layout).
+        self._row_order: dict[str, np.ndarray] = {}
+        self._col_order: dict[str, np.ndarray] = {}
         data_bytes = weights = 0
         if self.kind == "random":
             self._init_random(_random_source(folder))
             return
         if self.kind == "gguf":
-            self.file = os.path.realpath(self.files[0])     # a companion folder links the file
-            try:
-                from gguf.constants import GGML_QUANT_SIZES
-            except ImportError:
-                raise WeightsError(f"{self.file} is a GGUF: reading it needs the gguf package "
-                                   f"(pip install 'mashbox[demo]')") from None
-            for path in self.files:               # one file, or the parts of a split GGUF in order
-                with open(path, "rb") as f:
-                    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                data = np.frombuffer(mapped, np.uint8)
-                for gguf_name, dims, kind, offset in gguf_tensor_index(path):
-                    name = hf_name(gguf_name)
-                    qtype = _readable_type(gguf_name, kind)
-                    block, block_bytes = GGML_QUANT_SIZES[qtype]
-                    count = int(np.prod(dims, dtype=np.int64))
-                    # GGUF lists dimensions fastest first (ne0 = columns); HF lists them slowest first.
-                    self.shapes[name] = tuple(int(n) for n in reversed(dims))
-                    self.formats[name] = qtype.name
-                    self._tensors[name] = (qtype, offset, count // block * block_bytes, data)
-                    self._maps[name] = mapped
-                    self.gguf_names[name] = gguf_name
-                    data_bytes += count // block * block_bytes
-                    weights += count
-            self._join_parts()
-            self._derived: dict[str, tuple[tuple[str, ...], object]] = {}   # name -> (parts, values from them)
-            if _model_type(folder) == "qwen3_next":
-                self._qwen3next_layout()
+            data_bytes, weights = self._init_gguf()
         else:
             self.file = folder
             self._raw: dict[str, tuple[str, int, int]] = {}     # name -> (file, data start, end)
@@ -636,6 +648,41 @@ class Checkpoint:
                     weights += math.prod(info["shape"])
             weights -= self._pair_fp8_scales()
         self.bits_per_weight = round(8 * data_bytes / weights, 2) if weights else 0.0
+
+    def _init_gguf(self) -> tuple[int, int]:
+        """A GGUF's listing (one file, or the parts of a split GGUF in order), by Hugging Face's names
+        and layout; returns (its tensors' bytes, their weights)."""
+        self.file = os.path.realpath(self.files[0])     # a companion folder links the file
+        try:
+            from gguf.constants import GGML_QUANT_SIZES
+        except ImportError:
+            raise WeightsError(f"{self.file} is a GGUF: reading it needs the gguf package "
+                               f"(pip install 'mashbox[demo]')") from None
+        data_bytes = weights = 0
+        for path in self.files:
+            with open(path, "rb") as f:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            data = np.frombuffer(mapped, np.uint8)
+            for gguf_name, dims, kind, offset in gguf_tensor_index(path):
+                name = hf_name(gguf_name)
+                qtype = _readable_type(gguf_name, kind)
+                block, block_bytes = GGML_QUANT_SIZES[qtype]
+                count = int(np.prod(dims, dtype=np.int64))
+                # GGUF lists dimensions fastest first (ne0 = columns); HF lists them slowest first.
+                self.shapes[name] = tuple(int(n) for n in reversed(dims))
+                self.formats[name] = qtype.name
+                self._tensors[name] = (qtype, offset, count // block * block_bytes, data)
+                self._maps[name] = mapped
+                self.gguf_names[name] = gguf_name
+                data_bytes += count // block * block_bytes
+                weights += count
+        self._join_parts()
+        self._derived: dict[str, tuple[tuple[str, ...], object]] = {}   # name -> (parts, values from them)
+        config = _config_json(self.folder)
+        if config.get("model_type") in _GGUF_LAYOUTS:
+            self._mtp_names(config)
+            getattr(self, _GGUF_LAYOUTS[config["model_type"]])(config)
+        return data_bytes, weights
 
     def _init_random(self, source: "RandomSource") -> None:
         """A random checkpoint's listing: its source's tensors, formats and bits per weight."""
@@ -695,11 +742,70 @@ class Checkpoint:
             self._part_shapes.update({first: a, second: b})
             self._joined[joined] = (first, second)
 
-    def _qwen3next_layout(self) -> None:
+    def _rename(self, old: str, new: str) -> None:
+        """List a GGUF's tensor under another Hugging Face name."""
+        for table in (self.shapes, self.formats, self._tensors, self._maps, self.gguf_names):
+            if old in table:
+                table[new] = table.pop(old)
+
+    def _mtp_names(self, config: dict) -> None:
+        """The blocks past the trunk's num_hidden_layers (llama.cpp keeps a Qwen3-Next / Qwen3.5 MTP
+        module there) listed by Hugging Face's MTP names: block L + j's layer tensors as mtp.layers.j.*,
+        block L's nextn tensors as MTP_NAMES gives them. The trunk's loader never reads them."""
+        layers = config.get("num_hidden_layers")
+        if not isinstance(layers, int):
+            return
+        for name in list(self.shapes):
+            found = re.match(r"model\.layers\.(\d+)\.(.*)$", name)
+            if found is None or int(found.group(1)) < layers:
+                continue
+            block, rest = int(found.group(1)) - layers, found.group(2)
+            self._rename(name, MTP_NAMES.get(rest) if rest in MTP_NAMES and block == 0
+                         else f"mtp.layers.{block}.{rest}")
+
+    def _qwen35_layout(self, config: dict) -> None:
+        """List a qwen35 / qwen35moe GGUF's tensors as Hugging Face holds them. llama.cpp's converter
+        (Qwen3_5TextModel) moves each Gated DeltaNet layer's value heads from Hugging Face's order,
+        grouped by key head (key head k's value heads k r .. k r + r - 1), to a tiled one (value head
+        r' k_heads + k: each key head's first, then each one's second, ...) in in_proj_qkv's v rows,
+        in_proj_z, in_proj_b, in_proj_a, A, dt_bias, the conv's v channels and out_proj's columns;
+        stores A as -exp(A_log) and every RMSNorm but the DeltaNet's as 1 + w. Rows and columns are
+        read back through _row_order / _col_order (so a matrix's blocks are read as the file holds
+        them), the rest through functions of the stored tensors (_derive)."""
+        kh, vh = config["linear_num_key_heads"], config["linear_num_value_heads"]
+        kd, dv = kh * config["linear_key_head_dim"], config["linear_value_head_dim"]
+        heads = _grouped_from_tiled(kh, vh)
+        v_rows = lambda width: (heads[:, None] * width + np.arange(width)).reshape(-1)  # noqa: E731
+        channels = np.concatenate([np.arange(2 * kd), 2 * kd + v_rows(dv)])
+        for name in list(self.shapes):
+            stem, _, last = name.rpartition(".")
+            if last in ("in_proj_qkv", "in_proj_z"):
+                self._rename(name, name + ".weight")
+                self._order(self._row_order, name + ".weight", channels if last == "in_proj_qkv" else v_rows(dv))
+            elif name.endswith((".in_proj_b.weight", ".in_proj_a.weight")):
+                self._order(self._row_order, name, heads)
+            elif name.endswith(".linear_attn.out_proj.weight"):
+                self._order(self._col_order, name, v_rows(dv))
+            elif name.endswith(".linear_attn.ssm_a"):
+                self._derive(stem + ".A_log", (name,), lambda a: np.log(-a)[heads], self.shapes[name])
+            elif name.endswith(".linear_attn.dt_bias"):
+                self._derive(name, (name,), lambda b: b[heads], self.shapes[name])
+            elif name.endswith(".linear_attn.ssm_conv1d"):
+                self._derive(stem + ".conv1d.weight", (name,), lambda w: w[channels][:, None, :],
+                             (self.shapes[name][0], 1, self.shapes[name][-1]))
+            elif _NEXT_ONE_PLUS.fullmatch(name):
+                self._derive(name, (name,), lambda w: w - 1, self.shapes[name])
+
+    def _order(self, orders: dict, name: str, order: np.ndarray) -> None:
+        """Read `name`'s rows (or columns) in this order, where the tensor has as many (a tensor of
+        another shape keeps its own: check_shapes names it)."""
+        axis = 0 if orders is self._row_order else -1
+        if self.shapes[name][axis] == len(order) and not np.array_equal(order, np.arange(len(order))):
+            orders[name] = order
+
+    def _qwen3next_layout(self, config: dict) -> None:
         """List a qwen3next GGUF's tensors as Hugging Face holds them (_NEXT_ONE_PLUS's comment), each
         read through a function of the stored ones (get)."""
-        with open(os.path.join(self.folder, "config.json"), encoding="utf-8") as f:
-            config = json.load(f)
         kh, dk = config["linear_num_key_heads"], config["linear_key_head_dim"]
         per_head_v = config["linear_num_value_heads"] // kh * config["linear_value_head_dim"]
 
@@ -779,9 +885,8 @@ class Checkpoint:
         the block), 16 bytes of nibbles (byte j: column j low, column j + 16 high)."""
         if self.formats.get(name) != "Q5_0":
             raise WeightsError(f"tensor {name} is not stored as Q5_0")
-        (_, offset, size, data), shape = self._tensors[name], self.shapes[name]
-        rows, cols = shape[0], int(np.prod(shape[1:]))
-        blocks = data[offset:offset + size].reshape(rows, cols // Q5_0_BLOCK, Q5_0_BYTES)
+        blocks = self._block_rows(name, Q5_0_BYTES)
+        rows, cols = blocks.shape[0], blocks.shape[1] * Q5_0_BLOCK
         scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
         fifth = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")[..., 0]
         nibbles = blocks[..., 6:]
@@ -800,7 +905,7 @@ class Checkpoint:
         if self.kind == "random":
             parts = self._random.stored(name, "Q8_0", rows)
             return parts["levels"], parts["scales"]
-        blocks = self._q8_0_blocks(name)[rows or slice(None)]
+        blocks = self._block_rows(name, Q8_0_BYTES, rows)
         scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
         levels = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(blocks.shape[0], -1)
         self._release(name)
@@ -810,13 +915,24 @@ class Checkpoint:
         """The lowest level of a Q8_0 tensor, read in place (a view of the file: no copy)."""
         if self.kind == "random":
             return -127                   # drawn in -127..127 (engine.checkpoint._q8_0_piece)
-        lowest = int(self._q8_0_blocks(name)[..., 2:].view(np.int8).min())
+        (_, offset, size, data) = self._tensors[name]
+        lowest = int(data[offset:offset + size].reshape(-1, Q8_0_BYTES)[:, 2:].view(np.int8).min())
         self._release(name)
         return lowest
 
-    def _q8_0_blocks(self, name: str) -> np.ndarray:
+    def _block_rows(self, name: str, block_bytes: int, rows: slice | None = None) -> np.ndarray:
+        """A GGUF matrix's blocks uint8 [rows, blocks per row, block_bytes] as the file holds them (a
+        view of its map), or only `rows` of Hugging Face's order (_row_order: a copy of those)."""
         (_, offset, size, data), shape = self._tensors[name], self.shapes[name]
-        return data[offset:offset + size].reshape(shape[0], -1, Q8_0_BYTES)
+        blocks = data[offset:offset + size].reshape(shape[0], -1, block_bytes)
+        order = self._row_order.get(name)
+        return blocks[rows or slice(None)] if order is None else blocks[order[rows or slice(None)]]
+
+    def column_order(self, name: str) -> np.ndarray | None:
+        """Where each of Hugging Face's columns of a GGUF matrix is among the file's (its column j is
+        the file's column order[j]), when they differ: the blocks readers (q5_0, q8_0, k_quant, s_quant)
+        give the file's columns, get() Hugging Face's."""
+        return getattr(self, "_col_order", {}).get(name)
 
     def k_quant(self, name: str, rows: slice | None = None) -> dict:
         """A GGUF tensor stored as Q4_K, Q5_K or Q6_K [rows, cols] -> its blocks' own numbers per row, for
@@ -826,10 +942,19 @@ class Checkpoint:
             raise WeightsError(f"tensor {name} is not stored as Q4_K, Q5_K or Q6_K")
         if self.kind == "random":
             return self._random.stored(name, kind, rows)
-        (_, offset, size, data), shape = self._tensors[name], self.shapes[name]
-        n, cols = shape[0], int(np.prod(shape[1:]))
-        blocks = data[offset:offset + size].reshape(n, cols // K_BLOCK, K_BYTES[kind])
-        parts = k_quant_parts(kind, blocks[rows or slice(None)])
+        parts = k_quant_parts(kind, self._block_rows(name, K_BYTES[kind], rows))
+        self._release(name)
+        return parts
+
+    def s_quant(self, name: str, rows: slice | None = None) -> dict:
+        """A GGUF tensor stored as IQ4_NL, IQ4_XS, IQ3_S or Q3_K [rows, cols] -> its blocks' own numbers per
+        row, for weights held as the file has them (engine.native.pack_s): engine.native.s_block_parts;
+        rows: only those."""
+        from engine import native
+        kind = self.formats.get(name)
+        if kind not in native.S_BYTES or self.kind != "gguf":
+            raise WeightsError(f"tensor {name} is not stored as one of {', '.join(native.S_BYTES)}")
+        parts = native.s_block_parts(kind, self._block_rows(name, native.S_BYTES[kind], rows))
         self._release(name)
         return parts
 
@@ -898,12 +1023,16 @@ class Checkpoint:
         shape = self.shapes.get(name) or self._part_shapes[name]
         n = shape[0] if len(shape) > 1 else 1
         # [rows, bytes per row]: one row (ne0 values) is a whole number of blocks
-        data = data[offset:offset + size].reshape(n, -1)[rows if len(shape) > 1 else slice(None)]
+        rows = rows if len(shape) > 1 else slice(None)
+        order = self._row_order.get(name)
+        data = data[offset:offset + size].reshape(n, -1)[rows if order is None else order[rows]]
         out = np.empty((data.shape[0], int(np.prod(shape)) // n), np.float32)
         step = max(1, DEQUANT_CHUNK_BYTES // (out.shape[1] * 4))
         for start in range(0, data.shape[0], step):
             out[start:start + step] = dequantize(np.asarray(data[start:start + step]), qtype)
         self._release(name)
+        if name in self._col_order:
+            out = out[:, self._col_order[name]]
         return out.reshape(out.shape[0], *shape[1:]) if len(shape) > 1 else out.reshape(shape)
 
 

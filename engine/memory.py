@@ -11,11 +11,11 @@ server sizes the worker before it starts one.
                             experts + 4 B per row and block of columns (their scales) + the
                             rest in the float dtype
                    each:   + 4 B per key channel of each attention layer (its key smoothing)
-                   (a GGUF's Q5_0, Q4_K, Q5_K and Q6_K matrices held in their blocks take 0.69,
-                   0.58, 0.70 and 0.82 B per weight, not 1: the plan counts 1, a bound that holds
-                   whether the kernel runs or not; its Q8_0 ones 1 B and a 2 B scale per 32
-                   weights, counted in place of the row's scale; random weights in a block form
-                   are counted at their blocks' bytes where the kernel has a tier: BLOCK_HELD_BYTES)
+                   (where the kernel has a tier, a GGUF's layer matrices and head, and random
+                   weights in a block form, are counted at their blocks' bytes as held:
+                   BLOCK_HELD_BYTES, 0.45 B per weight for Q3_K to 1.06 for Q8_0, each part of a
+                   matrix of mixed types by its own; without a tier, at int8's, with a Q8_0
+                   matrix's 2 B scale per 32 weights in place of the row's scale)
     KV bytes     = per attention layer, KV head, key and value: head_dim x 2 B (float16), or
                    head_dim x 1 B + a 4 B scale (int8; engine.cpu.auto_kv_dtype picks)
 
@@ -140,9 +140,9 @@ def held_weight_bytes(source, weights_dtype: str, float_bytes: int = CPU_WEIGHT_
             _count(shape) // Q8_0_BLOCK * Q8_0_SCALE_BYTES if kind == "Q8_0" else 0))
     else:
         return total + sum(_count(shape) for _, shape, _ in tensors) * WEIGHT_BYTES[weights_dtype]
-    blocks = weights_dtype == "int8" and _uniform_blocks(checkpoint)
+    blocks = weights_dtype == "int8" and _blocks_held(checkpoint)
     for name, shape, kind in tensors:
-        if blocks and _kept_in_blocks(name, kind):
+        if blocks and _kept_in_blocks(name, kind, shape):
             total += int(_count(shape) * BLOCK_HELD_BYTES[kind])
         elif narrow(name, shape, kind):
             total += _count(shape) * WEIGHT_BYTES[weights_dtype] + scales(name, shape, kind)
@@ -156,26 +156,35 @@ def _fp8_columns(checkpoint: Checkpoint, name: str) -> int:
     return checkpoint.fp8_scale_columns(stored)
 
 
-# What engine.native's kernel holds a weight of each GGUF block type in (pack5, pack8, pack_k: the
-# levels' bits, and the scales, mins and d of its blocks), bytes per weight.
-BLOCK_HELD_BYTES = {"Q5_0": 0.6875, "Q8_0": 1.0625, "Q4_K": 0.578125, "Q5_K": 0.703125, "Q6_K": 0.8203125}
+# What engine.native's kernel holds a weight of each GGUF block type in (pack5, pack8, pack_k, pack_s:
+# the levels' bits or codes, and the scales, mins and d of its blocks), bytes per weight.
+BLOCK_HELD_BYTES = {"Q5_0": 0.6875, "Q8_0": 1.0625, "Q4_K": 0.578125, "Q5_K": 0.703125, "Q6_K": 0.8203125,
+                    "IQ4_NL": 0.5625, "IQ4_XS": 0.5390625, "IQ3_S": 0.5390625, "Q3_K": 0.4453125}
+# Inputs per block of each (a matrix whose inputs they do not divide is rounded to int8 instead), and
+# the outputs the kernel takes at a time.
+BLOCK_INPUTS = {"Q5_0": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "IQ4_NL": 32, "IQ4_XS": 256,
+                "IQ3_S": 256, "Q3_K": 256}
+BLOCK_OUTPUTS = 16
 
 
-def _uniform_blocks(checkpoint: Checkpoint) -> bool:
-    """Whether a checkpoint's matrices are counted in their blocks (BLOCK_HELD_BYTES): random weights
-    in a block form, where the kernel has a tier on this CPU (without it the worker rounds them to int8).
-    A GGUF's are counted as int8, a bound: its files mix block types within a layer matrix (Q4_K_M's
-    q and k Q4_K, v Q6_K), and a matrix of mixed parts is rounded to int8."""
+def _blocks_held(checkpoint: Checkpoint) -> bool:
+    """Whether a checkpoint's block-stored matrices are counted in their blocks (BLOCK_HELD_BYTES): a
+    GGUF's or random weights in a block form, where the kernel has a tier on this CPU (without it the
+    worker rounds them to int8). A GGUF's matrix whose parts are of different types is held per part,
+    each in its own form (engine.weights.PER_PART), so each tensor counts by its own type."""
     from engine import native
-    return checkpoint.kind == "random" and native.tier() is not None
+    return checkpoint.kind in ("gguf", "random") and native.tier() is not None
 
 
-def _kept_in_blocks(name: str, kind: str | None) -> bool:
-    """Whether the loader keeps a tensor of a uniformly block-stored checkpoint in its blocks
-    (engine.weights.projection, put_rows): the layer projections, and the head; the embedding table
-    only in Q8_0 (its rows read from them); routed experts are read as floats and rounded to int8."""
+def _kept_in_blocks(name: str, kind: str | None, shape) -> bool:
+    """Whether the loader keeps a block-stored tensor in its blocks (engine.weights.projection,
+    put_rows): the layer projections and the head, where their shape fits the kernel's blocks; the
+    embedding table only in Q8_0 (its rows read from them); routed experts are read as floats and
+    rounded to int8."""
     from engine.weights import quantized_tensor
     if kind not in BLOCK_HELD_BYTES or not quantized_tensor(name):
+        return False
+    if len(shape) != 2 or shape[0] % BLOCK_OUTPUTS or shape[1] % BLOCK_INPUTS[kind]:
         return False
     return kind == "Q8_0" or name != "model.embed_tokens.weight"
 

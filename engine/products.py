@@ -19,6 +19,8 @@ A weight is one of four kinds (weight_kind), each with one product:
     iq3_s, q3_k
     fp8          {"f8": float8_e4m3fn [out, in], "f8_scale": float32 [out, in / block]}: an FP8
                  checkpoint's values, w = f8 * f8_scale per block of columns (engine.weights)
+    parts        a matrix held per part (engine.weights.PER_PART: a GGUF matrix whose parts are of
+                 different block types), each part a run of its rows in one of the kinds above
 The packed kinds exist only where engine.native's kernel serves the model (ModelConfig.native,
 decided once at start-up): load_weights packs them, so the kind of a weight is the decision.
 
@@ -38,12 +40,12 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo
 
 from engine import cpu, native
-from engine.weights import INT8_OFFSET
+from engine.weights import INT8_OFFSET, PER_PART
 
 F32 = jnp.float32
 
 WEIGHT_KINDS = ("float", "int8", "int8_packed", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs",
-                "iq3_s", "q3_k", "fp8")
+                "iq3_s", "q3_k", "fp8", "parts")
 
 # XLA:CPU's dot of a few rows runs well below the memory's speed, while the same product written as
 # a broadcast multiply summed over the input (one fused reduction) streams the weights once. One
@@ -68,6 +70,8 @@ def weight_kind(w) -> str:
     """Which of WEIGHT_KINDS w is (the module docstring)."""
     if not isinstance(w, dict):
         return "float"
+    if PER_PART in w:
+        return "parts"
     if native.is_int5(w):
         return "q5_0"
     if native.is_q8(w):
@@ -297,8 +301,23 @@ def _fp8_matmul(flat, w):
     return _wide_dot(flat, fp8_values(w, wide), wide)
 
 
+def _parts_matmul(flat, w):
+    """A matrix held per part (engine.weights.PER_PART): the input gathered by "cols" where the parts
+    hold the inputs in another order, each part's own product, their outputs joined and gathered by
+    "rows" into the matrix's order: each output is its part's product, exactly."""
+    if "cols" in w:
+        flat = jnp.take(flat, w["cols"], axis=-1)
+    y = jnp.concatenate([matmul(flat, w[PER_PART][key]) for key in sorted(w[PER_PART], key=int)], axis=-1)
+    return jnp.take(y, w["rows"], axis=-1) if "rows" in w else y
+
+
 def _shape(w, kind: str) -> tuple[int, int]:
     """(out, in) of a quantized weight as a matrix."""
+    if kind == "parts":
+        parts = [tuple(p.shape) if weight_kind(p) == "float" else _shape(p, weight_kind(p))
+                 for p in w[PER_PART].values()]
+        return (len(w["rows"]) if "rows" in w else sum(out for out, _ in parts),
+                len(w["cols"]) if "cols" in w else parts[0][1])
     if kind == "q5_0":
         return w["nib"].shape[0] * native.LANES, w["nib"].shape[1] * native.NIBBLE_GROUP
     if kind == "q8_0":
@@ -315,7 +334,7 @@ def _shape(w, kind: str) -> tuple[int, int]:
 
 _QUANTIZED_MATMUL = {"int8": _int8_matmul, "int8_packed": _int8_packed_matmul, "q5_0": _q5_0_matmul,
                      "q8_0": _q8_0_matmul, "q4_k": _k_matmul, "q5_k": _k_matmul, "q6_k": _k_matmul,
-                     **{kind: _s_matmul for kind in _S_KINDS}, "fp8": _fp8_matmul}
+                     **{kind: _s_matmul for kind in _S_KINDS}, "fp8": _fp8_matmul, "parts": _parts_matmul}
 
 
 def matmul(x, w):

@@ -301,7 +301,7 @@ def _family_of(config: dict, folder: str) -> str:
 
 # ---- a GGUF file: its companion folder --------------------------------------------------------------
 
-GGUF_FOLDER_VERSION = 1                 # bumped when what gguf_folder writes changes
+GGUF_FOLDER_VERSION = 2                 # bumped when what gguf_folder writes changes (2: MTP blocks apart)
 GGUF_LINK = "model.gguf"                # the companion folder's link to the file
 GGUF_MARKER = "mashbox-gguf.json"       # written last: which file (path, size, mtime) it was made from
 
@@ -704,13 +704,16 @@ def _f32(value: float) -> float:
 
 
 # GGUF architectures served, and the Hugging Face config they become.
+# (llama.cpp's converter reshapes or reorders the hybrids' tensors: engine.checkpoint reads them back.)
 GGUF_ARCHITECTURES = {"qwen2": ("Qwen2ForCausalLM", "qwen2"), "qwen3": ("Qwen3ForCausalLM", "qwen3"),
                       "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
-                      "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next")}
-# Families the engine serves from a Hugging Face folder but not from a GGUF: llama.cpp's converter
-# also reorders their linear attention's value heads (grouped by key head -> tiled), a layout not
-# read here yet. (qwen3next's own reshaping is undone by engine.checkpoint: Checkpoint._qwen3next_layout.)
-GGUF_FOLDER_ONLY = ("qwen35", "qwen35moe")
+                      "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next"),
+                      "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5"),
+                      "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe")}
+# Architectures of Gated DeltaNet layers mixed with gated full attention (ssm.* keys).
+GGUF_HYBRIDS = ("qwen3next", "qwen35", "qwen35moe")
+# llama.cpp's default for a hybrid file without full_attention_interval (llama_model_qwen35).
+GGUF_ATTENTION_INTERVAL = 4
 
 
 def gguf_config(meta, tensors) -> dict:
@@ -719,14 +722,11 @@ def gguf_config(meta, tensors) -> dict:
     dense). Each number is checked as the config key it becomes (engine.config's bounds), naming the
     GGUF's key: nothing is sized by a number before that."""
     arch = meta.get("general.architecture")
-    if arch in GGUF_FOLDER_ONLY:
-        raise RegistryError(f"architecture {arch!r} is not served from a GGUF ({', '.join(GGUF_ARCHITECTURES)}): "
-                            f"give its Hugging Face folder")
     if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
         raise RegistryError(f"architecture {arch!r:.80} is not served ({', '.join(GGUF_ARCHITECTURES)})")
     architecture, model_type = GGUF_ARCHITECTURES[arch]
     number = lambda name, config_key: _meta_int(meta, f"{arch}.{name}", config_key)  # noqa: E731
-    layers = _block_count(meta, arch, tensors)
+    layers, mtp = _trunk_and_mtp(meta, arch, tensors)
     tokens = _vocabulary(meta)
     config = {
         "architectures": [architecture],
@@ -747,9 +747,9 @@ def gguf_config(meta, tensors) -> dict:
         "eos_token_id": _token_id(meta, "tokenizer.ggml.eos_token_id", tokens),
         "torch_dtype": "float32",         # what engine.checkpoint dequantizes the GGUF's blocks to
     }
-    # qwen3moe's files may leave it out: every layer has experts.
-    config["intermediate_size"] = (number("feed_forward_length", "intermediate_size")
-                                   if meta.get(f"{arch}.feed_forward_length") else 0)
+    # A mixture of experts' file may leave it out (qwen35moe's do): every layer has experts.
+    if meta.get(f"{arch}.feed_forward_length"):
+        config["intermediate_size"] = number("feed_forward_length", "intermediate_size")
     if f"{arch}.attention.key_length" in meta:
         config["head_dim"] = number("attention.key_length", "head_dim")
     scaling = meta.get(f"{arch}.rope.scaling.type")
@@ -757,9 +757,11 @@ def gguf_config(meta, tensors) -> dict:
         config["rope_scaling"] = {"rope_type": scaling, "factor": _meta_float(meta, f"{arch}.rope.scaling.factor"),
                                   "original_max_position_embeddings": number(
                                       "rope.scaling.original_context_length", "original_max_position_embeddings")}
-    if arch == "qwen3next":
+    if arch in GGUF_HYBRIDS:
         config.update(_gguf_delta_net(meta, arch, config))
-    if arch in ("qwen3moe", "qwen3next"):
+    if mtp:
+        config["mtp_num_hidden_layers"] = mtp
+    if arch in ("qwen3moe", "qwen3next", "qwen35moe"):
         config.update({
             "num_experts": number("expert_count", "num_experts"),
             "num_experts_per_tok": number("expert_used_count", "num_experts_per_tok"),
@@ -770,24 +772,61 @@ def gguf_config(meta, tensors) -> dict:
 
 
 def _gguf_delta_net(meta, arch: str, config: dict) -> dict:
-    """qwen3next's Gated DeltaNet shape as llama.cpp's converter names it (ssm.*): the key head count is
-    the group count, the value head count the time step rank, the state size the key head's."""
+    """A hybrid's Gated DeltaNet shape as llama.cpp's converter names it (ssm.*): the key head count is
+    the group count, the value head count the time step rank, the state size the key head's; which
+    layers are full attention (attention.recurrent_layers where written, else full_attention_interval);
+    the rotary part of each head, and Qwen3.5's rope sections; a mixture of experts' shared expert."""
     number = lambda name, config_key: _meta_int(meta, f"{arch}.{name}", config_key)  # noqa: E731
     value_heads = number("ssm.time_step_rank", "linear_num_value_heads")
     inner = number("ssm.inner_size", "hidden_size")
-    if inner % value_heads:
+    key_heads = number("ssm.group_count", "linear_num_key_heads")
+    if inner % value_heads or value_heads % key_heads:
         raise RegistryError(f"the GGUF's {arch}.ssm.inner_size ({inner}) is not a multiple of its "
-                            f"{arch}.ssm.time_step_rank ({value_heads})")
+                            f"{arch}.ssm.time_step_rank ({value_heads}), or that of its {arch}.ssm.group_count "
+                            f"({key_heads})")
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return {"linear_num_key_heads": number("ssm.group_count", "linear_num_key_heads"),
-            "linear_num_value_heads": value_heads,
-            "linear_key_head_dim": number("ssm.state_size", "linear_key_head_dim"),
-            "linear_value_head_dim": inner // value_heads,
-            "linear_conv_kernel_dim": number("ssm.conv_kernel", "linear_conv_kernel_dim"),
-            "full_attention_interval": number("full_attention_interval", "full_attention_interval"),
-            "partial_rotary_factor": number("rope.dimension_count", "head_dim") / max(head_dim, 1),
-            "shared_expert_intermediate_size": number("expert_shared_feed_forward_length",
-                                                      "shared_expert_intermediate_size")}
+    rotary = number("rope.dimension_count", "head_dim")
+    out = {"linear_num_key_heads": key_heads, "linear_num_value_heads": value_heads,
+           "linear_key_head_dim": number("ssm.state_size", "linear_key_head_dim"),
+           "linear_value_head_dim": inner // value_heads,
+           "linear_conv_kernel_dim": number("ssm.conv_kernel", "linear_conv_kernel_dim"),
+           "full_attention_interval": number("full_attention_interval", "full_attention_interval")
+           if arch == "qwen3next" or f"{arch}.full_attention_interval" in meta else GGUF_ATTENTION_INTERVAL,
+           "partial_rotary_factor": rotary / max(head_dim, 1)}
+    if arch == "qwen3next" or f"{arch}.expert_shared_feed_forward_length" in meta:
+        out["shared_expert_intermediate_size"] = number("expert_shared_feed_forward_length",
+                                                        "shared_expert_intermediate_size")
+    if f"{arch}.attention.recurrent_layers" in meta:
+        out["layer_types"] = _layer_types(meta, arch, config["num_hidden_layers"])
+    if f"{arch}.rope.dimension_sections" in meta:
+        out["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_theta"],
+                                  "partial_rotary_factor": out["partial_rotary_factor"],
+                                  "mrope_section": _rope_sections(meta, arch, rotary), "mrope_interleaved": True}
+    return out
+
+
+def _layer_types(meta, arch: str, layers: int) -> list[str]:
+    """{arch}.attention.recurrent_layers (one flag per block, the MTP module's blocks after the trunk's)
+    -> the trunk's layer_types."""
+    key = f"{arch}.attention.recurrent_layers"
+    flags = meta[key]
+    if not isinstance(flags, list) or len(flags) < layers or not all(isinstance(f, (bool, int)) for f in flags):
+        raise RegistryError(f"the GGUF's {key} must list a flag for each of its {layers} layers")
+    return ["linear_attention" if flag else "full_attention" for flag in flags[:layers]]
+
+
+def _rope_sections(meta, arch: str, rotary: int) -> list[int]:
+    """{arch}.rope.dimension_sections (Qwen3.5's time, height, width and a fourth, unused, section of
+    the rotated frequencies) -> mrope_section: the first three, which must split half the rotary
+    dimensions (a text prompt gives the three positions alike)."""
+    key = f"{arch}.rope.dimension_sections"
+    sections = meta[key]
+    if (not isinstance(sections, list) or len(sections) < 3
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sections)
+            or sum(sections[:3]) != rotary // 2):
+        raise RegistryError(f"the GGUF's {key} {sections!r:.80} must begin with 3 counts summing to half its "
+                            f"{arch}.rope.dimension_count ({rotary})")
+    return list(sections[:3])
 
 
 def _meta_int(meta, key: str, config_key: str) -> int:
@@ -806,6 +845,18 @@ def _meta_float(meta, key: str) -> float:
     if problem:
         raise RegistryError(f"the GGUF's {key} {problem}")
     return _f32(value)
+
+
+def _trunk_and_mtp(meta, arch: str, tensors) -> tuple[int, int]:
+    """(the model's layers, the MTP module's): llama.cpp keeps an MTP module in the last
+    {arch}.nextn_predict_layers blocks of {arch}.block_count."""
+    blocks = _block_count(meta, arch, tensors)
+    mtp = _meta_int(meta, f"{arch}.nextn_predict_layers", "num_hidden_layers") \
+        if meta.get(f"{arch}.nextn_predict_layers") else 0
+    if mtp >= blocks:
+        raise RegistryError(f"the GGUF's {arch}.nextn_predict_layers ({mtp}) leaves none of its {blocks} blocks "
+                            "to the model")
+    return blocks - mtp, mtp
 
 
 def _block_count(meta, arch: str, tensors) -> int:
@@ -858,6 +909,10 @@ _NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5
 _PRE_TOKENIZER_REGEX = {
     "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    # Qwen3.5's vocabulary (3.6 and 3.8 share it; llama.cpp's converter names it qwen35): combining
+    # marks join the letters before them.
+    "qwen35": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+               r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
 }
 
 

@@ -120,6 +120,11 @@ INT5_PARTS = ("nib", "fifth", "d")
 Q8_PARTS = ("q8", "q8_d")
 # And so are its K-quant matrices (engine.native.pack_k).
 K_PARTS = ("knib", "kfifth", "khi", "ksc", "kmin", "kd", "kdmin")
+# And so are its IQ4_NL, IQ4_XS, IQ3_S and Q3_K matrices (engine.native.pack_s).
+S_PARTS = ("iq4nl", "iq4nl_d", "iq4xs", "iq4xs_sc", "iq4xs_d", "iq3s", "iq3s_sc", "iq3s_d",
+           "q3k", "q3k_third", "q3k_sc", "q3k_d")
+# A matrix held per part (engine.weights.PER_PART) exists only where those do: one device, whole.
+PER_PART_KEY = re.compile(r"\.(parts\.\*\..*|rows|cols)$")
 # FP8 matrices are {"f8": [out, in], "f8_scale": [out, in / block]}: both split like the float matrix
 # (each row's scales per block of columns go with its columns when those are split).
 FP8_PARTS = ("f8", "f8_scale")
@@ -181,8 +186,10 @@ def spec_of(path: str) -> tuple:
     key = re.sub(r"\.\d+(\.|$)", r".*\1", path)
     if key in PARAM_SPECS:
         return PARAM_SPECS[key]
+    if PER_PART_KEY.search(key) and PER_PART_KEY.sub("", key) in PARAM_SPECS:
+        return ()
     base, _, part = key.rpartition(".")
-    if part in INT8_PARTS + INT5_PARTS + Q8_PARTS + K_PARTS + FP8_PARTS and base in PARAM_SPECS:
+    if part in INT8_PARTS + INT5_PARTS + Q8_PARTS + K_PARTS + S_PARTS + FP8_PARTS and base in PARAM_SPECS:
         spec = PARAM_SPECS[base]
         return spec if part in ("q",) + FP8_PARTS else spec[:1]
     raise KeyError(f"no partition spec for parameter {path!r}: add it to engine.sharding.PARAM_SPECS")

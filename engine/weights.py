@@ -71,8 +71,12 @@ only of Q4_K, only of Q5_K or only of Q6_K tensors (the blocks of Q4_K_M / Q5_K_
 engine.native.pack_k, at 4.6, 5.6 and 6.6 bits), and a separate LM head of one of them; and a matrix
 made only of Q8_0 tensors, the embedding table and head included (engine.native.pack8, 8.5 bits:
 the file's values, with half the int8 form's products for a few rows; engine.products.embed reads
-a table's rows from them). Other block types and matrices mixing types are rounded to int8 per
-channel; the log says how many of each.
+a table's rows from them); and one made only of IQ4_NL, IQ4_XS, IQ3_S or Q3_K tensors
+(engine.native.pack_s). A matrix whose parts are of different types (Q4_K_M's q and k Q4_K with v
+Q6_K; a Gated DeltaNet "in" of Q6_K, Q4_K and float parts) is held per part (PER_PART): each run of
+parts of one type in its own form, floats rounded to int8 per channel, engine.products.matmul
+joining their outputs. Other block types are rounded to int8 per channel; the log says how many of
+each.
 
 Weights dtype "fp8" (an official FP8 checkpoint, on accelerators by default): every dense layer
 matrix the checkpoint stores as float8 becomes {"f8": float8_e4m3fn [out, in], "f8_scale": float32
@@ -148,6 +152,15 @@ def fp8_held_tensor(name: str) -> bool:
     rest, MoE routers and Gated DeltaNet matrices among them, is widened to the float dtype)."""
     return quantized_tensor(name) or bool(_FP8_EXPERT.fullmatch(name))
 
+
+# GGUF block types the native kernel holds as the file has them (engine.native: pack5, pack8, pack_k,
+# pack_s), in the order the log names them.
+HELD_BLOCKS = ("Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "Q3_K")
+# The key of a matrix held per part: {PER_PART: {"0": part, "1": ...}, "rows": int32 [out], "cols":
+# int32 [in]}, each part a run of rows in its own form, "rows" (where combine reorders them) where each
+# output is in the parts' joined outputs, "cols" (where the file reorders the inputs) where each of the
+# parts' inputs is in the matrix's (engine.products.matmul multiplies it so).
+PER_PART = "parts"
 
 # quantize_int8 rounds this many float32 bytes of rows at a time: its temporaries (the magnitudes,
 # the quotients) then cost a few slices, not several copies of a 0.9 GB embedding table.
@@ -248,6 +261,13 @@ class _Reader:
         self.check_shape(name, shape)
         return self.checkpoint.k_quant(self.names.get(name, name), rows)
 
+    def s_quant(self, name: str, shape: tuple[int, ...], rows: slice | None = None) -> dict:
+        self.check_shape(name, shape)
+        return self.checkpoint.s_quant(self.names.get(name, name), rows)
+
+    def column_order(self, name: str) -> np.ndarray | None:
+        return self.checkpoint.column_order(self.names.get(name, name))
+
     def fp8(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
         self.check_shape(name, shape)
         return self.checkpoint.fp8(self.names.get(name, name))
@@ -341,6 +361,24 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
     return _assemble(parts, cfg)
 
 
+# The tensor a checkpoint with an MTP module has (engine.model.draft), and the prefix of them all.
+MTP_TENSOR, MTP_PREFIX = "mtp.fc.weight", "mtp."
+
+
+def load_mtp(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_heads: int | None = None,
+             place=place_on_default_device, pack: bool = True) -> dict | None:
+    """A checkpoint's MTP module (_Loader.mtp) held as load_weights holds the trunk's layers (int8
+    matrices quantized at every start: they are not among the held weights), placed as "mtp"; None
+    where the checkpoint has none."""
+    reader = _Reader(folder)
+    if not reader.has(MTP_TENSOR):
+        return None
+    int8, narrow = str(dtype) == "int8", str(dtype) in ("int8", "fp8")
+    load = _Loader(reader, cfg, np.dtype(float_dtype or np.float32) if narrow else np.dtype(dtype), int8=int8,
+                   fp8=str(dtype) == "fp8", pack=packs_int8(dtype, pack), kv_heads=kv_heads or cfg.num_kv_heads)
+    return place("mtp", load.mtp())
+
+
 class _Loader:
     """load_weights' steps: each reads its tensors from the checkpoint by their Hugging Face names and
     returns them as held (the pytree's layout, the module docstring), one layer at a time."""
@@ -353,11 +391,12 @@ class _Loader:
 
     # ---- one layer ----
 
-    def layer(self, i: int, kind: str, mlp: str) -> dict:
+    def layer(self, i: int, kind: str, mlp: str, p: str | None = None) -> dict:
+        """Layer i (or the one whose tensors are under the prefix p) as held."""
         cfg, h = self.cfg, self.cfg.hidden_size
         if kind not in MIXER_KINDS or mlp not in ("dense", "moe"):
             raise WeightsError(f"layer {i} kind {kind!r} / {mlp!r} has no weight layout")
-        p = f"model.layers.{i}."
+        p = p or f"model.layers.{i}."
         layer = {"attn_norm": self.norm(p + "input_layernorm.weight", h),
                  "mlp_norm": self.norm(p + "post_attention_layernorm.weight", h)}
         if kind == "linear":
@@ -371,6 +410,19 @@ class _Loader:
         else:
             layer.update(self.mlp(p + "mlp."))
         return layer
+
+    def mtp(self) -> dict:
+        """The MTP module (mtp.*, engine.model.draft): fc over the normed embedding and hidden state
+        side by side, the two norms, one decoder layer laid out as the trunk's are (its full attention,
+        gated where the trunk's is; its MLP as the trunk's last layer's), and its final norm."""
+        cfg, h = self.cfg, self.cfg.hidden_size
+        kind = next(k for k in cfg.layer_kinds if k != "linear")
+        mlp = (cfg.mlp_kinds or ("dense",))[-1]
+        return {"fc": self.projection(lambda w: w, [("mtp.fc.weight", (h, 2 * h))]),
+                "embed_norm": self.norm("mtp.pre_fc_norm_embedding.weight", h),
+                "hidden_norm": self.norm("mtp.pre_fc_norm_hidden.weight", h),
+                "layer": self.layer(cfg.num_layers, kind, mlp, p="mtp.layers.0."),
+                "norm": self.norm("mtp.norm.weight", h)}
 
     def mlp(self, p: str) -> dict:
         """A dense layer's MLP: gate and up interleaved (interleave_gate_up), and down."""
@@ -518,45 +570,88 @@ class _Loader:
 
     def projection(self, combine, parts: list[tuple[str, tuple[int, int]]], floats=None):
         """A layer's matrix combine(*tensors) of the named tensors [(name, shape)] (combine is a row
-        operation: stacking, interleaving), as held: in 5-bit blocks (engine.native.pack5) when every
-        part is a GGUF's Q5_0 tensor and the int8 matrices are packed (the file's own levels and
-        scales, exact), likewise in K-quant blocks (engine.native.pack_k) when every part is Q4_K,
-        every part Q5_K or every part Q6_K; as float8 with each row's block scales (the module
-        docstring) when every part is an FP8 checkpoint's and the weights dtype is fp8; else
-        put_matrix of the floats. floats: the combined matrix, when the caller has read it already."""
+        operation: stacking, interleaving), as held: as float8 with each row's block scales (the module
+        docstring) when every part is an FP8 checkpoint's and the weights dtype is fp8; where the int8
+        matrices are packed and a part is a GGUF's blocks of a form the kernel holds, in those blocks
+        (in_blocks); else put_matrix of the floats. floats: the combined matrix, when the caller has
+        read it already."""
         if self.fp8 and all(self.r.format(name) == FP8 for name, _ in parts):
             stored = [self.r.fp8(name, shape) for name, shape in parts]
             return {"f8": np.ascontiguousarray(combine(*(v for v, _ in stored))),
                     "f8_scale": np.ascontiguousarray(combine(*(sc for _, sc in stored)))}
-        if self.pack and all(self.r.format(name) == "Q5_0" for name, _ in parts):
-            blocks = [self.r.q5_0(name, shape) for name, shape in parts]
-            levels = combine(*(b[0] for b in blocks))
-            if native.packable5(levels.shape):
-                return native.pack5(levels, combine(*(b[1] for b in blocks)))
-        if self.pack and all(self.r.format(name) == "Q8_0" for name, _ in parts):
-            blocks = [self.r.q8_0(name, shape) for name, shape in parts]
-            levels = combine(*(b[0] for b in blocks))
-            if native.packable8(levels.shape, int(levels.min())):
-                return native.pack8(levels, combine(*(b[1] for b in blocks)))
-        kinds = {self.r.format(name) for name, _ in parts}
-        if self.pack and len(kinds) == 1 and (kind := kinds.pop()) in native.K_SUB:
-            blocks = [self.r.k_quant(name, shape) for name, shape in parts]
-            held = _part_by_part(lambda arrays: combine(*arrays), blocks)
-            if native.packable_k(held["levels"].shape):
-                return native.pack_k(kind, **held)
+        held = self.in_blocks(combine, parts) if self.pack else None
+        if held is not None:
+            return held
         if floats is None:
             floats = combine(*(self.matrix(name, *shape) for name, shape in parts))
         return self.put_matrix(floats)
 
+    def in_blocks(self, combine, parts: list[tuple[str, tuple[int, int]]]):
+        """projection's matrix in the file's own blocks (None where no part has blocks the kernel holds,
+        or they do not fit its shape). Parts of one block type are joined and held as one (blocks_of);
+        a matrix whose parts differ is held per part (PER_PART): each run of parts of one type in
+        its own form (parts stored as floats, or whose blocks do not fit, rounded to int8 per channel as
+        put_matrix holds them), their outputs joined and put in combine's order by "rows". Where the
+        file holds the inputs in another order than Hugging Face (a qwen35 file's DeltaNet out_proj:
+        engine.checkpoint), the blocks stay so and "cols" gathers the input to match."""
+        kinds = [self.r.format(name) if self.r.format(name) in HELD_BLOCKS else None for name, _ in parts]
+        orders = [self.r.column_order(name) for name, _ in parts]
+        if not any(kinds) or any(o is not None and not np.array_equal(o, orders[0]) for o in orders):
+            return None
+        cols = None if orders[0] is None else np.argsort(orders[0]).astype(np.int32)
+        runs: dict[str | None, list[int]] = {}
+        for i, kind in enumerate(kinds):
+            runs.setdefault(kind, []).append(i)
+        if len(runs) == 1:
+            held = self.blocks_of(kinds[0], combine, parts)
+            return held if held is None or cols is None else {PER_PART: {"0": held}, "cols": cols}
+        held, at, where = {}, 0, [None] * len(parts)
+        for run, (kind, members) in enumerate(runs.items()):
+            run_parts = [parts[i] for i in members]
+            one = self.blocks_of(kind, lambda *a: np.concatenate(a), run_parts) if kind else None
+            if one is None:
+                floats = np.concatenate([self.matrix(name, *shape) for name, shape in run_parts])
+                one = self.put_matrix(floats if cols is None else floats[:, cols])
+            held[str(run)] = one
+            for i in members:
+                where[i] = np.arange(at, at + parts[i][1][0])[:, None]
+                at += parts[i][1][0]
+        out = {PER_PART: held}
+        rows = combine(*where)[:, 0]
+        if not np.array_equal(rows, np.arange(len(rows))):
+            out["rows"] = rows.astype(np.int32)
+        if cols is not None:
+            out["cols"] = cols
+        return out
+
+    def blocks_of(self, kind: str, combine, parts: list[tuple[str, tuple[int, int]]]):
+        """combine(*parts), every part a GGUF's `kind` blocks, in the kernel's form of that kind (the
+        file's own levels and scales, exact): engine.native.pack5 (Q5_0), pack8 (Q8_0), pack_k (Q4_K,
+        Q5_K, Q6_K), pack_s (IQ4_NL, IQ4_XS, IQ3_S, Q3_K); None where the joined shape does not fit it."""
+        shape = (combine(*(np.empty((s[0], 1), np.int8) for _, s in parts)).shape[0], parts[0][1][1])
+        if kind == "Q5_0" and native.packable5(shape):
+            blocks = [self.r.q5_0(name, s) for name, s in parts]
+            return native.pack5(combine(*(b[0] for b in blocks)), combine(*(b[1] for b in blocks)))
+        if kind == "Q8_0" and native.packable8(shape, min(self.r.q8_0_lowest(name) for name, _ in parts)):
+            blocks = [self.r.q8_0(name, s) for name, s in parts]
+            return native.pack8(combine(*(b[0] for b in blocks)), combine(*(b[1] for b in blocks)))
+        join = lambda arrays: combine(*arrays)  # noqa: E731
+        if kind in native.K_SUB and native.packable_k(shape):
+            return native.pack_k(kind, **_part_by_part(join, [self.r.k_quant(name, s) for name, s in parts]))
+        if kind in native.S_SPAN and native.packable_s(kind, shape):
+            return native.pack_s(kind, **_part_by_part(join, [self.r.s_quant(name, s) for name, s in parts]))
+        return None
+
     def put_rows(self, name: str, shape: tuple[int, int], blocks: bool = False):
         """A vocabulary-sized matrix (the embedding table, a separate LM head) as projection holds
-        it (blocks: K-quant ones kept too; Q8_0 ones always, engine.products.embed reads their
+        it (blocks: K-quant and scaled-level ones kept too; Q8_0 ones always, engine.products.embed reads their
         rows), read, narrowed and packed PUT_ROWS rows at a time, so that no float32 copy of the
         whole (0.9 GB for a 1.5B model's table) is ever resident."""
         kind = self.r.format(name)
         if not self.int8 or (blocks and kind == "Q5_0"):
             return self.projection(lambda w: w, [(name, shape)])
         keep = blocks and self.pack and kind in native.K_SUB and native.packable_k(shape)
+        keep_s = blocks and self.pack and kind in native.S_SPAN and native.packable_s(kind, shape)
         keep8 = self.pack and kind == "Q8_0" and native.packable8(shape, self.r.q8_0_lowest(name))
         packed = native.packable(shape)                    # decided for the whole, not per slice
         parts = []
@@ -564,6 +659,8 @@ class _Loader:
             rows = slice(start, start + PUT_ROWS)
             if keep:
                 parts.append(native.pack_k(kind, **self.r.k_quant(name, shape, rows)))
+            elif keep_s:
+                parts.append(native.pack_s(kind, **self.r.s_quant(name, shape, rows)))
             elif keep8:
                 parts.append(native.pack8(*self.r.q8_0(name, shape, rows)))
             else:
@@ -616,7 +713,7 @@ def _assemble(parts: dict, cfg: ModelConfig) -> dict:
 # a restarted worker must not pay it again. So int8 weights are written once, as they are held, one
 # .npy file per array with a manifest of the tree, under the cache root (engine.worker names the
 # folder after everything the arrays depend on), and later starts map them in as they are.
-HELD_FORMAT = "held-weights-8"       # bumped when the layout of what is written changes
+HELD_FORMAT = "held-weights-9"       # bumped when the layout of what is written changes (9: PER_PART)
 HELD_KEEP = 2                        # held copies kept under one cache folder (the newest used)
 HELD_TMP_STALE_S = 600               # an unfinished copy this old was left by a worker that died
 _MANIFEST = "manifest.json"
@@ -711,8 +808,9 @@ class HeldWeights:
 
 def held_note(checkpoint, params, dtype: str) -> str | None:
     """For the log, what a GGUF's blocks became: which block types its matrices have, how many layer
-    matrices are held at 5 bits as the file has them, and that the rest were rounded again to int8 per
-    channel (or widened to a float dtype, exactly); what an FP8 checkpoint's float8 matrices became;
+    matrices (or parts of one) are held in them as the file has them, how many per part, and that the
+    rest were rounded again to int8 per channel (or widened to a float dtype, exactly); what an FP8
+    checkpoint's float8 matrices became;
     random weights drawn as blocks likewise. None for other checkpoints."""
     blocks = checkpoint.kind == "gguf" or (checkpoint.kind == "random" and any(
         kind in native.K_SUB or kind == "Q8_0" for kind in checkpoint.formats.values()))
@@ -738,22 +836,36 @@ def held_note(checkpoint, params, dtype: str) -> str | None:
     blocks = ", ".join(f"{kind} x{n}" for kind, n in sorted(kinds.items()))
     if dtype != "int8":
         return f"{checkpoint.file}: matrices {blocks}, held as {dtype} (their values exactly)"
-    kept = {"Q5_0": 0, "Q8_0": 0, "Q4_K": 0, "Q5_K": 0, "Q6_K": 0}
-    block_kind = lambda leaf: ("Q5_0" if native.is_int5(leaf) else "Q8_0" if native.is_q8(leaf)  # noqa: E731
-                               else native.k_kind(leaf))
-    is_blocks = lambda leaf: block_kind(leaf) is not None  # noqa: E731
-    for leaf in {id(x): x for x in jax.tree_util.tree_leaves(params, is_leaf=is_blocks)}.values():
-        if is_blocks(leaf):
-            kept[block_kind(leaf)] += 1
+    kept, mixed = {kind: 0 for kind in HELD_BLOCKS}, 0
+    is_held = lambda leaf: _block_kind(leaf) is not None or (isinstance(leaf, dict) and PER_PART in leaf)  # noqa: E731
+    for leaf in {id(x): x for x in jax.tree_util.tree_leaves(params, is_leaf=is_held)}.values():
+        if isinstance(leaf, dict) and PER_PART in leaf:
+            mixed += 1
+        for part in leaf[PER_PART].values() if isinstance(leaf, dict) and PER_PART in leaf else [leaf]:
+            if _block_kind(part) is not None:
+                kept[_block_kind(part)] += 1
     held = ", ".join(f"{n} {kind}" for kind, n in kept.items() if n) or "none"
-    return (f"{checkpoint.file}: matrices {blocks}; held in the file's own blocks (where every part of a "
-            f"matrix has one of Q5_0, Q8_0, Q4_K, Q5_K, Q6_K and the native kernel serves): {held}; the rest "
+    matrices = "matrix" if mixed == 1 else "matrices"
+    per_part = f" ({mixed} {matrices} of mixed types held per part, each part in its own form)" if mixed else ""
+    return (f"{checkpoint.file}: matrices {blocks}; held in the file's own blocks (where a matrix's parts have "
+            f"one of {', '.join(HELD_BLOCKS)} and the native kernel serves): {held}{per_part}; the rest "
             f"rounded again to int8 per channel")
 
 
-def unread_notes(checkpoint) -> list[str]:
-    """For the log: the parts of a multimodal checkpoint left unread (UNREAD_PARTS) it holds."""
-    counts = {part: sum(1 for name in checkpoint.shapes if name.startswith(part)) for part in UNREAD_PARTS}
+def _block_kind(leaf) -> str | None:
+    """The GGUF block type a held matrix keeps (HELD_BLOCKS), or None."""
+    if native.is_int5(leaf):
+        return "Q5_0"
+    if native.is_q8(leaf):
+        return "Q8_0"
+    return native.k_kind(leaf) or native.s_kind(leaf)
+
+
+def unread_notes(checkpoint, loaded: tuple[str, ...] = ()) -> list[str]:
+    """For the log: the parts of a multimodal checkpoint left unread (UNREAD_PARTS) it holds, but for
+    those `loaded` (an MTP module drafting: load_mtp)."""
+    counts = {part: sum(1 for name in checkpoint.shapes if name.startswith(part))
+              for part in UNREAD_PARTS if part not in loaded}
     return [UNREAD_PARTS[part].format(n) for part, n in counts.items() if n]
 
 

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 from engine import registry
 from engine.checkpoint import Checkpoint
 from engine.config import load_config
-from engine.weights import held_note, load_weights
+from engine.weights import PER_PART, held_note, load_weights
 from tests.test_int8 import _logits
 from tests.test_model import PARITY_ATOL
 from tests.test_registry import CHATML, add_hyperparameters, add_tokenizer, byte_alphabet
@@ -208,7 +208,7 @@ def test_q8_0_blocks_are_read_as_their_values(cache, model):
 
 
 # A Qwen3-shaped GGUF wide enough for K-quant blocks (256 inputs each), its layers' matrices in
-# these block types (layer 1's qkv mixes two: rounded to int8), the LM head Q6_K.
+# these block types (layer 1's qkv mixes two: held per part), the LM head Q6_K.
 K_LAYERS = ({"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q4_K",
              "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"},
             {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q6_K",
@@ -255,8 +255,9 @@ def write_k_quant_gguf(path: Path) -> Path:
 @pytest.mark.parametrize("int8_max_rows", [None, 0])
 def test_k_quant_matrices_are_held_in_their_blocks_and_compute_their_values(cache, int8_max_rows, monkeypatch):
     """Guards against a GGUF's Q4_K / Q5_K / Q6_K matrices losing their exact values (int8 per
-    channel rounds them again, in more bytes), a matrix mixing block types being held in one of them,
-    the LM head left out, the held copy differing, or the blocks' path (the kernel's product; the
+    channel rounds them again, in more bytes), a matrix mixing block types being held in one of them
+    (it is held per part, each in its own), the LM head left out, the held copy differing, or the
+    blocks' path (the kernel's product; the
     widened weights of a prefill chunk when int8_max_rows is 0) computing other logits than the
     file's values in float32."""
     from engine import model, native, products
@@ -276,9 +277,12 @@ def test_k_quant_matrices_are_held_in_their_blocks_and_compute_their_values(cach
              for layer in held["layers"]]
     assert kinds == [{"qkv": "Q4_K", "o": "Q4_K", "gate_up": "Q4_K", "down": "Q6_K"},
                      {"qkv": None, "o": "Q6_K", "gate_up": "Q5_K", "down": "Q4_K"}]
-    assert native.k_kind(held["lm_head"]) == "Q6_K" and native.is_packed(held["layers"][1]["qkv"]["q"])
-    assert "held in the file's own blocks" in held_note(Checkpoint(folder), held, "int8")
-    assert ": 4 Q4_K, 1 Q5_K, 3 Q6_K;" in held_note(Checkpoint(folder), held, "int8")
+    per_part = held["layers"][1]["qkv"][PER_PART]
+    assert native.k_kind(held["lm_head"]) == "Q6_K"
+    assert [native.k_kind(p) for p in per_part.values()] == ["Q4_K", "Q6_K"]
+    note = held_note(Checkpoint(folder), held, "int8")
+    assert "held in the file's own blocks" in note
+    assert ": 5 Q4_K, 1 Q5_K, 4 Q6_K (1 matrix of mixed types held per part" in note
     forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
     tokens = np.arange(3, 27) % cfg.vocab_size
     got = _logits(cfg, held, tokens, forward)
@@ -286,8 +290,8 @@ def test_k_quant_matrices_are_held_in_their_blocks_and_compute_their_values(cach
     assert native.k_kind(again["layers"][1]["down"]) == "Q4_K"
     np.testing.assert_array_equal(_logits(cfg, again, tokens, forward), got)
     want = _logits(cfg, load_weights(folder, cfg, jnp.float32), tokens, forward)
-    # The rows rounded to int8 per 256 inputs (or to bfloat16, widened), layer 1's qkv to int8 per
-    # channel: a few thousandths of the largest logit apart on average, the first token (which
+    # The rows rounded to int8 per 256 inputs (or to bfloat16, widened): a few thousandths of the
+    # largest logit apart on average, the first token (which
     # attends only to itself) the most; the same greedy tokens (figures: docs/perf-log.md, "A GGUF's
     # K-quant blocks").
     scale = np.abs(want).max()
@@ -336,10 +340,11 @@ def test_what_mashbox_cannot_serve_is_refused_by_name(cache, capsys, monkeypatch
     import mashbox
     llama = write_gguf("qwen3", cache / "llama.gguf", arch="llama")
     with pytest.raises(registry.RegistryError,
-                       match=f"^{llama}: architecture 'llama' is not served \\(qwen2, qwen3, qwen3moe, qwen3next\\)$"):
+                       match=f"^{llama}: architecture 'llama' is not served \\(qwen2, qwen3, qwen3moe, qwen3next, "
+                             "qwen35, qwen35moe\\)$"):
         registry.resolve(str(llama))
-    with pytest.raises(registry.RegistryError, match="architecture 'qwen35' is not served from a GGUF \\(qwen2, "
-                                                     "qwen3, qwen3moe, qwen3next\\): give its Hugging Face folder"):
+    with pytest.raises(registry.RegistryError,          # a qwen3 file named qwen35: no Gated DeltaNet shape
+                       match="next.gguf: the GGUF's metadata has no qwen35.ssm.time_step_rank$"):
         registry.resolve(str(write_gguf("qwen3", cache / "next.gguf", arch="qwen35")))
     unknown = write_gguf("qwen3", cache / "extra.gguf", rename={"blk.1.attn_k_norm.weight": "blk.1.attn_k_nrm.weight"})
     with pytest.raises(registry.RegistryError, match="extra.gguf: .* does not know: blk.1.attn_k_nrm.weight$"):
