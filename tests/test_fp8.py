@@ -159,7 +159,8 @@ def test_weights_dtype_fp8_holds_the_float8_matrices_and_computes_their_values(t
     assert weight_kind(params["embed"]) == "float"
     tokens = np.asarray(load_file(str(TINY / model / "reference.safetensors"))["tokens"])[:20]
     want = _logits(cfg, load_weights(str(plain), cfg, jnp.float32), tokens)
-    np.testing.assert_allclose(_logits(cfg, params, tokens), want, atol=1e-5, rtol=0)
+    # float32 sums in another order (per block, then scaled): measured up to 1.2e-5 on logits of ~5
+    np.testing.assert_allclose(_logits(cfg, params, tokens), want, atol=2e-5, rtol=0)
     assert memory.held_weight_bytes(str(fp8), "fp8") == weights_bytes(params)
     if "moe" in layer:                         # the routed experts float8 too, stacked part by part
         for name in ("gate_up", "down"):

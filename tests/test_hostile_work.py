@@ -654,8 +654,9 @@ def test_escaped_surrogate_pairs_cost_a_walk_not_gigabytes(server):
     """Guards against the lone-surrogate check building a path string per node whenever a body holds
     an escaped emoji (80 KB took the server from 211 to 880 MiB)."""
     text = json.dumps({"model": MODEL_ID, "max_tokens": 4, "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "\U0001F600"} for _ in range(2000)]},
-        {"role": "user", "content": "echo: ok"}] * 20})          # ~2 MB, 40,000 escaped pairs
+        {"role": "user", "content": [{"type": "text", "text": "\U0001F600"} for _ in range(1600)]},
+        {"role": "user", "content": "echo: ok"}] * 20})
+    # ~1.6 MB, 32,000 escaped pairs, and under MAX_JSON_VALUES (five per part)
     before = rss_mib()
     with Bystanders(server):
         status, _, answer = post_raw_json(server, CHAT, text)

@@ -69,7 +69,7 @@ def test_int8_logits_stay_close_to_float32_and_keep_the_greedy_tokens(name, int8
     assert params["layers"][0]["qkv"]["q"].dtype == (jnp.uint8 if offset else jnp.int8)
     got = _logits(cfg, params, tokens, forward)
     np.testing.assert_allclose(got, want, atol=INT8_ATOL, rtol=0)
-    assert np.abs(got - want).mean() < 0.25
+    assert np.abs(got - want).mean() < 0.4
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= INT8_GREEDY_AGREEMENT
 
 
@@ -168,9 +168,10 @@ def test_server_sizes_auto_weights_as_the_worker_will_hold_them(monkeypatch):
 
 
 def test_int8_hybrid_model_runs_close_to_float32():
-    """Guards against the hybrid layers (gated attention's int8 projections beside float linear
-    attention and shared experts) breaking with int8 weights. A routed model: an int8 rounding may flip
-    a token's experts, so only the mean is bounded (measured 0.16 here; 0.09-0.10 on qwen3-moe)."""
+    """Guards against the hybrid layers (gated attention's and Gated DeltaNet's int8 projections beside
+    float shared experts) breaking with int8 weights. A routed model: an int8 rounding may flip a
+    token's experts, so only the mean is bounded (measured 0.30 here with the DeltaNet projections in
+    int8, 0.16 with them float; 0.09-0.10 on qwen3-moe)."""
     from safetensors.numpy import load_file
     folder = os.path.join(TINY, "qwen3-next")
     cfg = load_config(folder)
@@ -178,7 +179,7 @@ def test_int8_hybrid_model_runs_close_to_float32():
     want = _logits(cfg, load_weights(folder, cfg, jnp.float32), tokens)
     got = _logits(cfg, load_weights(folder, cfg, "int8"), tokens)
     assert np.isfinite(got).all()
-    assert np.abs(got - want).mean() < 0.25
+    assert np.abs(got - want).mean() < 0.4
 
 
 @pytest.mark.parametrize("rows", [1, 4, 200])
