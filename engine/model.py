@@ -418,13 +418,16 @@ def _mlp(layer, x):
     return swiglu(x, layer["gate_up"], layer["down"])
 
 
-def _shared_expert(x, shared, zero):
+def _shared_expert(x, shared, zero, cfg: ModelConfig):
     """Qwen3-Next's shared expert on rows x [N, hidden]: its SwiGLU times sigmoid(x . its gate). Its
     matrices stay float (engine.weights); up to INT8_ROWS_MAX_ROWS rows on XLA:CPU each float product
     sums in one fixed order (row_exact_matmul), so a row's numbers are those of a decode step
-    whatever runs beside it (a verification of drafts, engine.speculative), as routing's are."""
+    whatever runs beside it (a verification of drafts, engine.speculative), as routing's are. Not on
+    a mesh: its tree sums over a split axis would move partial sums between devices at every level,
+    and drafting, which needs them, runs on one device only (the native kernel's)."""
     def product(rows, w):
-        exact = jax.default_backend() == "cpu" and rows.shape[0] <= INT8_ROWS_MAX_ROWS
+        exact = (jax.default_backend() == "cpu" and rows.shape[0] <= INT8_ROWS_MAX_ROWS
+                 and cfg.devices == 1)
         return row_exact_matmul(rows, w) if exact and weight_kind(w) == "float" else matmul(rows, w)
     out = product(gated(product(x, shared["gate_up"])), shared["down"])
     return _sigmoid(product(x, shared["gate"]), zero) * out
@@ -438,7 +441,7 @@ def _moe(layer, x, valid, zero, cfg: ModelConfig, site: int):
                          site=site).reshape(b, t, h)
     shared = layer["moe"].get("shared")
     if shared is not None:
-        out = out + _shared_expert(x.reshape(b * t, h), shared, zero).reshape(b, t, h)
+        out = out + _shared_expert(x.reshape(b * t, h), shared, zero, cfg).reshape(b, t, h)
     return out
 
 
