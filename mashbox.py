@@ -2015,8 +2015,9 @@ async def _next_step(q: asyncio.Queue, gone: asyncio.Event, timeout: float):
     return None
 
 
-# Tokens drafted from the conversation's text and those kept (engine.speculative): llama-server's
-# names in the timings block; /metrics counts them as vLLM's spec_decode counters.
+# Tokens drafted (from the conversation's text or the MTP layer) and those kept (engine.speculative):
+# llama-server's names in the timings block; /metrics counts them, and the rounds that carried a
+# draft (draft_rounds, not in the block), as vLLM's spec_decode counters.
 DRAFT_TIMINGS = ("draft_n", "draft_n_accepted")
 
 
@@ -3054,10 +3055,12 @@ class Metrics:
             constrained.inc(0, mode=mode)
         add("grammar_mask_seconds_total", "counter", "Host time spent computing constrained requests' "
             "token masks.").inc(0)
-        add("spec_decode_num_draft_tokens_total", "counter", "Tokens drafted from the requests' own text "
-            "and verified (speculative decoding).").inc(0)
+        add("spec_decode_num_draft_tokens_total", "counter", "Tokens drafted (from the requests' own "
+            "text or the MTP layer) and verified (speculative decoding).").inc(0)
         add("spec_decode_num_accepted_tokens_total", "counter", "Drafted tokens kept: the model drew "
             "the same token.").inc(0)
+        add("spec_decode_num_drafts_total", "counter", "Verifications that carried a draft, per row: "
+            "accepted tokens over drafts is the mean accepted length per round.").inc(0)
         add("time_to_first_token_seconds", "histogram", "Time to the first new token.", TTFT_BUCKETS)
         by_length = add("time_to_first_token_by_prompt_seconds", "histogram", "Time to the first new "
                         "token, by the prompt's length in tokens (prompt_tokens: a range).", TTFT_BUCKETS)
@@ -3100,6 +3103,7 @@ class Metrics:
         if timings:
             self.m["spec_decode_num_draft_tokens_total"].inc(timings.get("draft_n", 0))
             self.m["spec_decode_num_accepted_tokens_total"].inc(timings.get("draft_n_accepted", 0))
+            self.m["spec_decode_num_drafts_total"].inc(timings.get("draft_rounds", 0))
 
     def constrained_done(self, mode: str | None, mask_s: float) -> None:
         """Account one finished request's tool-call constraint (mode None: it ran unconstrained)."""
@@ -5010,7 +5014,7 @@ class ServeConfig:
     coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
-    speculative: str = "auto"        # --speculative: drafts from the conversation's text (auto, off)
+    speculative: str = "auto"        # --speculative: auto, mtp, ngram, off (engine.speculative)
 
     @property
     def distributed(self) -> tuple[str, int, int] | None:
@@ -5094,10 +5098,11 @@ def _model_and_engine_flags(run: argparse.ArgumentParser, default: ServeConfig) 
     run.add_argument("--process-id", type=_at_least(0, "--process-id"), metavar="I",
                      help="several hosts: this one's index; 0 serves HTTP, the others follow it "
                           "(also MASHBOX_PROCESS_ID)")
-    run.add_argument("--speculative", choices=("auto", "off"), default=default.speculative,
-                     help="speculative decoding: draft the next tokens from the conversation's own text "
-                          "and check them in one step (output unchanged); auto = where it is exact (the "
-                          "native kernel) and measured to pay (default auto)")
+    run.add_argument("--speculative", choices=protocol.SPECULATIVE_MODES, default=default.speculative,
+                     help="speculative decoding: draft the next tokens and check them in one step (output "
+                          "unchanged); mtp = with the checkpoint's MTP layer, ngram = from the "
+                          "conversation's own text, auto = either, where it is exact (the native kernel) "
+                          "and measured to pay (default auto)")
 
 
 def _server_flags(run: argparse.ArgumentParser, default: ServeConfig) -> None:
@@ -5176,7 +5181,7 @@ def random_form(spec: "registry.ModelSpec", config: ServeConfig, cfg: ModelConfi
         asked = memory.random_weights_dtype(cfg, lambda checkpoint, held: memory.size(
             cfg, checkpoint, slots=config.slots, ctx=config.ctx, cache_ram_mib=config.cache_ram_mib,
             default_slots=spec.slots, default_ctx=spec.ctx, default_cache_ram_mib=spec.cache_ram_mib,
-            weights_dtype=held))
+            weights_dtype=held, speculative=config.speculative))
         log.info("random weights: %s (the widest form whose worker fits %.0f%% of the available memory)",
                  asked, 100 * memory.RANDOM_AUTO_SHARE)
     stored, config.weights_dtype = registry.random_storage(asked)
@@ -5193,7 +5198,7 @@ def size_worker(spec: "registry.ModelSpec", config: ServeConfig, folder: str,
     sizing = memory.size(cfg, folder, slots=config.slots, ctx=config.ctx,
                          cache_ram_mib=config.cache_ram_mib, default_slots=spec.slots,
                          default_ctx=spec.ctx, default_cache_ram_mib=spec.cache_ram_mib,
-                         weights_dtype=weights_dtype(spec, config))
+                         weights_dtype=weights_dtype(spec, config), speculative=config.speculative)
     given = (config.slots, config.ctx, config.cache_ram_mib) != (None, None, None)
     chosen = ("defaults lowered to fit half the available memory" if sizing.shrunk
               else "the model's defaults, which fit" if not given else "as given")

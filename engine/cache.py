@@ -48,13 +48,16 @@ def _zeros(name: str, shape: tuple, dtype):
     return jnp.zeros(shape, dtype)
 
 
-def init_cache(cfg: ModelConfig, slots: int, ctx: int, dtype, zeros=_zeros) -> list[dict]:
+def init_cache(cfg: ModelConfig, slots: int, ctx: int, dtype, zeros=_zeros, mtp: bool = False) -> list[dict]:
     """An empty pool of `slots` sequences of up to `ctx` tokens each. zeros(name, shape, dtype)
-    makes each array (engine.sharding: already split over the mesh's devices)."""
+    makes each array (engine.sharding: already split over the mesh's devices). mtp: two entries
+    more, the MTP layer's (engine.model.draft): its KV cache, laid out as an attention layer's, and
+    the trunk's hidden state at each slot's last position, {"hidden": [slots, hidden]} float32."""
     if slots < 1 or ctx < 1:
         raise ValueError(f"init_cache needs slots >= 1 and ctx >= 1, got slots={slots} ctx={ctx}")
     cache = []
-    for kind in cfg.layer_kinds:
+    kinds = list(cfg.layer_kinds) + ([next(k for k in cfg.layer_kinds if k != "linear")] if mtp else [])
+    for kind in kinds:
         if kind == "linear":
             cache.append({
                 "conv": zeros("conv", (slots, cfg.linear_conv_dim, cfg.linear_conv_kernel - 1), jnp.float32),
@@ -69,6 +72,8 @@ def init_cache(cfg: ModelConfig, slots: int, ctx: int, dtype, zeros=_zeros) -> l
             layer.update({name: zeros(name, (slots, cfg.num_kv_heads, ctx), jnp.float32)
                           for name in KV_SCALES})
         cache.append(layer)
+    if mtp:
+        cache.append({"hidden": zeros("hidden", (slots, cfg.hidden_size), jnp.float32)})
     return cache
 
 
@@ -83,8 +88,9 @@ def cache_bytes(cache) -> int:
 
 
 def has_state(cache) -> bool:
-    """Whether the pool has linear layers, whose state a prefix reuse must restore (snapshots)."""
-    return any("state" in layer for layer in cache)
+    """Whether the pool has a state at each sequence's end (linear layers, the MTP carry), which a
+    prefix reuse must restore (snapshots)."""
+    return any(not _positional(layer) for layer in cache)
 
 
 def _positional(layer: dict) -> bool:
@@ -244,8 +250,7 @@ def write_slot(cache, slot: int, arrays: list[dict], start: int = 0):
 
 @jax.jit
 def _read_state(cache, slot):
-    return [{"conv": layer["conv"][slot], "state": layer["state"][slot]}
-            for layer in cache if not _positional(layer)]
+    return [{name: arr[slot] for name, arr in layer.items()} for layer in cache if not _positional(layer)]
 
 
 @partial(jax.jit, donate_argnames=("cache",))
@@ -262,8 +267,9 @@ def _write_state(cache, slot, snapshot):
 
 def read_state(cache, slot: int) -> list[dict]:
     """The state a slot's sequence has reached, per linear layer {"conv": [conv_dim, kernel - 1],
-    "state": [heads, key_dim, value_dim]} as host numpy arrays: a snapshot, valid at exactly the
-    position the slot's sequence has reached when it is read."""
+    "state": [heads, key_dim, value_dim]} (and the MTP carry {"hidden": [hidden]}, where the pool has
+    one) as host numpy arrays: a snapshot, valid at exactly the position the slot's sequence has
+    reached when it is read."""
     slots, _ = cache_dims(cache)
     if not 0 <= slot < slots:
         raise ValueError(f"read_state: slot {slot} outside the pool of {slots}")
@@ -277,7 +283,7 @@ def write_state(cache, slot: int, snapshot: list[dict]):
     linear = sum(1 for layer in cache if not _positional(layer))
     if not 0 <= slot < slots or len(snapshot) != linear:
         raise ValueError(f"write_state: slot {slot} of {slots}, {len(snapshot)} layers given for "
-                         f"{linear} linear layers")
+                         f"{linear} layers with a state")
     return _write_state(cache, jnp.int32(slot), snapshot)
 
 
@@ -285,22 +291,28 @@ def write_state(cache, slot: int, snapshot: list[dict]):
 
 @partial(jax.jit, donate_argnames=("cache",))
 def keep_steps(cache, steps, slots, at):
-    """After a verification of drafts (engine.speculative): row b's slot keeps its linear layers'
-    state after position at[b] of the verification, its last kept token; a row with at[b] < 0
-    (idle) leaves its slot as it was. steps: engine.model.forward's states of a verification, one
-    per linear layer ({"conv": the conv's inputs [B, kernel - 1 + T, C], "state": [B, T, H, dk, dv]}).
-    The states are selected, not recomputed: each is the one T decode steps would have reached."""
+    """After a verification of drafts (engine.speculative): row b's slot keeps its state after
+    position at[b] of the verification, its last kept token; a row with at[b] < 0 (idle) leaves its
+    slot as it was. steps: engine.model.forward's states of a verification, one per layer with a
+    state in the pool's order: a linear layer's {"conv": the conv's inputs [B, kernel - 1 + T, C],
+    "state": [B, T, H, dk, dv]}, the MTP carry's {"hidden": [B, T, hidden]}. The states are
+    selected, not recomputed: each is the one T decode steps would have reached."""
     given, out = iter(steps), []
     rows = jnp.arange(slots.shape[0])
+    keep = jnp.maximum(at, 0)
     for layer in cache:
         if _positional(layer):
             out.append(layer)
             continue
-        step = next(given)
-        where = jnp.where(at >= 0, slots, layer["state"].shape[0])           # idle rows: dropped
-        keep = jnp.maximum(at, 0)
-        width = layer["conv"].shape[-1]                                     # kernel - 1 inputs
-        window = jax.vmap(lambda s, n: lax.dynamic_slice_in_dim(s, n + 1, width, axis=0))(step["conv"], keep)
-        out.append({"conv": layer["conv"].at[where].set(jnp.swapaxes(window, 1, 2), mode="drop"),
-                    "state": layer["state"].at[where].set(step["state"][rows, keep], mode="drop")})
+        step, new = next(given), {}
+        for name, arr in layer.items():
+            where = jnp.where(at >= 0, slots, arr.shape[0])                  # idle rows: dropped
+            if name == "conv":                   # the window of kernel - 1 inputs after the kept one
+                width = arr.shape[-1]
+                window = jax.vmap(lambda s, n: lax.dynamic_slice_in_dim(s, n + 1, width, axis=0))(
+                    step["conv"], keep)
+                new[name] = arr.at[where].set(jnp.swapaxes(window, 1, 2), mode="drop")
+            else:
+                new[name] = arr.at[where].set(step[name][rows, keep], mode="drop")
+        out.append(new)
     return out

@@ -49,6 +49,9 @@ import numpy as np
 from engine.config import FP8_DEFAULT_BLOCK, ConfigError, fp8_block
 
 INDEX_FILE = "model.safetensors.index.json"
+# The tensor a checkpoint with an MTP module has (engine.model.draft), and the prefix of them all
+# (a GGUF's nextn.* tensors are read under these names: MTP_NAMES).
+MTP_TENSOR, MTP_PREFIX = "mtp.fc.weight", "mtp."
 GGUF_SUFFIX = ".gguf"
 # A GGUF tensor is dequantized this many float32 bytes at a time: the decoders' temporaries scale
 # with the slice, so a 545 MB embedding table costs its float32 result, not several copies of it.

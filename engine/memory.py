@@ -35,9 +35,9 @@ import os
 from dataclasses import dataclass
 
 from engine import cpu
-from engine.checkpoint import FP8, Q8_0_BLOCK, Checkpoint
+from engine.checkpoint import FP8, MTP_PREFIX, MTP_TENSOR, Q8_0_BLOCK, Checkpoint
 from engine.config import ModelConfig
-from engine.scheduler import SLOT_SNAPSHOTS
+from engine.scheduler import SLOT_SNAPSHOTS, VERIFY_MAX_ROWS, VERIFY_TOKENS, verification_fits
 
 # Bytes per key or value element of each KV cache dtype (engine.attention.kv_dtype_for); an int8 cache adds
 # a float32 scale per position, KV head and key or value (engine.cache).
@@ -87,6 +87,26 @@ def slot_state_bytes(cfg: ModelConfig) -> int:
     per_layer = cfg.linear_conv_dim * (cfg.linear_conv_kernel - 1) + \
         cfg.linear_value_heads * cfg.linear_key_dim * cfg.linear_value_dim
     return linear * per_layer * STATE_ELEMENT_BYTES
+
+
+def drafting_bytes(cfg: ModelConfig, source, slots: int, speculative: str, weights_dtype: str) -> tuple[int, int, int]:
+    """What drafting (engine.speculative) may hold besides the slot pool, where --speculative lets it
+    run: (its MTP layer's weights, its KV cache per position of a slot, the largest verification's
+    linear states: engine.scheduler.verification_fits), each 0 where it does not apply. The worker
+    decides at start whether drafting runs (the native kernel, int8 weights): the plan counts it
+    unless --speculative off."""
+    if speculative == "off":
+        return 0, 0, 0
+    state = slot_state_bytes(cfg)
+    states = max((rows * t * state for rows in range(1, min(slots, VERIFY_MAX_ROWS) + 1)
+                  for t in VERIFY_TOKENS if verification_fits(rows, t, state)), default=0)
+    checkpoint = _checkpoint(source)
+    if speculative not in ("auto", "mtp") or not checkpoint.has(MTP_TENSOR):
+        return 0, 0, states
+    per_weight = WEIGHT_BYTES.get(weights_dtype, 1)
+    weights = sum(_count(shape) for key, shape in checkpoint.shapes.items() if key.startswith(MTP_PREFIX))
+    one_layer = kv_bytes_per_token(cfg) // max(1, sum(1 for kind in cfg.layer_kinds if kind != "linear"))
+    return weights * per_weight, one_layer, states
 
 
 # Where a multimodal checkpoint keeps its text model's tensors (engine.weights.LANGUAGE_MODEL), and
@@ -246,6 +266,7 @@ class Sizing:
     on_host: bool
     shrunk: bool = False          # defaults were lowered to fit
     state_per_slot: int = 0       # hybrid models: the linear layers' state of one slot
+    verify_states: int = 0        # drafting: the largest verification's linear states (drafting_bytes)
 
     @property
     def kv(self) -> int:
@@ -260,7 +281,8 @@ class Sizing:
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.snapshots + (self.cache_ram_mib << 20) + RUNTIME_BYTES
+        return (self.weights + self.kv + self.snapshots + self.verify_states + (self.cache_ram_mib << 20)
+                + RUNTIME_BYTES)
 
     def describe(self) -> str:
         where = "host memory" if self.on_host else "host memory (weights and KV cache on the device)"
@@ -272,6 +294,8 @@ class Sizing:
         if self.state_per_slot:
             kv += (f"slot snapshots {self.slots} x {SLOT_SNAPSHOTS} x {self.state_per_slot} B = "
                    f"{self.snapshots / GIB:.2f} GiB, ")
+        if self.verify_states:
+            kv += f"drafts' linear states {self.verify_states / GIB:.2f} GiB, "
         return (f"{where}: weights {self.weights / GIB:.2f} GiB + {kv}host cache "
                 f"{self.cache_ram_mib} MiB + runtime {RUNTIME_BYTES / GIB:.2f} GiB = "
                 f"{self.total / GIB:.2f} GiB; {have}")
@@ -280,22 +304,24 @@ class Sizing:
 def size(cfg: ModelConfig, folder, *, slots: int | None, ctx: int | None, cache_ram_mib: int | None,
          default_slots: int, default_ctx: int, default_cache_ram_mib: int,
          available: int | None = None, on_host: bool | None = None,
-         weights_dtype: str = "auto") -> Sizing:
+         weights_dtype: str = "auto", speculative: str = "auto") -> Sizing:
     """Slots, ctx and --cache-ram for a worker: the given ones as they are, the others from the
     defaults, shrunk to fit (see the module docstring). Raises DoesNotFit, naming the numbers, when
     what was given (or the smallest defaults) needs more than is available. folder: a weights folder
     or a Checkpoint (engine.checkpoint.random_checkpoint: a form weighed before its folder is made).
     weights_dtype: as
     --weights-dtype ("auto": on a CPU engine.cpu.auto_weights_dtype, as the worker decides in
-    engine.model.weights_dtype_for; on accelerators the weights are not in host memory)."""
+    engine.model.weights_dtype_for; on accelerators the weights are not in host memory).
+    speculative: as --speculative (drafting's MTP layer and verification states: drafting_bytes)."""
     on_host = engine_on_host() if on_host is None else on_host
     available = available_bytes() if available is None else available
     held = cpu.auto_weights_dtype() if weights_dtype == "auto" else weights_dtype
-    weights = held_weight_bytes(folder, held) if on_host else 0
+    mtp_weights, mtp_kv, states = drafting_bytes(cfg, folder, slots or default_slots, speculative, held)
+    weights = held_weight_bytes(folder, held) + mtp_weights if on_host else 0
     plan = Sizing(slots or default_slots, ctx or default_ctx,
                   default_cache_ram_mib if cache_ram_mib is None else cache_ram_mib,
-                  weights, kv_bytes_per_token(cfg), available, on_host,
-                  state_per_slot=slot_state_bytes(cfg))
+                  weights, kv_bytes_per_token(cfg) + mtp_kv, available, on_host,
+                  state_per_slot=slot_state_bytes(cfg), verify_states=states if on_host else 0)
     if available is None:
         return plan
     budget = int(available * DEFAULT_MEMORY_SHARE)

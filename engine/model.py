@@ -290,12 +290,14 @@ def _delta_steps(q, k, v, decay, beta, state, zero):
     """T tokens per row one at a time, as T decode steps run them (a verification of drafts,
     engine.speculative): q, k [B, T, H, dk], v [B, T, H, dv], decay, beta [B, T, H].
     Returns (out [B, T, H, dv], the state after each position [B, T, H, dk, dv])."""
-    outs, states = [], []
-    for i in range(k.shape[1]):
-        out, state = _delta_step(q[:, i], k[:, i], v[:, i], decay[:, i], beta[:, i], state, zero)
-        outs.append(out)
-        states.append(state)
-    return jnp.stack(outs, axis=1), jnp.stack(states, axis=1)
+    def step(state, xs):
+        out, state = _delta_step(*xs, state, zero)
+        return state, (out, state)
+
+    # A loop, not T steps unrolled: XLA fused the unrolled steps into chains that computed each
+    # state again for every later one (a verification of 8 cost 46 decode steps of the tiny model).
+    _, (outs, states) = lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, decay, beta)))
+    return jnp.moveaxis(outs, 0, 1), jnp.moveaxis(states, 0, 1)
 
 
 def _delta_chunked(q, k, v, g, beta, state):
@@ -478,6 +480,64 @@ LAYER_STATIC_ARGNAMES = ("cfg", "kind", "mlp", "site", "verify")
 _jit_layer = jax.jit(_layer, static_argnames=LAYER_STATIC_ARGNAMES)
 
 
+# ---- the model's own drafter: its MTP layer ---------------------------------------------------------
+#
+# Qwen3.5/3.8 checkpoints carry one MTP (multi-token prediction) layer (engine.weights.load_mtp). Its
+# entry at position p reads the trunk's hidden state h_p (the one that predicted token p + 1) and the
+# embedding of token p + 1, and predicts token p + 2:
+#     u = fc([norm_e(embed(x_{p+1})), norm_h(h_p)])     the embedding first, as vLLM and SGLang join them
+#     y = norm(its decoder layer(u) at position p)      full attention over the MTP layer's own KV cache
+#     logits = the trunk's head(y)
+# and a further draft reads y as its h (vLLM's and SGLang's). Every model call also writes the MTP
+# entries of its tokens, so the MTP layer's cache holds an entry for every position its slot's
+# sequence holds (prefix copies, the host cache and snapshots carry it as they carry the trunk's):
+# a call over tokens s .. s+T-1 writes the entries s-1 .. s+T-2, the first from h_{s-1}, which the
+# pool keeps per slot ({"hidden"}, the carry; engine.cache). draft() writes the entry of a row's last
+# position and its drafts' entries after it, which the next model call writes again from the trunk.
+
+# Which trunk hidden state the MTP layer reads: "final_norm" (after the trunk's final norm, the state
+# its head reads: vLLM's model hands its drafter that output; llama.cpp's reads it after the norm
+# too) or "residual" (before the final norm, as one other published implementation reads it). The
+# majority's choice; the real checkpoint's acceptance rate settles it (docs/perf-log.md).
+MTP_HIDDEN = "final_norm"
+
+
+def _mtp_entries(params, kv, hidden, embedded, slots, positions, valid, live, *, cfg: ModelConfig,
+                 verify: bool = False):
+    """The MTP layer's entries at positions [B, T] from hidden [B, T, H] (h_p) and embedded [B, T, H]
+    (the embedding of token p + 1); writes their keys and values into kv, the MTP layer's cache,
+    where valid. Returns (y [B, T, H], kv)."""
+    mtp, eps = params["mtp"], cfg.rms_norm_eps
+    u = matmul(jnp.concatenate([_rms_norm(embedded, mtp["embed_norm"], eps),
+                                _rms_norm(hidden, mtp["hidden_norm"], eps)], axis=-1), mtp["fc"])
+    kind = next(k for k in cfg.layer_kinds if k != "linear")
+    mlp = (cfg.mlp_kinds or ("dense",))[-1]
+    lengths = jnp.sum(valid, axis=1, dtype=jnp.int32)
+    y, kv, _ = _jit_layer(mtp["layer"], kv, u, slots, positions[:, 0], lengths, positions,
+                          _rope_tables(positions, cfg), valid, live, cfg=cfg, kind=kind, mlp=mlp,
+                          site=cfg.num_layers if mlp == "moe" else None, verify=verify)
+    return _rms_norm(y, mtp["norm"], eps), kv
+
+
+def _mtp_fill(params, pool, embedded, hidden, slots, positions, valid, live, *, cfg: ModelConfig,
+              verify: bool):
+    """A model call's MTP entries (above): pool [MTP KV, carry]; embedded and hidden [B, T, H] its
+    tokens' embeddings and the trunk's hidden states. Returns (the new pool, the carry after each
+    position for a verification, which the pool does not hold yet: engine.cache.keep_steps)."""
+    kv, carry = pool
+    held = carry["hidden"][slots]                                             # h_{s-1} [B, H]
+    before = jnp.concatenate([held[:, None], hidden[:, :-1]], axis=1)
+    at = positions - 1                                   # token p + 1's entry is at p
+    _, kv = _mtp_entries(params, kv, before, embedded, slots, at, valid & (at >= 0), live, cfg=cfg,
+                         verify=verify)
+    if verify:
+        return [kv, carry], {"hidden": hidden}
+    lengths = jnp.sum(valid, axis=1, dtype=jnp.int32)
+    last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+    where = jnp.where(lengths > 0, slots, carry["hidden"].shape[0])          # idle rows: dropped
+    return [kv, {"hidden": carry["hidden"].at[where].set(last, mode="drop")}], None
+
+
 def forward(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,
             all_logits: bool = False, verify: bool = False):
     """See the module docstring. tokens int32 [B, T]; slots, starts, lengths int32 [B].
@@ -485,8 +545,9 @@ def forward(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,
     all_logits or verify), and the updated cache. verify: each row is a decode step's token and its
     draft (engine.speculative), every position computed as a decode step computes it; a third item
     is then each linear layer's state after every position (a list, empty for a model without
-    them: _linear_attention), which the linear layers of the returned cache do not hold yet
-    (engine.cache.keep_steps)."""
+    them: _linear_attention; the MTP carry's last, with an MTP layer), which the returned cache
+    does not hold yet (engine.cache.keep_steps). With params["mtp"] the call also writes its tokens'
+    MTP entries (_mtp_fill; the pool's last two entries are the MTP layer's)."""
     all_logits = all_logits or verify
     b, t = tokens.shape
     ctx = next(layer["k"] for layer in cache if "k" in layer).shape[-1]     # linear layers: no ctx
@@ -509,6 +570,13 @@ def forward(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,
         new_cache.append(kv)
         if steps is not None:
             states.append(steps)
+    if "mtp" in params:
+        normed = _rms_norm(x, params["norm"], cfg.rms_norm_eps)
+        pool, carried = _mtp_fill(params, cache[cfg.num_layers:], embed(params["embed"], tokens),
+                                  normed if MTP_HIDDEN == "final_norm" else x, slots, positions, valid,
+                                  live, cfg=cfg, verify=verify)
+        new_cache += pool
+        states += [carried] if verify else []
     if not all_logits:
         last = jnp.maximum(lengths - 1, 0)                                 # idle rows: any row
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]      # [B, hidden]
@@ -519,3 +587,28 @@ def forward(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,
 
 jit_forward = jax.jit(forward, donate_argnames=("cache",),
                       static_argnames=("cfg", "all_logits", "verify"))
+
+
+def draft(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig, k: int):
+    """k drafts for each row from the MTP layer (above): tokens int32 [B] each row's newest token
+    (drawn, not yet run), starts [B] its last position (whose trunk hidden state the pool's carry
+    holds), lengths [B] 1 for a live row, 0 for an idle one (which writes nothing). Each draft is the
+    MTP logits' first largest token. Returns (drafts int32 [B, k], the cache: MTP entries written at
+    starts .. starts + k - 1, which the next model call writes again from the trunk's states)."""
+    ctx = next(layer["k"] for layer in cache if "k" in layer).shape[-1]
+    kv, carry = cache[cfg.num_layers:]
+    hidden, token = carry["hidden"][slots], tokens
+    valid = (lengths > 0)[:, None]
+    drafts = []
+    for i in range(k):
+        positions = (starts + i)[:, None]
+        live = jnp.clip(jnp.max(starts) + i + 1, 1, ctx)
+        y, kv = _mtp_entries(params, kv, hidden[:, None], embed(params["embed"], token[:, None]), slots,
+                             positions, valid, live, cfg=cfg)
+        hidden = y[:, 0]
+        token = jnp.argmax(matmul(hidden, params["lm_head"]), axis=-1).astype(jnp.int32)
+        drafts.append(token)
+    return jnp.stack(drafts, axis=1), cache[:cfg.num_layers] + [kv, carry]
+
+
+jit_draft = jax.jit(draft, donate_argnames=("cache",), static_argnames=("cfg", "k"))

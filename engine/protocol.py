@@ -14,6 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# --speculative: "auto" drafts with the checkpoint's MTP layer where it has one and from the
+# conversation's text, each where measured to pay; "mtp" and "ngram" with one drafter; "off" never
+# (engine.speculative).
+SPECULATIVE_MODES = ("auto", "mtp", "ngram", "off")
+
 @dataclass
 class Sampling:
     """Per-request sampling. Defaults are the spec's: greedy, every filter off."""

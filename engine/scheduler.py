@@ -7,10 +7,10 @@ each round is one decode step of every slot whose request is generating (never s
 one prefill chunk, of the prompt whose turn it is (Scheduler._turn: tenants take turns by the work
 their chunks cost; within a tenant the shortest rest first, none passed over more than MAX_PASSED
 times in a row). So a short prompt that arrives while a long one is read waits for the chunk under
-way, not for the whole long prompt, and one tenant's prompts cannot take another's turns. While rows decode, prompts
-take at most PREFILL_SHARE of the device's time (Pace). A prompt's chunks depend only on the prompt,
-its cached start and its cut points, never on what else is read: its numbers are the same
-whatever runs beside it.
+way, not for the whole long prompt, and one tenant's prompts cannot take another's turns. While
+rows decode, prompts take at most PREFILL_SHARE of the device's time (Pace). A prompt's chunks
+depend only on the prompt, its cached start and its cut points, never on what else is read: its
+numbers are the same whatever runs beside it.
 
 A slot holds one whole sequence; when its request ends, the slot keeps those tokens, and a later
 prompt that starts the same way reuses them instead of running them again. A prompt that shares
@@ -63,6 +63,16 @@ VERIFY_TOKENS = (4, 8)
 # Decode batches up to this many rows may draft: a batch's verification costs its rows times its
 # tokens in products, and past 4 rows it could not pay on the CPUs measured (docs/performance.md).
 VERIFY_MAX_ROWS = 4
+# A hybrid model's verification holds its linear layers' state after every position of every row
+# until each row's kept one is chosen (engine.cache.keep_steps): rows x T slot states, 157 MB each
+# at Qwen3.8-27B's shape. Verifications whose states pass this are not built (the 27B keeps 1 x 4).
+VERIFY_STATE_BYTES = 1 << 30
+
+
+def verification_fits(rows: int, t: int, state_bytes: int) -> bool:
+    """Whether a verification of rows x t tokens holds at most VERIFY_STATE_BYTES of states
+    (state_bytes: one slot's, engine.memory.slot_state_bytes; 0 for a model without linear layers)."""
+    return rows * t * state_bytes <= VERIFY_STATE_BYTES
 # Snapshots a slot keeps of its sequence's linear-layer state (hybrid models), besides the exact
 # state at its end. Each is every linear layer's recurrent and conv state (about 75 MiB for
 # Qwen3-Next-80B), held in host memory until the slot is saved to the host cache. Past this many,
@@ -76,8 +86,8 @@ SLOT_SNAPSHOTS = 4
 # a streaming answer keeps at least 1 - share of its speed beside long prompts (the target is 0.7x;
 # the host's work between calls is not counted, hence the margin).
 PREFILL_SHARE = 0.25
-# A prompt passed over this many times in a row reads next: shorter prompts arriving one after
-# another slow a long prompt to one chunk in MAX_PASSED + 1, never stop it.
+# Within a tenant, a prompt passed over this many times in a row reads next: the tenant's shorter
+# prompts arriving one after another slow its long prompt to one turn in MAX_PASSED + 1, never stop it.
 MAX_PASSED = 4
 
 
@@ -276,7 +286,7 @@ class Emit:
 class Scheduler:
     def __init__(self, slots: int, ctx: int, vocab_size: int, buckets: Buckets | None = None,
                  prefix_cache: bool = True, host: prefix.HostCache | None = None,
-                 recurrent: bool = False, share: float = PREFILL_SHARE):
+                 recurrent: bool = False):
         self.ctx = ctx
         # The model has linear layers: a prefix is reused only where their state is known.
         self.recurrent = recurrent
@@ -292,7 +302,7 @@ class Scheduler:
         self.prefix_hits = 0                      # prompt tokens served from a cache (cumulative)
         self.host_hits = 0                        # of which from the host cache
         self.notes: list[tuple[str, str]] = []    # (rid, text) for the server log; the worker sends them
-        self.pace = Pace(share)
+        self.pace = Pace()
         # tenant -> the work its chunks cost (Buckets.cost), beyond the least of the reading tenants'
         self.served: dict[str, float] = {}
 

@@ -107,6 +107,7 @@ CACHE_SPECS: dict[str, tuple] = {
     "v_scale": (None, M, None),
     "conv": (None, M, None),
     "state": (None, M, None, None),
+    "hidden": (),              # the MTP layer's carry [slots, hidden] (engine.cache): on every device
 }
 # CACHE_SPECS's entries of the Gated DeltaNet layers (split or replicated with their weights).
 LINEAR_STATE = ("conv", "state")

@@ -1,10 +1,18 @@
-"""Speculative decoding from the conversation's own text: drafts without a draft model, checked in one
-weight pass, exact.
+"""Speculative decoding: drafts from the conversation's own text or from the checkpoint's MTP layer,
+checked in one weight pass, exact.
 
     Drafter(tokens)            an n-gram index over one request's tokens (prompt, then output):
                                propose(k) continues the latest earlier occurrence of its last tokens
     Speculator(...)            the worker's side: which draft length a decode round runs (or none),
-                               from each program's measured time and each row's recent acceptance
+                               whether the MTP layer drafts first (engine.model.draft), and each
+                               row's better draft, from each program's measured time and each
+                               row's recent acceptance, per drafter
+
+Qwen3.5/3.8 checkpoints carry their own drafter, one MTP layer (engine.model's section on it): it
+reads the trunk's last hidden state and the newest token and predicts the token after it, again
+from its own output for further drafts. It costs a draft program per round (a layer and the LM head
+per drafted token), so it drafts where its measured acceptance pays for that too; a row whose text
+repeats keeps its n-gram draft where that is expected to give more (Speculator.choose).
 
 Coding agents re-emit text already in their context (an edit's old text copied from the file just
 read, a rewritten file, paths and identifiers of earlier turns). A decode row carries its draft: the
@@ -42,6 +50,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.protocol import SPECULATIVE_MODES
+
 # The n-gram lengths the drafter matches, longest first: a longer match predicts its continuation
 # better; two tokens still find an identifier or a line being copied.
 NGRAM_SIZES = (4, 3, 2)
@@ -58,7 +68,7 @@ TIME_WEIGHT = 0.2
 # choice than the best.
 RECHECK_ROUNDS = 32
 RECHECK_SHARE = 0.6
-MODES = ("auto", "off")
+MODES = SPECULATIVE_MODES
 
 
 class Drafter:
@@ -93,11 +103,25 @@ class Drafter:
 
 @dataclass
 class RowStats:
-    """One request's drafting: its index and how much of what it drafted was kept."""
+    """One request's drafting: its index, and how much of what each drafter proposed was kept (an
+    exponential average of the share kept, and counts)."""
     drafter: Drafter
-    acceptance: float = PRIOR_ACCEPTANCE
+    acceptance: float = PRIOR_ACCEPTANCE          # the n-gram drafts'
+    mtp_acceptance: float = PRIOR_ACCEPTANCE      # the MTP layer's
     drafted: int = 0
     accepted: int = 0
+    rounds: int = 0                               # verifications that carried a draft of it
+
+
+@dataclass
+class Round:
+    """What a decode round drafts: T (1: a plain decode step), each row's n-gram draft, whether the
+    MTP layer drafts T - 1 tokens for the rows first (then Speculator.choose takes each row's better
+    draft), and each row's room (the most tokens it may still take)."""
+    t: int
+    ngram: list[list[int]]
+    mtp: bool = False
+    room: list[int] = field(default_factory=list)
 
 
 def kept_counts(picks, drafts, lengths):
@@ -118,75 +142,126 @@ def expected_tokens(draft: int, acceptance: float) -> float:
 @dataclass
 class Speculator:
     """The worker's drafting state: the verification programs it has (`shapes`: (rows, T) per
-    decode batch size), each program's measured seconds per call, and every running request's
-    RowStats. off: why drafting is off (None: it runs where it pays)."""
+    decode batch size), each program's measured seconds per call (and the MTP layer's draft program's
+    per (rows, k)), and every running request's RowStats. off: why drafting is off (None: it runs
+    where it pays); ngram and mtp: which drafters may run (mtp: the checkpoint's MTP layer is loaded).
+    Since start: rows' verifications that carried a draft, tokens drafted and kept, by drafter."""
     off: str | None
     shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)   # batch rows -> T choices
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, T) -> s per call
     rows: dict[str, RowStats] = field(default_factory=dict)
-    passed: dict[tuple[int, int], int] = field(default_factory=dict)   # rounds a near choice waited
-    # Since start: rows' verifications that carried a draft, tokens drafted, and tokens kept.
-    verifications: int = 0
-    drafted: int = 0
-    accepted: int = 0
+    passed: dict[tuple, int] = field(default_factory=dict)   # rounds a near choice (rows, T, mtp) waited
+    stale: set[tuple] = field(default_factory=set)          # (draft?, rows, T) estimates a recheck replaces
+    ngram: bool = True
+    mtp: bool = False
+    draft_seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, k) -> s per call
+    # The share of MTP drafts kept lately, over every row: a new row's starting estimate, so a
+    # drafter that keeps nothing (random weights) is not tried again by every request.
+    mtp_prior: float = PRIOR_ACCEPTANCE
+    verifications: dict[str, int] = field(default_factory=lambda: {"ngram": 0, "mtp": 0})
+    drafted: dict[str, int] = field(default_factory=lambda: {"ngram": 0, "mtp": 0})
+    accepted: dict[str, int] = field(default_factory=lambda: {"ngram": 0, "mtp": 0})
 
-    def measured(self, rows: int, t: int, seconds: float) -> None:
-        """A program of `rows` x `t` tokens ran in `seconds` (decode: t = 1). A recheck's time
-        replaces the stale estimate; other runs refine it."""
-        old = self.seconds.get((rows, t))
-        stale = self.passed.pop((rows, t), 0) >= RECHECK_ROUNDS
-        self.seconds[(rows, t)] = seconds if old is None or stale else old + TIME_WEIGHT * (seconds - old)
+    def measured(self, rows: int, t: int, seconds: float, draft: bool = False) -> None:
+        """A program of `rows` x `t` tokens ran in `seconds` (decode: t = 1; draft: the MTP layer's
+        draft program of t tokens). A recheck's time replaces the stale estimate; other runs refine it."""
+        table = self.draft_seconds if draft else self.seconds
+        old = table.get((rows, t))
+        stale = (draft, rows, t) in self.stale
+        self.stale.discard((draft, rows, t))
+        table[(rows, t)] = seconds if old is None or stale else old + TIME_WEIGHT * (seconds - old)
 
-    def plan(self, batch: int, rows: list[tuple[str, list[int], list[int], int]]
-             ) -> tuple[int, list[list[int]]]:
-        """(T, each row's draft) for a decode batch of `batch` rows: rows are (rid, prompt, output
-        so far, the most tokens it may still take). T = 1 (no drafts) unless a verification program
-        is expected to give more tokens per second than a decode step."""
+    def _stats(self, rid: str, prompt: list[int], output: list[int]) -> RowStats:
+        stats = self.rows.get(rid)
+        if stats is None:
+            stats = self.rows[rid] = RowStats(Drafter(prompt + output), mtp_acceptance=self.mtp_prior)
+        else:
+            stats.drafter.extend(output[len(stats.drafter.tokens) - len(prompt):])
+        return stats
+
+    def plan(self, batch: int, rows: list[tuple[str, list[int], list[int], int]]) -> Round:
+        """The Round for a decode batch of `batch` rows: rows are (rid, prompt, output so far, the
+        most tokens it may still take). T = 1 (no drafts) unless a verification program (after the
+        MTP layer's draft program, where it drafts) is expected to give more tokens per second than a
+        decode step: each row's expected tokens from its better draft (expected_tokens, at its
+        drafter's recent acceptance) over the programs' measured seconds."""
         choices = self.shapes.get(batch, ()) if self.off is None else ()
+        rooms = [room for *_, room in rows]
         if not choices or (batch, 1) not in self.seconds:
-            return 1, [[] for _ in rows]
+            return Round(1, [[] for _ in rows], room=rooms)
         longest = max(choices) - 1
-        drafts, rates = [], []
-        for rid, prompt, output, room in rows:
-            stats = self.rows.get(rid)
-            if stats is None:
-                stats = self.rows[rid] = RowStats(Drafter(prompt + output))
-            else:
-                stats.drafter.extend(output[len(stats.drafter.tokens) - len(prompt):])
-            drafts.append(stats.drafter.propose(min(longest, room - 1)))
-            rates.append(stats.acceptance)
-        best_t, best = 1, len(rows) / self.seconds[(batch, 1)]
-        rates_by_t = {}
+        stats = [self._stats(rid, prompt, output) for rid, prompt, output, _ in rows]
+        drafts = [s.drafter.propose(min(longest, room - 1)) if self.ngram else [] for s, room in zip(stats, rooms)]
+        best, rates = (1, False), {}
+        rates[best] = len(rows) / self.seconds[(batch, 1)]
         for t in choices:
-            seconds = self.seconds.get((batch, t))
-            if seconds is None:
-                continue
-            rates_by_t[t] = rate = sum(expected_tokens(min(len(d), t - 1), a)
-                                       for d, a in zip(drafts, rates)) / seconds
-            if rate > best:
-                best_t, best = t, rate
-        if any(drafts):
-            for t, rate in rates_by_t.items():
-                if t != best_t and rate >= RECHECK_SHARE * best:
-                    self.passed[(batch, t)] = self.passed.get((batch, t), 0) + 1
-            stale = [t for t in rates_by_t if self.passed.get((batch, t), 0) >= RECHECK_ROUNDS]
-            if stale:
-                best_t = max(stale, key=lambda t: self.passed[(batch, t)])
-        return best_t, [d[:best_t - 1] for d in drafts]
+            for mtp in (False, True) if self.mtp else (False,):
+                seconds = self.seconds.get((batch, t))
+                if mtp and (batch, t - 1) in self.draft_seconds and seconds is not None:
+                    seconds += self.draft_seconds[(batch, t - 1)]
+                elif mtp or seconds is None:
+                    continue
+                rates[(t, mtp)] = sum(max(expected_tokens(min(len(d), t - 1), s.acceptance),
+                                          expected_tokens(min(t - 1, room - 1), s.mtp_acceptance) if mtp else 0)
+                                      for d, s, room in zip(drafts, stats, rooms)) / seconds
+                if rates[(t, mtp)] > rates[best]:
+                    best = (t, mtp)
+        best = self._recheck(batch, best, rates, any(drafts) or self.mtp)
+        return Round(best[0], [d[:best[0] - 1] for d in drafts], best[1], rooms)
 
-    def verified(self, rid: str, drafted: int, kept: int) -> None:
-        """A row's draft of `drafted` tokens ran; the first `kept` were kept."""
+    def _recheck(self, batch: int, best: tuple[int, bool], rates: dict, drafting: bool) -> tuple[int, bool]:
+        """A program's time is only measured when it runs, so a high estimate (a noisy warm-up, a busy
+        spell) would keep it from ever running again. A verification that was a near choice (its
+        expected tokens per second at least RECHECK_SHARE of the best's) but was passed over for
+        RECHECK_ROUNDS rounds runs once, and its time then replaces the estimate."""
+        if not drafting:
+            return best
+        for option, rate in rates.items():
+            if option != best and option[0] > 1 and rate >= RECHECK_SHARE * rates[best]:
+                self.passed[(batch, *option)] = self.passed.get((batch, *option), 0) + 1
+        stale = [o for o in rates if o[0] > 1 and self.passed.get((batch, *o), 0) >= RECHECK_ROUNDS]
+        if not stale:
+            return best
+        t, mtp = best = max(stale, key=lambda o: self.passed[(batch, *o)])
+        self.passed.pop((batch, t, mtp))
+        self.stale.update({(False, batch, t)} | ({(True, batch, t - 1)} if mtp else set()))
+        return best
+
+    def choose(self, plan: Round, rids: list[str], mtp_drafts) -> tuple[list[list[int]], list[str]]:
+        """Each row's draft for a Round whose MTP layer drafted (mtp_drafts [rows, T - 1]): the MTP
+        layer's, or the n-gram one where that is expected to give more. Returns (drafts, drafters)."""
+        drafts, sources = [], []
+        for rid, ngram, mtp, room in zip(rids, plan.ngram, mtp_drafts, plan.room):
+            stats = self.rows[rid]
+            mtp = [int(x) for x in mtp[:min(plan.t - 1, room - 1)]]
+            if expected_tokens(len(ngram), stats.acceptance) >= expected_tokens(len(mtp), stats.mtp_acceptance):
+                drafts.append(ngram)
+                sources.append("ngram")
+            else:
+                drafts.append(mtp)
+                sources.append("mtp")
+        return drafts, sources
+
+    def verified(self, rid: str, drafted: int, kept: int, source: str = "ngram") -> None:
+        """A row's draft of `drafted` tokens from `source` ("ngram", "mtp") ran; the first `kept`
+        were kept."""
         stats = self.rows.get(rid)
         if drafted <= 0 or stats is None:
             return
-        stats.acceptance += ACCEPTANCE_WEIGHT * (kept / drafted - stats.acceptance)
+        share = kept / drafted
+        if source == "mtp":
+            stats.mtp_acceptance += ACCEPTANCE_WEIGHT * (share - stats.mtp_acceptance)
+            self.mtp_prior += ACCEPTANCE_WEIGHT * (share - self.mtp_prior)
+        else:
+            stats.acceptance += ACCEPTANCE_WEIGHT * (share - stats.acceptance)
         stats.drafted += drafted
         stats.accepted += kept
-        self.verifications += 1
-        self.drafted += drafted
-        self.accepted += kept
+        stats.rounds += 1
+        self.verifications[source] += 1
+        self.drafted[source] += drafted
+        self.accepted[source] += kept
 
-    def finish(self, rid: str) -> tuple[int, int]:
-        """A request ended: (tokens it drafted, tokens kept)."""
+    def finish(self, rid: str) -> tuple[int, int, int]:
+        """A request ended: (tokens it drafted, tokens kept, verifications that carried a draft)."""
         stats = self.rows.pop(rid, None)
-        return (stats.drafted, stats.accepted) if stats is not None else (0, 0)
+        return (stats.drafted, stats.accepted, stats.rounds) if stats is not None else (0, 0, 0)

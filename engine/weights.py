@@ -101,7 +101,7 @@ import numpy as np
 
 from engine import cpu, native
 from engine.memory import release_free_heap
-from engine.checkpoint import FP8, Checkpoint, WeightsError
+from engine.checkpoint import FP8, MTP_TENSOR, Checkpoint, WeightsError
 from engine.config import MIXER_KINDS, ModelConfig
 
 # Weights dtypes the loader builds; "auto" is chosen per platform (engine.model.weights_dtype_for).
@@ -359,10 +359,6 @@ def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_h
     if writer is not None:
         writer.finish()
     return _assemble(parts, cfg)
-
-
-# The tensor a checkpoint with an MTP module has (engine.model.draft), and the prefix of them all.
-MTP_TENSOR, MTP_PREFIX = "mtp.fc.weight", "mtp."
 
 
 def load_mtp(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_heads: int | None = None,

@@ -32,20 +32,20 @@ import numpy as np
 
 from engine import (certify, grammar, identity, memory, mirror, native, prefix, products, sampler,
                     sharding, speculative)
-from engine.checkpoint import Checkpoint
+from engine.checkpoint import MTP_PREFIX, MTP_TENSOR, Checkpoint
 from engine.cache import (copy_prefix, has_state, host_block, init_cache, keep_steps, position_bytes,
                           read_slot, read_state, warm_host_copies, warm_state_copies, write_slot,
                           write_state)
 from engine.config import CHAT_FORMAT, check_weights_dtype, load_config
 from engine.attention import NATIVE_ATTENTION_MAX_TOKENS, kv_dtype_for
-from engine.model import dtype_for, jit_forward, weights_dtype_for
+from engine.model import dtype_for, jit_draft, jit_forward, weights_dtype_for
 from engine.moe import routed_report
 from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Note, Ready, Shutdown, Stats, Step,
                              Submit)
 from engine.registry import cache_root
 from engine.scheduler import (PREFILL_CHUNKS, VERIFY_MAX_ROWS, VERIFY_TOKENS, Buckets, Decode, Prefill,
-                              Sequence, Scheduler)
-from engine.weights import held_key, held_note, load_weights, packs_int8, unread_notes, weights_bytes
+                              Sequence, Scheduler, verification_fits)
+from engine.weights import held_key, held_note, load_mtp, load_weights, packs_int8, unread_notes, weights_bytes
 
 # Every program goes to the persistent compile cache, however quick its compile: a restarted worker
 # then loads all of them and compiles none (dozens of quick compiles still add up to seconds).
@@ -261,19 +261,26 @@ class Engine:
                                    place=self.layout.place, held_cache=held, pack=packed)
         progress("weights", 1, 1)
         self.kv_dtype = np.dtype(args.kv_dtype) if args.kv_dtype else np.dtype(kv_dtype_for(platform))
-        self.cache = init_cache(cfg, args.slots, args.ctx, self.kv_dtype, zeros=self.layout.cache_zeros)
-        self.state = self.layout.replicate(sampler.init_state(args.slots, cfg.vocab_size))
         self.buckets = Buckets.for_ctx(args.ctx, tuple(args.prefill_chunks), args.slots)
-        self.speculator = self._speculator()
+        self.speculator = self._speculator(Checkpoint(args.weights_folder).has(MTP_TENSOR))
+        if self.speculator.mtp:          # the model's own drafter (one device: where the kernel serves)
+            self.params["mtp"] = load_mtp(args.weights_folder, self.checkpoint_cfg, self.weights_dtype,
+                                          float_dtype=float_dtype, kv_heads=cfg.num_kv_heads, pack=packed)
+        self.cache = init_cache(cfg, args.slots, args.ctx, self.kv_dtype, zeros=self.layout.cache_zeros,
+                                mtp=self.speculator.mtp)
+        self.state = self.layout.replicate(sampler.init_state(args.slots, cfg.vocab_size))
         self.start_notes: list[str] = []          # for the server's log, once (take_notes)
         if follower:
             return
         family = cfg.model_type
         checkpoint = Checkpoint(args.weights_folder)     # headers only: what the facts name as loaded
         self.start_notes += [note for note in [held_note(checkpoint, self.params, self.weights_dtype)] if note]
-        self.start_notes += unread_notes(checkpoint)      # a vision tower, an MTP module: not loaded
+        # a vision tower, an MTP module not drafting: not loaded
+        self.start_notes += unread_notes(checkpoint, loaded=(MTP_PREFIX,) if self.speculator.mtp else ())
+        self.start_notes.append(self._speculative_note())
         namespace = args.cache_namespace or prefix.namespace_id(
-            self.component_set_sha, args.model_id, family, f"{self.weights_dtype}/kv-{self.kv_dtype.name}",
+            self.component_set_sha, args.model_id, family,
+            f"{self.weights_dtype}/kv-{self.kv_dtype.name}" + ("/mtp" if self.speculator.mtp else ""),
             args.prefix_cache)
         # Linear layers: a reused prefix needs their state at its end (snapshots, engine.scheduler).
         self.recurrent = has_state(self.cache)
@@ -315,10 +322,11 @@ class Engine:
 
     # -- start-up ---------------------------------------------------------------------------------
 
-    def _speculator(self) -> speculative.Speculator:
+    def _speculator(self, has_mtp: bool) -> speculative.Speculator:
         """Drafting's state, off (and why) where it would not be exact (engine.speculative), else
         the verification programs: each decode batch of up to VERIFY_MAX_ROWS rows, with each of
-        VERIFY_TOKENS whose rows the kernel's products and attention take one by one."""
+        VERIFY_TOKENS whose rows the kernel's products and attention take one by one. has_mtp: the
+        checkpoint has an MTP layer, which drafts where the mode lets it."""
         cfg, args = self.cfg, self.args
         if args.speculative not in speculative.MODES:
             raise ValueError(f"speculative: must be one of {speculative.MODES}, got {args.speculative!r}")
@@ -330,21 +338,37 @@ class Engine:
                "the KV cache is not int8 (the kernel's attention reads int8)" if self.kv_dtype != np.int8 else
                f"a decode step of every slot ({args.slots} rows) is past the {products.INT8_ROWS_MAX_ROWS} "
                "rows whose products are the same per row whatever the rows beside it"
-               if args.slots > products.INT8_ROWS_MAX_ROWS else None)
+               if args.slots > products.INT8_ROWS_MAX_ROWS else
+               "--speculative mtp: the checkpoint has no MTP layer (mtp.* tensors)"
+               if args.speculative == "mtp" and not has_mtp else None)
         shapes = {} if why else {
             rows: tuple(t for t in VERIFY_TOKENS if rows * t <= products.INT8_ROWS_MAX_ROWS
-                        and t <= NATIVE_ATTENTION_MAX_TOKENS and t < args.ctx)
+                        and t <= NATIVE_ATTENTION_MAX_TOKENS and t < args.ctx
+                        and verification_fits(rows, t, memory.slot_state_bytes(cfg)))
             for rows in self.buckets.decode_rows if rows <= VERIFY_MAX_ROWS}
         shapes = {rows: ts for rows, ts in shapes.items() if ts}
-        return speculative.Speculator(why or (None if shapes else "no verification fits the context"), shapes)
+        off = why or (None if shapes else "no verification fits the context")
+        return speculative.Speculator(off, shapes, ngram=args.speculative in ("auto", "ngram"),
+                                      mtp=off is None and has_mtp and args.speculative in ("auto", "mtp"))
 
     def _speculative_fact(self) -> str:
         spec = self.speculator
         if spec.off:
             return f"off: {spec.off}"
-        return (f"drafts from the conversation's text, {' or '.join(map(str, VERIFY_TOKENS))} tokens "
-                f"per row verified in one step, in batches of up to {max(spec.shapes)} rows, where "
-                "measured to pay")
+        drafters = " and ".join(name for name, on in (("the checkpoint's MTP layer", spec.mtp),
+                                                      ("the conversation's text", spec.ngram)) if on)
+        return (f"drafts from {drafters}, {' or '.join(map(str, VERIFY_TOKENS))} tokens per row verified "
+                f"in one step, in batches of up to {max(spec.shapes)} rows, where measured to pay")
+
+    def _speculative_note(self) -> str:
+        """The start-up log's line on drafting: which drafters run, and why the others do not."""
+        spec, mode = self.speculator, self.args.speculative
+        if spec.off:
+            return f"speculative decoding off: {spec.off}"
+        why_not = ("" if spec.mtp else
+                   "; no MTP drafts: --speculative ngram" if mode == "ngram" else
+                   "; no MTP drafts: the checkpoint has no MTP layer (mtp.* tensors)")
+        return f"speculative decoding ({mode}): {self._speculative_fact()}{why_not}"
 
     def programs(self) -> list[tuple[str, int, int]]:
         """Every model program a request can run, as (kind, rows, tokens per row): prefill chunks
@@ -354,6 +378,18 @@ class Engine:
         b = self.buckets
         return ([("prefill", 1, c) for c in b.chunks] + [("decode", rows, 1) for rows in b.decode_rows]
                 + [("verify", rows, t) for rows, ts in self.speculator.shapes.items() for t in ts])
+
+    def draft_programs(self) -> list[tuple[int, int]]:
+        """The MTP layer's draft programs (engine.model.draft), as (rows, drafts): one before each
+        verification program, drafting all but its first token."""
+        if not self.speculator.mtp:
+            return []
+        return [(rows, t - 1) for rows, ts in self.speculator.shapes.items() for t in ts]
+
+    def _draft_call(self, rows: int, k: int) -> tuple:
+        """Arguments of a draft program on idle rows (lengths 0 write nothing)."""
+        return (self.params, self.cache, np.zeros(rows, np.int32), np.arange(rows, dtype=np.int32),
+                np.zeros(rows, np.int32), np.zeros(rows, np.int32))
 
     @staticmethod
     def _program_options(kind: str) -> dict:
@@ -371,6 +407,8 @@ class Engine:
         texts = [jit_forward.lower(*self._model_call(rows, t), cfg=self.cfg,
                                    **self._program_options(kind)).as_text()
                  for kind, rows, t in self.programs()]
+        texts += [jit_draft.lower(*self._draft_call(rows, k), cfg=self.cfg, k=k).as_text()
+                  for rows, k in self.draft_programs()]
         device = self.layout.mesh.devices.flat[0]
         import jaxlib
         return identity.deployment_id(texts, {
@@ -449,6 +487,8 @@ class Engine:
                                                      params, bits),
                                     dict(every_slot=rows == self.args.slots, native_kernel=self.cfg.native,
                                          **flags)))
+        for rows, k in self.draft_programs():
+            _, self.cache = jit_draft(*self._draft_call(rows, k), cfg=self.cfg, k=k)
         _compile_together(samples + masks)
         self._time_programs()
         self.state = sampler.start_row(self.state, np.int32(0), np.zeros(self.cfg.vocab_size, bool))
@@ -462,19 +502,30 @@ class Engine:
 
     @device_call
     def _time_programs(self) -> None:
-        """Drafting's first estimate of each decode and verification program's time (the fastest of
+        """Drafting's first estimate of each decode, verification and draft program's time (the fastest of
         TIMING_RUNS runs on idle rows after a first: their products cost what a real call's do, and
         the fastest is the least disturbed by the host); real calls refine it."""
+        def fastest(run) -> float:
+            times = []
+            for _ in range(1 + TIMING_RUNS):
+                t0 = time.perf_counter()
+                jax.block_until_ready(run())
+                times.append(time.perf_counter() - t0)
+            return min(times[1:])
+
+        def model(rows: int, t: int):
+            logits, self.cache, *_ = jit_forward(*self._model_call(rows, t), cfg=self.cfg, verify=t > 1)
+            return logits
+
+        def drafts(rows: int, k: int):
+            out, self.cache = jit_draft(*self._draft_call(rows, k), cfg=self.cfg, k=k)
+            return out
+
         for rows, ts in self.speculator.shapes.items():
             for t in (1,) + ts:
-                times = []
-                for _ in range(1 + TIMING_RUNS):
-                    t0 = time.perf_counter()
-                    logits, self.cache, *_ = jit_forward(*self._model_call(rows, t), cfg=self.cfg,
-                                                         verify=t > 1)
-                    jax.block_until_ready(logits)
-                    times.append(time.perf_counter() - t0)
-                self.speculator.measured(rows, t, min(times[1:]))
+                self.speculator.measured(rows, t, fastest(lambda: model(rows, t)))
+        for rows, k in self.draft_programs():
+            self.speculator.measured(rows, k, fastest(lambda: drafts(rows, k)), draft=True)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -630,9 +681,10 @@ class Engine:
         every = n == self.args.slots
         where = [r.slot if every else i for i, r in enumerate(work.rows)]
         ctx = self.args.ctx
-        t, drafts = self.speculator.plan(n, [
+        plan = self.speculator.plan(n, [
             (r.rid, r.prompt, r.output, min(r.max_tokens - len(r.output), ctx - len(r.prompt) - len(r.output)))
             for r in work.rows])
+        t = plan.t
         slots = np.arange(n, dtype=np.int32)
         tokens = np.zeros((n, t), np.int32)
         starts = np.zeros(n, np.int32)
@@ -647,10 +699,11 @@ class Engine:
             lengths[row] = 1
             rows[row] = (r.sampling, r.seed, len(r.output))
         draw = (sampler.row_params(rows), every, sampler.batch_flags([r.sampling for r in work.rows]))
+        t0 = time.perf_counter()
+        drafts, sources = self._drafts(plan, work, where, tokens[:, 0], slots, starts, lengths)
         by_row: list[list[int]] = [[] for _ in range(n)]
         for row, r, draft in zip(where, work.rows, drafts):   # a stop ends the answer: never drafted
             by_row[row] = draft[:next((i for i, x in enumerate(draft) if x in r.stop_ids), len(draft))]
-        t0 = time.perf_counter()
         if not any(by_row):
             drawn = self._forward(tokens[:, :1], slots, starts, lengths, draw + (self.grammars.masks(rids),))
             self.speculator.measured(n, 1, time.perf_counter() - t0)
@@ -663,16 +716,34 @@ class Engine:
             tokens[row, 1:1 + len(draft)] = draft
             drafted[row, :len(draft)] = draft
             lengths[row] += len(draft)
+        t1 = time.perf_counter()
         picks = self._verify(tokens, slots, starts, lengths, drafted, draw + (masks,))
-        self.speculator.measured(n, t, time.perf_counter() - t0)
+        self.speculator.measured(n, t, time.perf_counter() - t1)
+        return self._kept(work, where, by_row, sources, picks, drafted, lengths)
+
+    def _drafts(self, plan, work: Decode, where, newest, slots, starts, lengths) -> tuple[list, list]:
+        """Each row's draft for the round (its n-gram one, or where the plan has the MTP layer draft
+        first, the better of the two: Speculator.choose) and the drafter of each."""
+        if not plan.mtp:
+            return plan.ngram, ["ngram"] * len(plan.ngram)
+        t0 = time.perf_counter()
+        k = plan.t - 1
+        # The MTP entry of each row's newest token sits at its last position (engine.model.draft).
+        proposed = self._draft(newest, slots, starts - 1, lengths, k)
+        self.speculator.measured(len(slots), k, time.perf_counter() - t0, draft=True)
+        return self.speculator.choose(plan, [r.rid for r in work.rows], [proposed[row] for row in where])
+
+    def _kept(self, work: Decode, where, by_row, sources, picks, drafted, lengths) -> list:
+        """Each row's new tokens after a verification: the drafts kept and the token drawn after them,
+        up to a stop; each drafter's acceptance is told."""
         out = []
         kept_by_row = speculative.kept_counts(picks, drafted, lengths)
-        for row, r in zip(where, work.rows):
+        for row, r, source in zip(where, work.rows, sources):
             draft, kept = by_row[row], int(kept_by_row[row])
             new = [int(x) for x in picks[row, :kept + 1]]
             stop = next((i for i, x in enumerate(new) if x in r.stop_ids), None)
             new = new if stop is None else new[:stop + 1]
-            self.speculator.verified(r.rid, len(draft), kept)
+            self.speculator.verified(r.rid, len(draft), kept, source)
             for token in new:
                 self.grammars.advance(r.rid, token)
             out.append(new)
@@ -716,6 +787,13 @@ class Engine:
             at = np.where(lengths > 0, speculative.kept_counts(picks, drafts, lengths), -1)
             self.cache = keep_steps(self.cache, steps, slots, at.astype(np.int32))
         return picks
+
+    @device_call
+    def _draft(self, tokens, slots, starts, lengths, k: int) -> np.ndarray:
+        """The MTP layer's k drafts for each row [B, k] (engine.model.draft): tokens [B] each row's
+        newest token, starts [B] its last position, lengths [B] 1 live, 0 idle."""
+        drafts, self.cache = jit_draft(self.params, self.cache, tokens, slots, starts, lengths, cfg=self.cfg, k=k)
+        return sharding.to_host(drafts)
 
     @device_call
     def logits(self, tokens, slots, starts, lengths) -> np.ndarray:
@@ -781,9 +859,9 @@ class Engine:
                 "prompt_ms": round(max(0.0, first - started) * 1000, 3),
                 "predicted_ms": round(max(0.0, t.get("last", first) - first) * 1000, 3),
             }
-            drafted, kept = self.speculator.finish(request.rid)
+            drafted, kept, rounds = self.speculator.finish(request.rid)
             if self.speculator.off is None:
-                step.timings.update(draft_n=drafted, draft_n_accepted=kept)
+                step.timings.update(draft_n=drafted, draft_n_accepted=kept, draft_rounds=rounds)
         return step
 
     def take_notes(self) -> list[Note]:

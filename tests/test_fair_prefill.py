@@ -58,7 +58,8 @@ def drafting():
 def test_answers_of_prompts_read_side_by_side_are_their_answers_read_alone(drafting):
     """Guards against a prompt's numbers depending on the prompts read beside it (its chunks, its
     slot's cache, its sampler row), greedy or seeded, drafted or not, and a compile after ready."""
-    submits = [Submit("long", prompt(1, 170), 24), Submit("mid", prompt(2, 90), 20, Sampling(temperature=0.8, seed=4)),
+    submits = [Submit("long", prompt(1, 170), 24),
+               Submit("mid", prompt(2, 90), 20, Sampling(temperature=0.8, seed=4)),
                Submit("short", prompt(3, 12), 16), Submit("rep", prompt(4, 10) * 8, 30)]
     alone = {s.rid: run(drafting, s)[s.rid]["tokens"] for s in submits}
     order = reading_order(drafting)

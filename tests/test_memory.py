@@ -5,6 +5,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
@@ -132,13 +133,42 @@ def test_a_hybrid_model_counts_kv_of_its_attention_layers_and_the_linear_state_o
     assert memory.slot_state_bytes(cfg) == state > 0
     args = dict(slots=3, ctx=1024, cache_ram_mib=64, default_slots=4, default_ctx=32768,
                 default_cache_ram_mib=2048, available=100 * GIB, weights_dtype="float32")
-    host = memory.size(cfg, folder, on_host=True, **args)
+    host = memory.size(cfg, folder, on_host=True, speculative="off", **args)
     assert host.total == memory.held_weight_bytes(folder, "float32") + 3 * (
         1024 * memory.kv_bytes_per_token(cfg) + state) + 3 * SLOT_SNAPSHOTS * state + (64 << 20) \
         + memory.RUNTIME_BYTES
     device = memory.size(cfg, folder, on_host=False, **args)
     assert device.total == 3 * SLOT_SNAPSHOTS * state + (64 << 20) + memory.RUNTIME_BYTES
     assert "slot snapshots 3 x" in host.describe()
+    # Drafting's verification of 3 rows x 8 tokens holds each position's state until one is kept.
+    drafting = memory.size(cfg, folder, on_host=True, speculative="auto", **args)
+    assert drafting.total - host.total == 3 * 8 * state and "drafts' linear states" in drafting.describe()
+
+
+def test_drafting_counts_the_mtp_layer_and_the_verification_states_unless_off():
+    """Guards against the memory plan missing what drafting holds (the MTP layer's weights and KV
+    cache, a verification's per-position linear states: other servers' users saw the rollback
+    planes blow up memory) and against a verification past VERIFY_STATE_BYTES being built."""
+    from engine.checkpoint import MTP_PREFIX, Checkpoint
+    from engine.scheduler import VERIFY_STATE_BYTES, verification_fits
+    folder = os.path.join(os.path.dirname(TINY), "qwen3-8")
+    cfg = load_config(folder)
+    args = dict(slots=2, ctx=512, cache_ram_mib=0, default_slots=4, default_ctx=32768,
+                default_cache_ram_mib=0, available=100 * GIB, weights_dtype="int8", on_host=True)
+    off, ngram, auto = (memory.size(cfg, folder, speculative=mode, **args) for mode in ("off", "ngram", "auto"))
+    state, attention = memory.slot_state_bytes(cfg), cfg.layer_kinds.count("gated_attention")
+    assert ngram.total - off.total == 2 * 8 * state
+    checkpoint = Checkpoint(folder)
+    mtp_weights = sum(int(np.prod(shape)) for key, shape in checkpoint.shapes.items() if key.startswith(MTP_PREFIX))
+    assert mtp_weights > 0
+    assert auto.total - ngram.total == mtp_weights + 2 * 512 * memory.kv_bytes_per_token(cfg) // attention
+    # Qwen3.8-27B's shape: one position's state is 157 MB, so only 1 row x 4 tokens is built.
+    big = dataclasses.replace(cfg, linear_value_heads=48, linear_key_heads=16, linear_key_dim=128,
+                              linear_value_dim=128, layer_kinds=("linear",) * 48)
+    one = memory.slot_state_bytes(big)
+    assert 150e6 < one < 160e6
+    assert verification_fits(1, 4, one) and not verification_fits(1, 8, one) and not verification_fits(2, 4, one)
+    assert 4 * one <= VERIFY_STATE_BYTES
 
 
 def test_a_folder_without_a_tokenizer_stops_start_up_naming_the_file(monkeypatch, capsys):

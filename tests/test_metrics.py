@@ -46,6 +46,7 @@ FAMILIES = {
     # mashbox's own: requests whose tool calls a grammar constrained, by mode, and their masks' time
     "constrained_requests_total": "counter", "grammar_mask_seconds_total": "counter",
     "spec_decode_num_draft_tokens_total": "counter", "spec_decode_num_accepted_tokens_total": "counter",
+    "spec_decode_num_drafts_total": "counter",
     # mashbox's own: time to first token by the prompt's length (a range of tokens)
     "time_to_first_token_by_prompt_seconds": "histogram",
 }

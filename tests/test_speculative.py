@@ -51,31 +51,33 @@ def timed(shapes, seconds) -> Speculator:
 def test_a_round_drafts_only_when_the_expected_tokens_per_second_beat_a_decode_step():
     rows = [("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3], 100)]
     cheap = timed({1: (4, 8)}, {(1, 1): 1.0, (1, 4): 1.2, (1, 8): 1.5})
-    t, drafts = cheap.plan(1, rows)
-    assert t in (4, 8) and drafts == [[4, 5, 6, 7, 8, 9, 1][:t - 1]]
+    plan = cheap.plan(1, rows)
+    assert plan.t in (4, 8) and plan.ngram == [[4, 5, 6, 7, 8, 9, 1][:plan.t - 1]] and not plan.mtp
     dear = timed({1: (4, 8)}, {(1, 1): 1.0, (1, 4): 3.0, (1, 8): 5.0})
-    assert dear.plan(1, [("b", [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3], 100)]) == (1, [[]])
+    assert (dear.plan(1, [("b", [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3], 100)]).t, dear.plan(1, [
+        ("b", [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3], 100)]).ngram) == (1, [[]])
 
 
 def test_rows_with_nothing_to_draft_run_the_plain_decode_step():
     s = timed({1: (4, 8)}, {(1, 1): 1.0, (1, 4): 1.01, (1, 8): 1.02})
-    assert s.plan(1, [("a", [10, 11, 12], [13], 50)]) == (1, [[]])
+    plan = s.plan(1, [("a", [10, 11, 12], [13], 50)])
+    assert (plan.t, plan.ngram) == (1, [[]])
 
 
 def test_a_draft_never_reaches_past_the_tokens_a_row_may_still_take():
     s = timed({1: (8,)}, {(1, 1): 1.0, (1, 8): 1.0})
-    t, drafts = s.plan(1, [("a", [1, 2, 3, 4, 5, 6, 7, 8], [1, 2], 3)])
-    assert t == 8 and drafts == [[3, 4]]      # room 3: two drafted, one drawn after them
+    plan = s.plan(1, [("a", [1, 2, 3, 4, 5, 6, 7, 8], [1, 2], 3)])
+    assert plan.t == 8 and plan.ngram == [[3, 4]]      # room 3: two drafted, one drawn after them
 
 
 def test_acceptance_follows_what_a_row_keeps():
     s = timed({1: (4, 8)}, {(1, 1): 1.0, (1, 4): 1.6, (1, 8): 2.6})
     rows = [("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3], 100)]
-    assert s.plan(1, rows)[0] > 1
+    assert s.plan(1, rows).t > 1
     for _ in range(10):
         s.verified("a", 7, 0)
-    assert s.rows["a"].acceptance < 0.05 and s.plan(1, rows)[0] == 1
-    assert s.finish("a") == (70, 0) and "a" not in s.rows
+    assert s.rows["a"].acceptance < 0.05 and s.plan(1, rows).t == 1
+    assert s.finish("a") == (70, 0, 10) and "a" not in s.rows
 
 
 def test_a_verification_passed_over_on_a_stale_time_runs_again_to_be_measured():
@@ -84,13 +86,13 @@ def test_a_verification_passed_over_on_a_stale_time_runs_again_to_be_measured():
     s = timed({1: (4, 8)}, {(1, 1): 1.0, (1, 4): 1.2, (1, 8): 2.9})     # 8: near, never best
     rows = [("a", list(range(20)) * 2, [], 1000)]
     s.rows["a"] = RowStats(Drafter(rows[0][1]), acceptance=0.9)
-    picks = [s.plan(1, rows)[0] for _ in range(RECHECK_ROUNDS)]
+    picks = [s.plan(1, rows).t for _ in range(RECHECK_ROUNDS)]
     assert picks == [4] * (RECHECK_ROUNDS - 1) + [8]
     s.measured(1, 8, 1.3)                      # it ran, cheaper than thought: now the best
-    assert s.plan(1, rows)[0] == 8 and (1, 8) not in s.passed
+    assert s.plan(1, rows).t == 8 and (1, 8, False) not in s.passed
     far = timed({1: (4, 8)}, {(1, 1): 1.0, (1, 4): 1.2, (1, 8): 50.0})  # not near: never retried
     far.rows["a"] = RowStats(Drafter(rows[0][1]), acceptance=0.9)
-    assert {far.plan(1, rows)[0] for _ in range(2 * RECHECK_ROUNDS)} == {4}
+    assert {far.plan(1, rows).t for _ in range(2 * RECHECK_ROUNDS)} == {4}
 
 
 def test_expected_tokens_counts_the_kept_run_and_the_drawn_token():
@@ -276,7 +278,7 @@ def _oracle(monkeypatch, engine, truth: dict[tuple, list[int]], wrong_every: int
     for rows, ts in spec.shapes.items():
         for t in ts:
             spec.seconds[(rows, t)] = spec.seconds[(rows, 1)]
-    monkeypatch.setattr(spec, "measured", lambda *args: None)
+    monkeypatch.setattr(spec, "measured", lambda *args, **kw: None)
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=SAMPLING_IDS)
@@ -422,13 +424,13 @@ def test_a_hybrid_conversation_drafted_from_the_prompt_cache_and_across_a_restar
     truth = {tuple(prompt): answer for turns in want.values() for prompt, answer in turns}
     _oracle(monkeypatch, hot, truth)
     assert _conversations(hot, seeds) == want
-    assert hot.scheduler.host_hits > 0 and hot.speculator.accepted > 0
+    assert hot.scheduler.host_hits > 0 and hot.speculator.accepted["ngram"] > 0
     assert hot.compiles_after_ready() == 0
     del hot
     again = _engine("auto", "qwen3-8", slots=1, compile_cache=compile_cache, cache_ram_mib=16)
     _oracle(monkeypatch, again, truth)
     assert _conversations(again, seeds[::-1]) == {seed: want[seed] for seed in seeds[::-1]}
-    assert again.speculator.accepted > 0 and again.compiles_after_ready() == 0
+    assert again.speculator.accepted["ngram"] > 0 and again.compiles_after_ready() == 0
 
 
 @pytest.mark.parametrize("case, why", [
@@ -450,7 +452,7 @@ def test_drafting_is_on_only_where_it_is_exact(case, why):
     e.args = SimpleNamespace(speculative=case.get("speculative", "auto"), ctx=4096, slots=case.get("slots", 8))
     e.weights_dtype, e.kv_dtype = case.get("weights", "int8"), np.dtype(case.get("kv", np.int8))
     e.buckets = Buckets.for_ctx(4096, slots=8)
-    spec = e.speculator = e._speculator()
+    spec = e.speculator = e._speculator(has_mtp=case.get("mtp_layer", False))
     if why is None:
         assert spec.off is None and spec.shapes == {1: (4, 8), 4: (4, 8)}    # 8 rows: never drafted
         assert [p for p in e.programs() if p[0] == "verify"] == [("verify", 1, 4), ("verify", 1, 8),

@@ -142,8 +142,8 @@ def test_timings_prefer_the_workers_numbers_and_add_the_servers_wait():
 
 
 def test_drafting_counts_reach_the_timings_block_the_log_line_and_the_metrics():
-    """Guards against the worker's draft_n / draft_n_accepted (engine.speculative) being dropped on
-    the way to the client, the request's log line or the spec_decode counters."""
+    """Guards against the worker's draft_n / draft_n_accepted / draft_rounds (engine.speculative)
+    being dropped on the way to the client, the request's log line or the spec_decode counters."""
     usage = chat.Usage(prompt_tokens=10, completion_tokens=40)
     t = mashbox._timings({"prompt_ms": 10.0, "predicted_ms": 100.0, "draft_n": 32, "draft_n_accepted": 24}, usage)
     assert t["draft_n"] == 32 and t["draft_n_accepted"] == 24
@@ -152,7 +152,9 @@ def test_drafting_counts_reach_the_timings_block_the_log_line_and_the_metrics():
     assert "drafted=32 accepted=24 (75%)" in mashbox.request_log_line("POST", "/v1/chat/completions", outcome,
                                                                       10, 0.0, 0.1, None)
     metrics = mashbox.Metrics()
-    metrics.drafts_done(t)
+    metrics.drafts_done({**t, "draft_rounds": 8})       # the worker's timings: 8 rounds carried a draft
     metrics.drafts_done(None)
     assert metrics["spec_decode_num_draft_tokens_total"].values[()] == 32
     assert metrics["spec_decode_num_accepted_tokens_total"].values[()] == 24
+    assert metrics["spec_decode_num_drafts_total"].values[()] == 8
+    assert "draft_rounds" not in mashbox._timings({"prompt_ms": 1.0, "predicted_ms": 1.0, "draft_rounds": 8}, usage)

@@ -118,7 +118,8 @@ def keys() -> list[str]:
 
 def part_ttft(port: int, texts: Texts, a) -> dict:
     short_key = keys()[LONG_CLIENTS]
-    alone = [stream(port, short_key, texts.make(a.short_tokens), a.short_max_tokens)["ttft"] for _ in range(5)]
+    alone = [stream(port, short_key, texts.make(a.short_tokens), a.short_max_tokens)["ttft"]
+             for _ in range(5)]
     stop = threading.Event()
     longs: list[dict] = []
 
@@ -141,7 +142,8 @@ def part_ttft(port: int, texts: Texts, a) -> dict:
         t.join()
     ttfts = [r["ttft"] for r in shorts]
     return {"short_alone_median_s": statistics.median(alone), "short_n": len(ttfts),
-            "ttft_median_s": statistics.median(ttfts), "ttft_p90_s": sorted(ttfts)[int(0.9 * (len(ttfts) - 1))],
+            "ttft_median_s": statistics.median(ttfts),
+            "ttft_p90_s": sorted(ttfts)[int(0.9 * (len(ttfts) - 1))],
             "ttft_max_s": max(ttfts), "long_n": len(longs),
             "long_ttft_median_s": statistics.median([r["ttft"] for r in longs]) if longs else None,
             "short_prompt_tokens": shorts[0]["prompt"] if shorts else None,
@@ -153,7 +155,8 @@ def part_throughput(port: int, texts: Texts, a) -> dict:
     for k in keys()[:LONG_CLIENTS]:
         r = stream(port, k, texts.make(a.long_tokens), 1)
         one_by_one += r["end"] - r["sent"]
-        print(f"  one after another: prompt {r['prompt']} (cached {r['cached']}) {r['end'] - r['sent']:.1f} s",
+        print(f"  one after another: prompt {r['prompt']} (cached {r['cached']}) "
+              f"{r['end'] - r['sent']:.1f} s",
               flush=True)
     out: list[dict] = []
     prompts = [texts.make(a.long_tokens) for _ in range(LONG_CLIENTS)]
@@ -166,7 +169,8 @@ def part_throughput(port: int, texts: Texts, a) -> dict:
         t.join()
     together = max(r["end"] for r in out) - t0
     print(f"  together: {together:.1f} s; first tokens at " +
-          ", ".join(f"{r['first'] - t0:.1f}" for r in sorted(out, key=lambda r: r["first"])) + " s", flush=True)
+          ", ".join(f"{r['first'] - t0:.1f}" for r in sorted(out, key=lambda r: r["first"])) + " s",
+          flush=True)
     tokens = sum(r["prompt"] - r["cached"] for r in out)
     return {"one_by_one_s": one_by_one, "together_s": together, "throughput_ratio": one_by_one / together,
             "together_tok_s": tokens / together}
@@ -231,8 +235,8 @@ class Simulation:
         self.n += 1
         rid = f"{tenant}-{self.n}"
         ids = [(self.n * 7919 + i * 104729) % 149000 for i in range(tokens)]
-        self.arrivals.append((self.t if at is None else at, Sequence(rid, ids, max_tokens, Sampling(), frozenset(),
-                                                                  tenant=tenant)))
+        request = Sequence(rid, ids, max_tokens, Sampling(), frozenset(), tenant=tenant)
+        self.arrivals.append((self.t if at is None else at, request))
         return rid
 
     def round(self) -> list:
@@ -275,7 +279,8 @@ def simulate_ttft(a) -> dict:
         for r in sim.round():
             if r.tenant == "short":
                 shorts.append(sim.ttft(r.rid))
-                sim.request(a.short_tokens + 27, a.short_max_tokens, "short", at=sim.t + rng.uniform(0.2, 1.0))
+                later = sim.t + rng.uniform(0.2, 1.0)
+                sim.request(a.short_tokens + 27, a.short_max_tokens, "short", at=later)
             else:
                 sim.request(a.long_tokens, a.long_max_tokens, r.tenant)
     return {"short_n": len(shorts), "ttft_median_s": statistics.median(shorts), "ttft_max_s": max(shorts)}
@@ -331,7 +336,8 @@ def part_chunks(a) -> dict:
             best[c, d] = min(best[c, d], time.perf_counter() - t0)
     for d in depths:
         print(f"  from position {d:5d}: " + "  ".join(
-            f"{c} tokens {best[c, d] * 1000:6.0f} ms ({c / best[c, d]:4.0f} tok/s)" for c in chunks), flush=True)
+            f"{c} tokens {best[c, d] * 1000:6.0f} ms ({c / best[c, d]:4.0f} tok/s)" for c in chunks),
+            flush=True)
     return {f"{c}@{d}": round(best[c, d], 4) for c, d in best}
 
 
@@ -355,8 +361,8 @@ def main() -> int:
     a = p.parse_args()
     if a.parts in ("simulate", "chunks"):
         before = load()
-        report({a.parts: {"load_before": before, **(part_simulate(a) if a.parts == "simulate" else part_chunks(a)),
-                          "load_after": load()}})
+        found = part_simulate(a) if a.parts == "simulate" else part_chunks(a)
+        report({a.parts: {"load_before": before, **found, "load_after": load()}})
         return 0
     key_file = Path(tempfile.mkdtemp(prefix="mashbox-bench-fair-")) / "keys.txt"
     key_file.write_text("".join(f"{k} {t}\n" for k, t in KEYS.items()))
@@ -369,10 +375,8 @@ def main() -> int:
         for part in a.parts.split(","):
             before = load()
             print(f"{part} (load {before:.2f})", flush=True)
-            results[part] = {"load_before": before,
-                             **{"ttft": part_ttft, "throughput": part_throughput, "decode": part_decode}[part](
-                                 port, texts, a),
-                             "load_after": load()}
+            run_part = {"ttft": part_ttft, "throughput": part_throughput, "decode": part_decode}[part]
+            results[part] = {"load_before": before, **run_part(port, texts, a), "load_after": load()}
     finally:
         proc.terminate()
         try:
