@@ -52,7 +52,8 @@ def test_the_mtp_layer_predicts_each_token_after_next_as_the_reference(float_mod
     checked = 0
     for p in range(0, n - 1, 3):
         cache = init_cache(cfg, 1, 64, jnp.float32, mtp=True)
-        _, cache = jit_forward(params, cache, tokens[None, :p + 1], *_i32([0], [0], [p + 1]), cfg=cfg)
+        # the whole sequence given, the first p + 1 live: one program for every p
+        _, cache = jit_forward(params, cache, tokens[None, :], *_i32([0], [0], [p + 1]), cfg=cfg)
         carry = read_state(cache, 0)[-1]["hidden"]
         np.testing.assert_allclose(carry, reference["hidden"][p], atol=ATOL)
         drafts, cache = jit_draft(params, cache, *_i32([tokens[p + 1]], [0], [p], [1]), cfg=cfg, k=1)

@@ -582,7 +582,9 @@ def test_a_qwen38_gguf_is_served_under_its_name(cache):
     path = write_qwen35_gguf("qwen3-8", cache / "Tiny-Qwen3.8-Mixed.gguf", mixed_types)
     tensors = gguf.GGUFReader(str(path)).tensors
     want_bpw = round(8 * sum(int(t.n_bytes) for t in tensors) / sum(int(t.n_elements) for t in tensors), 2)
-    server = CliServer(None, ("--ctx", "128", "--slots", "1", "--cache-ram", "0"), model=str(path),
+    # drafting off: its verification programs would add to the compile and are not what this tests
+    server = CliServer(None, ("--ctx", "128", "--slots", "1", "--cache-ram", "0", "--speculative", "off"),
+                       model=str(path),
                        env={registry.ENV_CACHE: str(cache / "cache")}, wait_s=300)
     try:
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)

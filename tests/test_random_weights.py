@@ -223,7 +223,8 @@ def test_a_served_random_model_answers_a_chat_request_and_says_what_it_holds():
     from tests.harness import HOST, Server
     folder = registry.random_folder(spec_of("qwen3-0.6b"), "bf16", {"num_hidden_layers": 1})
     args = {"model_id": "qwen3-0.6b", "weights_folder": str(folder), "slots": 1, "ctx": 256, "dtype": "int8",
-            "prefill_chunks": [32], "cache_ram_mib": 0, "chat_format": "qwen3"}   # the server's compile cache
+            "prefill_chunks": [32], "cache_ram_mib": 0, "chat_format": "qwen3",   # the server's compile cache
+            "speculative": "off"}     # fewer programs to compile: drafting is not what this tests
     app = mashbox.App(mashbox.ServeConfig(host=HOST, port=0, model="qwen3-0.6b"),
                       bridge=mashbox.Bridge(args, log=lambda m: None))
     server = Server(app, args)
