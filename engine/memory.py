@@ -92,10 +92,10 @@ def slot_state_bytes(cfg: ModelConfig) -> int:
 def drafting_bytes(cfg: ModelConfig, source, slots: int, speculative: str, weights_dtype: str) -> tuple[int, int, int]:
     """What drafting (engine.speculative) may hold besides the slot pool, where --speculative lets it
     run: (its MTP layer's weights, its KV cache per position of a slot, the largest verification's
-    linear states: engine.scheduler.verification_fits), each 0 where it does not apply. The worker
-    decides at start whether drafting runs (the native kernel, int8 weights): the plan counts it
-    unless --speculative off."""
-    if speculative == "off":
+    linear states: engine.scheduler.verification_fits), each 0 where it does not apply. Drafting
+    runs only on int8 weights (a GGUF's blocks among them) under the native kernel (the worker decides
+    at start, engine.worker: Engine._speculator): the plan counts it there unless --speculative off."""
+    if speculative == "off" or weights_dtype != "int8":
         return 0, 0, 0
     state = slot_state_bytes(cfg)
     states = max((rows * t * state for rows in range(1, min(slots, VERIFY_MAX_ROWS) + 1)

@@ -140,9 +140,12 @@ def test_a_hybrid_model_counts_kv_of_its_attention_layers_and_the_linear_state_o
     device = memory.size(cfg, folder, on_host=False, **args)
     assert device.total == 3 * SLOT_SNAPSHOTS * state + (64 << 20) + memory.RUNTIME_BYTES
     assert "slot snapshots 3 x" in host.describe()
-    # Drafting's verification of 3 rows x 8 tokens holds each position's state until one is kept.
-    drafting = memory.size(cfg, folder, on_host=True, speculative="auto", **args)
-    assert drafting.total - host.total == 3 * 8 * state and "drafts' linear states" in drafting.describe()
+    # Drafting's verification of 3 rows x 8 tokens holds each position's state until one is kept;
+    # drafting runs on int8 weights only.
+    assert memory.size(cfg, folder, on_host=True, speculative="auto", **args).total == host.total
+    int8 = {**args, "weights_dtype": "int8"}
+    drafting, plain = (memory.size(cfg, folder, on_host=True, speculative=mode, **int8) for mode in ("auto", "off"))
+    assert drafting.total - plain.total == 3 * 8 * state and "drafts' linear states" in drafting.describe()
 
 
 def test_drafting_counts_the_mtp_layer_and_the_verification_states_unless_off():
