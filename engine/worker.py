@@ -201,116 +201,158 @@ def device_call(method):
     return call
 
 
+def _use_compile_cache(folder: str | None) -> None:
+    """Every program goes to the persistent compile cache in `folder` (None: no persistent cache)."""
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", folder)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", COMPILE_CACHE_MIN_SECONDS)
+
+
 # ---- the engine --------------------------------------------------------------------------------
 
 class Engine:
     """The model, its cache and the scheduler, driven one round at a time. Not thread-safe."""
 
     def __init__(self, args: WorkerArgs, progress=None, follower: bool = False, on_lost=None):
-        """follower: a follower of a jax.distributed group (follow()): load the weights and make the
-        cache, then stop; the leader's calls do the rest (the warm-up among them). on_lost(why): a
-        follower is gone (engine.mirror.Leader; by default the process says why and exits)."""
-        self.progress = progress = progress or (lambda phase, done, total: None)
+        """Start-up, step by step. follower: a follower of a jax.distributed group (follow()): load
+        the weights and make the cache, then stop; the leader's calls do the rest (the warm-up among
+        them). on_lost(why): a follower is gone (engine.mirror.Leader; by default the process says why
+        and exits)."""
+        self.progress = progress or (lambda phase, done, total: None)
         self.args = args
         self.faults = _Faults(os.environ.get("MASHBOX_FAULT", ""))
         self.mirror: mirror.Leader | None = None
         self._in_call = False
-        if args.compile_cache:
-            os.makedirs(args.compile_cache, exist_ok=True)
-            jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", COMPILE_CACHE_MIN_SECONDS)
-        platform = jax.default_backend()
-        native.prepare()                  # a first start builds the int8 kernel beside what follows
-        # The checkpoint's config, and the one the programs run: the same but for the KV heads laid
-        # out when the mesh has more devices than the model has KV heads (engine.sharding).
-        self.checkpoint_cfg = load_config(args.weights_folder)
-        self.layout = sharding.Layout.build(self.checkpoint_cfg, args.devices)
-        self.cfg = cfg = self.layout.cfg
-        # The weights' format (engine.weights.WEIGHTS_DTYPES): int8 and fp8 name narrow matrices
-        # beside float norms.
-        self.weights_dtype = weights_dtype_for(platform, args.dtype, fp8=self.checkpoint_cfg.fp8)
-        check_weights_dtype(self.checkpoint_cfg, self.weights_dtype)
-        chat_format = args.chat_format or CHAT_FORMAT[cfg.model_type]
-        self.component_set_sha = identity.component_set_sha(args.weights_folder, chat_format)
-        float_dtype = dtype_for(platform)
-        if jax.process_count() > 1 and not follower:
-            # before the weights: the followers load theirs meanwhile
-            progress("followers", 0, 1)
-            self.mirror = mirror.Leader(args.distributed, {
-                "args": dataclasses.asdict(args), "component_set_sha": self.component_set_sha},
-                on_lost=on_lost or mirror.exit_lost)
-            progress("followers", 1, 1)
-        # int8 matrices packed for engine.native's kernel where it serves (cfg.native).
-        packed = packs_int8(self.weights_dtype, allowed=cfg.native)
-        held = None
-        if args.weights_cache and self.weights_dtype == "int8":
-            held = os.path.join(args.weights_cache, held_key(
-                self.component_set_sha, self.weights_dtype, np.dtype(float_dtype).name, cfg.num_kv_heads,
-                packed))
-        # A first start's certification gate will run: its float64 reference starts now, beside the
-        # weights and the compiles (a hybrid model's gate has no reference to compute).
-        reference = None
-        gate_runs = args.recertify or certify.nothing_recorded(args.certify_dir, self.component_set_sha)
-        if gate_runs and not follower and "linear" not in self.checkpoint_cfg.layer_kinds:
-            reference = certify.Reference(args.weights_folder, self.checkpoint_cfg,
-                                          certify.reference_path(args.certify_dir, self.component_set_sha),
-                                          fresh=args.recertify)
-        progress("weights", 0, 1)
-        self.params = load_weights(args.weights_folder, self.checkpoint_cfg, self.weights_dtype,
-                                   float_dtype=float_dtype, kv_heads=cfg.num_kv_heads,
-                                   place=self.layout.place, held_cache=held, pack=packed)
-        progress("weights", 1, 1)
-        self.kv_dtype = np.dtype(args.kv_dtype) if args.kv_dtype else np.dtype(kv_dtype_for(platform))
-        self.buckets = Buckets.for_ctx(args.ctx, tuple(args.prefill_chunks), args.slots)
-        self.speculator = self._speculator(Checkpoint(args.weights_folder).has(MTP_TENSOR))
-        if self.speculator.mtp:          # the model's own drafter (one device: where the kernel serves)
-            self.params["mtp"] = load_mtp(args.weights_folder, self.checkpoint_cfg, self.weights_dtype,
-                                          float_dtype=float_dtype, kv_heads=cfg.num_kv_heads, pack=packed)
-        self.cache = init_cache(cfg, args.slots, args.ctx, self.kv_dtype, zeros=self.layout.cache_zeros,
-                                mtp=self.speculator.mtp)
-        self.state = self.layout.replicate(sampler.init_state(args.slots, cfg.vocab_size))
         self.start_notes: list[str] = []          # for the server's log, once (take_notes)
+        _use_compile_cache(args.compile_cache)
+        native.prepare()                  # a first start builds the int8 kernel beside what follows
+        self._lay_out()
+        if jax.process_count() > 1 and not follower:     # before the weights: followers load theirs meanwhile
+            self._gather_followers(on_lost)
+        reference = None if follower else self._gate_reference()
+        self._load_weights()
+        self._make_pool()
         if follower:
             return
-        family = cfg.model_type
-        checkpoint = Checkpoint(args.weights_folder)     # headers only: what the facts name as loaded
-        self.start_notes += [note for note in [held_note(checkpoint, self.params, self.weights_dtype)] if note]
-        # a vision tower, an MTP module not drafting: not loaded
-        self.start_notes += unread_notes(checkpoint, loaded=(MTP_PREFIX,) if self.speculator.mtp else ())
-        self.start_notes.append(self._speculative_note())
-        namespace = args.cache_namespace or prefix.namespace_id(
-            self.component_set_sha, args.model_id, family,
-            f"{self.weights_dtype}/kv-{self.kv_dtype.name}" + ("/mtp" if self.speculator.mtp else ""),
-            args.prefix_cache)
-        # Linear layers: a reused prefix needs their state at its end (snapshots, engine.scheduler).
-        self.recurrent = has_state(self.cache)
-        self.host = prefix.HostCache(args.cache_ram_mib << 20, namespace, trimmable=not self.recurrent) \
-            if args.cache_ram_mib > 0 and args.prefix_cache else None
-        self.scheduler = Scheduler(args.slots, args.ctx, cfg.vocab_size, self.buckets, args.prefix_cache,
-                                   self.host, recurrent=self.recurrent)
-        # Tool-call constraints (engine.grammar): its tokenizer loads beside the warm-up.
-        self.grammars = grammar.Grammars(args.weights_folder, cfg.vocab_size)
-        self.held: dict[str, Sequence] = {}      # requests waiting for their grammar, in arrival order
+        self._make_scheduler()
         t0 = time.time()
         self._warm_up(self.host is not None, bool(self.scheduler.snapshots))
         compile_s = time.time() - t0
         self.deployment_id = self._deployment_id()
-        progress("certify", 0, 1)
+        self.progress("certify", 0, 1)
         # The server logs the outcome from the facts (Ready), the reason with it.
         self.certification, self.certification_detail = certify.gate(
             self, args.certify_dir, args.recertify, args.golden, reference)
-        progress("certify", 1, 1)
+        self.progress("certify", 1, 1)
         self.late_compiles = 0            # programs compiled inside step() since ready
-        self.facts = ModelFacts(
-            id=args.model_id, family=family, weights=checkpoint.file, folder=args.weights_folder,
-            chat_format=chat_format,
+        self.facts = self._facts(compile_s)
+        memory.release_free_heap()   # what start-up freed (the float checkpoint, the gate's reference)
+
+    # -- start-up ---------------------------------------------------------------------------------
+
+    def _lay_out(self) -> None:
+        """The checkpoint's config, and the one the programs run: the same but for the KV heads laid
+        out when the mesh has more devices than the model has KV heads (engine.sharding); the
+        weights' format (engine.weights.WEIGHTS_DTYPES: int8 and fp8 name narrow matrices beside
+        float norms) and the chat format, which with the files make the component set."""
+        args = self.args
+        self.platform = jax.default_backend()
+        self.checkpoint_cfg = load_config(args.weights_folder)
+        self.layout = sharding.Layout.build(self.checkpoint_cfg, args.devices)
+        self.cfg = self.layout.cfg
+        self.weights_dtype = weights_dtype_for(self.platform, args.dtype, fp8=self.checkpoint_cfg.fp8)
+        check_weights_dtype(self.checkpoint_cfg, self.weights_dtype)
+        self.float_dtype = dtype_for(self.platform)
+        self.chat_format = args.chat_format or CHAT_FORMAT[self.cfg.model_type]
+        self.component_set_sha = identity.component_set_sha(args.weights_folder, self.chat_format)
+
+    def _gather_followers(self, on_lost) -> None:
+        """The leader of a jax.distributed group waits for its followers (engine.mirror)."""
+        self.progress("followers", 0, 1)
+        self.mirror = mirror.Leader(self.args.distributed, {
+            "args": dataclasses.asdict(self.args), "component_set_sha": self.component_set_sha},
+            on_lost=on_lost or mirror.exit_lost)
+        self.progress("followers", 1, 1)
+
+    def _gate_reference(self):
+        """A first start's certification gate will run: its float64 reference starts now, beside the
+        weights and the compiles (None where the gate will not run, or has no reference to compute:
+        a hybrid model's)."""
+        args = self.args
+        gate_runs = args.recertify or certify.nothing_recorded(args.certify_dir, self.component_set_sha)
+        if not gate_runs or "linear" in self.checkpoint_cfg.layer_kinds:
+            return None
+        return certify.Reference(args.weights_folder, self.checkpoint_cfg,
+                                 certify.reference_path(args.certify_dir, self.component_set_sha),
+                                 fresh=args.recertify)
+
+    def _load_weights(self) -> None:
+        """The weights, placed (int8 matrices packed for engine.native's kernel where it serves, and
+        read from the held-weights cache where a start wrote them); the buckets and drafting's state;
+        the MTP layer where it drafts (one device: where the kernel serves)."""
+        args, cfg = self.args, self.cfg
+        packed = packs_int8(self.weights_dtype, allowed=cfg.native)
+        held = None
+        if args.weights_cache and self.weights_dtype == "int8":
+            held = os.path.join(args.weights_cache, held_key(
+                self.component_set_sha, self.weights_dtype, np.dtype(self.float_dtype).name, cfg.num_kv_heads,
+                packed))
+        self.progress("weights", 0, 1)
+        self.params = load_weights(args.weights_folder, self.checkpoint_cfg, self.weights_dtype,
+                                   float_dtype=self.float_dtype, kv_heads=cfg.num_kv_heads,
+                                   place=self.layout.place, held_cache=held, pack=packed)
+        self.progress("weights", 1, 1)
+        self.kv_dtype = np.dtype(args.kv_dtype) if args.kv_dtype else np.dtype(kv_dtype_for(self.platform))
+        self.buckets = Buckets.for_ctx(args.ctx, tuple(args.prefill_chunks), args.slots)
+        self.speculator = self._speculator(Checkpoint(args.weights_folder).has(MTP_TENSOR))
+        if self.speculator.mtp:
+            self.params["mtp"] = load_mtp(args.weights_folder, self.checkpoint_cfg, self.weights_dtype,
+                                          float_dtype=self.float_dtype, kv_heads=cfg.num_kv_heads, pack=packed)
+
+    def _make_pool(self) -> None:
+        """The slot pool (engine.cache, with the MTP layer's entries where it drafts) and the
+        sampler's per-row state."""
+        args, cfg = self.args, self.cfg
+        self.cache = init_cache(cfg, args.slots, args.ctx, self.kv_dtype, zeros=self.layout.cache_zeros,
+                                mtp=self.speculator.mtp)
+        self.state = self.layout.replicate(sampler.init_state(args.slots, cfg.vocab_size))
+
+    def _make_scheduler(self) -> None:
+        """The log's start notes, the host prompt cache under this deployment's namespace, the
+        scheduler, and the tool-call grammars (engine.grammar: its tokenizer loads beside the warm-up)."""
+        args = self.args
+        checkpoint = Checkpoint(args.weights_folder)     # headers only (its files are mapped while it lives)
+        self.files = (checkpoint.file, checkpoint.bits_per_weight)      # what the facts name as loaded
+        self.start_notes += [note for note in [held_note(checkpoint, self.params, self.weights_dtype)] if note]
+        # a vision tower, an MTP module not drafting: not loaded
+        self.start_notes += unread_notes(checkpoint, loaded=(MTP_PREFIX,) if self.speculator.mtp else ())
+        self.namespace = args.cache_namespace or prefix.namespace_id(
+            self.component_set_sha, args.model_id, self.cfg.model_type,
+            f"{self.weights_dtype}/kv-{self.kv_dtype.name}" + ("/mtp" if self.speculator.mtp else ""),
+            args.prefix_cache)
+        # Linear layers: a reused prefix needs their state at its end (snapshots, engine.scheduler).
+        self.recurrent = has_state(self.cache)
+        self.host = prefix.HostCache(args.cache_ram_mib << 20, self.namespace, trimmable=not self.recurrent) \
+            if args.cache_ram_mib > 0 and args.prefix_cache else None
+        self.scheduler = Scheduler(args.slots, args.ctx, self.cfg.vocab_size, self.buckets, args.prefix_cache,
+                                   self.host, recurrent=self.recurrent)
+        self.grammars = grammar.Grammars(args.weights_folder, self.cfg.vocab_size)
+        self.held: dict[str, Sequence] = {}      # requests waiting for their grammar, in arrival order
+
+    def _facts(self, compile_s: float) -> ModelFacts:
+        """What the server reports of the running model (Health, /v1/models, the log)."""
+        args, cfg = self.args, self.cfg
+        return ModelFacts(
+            id=args.model_id, family=cfg.model_type, weights=self.files[0], folder=args.weights_folder,
+            chat_format=self.chat_format,
             gb=round(weights_bytes(self.params) / 1e9, 3),
-            bpw=checkpoint.bits_per_weight,
+            bpw=self.files[1],
             max_model_len=args.ctx, slots=args.slots, prefix_cache=args.prefix_cache,
-            cache_ram_mib=args.cache_ram_mib, vocab_size=cfg.vocab_size, device=platform,
+            cache_ram_mib=args.cache_ram_mib, vocab_size=cfg.vocab_size, device=self.platform,
             devices=self.layout.describe(),
             dtype=self.weights_dtype, compile_s=round(compile_s, 2),
-            cache_namespace=namespace,
+            cache_namespace=self.namespace,
             # What the warm-up traced, so Health reports the path the programs really run.
             routed_experts=routed_report(cfg, {rows * t for _, rows, t in self.programs()}),
             component_set_sha=self.component_set_sha, deployment_id=self.deployment_id,
@@ -318,9 +360,7 @@ class Engine:
             grammar=self.grammars.version, grammar_off=self.grammars.off or "",
             kernel=f"native {native.tier()}" if cfg.native else "xla",
             speculative=self._speculative_fact())
-        memory.release_free_heap()   # what start-up freed (the float checkpoint, the gate's reference)
 
-    # -- start-up ---------------------------------------------------------------------------------
 
     def _speculator(self, has_mtp: bool) -> speculative.Speculator:
         """Drafting's state, off (and why) where it would not be exact (engine.speculative), else
@@ -352,23 +392,17 @@ class Engine:
                                       mtp=off is None and has_mtp and args.speculative in ("auto", "mtp"))
 
     def _speculative_fact(self) -> str:
-        spec = self.speculator
+        """Drafting as Health and the start-up log say it: which drafters run, and why the others do not."""
+        spec, mode = self.speculator, self.args.speculative
         if spec.off:
             return f"off: {spec.off}"
         drafters = " and ".join(name for name, on in (("the checkpoint's MTP layer", spec.mtp),
                                                       ("the conversation's text", spec.ngram)) if on)
-        return (f"drafts from {drafters}, {' or '.join(map(str, VERIFY_TOKENS))} tokens per row verified "
-                f"in one step, in batches of up to {max(spec.shapes)} rows, where measured to pay")
-
-    def _speculative_note(self) -> str:
-        """The start-up log's line on drafting: which drafters run, and why the others do not."""
-        spec, mode = self.speculator, self.args.speculative
-        if spec.off:
-            return f"speculative decoding off: {spec.off}"
         why_not = ("" if spec.mtp else
                    "; no MTP drafts: --speculative ngram" if mode == "ngram" else
                    "; no MTP drafts: the checkpoint has no MTP layer (mtp.* tensors)")
-        return f"speculative decoding ({mode}): {self._speculative_fact()}{why_not}"
+        return (f"drafts from {drafters}, {' or '.join(map(str, VERIFY_TOKENS))} tokens per row verified "
+                f"in one step, in batches of up to {max(spec.shapes)} rows, where measured to pay{why_not}")
 
     def programs(self) -> list[tuple[str, int, int]]:
         """Every model program a request can run, as (kind, rows, tokens per row): prefill chunks
@@ -439,18 +473,34 @@ class Engine:
         constrained rows, are compiled for logits of the decode programs, one token per row (cheap):
         jit keys on where its inputs live, so logits made on the host would compile a different
         program than the one requests run."""
-        programs, progress = self.programs(), self.progress
         self.faults.at("warmup")
-        total = len(programs) + 1
-        done = [0]
+        total = len(self.programs()) + 1
+        self.progress("compile", 0, total)
+        self._compile_model_programs(total)
+        for rows, k in self.draft_programs():
+            _, self.cache = jit_draft(*self._draft_call(rows, k), cfg=self.cfg, k=k)
+        _compile_together(self._sampler_programs())
+        self._time_programs()
+        self.state = sampler.start_row(self.state, np.int32(0), np.zeros(self.cfg.vocab_size, bool))
+        self.cache = copy_prefix(self.cache, np.int32(0), np.int32(0), np.int32(0))
+        if host_copies:
+            self.cache = warm_host_copies(self.cache)
+        if state_copies:
+            self.cache = warm_state_copies(self.cache)
+        jax.block_until_ready((self.cache, self.state))
+        self.progress("compile", total, total)
+
+    @device_call
+    def _compile_model_programs(self, total: int) -> None:
+        """The warm-up's model programs, compiled together; each prefill program runs once on idle
+        rows as soon as it is compiled (the decode programs run in _sampler_programs)."""
+        programs, done = self.programs(), [0]
 
         def compiled() -> None:
             done[0] += 1
-            progress("compile", min(done[0], total - 1), total)
+            self.progress("compile", min(done[0], total - 1), total)
 
-        progress("compile", 0, total)
-
-        def first_run(i: int) -> None:        # (the decode programs run below, for the sampler)
+        def first_run(i: int) -> None:
             kind, rows, t = programs[i]
             if kind == "prefill":
                 _, self.cache = jit_forward(*self._model_call(rows, t), cfg=self.cfg)
@@ -460,6 +510,11 @@ class Engine:
                             {"cfg": self.cfg, **self._program_options(kind)})
                            for kind, rows, t in programs], compiled, then=first_run,
                           threads=compile_threads(self.cfg.num_layers))
+
+    @device_call
+    def _sampler_programs(self) -> list[tuple]:
+        """The sampler's programs (and the token mask's) for _compile_together, on the logits of each
+        decode and verification program, which run here once on idle rows to make them."""
         samples, masks = [], []
         for rows in self.buckets.decode_rows:      # every row count a prefill chunk has too (one)
             logits, self.cache = jit_forward(*self._model_call(rows, 1), cfg=self.cfg)
@@ -487,18 +542,7 @@ class Engine:
                                                      params, bits),
                                     dict(every_slot=rows == self.args.slots, native_kernel=self.cfg.native,
                                          **flags)))
-        for rows, k in self.draft_programs():
-            _, self.cache = jit_draft(*self._draft_call(rows, k), cfg=self.cfg, k=k)
-        _compile_together(samples + masks)
-        self._time_programs()
-        self.state = sampler.start_row(self.state, np.int32(0), np.zeros(self.cfg.vocab_size, bool))
-        self.cache = copy_prefix(self.cache, np.int32(0), np.int32(0), np.int32(0))
-        if host_copies:
-            self.cache = warm_host_copies(self.cache)
-        if state_copies:
-            self.cache = warm_state_copies(self.cache)
-        jax.block_until_ready((self.cache, self.state))
-        progress("compile", total, total)
+        return samples + masks
 
     @device_call
     def _time_programs(self) -> None:

@@ -94,9 +94,9 @@ class Run:
 
 # What runs programs on the mesh (or waits on them); __init__ builds the same arrays in every process
 # on its own (weights, cache, sampler state), and _deployment_id only lowers.
-RUNS_PROGRAMS = {"jit_forward", "sample", "start_row", "copy_prefix", "read_slot", "write_slot", "read_state",
-                 "write_state", "warm_host_copies", "warm_state_copies", "block_until_ready", "jit",
-                 "_compile_together", "to_host"}
+RUNS_PROGRAMS = {"jit_forward", "jit_draft", "keep_steps", "sample", "start_row", "copy_prefix", "read_slot",
+                 "write_slot", "read_state", "write_state", "warm_host_copies", "warm_state_copies",
+                 "block_until_ready", "jit", "_compile_together", "to_host"}
 BUILDS_ALIKE = {"__init__", "_deployment_id"}
 
 

@@ -449,7 +449,8 @@ def test_drafting_is_on_only_where_it_is_exact(case, why):
     from engine.worker import Engine
     e = Engine.__new__(Engine)
     e.cfg = SimpleNamespace(native=case.get("native", True), layer_kinds=case.get("kinds", ("attention",)),
-                            mlp_kinds=case.get("mlp"))
+                            mlp_kinds=case.get("mlp"), linear_conv_dim=96, linear_conv_kernel=4,
+                            linear_value_heads=4, linear_key_dim=16, linear_value_dim=16)   # a tiny state
     e.args = SimpleNamespace(speculative=case.get("speculative", "auto"), ctx=4096, slots=case.get("slots", 8))
     e.weights_dtype, e.kv_dtype = case.get("weights", "int8"), np.dtype(case.get("kv", np.int8))
     e.buckets = Buckets.for_ctx(4096, slots=8)
