@@ -5069,7 +5069,7 @@ def _model_and_engine_flags(run: argparse.ArgumentParser, default: ServeConfig) 
     """What is served and how the engine runs it, and where the server listens."""
     run.add_argument("model", nargs="?", default=None,
                      help="a model id from models.json, a Hugging Face folder, or a GGUF file of a qwen2, qwen3, "
-                          "qwen3moe or qwen3next model (default: models.json's default)")
+                          "qwen3moe, qwen3next, qwen35 or qwen35moe model (default: models.json's default)")
     run.add_argument("--weights", metavar="PATH", help="the weights folder (overrides models.json), or random[:SEED]: "
                                                        "weights drawn at the id's real shape from the seed (default 0), "
                                                        "reading no weight file (benchmarks without the weights)")

@@ -70,9 +70,10 @@ class WorkerArgs:
     ctx: int = 4096
     cache_ram_mib: int = 0                # host memory for saved prompt states (MiB; 0 = off)
     prefix_cache: bool = True
-    chat_format: str | None = None        # "qwen3" | "qwen2.5"; None: from the model family
-    # weights dtype: "float32" | "bfloat16" | "int8" (weight-only, engine.weights); None or "auto":
-    # by platform (engine.model.weights_dtype_for)
+    chat_format: str | None = None        # one of engine.chat.FORMATS; None: from the model family
+    # weights dtype: one of engine.weights.WEIGHTS_DTYPES (float32, bfloat16, int8, fp8; random
+    # weights' block forms are drawn as a GGUF's and held as int8 names them); None or "auto": by
+    # platform (engine.model.weights_dtype_for)
     dtype: str | None = None
     kv_dtype: str | None = None           # the KV cache's dtype; None: by platform (kv_dtype_for)
     # Devices the model is split over (engine.sharding: tensor parallel), or "all" of the platform's.
