@@ -73,6 +73,8 @@ def verification_fits(rows: int, t: int, state_bytes: int) -> bool:
     """Whether a verification of rows x t tokens holds at most VERIFY_STATE_BYTES of states
     (state_bytes: one slot's, engine.memory.slot_state_bytes; 0 for a model without linear layers)."""
     return rows * t * state_bytes <= VERIFY_STATE_BYTES
+
+
 # Snapshots a slot keeps of its sequence's linear-layer state (hybrid models), besides the exact
 # state at its end. Each is every linear layer's recurrent and conv state (about 75 MiB for
 # Qwen3-Next-80B), held in host memory until the slot is saved to the host cache. Past this many,
@@ -83,9 +85,9 @@ SLOT_SNAPSHOTS = 4
 # ---- prompts read side by side --------------------------------------------------------------------
 
 # While rows decode, the prompts being read take at most this share of the device's time (Pace), so
-# a streaming answer keeps at least 1 - share of its speed beside long prompts (the target is 0.7x;
-# the host's work between calls is not counted, hence the margin).
-PREFILL_SHARE = 0.25
+# a streaming answer keeps about 1 - share of its speed beside long prompts (the target is 0.7x; the
+# host's work between calls is not counted, hence the margin: 0.25 kept 0.69x, docs/perf-log.md).
+PREFILL_SHARE = 0.2
 # Within a tenant, a prompt passed over this many times in a row reads next: the tenant's shorter
 # prompts arriving one after another slow its long prompt to one turn in MAX_PASSED + 1, never stop it.
 MAX_PASSED = 4
