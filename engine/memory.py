@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from engine import cpu
 from engine.checkpoint import FP8, MTP_PREFIX, MTP_TENSOR, Q8_0_BLOCK, Checkpoint
 from engine.config import ModelConfig
-from engine.scheduler import SLOT_SNAPSHOTS, VERIFY_MAX_ROWS, VERIFY_TOKENS, verification_fits
+from engine.scheduler import (SLOT_SNAPSHOTS, VERIFY_MAX_ROWS, VERIFY_STATE_COST, VERIFY_TOKENS,
+                              verification_fits)
 
 # Bytes per key or value element of each KV cache dtype (engine.attention.kv_dtype_for); an int8 cache adds
 # a float32 scale per position, KV head and key or value (engine.cache).
@@ -98,7 +99,7 @@ def drafting_bytes(cfg: ModelConfig, source, slots: int, speculative: str, weigh
     if speculative == "off" or weights_dtype != "int8":
         return 0, 0, 0
     state = slot_state_bytes(cfg)
-    states = max((rows * t * state for rows in range(1, min(slots, VERIFY_MAX_ROWS) + 1)
+    states = max((int(rows * t * state * VERIFY_STATE_COST) for rows in range(1, min(slots, VERIFY_MAX_ROWS) + 1)
                   for t in VERIFY_TOKENS if verification_fits(rows, t, state)), default=0)
     checkpoint = _checkpoint(source)
     if speculative not in ("auto", "mtp") or not checkpoint.has(MTP_TENSOR):
@@ -295,7 +296,7 @@ class Sizing:
             kv += (f"slot snapshots {self.slots} x {SLOT_SNAPSHOTS} x {self.state_per_slot} B = "
                    f"{self.snapshots / GIB:.2f} GiB, ")
         if self.verify_states:
-            kv += f"drafts' linear states {self.verify_states / GIB:.2f} GiB, "
+            kv += f"a verification's linear states {self.verify_states / GIB:.2f} GiB, "
         return (f"{where}: weights {self.weights / GIB:.2f} GiB + {kv}host cache "
                 f"{self.cache_ram_mib} MiB + runtime {RUNTIME_BYTES / GIB:.2f} GiB = "
                 f"{self.total / GIB:.2f} GiB; {have}")

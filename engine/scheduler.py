@@ -65,14 +65,19 @@ VERIFY_TOKENS = (4, 8)
 VERIFY_MAX_ROWS = 4
 # A hybrid model's verification holds its linear layers' state after every position of every row
 # until each row's kept one is chosen (engine.cache.keep_steps): rows x T slot states, 157 MB each
-# at Qwen3.8-27B's shape. Verifications whose states pass this are not built (the 27B keeps 1 x 4).
+# at Qwen3.8-27B's shape, and its run took the worker VERIFY_STATE_COST times that higher (the 27B's
+# 1 x 4: 0.63 GB of states, the peak 1.56 GB over the same start without drafting; docs/perf-log.md).
+# Verifications whose run would pass VERIFY_STATE_BYTES are not built: the 27B does not draft on a
+# CPU host, Qwen3-Next-80B verifies 1 x 4.
+VERIFY_STATE_COST = 2.5
 VERIFY_STATE_BYTES = 1 << 30
 
 
 def verification_fits(rows: int, t: int, state_bytes: int) -> bool:
-    """Whether a verification of rows x t tokens holds at most VERIFY_STATE_BYTES of states
-    (state_bytes: one slot's, engine.memory.slot_state_bytes; 0 for a model without linear layers)."""
-    return rows * t * state_bytes <= VERIFY_STATE_BYTES
+    """Whether a verification of rows x t tokens runs in at most VERIFY_STATE_BYTES beside its
+    states (state_bytes: one slot's, engine.memory.slot_state_bytes; 0 for a model without linear
+    layers)."""
+    return rows * t * state_bytes * VERIFY_STATE_COST <= VERIFY_STATE_BYTES
 
 
 # Snapshots a slot keeps of its sequence's linear-layer state (hybrid models), besides the exact

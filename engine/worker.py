@@ -388,7 +388,11 @@ class Engine:
                         and verification_fits(rows, t, memory.slot_state_bytes(cfg)))
             for rows in self.buckets.decode_rows if rows <= VERIFY_MAX_ROWS}
         shapes = {rows: ts for rows, ts in shapes.items() if ts}
-        off = why or (None if shapes else "no verification fits the context")
+        off = why or (None if shapes else
+                      "a verification's linear states would pass engine.scheduler.VERIFY_STATE_BYTES "
+                      f"({memory.slot_state_bytes(cfg) / 1e6:.0f} MB a position)"
+                      if not verification_fits(1, min(VERIFY_TOKENS), memory.slot_state_bytes(cfg)) else
+                      "no verification fits the context")
         return speculative.Speculator(off, shapes, ngram=args.speculative in ("auto", "ngram"),
                                       mtp=off is None and has_mtp and args.speculative in ("auto", "mtp"))
 
@@ -402,7 +406,8 @@ class Engine:
         why_not = ("" if spec.mtp else
                    "; no MTP drafts: --speculative ngram" if mode == "ngram" else
                    "; no MTP drafts: the checkpoint has no MTP layer (mtp.* tensors)")
-        return (f"drafts from {drafters}, {' or '.join(map(str, VERIFY_TOKENS))} tokens per row verified "
+        lengths = sorted({t for ts in spec.shapes.values() for t in ts})
+        return (f"drafts from {drafters}, {' or '.join(map(str, lengths))} tokens per row verified "
                 f"in one step, in batches of up to {max(spec.shapes)} rows, where measured to pay{why_not}")
 
     def programs(self) -> list[tuple[str, int, int]]:
