@@ -64,11 +64,10 @@ VERIFY_TOKENS = (4, 8)
 # tokens in products, and past 4 rows it could not pay on the CPUs measured (docs/performance.md).
 VERIFY_MAX_ROWS = 4
 # A hybrid model's verification holds its linear layers' state after every position of every row
-# until each row's kept one is chosen (engine.cache.keep_steps): rows x T slot states, 157 MB each
-# at Qwen3.8-27B's shape, and its run took the worker VERIFY_STATE_COST times that higher (the 27B's
-# 1 x 4: 0.63 GB of states, the peak 1.56 GB over the same start without drafting; docs/perf-log.md).
-# Verifications whose run would pass VERIFY_STATE_BYTES are not built: the 27B does not draft on a
-# CPU host, Qwen3-Next-80B verifies 1 x 4.
+# until each row's kept one is chosen (engine.cache.keep_steps): rows x T slot states, and its run
+# took the worker VERIFY_STATE_COST times that higher at its peak (measured on the 27B:
+# docs/perf-log.md). Verifications whose run would pass VERIFY_STATE_BYTES are not built: the 27B
+# does not draft on a CPU host, Qwen3-Next-80B verifies 1 x 4.
 VERIFY_STATE_COST = 2.5
 VERIFY_STATE_BYTES = 1 << 30
 
@@ -91,7 +90,7 @@ SLOT_SNAPSHOTS = 4
 
 # While rows decode, the prompts being read take at most this share of the device's time (Pace), so
 # a streaming answer keeps about 1 - share of its speed beside long prompts (the target is 0.7x; the
-# host's work between calls is not counted, hence the margin: 0.25 kept 0.69x, docs/perf-log.md).
+# host's work between calls is not counted, hence the margin: docs/perf-log.md).
 PREFILL_SHARE = 0.2
 # Within a tenant, a prompt passed over this many times in a row reads next: the tenant's shorter
 # prompts arriving one after another slow its long prompt to one turn in MAX_PASSED + 1, never stop it.

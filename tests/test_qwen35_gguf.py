@@ -26,6 +26,7 @@ from engine.config import load_config
 from engine.weights import PER_PART, held_note, load_weights
 from tests.test_gguf_file import _vocabulary
 from tests.test_hybrid import PARITY_ATOL as HYBRID_ATOL, QWEN3_8_ATOL, SLOTS, CTX, _run
+from tests.test_registry import add_tokenizer
 
 gguf = pytest.importorskip("gguf")
 
@@ -159,17 +160,7 @@ def add_metadata(w, config: dict, arch: str, blocks: int, vocab: int) -> None:
         w.add_expert_feed_forward_length(config["moe_intermediate_size"])
         w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     tokens, types, merges = _vocabulary(vocab)
-    ids = {t: i for i, t in enumerate(tokens)}
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen35")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(ids["<|endoftext|>"])
-    w.add_eos_token_id(ids["<|im_end|>"])
-    w.add_pad_token_id(ids["<|endoftext|>"])
-    w.add_add_bos_token(False)
-    w.add_chat_template(QWEN38_TEMPLATE)
+    add_tokenizer(w, tokens, types, merges, QWEN38_TEMPLATE, pre="qwen35")
 
 
 def iq4_nl_blocks(values: np.ndarray) -> np.ndarray:

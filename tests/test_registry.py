@@ -245,12 +245,13 @@ CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_e
 
 
 def add_tokenizer(w, tokens: list[str], types: list[int], merges: list[str],
-                  template: str | None = CHATML) -> None:
-    """A Qwen-style byte-level BPE tokenizer and chat template (ChatML) in a GGUF writer's metadata, as
-    llama.cpp's converter writes them (the specials <|endoftext|> and <|im_end|> among the tokens)."""
+                  template: str | None = CHATML, pre: str = "qwen2") -> None:
+    """A Qwen-style byte-level BPE tokenizer (its pre-tokenizer named `pre`: "qwen35" for Qwen3.5's)
+    and chat template (ChatML) in a GGUF writer's metadata, as llama.cpp's converter writes them (the
+    specials <|endoftext|> and <|im_end|> among the tokens)."""
     ids = {t: i for i, t in enumerate(tokens)}
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)

@@ -165,17 +165,9 @@ def add_metadata(w, cfg: dict, layers: int, mtp: bool) -> None:
     w.add_rope_dimension_sections(ROPE_SECTIONS)
     if mtp:
         w.add_nextn_predict_layers(1)
-    tokens, types, merges, named = vocabulary(cfg["vocab_size"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen35")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(named["bos"])
-    w.add_eos_token_id(named["eos"])
-    w.add_pad_token_id(named["pad"])
-    w.add_add_bos_token(False)
-    w.add_chat_template(TEMPLATE.read_text())
+    from tests.test_registry import add_tokenizer
+    tokens, types, merges, _ = vocabulary(cfg["vocab_size"])
+    add_tokenizer(w, tokens, types, merges, TEMPLATE.read_text(), pre="qwen35")
 
 
 def write(path: Path, layers: int | None, seed: int, mtp: bool) -> None:
