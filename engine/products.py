@@ -216,6 +216,36 @@ def _wide_dot(flat, values, wide=None):
                            preferred_element_type=F32)
 
 
+# The most of a matrix widened at once for a prefill chunk's dot (bfloat16 bytes): a larger matrix is
+# widened and multiplied in parts of whole 16-output blocks, one after another, so a program holds
+# one part's copy, not the whole matrix's (the 27B's gate_up: 356 MB in bfloat16). At the 27B's
+# layer shapes a 512-token chunk's temporaries went from 488 to 251 MB, its time unchanged
+# (docs/perf-log.md); the demo's layers stay whole.
+WIDEN_PART_BYTES = 64 << 20
+
+
+def _widened_dot(flat, held: dict, widen):
+    """flat [rows, in] times a matrix whose held arrays (`held`: each with the matrix's 16-output
+    blocks along its first axis) widen(held, after) widens to bfloat16 [out, in]: one dot per part
+    of at most WIDEN_PART_BYTES, each part's widening tied to the part before it (`after`), so XLA
+    neither hoists nor overlaps them. Each output is its own row's dot, whichever part holds it."""
+    blocks = next(iter(held.values())).shape[0]
+    per_block = native.LANES * flat.shape[-1] * 2
+    step = max(1, min(blocks, WIDEN_PART_BYTES // per_block))
+    if step >= blocks:
+        return _wide_dot(flat, widen(held, flat))
+    outs, after = [], flat
+    for start in range(0, blocks, step):
+        # The part's start made from `after` (a run-time 0 added), so XLA cannot slice every part of
+        # every matrix at the program's start (a copy of the weights).
+        bits = lax.bitcast_convert_type(after.reshape(-1)[0], jnp.int32)
+        at = start + jnp.minimum(lax.shift_right_logical(bits, 31), 0)
+        part = {k: lax.dynamic_slice_in_dim(v, at, min(step, blocks - start), axis=0) for k, v in held.items()}
+        outs.append(_wide_dot(flat, widen(part, after)))
+        after = outs[-1]
+    return jnp.concatenate(outs, axis=-1)
+
+
 def _int8_matmul(flat, w):
     """flat [rows, in] float32 times int8 weights in the plain layout -> [rows, out]."""
     q, scale = w["q"], w["scale"]
@@ -247,7 +277,7 @@ def _int8_packed_matmul(flat, w):
     q, scale = w["q"], w["scale"]
     if flat.shape[0] <= INT8_ROWS_MAX_ROWS:
         return native.int8_matmul(flat, q, scale)
-    return _wide_dot(flat, native.widen(q, after=flat)) * scale
+    return _widened_dot(flat, {"q": q}, lambda part, after: native.widen(part["q"], after=after)) * scale
 
 
 def _q5_0_matmul(flat, w):
@@ -255,21 +285,21 @@ def _q5_0_matmul(flat, w):
     XLA's dot."""
     if flat.shape[0] <= INT8_ROWS_MAX_ROWS:
         return native.int5_matmul(flat, w)
-    return _wide_dot(flat, native.widen5(w, after=flat))
+    return _widened_dot(flat, w, lambda part, after: native.widen5(part, after=after))
 
 
 def _q8_0_matmul(flat, w):
     """As _q5_0_matmul, for Q8_0 blocks."""
     if flat.shape[0] <= INT8_ROWS_MAX_ROWS:
         return native.q8_matmul(flat, w)
-    return _wide_dot(flat, native.widen8(w, after=flat))
+    return _widened_dot(flat, w, lambda part, after: native.widen8(part, after=after))
 
 
 def _k_matmul(flat, w):
     """As _q5_0_matmul, for K-quant blocks."""
     if flat.shape[0] <= INT8_ROWS_MAX_ROWS:
         return native.k_matmul(flat, w)
-    return _wide_dot(flat, native.widen_k(w, after=flat))
+    return _widened_dot(flat, w, lambda part, after: native.widen_k(part, after=after))
 
 
 _S_KINDS = ("iq4_nl", "iq4_xs", "iq3_s", "q3_k")          # engine.native.pack_s's
@@ -279,7 +309,7 @@ def _s_matmul(flat, w):
     """As _q5_0_matmul, for scaled-level blocks (IQ4_NL, IQ4_XS, IQ3_S, Q3_K)."""
     if flat.shape[0] <= INT8_ROWS_MAX_ROWS:
         return native.s_matmul(flat, w)
-    return _wide_dot(flat, native.widen_s(w, after=flat))
+    return _widened_dot(flat, w, lambda part, after: native.widen_s(part, after=after))
 
 
 def fp8_values(w, dtype):

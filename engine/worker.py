@@ -502,7 +502,11 @@ class Engine:
         rows as soon as it is compiled (the decode programs run in _sampler_programs)."""
         programs, done = self.programs(), [0]
 
+        # Each compile's and first run's freed heap is handed back at once: glibc kept it, and the
+        # 27B's worker grew 2.1 GB over its ready size through its start (to 21.2 GB on a 24 GB host;
+        # docs/perf-log.md).
         def compiled() -> None:
+            memory.release_free_heap()
             done[0] += 1
             self.progress("compile", min(done[0], total - 1), total)
 
@@ -511,11 +515,20 @@ class Engine:
             if kind == "prefill":
                 _, self.cache = jit_forward(*self._model_call(rows, t), cfg=self.cfg)
                 jax.block_until_ready(self.cache)
+                memory.release_free_heap()
 
+        # Where the memory holds one compile at a time, the first runs wait for the compiles too: the
+        # 27B's 512-token chunk run beside the decode program's compile took its worker 2 GB over
+        # its ready size.
+        threads = compile_threads(self.cfg.num_layers)
+        beside = threads >= (os.cpu_count() or 1)
         _compile_together([(jit_forward, self._model_call(rows, t),
                             {"cfg": self.cfg, **self._program_options(kind)})
-                           for kind, rows, t in programs], compiled, then=first_run,
-                          threads=compile_threads(self.cfg.num_layers))
+                           for kind, rows, t in programs], compiled, then=first_run if beside else None,
+                          threads=threads)
+        if not beside:
+            for i in range(len(programs)):
+                first_run(i)
 
     @device_call
     def _sampler_programs(self) -> list[tuple]:

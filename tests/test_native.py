@@ -624,6 +624,37 @@ def test_products_multiply_scaled_level_blocks_in_their_own_form(kind, int8_max_
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
 
 
+@needs_kernel
+@pytest.mark.parametrize("form", ["int8", "Q4_K", "IQ4_XS"])
+def test_a_prefill_chunk_widens_a_large_matrix_in_parts_with_the_same_products(form, monkeypatch):
+    """Guards products.WIDEN_PART_BYTES' parts: a matrix widened and multiplied part by part (5
+    blocks of 16 outputs in parts of 2, 2 and 1) gives every output the bits of the whole matrix's
+    product, and the parts are really three widenings."""
+    monkeypatch.setattr(products, "INT8_ROWS_MAX_ROWS", 0)
+    rng = np.random.default_rng(11)
+    n, k = 5 * native.LANES, 512
+    if form == "int8":
+        held = {"q": native.pack(_offset_weights(rng, n, k)), "scale": rng.random(n, dtype=np.float32)}
+        call = "mashbox_int8_widen"
+    elif form == "Q4_K":
+        held, call = _k_held(form, random_k_blocks(rng, form, n, k)), "mashbox_q4k_widen"
+    else:
+        held, call = _s_held(form, random_s_blocks(rng, form, n, k)), "mashbox_iq4xs_widen"
+    held = {key: jnp.asarray(v) for key, v in held.items()}
+    x = jnp.asarray(rng.standard_normal((3, k)).astype(np.float32))
+
+    def product():
+        f = jax.jit(lambda x, w: products.matmul(x, w))        # a new function: traced again
+        return np.asarray(f(x, held)), f.lower(x, held).as_text().count(call)
+
+    whole, widenings = product()
+    assert widenings == 1
+    monkeypatch.setattr(products, "WIDEN_PART_BYTES", 2 * native.LANES * k * 2)
+    parts, widenings = product()
+    assert widenings == 3
+    np.testing.assert_array_equal(parts.view(np.uint32), whole.view(np.uint32))
+
+
 def test_packed_layout_round_trips_and_reads_rows():
     """Guards against pack, unpack and packed_rows disagreeing about where element [n, k] lives."""
     q = _offset_weights(np.random.default_rng(0), 48, 20)
