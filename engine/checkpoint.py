@@ -102,6 +102,83 @@ def k_quant_parts(kind: str, blocks: np.ndarray) -> dict:
             "d": np.ascontiguousarray(blocks[..., 208:210]).view(np.float16)[..., 0]}
 
 
+def _uint8(values) -> np.ndarray:
+    return np.asarray(values, np.uint8)
+
+
+def s_block_parts(kind: str, blocks: np.ndarray) -> dict:
+    """A GGUF's scaled-level blocks uint8 [rows, n, engine.native.S_BYTES[kind]] -> {codes uint8 [rows,
+    n span], d float16 [rows, n], and but for IQ4_NL sc int8 [rows, n span / sub]}, each per row
+    (engine.native.pack_s's arguments); w = d sc S_LEVELS[kind][code]:
+      IQ4_NL (18 bytes per 32 inputs): d; 16 bytes of codes, input i's in byte i's low nibble, input
+        16 + i's in its high.
+      IQ4_XS (136 bytes per 256): d; the 8 sub-blocks' 6-bit scales ls (sc = ls - 32), their top two
+        bits in a little-endian uint16 (2 per sub-block), their low four in 4 bytes (low nibble
+        first); 128 bytes of codes, 16 per 32 inputs as IQ4_NL's.
+      IQ3_S (110 bytes per 256): d; 64 grid indices' low 8 bits and 8 bytes of their ninth (bit i of
+        byte k: index 8k + i), each index 4 inputs' magnitudes in gguf's grid of 512 (odd 1..15);
+        32 bytes of signs (bit i of byte k: input 8k + i negative); 4 bytes of 4-bit scales s, low
+        nibble first (sc = 1 + 2 s). Each input's code is (its signed magnitude + 15) / 2.
+      Q3_K (110 bytes per 256): 32 bytes of the levels' third bits (bit m of byte i: input 32 m + i),
+        64 of their low two bits (bits 2c of byte 32 h + i: input 128 h + 32 c + i), 12 bytes of 16
+        6-bit scales (sc = s - 32: the low four bits of scale j in byte j % 8, nibble j // 8; the top
+        two in byte 8 + j % 4, bits 2 (j // 4)), d last. code = the level + 4.
+    IQ3_S's grid is gguf's own (gguf.quants), imported here: these blocks come from a GGUF."""
+    from engine.native import S_BYTES, S_SPAN
+    if kind not in S_BYTES:
+        raise ValueError(f"scaled-level blocks: no form for {kind!r} (one of {', '.join(S_BYTES)})")
+    if blocks.ndim != 3 or blocks.shape[-1] != S_BYTES[kind]:
+        raise ValueError(f"scaled-level blocks: {kind} blocks are [rows, n, {S_BYTES[kind]}] bytes, got "
+                         f"{list(blocks.shape)}")
+    rows, n, _ = blocks.shape
+    at = 108 if kind == "Q3_K" else 0
+    d = np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0]
+    parts = {"d": d, **_S_PARSERS[kind](blocks, rows, n)}
+    parts["codes"] = np.ascontiguousarray(parts["codes"].reshape(rows, n * S_SPAN[kind]).astype(np.uint8))
+    if "sc" in parts:
+        parts["sc"] = np.ascontiguousarray(parts["sc"].reshape(rows, -1).astype(np.int8))
+    return parts
+
+
+def _iq4_nl_parts(blocks, rows, n):
+    qs = blocks[..., 2:18].reshape(rows, n, 1, 16)
+    return {"codes": (qs >> _uint8([0, 4]).reshape(2, 1)) & 15}
+
+
+def _iq4_xs_parts(blocks, rows, n):
+    top = np.ascontiguousarray(blocks[..., 2:4]).view("<u2")                      # [rows, n, 1]
+    j = np.arange(8)
+    ls = ((blocks[..., 4 + j // 2] >> _uint8(4 * (j % 2))) & 15) | (((top >> (2 * j).astype(np.uint16)) & 3) << 4)
+    qs = blocks[..., 8:136].reshape(rows, n, 8, 1, 16)
+    return {"codes": (qs >> _uint8([0, 4]).reshape(2, 1)) & 15, "sc": ls.astype(np.int16) - 32}
+
+
+def _iq3_s_parts(blocks, rows, n):
+    from gguf.quants import IQ3_S
+    IQ3_S.init_grid()
+    grid = IQ3_S.grid.reshape(512, 4).astype(np.int8)                              # odd 1..15
+    k = np.arange(64)
+    ninth = (blocks[..., 66 + k // 8] >> _uint8(k % 8)) & 1
+    magnitudes = grid[blocks[..., 2:66].astype(np.int16) | (ninth.astype(np.int16) << 8)].reshape(rows, n, 256)
+    i = np.arange(256)
+    negative = (blocks[..., 74 + i // 8] >> _uint8(i % 8)) & 1
+    j = np.arange(8)
+    s = (blocks[..., 106 + j // 2] >> _uint8(4 * (j % 2))) & 15
+    return {"codes": (np.where(negative == 1, -magnitudes, magnitudes) + 15) // 2, "sc": 1 + 2 * s.astype(np.int16)}
+
+
+def _q3_k_parts(blocks, rows, n):
+    low = (blocks[..., 32:96].reshape(rows, n, 2, 1, 32) >> _uint8([0, 2, 4, 6]).reshape(4, 1)) & 3
+    third = (blocks[..., 0:32].reshape(rows, n, 1, 1, 32) >> _uint8(np.arange(8)).reshape(2, 4, 1)) & 1
+    j = np.arange(16)
+    s = ((blocks[..., 96 + j % 8] >> _uint8(4 * (j // 8))) & 15) | (
+        ((blocks[..., 104 + j % 4] >> _uint8(2 * (j // 4))) & 3) << 4)
+    return {"codes": low | (third << 2), "sc": s.astype(np.int16) - 32}
+
+
+_S_PARSERS = {"IQ4_NL": _iq4_nl_parts, "IQ4_XS": _iq4_xs_parts, "IQ3_S": _iq3_s_parts, "Q3_K": _q3_k_parts}
+
+
 # ---- llama.cpp's tensor names ---------------------------------------------------------------------
 
 # GGUF tensor name (blk.N. prefix removed) -> HF name (model.layers.N. prefix added), for the qwen2,
@@ -951,13 +1028,13 @@ class Checkpoint:
 
     def s_quant(self, name: str, rows: slice | None = None) -> dict:
         """A GGUF tensor stored as IQ4_NL, IQ4_XS, IQ3_S or Q3_K [rows, cols] -> its blocks' own numbers per
-        row, for weights held as the file has them (engine.native.pack_s): engine.native.s_block_parts;
+        row, for weights held as the file has them (engine.native.pack_s): s_block_parts;
         rows: only those."""
         from engine import native
         kind = self.formats.get(name)
         if kind not in native.S_BYTES or self.kind != "gguf":
             raise WeightsError(f"tensor {name} is not stored as one of {', '.join(native.S_BYTES)}")
-        parts = native.s_block_parts(kind, self._block_rows(name, native.S_BYTES[kind], rows))
+        parts = s_block_parts(kind, self._block_rows(name, native.S_BYTES[kind], rows))
         self._release(name)
         return parts
 

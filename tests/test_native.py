@@ -11,6 +11,7 @@ import pytest
 
 from engine import cpu, model, native, products, registry, sampler, weights
 from engine.cache import init_cache
+from engine.checkpoint import s_block_parts
 from engine.config import load_config
 from engine.weights import held_key, load_weights
 from tests.test_int8 import _logits
@@ -523,7 +524,7 @@ def test_s_block_parts_are_the_blocks_own_numbers(kind):
     numbers than gguf's own decoder gives, bit for bit: (d sc) level[code], d at float16's extremes
     and all-zero blocks included."""
     raw = random_s_blocks(np.random.default_rng(1), kind, 16, 512, extremes=True)
-    parts = native.s_block_parts(kind, raw)
+    parts = s_block_parts(kind, raw)
     span, sub = native.S_SPAN[kind], native.S_SUB[kind]
     assert parts["codes"].max() < len(native.S_LEVELS[kind])
     d = np.repeat(parts["d"].astype(np.float32), span // sub, axis=1)
@@ -538,17 +539,17 @@ def test_s_block_parts_are_the_blocks_own_numbers(kind):
 def test_s_block_parts_and_pack_s_name_a_wrong_size_or_type():
     """Bad input is a clear error naming the block type and its size, not an index error deep in numpy."""
     with pytest.raises(ValueError, match=r"IQ4_XS blocks are \[rows, n, 136\]"):
-        native.s_block_parts("IQ4_XS", np.zeros((2, 1, 110), np.uint8))
+        s_block_parts("IQ4_XS", np.zeros((2, 1, 110), np.uint8))
     with pytest.raises(ValueError, match="no form for 'IQ2_S'"):
-        native.s_block_parts("IQ2_S", np.zeros((2, 1, 82), np.uint8))
-    parts = native.s_block_parts("Q3_K", np.zeros((8, 1, 110), np.uint8))
+        s_block_parts("IQ2_S", np.zeros((2, 1, 82), np.uint8))
+    parts = s_block_parts("Q3_K", np.zeros((8, 1, 110), np.uint8))
     with pytest.raises(ValueError, match=r"Q3_K codes are \[N, K\] with N a multiple of 16 and K of 256, "
                                          r"got \[8, 256\]"):
         native.pack_s("Q3_K", **parts)
 
 
 def _s_held(kind, raw):
-    return native.pack_s(kind, **native.s_block_parts(kind, raw))
+    return native.pack_s(kind, **s_block_parts(kind, raw))
 
 
 @pytest.mark.parametrize("kind", S_KINDS)
@@ -563,7 +564,7 @@ def test_s_matmul_is_each_spans_exact_product_times_its_scales(kernel, kind, n, 
     scale (rounded once) is added to the float32 sum (a fused multiply-add)."""
     rng = np.random.default_rng(n + k + rows)
     raw = random_s_blocks(rng, kind, n, k)
-    parts = native.s_block_parts(kind, raw)
+    parts = s_block_parts(kind, raw)
     x = (rng.standard_normal((rows, k)) * rng.choice([1e-3, 1, 50], (rows, 1))).astype(np.float32)
     if k > 256:
         x[-1, :256] = 0                                # a zero span

@@ -421,7 +421,7 @@ FILE_BITS = {"Q5_0": 5.5, "Q8_0": 8.5, "Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625,
 def _block_form(rng, kind: str, n: int, k: int) -> dict:
     """An [n, k] matrix of random blocks of `kind` in the kernel's form, on the device."""
     from engine import native
-    from engine.checkpoint import k_quant_parts
+    from engine.checkpoint import k_quant_parts, s_block_parts
     from tests.test_native import random_k_blocks, random_s_blocks
 
     if kind == "int8":
@@ -435,7 +435,7 @@ def _block_form(rng, kind: str, n: int, k: int) -> dict:
     elif kind in native.K_SUB:
         held = native.pack_k(kind, **k_quant_parts(kind, random_k_blocks(rng, kind, n, k)))
     else:
-        held = native.pack_s(kind, **native.s_block_parts(kind, random_s_blocks(rng, kind, n, k)))
+        held = native.pack_s(kind, **s_block_parts(kind, random_s_blocks(rng, kind, n, k)))
     return jax.tree_util.tree_map(jnp.asarray, held)
 
 
