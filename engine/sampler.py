@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine import native
+from engine.products import tree_sum
 from engine.protocol import Sampling
 
 # A temperature below this is treated as greedy; dividing by it would overflow float32.
@@ -154,8 +155,8 @@ def _bisected_thresholds(probs, p: RowParams, k):
     """(top-k threshold, top-p threshold) per row [B, 1], by bisection over the whole vocabulary."""
     t_k = _threshold(probs, lambda m: jnp.sum(m, axis=-1, keepdims=True, dtype=jnp.float32), k)
     kept = jnp.where(probs >= t_k, probs, 0.0)
-    mass = jnp.sum(kept, axis=-1, keepdims=True)
-    t_p = _threshold(kept, lambda m: jnp.sum(jnp.where(m, kept, 0.0), axis=-1, keepdims=True),
+    mass = row_sum(kept)
+    t_p = _threshold(kept, lambda m: row_sum(jnp.where(m, kept, 0.0)),
                      jnp.minimum(p.top_p[:, None], 1.0) * mass * (1 - TOP_P_ROUNDING))
     return t_k, t_p
 
@@ -169,7 +170,7 @@ def _candidate_thresholds(probs, p: RowParams, k):
     t_k = jnp.take_along_axis(top, jnp.clip(k.astype(jnp.int32) - 1, 0, n - 1), axis=-1)
     top_k_on = p.top_k[:, None] > 0
     t_k = jnp.where(top_k_on, t_k, 0.0)
-    mass = jnp.sum(jnp.where(probs >= t_k, probs, 0.0), axis=-1, keepdims=True)
+    mass = row_sum(jnp.where(probs >= t_k, probs, 0.0))
     kept = jnp.where(top >= t_k, top, 0.0)
     target = jnp.minimum(p.top_p[:, None], 1.0) * mass * (1 - TOP_P_ROUNDING)
     cut = jnp.sum(jnp.cumsum(kept, axis=-1) < target, axis=-1, keepdims=True)
@@ -228,14 +229,31 @@ def _last_positive(x):
     return n - 1 - jnp.argmax(x[..., ::-1] > 0, axis=-1)
 
 
-def _inverse_cdf(probs, u):
-    """The first token whose running sum of probs [B, V] (>= 0) passes u [B, 1] in [0, mass): the
-    draw of a uniform u times the row's mass. Never a token of probability 0."""
-    b, vocab = probs.shape
+def _block_sums(x):
+    """x [B, V] -> [B, ceil(V / DRAW_BLOCK)]: each block of DRAW_BLOCK tokens summed in
+    products.tree_sum's fixed order (zeros pad the last block)."""
+    b, vocab = x.shape
     blocks = -(-vocab // DRAW_BLOCK)
+    return tree_sum(jnp.pad(x, ((0, 0), (0, blocks * DRAW_BLOCK - vocab))).reshape(b, blocks, DRAW_BLOCK))[..., 0]
+
+
+def row_sum(x):
+    """x [B, V] summed over V, [B, 1], in one order whatever the rows beside it: its blocks' sums
+    (_block_sums), then theirs by tree_sum. XLA's reduce orders a row's sum by the batch (a 152k-token
+    row's probabilities summed an ulp apart from 4 rows on), and a seeded draw whose uniform falls
+    within that of a token's edge took the other token in a verification of drafts or a batch than
+    alone."""
+    return tree_sum(_block_sums(x))
+
+
+def _inverse_cdf(probs, mass, u):
+    """The first token whose running sum of probs [B, V] (>= 0) passes u [B, 1] in [0, total): the
+    draw of a uniform u times the row's total. mass: _block_sums(probs). Never a token of
+    probability 0."""
+    b, vocab = probs.shape
+    blocks = mass.shape[-1]
     probs = jnp.pad(probs, ((0, 0), (0, blocks * DRAW_BLOCK - vocab))).reshape(b, blocks, DRAW_BLOCK)
-    mass = jnp.sum(probs, axis=-1)                                        # [B, blocks]
-    ends = jnp.cumsum(mass, axis=-1)
+    ends = jnp.cumsum(mass, axis=-1)                 # a running sum's order is the row's own
     # The block the draw falls in: the first whose running sum passes u (a block of no mass never
     # does). Rounding may put u past the last sum: then the last block with mass.
     block = jnp.minimum(jnp.sum(ends <= u, axis=-1), _last_positive(mass))
@@ -248,13 +266,17 @@ def _inverse_cdf(probs, u):
 
 def _draw(logits, p: RowParams, filtered: bool, native_kernel: bool):
     """Sampled tokens for every row: filters (when some row has one), then inverse-CDF with one
-    uniform per row."""
+    uniform per row. Every sum in one order per row (row_sum), so a seeded row draws the same token
+    alone, in a batch or in a verification of drafts."""
     temperature = jnp.maximum(p.temperature, MIN_TEMPERATURE)[:, None]
-    probs = jax.nn.softmax(logits / temperature, axis=-1)
+    scaled = logits / temperature
+    e = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
+    probs = e / row_sum(e)
     if filtered:
         probs = jnp.where(filter_mask(probs, p, native_kernel), probs, 0.0)
-    u = jax.vmap(_uniform)(p.key, p.step)[:, None] * jnp.sum(probs, axis=-1, keepdims=True)
-    return _inverse_cdf(probs, u)
+    mass = _block_sums(probs)
+    u = jax.vmap(_uniform)(p.key, p.step)[:, None] * tree_sum(mass)
+    return _inverse_cdf(probs, mass, u)
 
 
 def _allowed_only(logits: jax.Array, bits: jax.Array) -> jax.Array:
