@@ -240,9 +240,9 @@ def _block_sums(x):
 def row_sum(x):
     """x [B, V] summed over V, [B, 1], in one order whatever the rows beside it: its blocks' sums
     (_block_sums), then theirs by tree_sum. XLA's reduce orders a row's sum by the batch (a 152k-token
-    row's probabilities summed an ulp apart from 4 rows on), and a seeded draw whose uniform falls
-    within that of a token's edge took the other token in a verification of drafts or a batch than
-    alone."""
+    row's softmax, summed in one program with it, came out an ulp apart from 2 rows on), and a seeded
+    draw whose uniform falls within that of a token's edge would take the other token in a
+    verification of drafts or a batch than alone."""
     return tree_sum(_block_sums(x))
 
 

@@ -499,7 +499,8 @@ class Engine:
     @device_call
     def _compile_model_programs(self, total: int) -> None:
         """The warm-up's model programs, compiled together; each prefill program runs once on idle
-        rows as soon as it is compiled (the decode programs run in _sampler_programs)."""
+        rows as soon as it is compiled, or after them all where the memory holds one compile at a
+        time (the decode programs run in _sampler_programs)."""
         programs, done = self.programs(), [0]
 
         # Each compile's and first run's freed heap is handed back at once: glibc kept it, and the
