@@ -286,9 +286,8 @@ def _delta_step(q, k, v, decay, beta, state, zero):
     [B, H, dk, dv]; zero a run-time 0 (engine.products.rounded). Every product is rounded before it
     is summed. The per-head inputs are made once first: fused into the state's loops, a decode
     step computed each (the decay's exp, the conv, the norms) again for every element of the state
-    it scales, 128 times over (the 27B's layer shapes: a decode step took 1.6x a verification of 4
-    tokens, which makes them once, before its loop). The decay and beta ride with v: the identity's
-    dot runs over each head's own values, never over the heads, which a mesh splits."""
+    it scales (docs/perf-log.md, "The Gated DeltaNet decode step"). The decay and beta ride with v:
+    the identity's dot runs over each head's own values, never over the heads, which a mesh splits."""
     q, k = _materialized(q), _materialized(k)
     vdb = _materialized(jnp.concatenate([v, decay[..., None], beta[..., None]], axis=-1))
     v, decay, beta = vdb[..., :-2], vdb[..., -2], vdb[..., -1]
@@ -360,7 +359,7 @@ def _delta_chunked(q, k, v, g, beta, state):
 
     # The chunks' outputs are a carry made from this layer's values (every chunk overwrites its
     # own), not a loop's stacked outputs: those start as zeros XLA made at the program's start, every
-    # linear layer's at once (a 512-token chunk of the 27B: 48 x 12.6 MB held throughout).
+    # linear layer's at once, all held throughout the program.
     state, out = lax.fori_loop(0, n, step, (state, xs[0] * 0.0))           # out [n, B, H, c, dv]
     out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * c, -1)[:, :, :t]
     return jnp.moveaxis(out, 1, 2), state

@@ -218,9 +218,8 @@ def _wide_dot(flat, values, wide=None):
 
 # The most of a matrix widened at once for a prefill chunk's dot (bfloat16 bytes): a larger matrix is
 # widened and multiplied in parts of whole 16-output blocks, one after another, so a program holds
-# one part's copy, not the whole matrix's (the 27B's gate_up: 356 MB in bfloat16). At the 27B's
-# layer shapes a 512-token chunk's temporaries went from 488 to 251 MB, its time unchanged
-# (docs/perf-log.md); the demo's layers stay whole.
+# one part's copy, not the whole matrix's (the 27B's gate_up is 356 MB in bfloat16; measured in
+# docs/perf-log.md, "The 27B's start"); the demo's layers stay whole.
 WIDEN_PART_BYTES = 64 << 20
 
 

@@ -503,9 +503,9 @@ class Engine:
         time (the decode programs run in _sampler_programs)."""
         programs, done = self.programs(), [0]
 
-        # Each compile's and first run's freed heap is handed back at once: glibc kept it, and the
-        # 27B's worker grew 2.1 GB over its ready size through its start (to 21.2 GB on a 24 GB host;
-        # docs/perf-log.md).
+        # Each compile's and first run's freed heap is handed back at once: glibc keeps it, and a
+        # large model's worker grew by gigabytes over its ready size through its start
+        # (docs/perf-log.md, "The 27B's start").
         def compiled() -> None:
             memory.release_free_heap()
             done[0] += 1
@@ -518,9 +518,8 @@ class Engine:
                 jax.block_until_ready(self.cache)
                 memory.release_free_heap()
 
-        # Where the memory holds one compile at a time, the first runs wait for the compiles too: the
-        # 27B's 512-token chunk run beside the decode program's compile took its worker 2 GB over
-        # its ready size.
+        # Where the memory holds one compile at a time, the first runs wait for the compiles too: a
+        # long chunk's first run beside the next compile holds both programs' memory at once.
         threads = compile_threads(self.cfg.num_layers)
         beside = threads >= (os.cpu_count() or 1)
         _compile_together([(jit_forward, self._model_call(rows, t),
