@@ -111,8 +111,7 @@ def _rope_tables(positions, cfg: ModelConfig):
     inv_freq, scale = rope_frequencies(cfg)
     angles = positions.astype(F32)[:, :, None, None] * inv_freq          # [B, T, 1, rot/2]
     tables = jnp.concatenate([jnp.cos(angles), jnp.sin(angles)], axis=-1) * scale
-    tables = jnp.einsum("btij,jk->btik", tables, jnp.eye(tables.shape[-1], dtype=F32),
-                        precision=jax.lax.Precision.HIGHEST)
+    tables = _materialized(tables)
     return tuple(jnp.split(tables, 2, axis=-1))
 
 
