@@ -3317,6 +3317,8 @@ class EngineLog:
         log.info("deployment %s, components %s", f.deployment_id, f.component_set_sha)
         if f.speculative:
             log.info("speculative decoding %s", f.speculative)
+        if f.same_answer:
+            log.info("same answer: %s", f.same_answer)
         if not self.grammar_said and (f.grammar or f.grammar_off):
             self.grammar_said = True
             if f.grammar:

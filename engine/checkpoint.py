@@ -1151,9 +1151,9 @@ RANDOM_DT_RANGE = (1e-3, 1e-1)
 _K_LEVELS = {"Q4_K": 16, "Q5_K": 32, "Q6_K": 64}
 _K_SUB_INPUTS = {"Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
 _SCALE_LOW, _SCALE_SPAN = 32, 32
-_LAYER_MATRIX = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj\.weight|mlp\.(experts\.\d+\.|shared_expert\.)?"
-                           r"(gate|up|down)_proj\.weight|mlp\.experts\.(gate_up|down)_proj|"
-                           r"linear_attn\.(in_proj_\w+|out_proj)\.weight)")
+_LAYER_MATRIX = re.compile(r"(model|mtp)\.layers\.\d+\.(self_attn\.[qkvo]_proj\.weight|mlp\.(experts\.\d+\.|"
+                           r"shared_expert\.)?(gate|up|down)_proj\.weight|mlp\.experts\.(gate_up|down)_proj|"
+                           r"linear_attn\.(in_proj_\w+|out_proj)\.weight)|mtp\.fc\.weight")
 _ENDS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -1191,13 +1191,28 @@ def model_tensors(cfg) -> dict[str, tuple[int, ...]]:
     out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (v, h)
-    for i, (kind, mlp) in enumerate(zip(cfg.layer_kinds, cfg.mlp_kinds or ("dense",) * cfg.num_layers)):
-        p = f"model.layers.{i}."
-        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
-        out.update(_linear_tensors(cfg, p + "linear_attn.") if kind == "linear" else
-                   _attention_tensors(cfg, p + "self_attn.", kind == "gated_attention"))
-        out.update(_expert_tensors(cfg, p + "mlp.") if mlp == "moe" else
-                   _swiglu_tensors(p + "mlp.", cfg.intermediate_size, h))
+    mlps = cfg.mlp_kinds or ("dense",) * cfg.num_layers
+    for i, (kind, mlp) in enumerate(zip(cfg.layer_kinds, mlps)):
+        out.update(_layer_tensors(cfg, f"model.layers.{i}.", kind, mlp))
+    if cfg.mtp_layers:
+        # The MTP module (engine.weights: _Loader.mtp): fc over the normed embedding and hidden state
+        # side by side, their norms, decoder layers laid out as the trunk's full-attention ones with
+        # its last layer's MLP, and a final norm.
+        out.update({"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
+                    "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)})
+        kind = next(k for k in cfg.layer_kinds if k != "linear")
+        for j in range(cfg.mtp_layers):
+            out.update(_layer_tensors(cfg, f"mtp.layers.{j}.", kind, mlps[-1]))
+    return out
+
+
+def _layer_tensors(cfg, p: str, kind: str, mlp: str) -> dict:
+    h = cfg.hidden_size
+    out = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+    out.update(_linear_tensors(cfg, p + "linear_attn.") if kind == "linear" else
+               _attention_tensors(cfg, p + "self_attn.", kind == "gated_attention"))
+    out.update(_expert_tensors(cfg, p + "mlp.") if mlp == "moe" else
+               _swiglu_tensors(p + "mlp.", cfg.intermediate_size, h))
     return out
 
 

@@ -70,6 +70,7 @@ MAX_HEAD_DIM = 1024
 MAX_EXPERTS = 4096
 MAX_POSITIONS = 1 << 24
 MAX_CONV_KERNEL = 64                    # the Gated DeltaNet's convolution (Qwen's: 4)
+MAX_MTP_LAYERS = 16                     # MTP modules past the trunk (Qwen3.5's and Qwen3-Next's: 1)
 # Every integer key read, and its bound (int_problem).
 INT_LIMITS = {
     "num_hidden_layers": MAX_LAYERS, "full_attention_interval": MAX_LAYERS, "decoder_sparse_step": MAX_LAYERS,
@@ -79,7 +80,7 @@ INT_LIMITS = {
     "linear_num_value_heads": MAX_HEADS, "head_dim": MAX_HEAD_DIM, "linear_key_head_dim": MAX_HEAD_DIM,
     "linear_value_head_dim": MAX_HEAD_DIM, "num_experts": MAX_EXPERTS, "num_experts_per_tok": MAX_EXPERTS,
     "max_position_embeddings": MAX_POSITIONS, "original_max_position_embeddings": MAX_POSITIONS,
-    "linear_conv_kernel_dim": MAX_CONV_KERNEL}
+    "linear_conv_kernel_dim": MAX_CONV_KERNEL, "mtp_num_hidden_layers": MAX_MTP_LAYERS}
 
 
 class ConfigError(ValueError):
@@ -139,6 +140,10 @@ class ModelConfig:
     linear_key_dim: int = 0
     linear_value_dim: int = 0
     linear_conv_kernel: int = 0
+    # Decoder layers of the MTP module past the trunk (mtp_num_hidden_layers; 0: none stated): what a
+    # random checkpoint draws under mtp.* (engine.checkpoint.model_tensors). Whether a checkpoint
+    # holds the module is its own fact (engine.checkpoint.MTP_TENSOR): the drafter reads the first.
+    mtp_layers: int = 0
     # Devices of the tensor-parallel mesh the programs are traced for (engine.sharding.Layout sets
     # it; not from config.json): the routed experts run per device (expert parallelism) when > 1.
     devices: int = 1
@@ -369,7 +374,8 @@ def _hybrid(raw: dict) -> dict:
             "linear_value_dim": _int(raw, "linear_value_head_dim",
                                      DEFAULT_NEXT_LINEAR["linear_value_head_dim"]),
             "linear_conv_kernel": _int(raw, "linear_conv_kernel_dim",
-                                       DEFAULT_NEXT_LINEAR["linear_conv_kernel_dim"])}
+                                       DEFAULT_NEXT_LINEAR["linear_conv_kernel_dim"]),
+            "mtp_layers": _int(raw, "mtp_num_hidden_layers") if raw.get("mtp_num_hidden_layers", 0) != 0 else 0}
 
 
 def _rotary_dim(raw: dict, model_type: str, head_dim: int) -> int:

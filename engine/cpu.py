@@ -48,6 +48,8 @@ INT8_KV_FLAGS = INT8_DOT_FLAGS | {"avx2", "asimddp"}
 # shifted to uint8 (engine.products.int8_product). avx_vnni alone has no such kernel (only a slow
 # portable one).
 UINT8_DOT_FLAGS = frozenset({"avx512_vnni", "amx_int8"})
+# Intel's matrix units (AMX): XLA:CPU's bfloat16 dot runs on their tiles.
+AMX_FLAGS = frozenset({"amx_bf16", "amx_int8", "amx_tile"})
 
 
 @lru_cache(maxsize=1)
@@ -69,6 +71,10 @@ def has_bf16_dot() -> bool:
 
 def has_uint8_dot() -> bool:
     return bool(flags() & UINT8_DOT_FLAGS)
+
+
+def has_amx() -> bool:
+    return bool(flags() & AMX_FLAGS)
 
 
 def auto_weights_dtype() -> str:

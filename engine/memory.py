@@ -95,10 +95,11 @@ def drafting_bytes(cfg: ModelConfig, source, slots: int, speculative: str, weigh
     run: (its MTP layer's weights, its KV cache per position of a slot, the largest verification's
     linear states: engine.scheduler.verification_fits), each 0 where it does not apply. Drafting
     runs only on int8 weights (a GGUF's blocks among them) under the native kernel (the worker decides
-    at start, engine.worker: Engine._speculator): the plan counts it there unless --speculative off."""
-    if speculative == "off" or weights_dtype != "int8":
-        return 0, 0, 0
+    at start, engine.worker: Engine._speculator): the plan counts it there unless --speculative off or
+    no verification's states fit (Qwen3.8-27B: drafting is off)."""
     state = slot_state_bytes(cfg)
+    if speculative == "off" or weights_dtype != "int8" or not verification_fits(1, min(VERIFY_TOKENS), state):
+        return 0, 0, 0
     states = max((int(rows * t * state * VERIFY_STATE_COST) for rows in range(1, min(slots, VERIFY_MAX_ROWS) + 1)
                   for t in VERIFY_TOKENS if verification_fits(rows, t, state)), default=0)
     checkpoint = _checkpoint(source)

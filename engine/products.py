@@ -57,6 +57,13 @@ SUMMED_PRODUCT_MAX_ROWS = 128
 # bfloat16 dot products the widened dot already wins at 128 rows.
 CPU_HAS_BF16 = cpu.has_bf16_dot()
 INT8_ROWS_MAX_ROWS = 64 if CPU_HAS_BF16 else SUMMED_PRODUCT_MAX_ROWS
+# A prefill chunk past INT8_ROWS_MAX_ROWS rows through engine.native's kernel too, where its integer
+# products beat XLA's widened bfloat16 dot: the AVX-512 VNNI tier on a CPU without AMX (a 2-core Zen 4
+# EPYC: the demo's 128-, 512- and 2048-token chunks 1.46x, 1.27x and 1.02x as fast, the 27B's Q4_K
+# layers 1.36x at 128 and the same at 512, with smaller programs; docs/perf-log.md, "Prefill through
+# the kernel"). A row's products are then the decode step's whatever the chunk holds. With AMX, XLA's
+# bfloat16 dot runs on its tiles, which the kernel does not use: there longer chunks stay widened.
+PREFILL_BY_KERNEL = native.tier() == "avx512_vnni" and not cpu.has_amx()
 # Whether the integer products take the uint8 x int8 form, or (no VNNI) int8 x int8. Read while
 # tracing; tests compare both forms.
 UINT8_DOT = cpu.has_uint8_dot()
@@ -267,36 +274,41 @@ def _int8_matmul(flat, w):
     return _wide_dot(flat, int8_values(q)) * scale
 
 
+def kernel_takes(rows: int) -> bool:
+    """Whether the kernel's own product serves this many rows (else widened for XLA's dot)."""
+    return PREFILL_BY_KERNEL or rows <= INT8_ROWS_MAX_ROWS
+
+
 def _int8_packed_matmul(flat, w):
-    """The kernel's product for a few rows: it makes the ROW_TERMS terms, multiplies and scales them
+    """The kernel's product (kernel_takes): it makes the ROW_TERMS terms, multiplies and scales them
     in one call, streaming the weights at the memory's speed (YNNPACK's integer kernels are
-    compute-bound there). A prefill chunk takes the weights widened by the kernel's second pass
-    (XLA's transpose of the packed layout was slower), which reads the input first for the same
+    compute-bound there). A longer chunk elsewhere takes the weights widened by the kernel's second
+    pass (XLA's transpose of the packed layout was slower), which reads the input first for the same
     reason as _int8_matmul's zero."""
     q, scale = w["q"], w["scale"]
-    if flat.shape[0] <= INT8_ROWS_MAX_ROWS:
+    if kernel_takes(flat.shape[0]):
         return native.int8_matmul(flat, q, scale)
     return _widened_dot(flat, {"q": q}, lambda part, after: native.widen(part["q"], after=after)) * scale
 
 
 def _q5_0_matmul(flat, w):
-    """The kernel's own product for a few rows, else the blocks' values (scales applied) widened for
+    """The kernel's own product (kernel_takes), else the blocks' values (scales applied) widened for
     XLA's dot."""
-    if flat.shape[0] <= INT8_ROWS_MAX_ROWS:
+    if kernel_takes(flat.shape[0]):
         return native.int5_matmul(flat, w)
     return _widened_dot(flat, w, lambda part, after: native.widen5(part, after=after))
 
 
 def _q8_0_matmul(flat, w):
     """As _q5_0_matmul, for Q8_0 blocks."""
-    if flat.shape[0] <= INT8_ROWS_MAX_ROWS:
+    if kernel_takes(flat.shape[0]):
         return native.q8_matmul(flat, w)
     return _widened_dot(flat, w, lambda part, after: native.widen8(part, after=after))
 
 
 def _k_matmul(flat, w):
     """As _q5_0_matmul, for K-quant blocks."""
-    if flat.shape[0] <= INT8_ROWS_MAX_ROWS:
+    if kernel_takes(flat.shape[0]):
         return native.k_matmul(flat, w)
     return _widened_dot(flat, w, lambda part, after: native.widen_k(part, after=after))
 
@@ -306,7 +318,7 @@ _S_KINDS = ("iq4_nl", "iq4_xs", "iq3_s", "q3_k")          # engine.native.pack_s
 
 def _s_matmul(flat, w):
     """As _q5_0_matmul, for scaled-level blocks (IQ4_NL, IQ4_XS, IQ3_S, Q3_K)."""
-    if flat.shape[0] <= INT8_ROWS_MAX_ROWS:
+    if kernel_takes(flat.shape[0]):
         return native.s_matmul(flat, w)
     return _widened_dot(flat, w, lambda part, after: native.widen_s(part, after=after))
 

@@ -127,6 +127,9 @@ class ModelFacts:
     # Speculative decoding (engine.speculative): what it verifies, or "off: why"; "" from a worker
     # that does not say (the test fake).
     speculative: str = ""
+    # Whether the same request gets the same answer (rows, drafting, chunks and the prompt cache),
+    # and where not, why; "" from a worker that does not say (the test fake).
+    same_answer: str = ""
 
 
 @dataclass

@@ -37,7 +37,7 @@ from engine.cache import (copy_prefix, has_state, host_block, init_cache, keep_s
                           read_slot, read_state, warm_host_copies, warm_state_copies, write_slot,
                           write_state)
 from engine.config import CHAT_FORMAT, check_weights_dtype, load_config
-from engine.attention import NATIVE_ATTENTION_MAX_TOKENS, kv_dtype_for
+from engine.attention import INT8_ATTENTION_MAX_ROWS, NATIVE_ATTENTION_MAX_TOKENS, kv_dtype_for
 from engine.model import dtype_for, jit_draft, jit_forward, weights_dtype_for
 from engine.moe import routed_report
 from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Note, Ready, Shutdown, Stats, Step,
@@ -360,7 +360,7 @@ class Engine:
             certification=self.certification, certification_detail=self.certification_detail,
             grammar=self.grammars.version, grammar_off=self.grammars.off or "",
             kernel=f"native {native.tier()}" if cfg.native else "xla",
-            speculative=self._speculative_fact())
+            speculative=self._speculative_fact(), same_answer=self._same_answer_fact())
 
 
     def _speculator(self, has_mtp: bool) -> speculative.Speculator:
@@ -371,17 +371,9 @@ class Engine:
         cfg, args = self.cfg, self.args
         if args.speculative not in speculative.MODES:
             raise ValueError(f"speculative: must be one of {speculative.MODES}, got {args.speculative!r}")
-        why = ("--speculative off" if args.speculative == "off" else
-               "the native kernel does not serve this model" if not cfg.native else
-               f"{self.weights_dtype} weights' products are not the same per position whatever the "
-               "rows beside them (int8 and block weights' integer products are)"
-               if self.weights_dtype != "int8" else
-               "the KV cache is not int8 (the kernel's attention reads int8)" if self.kv_dtype != np.int8 else
-               f"a decode step of every slot ({args.slots} rows) is past the {products.INT8_ROWS_MAX_ROWS} "
-               "rows whose products are the same per row whatever the rows beside it"
-               if args.slots > products.INT8_ROWS_MAX_ROWS else
-               "--speculative mtp: the checkpoint has no MTP layer (mtp.* tensors)"
-               if args.speculative == "mtp" and not has_mtp else None)
+        why = ("--speculative off" if args.speculative == "off" else self._rows_apart_why() or
+               ("--speculative mtp: the checkpoint has no MTP layer (mtp.* tensors)"
+                if args.speculative == "mtp" and not has_mtp else None))
         shapes = {} if why else {
             rows: tuple(t for t in VERIFY_TOKENS if rows * t <= products.INT8_ROWS_MAX_ROWS
                         and t <= NATIVE_ATTENTION_MAX_TOKENS and t < args.ctx
@@ -395,6 +387,46 @@ class Engine:
                       "no verification fits the context")
         return speculative.Speculator(off, shapes, ngram=args.speculative in ("auto", "ngram"),
                                       mtp=off is None and has_mtp and args.speculative in ("auto", "mtp"))
+
+    def _rows_apart_why(self) -> str | None:
+        """Why a decode step's rows could get other numbers than each alone (None: they cannot):
+        what drafting's exactness and the same-answer guarantee rest on."""
+        cfg, args = self.cfg, self.args
+        return ("the native kernel does not serve this model" if not cfg.native else
+                f"{self.weights_dtype} weights' products are not the same per position whatever the "
+                "rows beside them (int8 and block weights' integer products are)"
+                if self.weights_dtype != "int8" else
+                "the KV cache is not int8 (the kernel's attention reads int8)" if self.kv_dtype != np.int8 else
+                f"a decode step of every slot ({args.slots} rows) is past the {products.INT8_ROWS_MAX_ROWS} "
+                "rows whose products are the same per row whatever the rows beside it"
+                if args.slots > products.INT8_ROWS_MAX_ROWS else None)
+
+    def _same_answer_fact(self) -> str:
+        """Whether the same request gets the same answer, as the start-up log says it: a row's numbers
+        apart from the rows beside it and from drafting (decode steps, verifications), a prompt's
+        apart from the chunks it was read in (cold, or its prefix from a cache), and where not, why."""
+        apart = self._rows_apart_why()
+        if apart:
+            return (f"not guaranteed: {apart}, so a row's numbers can depend on the rows beside it, "
+                    "drafting and the chunks its prompt was read in")
+        cfg, group = self.cfg, self.cfg.num_heads // self.cfg.num_kv_heads
+        chunks = ("prefill chunks past "
+                  f"{products.INT8_ROWS_MAX_ROWS} rows are widened for XLA's bfloat16 dot on this CPU"
+                  if not products.PREFILL_BY_KERNEL else
+                  "its shorter chunks' attention multiplies integers, its longer ones XLA's widened dot"
+                  if len({group * t <= INT8_ATTENTION_MAX_ROWS for t in self.buckets.chunks}) > 1 else
+                  "its Gated DeltaNet layers sum a chunk in sub-chunks set by its length"
+                  if "linear" in cfg.layer_kinds else
+                  f"its routers score a chunk past {products.INT8_ROWS_MAX_ROWS} rows with XLA's dot"
+                  if "moe" in cfg.mlp_kinds else None)
+        rows = ("a row's numbers are the same whatever the rows beside it and with drafting on or off, "
+                "and a seeded draw depends on the seed and the position only")
+        if chunks is None:
+            return (f"guaranteed: {rows}; a prompt reads into the same cache in any of the server's chunks, "
+                    "cold or cached (positions a decode step wrote hold its numbers, which a cold read of "
+                    "the same text can differ from in the last bits)")
+        return (f"{rows}; a prompt's cached keys and values can differ in their last bits from a cold "
+                f"read in other chunks ({chunks}), so an answer can depend on what the cache held")
 
     def _speculative_fact(self) -> str:
         """Drafting as Health and the start-up log say it: which drafters run, and why the others do not."""

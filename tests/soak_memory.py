@@ -10,7 +10,8 @@ unless --url names a running one, then for --minutes sends rounds of (Traffic.ro
             back to the recorded start past AGENT_MAX_CHARS: growing conversations that come back
   sweeps    one-off Chat prompts of 2k-8k tokens (this repository's source), never repeated
   replays   every recorded generation request of every client, resent as it was (cache hits)
-  batches   4 short Chat requests with a tool at once (the 4-row decode batch)
+  batches   4 short Chat requests with a tool at once (the 4-row decode batch), two of them forced
+            calls (tool_choice required and named: the call grammar)
   cancels   an 18,859-token stream closed mid-prefill, and a stream closed mid-decode
 Answers are cut to a few tokens: prefill, the cache copies and the decode batches are what is driven.
 At the end every open connection is closed (the server cancels them) and the worker is let go idle.
@@ -65,6 +66,8 @@ AGENTS = ("claude-code", "codex", "pi")
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+# The batch's four requests: two free to answer in text, two forced calls (the call grammar's state).
+TOOL_CHOICES = ("auto", "required", "auto", {"type": "function", "function": {"name": "get_weather"}})
 
 
 def int8_host_worker(conn, args) -> None:
@@ -279,9 +282,11 @@ class Traffic:
                     (self.recorded[f"{name}/default"][-1], 0)
             if not self.running():
                 break
-            self.together([(self.send, ("batch", "/v1/chat/completions", {
+            self.together([(self.send, (f"batch {choice if isinstance(choice, str) else 'named'}",
+                                        "/v1/chat/completions", {
                 "messages": [{"role": "user", "content": f"What is the weather in {city}? Then a haiku."}],
-                "tools": TOOLS, "max_tokens": 48}), {}) for city in ("Paris", "Lima", "Oslo", "Hanoi")])
+                "tools": TOOLS, "tool_choice": choice, "max_tokens": 48}), {})
+                for city, choice in zip(("Paris", "Lima", "Oslo", "Hanoi"), TOOL_CHOICES)])
             name, r = self.rng.choice(every)
             self.together([(self.request, (f"replay {name}", r), {"stream": self.rng.random() < 0.5})])
             if not self.running():

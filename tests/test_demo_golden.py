@@ -172,3 +172,45 @@ def test_demo_facts_name_the_gguf_its_bits_and_what_is_held(engine, engine_int8,
     assert 2.5 < engine.facts.gb < 2.55
     low, high = (0.51, 0.54) if native.available() else (0.6, 0.65)
     assert low < engine_int8.facts.gb < high
+
+
+def test_a_prompt_reads_into_the_same_cache_in_any_chunks(engine_int8):
+    """Guards products.PREFILL_BY_KERNEL: where the kernel multiplies every prefill chunk, a prompt's
+    keys, values and last logits are the same bits whether it is read whole, in chunks of 64 or 32
+    (the demo's shortest: every chunk's attention takes the same path, engine.attention), or split
+    unevenly (a prefix from the cache, then the rest): a cached prompt is a cold one."""
+    import jax
+    from engine import products
+    from engine.cache import init_cache
+    from engine.model import jit_forward
+    if not (products.PREFILL_BY_KERNEL and engine_int8.cfg.native):
+        pytest.skip("the kernel takes only short chunks on this CPU (products.PREFILL_BY_KERNEL)")
+    tokens = np.random.default_rng(3).integers(0, 20_000, (1, 256)).astype(np.int32)
+    read = {}
+    for chunks in ((256,), (64,) * 4, (32,) * 8, (100, 156)):
+        cache = init_cache(engine_int8.cfg, 1, 256, engine_int8.kv_dtype)
+        at = 0
+        for n in chunks:
+            logits, cache = jit_forward(engine_int8.params, cache, tokens[:, at:at + n], np.zeros(1, np.int32),
+                                        np.full(1, at, np.int32), np.full(1, n, np.int32), cfg=engine_int8.cfg)
+            at += n
+        read[chunks] = [np.asarray(a) for a in [logits, *jax.tree.leaves(cache)]]
+    whole = read.pop((256,))
+    for chunks, arrays in read.items():
+        for got, want in zip(arrays, whole):
+            np.testing.assert_array_equal(got, want, err_msg=f"chunks {chunks}")
+
+
+def test_the_log_says_whether_the_same_request_gets_the_same_answer(engine, engine_int8):
+    """Guards the start-up's same-answer line (Worker._same_answer_fact): guaranteed where every
+    path is row-exact and chunk-exact (int8 weights through the kernel, which takes every prefill
+    chunk), not where float32 weights' products depend on the rows beside them, with that reason."""
+    from engine import products
+    assert engine.facts.same_answer.startswith("not guaranteed: float32 weights' products are not the same")
+    if not engine_int8.cfg.native:
+        assert "the native kernel does not serve this model" in engine_int8.facts.same_answer
+    elif products.PREFILL_BY_KERNEL:
+        assert engine_int8.facts.same_answer.startswith("guaranteed: a row's numbers are the same")
+        assert "the same cache in any of the server's chunks, cold or cached" in engine_int8.facts.same_answer
+    else:
+        assert "widened for XLA's bfloat16 dot" in engine_int8.facts.same_answer

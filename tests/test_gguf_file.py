@@ -267,6 +267,7 @@ def test_k_quant_matrices_are_held_in_their_blocks_and_compute_their_values(cach
     import jax
     if int8_max_rows is not None:
         monkeypatch.setattr(products, "INT8_ROWS_MAX_ROWS", int8_max_rows)
+        monkeypatch.setattr(products, "PREFILL_BY_KERNEL", products.PREFILL_BY_KERNEL and bool(int8_max_rows))
         monkeypatch.setattr(model, "_jit_layer", jax.jit(lambda *a, **k: model._layer(*a, **k),
                                                          static_argnames=model.LAYER_STATIC_ARGNAMES))
     folder = registry.prepare(registry.resolve(str(write_k_quant_gguf(cache / "Tiny-K.gguf"))))

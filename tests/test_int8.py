@@ -60,6 +60,7 @@ def test_int8_logits_stay_close_to_float32_and_keep_the_greedy_tokens(name, int8
     cfg = load_config(folder)
     tokens = np.asarray(load_file(os.path.join(folder, "reference.safetensors"))["tokens"])
     monkeypatch.setattr(products, "INT8_ROWS_MAX_ROWS", int8_max_rows)
+    monkeypatch.setattr(products, "PREFILL_BY_KERNEL", products.PREFILL_BY_KERNEL and bool(int8_max_rows))
     # fresh functions (the forward and its layers), so jit traces them again with the patched constant
     forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
     monkeypatch.setattr(model, "_jit_layer", jax.jit(lambda *a, **k: model._layer(*a, **k),

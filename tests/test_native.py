@@ -615,6 +615,7 @@ def test_products_multiply_scaled_level_blocks_in_their_own_form(kind, int8_max_
     shape, multiplied by the kernel's product for a few rows or widened for a prefill chunk's dot
     (int8_max_rows 0), either way within rounding of the blocks' values in float32."""
     monkeypatch.setattr(products, "INT8_ROWS_MAX_ROWS", int8_max_rows)
+    monkeypatch.setattr(products, "PREFILL_BY_KERNEL", products.PREFILL_BY_KERNEL and bool(int8_max_rows))
     raw = random_s_blocks(np.random.default_rng(5), kind, 48, 512)
     held = _s_held(kind, raw)
     assert products.weight_kind(held) == kind.lower() and native.s_shape(held) == (48, 512)
@@ -632,6 +633,7 @@ def test_a_prefill_chunk_widens_a_large_matrix_in_parts_with_the_same_products(f
     blocks of 16 outputs in parts of 2, 2 and 1) gives every output the bits of the whole matrix's
     product, and the parts are really three widenings."""
     monkeypatch.setattr(products, "INT8_ROWS_MAX_ROWS", 0)
+    monkeypatch.setattr(products, "PREFILL_BY_KERNEL", False)
     rng = np.random.default_rng(11)
     n, k = 5 * native.LANES, 512
     if form == "int8":
@@ -680,6 +682,7 @@ def test_packed_weights_give_the_plain_layouts_logits(name, int8_max_rows, monke
     from safetensors.numpy import load_file
     monkeypatch.setattr(weights, "OFFSET_INT8", True)
     monkeypatch.setattr(products, "INT8_ROWS_MAX_ROWS", int8_max_rows)
+    monkeypatch.setattr(products, "PREFILL_BY_KERNEL", products.PREFILL_BY_KERNEL and bool(int8_max_rows))
     folder = os.path.join(TINY, name)
     cfg = load_config(folder)
     tokens = np.asarray(load_file(os.path.join(folder, "reference.safetensors"))["tokens"])[:24]
@@ -707,6 +710,7 @@ def test_a_ggufs_q5_0_matrices_are_held_at_5_bits_and_compute_their_values(tiny_
     same weights in float32."""
     monkeypatch.setattr(weights, "OFFSET_INT8", True)
     monkeypatch.setattr(products, "INT8_ROWS_MAX_ROWS", int8_max_rows)
+    monkeypatch.setattr(products, "PREFILL_BY_KERNEL", products.PREFILL_BY_KERNEL and bool(int8_max_rows))
     forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
     monkeypatch.setattr(model, "_jit_layer", jax.jit(lambda *a, **k: model._layer(*a, **k),
                                                      static_argnames=model.LAYER_STATIC_ARGNAMES))
@@ -745,6 +749,7 @@ def test_a_ggufs_q8_0_head_is_held_in_its_blocks_and_computes_its_values(tiny_de
     as Q8_0; and the Q8_0 path (the kernel's product, or the widened weights of a prefill chunk when
     int8_max_rows is 0), or its held copy, computing other logits than the file's values in float32."""
     monkeypatch.setattr(products, "INT8_ROWS_MAX_ROWS", int8_max_rows)
+    monkeypatch.setattr(products, "PREFILL_BY_KERNEL", products.PREFILL_BY_KERNEL and bool(int8_max_rows))
     forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
     spec, _, _ = tiny_demo
     folder = registry.prepare(spec)
@@ -950,6 +955,7 @@ def test_prefill_widens_each_layers_weights_only_when_its_product_is_next(pack, 
     params = load_weights(str(tmp_path), cfg, "int8", pack=pack)
     assert native.is_packed(params["layers"][0]["gate_up"]["q"]) == pack
     monkeypatch.setattr(products, "INT8_ROWS_MAX_ROWS", 0)        # every chunk takes the wide product
+    monkeypatch.setattr(products, "PREFILL_BY_KERNEL", False)
     forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
     monkeypatch.setattr(model, "_jit_layer", jax.jit(lambda *a, **k: model._layer(*a, **k),
                                                      static_argnames=model.LAYER_STATIC_ARGNAMES))

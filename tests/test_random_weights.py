@@ -82,10 +82,18 @@ def test_random_weights_are_the_same_for_a_seed_whatever_rows_are_read_and_diffe
 
 def test_random_weights_have_the_real_shapes_and_the_form_named():
     """Guards against a random checkpoint that is not the model's (names, shapes) or not in the form
-    asked for: Q4_K blocks for every layer projection and the head, as a GGUF of it would hold."""
+    asked for: Q4_K blocks for every layer projection and the head, as a GGUF of it would hold, and
+    the MTP module's 15 tensors beside the trunk, as the published checkpoint has them (the drafter
+    reads them: tests/bench/bench_mtp_cost.py)."""
     cfg = config_from_dict(registry.load_models()["models"][BIG]["config"])
     ck = random_checkpoint(cfg, 0, "q4_k")
-    assert len(ck.shapes) == 851                       # Qwen3.8-27B's text model tensors
+    mtp = {name for name in ck.shapes if name.startswith("mtp.")}
+    assert len(ck.shapes) - len(mtp) == 851             # Qwen3.8-27B's text model tensors
+    assert len(mtp) == 15 and ck.has(checkpoint.MTP_TENSOR)
+    assert ck.shapes["mtp.fc.weight"] == (5120, 10240) and ck.formats["mtp.fc.weight"] == "Q4_K"
+    assert ck.shapes["mtp.layers.0.self_attn.q_proj.weight"] == (2 * 24 * 256, 5120)   # gated, as the trunk's
+    assert ck.shapes["mtp.layers.0.mlp.down_proj.weight"] == (5120, 17408)
+    assert ck.formats["mtp.norm.weight"] == "F32" and not ck.get("mtp.norm.weight").any()   # 1 + w: neutral
     assert ck.shapes["model.layers.3.self_attn.q_proj.weight"] == (2 * 24 * 256, 5120)
     assert ck.shapes["model.layers.0.linear_attn.in_proj_qkv.weight"] == (2 * 16 * 128 + 48 * 128, 5120)
     assert ck.shapes["model.layers.0.linear_attn.conv1d.weight"] == (10240, 1, 4)
