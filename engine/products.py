@@ -58,11 +58,10 @@ SUMMED_PRODUCT_MAX_ROWS = 128
 CPU_HAS_BF16 = cpu.has_bf16_dot()
 INT8_ROWS_MAX_ROWS = 64 if CPU_HAS_BF16 else SUMMED_PRODUCT_MAX_ROWS
 # A prefill chunk past INT8_ROWS_MAX_ROWS rows through engine.native's kernel too, where its integer
-# products beat XLA's widened bfloat16 dot: the AVX-512 VNNI tier on a CPU without AMX (a 2-core Zen 4
-# EPYC: the demo's 128-, 512- and 2048-token chunks 1.46x, 1.27x and 1.02x as fast, the 27B's Q4_K
-# layers 1.36x at 128 and the same at 512, with smaller programs; docs/perf-log.md, "Prefill through
-# the kernel"). A row's products are then the decode step's whatever the chunk holds. With AMX, XLA's
-# bfloat16 dot runs on its tiles, which the kernel does not use: there longer chunks stay widened.
+# products beat XLA's widened bfloat16 dot (and make smaller programs): the AVX-512 VNNI tier on a CPU
+# without AMX (measured on a Zen 4 EPYC: docs/perf-log.md, "Prefill through the kernel"). A row's
+# products are then the decode step's whatever the chunk holds. With AMX, XLA's bfloat16 dot runs on
+# its tiles, which the kernel does not use: there longer chunks stay widened.
 PREFILL_BY_KERNEL = native.tier() == "avx512_vnni" and not cpu.has_amx()
 # Whether the integer products take the uint8 x int8 form, or (no VNNI) int8 x int8. Read while
 # tracing; tests compare both forms.

@@ -220,3 +220,31 @@ def test_the_mtp_cache_follows_its_slots_tokens_through_the_prompt_cache_and_a_r
     _always_draft(monkeypatch, again)
     assert _conversations(again, seeds[::-1]) == {seed: want[seed] for seed in seeds[::-1]}
     assert again.speculator.verifications["mtp"] > 0 and again.compiles_after_ready() == 0
+
+
+def test_a_ggufs_nextn_block_drafts_and_gives_the_output_without_drafting(tmp_path, monkeypatch):
+    """Guards the GGUF route to the drafter: a qwen35 GGUF written the converter's way keeps the MTP
+    module as its block past the trunk (nextn.*); served with --speculative mtp its layer is loaded
+    and drafts every round (nearly all rejected: the tiny layer is random), and the tokens are those
+    of the same file with drafting off, greedy and seeded."""
+    from engine import registry
+    from engine.worker import Engine, WorkerArgs
+    from tests.test_qwen35_gguf import write_qwen35_gguf
+    from tests.test_speculative import _prompts
+    monkeypatch.setenv(registry.ENV_CACHE, str(tmp_path / "cache"))
+    folder = str(registry.prepare(registry.resolve(str(write_qwen35_gguf("qwen3-8", tmp_path / "Tiny-3.8.gguf")))))
+
+    def engine(mode: str) -> Engine:
+        return Engine(WorkerArgs("tiny-gguf", folder, slots=2, ctx=256, prefill_chunks=(8, 32), dtype="int8",
+                                 kv_dtype="int8", speculative=mode, compile_cache=None))
+    on, off = engine("mtp"), engine("off")
+    if on.speculator.off:
+        pytest.skip(f"drafting is off here: {on.speculator.off}")
+    assert on.speculator.mtp and "mtp" in on.params
+    _always_draft(monkeypatch, on)
+    prompts = _prompts()
+    for sampling in (Sampling(), Sampling(temperature=0.8, top_k=20, seed=11)):
+        want = {rid: r["tokens"] for rid, r in _runs(off, prompts, sampling, "g").items()}
+        before = on.speculator.drafted["mtp"]
+        assert {rid: r["tokens"] for rid, r in _runs(on, prompts, sampling, "g").items()} == want
+        assert on.speculator.drafted["mtp"] > before
