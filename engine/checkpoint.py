@@ -1191,18 +1191,25 @@ def model_tensors(cfg) -> dict[str, tuple[int, ...]]:
     out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (v, h)
-    mlps = cfg.mlp_kinds or ("dense",) * cfg.num_layers
-    for i, (kind, mlp) in enumerate(zip(cfg.layer_kinds, mlps)):
+    for i, (kind, mlp) in enumerate(zip(cfg.layer_kinds, cfg.mlp_kinds or ("dense",) * cfg.num_layers)):
         out.update(_layer_tensors(cfg, f"model.layers.{i}.", kind, mlp))
-    if cfg.mtp_layers:
-        # The MTP module (engine.weights: _Loader.mtp): fc over the normed embedding and hidden state
-        # side by side, their norms, decoder layers laid out as the trunk's full-attention ones with
-        # its last layer's MLP, and a final norm.
-        out.update({"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
-                    "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)})
-        kind = next(k for k in cfg.layer_kinds if k != "linear")
-        for j in range(cfg.mtp_layers):
-            out.update(_layer_tensors(cfg, f"mtp.layers.{j}.", kind, mlps[-1]))
+    return out
+
+
+def mtp_tensors(cfg) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the MTP module past the trunk that cfg states (mtp_layers; engine.weights:
+    _Loader.mtp reads it): fc over the normed embedding and hidden state side by side, their norms,
+    decoder layers laid out as the trunk's full-attention ones with its last layer's MLP, and a final
+    norm. What a random checkpoint draws beside model_tensors; optional in a real one (a quantization
+    may drop it: drafting is then off), so the start-up's shape check does not ask for it."""
+    kind = next((k for k in cfg.layer_kinds if k != "linear"), None)
+    if not cfg.mtp_layers or kind is None:
+        return {}
+    h = cfg.hidden_size
+    out = {"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
+           "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)}
+    for j in range(cfg.mtp_layers):
+        out.update(_layer_tensors(cfg, f"mtp.layers.{j}.", kind, (cfg.mlp_kinds or ("dense",))[-1]))
     return out
 
 
@@ -1280,7 +1287,7 @@ class RandomSource:
         if form not in RANDOM_FORMATS:
             raise WeightsError(f"random weights' form {form!r} is not one of {', '.join(RANDOM_FORMATS)}")
         self.cfg, self.seed, self.form = cfg, int(seed), form
-        self.shapes = model_tensors(cfg)
+        self.shapes = {**model_tensors(cfg), **mtp_tensors(cfg)}
         self.formats = {name: random_format(name, shape, form) for name, shape in self.shapes.items()}
         self.name = f"random:{self.seed} ({RANDOM_FORMATS[form]})"
         weights = sum(int(np.prod(shape)) for shape in self.shapes.values())

@@ -141,7 +141,7 @@ class ModelConfig:
     linear_value_dim: int = 0
     linear_conv_kernel: int = 0
     # Decoder layers of the MTP module past the trunk (mtp_num_hidden_layers; 0: none stated): what a
-    # random checkpoint draws under mtp.* (engine.checkpoint.model_tensors). Whether a checkpoint
+    # random checkpoint draws under mtp.* (engine.checkpoint.mtp_tensors). Whether a checkpoint
     # holds the module is its own fact (engine.checkpoint.MTP_TENSOR): the drafter reads the first.
     mtp_layers: int = 0
     # Devices of the tensor-parallel mesh the programs are traced for (engine.sharding.Layout sets

@@ -407,8 +407,8 @@ class Engine:
         apart from the chunks it was read in (cold, or its prefix from a cache), and where not, why."""
         apart = self._rows_apart_why()
         if apart:
-            return (f"not guaranteed: {apart}, so a row's numbers can depend on the rows beside it, "
-                    "drafting and the chunks its prompt was read in")
+            return (f"not guaranteed: {apart}, so a row's numbers can depend on the rows beside it and "
+                    "on the chunks its prompt was read in")
         cfg, group = self.cfg, self.cfg.num_heads // self.cfg.num_kv_heads
         chunks = ("prefill chunks past "
                   f"{products.INT8_ROWS_MAX_ROWS} rows are widened for XLA's bfloat16 dot on this CPU"

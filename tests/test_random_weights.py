@@ -250,3 +250,18 @@ def test_a_served_random_model_answers_a_chat_request_and_says_what_it_holds():
         assert "random weights, not certified" in raw.decode()
     finally:
         server.stop()
+
+
+def test_the_plan_counts_the_mtp_drafter_only_where_a_verification_fits():
+    """Guards memory.drafting_bytes: Qwen3.8-27B's random checkpoint holds its MTP module, but at 64
+    layers no verification's linear states fit (the worker does not draft), so the plan counts
+    nothing for it; cut to 16 layers it verifies, and the plan counts the MTP layer's weights, its
+    KV cache and the verification's states."""
+    base = registry.load_models()["models"][BIG]["config"]
+    full = config_from_dict(base)
+    assert random_checkpoint(full, 0, "q4_k").has(checkpoint.MTP_TENSOR)
+    assert memory.drafting_bytes(full, random_checkpoint(full, 0, "q4_k"), 1, "auto", "int8") == (0, 0, 0)
+    cut = config_from_dict({**base, "num_hidden_layers": 16})
+    weights, kv, states = memory.drafting_bytes(cut, random_checkpoint(cut, 0, "q4_k"), 1, "auto", "int8")
+    assert weights > 400e6 and kv > 0 and states > 0
+    assert memory.drafting_bytes(cut, random_checkpoint(cut, 0, "q4_k"), 1, "off", "int8") == (0, 0, 0)

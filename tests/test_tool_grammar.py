@@ -909,8 +909,9 @@ def _settle(g: grammar.Grammars, rid: str, c: Constraint, tenant: str = "", boun
 
 
 # CPU a killed trial process spent beyond its budget: its start (imports) before the budget counts,
-# and the polls of its CPU time (every TRIAL_POLL_S, in clock ticks).
-BUDGET_SLACK_S = 1.0
+# and the polls of its CPU time (every TRIAL_POLL_S, in clock ticks). Under the whole suite's load on
+# a 2-core host the trial's start alone took 1.02 s of it.
+BUDGET_SLACK_S = 1.5
 
 
 def _children_cpu_s() -> float:
