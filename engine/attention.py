@@ -154,6 +154,12 @@ def _probs_product(x, values):
     return y.astype(F32) * scale
 
 
+def integer_attention(query_rows: int) -> bool:
+    """Whether XLA's attention over an int8 cache multiplies integers for a call of this many query
+    rows (rows x query heads per KV head x tokens), else widens the cache's blocks."""
+    return query_rows <= INT8_ATTENTION_MAX_ROWS
+
+
 def _attend_blocks(q, kv, slots, positions, live):
     """attend's XLA path: one block of ATTENTION_BLOCK positions at a time with a running (online)
     softmax."""
@@ -165,7 +171,7 @@ def _attend_blocks(q, kv, slots, positions, live):
     # axis of 1.
     q = q.reshape(b, kv_heads, group * t, d)
     narrow = cache_k.dtype == jnp.int8
-    integer = narrow and b * group * t <= INT8_ATTENTION_MAX_ROWS
+    integer = narrow and integer_attention(b * group * t)
     # An int8 cache's blocks are widened exactly to `calc` (every int8 is a bfloat16) and their
     # per-position scales multiply the scores and the probabilities instead.
     calc = WIDE_INT8_ATTENTION if narrow else _kv_compute_dtype(cache_k.dtype)

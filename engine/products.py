@@ -54,7 +54,8 @@ WEIGHT_KINDS = ("float", "int8", "int8_packed", "q5_0", "q8_0", "q4_k", "q5_k", 
 SUMMED_PRODUCT_MAX_ROWS = 128
 # int8 weights: up to this many rows the activations become int8 terms and the product is an
 # integer one (or the kernel's); past it the weights are widened for a float dot. Where the CPU has
-# bfloat16 dot products the widened dot already wins at 128 rows.
+# bfloat16 dot products the widened dot already wins at 128 rows over XLA's integer terms (the
+# kernel's own products past it: PREFILL_BY_KERNEL).
 CPU_HAS_BF16 = cpu.has_bf16_dot()
 INT8_ROWS_MAX_ROWS = 64 if CPU_HAS_BF16 else SUMMED_PRODUCT_MAX_ROWS
 # A prefill chunk past INT8_ROWS_MAX_ROWS rows through engine.native's kernel too, where its integer

@@ -37,7 +37,7 @@ from engine.cache import (copy_prefix, has_state, host_block, init_cache, keep_s
                           read_slot, read_state, warm_host_copies, warm_state_copies, write_slot,
                           write_state)
 from engine.config import CHAT_FORMAT, check_weights_dtype, load_config
-from engine.attention import INT8_ATTENTION_MAX_ROWS, NATIVE_ATTENTION_MAX_TOKENS, kv_dtype_for
+from engine.attention import NATIVE_ATTENTION_MAX_TOKENS, integer_attention, kv_dtype_for
 from engine.model import dtype_for, jit_draft, jit_forward, weights_dtype_for
 from engine.moe import routed_report
 from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Note, Ready, Shutdown, Stats, Step,
@@ -414,7 +414,7 @@ class Engine:
                   f"{products.INT8_ROWS_MAX_ROWS} rows are widened for XLA's bfloat16 dot on this CPU"
                   if not products.PREFILL_BY_KERNEL else
                   "its shorter chunks' attention multiplies integers, its longer ones XLA's widened dot"
-                  if len({group * t <= INT8_ATTENTION_MAX_ROWS for t in self.buckets.chunks}) > 1 else
+                  if len({integer_attention(group * t) for t in self.buckets.chunks}) > 1 else
                   "its Gated DeltaNet layers sum a chunk in sub-chunks set by its length"
                   if "linear" in cfg.layer_kinds else
                   f"its routers score a chunk past {products.INT8_ROWS_MAX_ROWS} rows with XLA's dot"
