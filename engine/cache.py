@@ -31,6 +31,7 @@ import numpy as np
 from jax import lax
 
 from engine.config import ModelConfig
+from engine.model import delta_replay
 from engine.sharding import to_host
 
 # copy_prefix moves this many positions per loop step: big enough that the loop overhead is
@@ -293,13 +294,21 @@ def write_state(cache, slot: int, snapshot: list[dict]):
 def keep_steps(cache, steps, slots, at):
     """After a verification of drafts (engine.speculative): row b's slot keeps its state after
     position at[b] of the verification, its last kept token; a row with at[b] < 0 (idle) leaves its
-    slot as it was. steps: engine.model.forward's states of a verification, one per layer with a
-    state in the pool's order: a linear layer's {"conv": the conv's inputs [B, kernel - 1 + T, C],
-    "state": [B, T, H, dk, dv]}, the MTP carry's {"hidden": [B, T, hidden]}. The states are
-    selected, not recomputed: each is the one T decode steps would have reached."""
+    slot as it was. steps: engine.model.forward's of a verification, one per layer with a state in
+    the pool's order: a linear layer's {"conv": the conv's inputs [B, kernel - 1 + T, C], "k", "decay",
+    "written": what each position did to the recurrent state}, the MTP carry's {"hidden": [B, T,
+    hidden]}. A recurrent state is replayed from the slot's (which the verification left as it was)
+    through positions 0 .. at[b] with the decode step's own rounded operations
+    (engine.model.delta_replay): the state T decode steps would have reached, bit for bit, from
+    T small vectors per head instead of T whole states. The replay is elementwise over the state,
+    one pass over it per layer."""
     given, out = iter(steps), []
     rows = jnp.arange(slots.shape[0])
     keep = jnp.maximum(at, 0)
+    # A run-time 0 (engine.products.rounded) from the slots, which are never negative: one made from
+    # `keep` (at most 0 after max(at, 0)) was folded to a constant for one row, and the replay's
+    # products fused into its sums.
+    zero = jnp.minimum(jnp.min(slots), 0)
     for layer in cache:
         if _positional(layer):
             out.append(layer)
@@ -311,8 +320,14 @@ def keep_steps(cache, steps, slots, at):
                 width = arr.shape[-1]
                 window = jax.vmap(lambda s, n: lax.dynamic_slice_in_dim(s, n + 1, width, axis=0))(
                     step["conv"], keep)
-                new[name] = arr.at[where].set(jnp.swapaxes(window, 1, 2), mode="drop")
+                kept = jnp.swapaxes(window, 1, 2)
+            elif name == "state":
+                kept = arr[jnp.minimum(slots, arr.shape[0] - 1)]
+                for i in range(step["k"].shape[1]):
+                    replayed = delta_replay(kept, step["k"][:, i], step["decay"][:, i], step["written"][:, i], zero)
+                    kept = jnp.where((i <= keep)[:, None, None, None], replayed, kept)
             else:
-                new[name] = arr.at[where].set(step[name][rows, keep], mode="drop")
+                kept = step[name][rows, keep]
+            new[name] = arr.at[where].set(kept, mode="drop")
         out.append(new)
     return out

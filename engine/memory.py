@@ -37,8 +37,7 @@ from dataclasses import dataclass
 from engine import cpu
 from engine.checkpoint import FP8, MTP_PREFIX, MTP_TENSOR, Q8_0_BLOCK, Checkpoint
 from engine.config import ModelConfig
-from engine.scheduler import (SLOT_SNAPSHOTS, VERIFY_MAX_ROWS, VERIFY_STATE_COST, VERIFY_TOKENS,
-                              verification_fits)
+from engine.scheduler import SLOT_SNAPSHOTS, VERIFY_MAX_ROWS, VERIFY_TOKENS
 
 # Bytes per key or value element of each KV cache dtype (engine.attention.kv_dtype_for); an int8 cache adds
 # a float32 scale per position, KV head and key or value (engine.cache).
@@ -90,18 +89,26 @@ def slot_state_bytes(cfg: ModelConfig) -> int:
     return linear * per_layer * STATE_ELEMENT_BYTES
 
 
+def verify_step_bytes(cfg: ModelConfig) -> int:
+    """What a verification of drafts keeps of one position of one row for its linear layers until
+    each row's kept position is chosen (engine.cache.keep_steps): the conv's input and, per value
+    head, the position's key, decay and what it wrote, float32; 0 for a model without linear layers.
+    Replaying those is exact (engine.model.delta_replay), so the per-position states (Qwen3.8-27B's
+    151 MB each) are never held."""
+    linear = sum(1 for kind in cfg.layer_kinds if kind == "linear")
+    per_head = cfg.linear_key_dim + 1 + cfg.linear_value_dim
+    return linear * (cfg.linear_conv_dim + cfg.linear_value_heads * per_head) * STATE_ELEMENT_BYTES if linear else 0
+
+
 def drafting_bytes(cfg: ModelConfig, source, slots: int, speculative: str, weights_dtype: str) -> tuple[int, int, int]:
     """What drafting (engine.speculative) may hold besides the slot pool, where --speculative lets it
     run: (its MTP layer's weights, its KV cache per position of a slot, the largest verification's
-    linear states: engine.scheduler.verification_fits), each 0 where it does not apply. Drafting
-    runs only on int8 weights (a GGUF's blocks among them) under the native kernel (the worker decides
-    at start, engine.worker: Engine._speculator): the plan counts it there unless --speculative off or
-    no verification's states fit (Qwen3.8-27B: drafting is off)."""
-    state = slot_state_bytes(cfg)
-    if speculative == "off" or weights_dtype != "int8" or not verification_fits(1, min(VERIFY_TOKENS), state):
+    linear-layer steps: verify_step_bytes), each 0 where it does not apply. Drafting runs only on
+    int8 weights (a GGUF's blocks among them) under the native kernel (the worker decides at start,
+    engine.worker: Engine._speculator): the plan counts it there unless --speculative off."""
+    if speculative == "off" or weights_dtype != "int8":
         return 0, 0, 0
-    states = max((int(rows * t * state * VERIFY_STATE_COST) for rows in range(1, min(slots, VERIFY_MAX_ROWS) + 1)
-                  for t in VERIFY_TOKENS if verification_fits(rows, t, state)), default=0)
+    states = min(slots, VERIFY_MAX_ROWS) * max(VERIFY_TOKENS) * verify_step_bytes(cfg)
     checkpoint = _checkpoint(source)
     if speculative not in ("auto", "mtp") or not checkpoint.has(MTP_TENSOR):
         return 0, 0, states
@@ -268,7 +275,7 @@ class Sizing:
     on_host: bool
     shrunk: bool = False          # defaults were lowered to fit
     state_per_slot: int = 0       # hybrid models: the linear layers' state of one slot
-    verify_states: int = 0        # drafting: the largest verification's linear states (drafting_bytes)
+    verify_states: int = 0        # drafting: the largest verification's linear-layer steps (drafting_bytes)
 
     @property
     def kv(self) -> int:
@@ -297,7 +304,7 @@ class Sizing:
             kv += (f"slot snapshots {self.slots} x {SLOT_SNAPSHOTS} x {self.state_per_slot} B = "
                    f"{self.snapshots / GIB:.2f} GiB, ")
         if self.verify_states:
-            kv += f"a verification's linear states {self.verify_states / GIB:.2f} GiB, "
+            kv += f"a verification's linear steps {self.verify_states / GIB:.3f} GiB, "
         return (f"{where}: weights {self.weights / GIB:.2f} GiB + {kv}host cache "
                 f"{self.cache_ram_mib} MiB + runtime {RUNTIME_BYTES / GIB:.2f} GiB = "
                 f"{self.total / GIB:.2f} GiB; {have}")

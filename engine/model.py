@@ -134,6 +134,22 @@ def _attention(layer, kv, x, slots, positions, rope, valid, live, *, cfg: ModelC
     attention output through a sigmoid before the output projection.
     Returns (output [B, T, hidden], the layer's updated cache)."""
     b, t, _ = x.shape
+    d, group = cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+    q, gate, cache = _attention_entries(layer, kv, x, slots, positions, rope, valid, cfg=cfg, gated=gated)
+    q = q.reshape(b, t, cfg.num_kv_heads, group, d).transpose(0, 2, 3, 1, 4)   # [B, KV, G, T, D]
+    q = q * (1.0 / np.sqrt(d))
+    out = attend(q, cache, slots, positions, live, native_kernel=cfg.native, verify=verify)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.q_size)
+    if gated:
+        out = out * jax.nn.sigmoid(gate)
+    return matmul(out, layer["o"]), cache
+
+
+def _attention_entries(layer, kv, x, slots, positions, rope, valid, *, cfg: ModelConfig, gated: bool):
+    """An attention layer's projections of x [B, T, hidden] (normed), its keys and values written
+    into the cache where valid. Returns (the queries [B, T, heads, head_dim], rotated; the output
+    gates [B, T, q_size] or None; the updated cache)."""
+    b, t, _ = x.shape
     heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qkv = matmul(x, layer["qkv"])
     if cfg.qkv_bias:
@@ -164,14 +180,7 @@ def _attention(layer, kv, x, slots, positions, rope, valid, live, *, cfg: ModelC
     # idle rows and chunk padding never touch the cache.
     ctx = kv["k"].shape[-1]
     cache = write_kv(kv, k, v, slots, jnp.where(valid, positions, ctx))
-
-    q = q.reshape(b, t, kv_heads, group, d).transpose(0, 2, 3, 1, 4)      # [B, KV, G, T, D]
-    q = q * (1.0 / np.sqrt(d))
-    out = attend(q, cache, slots, positions, live, native_kernel=cfg.native, verify=verify)
-    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.q_size)
-    if gated:
-        out = out * jax.nn.sigmoid(gate)
-    return matmul(out, layer["o"]), cache
+    return q, gate if gated else None, cache
 
 
 # ---- Gated DeltaNet (linear attention) ---------------------------------------------------------
@@ -286,29 +295,48 @@ def _delta_step(q, k, v, decay, beta, state, zero):
     is summed. The per-head inputs are made once first: fused into the state's loops, a decode
     step computed each (the decay's exp, the conv, the norms) again for every element of the state
     it scales (docs/perf-log.md, "The Gated DeltaNet decode step"). The decay and beta ride with v:
-    the identity's dot runs over each head's own values, never over the heads, which a mesh splits."""
+    the identity's dot runs over each head's own values, never over the heads, which a mesh splits.
+    Returns (out [B, H, dv], the new state, what k wrote [B, H, dv]: delta_write's `written`)."""
     q, k = _materialized(q), _materialized(k)
     vdb = _materialized(jnp.concatenate([v, decay[..., None], beta[..., None]], axis=-1))
     v, decay, beta = vdb[..., :-2], vdb[..., -2], vdb[..., -1]
-    state = rounded(state * decay[..., None, None], zero)
-    predicted = _key_sum(rounded(k[..., None] * state, zero))
+    decayed = _decayed(state, decay, zero)
+    predicted = _key_sum(rounded(k[..., None] * decayed, zero))
     written = rounded((v - predicted) * beta[..., None], zero)            # what k writes
-    state = state + rounded(k[..., None] * written[..., None, :], zero)
-    return _key_sum(rounded(q[..., None] * state, zero)), state
+    state = _written_into(decayed, k, written, zero)
+    return _key_sum(rounded(q[..., None] * state, zero)), state, written
+
+
+def _decayed(state, decay, zero):
+    return rounded(state * decay[..., None, None], zero)
+
+
+def _written_into(decayed, k, written, zero):
+    return decayed + rounded(k[..., None] * written[..., None, :], zero)
+
+
+def delta_replay(state, k, decay, written, zero):
+    """A state [..., H, dk, dv] after one more token, from that token's key [..., H, dk], decay
+    [..., H] and what it wrote [..., H, dv] (_delta_step's): the same rounded operations in the same
+    order as the step, so the same bits (engine.cache.keep_steps replays a verification's kept
+    positions with it)."""
+    return _written_into(_decayed(state, decay, zero), k, written, zero)
 
 
 def _delta_steps(q, k, v, decay, beta, state, zero):
     """T tokens per row one at a time, as T decode steps run them (a verification of drafts,
     engine.speculative): q, k [B, T, H, dk], v [B, T, H, dv], decay, beta [B, T, H].
-    Returns (out [B, T, H, dv], the state after each position [B, T, H, dk, dv])."""
+    Returns (out [B, T, H, dv], what each position wrote [B, T, H, dv]): with each position's key
+    and decay, the state after any of them follows from the one before them (delta_replay), so a
+    verification keeps T small vectors per head, not T states."""
     def step(state, xs):
-        out, state = _delta_step(*xs, state, zero)
-        return state, (out, state)
+        out, state, written = _delta_step(*xs, state, zero)
+        return state, (out, written)
 
     # A loop, not T steps unrolled: XLA fused the unrolled steps into chains that computed each
     # state again for every later one (a verification of 8 cost 46 decode steps of the tiny model).
-    _, (outs, states) = lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, decay, beta)))
-    return jnp.moveaxis(outs, 0, 1), jnp.moveaxis(states, 0, 1)
+    _, (outs, written) = lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, decay, beta)))
+    return jnp.moveaxis(outs, 0, 1), jnp.moveaxis(written, 0, 1)
 
 
 def _delta_chunked(q, k, v, g, beta, state):
@@ -398,9 +426,10 @@ def _linear_attention(layer, state, x, slots, starts, lengths, valid, zero, *, c
     """A Gated DeltaNet layer. x [B, T, hidden] float32 (already normed); state the layer's
     {"conv", "state"} pool (engine.cache); zero a run-time 0 (engine.products.rounded). Returns
     (output [B, T, hidden], the updated pool, None). verify: the T tokens run one at a time as decode
-    steps run them, the pool is left as it was, and the third item is the state after each position
-    (engine.cache.keep_steps picks the one of each row's last kept token): {"conv": the conv's
-    inputs [B, kernel - 1 + T, C], "state": [B, T, H, dk, dv]}."""
+    steps run them, the pool is left as it was, and the third item is what each position did to
+    the state (engine.cache.keep_steps replays a row's up to its last kept token): {"conv": the
+    conv's inputs [B, kernel - 1 + T, C], "k": [B, T, H, dk], "decay": [B, T, H], "written": [B, T,
+    H, dv]}."""
     b, t, _ = x.shape
     lin = layer["linear"]
     # This row's slot state; a row starting at position 0 starts a new sequence from zero.
@@ -410,11 +439,12 @@ def _linear_attention(layer, state, x, slots, starts, lengths, valid, zero, *, c
     seq, q, k, v, z, g, beta = _delta_inputs(lin, x, conv_state, valid, zero, cfg)
     steps = None
     if verify:
-        out, states = _delta_steps(q, k, v, _exp(g, zero), beta, recurrent, zero)
-        steps = {"conv": seq, "state": states}
+        decay = _exp(g, zero)
+        out, written = _delta_steps(q, k, v, decay, beta, recurrent, zero)
+        steps = {"conv": seq, "k": k, "decay": decay, "written": written}
     elif t == 1:
-        out, recurrent = _delta_step(q[:, 0], k[:, 0], v[:, 0], _exp(g[:, 0], zero), beta[:, 0], recurrent,
-                                     zero)
+        out, recurrent, _ = _delta_step(q[:, 0], k[:, 0], v[:, 0], _exp(g[:, 0], zero), beta[:, 0], recurrent,
+                                        zero)
         out = out[:, None]
     else:
         out, recurrent = _delta_chunked(q, k, v, g, beta, recurrent)
@@ -518,25 +548,40 @@ _jit_layer = jax.jit(_layer, static_argnames=LAYER_STATIC_ARGNAMES)
 MTP_HIDDEN = "final_norm"
 
 
-def _mtp_entries(params, kv, hidden, embedded, slots, positions, valid, live, *, cfg: ModelConfig,
-                 verify: bool = False):
+def _mtp_input(params, hidden, embedded, cfg: ModelConfig):
+    """u = fc([norm_e(embedded), norm_h(hidden)]) [B, T, H] (above)."""
+    mtp, eps = params["mtp"], cfg.rms_norm_eps
+    return matmul(jnp.concatenate([_rms_norm(embedded, mtp["embed_norm"], eps),
+                                   _rms_norm(hidden, mtp["hidden_norm"], eps)], axis=-1), mtp["fc"])
+
+
+def _mtp_entries(params, kv, hidden, embedded, slots, positions, valid, live, *, cfg: ModelConfig):
     """The MTP layer's entries at positions [B, T] from hidden [B, T, H] (h_p) and embedded [B, T, H]
     (the embedding of token p + 1); writes their keys and values into kv, the MTP layer's cache,
     where valid. Returns (y [B, T, H], kv)."""
-    mtp, eps = params["mtp"], cfg.rms_norm_eps
-    u = matmul(jnp.concatenate([_rms_norm(embedded, mtp["embed_norm"], eps),
-                                _rms_norm(hidden, mtp["hidden_norm"], eps)], axis=-1), mtp["fc"])
     kind = next(k for k in cfg.layer_kinds if k != "linear")
     mlp = (cfg.mlp_kinds or ("dense",))[-1]
     lengths = jnp.sum(valid, axis=1, dtype=jnp.int32)
-    y, kv, _ = _jit_layer(mtp["layer"], kv, u, slots, positions[:, 0], lengths, positions,
-                          _rope_tables(positions, cfg), valid, live, cfg=cfg, kind=kind, mlp=mlp,
-                          site=cfg.num_layers if mlp == "moe" else None, verify=verify)
-    return _rms_norm(y, mtp["norm"], eps), kv
+    y, kv, _ = _jit_layer(params["mtp"]["layer"], kv, _mtp_input(params, hidden, embedded, cfg), slots,
+                          positions[:, 0], lengths, positions, _rope_tables(positions, cfg), valid, live,
+                          cfg=cfg, kind=kind, mlp=mlp, site=cfg.num_layers if mlp == "moe" else None)
+    return _rms_norm(y, params["mtp"]["norm"], cfg.rms_norm_eps), kv
 
 
-def _mtp_fill(params, pool, embedded, hidden, slots, positions, valid, live, *, cfg: ModelConfig,
-              verify: bool):
+def _mtp_keys(params, kv, hidden, embedded, slots, positions, valid, *, cfg: ModelConfig):
+    """The MTP layer's keys and values at positions [B, T] (as _mtp_entries writes them), and nothing
+    else: a model call keeps the MTP layer's cache following its slot with the layer's input and its
+    key and value projections, not its attention, MLP and head (under a third of the layer's weights
+    at Qwen3.8-27B's shape), so a call that drafts nothing costs little more than without it."""
+    layer = params["mtp"]["layer"]
+    normed = _rms_norm(_mtp_input(params, hidden, embedded, cfg), layer["attn_norm"], cfg.rms_norm_eps)
+    kind = next(k for k in cfg.layer_kinds if k != "linear")
+    _, _, kv = _attention_entries(layer, kv, normed, slots, positions, _rope_tables(positions, cfg), valid,
+                                  cfg=cfg, gated=kind == "gated_attention")
+    return kv
+
+
+def _mtp_fill(params, pool, embedded, hidden, slots, positions, valid, *, cfg: ModelConfig, verify: bool):
     """A model call's MTP entries (above): pool [MTP KV, carry]; embedded and hidden [B, T, H] its
     tokens' embeddings and the trunk's hidden states. Returns (the new pool, the carry after each
     position for a verification, which the pool does not hold yet: engine.cache.keep_steps)."""
@@ -544,8 +589,7 @@ def _mtp_fill(params, pool, embedded, hidden, slots, positions, valid, live, *, 
     held = carry["hidden"][slots]                                             # h_{s-1} [B, H]
     before = jnp.concatenate([held[:, None], hidden[:, :-1]], axis=1)
     at = positions - 1                                   # token p + 1's entry is at p
-    _, kv = _mtp_entries(params, kv, before, embedded, slots, at, valid & (at >= 0), live, cfg=cfg,
-                         verify=verify)
+    kv = _mtp_keys(params, kv, before, embedded, slots, at, valid & (at >= 0), cfg=cfg)
     if verify:
         return [kv, carry], {"hidden": hidden}
     lengths = jnp.sum(valid, axis=1, dtype=jnp.int32)
@@ -590,7 +634,7 @@ def forward(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,
         normed = _rms_norm(x, params["norm"], cfg.rms_norm_eps)
         pool, carried = _mtp_fill(params, cache[cfg.num_layers:], embed(params["embed"], tokens),
                                   normed if MTP_HIDDEN == "final_norm" else x, slots, positions, valid,
-                                  live, cfg=cfg, verify=verify)
+                                  cfg=cfg, verify=verify)
         new_cache += pool
         states += [carried] if verify else []
     if not all_logits:

@@ -63,21 +63,10 @@ VERIFY_TOKENS = (4, 8)
 # Decode batches up to this many rows may draft: a batch's verification costs its rows times its
 # tokens in products, and past 4 rows it could not pay on the CPUs measured (docs/performance.md).
 VERIFY_MAX_ROWS = 4
-# A hybrid model's verification holds its linear layers' state after every position of every row
-# until each row's kept one is chosen (engine.cache.keep_steps): rows x T slot states, and its run
-# took the worker VERIFY_STATE_COST times that higher at its peak (measured on the 27B:
-# docs/perf-log.md). Verifications whose run would pass VERIFY_STATE_BYTES are not built: the 27B
-# does not draft on a CPU host, Qwen3-Next-80B verifies 1 x 4.
-VERIFY_STATE_COST = 2.5
-VERIFY_STATE_BYTES = 1 << 30
-
-
-def verification_fits(rows: int, t: int, state_bytes: int) -> bool:
-    """Whether a verification of rows x t tokens runs in at most VERIFY_STATE_BYTES beside its
-    states (state_bytes: one slot's, engine.memory.slot_state_bytes; 0 for a model without linear
-    layers)."""
-    return rows * t * state_bytes * VERIFY_STATE_COST <= VERIFY_STATE_BYTES
-
+# A hybrid model's verification keeps, for each position, what it did to its linear layers' states
+# (a key, a decay and what it wrote, per head: engine.cache.keep_steps replays a row's kept ones),
+# not the states themselves: about 4 MB a position for Qwen3.8-27B where its states are 151 MB
+# (engine.memory.verify_step_bytes), so any verification fits beside the slot pool.
 
 # Snapshots a slot keeps of its sequence's linear-layer state (hybrid models), besides the exact
 # state at its end. Each is every linear layer's recurrent and conv state (about 75 MiB for

@@ -44,7 +44,7 @@ from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Note, Ready, Sh
                              Submit)
 from engine.registry import cache_root
 from engine.scheduler import (PREFILL_CHUNKS, VERIFY_MAX_ROWS, VERIFY_TOKENS, Buckets, Decode, Prefill,
-                              Sequence, Scheduler, verification_fits)
+                              Sequence, Scheduler)
 from engine.weights import held_key, held_note, load_mtp, load_weights, packs_int8, unread_notes, weights_bytes
 
 # Every program goes to the persistent compile cache, however quick its compile: a restarted worker
@@ -376,15 +376,10 @@ class Engine:
                 if args.speculative == "mtp" and not has_mtp else None))
         shapes = {} if why else {
             rows: tuple(t for t in VERIFY_TOKENS if rows * t <= products.INT8_ROWS_MAX_ROWS
-                        and t <= NATIVE_ATTENTION_MAX_TOKENS and t < args.ctx
-                        and verification_fits(rows, t, memory.slot_state_bytes(cfg)))
+                        and t <= NATIVE_ATTENTION_MAX_TOKENS and t < args.ctx)
             for rows in self.buckets.decode_rows if rows <= VERIFY_MAX_ROWS}
         shapes = {rows: ts for rows, ts in shapes.items() if ts}
-        off = why or (None if shapes else
-                      "a verification's linear states would pass engine.scheduler.VERIFY_STATE_BYTES "
-                      f"({memory.slot_state_bytes(cfg) / 1e6:.0f} MB a position)"
-                      if not verification_fits(1, min(VERIFY_TOKENS), memory.slot_state_bytes(cfg)) else
-                      "no verification fits the context")
+        off = why or (None if shapes else "no verification fits the context")
         return speculative.Speculator(off, shapes, ngram=args.speculative in ("auto", "ngram"),
                                       mtp=off is None and has_mtp and args.speculative in ("auto", "mtp"))
 

@@ -121,7 +121,7 @@ def test_the_server_lowers_its_defaults_to_the_memory_and_says_so(monkeypatch, c
 def test_a_hybrid_model_counts_kv_of_its_attention_layers_and_the_linear_state_of_each_slot():
     """Guards against sizing a hybrid model's linear layers as K/V (4x too much for Qwen3-Next) and
     against forgetting their per-slot state and the snapshots slots keep until they are saved."""
-    from engine.scheduler import SLOT_SNAPSHOTS, VERIFY_STATE_COST
+    from engine.scheduler import SLOT_SNAPSHOTS
     folder = os.path.join(os.path.dirname(TINY), "qwen3-next")
     cfg = load_config(folder)
     attention = cfg.layer_kinds.count("gated_attention")
@@ -140,41 +140,37 @@ def test_a_hybrid_model_counts_kv_of_its_attention_layers_and_the_linear_state_o
     device = memory.size(cfg, folder, on_host=False, **args)
     assert device.total == 3 * SLOT_SNAPSHOTS * state + (64 << 20) + memory.RUNTIME_BYTES
     assert "slot snapshots 3 x" in host.describe()
-    # Drafting's verification of 3 rows x 8 tokens holds each position's state until one is kept;
-    # drafting runs on int8 weights only.
+    # Drafting's verification of 3 rows x 8 tokens holds what each position did to the linear
+    # layers until the kept one is chosen; drafting runs on int8 weights only.
     assert memory.size(cfg, folder, on_host=True, speculative="auto", **args).total == host.total
     int8 = {**args, "weights_dtype": "int8"}
     drafting, plain = (memory.size(cfg, folder, on_host=True, speculative=mode, **int8) for mode in ("auto", "off"))
-    assert drafting.total - plain.total == int(3 * 8 * state * VERIFY_STATE_COST)
-    assert "a verification's linear states" in drafting.describe()
+    step = linear * 4 * (cfg.linear_conv_dim + cfg.linear_value_heads * (cfg.linear_key_dim + 1 + cfg.linear_value_dim))
+    assert drafting.total - plain.total == 3 * 8 * step
+    assert "a verification's linear steps" in drafting.describe()
 
 
-def test_drafting_counts_the_mtp_layer_and_the_verification_states_unless_off():
+def test_drafting_counts_the_mtp_layer_and_the_verification_steps_unless_off():
     """Guards against the memory plan missing what drafting holds (the MTP layer's weights and KV
-    cache, a verification's per-position linear states: other servers' users saw the rollback
-    planes blow up memory) and against a verification past VERIFY_STATE_BYTES being built."""
+    cache, what a verification's positions did to the linear layers until one is kept: other
+    servers' users saw per-position rollback states blow up memory), and against those being whole
+    states again: Qwen3.8-27B's are 151 MB a position, what the verification keeps about 4 MB."""
     from engine.checkpoint import MTP_PREFIX, Checkpoint
-    from engine.scheduler import VERIFY_STATE_BYTES, VERIFY_STATE_COST, verification_fits
     folder = os.path.join(os.path.dirname(TINY), "qwen3-8")
     cfg = load_config(folder)
     args = dict(slots=2, ctx=512, cache_ram_mib=0, default_slots=4, default_ctx=32768,
                 default_cache_ram_mib=0, available=100 * GIB, weights_dtype="int8", on_host=True)
     off, ngram, auto = (memory.size(cfg, folder, speculative=mode, **args) for mode in ("off", "ngram", "auto"))
-    state, attention = memory.slot_state_bytes(cfg), cfg.layer_kinds.count("gated_attention")
-    assert ngram.total - off.total == int(2 * 8 * state * VERIFY_STATE_COST)
+    attention = cfg.layer_kinds.count("gated_attention")
+    assert ngram.total - off.total == 2 * 8 * memory.verify_step_bytes(cfg) > 0
     checkpoint = Checkpoint(folder)
     mtp_weights = sum(int(np.prod(shape)) for key, shape in checkpoint.shapes.items() if key.startswith(MTP_PREFIX))
     assert mtp_weights > 0
     assert auto.total - ngram.total == mtp_weights + 2 * 512 * memory.kv_bytes_per_token(cfg) // attention
-    # Qwen3.8-27B's shape: one position's state is 157 MB, so no verification is built (its run
-    # would take the worker past 20 GB on a 24 GB host); Qwen3-Next-80B's 75 MiB verify 1 x 4.
     big = dataclasses.replace(cfg, linear_value_heads=48, linear_key_heads=16, linear_key_dim=128,
                               linear_value_dim=128, layer_kinds=("linear",) * 48)
-    one = memory.slot_state_bytes(big)
-    assert 150e6 < one < 160e6
-    assert not verification_fits(1, 4, one)
-    assert verification_fits(1, 4, 75 << 20) and not verification_fits(1, 8, 75 << 20)
-    assert 4 * one * VERIFY_STATE_COST > VERIFY_STATE_BYTES
+    assert 150e6 < memory.slot_state_bytes(big) < 160e6
+    assert 4e6 < memory.verify_step_bytes(big) < 5e6
 
 
 def test_a_folder_without_a_tokenizer_stops_start_up_naming_the_file(monkeypatch, capsys):
