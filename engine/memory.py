@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from engine import cpu
 from engine.checkpoint import FP8, MTP_PREFIX, MTP_TENSOR, Q8_0_BLOCK, Checkpoint
 from engine.config import ModelConfig
-from engine.scheduler import SLOT_SNAPSHOTS, VERIFY_MAX_ROWS, VERIFY_TOKENS
+from engine.scheduler import SLOT_SNAPSHOTS, VERIFY_MAX_ROWS, verify_tokens
 
 # Bytes per key or value element of each KV cache dtype (engine.attention.kv_dtype_for); an int8 cache adds
 # a float32 scale per position, KV head and key or value (engine.cache).
@@ -108,7 +108,7 @@ def drafting_bytes(cfg: ModelConfig, source, slots: int, speculative: str, weigh
     engine.worker: Engine._speculator): the plan counts it there unless --speculative off."""
     if speculative == "off" or weights_dtype != "int8":
         return 0, 0, 0
-    states = min(slots, VERIFY_MAX_ROWS) * max(VERIFY_TOKENS) * verify_step_bytes(cfg)
+    states = min(slots, VERIFY_MAX_ROWS) * max(verify_tokens(cfg)) * verify_step_bytes(cfg)
     checkpoint = _checkpoint(source)
     if speculative not in ("auto", "mtp") or not checkpoint.has(MTP_TENSOR):
         return 0, 0, states

@@ -43,8 +43,8 @@ from engine.moe import routed_report
 from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Note, Ready, Shutdown, Stats, Step,
                              Submit)
 from engine.registry import cache_root
-from engine.scheduler import (PREFILL_CHUNKS, VERIFY_MAX_ROWS, VERIFY_TOKENS, Buckets, Decode, Prefill,
-                              Sequence, Scheduler)
+from engine.scheduler import (PREFILL_CHUNKS, VERIFY_MAX_ROWS, Buckets, Decode, Prefill, Sequence,
+                              Scheduler, verify_tokens)
 from engine.weights import held_key, held_note, load_mtp, load_weights, packs_int8, unread_notes, weights_bytes
 
 # Every program goes to the persistent compile cache, however quick its compile: a restarted worker
@@ -366,7 +366,7 @@ class Engine:
     def _speculator(self, has_mtp: bool) -> speculative.Speculator:
         """Drafting's state, off (and why) where it would not be exact (engine.speculative), else
         the verification programs: each decode batch of up to VERIFY_MAX_ROWS rows, with each of
-        VERIFY_TOKENS whose rows the kernel's products and attention take one by one. has_mtp: the
+        its verification lengths (engine.scheduler.verify_tokens) whose rows the kernel's products and attention take one by one. has_mtp: the
         checkpoint has an MTP layer, which drafts where the mode lets it."""
         cfg, args = self.cfg, self.args
         if args.speculative not in speculative.MODES:
@@ -375,7 +375,7 @@ class Engine:
                ("--speculative mtp: the checkpoint has no MTP layer (mtp.* tensors)"
                 if args.speculative == "mtp" and not has_mtp else None))
         shapes = {} if why else {
-            rows: tuple(t for t in VERIFY_TOKENS if rows * t <= products.INT8_ROWS_MAX_ROWS
+            rows: tuple(t for t in verify_tokens(cfg) if rows * t <= products.INT8_ROWS_MAX_ROWS
                         and t <= NATIVE_ATTENTION_MAX_TOKENS and t < args.ctx)
             for rows in self.buckets.decode_rows if rows <= VERIFY_MAX_ROWS}
         shapes = {rows: ts for rows, ts in shapes.items() if ts}

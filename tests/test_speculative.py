@@ -354,8 +354,9 @@ def test_a_drafted_row_stops_at_its_limit_and_at_a_stop_token(engines):
 def test_a_verification_leaves_each_row_the_linear_state_of_its_last_kept_position(engines):
     """Guards against a rejected draft's tokens staying in the recurrent state or the conv window
     (gibberish after a rejected draft): after a verification of 8 positions a row keeps, for each
-    kept length, exactly the state 1 + kept decode steps reach; two rows keeping different lengths
-    keep their own; an idle row and the verification itself leave the pool as it was."""
+    kept length, exactly the state 1 + kept decode steps reach (replayed from what each position
+    wrote); two rows keeping different lengths keep their own; an idle row and the verification
+    itself leave the pool as it was; one row alone too."""
     from engine.cache import has_state, keep_steps, read_state, write_state
     from engine.model import jit_forward
     on, _ = engines
@@ -385,6 +386,15 @@ def test_a_verification_leaves_each_row_the_linear_state_of_its_last_kept_positi
         assert _same(read_state(on.cache, a), reached[a][kept_a]), f"row a kept {kept_a}"
         assert _same(read_state(on.cache, b), reached[b][kept_b]), f"row b kept {kept_b}"
         assert all(_same(read_state(on.cache, slot), before[slot]) for slot in rows[2:])
+    # One row alone (its replay's run-time zero once folded to a constant there, and the replayed
+    # products fused into their sums: an ulp off the decode steps' state).
+    on.cache = write_state(on.cache, a, before[a])
+    _, on.cache, steps = jit_forward(on.params, on.cache, tokens[:1], rows[:1], starts[:1], np.array([t], np.int32),
+                                     cfg=on.cfg, verify=True)
+    for kept in (0, 3):
+        on.cache = write_state(on.cache, a, before[a])
+        on.cache = keep_steps(on.cache, steps, rows[:1], np.array([kept], np.int32))
+        assert _same(read_state(on.cache, a), reached[a][kept]), f"one row kept {kept}"
 
 
 def _same(x: list[dict], y: list[dict]) -> bool:
@@ -442,7 +452,7 @@ def test_a_hybrid_conversation_drafted_from_the_prompt_cache_and_across_a_restar
     ({"slots": products.INT8_ROWS_MAX_ROWS + 1}, f"every slot ({products.INT8_ROWS_MAX_ROWS + 1} rows)")])
 def test_drafting_is_on_only_where_it_is_exact(case, why):
     """Guards against drafting on a path whose numbers depend on the rows beside a position (XLA's
-    float products, float caches); linear layers draft (each position's state is kept)."""
+    float products, float caches); linear layers draft (each position's steps are kept), 1 + 3 tokens."""
     from types import SimpleNamespace
 
     from engine.scheduler import Buckets
@@ -456,9 +466,10 @@ def test_drafting_is_on_only_where_it_is_exact(case, why):
     e.buckets = Buckets.for_ctx(4096, slots=8)
     spec = e.speculator = e._speculator(has_mtp=case.get("mtp_layer", False))
     if why is None:
-        assert spec.off is None and spec.shapes == {1: (4, 8), 4: (4, 8)}    # 8 rows: never drafted
-        assert [p for p in e.programs() if p[0] == "verify"] == [("verify", 1, 4), ("verify", 1, 8),
-                                                                 ("verify", 4, 4), ("verify", 4, 8)]
+        lengths = (4,) if "linear" in e.cfg.layer_kinds else (4, 8)      # engine.scheduler.verify_tokens
+        assert spec.off is None and spec.shapes == {1: lengths, 4: lengths}    # 8 rows: never drafted
+        assert [p for p in e.programs() if p[0] == "verify"] == [("verify", rows, t) for rows in (1, 4)
+                                                                 for t in lengths]
     else:
         assert why in spec.off and not spec.shapes
         assert not any(kind == "verify" for kind, _, _ in e.programs())

@@ -4,10 +4,10 @@ MTP module drawn too), --speculative auto (and mtp) against off, side by side (r
     python tests/bench/bench_mtp_cost.py [--layers 16] [--tokens 96] [--rounds 3] [--modes off,auto,mtp]
 
 The model: qwen3-8-27b's config with --layers of its 64 (3 Gated DeltaNet then 1 attention, repeated;
-its embedding, head and MTP module whole), random Q4_K weights, one slot of 4096 tokens. At the full
-64 layers a CPU host does not draft for it (a verification's linear states pass
-engine.scheduler.VERIFY_STATE_BYTES); fewer layers make the MTP layer a larger share of a step (at
-16, one layer in 17) than it is in the 27B (one in 65), so the cost measured is an upper bound.
+its embedding, head and MTP module whole), random Q4_K weights, one slot of 4096 tokens: three
+engines of the full 64 layers would not fit a 24 GB host, and fewer layers make the MTP layer a
+larger share of a step (at 16, one layer in 17) than it is in the 27B (one in 65), so the cost
+measured is an upper bound.
 Random weights keep almost nothing the MTP layer drafts, the case where drafting only costs. Each
 engine is built in this process, then each round runs one greedy request of --tokens new tokens from
 the same 64-token prompt on each engine in turn; decode tok/s = (tokens - 1) / the request's
