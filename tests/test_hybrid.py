@@ -436,3 +436,32 @@ def test_a_served_hybrid_model_answers_a_second_turn_from_the_prompt_cache(tmp_p
         assert doc["compiles_after_ready"] == 0
     finally:
         server.stop()
+
+
+def test_a_verifications_steps_replay_to_the_decode_steps_state_at_the_27bs_state_shape():
+    """Guards engine.model.delta_replay, from which a verification's kept state is rebuilt
+    (engine.cache.keep_steps): at Qwen3.8-27B's state shape (48 value heads of 128 x 128), the state
+    after each of 4 positions replayed from what the verification's steps wrote is the one 1 to 4
+    decode steps reach, bit for bit, in programs of their own (as the worker's are)."""
+    from engine.model import _delta_step, _delta_steps, delta_replay
+    rng = np.random.default_rng(5)
+    b, t, h, d = 1, 4, 48, 128
+    q, k = (rng.standard_normal((b, t, h, d)).astype(np.float32) / np.sqrt(d) for _ in range(2))
+    v = rng.standard_normal((b, t, h, d)).astype(np.float32)
+    decay, beta = (rng.uniform(0.3, 1.0, (b, t, h)).astype(np.float32) for _ in range(2))
+    state = rng.standard_normal((b, h, d, d)).astype(np.float32) * 0.1
+    zero = np.int32(0)
+    step = jax.jit(_delta_step)
+    reached, s = [], state
+    for i in range(t):
+        _, s, _ = step(q[:, i], k[:, i], v[:, i], decay[:, i], beta[:, i], s, zero)
+        reached.append(np.asarray(s))
+    _, written = jax.jit(_delta_steps)(q, k, v, decay, beta, state, zero)
+
+    @jax.jit
+    def replay(state, written, kept, zero):
+        for i in range(t):
+            state = jnp.where(i <= kept, delta_replay(state, k[:, i], decay[:, i], written[:, i], zero), state)
+        return state
+    for kept in range(t):
+        assert np.array_equal(np.asarray(replay(state, written, np.int32(kept), zero)), reached[kept]), kept
