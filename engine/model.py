@@ -296,7 +296,7 @@ def _delta_step(q, k, v, decay, beta, state, zero):
     step computed each (the decay's exp, the conv, the norms) again for every element of the state
     it scales (docs/perf-log.md, "The Gated DeltaNet decode step"). The decay and beta ride with v:
     the identity's dot runs over each head's own values, never over the heads, which a mesh splits.
-    Returns (out [B, H, dv], the new state, what k wrote [B, H, dv]: delta_write's `written`)."""
+    Returns (out [B, H, dv], the new state, what k wrote [B, H, dv]: delta_replay's `written`)."""
     q, k = _materialized(q), _materialized(k)
     vdb = _materialized(jnp.concatenate([v, decay[..., None], beta[..., None]], axis=-1))
     v, decay, beta = vdb[..., :-2], vdb[..., -2], vdb[..., -1]

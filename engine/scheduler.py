@@ -73,14 +73,12 @@ VERIFY_MAX_ROWS = 4
 
 
 def verify_tokens(cfg: ModelConfig) -> tuple[int, ...]:
-    """The verification lengths (tokens per row) a model's drafting builds."""
+    """The verification lengths (tokens per row) a model's drafting builds. A hybrid model's
+    verification keeps, for each position, what it did to its linear layers' states (a key, a decay
+    and what it wrote, per head: engine.cache.keep_steps replays a row's kept ones), not the states:
+    about 4 MB a position for Qwen3.8-27B, whose states are 151 MB (engine.memory.verify_step_bytes)."""
     return VERIFY_TOKENS_LINEAR if "linear" in cfg.layer_kinds else VERIFY_TOKENS
 
-
-# A hybrid model's verification keeps, for each position, what it did to its linear layers' states
-# (a key, a decay and what it wrote, per head: engine.cache.keep_steps replays a row's kept ones),
-# not the states themselves: about 4 MB a position for Qwen3.8-27B where its states are 151 MB
-# (engine.memory.verify_step_bytes), so any verification fits beside the slot pool.
 
 # Snapshots a slot keeps of its sequence's linear-layer state (hybrid models), besides the exact
 # state at its end. Each is every linear layer's recurrent and conv state (about 75 MiB for

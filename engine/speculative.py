@@ -33,9 +33,11 @@ accelerators) drafting is off: the worker says why at start (Speculator.off).
 
 A hybrid model's linear layers hold a recurrent state and a conv window that a verification advances
 past every drafted token. Its T positions run one at a time, in the arithmetic of T decode steps
-(engine.model: its float32 operations each rounded once, whatever the program around them), and the
-state after each position comes back with the logits; once the sampler has decided, each row's slot
-keeps the state of its last kept position (engine.cache.keep_steps: selected, not recomputed).
+(engine.model: its float32 operations each rounded once, whatever the program around them), and what
+each position wrote into the state comes back with the logits (a few vectors per head, not a state);
+once the sampler has decided, each row's slot replays its kept positions from the state it had with
+the same operations and keeps the state of its last kept one (engine.cache.keep_steps), the one
+those decode steps reach.
 
 Whether drafting pays is measured, not assumed: a verification program of T tokens per row costs
 more than a decode step (how much depends on the CPU's integer throughput: docs/performance.md), so

@@ -365,9 +365,10 @@ class Engine:
 
     def _speculator(self, has_mtp: bool) -> speculative.Speculator:
         """Drafting's state, off (and why) where it would not be exact (engine.speculative), else
-        the verification programs: each decode batch of up to VERIFY_MAX_ROWS rows, with each of
-        its verification lengths (engine.scheduler.verify_tokens) whose rows the kernel's products and attention take one by one. has_mtp: the
-        checkpoint has an MTP layer, which drafts where the mode lets it."""
+        the verification programs: each decode batch of up to VERIFY_MAX_ROWS rows, with each of the
+        model's lengths (engine.scheduler.verify_tokens) whose rows the kernel's products and
+        attention take one by one. has_mtp: the checkpoint has an MTP layer, which drafts where the
+        mode lets it."""
         cfg, args = self.cfg, self.args
         if args.speculative not in speculative.MODES:
             raise ValueError(f"speculative: must be one of {speculative.MODES}, got {args.speculative!r}")
