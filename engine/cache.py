@@ -322,7 +322,7 @@ def keep_steps(cache, steps, slots, at):
                     step["conv"], keep)
                 kept = jnp.swapaxes(window, 1, 2)
             elif name == "state":
-                kept = arr[jnp.minimum(slots, arr.shape[0] - 1)]
+                kept = arr[slots]
                 for i in range(step["k"].shape[1]):
                     replayed = delta_replay(kept, step["k"][:, i], step["decay"][:, i], step["written"][:, i], zero)
                     kept = jnp.where((i <= keep)[:, None, None, None], replayed, kept)

@@ -93,8 +93,8 @@ def verify_step_bytes(cfg: ModelConfig) -> int:
     """What a verification of drafts keeps of one position of one row for its linear layers until
     each row's kept position is chosen (engine.cache.keep_steps): the conv's input and, per value
     head, the position's key, decay and what it wrote, float32; 0 for a model without linear layers.
-    Replaying those is exact (engine.model.delta_replay), so the per-position states (Qwen3.8-27B's
-    151 MB each) are never held."""
+    Replaying those is exact (engine.model.delta_replay), so the per-position states (a slot's whole
+    state each: slot_state_bytes) are never held."""
     linear = sum(1 for kind in cfg.layer_kinds if kind == "linear")
     per_head = cfg.linear_key_dim + 1 + cfg.linear_value_dim
     return linear * (cfg.linear_conv_dim + cfg.linear_value_heads * per_head) * STATE_ELEMENT_BYTES if linear else 0

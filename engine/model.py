@@ -548,6 +548,11 @@ _jit_layer = jax.jit(_layer, static_argnames=LAYER_STATIC_ARGNAMES)
 MTP_HIDDEN = "final_norm"
 
 
+def _mtp_kind(cfg: ModelConfig) -> str:
+    """The MTP layer's attention kind: the trunk's full-attention layers' (engine.weights: _Loader.mtp)."""
+    return next(k for k in cfg.layer_kinds if k != "linear")
+
+
 def _mtp_input(params, hidden, embedded, cfg: ModelConfig):
     """u = fc([norm_e(embedded), norm_h(hidden)]) [B, T, H] (above)."""
     mtp, eps = params["mtp"], cfg.rms_norm_eps
@@ -559,12 +564,11 @@ def _mtp_entries(params, kv, hidden, embedded, slots, positions, valid, live, *,
     """The MTP layer's entries at positions [B, T] from hidden [B, T, H] (h_p) and embedded [B, T, H]
     (the embedding of token p + 1); writes their keys and values into kv, the MTP layer's cache,
     where valid. Returns (y [B, T, H], kv)."""
-    kind = next(k for k in cfg.layer_kinds if k != "linear")
     mlp = (cfg.mlp_kinds or ("dense",))[-1]
     lengths = jnp.sum(valid, axis=1, dtype=jnp.int32)
     y, kv, _ = _jit_layer(params["mtp"]["layer"], kv, _mtp_input(params, hidden, embedded, cfg), slots,
                           positions[:, 0], lengths, positions, _rope_tables(positions, cfg), valid, live,
-                          cfg=cfg, kind=kind, mlp=mlp, site=cfg.num_layers if mlp == "moe" else None)
+                          cfg=cfg, kind=_mtp_kind(cfg), mlp=mlp, site=cfg.num_layers if mlp == "moe" else None)
     return _rms_norm(y, params["mtp"]["norm"], cfg.rms_norm_eps), kv
 
 
@@ -575,9 +579,8 @@ def _mtp_keys(params, kv, hidden, embedded, slots, positions, valid, *, cfg: Mod
     at Qwen3.8-27B's shape), so a call that drafts nothing costs little more than without it."""
     layer = params["mtp"]["layer"]
     normed = _rms_norm(_mtp_input(params, hidden, embedded, cfg), layer["attn_norm"], cfg.rms_norm_eps)
-    kind = next(k for k in cfg.layer_kinds if k != "linear")
     _, _, kv = _attention_entries(layer, kv, normed, slots, positions, _rope_tables(positions, cfg), valid,
-                                  cfg=cfg, gated=kind == "gated_attention")
+                                  cfg=cfg, gated=_mtp_kind(cfg) == "gated_attention")
     return kv
 
 

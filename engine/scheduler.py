@@ -62,10 +62,10 @@ SMALL_DECODE_BATCHES = (1, 4)
 # short program's cost.
 VERIFY_TOKENS = (4, 8)
 # A hybrid model verifies VERIFY_TOKENS_LINEAR only: its linear layers run a verification's positions
-# one after another, and at Qwen3.8-27B's shapes 1 + 7 tokens cost 1.70x a decode step against 1 + 3's
-# 1.10x (docs/perf-log.md, "A verification's cost curve"), more tokens per second than 1 + 3 only
-# where over 86% of drafts are kept; and each verification program of the 27B stays resident at
-# about 0.65 GB (measured), which its worker on a 24 GB host does not have to spare.
+# one after another, so a verification past the kernel's one pass of rows costs far more than 1 + 3
+# and pays only where nearly every draft is kept; and each verification program of a large hybrid
+# stays resident beside the weights (docs/perf-log.md, "A verification's cost curve" and "The 27B
+# drafts on a CPU host").
 VERIFY_TOKENS_LINEAR = (4,)
 # Decode batches up to this many rows may draft: a batch's verification costs its rows times its
 # tokens in products, and past 4 rows it could not pay on the CPUs measured (docs/performance.md).
@@ -75,8 +75,8 @@ VERIFY_MAX_ROWS = 4
 def verify_tokens(cfg: ModelConfig) -> tuple[int, ...]:
     """The verification lengths (tokens per row) a model's drafting builds. A hybrid model's
     verification keeps, for each position, what it did to its linear layers' states (a key, a decay
-    and what it wrote, per head: engine.cache.keep_steps replays a row's kept ones), not the states:
-    about 4 MB a position for Qwen3.8-27B, whose states are 151 MB (engine.memory.verify_step_bytes)."""
+    and what it wrote, per head: engine.cache.keep_steps replays a row's kept ones), not the states
+    (engine.memory.verify_step_bytes)."""
     return VERIFY_TOKENS_LINEAR if "linear" in cfg.layer_kinds else VERIFY_TOKENS
 
 

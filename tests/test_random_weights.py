@@ -169,7 +169,8 @@ def test_a_random_27b_shape_loads_without_reading_a_file_and_gives_finite_spread
     monkeypatch.setattr(mmap, "mmap", no_file)
     params, logits = _logits(folder, dtype)
     assert np.all(np.isfinite(logits))
-    assert 1.0 < logits.std() < 10.0 and np.sort(logits)[-1] - np.sort(logits)[-2] > 0
+    # spread, and most tokens' logits apart (a degenerate head, rows repeated or zero, gives few values)
+    assert 1.0 < logits.std() < 10.0 and len(np.unique(logits)) > logits.size // 2
     linear = params["layers"][0]["linear"]
     for name in ("in", "out"):
         assert isinstance(linear[name], dict), name                    # not a float array
