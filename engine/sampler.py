@@ -181,7 +181,12 @@ def _candidate_thresholds(probs, p: RowParams, k):
 
 def filter_mask(probs, p: RowParams, native_kernel: bool = False):
     """bool [B, V]: tokens that survive top-k, then top-p (over what top-k kept, renormalized), and
-    min-p (p >= min_p * p_max), on temperature-scaled probabilities. At least the top token survives.
+    min-p (p >= min_p * p_max), on temperature-scaled probabilities. At least the top token survives."""
+    return probs >= filter_cut(probs, p, native_kernel)
+
+
+def filter_cut(probs, p: RowParams, native_kernel: bool = False):
+    """[B, 1]: the least probability filter_mask keeps in each row (0 where the row has no filter).
     Where engine.native's kernel serves (native_kernel), its exact cuts (native.filter_cuts: a
     filtered draw 2-4x faster, docs/performance.md); else XLA's (_xla_cuts)."""
     if native_kernel:
@@ -194,7 +199,7 @@ def filter_mask(probs, p: RowParams, native_kernel: bool = False):
     # A row whose filter is off keeps every token exactly, so it draws the same in any batch.
     t_k = jnp.where(p.top_k[:, None] > 0, t_k, 0.0)
     t_p = jnp.where(p.top_p[:, None] < 1.0, t_p, 0.0)
-    return probs >= jnp.maximum(jnp.maximum(t_k, t_p), t_min)
+    return jnp.maximum(jnp.maximum(t_k, t_p), t_min)
 
 
 def _xla_cuts(probs, p: RowParams):
@@ -264,16 +269,19 @@ def _inverse_cdf(probs, mass, u):
     return (block * DRAW_BLOCK + jnp.minimum(within, _last_positive(inner))).astype(jnp.int32)
 
 
-def _draw(logits, p: RowParams, filtered: bool, native_kernel: bool):
-    """Sampled tokens for every row: filters (when some row has one), then inverse-CDF with one
-    uniform per row. Every sum in one order per row (row_sum), so a seeded row draws the same token
-    alone, in a batch or in a verification of drafts."""
+def _draw(logits, p: RowParams, native_kernel: bool):
+    """Sampled tokens for every row: filters (when some sampled row has one: a run-time branch), then
+    inverse-CDF with one uniform per row. Every sum in one order per row (row_sum), so a seeded row
+    draws the same token alone, in a batch or in a verification of drafts."""
     temperature = jnp.maximum(p.temperature, MIN_TEMPERATURE)[:, None]
     scaled = logits / temperature
     e = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
     probs = e / row_sum(e)
-    if filtered:
-        probs = jnp.where(filter_mask(probs, p, native_kernel), probs, 0.0)
+    filtered = jnp.any((p.temperature >= MIN_TEMPERATURE) & ((p.top_k > 0) | (p.top_p < 1.0) | (p.min_p > 0.0)))
+    # The branches return each row's cut, not a copy of the probabilities; 0 keeps every token.
+    cut = jax.lax.cond(filtered, lambda x: filter_cut(x, p, native_kernel),
+                       lambda x: jnp.zeros((x.shape[0], 1), x.dtype), probs)
+    probs = jnp.where(probs >= cut, probs, 0.0)
     mass = _block_sums(probs)
     u = jax.vmap(_uniform)(p.key, p.step)[:, None] * tree_sum(mass)
     return _inverse_cdf(probs, mass, u)
@@ -294,84 +302,95 @@ def _allowed_only(logits: jax.Array, bits: jax.Array) -> jax.Array:
 allowed_only = jax.jit(_allowed_only, donate_argnums=0)
 
 
-# How a batch draws: every row greedy; some row samples with no filter; some row has a filter.
-DRAW_MODES = ("greedy", "plain", "filtered")
+# How a batch draws: every row greedy, or some row samples (its filters and every row's penalties
+# are run-time branches of one program: each static switch doubles the programs the worker compiles
+# and keeps resident, 8-35 MB each at a 152k vocabulary, docs/memory.md).
+DRAW_MODES = ("greedy", "sampled")
+
+
+def uses_penalties(s: Sampling) -> bool:
+    """Whether a request's draws read its slot's statistics (then the worker resets them as it starts)."""
+    return s.repetition_penalty != 1.0 or s.frequency_penalty != 0.0 or s.presence_penalty != 0.0
 
 
 def batch_flags(rows: list[Sampling]) -> dict:
-    """The static switches of sample() for a batch: which costly parts any of its rows needs."""
-    sampled = [s for s in rows if s.temperature >= MIN_TEMPERATURE]
-    filtered = any(s.top_k > 0 or s.top_p < 1.0 or s.min_p > 0.0 for s in sampled)
-    return {"penalties": any(s.repetition_penalty != 1.0 or s.frequency_penalty != 0.0
-                             or s.presence_penalty != 0.0 for s in rows),
-            "draw": "filtered" if filtered else "plain" if sampled else "greedy"}
+    """The static switch of sample() for a batch: whether any of its rows samples."""
+    return {"draw": "sampled" if any(s.temperature >= MIN_TEMPERATURE for s in rows) else "greedy"}
 
 
-# Every combination of sample()'s static switches: the worker compiles each one before it is ready.
-FLAG_COMBINATIONS = tuple({"penalties": a, "draw": b} for a in (False, True) for b in DRAW_MODES)
+# Every value of sample()'s static switches: the worker compiles each one before it is ready.
+FLAG_COMBINATIONS = tuple({"draw": d} for d in DRAW_MODES)
 
 
 def _sample(state: SamplerState, logits: jax.Array, slots: jax.Array, active: jax.Array,
-            p: RowParams, *, every_slot: bool, penalties: bool, draw: str,
-            native_kernel: bool = False) -> tuple[jax.Array, SamplerState]:
+            p: RowParams, *, every_slot: bool, draw: str, native_kernel: bool = False) -> tuple[jax.Array, SamplerState]:
     """sample()'s body, not jitted: verify() runs it at every position of a drafted row."""
     logits = logits.astype(jnp.float32)
-    counts = state.counts
-    if penalties:
+
+    def penalized(x):
         if every_slot:
-            logits = apply_penalties(logits, state.prompt_seen, state.counts, p)
-        else:
-            logits = apply_penalties(logits, state.prompt_seen[slots], state.counts[slots], p)
-    tokens = _first_max(logits, native_kernel)
-    if draw != "greedy":
-        drawn = _draw(logits, p, filtered=draw == "filtered", native_kernel=native_kernel)
-        tokens = jnp.where(p.temperature >= MIN_TEMPERATURE, drawn, tokens)
-    if penalties:
-        counts = counts.at[slots, tokens].add(active.astype(jnp.int32))
+            return apply_penalties(x, state.prompt_seen, state.counts, p)
+        return apply_penalties(x, state.prompt_seen[slots], state.counts[slots], p)
+
+    penalties = jnp.any((p.repetition != 1.0) | (p.frequency != 0.0) | (p.presence != 0.0))
+    if draw == "greedy":            # the branches return the picks, not a copy of the logits
+        tokens = jax.lax.cond(penalties, lambda x: _first_max(penalized(x), native_kernel),
+                              lambda x: _first_max(x, native_kernel), logits)
+    else:
+        logits = jax.lax.cond(penalties, penalized, lambda x: x, logits)
+        tokens = jnp.where(p.temperature >= MIN_TEMPERATURE, _draw(logits, p, native_kernel=native_kernel),
+                           _first_max(logits, native_kernel))
+    # Counted for every row, penalties or not (a few entries; the state itself never passes through a
+    # branch, which would copy it): a slot's counts are read only by the request that started there.
+    counts = state.counts.at[slots, tokens].add(active.astype(jnp.int32))
     return tokens, SamplerState(state.prompt_seen, counts)
 
 
-_STATIC = ("every_slot", "penalties", "draw", "native_kernel")
+_STATIC = ("every_slot", "draw", "native_kernel")
 
 
 @partial(jax.jit, donate_argnames=("state",), static_argnames=_STATIC)
 def sample(state: SamplerState, logits: jax.Array, slots: jax.Array, active: jax.Array,
-           p: RowParams, *, every_slot: bool, penalties: bool, draw: str,
+           p: RowParams, *, every_slot: bool, draw: str,
            native_kernel: bool = False) -> tuple[jax.Array, SamplerState]:
     """Draw one token per row. logits f32 [B, V]; slots int32 [B]: each row's slot (its penalty
     state); active bool [B]: rows whose draw counts (pad rows leave the state alone).
     Static switches, always passed by name (jit keys on which keywords were given; batch_flags picks
-    the last two). Each combination is its own program, so a batch pays only for what its rows use
-    (a lax.cond would copy the [slots, vocab] state even when false):
+    draw). Penalties and filters are run-time branches, taken only where some row has them, so a
+    batch pays only for what its rows use:
       every_slot: row i is slot i for every slot (the decode batch): no gather of the state;
-      penalties: some row has a penalty (a slot's statistics are read only by the request that
-        started there, which keeps its penalties for its whole life, so skipping updates is safe);
-      draw: one of DRAW_MODES; "filtered" runs the top-k/top-p/min-p bisections, the costly part;
+      draw: one of DRAW_MODES; "greedy" compiles no draw at all;
       native_kernel: engine.native's kernel serves the model (ModelConfig.native): its greedy pick
         and filter cuts.
     Returns (tokens int32 [B], state)."""
-    return _sample(state, logits, slots, active, p, every_slot=every_slot, penalties=penalties, draw=draw,
-                   native_kernel=native_kernel)
+    return _sample(state, logits, slots, active, p, every_slot=every_slot, draw=draw, native_kernel=native_kernel)
 
 
 @partial(jax.jit, donate_argnames=("state",), static_argnames=_STATIC)
 def verify(state: SamplerState, logits: jax.Array, drafts: jax.Array, slots: jax.Array,
            lengths: jax.Array, p: RowParams, masks: jax.Array | None, *, every_slot: bool,
-           penalties: bool, draw: str, native_kernel: bool = False) -> tuple[jax.Array, SamplerState]:
+           draw: str, native_kernel: bool = False) -> tuple[jax.Array, SamplerState]:
     """The draws of a decode step that carried drafts (engine.speculative): logits f32 [B, T, V] at
     each row's T positions, drafts int32 [B, T] (drafts[b, t] the token drafted after position t;
     lengths[b] positions are real), masks int32 [B, T, words] or None (engine.grammar: each
     position's mask, given the drafted tokens before it). Position t draws as sequential decoding
     would at output step p.step + t, with the penalties of the tokens drawn before it, and counts
-    only while every earlier position drew its draft (the later ones are not output).
+    only while every earlier position drew its draft (the later ones are not output). The positions
+    run in a loop, not unrolled: one position's program, whatever T (8 unrolled draws held 23-35 MB).
     Returns (tokens int32 [B, T], state): row b's output is tokens[b, :n + 1], n the drafts kept."""
-    picks = []
-    going = lengths > 0
-    for t in range(logits.shape[1]):
-        logits_t = logits[:, t] if masks is None else _allowed_only(logits[:, t], masks[:, t])
+    rows, positions = drafts.shape
+
+    def position(t, carry):
+        state, going, picks = carry
+        logits_t = jax.lax.dynamic_index_in_dim(logits, t, axis=1, keepdims=False)
+        if masks is not None:
+            logits_t = _allowed_only(logits_t, jax.lax.dynamic_index_in_dim(masks, t, axis=1, keepdims=False))
         token, state = _sample(state, logits_t, slots, going & (t < lengths), p._replace(step=p.step + t),
-                               every_slot=every_slot, penalties=penalties, draw=draw,
-                               native_kernel=native_kernel)
-        picks.append(token)
-        going = going & (token == drafts[:, t]) & (t + 1 < lengths)
-    return jnp.stack(picks, axis=1), state
+                               every_slot=every_slot, draw=draw, native_kernel=native_kernel)
+        drafted = jax.lax.dynamic_index_in_dim(drafts, t, axis=1, keepdims=False)
+        picks = jax.lax.dynamic_update_index_in_dim(picks, token, t, axis=1)
+        return state, going & (token == drafted) & (t + 1 < lengths), picks
+
+    state, _, picks = jax.lax.fori_loop(0, positions, position,
+                                        (state, lengths > 0, jnp.zeros((rows, positions), jnp.int32)))
+    return picks, state

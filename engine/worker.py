@@ -683,7 +683,7 @@ class Engine:
         now = time.time()
         for request in plan.started:
             request.times["started"] = now
-            if sampler.batch_flags([request.sampling])["penalties"]:
+            if sampler.uses_penalties(request.sampling):
                 seen = np.zeros(self.cfg.vocab_size, bool)
                 seen[request.prompt] = True
                 self._start_row(request.slot, seen)

@@ -167,8 +167,12 @@ def group(tmp_path_factory):
     runs.update(folder=folder, cache=cache, coordinator=coordinator)
     try:
         until(lambda: runs["one"].port and runs["leader"].port, "the servers to listen", 60)
-        runs["leader"].wait_ready()
-        runs["one"].wait_ready()
+        try:
+            runs["leader"].wait_ready()
+            runs["one"].wait_ready()
+        except AssertionError as e:        # what each process last said is what explains a hang
+            raise AssertionError("\n".join([str(e)] + [f"--- {name}:\n{runs[name].log()[-2500:]}"
+                                                         for name in ("leader", "follower", "one")])) from None
         yield runs
     finally:
         for name in ("one", "leader", "follower", "follower2"):

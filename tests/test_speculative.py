@@ -114,7 +114,7 @@ def test_verification_keeps_the_target_distribution_for_a_deterministic_draft():
     state = sampler.init_state(n, 4)
     picks, _ = sampler.verify(state, logits, jnp.full((n, 2), draft, jnp.int32), jnp.arange(n, dtype=jnp.int32),
                               jnp.full(n, 2, jnp.int32), params, jnp.full((n, 2, 1), -1, jnp.int32),
-                              every_slot=True, penalties=False, draw="plain")
+                              every_slot=True, draw="sampled")
     first = np.asarray(picks)[:, 0]
     counts = np.bincount(first, minlength=4)
     chi2 = float(((counts - n * probs) ** 2 / (n * probs)).sum())
@@ -145,14 +145,13 @@ def test_verification_draws_what_sequential_draws_give_with_penalties():
     for i in range(t):
         token, state = sampler.sample(state, jnp.asarray(logits[:, i]), jnp.zeros(1, jnp.int32),
                                       jnp.ones(1, bool), sampler.row_params([(s, 5, i)]),
-                                      every_slot=True, penalties=True, draw="plain")
+                                      every_slot=True, draw="sampled")
         sequential.append(int(token[0]))
     drafts = np.zeros((1, t), np.int32)
     drafts[0, :t - 1] = sequential[:t - 1]
     picks, after = sampler.verify(fresh(), jnp.asarray(logits), jnp.asarray(drafts), jnp.zeros(1, jnp.int32),
                                   jnp.full(1, t, jnp.int32), sampler.row_params([(s, 5, 0)]),
-                                  jnp.full((1, t, 1), -1, jnp.int32), every_slot=True, penalties=True,
-                                  draw="plain")
+                                  jnp.full((1, t, 1), -1, jnp.int32), every_slot=True, draw="sampled")
     assert list(np.asarray(picks)[0]) == sequential
     assert np.array_equal(np.asarray(after.counts), np.asarray(state.counts))
 
@@ -165,8 +164,7 @@ def test_tokens_after_a_rejected_draft_are_not_counted_for_penalties():
     picks, state = sampler.verify(state, jnp.asarray(logits), jnp.asarray([[2, 5, 0]], jnp.int32),
                                   jnp.zeros(1, jnp.int32), jnp.full(1, 3, jnp.int32),
                                   sampler.row_params([(Sampling(frequency_penalty=0.5), 0, 0)]),
-                                  jnp.full((1, 3, 1), -1, jnp.int32), every_slot=True, penalties=True,
-                                  draw="greedy")
+                                  jnp.full((1, 3, 1), -1, jnp.int32), every_slot=True, draw="greedy")
     assert list(np.asarray(picks)[0])[:1] == [5]       # the draft (2) was not drawn: one token out
     assert int(np.asarray(state.counts)[0, 5]) == 1
 
