@@ -323,7 +323,8 @@ FLAG_COMBINATIONS = tuple({"draw": d} for d in DRAW_MODES)
 
 
 def _sample(state: SamplerState, logits: jax.Array, slots: jax.Array, active: jax.Array,
-            p: RowParams, *, every_slot: bool, draw: str, native_kernel: bool = False) -> tuple[jax.Array, SamplerState]:
+            p: RowParams, *, every_slot: bool, draw: str,
+            native_kernel: bool = False) -> tuple[jax.Array, SamplerState]:
     """sample()'s body, not jitted: verify() runs it at every position of a drafted row."""
     logits = logits.astype(jnp.float32)
 
