@@ -77,8 +77,8 @@ def load1() -> float:
 
 # ---- the prompts: the same token ids for both engines ------------------------------------------------
 
-def build_prompts(tok: chat.Tokenizer, sizes: list[int]) -> list[dict]:
-    """One chat prompt per size (rendered in the demo's chat format, so mashbox's Chat Completions
+def build_prompts(tok: chat.Tokenizer, sizes: list[int], chat_format: str) -> list[dict]:
+    """One chat prompt per size (rendered in the model's chat format, so mashbox's Chat Completions
     tokenizes it to exactly these ids), each opening with its own nonce and taking its code from
     another part of the corpus."""
     corpus = tok.encode("".join(p.read_text(encoding="utf-8") for p in CORPUS))
@@ -91,7 +91,7 @@ def build_prompts(tok: chat.Tokenizer, sizes: list[int]) -> list[dict]:
                 offset = 0
             user = tok.decode(corpus[offset:offset + body]) + ASK
             job = chat.Job(messages=[chat.Message("system", system), chat.Message("user", user)])
-            ids = chat.render(job, tok, "qwen2.5")
+            ids = chat.render(job, tok, chat_format)
             if abs(len(ids) - size) <= 2:
                 break
             body += size - len(ids)
@@ -307,7 +307,7 @@ def main() -> int:
     dtypes = args.weights_dtype or ["auto"]
     spec = registry.resolve(args.model)
     tok = chat.Tokenizer.from_folder(registry.prepare(spec))
-    prompts = build_prompts(tok, sizes)
+    prompts = build_prompts(tok, sizes, spec.chat_format)
     ctx = max(len(q["ids"]) for q in prompts) + args.new_tokens + CTX_MARGIN
     with tempfile.TemporaryDirectory(prefix="bench-vs-llamacpp-") as tmp:
         folder = Path(tmp)
