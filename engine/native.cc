@@ -19,7 +19,7 @@
 //                                    <- products._s_matmul
 //   decode attention                 Int8Attend: int8_attend <- attention.attend
 //   the greedy pick                  FirstMax: first_max <- sampler._first_max
-//   the sampling filters' cuts       FilterCuts: filter_cuts <- sampler.filter_mask
+//   the sampling filters' cuts       FilterCuts: filter_cuts <- sampler.filter_cut
 // (tests/test_layout.py holds this list to the handlers, the titles and engine/native.py.)
 //
 // Why: XLA:CPU hands an integer dot to YNNPACK, whose kernels run compute-bound, well short of the
