@@ -304,7 +304,7 @@ allowed_only = jax.jit(_allowed_only, donate_argnums=0)
 
 # How a batch draws: every row greedy, or some row samples (its filters and every row's penalties
 # are run-time branches of one program: each static switch doubles the programs the worker compiles
-# and keeps resident, 8-35 MB each at a 152k vocabulary, docs/memory.md).
+# and keeps resident, docs/memory.md, "Fewer sampler programs").
 DRAW_MODES = ("greedy", "sampled")
 
 
@@ -377,7 +377,8 @@ def verify(state: SamplerState, logits: jax.Array, drafts: jax.Array, slots: jax
     position's mask, given the drafted tokens before it). Position t draws as sequential decoding
     would at output step p.step + t, with the penalties of the tokens drawn before it, and counts
     only while every earlier position drew its draft (the later ones are not output). The positions
-    run in a loop, not unrolled: one position's program, whatever T (8 unrolled draws held 23-35 MB).
+    run in a loop, not unrolled: one position's program, whatever T (unrolled, each position's draw
+    was compiled and kept again).
     Returns (tokens int32 [B, T], state): row b's output is tokens[b, :n + 1], n the drafts kept."""
     rows, positions = drafts.shape
 
