@@ -151,6 +151,9 @@ class ModelConfig:
     # over the int8 cache, the sampler's greedy pick and cuts): decided once at start-up
     # (engine.sharding.Layout, native.serves); not from config.json.
     native: bool = False
+    # Whether the model runs one program per layer rather than one of every layer (engine.model:
+    # runs_layered, a large model on a CPU): decided once at start-up (engine.sharding.Layout).
+    layered: bool = False
     # An official FP8 checkpoint (quantization_config "fp8", fp8_block): its matrices are float8 with
     # block scales, which weights dtype "fp8" holds as they are (engine.weights).
     fp8: bool = False

@@ -208,14 +208,15 @@ def _blocks_held(checkpoint: Checkpoint) -> bool:
 def _kept_in_blocks(name: str, kind: str | None, shape) -> bool:
     """Whether the loader keeps a block-stored tensor in its blocks (engine.weights.projection,
     put_rows): the layer projections and the head, where their shape fits the kernel's blocks; the
-    embedding table only in Q8_0 (its rows read from them); routed experts are read as floats and
-    rounded to int8."""
+    embedding table in Q8_0 and the K-quants (its rows read from them); routed experts are read as
+    floats and rounded to int8."""
+    from engine import native
     from engine.weights import quantized_tensor
     if kind not in BLOCK_HELD_BYTES or not quantized_tensor(name):
         return False
     if len(shape) != 2 or shape[0] % BLOCK_OUTPUTS or shape[1] % BLOCK_INPUTS[kind]:
         return False
-    return kind == "Q8_0" or name != "model.embed_tokens.weight"
+    return kind == "Q8_0" or kind in native.K_SUB or name != "model.embed_tokens.weight"
 
 
 def engine_on_host() -> bool:

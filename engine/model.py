@@ -610,46 +610,199 @@ def forward(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,
     is then each linear layer's state after every position (a list, empty for a model without
     them: _linear_attention; the MTP carry's last, with an MTP layer), which the returned cache
     does not hold yet (engine.cache.keep_steps). With params["mtp"] the call also writes its tokens'
-    MTP entries (_mtp_fill; the pool's last two entries are the MTP layer's)."""
+    MTP entries (_mtp_fill; the pool's last two entries are the MTP layer's).
+    Runs every layer in this one program (jit_forward runs a large model's one program per layer)."""
     all_logits = all_logits or verify
-    b, t = tokens.shape
-    ctx = next(layer["k"] for layer in cache if "k" in layer).shape[-1]     # linear layers: no ctx
-    if slots.shape != (b,) or starts.shape != (b,) or lengths.shape != (b,):
-        raise ValueError(f"slots, starts and lengths must have shape ({b},) like tokens' rows")
-    offsets = jnp.arange(t, dtype=jnp.int32)
-    positions = starts[:, None] + offsets[None, :]                         # [B, T]
-    valid = offsets[None, :] < lengths[:, None]                            # [B, T]
-    # Positions attention must read; at least one, so that idle rows (all lengths 0) stay finite.
-    live = jnp.clip(jnp.max(starts + lengths), 1, ctx)
-    rope = _rope_tables(positions, cfg)
-    x = embed(params["embed"], tokens)                                    # [B, T, hidden]
+    ctx = _checked_ctx(cache, tokens, slots, starts, lengths)
+    x, positions, rope, valid, live = _model_inputs(params["embed"], tokens, starts, lengths, ctx=ctx, cfg=cfg)
     new_cache, states = [], []
     # A Python loop, not lax.scan: XLA:CPU runs the unrolled layers 2-4x faster.
-    mlp_kinds = cfg.mlp_kinds or ("dense",) * cfg.num_layers
-    for i, (kind, mlp, layer, kv) in enumerate(zip(cfg.layer_kinds, mlp_kinds, params["layers"], cache)):
+    for i, (kind, mlp, layer, kv) in enumerate(zip(cfg.layer_kinds, _mlp_kinds(cfg), params["layers"], cache)):
         x, kv, steps = _jit_layer(layer, kv, x, slots, starts, lengths, positions, rope, valid, live,
                                   cfg=cfg, kind=kind, mlp=mlp, site=i if mlp == "moe" else None,
                                   verify=verify)
         new_cache.append(kv)
         if steps is not None:
             states.append(steps)
-    if "mtp" in params:
-        normed = _rms_norm(x, params["norm"], cfg.rms_norm_eps)
-        pool, carried = _mtp_fill(params, cache[cfg.num_layers:], embed(params["embed"], tokens),
-                                  normed if MTP_HIDDEN == "final_norm" else x, slots, positions, valid,
-                                  cfg=cfg, verify=verify)
-        new_cache += pool
-        states += [carried] if verify else []
+    logits, pool, carried = _model_outputs(_ends(params), cache[cfg.num_layers:], x, tokens, slots, positions,
+                                           valid, lengths, cfg=cfg, all_logits=all_logits, verify=verify)
+    return (logits, new_cache + pool, states + carried) if verify else (logits, new_cache + pool)
+
+
+def _checked_ctx(cache, tokens, slots, starts, lengths) -> int:
+    """The cache's context length (linear layers have none), after checking the rows' shapes."""
+    b = tokens.shape[0]
+    if slots.shape != (b,) or starts.shape != (b,) or lengths.shape != (b,):
+        raise ValueError(f"slots, starts and lengths must have shape ({b},) like tokens' rows")
+    return next(layer["k"] for layer in cache if "k" in layer).shape[-1]
+
+
+def _mlp_kinds(cfg: ModelConfig) -> tuple[str, ...]:
+    return cfg.mlp_kinds or ("dense",) * cfg.num_layers
+
+
+def _ends(params) -> dict:
+    """The weights a model call reads besides its layers: the embedding, head, final norm, MTP layer."""
+    return {key: value for key, value in params.items() if key != "layers"}
+
+
+def _model_inputs(table, tokens, starts, lengths, *, ctx: int, cfg: ModelConfig):
+    """What the first layer reads: the tokens' embeddings [B, T, hidden] (the residual stream), their
+    positions and RoPE tables, which are valid, and how far attention reads."""
+    t = tokens.shape[1]
+    offsets = jnp.arange(t, dtype=jnp.int32)
+    positions = starts[:, None] + offsets[None, :]                         # [B, T]
+    valid = offsets[None, :] < lengths[:, None]                            # [B, T]
+    # Positions attention must read; at least one, so that idle rows (all lengths 0) stay finite.
+    live = jnp.clip(jnp.max(starts + lengths), 1, ctx)
+    return embed(table, tokens), positions, _rope_tables(positions, cfg), valid, live
+
+
+def _model_outputs(ends, pool, x, tokens, slots, positions, valid, lengths, *, cfg: ModelConfig,
+                   all_logits: bool, verify: bool):
+    """After the last layer: the MTP layer's entries (pool: its cache, empty without one) and the
+    logits. Returns (logits, the pool after the call, [the MTP carry] for a verification else [])."""
+    carried = []
+    if "mtp" in ends:
+        normed = _rms_norm(x, ends["norm"], cfg.rms_norm_eps)
+        pool, carry = _mtp_fill(ends, pool, embed(ends["embed"], tokens),
+                                normed if MTP_HIDDEN == "final_norm" else x, slots, positions, valid,
+                                cfg=cfg, verify=verify)
+        carried = [carry] if verify else []
     if not all_logits:
         last = jnp.maximum(lengths - 1, 0)                                 # idle rows: any row
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]      # [B, hidden]
-    x = _rms_norm(x, params["norm"], cfg.rms_norm_eps)
-    logits = matmul(x, params["lm_head"])
-    return (logits, new_cache, states) if verify else (logits, new_cache)
+    x = _rms_norm(x, ends["norm"], cfg.rms_norm_eps)
+    return matmul(x, ends["lm_head"]), pool, carried
 
 
-jit_forward = jax.jit(forward, donate_argnames=("cache",),
-                      static_argnames=("cfg", "all_logits", "verify"))
+_jit_unrolled = jax.jit(forward, donate_argnames=("cache",), static_argnames=("cfg", "all_logits", "verify"))
+
+
+# ---- one program per layer -----------------------------------------------------------------------
+#
+# XLA:CPU holds a compiled program's instructions, buffer plan and code in host memory, and a program
+# of every layer holds each layer's (about 1,500 instructions a layer at Qwen3.8-27B's shapes: its
+# decode program 0.26 GB, its 512-token chunk's 0.5 GB; six such programs took the 27B's worker 2-3
+# GB past its weights and cache, and compiling them took over four minutes). A large model on a CPU
+# (cfg.layered: runs_layered) runs instead as a program for its inputs, one per distinct layer (the
+# layers of one kind whose weights have the same forms share it) and one for its outputs, called in
+# turn: the same arithmetic per layer. Each layer's call costs ~40 us of dispatch, under 1% of a layer
+# that reads LAYERED_MIN_LAYER_PARAMS weights; a small model keeps its one fused program (docs/memory.md).
+
+LAYERED_MIN_LAYER_PARAMS = 128_000_000
+LAYERED_ENV = "MASHBOX_LAYERED"               # "1" / "0": one program per layer or not, whatever the size
+
+
+def layer_parameters(cfg: ModelConfig) -> int:
+    """The weights one decoder layer holds, on average over the layers (a MoE layer's routed
+    experts all counted; its shared expert not)."""
+    h, total = cfg.hidden_size, 0
+    for kind, mlp in zip(cfg.layer_kinds, _mlp_kinds(cfg)):
+        if kind == "linear":
+            total += h * (cfg.linear_conv_dim + cfg.linear_value_heads * (cfg.linear_value_dim + 2))
+            total += cfg.linear_value_heads * cfg.linear_value_dim * h
+        else:
+            total += h * (cfg.q_size * (2 if kind == "gated_attention" else 1) + 2 * cfg.kv_size) + cfg.q_size * h
+        total += 3 * h * (cfg.moe_intermediate_size * cfg.num_experts if mlp == "moe" else cfg.intermediate_size)
+    return total // max(1, cfg.num_layers)
+
+
+def runs_layered(cfg: ModelConfig, platform: str, devices: int) -> bool:
+    """Whether the model runs one program per layer (above): on one CPU device, a model without
+    routed experts (each such layer is traced on its own, so its programs would not be shared) whose
+    layers read at least LAYERED_MIN_LAYER_PARAMS weights each; MASHBOX_LAYERED overrides the size."""
+    import os
+    if platform != "cpu" or devices != 1 or "moe" in _mlp_kinds(cfg):
+        return False
+    asked = os.environ.get(LAYERED_ENV, "")
+    return asked == "1" if asked in ("0", "1") else layer_parameters(cfg) >= LAYERED_MIN_LAYER_PARAMS
+
+
+_jit_inputs = jax.jit(_model_inputs, static_argnames=("ctx", "cfg"))
+_jit_layer_step = jax.jit(_layer, donate_argnames=("kv",), static_argnames=LAYER_STATIC_ARGNAMES)
+_jit_outputs = jax.jit(_model_outputs, donate_argnames=("pool",), static_argnames=("cfg", "all_logits", "verify"))
+
+
+def _layered_calls(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig, all_logits: bool,
+                   verify: bool):
+    """The programs of a layered model call, in order: (jitted function, positional arguments,
+    static keyword arguments, which layer or None), with the layers' residual stream and inputs as
+    abstract values (jax.eval_shape): what compiling or lowering them needs."""
+    all_logits = all_logits or verify
+    ctx = _checked_ctx(cache, tokens, slots, starts, lengths)
+    inputs = (params["embed"], tokens, starts, lengths)
+    x, positions, rope, valid, live = jax.eval_shape(lambda *a: _model_inputs(*a, ctx=ctx, cfg=cfg), *inputs)
+    calls, seen = [(_jit_inputs, inputs, {"ctx": ctx, "cfg": cfg})], set()
+    for i, (kind, mlp, layer, kv) in enumerate(zip(cfg.layer_kinds, _mlp_kinds(cfg), params["layers"], cache)):
+        static = {"cfg": cfg, "kind": kind, "mlp": mlp, "site": None, "verify": verify}
+        shapes = jax.tree.map(lambda a: (a.shape, a.dtype), (layer, kv))
+        key = (kind, mlp, jax.tree.structure((layer, kv)), tuple(jax.tree.leaves(shapes)))
+        if key not in seen:
+            seen.add(key)
+            calls.append((_jit_layer_step, (layer, kv, x, slots, starts, lengths, positions, rope, valid, live),
+                          static))
+    calls.append((_jit_outputs, (_ends(params), cache[cfg.num_layers:], x, tokens, slots, positions, valid,
+                                 lengths), {"cfg": cfg, "all_logits": all_logits, "verify": verify}))
+    return calls
+
+
+class _LayeredLowered:
+    """jit_forward.lower(...) of a layered model: its distinct programs lowered (as_text) or compiled."""
+
+    def __init__(self, calls):
+        self.lowered = [function.lower(*args, **static) for function, args, static in calls]
+
+    def compile(self):
+        return [lowered.compile() for lowered in self.lowered]
+
+    def as_text(self) -> str:
+        return "\n".join(lowered.as_text() for lowered in self.lowered)
+
+
+class _Forward:
+    """forward, compiled: jit_forward(params, cache, tokens, slots, starts, lengths, *, cfg,
+    all_logits=False, verify=False) donates the cache and returns forward's results. A model with
+    cfg.layered runs its programs per layer (above), any other the one program of every layer;
+    .lower(...) lowers what a call runs (.compile(), .as_text())."""
+
+    def __call__(self, params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,
+                 all_logits: bool = False, verify: bool = False):
+        if not cfg.layered:
+            return _jit_unrolled(params, cache, tokens, slots, starts, lengths, cfg=cfg, all_logits=all_logits,
+                                 verify=verify)
+        all_logits = all_logits or verify
+        ctx = _checked_ctx(cache, tokens, slots, starts, lengths)
+        # On the device once, not once per layer's call.
+        slots, starts, lengths = (jnp.asarray(a, jnp.int32) for a in (slots, starts, lengths))
+        x, positions, rope, valid, live = _jit_inputs(params["embed"], tokens, starts, lengths, ctx=ctx, cfg=cfg)
+        new_cache, states = [], []
+        for kind, mlp, layer, kv in zip(cfg.layer_kinds, _mlp_kinds(cfg), params["layers"], cache):
+            x, kv, steps = _jit_layer_step(layer, kv, x, slots, starts, lengths, positions, rope, valid, live,
+                                           cfg=cfg, kind=kind, mlp=mlp, site=None, verify=verify)
+            new_cache.append(kv)
+            if steps is not None:
+                states.append(steps)
+        logits, pool, carried = _jit_outputs(_ends(params), cache[cfg.num_layers:], x, tokens, slots, positions,
+                                             valid, lengths, cfg=cfg, all_logits=all_logits, verify=verify)
+        return (logits, new_cache + pool, states + carried) if verify else (logits, new_cache + pool)
+
+    def lower(self, params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,
+              all_logits: bool = False, verify: bool = False):
+        if not cfg.layered:
+            return _jit_unrolled.lower(params, cache, tokens, slots, starts, lengths, cfg=cfg,
+                                       all_logits=all_logits, verify=verify)
+        return _LayeredLowered(_layered_calls(params, cache, tokens, slots, starts, lengths, cfg=cfg,
+                                              all_logits=all_logits, verify=verify))
+
+
+    @staticmethod
+    def _cache_size() -> int:
+        """Programs compiled for model calls so far (the tests' count of shapes)."""
+        return sum(f._cache_size() for f in (_jit_unrolled, _jit_inputs, _jit_layer_step, _jit_outputs))
+
+
+jit_forward = _Forward()
 
 
 def draft(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig, k: int):

@@ -435,6 +435,40 @@ def packable_k(shape) -> bool:
     return len(shape) == 2 and shape[0] % LANES == 0 and shape[1] % K_SUPER == 0
 
 
+def k_rows(w, rows):
+    """Rows `rows` (an integer array of any shape) of K-quant blocks (pack_k) -> float32 [*rows.shape,
+    K]: each weight as its blocks define it, d sc q - dmin m (Q6_K: d sc (q - 32)), for an embedding
+    table held so. Every product is exact in float32 (at most 24 significant bits), so each value is
+    rounded once, at the minus: gguf's own dequantizer's numbers."""
+    import jax.numpy as jnp
+    kind = k_kind(w)
+    block, lane = rows // LANES, rows % LANES
+    nib = w["knib"][block, :, lane]                                               # [*rows, K/8, 4]
+    levels = jnp.concatenate([nib & 15, nib >> 4], axis=-1).astype(jnp.int32)     # inputs 8g .. 8g + 7
+    wide = lambda key: w[key][block, :, lane].astype(jnp.float32)                 # noqa: E731  [*rows, K/span]
+    if kind == "Q5_K":        # lane l's bits 4l .. 4l + 3 of the low nibbles' mask, then the high's
+        words = w["kfifth"][block]                                                # [*rows, K/8, 4]
+        at = (4 * (lane % 8))[..., None, None].astype(jnp.uint32) + jnp.arange(4, dtype=jnp.uint32)
+        second = (lane // 8 == 1)[..., None]                                      # the mask's upper word
+        low = jnp.where(second, words[..., 1], words[..., 0])[..., None]
+        high = jnp.where(second, words[..., 3], words[..., 2])[..., None]
+        fifth = jnp.concatenate([(low >> at) & 1, (high >> at) & 1], axis=-1).astype(jnp.int32)
+        levels = levels | (fifth << 4)
+    if kind == "Q6_K":        # nib byte p = 4 l + j: khi byte p % 32, bits 4 (p // 32) onwards
+        hi = w["khi"][block]                                                      # [*rows, K/8, 32]
+        at = (4 * (lane % 8))[..., None, None] + jnp.arange(4)
+        pairs = jnp.take_along_axis(hi, jnp.broadcast_to(at, (*hi.shape[:-1], 4)), axis=-1).astype(jnp.int32)
+        shift = (4 * (lane // 8))[..., None, None]
+        top = jnp.concatenate([(pairs >> shift) & 3, (pairs >> (shift + 2)) & 3], axis=-1)
+        levels = levels | (top << 4)
+    levels = levels.reshape(*rows.shape, -1).astype(jnp.float32)                  # [*rows, K]
+    per_input = lambda a: jnp.repeat(a, levels.shape[-1] // a.shape[-1], axis=-1)  # noqa: E731
+    d = per_input(wide("kd")) * per_input(wide("ksc"))
+    if kind == "Q6_K":
+        return d * (levels - 32)
+    return d * levels - per_input(wide("kdmin")) * per_input(wide("kmin"))
+
+
 _K_OPERANDS = {"Q4_K": ("knib", "ksc", "kmin", "kd", "kdmin"),
                "Q5_K": ("knib", "kfifth", "ksc", "kmin", "kd", "kdmin"),
                "Q6_K": ("knib", "khi", "ksc", "kd")}

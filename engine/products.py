@@ -398,12 +398,14 @@ def matmul(x, w):
 
 def embed(table, tokens):
     """Rows of the embedding table for tokens, in float32 (an int8 table: its rows times their scales;
-    Q8_0 blocks: their levels times their block scales)."""
+    Q8_0 and K-quant blocks: their weights as the blocks define them)."""
     kind = weight_kind(table)
     if kind == "float":
         return table[tokens].astype(F32)
     if kind == "q8_0":
         return native.q8_rows(table, tokens)
+    if kind.upper() in native.K_SUB:
+        return native.k_rows(table, tokens)
     q = table["q"]
     rows = native.packed_rows(q, tokens) if kind == "int8_packed" else q[tokens]
     return int8_values(rows).astype(F32) * table["scale"][tokens][..., None]

@@ -213,6 +213,7 @@ class Layout:
         from jax.sharding import Mesh
 
         from engine import native
+        from engine.model import runs_layered
 
         local = jax.local_devices()
         n = len(local) if devices == "all" else int(devices)
@@ -223,7 +224,8 @@ class Layout:
         kv_heads = check_devices(cfg, len(chips), available=len(local) * jax.process_count())
         return cls(Mesh(np.array(chips), (MODEL_AXIS,)),
                    dataclasses.replace(cfg, num_kv_heads=kv_heads, devices=len(chips),
-                                       native=native.serves(len(chips))),
+                                       native=native.serves(len(chips)),
+                                       layered=runs_layered(cfg, jax.default_backend(), len(chips))),
                    cfg.vocab_size % len(chips) == 0, linear_splits(cfg, len(chips)))
 
     @property

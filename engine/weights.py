@@ -68,7 +68,8 @@ Q5_0 tensors (the demo's gate_up and o, and qkv where v is Q5_0 too) keeps the f
 instead, read without floats (engine.checkpoint: q5_0) and held at 5.5 bits (engine.native.pack5):
 int8 per channel would round the file's values a second time, in more bytes. So does a matrix made
 only of Q4_K, only of Q5_K or only of Q6_K tensors (the blocks of Q4_K_M / Q5_K_M / Q6_K files;
-engine.native.pack_k, at 4.6, 5.6 and 6.6 bits), and a separate LM head of one of them; and a matrix
+engine.native.pack_k, at 4.6, 5.6 and 6.6 bits), and a separate LM head or the embedding table of
+one of them (engine.products.embed reads a table's rows from the blocks); and a matrix
 made only of Q8_0 tensors, the embedding table and head included (engine.native.pack8, 8.5 bits:
 the file's values, with half the int8 form's products for a few rows; engine.products.embed reads
 a table's rows from them); and one made only of IQ4_NL, IQ4_XS, IQ3_S or Q3_K tensors
@@ -542,7 +543,10 @@ class _Loader:
     # ---- the model's ends ----
 
     def embedding(self):
-        return self.put_rows("model.embed_tokens.weight", (self.cfg.vocab_size, self.cfg.hidden_size))
+        # K-quant blocks kept (engine.products.embed reads their rows): a 27B's Q4_K table is 0.72 GB
+        # as the file has it, 1.27 GB rounded again to int8 per row.
+        return self.put_rows("model.embed_tokens.weight", (self.cfg.vocab_size, self.cfg.hidden_size),
+                             blocks=self.r.format("model.embed_tokens.weight") in native.K_SUB)
 
     def lm_head(self):
         return self.put_rows("lm_head.weight", (self.cfg.vocab_size, self.cfg.hidden_size), blocks=True)
@@ -709,7 +713,7 @@ def _assemble(parts: dict, cfg: ModelConfig) -> dict:
 # a restarted worker must not pay it again. So int8 weights are written once, as they are held, one
 # .npy file per array with a manifest of the tree, under the cache root (engine.worker names the
 # folder after everything the arrays depend on), and later starts map them in as they are.
-HELD_FORMAT = "held-weights-9"       # bumped when the layout of what is written changes (9: PER_PART)
+HELD_FORMAT = "held-weights-10"      # bumped when the layout of what is written changes (10: K-quant embedding)
 HELD_KEEP = 2                        # held copies kept under one cache folder (the newest used)
 HELD_TMP_STALE_S = 600               # an unfinished copy this old was left by a worker that died
 _MANIFEST = "manifest.json"

@@ -38,7 +38,7 @@ from engine.cache import (copy_prefix, has_state, host_block, init_cache, keep_s
                           write_state)
 from engine.config import CHAT_FORMAT, check_weights_dtype, load_config
 from engine.attention import NATIVE_ATTENTION_MAX_TOKENS, integer_attention, kv_dtype_for
-from engine.model import dtype_for, jit_draft, jit_forward, weights_dtype_for
+from engine.model import dtype_for, jit_draft, jit_forward, layer_parameters, weights_dtype_for
 from engine.moe import routed_report
 from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Note, Ready, Shutdown, Stats, Step,
                              Submit)
@@ -328,6 +328,9 @@ class Engine:
         self.start_notes += [note for note in [held_note(checkpoint, self.params, self.weights_dtype)] if note]
         # a vision tower, an MTP module not drafting: not loaded
         self.start_notes += unread_notes(checkpoint, loaded=(MTP_PREFIX,) if self.speculator.mtp else ())
+        if self.cfg.layered:
+            self.start_notes.append(f"runs one program per layer ({layer_parameters(self.cfg) / 1e6:.0f}M weights "
+                                    f"a layer): its programs hold one layer's code, not {self.cfg.num_layers}")
         self.namespace = args.cache_namespace or prefix.namespace_id(
             self.component_set_sha, args.model_id, self.cfg.model_type,
             f"{self.weights_dtype}/kv-{self.kv_dtype.name}" + ("/mtp" if self.speculator.mtp else ""),
@@ -548,7 +551,7 @@ class Engine:
 
         # Where the memory holds one compile at a time, the first runs wait for the compiles too: a
         # long chunk's first run beside the next compile holds both programs' memory at once.
-        threads = compile_threads(self.cfg.num_layers)
+        threads = compile_threads(1 if self.cfg.layered else self.cfg.num_layers)   # layered: a layer per program
         beside = threads >= (os.cpu_count() or 1)
         _compile_together([(jit_forward, self._model_call(rows, t),
                             {"cfg": self.cfg, **self._program_options(kind)})

@@ -536,3 +536,54 @@ def test_write_slot_changes_only_the_positions_it_is_given(monkeypatch, block):
         for got, want in zip(back, given):
             np.testing.assert_array_equal(got["k"], want["k"])
             np.testing.assert_array_equal(got["v"], want["v"])
+
+
+# ---- one program per layer ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("model_id, layered", [("qwen3-8-27b", True), ("qwen3-8b", True), ("qwen3-4b", False),
+                                               ("qwen2.5-coder-0.5b-instruct", False), ("qwen3-30b-a3b", False)])
+def test_a_large_model_on_one_cpu_device_runs_one_program_per_layer(model_id, layered, monkeypatch):
+    """Guards the choice engine.sharding.Layout makes (engine.model.runs_layered): a model whose
+    layers hold 128M weights or more (Qwen3.8-27B's 380M, Qwen3-8B's 193M) runs a program per layer on
+    one CPU device, where its fused programs held gigabytes of host memory; a smaller one (Qwen3-4B's
+    101M, the demo's 15M) keeps its fused program, whose dispatch would cost it more of a step; so do
+    routed experts (traced per layer), accelerators and meshes. MASHBOX_LAYERED overrides the size."""
+    from engine import registry
+    monkeypatch.delenv(model.LAYERED_ENV, raising=False)
+    cfg = config_from_dict(registry.resolve(model_id).config)
+    assert model.runs_layered(cfg, "cpu", 1) == layered
+    assert not model.runs_layered(cfg, "gpu", 1) and not model.runs_layered(cfg, "cpu", 2)
+    monkeypatch.setenv(model.LAYERED_ENV, "0" if layered else "1")
+    assert model.runs_layered(cfg, "cpu", 1) == (not layered and "moe" not in cfg.mlp_kinds)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-8"])
+def test_a_layered_model_call_compiles_a_program_per_distinct_layer_and_gives_the_logits(name):
+    """Guards the layered model call (engine.model.jit_forward with cfg.layered) against a layer's
+    program being compiled per layer rather than per kind and form, a cache entry left unwritten or
+    written twice, or its arithmetic drifting from the fused program's: one layer program per layer
+    kind; the cache the same shapes; prefill and decode logits
+    within float32's rounding of the fused program's (XLA fuses a layer's first and last operations
+    with its neighbours' there), with the same greedy tokens."""
+    import dataclasses
+    folder = os.path.join(TINY, name)
+    cfg = load_config(folder)
+    params = load_weights(folder, cfg, jnp.float32)
+    fused, layered = dataclasses.replace(cfg, layered=False), dataclasses.replace(cfg, layered=True)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 24)).astype(np.int32)
+    runs = {}
+    for c in (fused, layered):
+        cache = init_cache(c, SLOTS, CTX, jnp.float32)
+        before = model._jit_layer_step._cache_size()
+        logits, cache = _run(params, cache, c, tokens[0], [0], [0], [24], all_logits=True)
+        assert model._jit_layer_step._cache_size() - before == (len(set(cfg.layer_kinds)) if c.layered else 0)
+        steps = [np.asarray(logits[0])]
+        for pos in range(24, 28):
+            one, cache = _run(params, cache, c, [int(np.argmax(steps[-1][-1]))], [0], [pos], [1])
+            steps.append(np.asarray(one)[None])
+        runs[c.layered] = steps, cache
+    (want, want_cache), (got, got_cache) = runs[False], runs[True]
+    assert jax.tree.map(np.shape, got_cache) == jax.tree.map(np.shape, want_cache)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
+        assert (np.argmax(g, -1) == np.argmax(w, -1)).all()

@@ -425,6 +425,17 @@ def test_k_quant_parts_are_the_blocks_own_numbers(kind):
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_blocks_give_an_embedding_tables_rows_as_gguf_decodes_them(kind):
+    """Guards the embedding's row gather from K-quant blocks (a Q4_K_M file's table, held as the file
+    has it) against a level, fifth bit, top bits, scale or min read from another row or lane: every
+    row, in any order and shape, is gguf's own dequantization to the bit."""
+    raw = random_k_blocks(np.random.default_rng(5), kind, 48, 512)
+    rows = np.stack([np.arange(48), np.arange(47, -1, -1)]).reshape(2, 3, 16)
+    got = np.asarray(native.k_rows({k: jnp.asarray(v) for k, v in _k_held(kind, raw).items()}, jnp.asarray(rows)))
+    np.testing.assert_array_equal(got, _k_values(kind, raw)[rows])
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("n, k", [(16, 256), (48, 512), (896, 4864)])
 @pytest.mark.parametrize("rows", [1, 4, 5, 9])
 def test_k_matmul_is_each_super_blocks_exact_product_times_its_scales(kernel, kind, n, k, rows):

@@ -2,7 +2,9 @@
 sampler's verification, and the engine's output with drafting on against off, token for token."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from unittest import mock
 
 import jax.numpy as jnp
 import numpy as np
@@ -176,6 +178,9 @@ def test_tokens_after_a_rejected_draft_are_not_counted_for_penalties():
 # ratios, which the smaller qwen3-5 fixture would only repeat).
 MODELS = ["qwen3", "qwen3-moe", "qwen3-next", "qwen3-8"]
 HYBRID = MODELS[2:]
+# And Qwen3.8's shape run as one program per layer, as a large model runs on a CPU host
+# (engine.model.runs_layered): drafting's exactness holds across those programs too.
+LAYERED = "qwen3-8 layered"
 
 
 @pytest.fixture(scope="module")
@@ -186,17 +191,22 @@ def compile_cache(tmp_path_factory):
 
 
 def _engine(speculative: str, folder: str = "qwen3", slots: int = 4, compile_cache=None, **more):
-    """A tiny int8 engine (drafting needs the native kernel's int8 products and cache)."""
+    """A tiny int8 engine (drafting needs the native kernel's int8 products and cache); a folder
+    named with " layered" runs one program per layer."""
+    from engine.model import LAYERED_ENV
     from engine.worker import Engine, WorkerArgs
-    return Engine(WorkerArgs("tiny", str(TINY / folder), slots=slots, ctx=256, prefill_chunks=(8, 32),
-                             compile_cache=compile_cache, dtype="int8", kv_dtype="int8",
-                             speculative=speculative, **more))
+    folder, _, form = folder.partition(" ")
+    with mock.patch.dict(os.environ, {LAYERED_ENV: "1" if form == "layered" else "0"}):
+        return Engine(WorkerArgs("tiny", str(TINY / folder), slots=slots, ctx=256, prefill_chunks=(8, 32),
+                                 compile_cache=compile_cache, dtype="int8", kv_dtype="int8",
+                                 speculative=speculative, **more))
 
 
-@pytest.fixture(scope="module", params=MODELS)
+@pytest.fixture(scope="module", params=MODELS + [LAYERED])
 def engines(request, compile_cache):
     """Each tiny model, drafting on and off."""
     on = _engine("auto", request.param, compile_cache=compile_cache)
+    assert on.cfg.layered == (request.param == LAYERED)
     if on.speculator.off:
         pytest.skip(f"drafting is off here: {on.speculator.off}")
     return on, _engine("off", request.param, compile_cache=compile_cache)
