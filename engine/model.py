@@ -29,6 +29,7 @@ The rooms beside this one: engine.products (every weight form's matrix product),
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -687,8 +688,10 @@ _jit_unrolled = jax.jit(forward, donate_argnames=("cache",), static_argnames=("c
 # GB past its weights and cache, and compiling them took over four minutes). A large model on a CPU
 # (cfg.layered: runs_layered) runs instead as a program for its inputs, one per distinct layer (the
 # layers of one kind whose weights have the same forms share it) and one for its outputs, called in
-# turn: the same arithmetic per layer. Each layer's call costs ~40 us of dispatch, under 1% of a layer
-# that reads LAYERED_MIN_LAYER_PARAMS weights; a small model keeps its one fused program (docs/memory.md).
+# turn: the same arithmetic per layer. At the 27B's shapes a decode step takes the same time, a
+# 512-token chunk 5% longer (each layer's program maps its temporaries afresh at every call; docs/
+# perf-log.md, "One program per layer"); a small model keeps its one fused program, whose dispatch
+# and temporaries would weigh more on its shorter steps.
 
 LAYERED_MIN_LAYER_PARAMS = 128_000_000
 LAYERED_ENV = "MASHBOX_LAYERED"               # "1" / "0": one program per layer or not, whatever the size
@@ -712,7 +715,6 @@ def runs_layered(cfg: ModelConfig, platform: str, devices: int) -> bool:
     """Whether the model runs one program per layer (above): on one CPU device, a model without
     routed experts (each such layer is traced on its own, so its programs would not be shared) whose
     layers read at least LAYERED_MIN_LAYER_PARAMS weights each; MASHBOX_LAYERED overrides the size."""
-    import os
     if platform != "cpu" or devices != 1 or "moe" in _mlp_kinds(cfg):
         return False
     asked = os.environ.get(LAYERED_ENV, "")

@@ -147,7 +147,7 @@ def host_share(engine: Engine, steps: int) -> tuple[float, float]:
     slots = np.arange(n, dtype=np.int32)
     args = (np.ones((n, 1), np.int32), slots, np.full(n, 16, np.int32), np.ones(n, np.int32))
     params = sampler.row_params([(sampler.Sampling(), 0, 0)] * n)
-    flags = {"every_slot": True, "penalties": False, "draw": "greedy"}
+    flags = {"every_slot": True, "draw": "greedy"}
     best_engine = best_bare = float("inf")
     for _ in range(steps):
         t = time.perf_counter()
