@@ -54,7 +54,8 @@ def main() -> int:
     params = load_weights(folder, raw, "int8", float_dtype=np.float32, kv_heads=layout.cfg.num_kv_heads,
                           place=layout.place, pack=packs_int8("int8", layout.cfg.native))
     whole = load_config(str(registry.random_folder(spec, "q4_k", {})))
-    cfg = dataclasses.replace(layout.cfg, num_layers=a.layers, layer_kinds=whole.layer_kinds[:a.layers])
+    cfg = dataclasses.replace(layout.cfg, num_layers=a.layers, layer_kinds=whole.layer_kinds[:a.layers],
+                              mlp_kinds=whole.mlp_kinds[:a.layers])
     params = dict(params, layers=[params["layers"][i % a.distinct] for i in range(a.layers)])
     forms = {False: dataclasses.replace(cfg, layered=False), True: dataclasses.replace(cfg, layered=True)}
     caches = {k: init_cache(c, 1, CTX, np.int8, zeros=layout.cache_zeros) for k, c in forms.items()}
