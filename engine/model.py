@@ -613,20 +613,28 @@ def forward(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,
     does not hold yet (engine.cache.keep_steps). With params["mtp"] the call also writes its tokens'
     MTP entries (_mtp_fill; the pool's last two entries are the MTP layer's).
     Runs every layer in this one program (jit_forward runs a large model's one program per layer)."""
+    return _through_layers(params, cache, tokens, slots, starts, lengths, cfg=cfg, all_logits=all_logits,
+                           verify=verify, inputs=_model_inputs, layer_call=_jit_layer, outputs=_model_outputs)
+
+
+def _through_layers(params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig, all_logits: bool,
+                    verify: bool, inputs, layer_call, outputs):
+    """A model call's body, whichever programs run it: inputs, each layer in turn, outputs (the
+    functions themselves, or their programs for a layered model: _Forward)."""
     all_logits = all_logits or verify
     ctx = _checked_ctx(cache, tokens, slots, starts, lengths)
-    x, positions, rope, valid, live = _model_inputs(params["embed"], tokens, starts, lengths, ctx=ctx, cfg=cfg)
+    x, positions, rope, valid, live = inputs(params["embed"], tokens, starts, lengths, ctx=ctx, cfg=cfg)
     new_cache, states = [], []
     # A Python loop, not lax.scan: XLA:CPU runs the unrolled layers 2-4x faster.
     for i, (kind, mlp, layer, kv) in enumerate(zip(cfg.layer_kinds, _mlp_kinds(cfg), params["layers"], cache)):
-        x, kv, steps = _jit_layer(layer, kv, x, slots, starts, lengths, positions, rope, valid, live,
+        x, kv, steps = layer_call(layer, kv, x, slots, starts, lengths, positions, rope, valid, live,
                                   cfg=cfg, kind=kind, mlp=mlp, site=i if mlp == "moe" else None,
                                   verify=verify)
         new_cache.append(kv)
         if steps is not None:
             states.append(steps)
-    logits, pool, carried = _model_outputs(_ends(params), cache[cfg.num_layers:], x, tokens, slots, positions,
-                                           valid, lengths, cfg=cfg, all_logits=all_logits, verify=verify)
+    logits, pool, carried = outputs(_ends(params), cache[cfg.num_layers:], x, tokens, slots, positions,
+                                    valid, lengths, cfg=cfg, all_logits=all_logits, verify=verify)
     return (logits, new_cache + pool, states + carried) if verify else (logits, new_cache + pool)
 
 
@@ -683,15 +691,13 @@ _jit_unrolled = jax.jit(forward, donate_argnames=("cache",), static_argnames=("c
 # ---- one program per layer -----------------------------------------------------------------------
 #
 # XLA:CPU holds a compiled program's instructions, buffer plan and code in host memory, and a program
-# of every layer holds each layer's (about 1,500 instructions a layer at Qwen3.8-27B's shapes: its
-# decode program 0.26 GB, its 512-token chunk's 0.5 GB; six such programs took the 27B's worker 2-3
-# GB past its weights and cache, and compiling them took over four minutes). A large model on a CPU
-# (cfg.layered: runs_layered) runs instead as a program for its inputs, one per distinct layer (the
-# layers of one kind whose weights have the same forms share it) and one for its outputs, called in
-# turn: the same arithmetic per layer. At the 27B's shapes a decode step takes the same time, a
-# 512-token chunk 5% longer (each layer's program maps its temporaries afresh at every call; docs/
-# perf-log.md, "One program per layer"); a small model keeps its one fused program, whose dispatch
-# and temporaries would weigh more on its shorter steps.
+# of every layer holds each layer's: a large model's fused programs took its worker gigabytes past
+# its weights and cache, and long to compile. A large model on a CPU (cfg.layered: runs_layered) runs
+# instead as a program for its inputs, one per distinct layer (the layers of one kind whose weights
+# have the same forms share it) and one for its outputs, called in turn: the same arithmetic per
+# layer. A prompt's chunks cost a little more (each layer's program maps its temporaries afresh at
+# every call); a small model keeps its one fused program, whose dispatch and temporaries would weigh
+# more on its shorter steps. Figures: docs/perf-log.md, "One program per layer".
 
 LAYERED_MIN_LAYER_PARAMS = 128_000_000
 LAYERED_ENV = "MASHBOX_LAYERED"               # "1" / "0": one program per layer or not, whatever the size
@@ -773,21 +779,10 @@ class _Forward:
         if not cfg.layered:
             return _jit_unrolled(params, cache, tokens, slots, starts, lengths, cfg=cfg, all_logits=all_logits,
                                  verify=verify)
-        all_logits = all_logits or verify
-        ctx = _checked_ctx(cache, tokens, slots, starts, lengths)
         # On the device once, not once per layer's call.
         slots, starts, lengths = (jnp.asarray(a, jnp.int32) for a in (slots, starts, lengths))
-        x, positions, rope, valid, live = _jit_inputs(params["embed"], tokens, starts, lengths, ctx=ctx, cfg=cfg)
-        new_cache, states = [], []
-        for kind, mlp, layer, kv in zip(cfg.layer_kinds, _mlp_kinds(cfg), params["layers"], cache):
-            x, kv, steps = _jit_layer_step(layer, kv, x, slots, starts, lengths, positions, rope, valid, live,
-                                           cfg=cfg, kind=kind, mlp=mlp, site=None, verify=verify)
-            new_cache.append(kv)
-            if steps is not None:
-                states.append(steps)
-        logits, pool, carried = _jit_outputs(_ends(params), cache[cfg.num_layers:], x, tokens, slots, positions,
-                                             valid, lengths, cfg=cfg, all_logits=all_logits, verify=verify)
-        return (logits, new_cache + pool, states + carried) if verify else (logits, new_cache + pool)
+        return _through_layers(params, cache, tokens, slots, starts, lengths, cfg=cfg, all_logits=all_logits,
+                               verify=verify, inputs=_jit_inputs, layer_call=_jit_layer_step, outputs=_jit_outputs)
 
     def lower(self, params, cache, tokens, slots, starts, lengths, *, cfg: ModelConfig,
               all_logits: bool = False, verify: bool = False):

@@ -543,8 +543,8 @@ class _Loader:
     # ---- the model's ends ----
 
     def embedding(self):
-        # K-quant blocks kept (engine.products.embed reads their rows): a 27B's Q4_K table is 0.72 GB
-        # as the file has it, 1.27 GB rounded again to int8 per row.
+        # K-quant blocks kept (engine.products.embed reads their rows): the file's values, in fewer
+        # bytes than int8 per row.
         return self.put_rows("model.embed_tokens.weight", (self.cfg.vocab_size, self.cfg.hidden_size),
                              blocks=self.r.format("model.embed_tokens.weight") in native.K_SUB)
 
