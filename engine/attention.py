@@ -4,9 +4,11 @@ up to the batch's live length.
     write_kv(kv, k, v, slots, where) -> the layer's cache with k, v written
     attend(q, kv, slots, positions, live, *, native) -> [B, KV, G, T, D] float32
 
-Two implementations, chosen in attend: engine.native's kernel for a decode step over the int8 cache
-where the kernel serves the model (ModelConfig.native), XLA's blocked loop (_attend_blocks) for
-everything else (prefill chunks, float caches, accelerators, several devices).
+Two implementations, chosen in attend: engine.native's kernel for every call over the int8 cache
+where the kernel serves the model (ModelConfig.native), in one summation order per token, so that a
+position's numbers do not depend on the call (decode step, verification, prefill chunk of any
+length); XLA's blocked loop (_attend_blocks) for everything else (float caches, accelerators,
+several devices, a CPU the kernel does not serve).
 
 The cache (engine.cache) keeps positions on every array's last axis: k, v [slots, KV, D, ctx]; an int8
 cache adds k_scale, v_scale float32 [slots, KV, ctx], each position's key and value of a KV head
@@ -57,11 +59,6 @@ PROB_SHIFT = 128
 # saved: the int8 blocks are widened exactly to WIDE_INT8_ATTENTION instead (bfloat16 where the CPU
 # has bfloat16 dot products, else float32).
 INT8_ATTENTION_MAX_ROWS = 128
-# Tokens per row up to which the native kernel's decode attention serves a verification of drafts
-# (engine.speculative): each token a query row of its own, as in a decode step. Prefill chunks keep
-# the blocked loop below, which shares each block of keys among the chunk's queries (and a prompt
-# then reads alike whether it was run cold or partly served from the prompt cache).
-NATIVE_ATTENTION_MAX_TOKENS = 16
 WIDE_INT8_ATTENTION = jnp.bfloat16 if products.CPU_HAS_BF16 else F32
 
 
@@ -87,24 +84,22 @@ def write_kv(kv, k, v, slots, where):
     return out
 
 
-def attend(q, kv, slots, positions, live, *, native_kernel: bool, verify: bool = False):
+def attend(q, kv, slots, positions, live, *, native_kernel: bool):
     """Causal attention of q [B, KV, G, T, D] (float32, already scaled) over positions [0, live) of
     each row's slot: a query at position p sees keys 0..p. kv: the layer's cache, already holding
-    this call's keys and values. native_kernel: engine.native's kernel serves the model. verify: the
-    call verifies drafts (each token attends as a decode step would). Returns [B, KV, G, T, D]
-    float32."""
+    this call's keys and values. native_kernel: engine.native's kernel serves the model. Returns
+    [B, KV, G, T, D] float32."""
     b, kv_heads, group, t, d = q.shape
-    tokens = NATIVE_ATTENTION_MAX_TOKENS if verify else 1
-    if native_kernel and t <= tokens and kv["k"].dtype == jnp.int8:
-        # The kernel's decode attention: exact integer products of the int8 keys and values with
-        # the queries and the softmax weights rounded to int16, each row's context split over the
-        # cores. A drafted decode row's tokens (engine.speculative) are rows of their own, each
-        # attending up to its position: the numbers a decode step at that position gives. Padding
-        # may point past the slot; it reads the last position and is never used.
-        ctx = kv["k"].shape[-1]
+    if native_kernel and kv["k"].dtype == jnp.int8:
+        # The kernel's attention: exact integer products of the int8 keys and values with the
+        # queries and the softmax weights rounded to int16, in a summation order of each token's
+        # own (engine/native.cc: Int8Attend). Every token is a query row of its own, which gets
+        # the numbers it gets alone: a prompt's keys and values are the same read in any chunks,
+        # cold or cached, by a decode step or in a verification of drafts. A chunk's tokens share
+        # the kernel's passes over the keys. Padding tokens read up to the live length, never used.
         flat = q.transpose(0, 3, 1, 2, 4).reshape(b * t, kv_heads, group, d)
         out = native.int8_attend(flat, kv["k"], kv["v"], kv["k_scale"], kv["v_scale"],
-                                 jnp.repeat(slots, t), jnp.minimum(positions, ctx - 1).reshape(b * t))
+                                 jnp.repeat(slots, t), jnp.minimum(positions, live - 1).reshape(b * t))
         return out.reshape(b, t, kv_heads, group, d).transpose(0, 2, 3, 1, 4)
     return _attend_blocks(q, kv, slots, positions, live)
 

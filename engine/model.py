@@ -40,8 +40,8 @@ from engine import cpu
 from engine.attention import attend, write_kv
 from engine.config import ModelConfig
 from engine.moe import routed_experts
-from engine.products import (F32, INT8_ROWS_MAX_ROWS, embed, gated, matmul, rounded, row_exact_matmul,
-                             swiglu, tree_sum, weight_kind)
+from engine.products import (F32, embed, gated, matmul, rounded, row_exact_matmul, row_exact_rows, swiglu,
+                             tree_sum, weight_kind)
 
 
 def dtype_for(platform: str):
@@ -128,8 +128,7 @@ def _rope(x, rope):
 
 # ---- layers ------------------------------------------------------------------------------------
 
-def _attention(layer, kv, x, slots, positions, rope, valid, live, *, cfg: ModelConfig, gated=False,
-               verify=False):
+def _attention(layer, kv, x, slots, positions, rope, valid, live, *, cfg: ModelConfig, gated=False):
     """Full causal attention over the slot's cache. x [B, T, hidden] float32 (already normed).
     gated (Qwen3-Next): the query projection also yields, per head, an output gate that scales the
     attention output through a sigmoid before the output projection.
@@ -139,7 +138,7 @@ def _attention(layer, kv, x, slots, positions, rope, valid, live, *, cfg: ModelC
     q, gate, cache = _attention_entries(layer, kv, x, slots, positions, rope, valid, cfg=cfg, gated=gated)
     q = q.reshape(b, t, cfg.num_kv_heads, group, d).transpose(0, 2, 3, 1, 4)   # [B, KV, G, T, D]
     q = q * (1.0 / np.sqrt(d))
-    out = attend(q, cache, slots, positions, live, native_kernel=cfg.native, verify=verify)
+    out = attend(q, cache, slots, positions, live, native_kernel=cfg.native)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.q_size)
     if gated:
         out = out * jax.nn.sigmoid(gate)
@@ -195,6 +194,20 @@ def _attention_entries(layer, kv, x, slots, positions, rope, valid, *, cfg: Mode
 # over chunks carries S, so a prefill costs a few matrix products per chunk, not a loop per token.
 # Tokens past a row's length get g = 0 and beta = 0, which leaves S exactly as it was; a chunk
 # boundary inside a prefill changes only the summation order (tests compare chunkings).
+
+# Where a prefill chunk runs the recurrence token by token as decode steps do (_delta_steps), not in
+# its chunked form: on a CPU, where it costs little more (a 512-token chunk at Qwen3.8-27B's 48
+# heads: 182 ms against 164, about 1.5% of the layer's prefill) and makes a position's state and
+# output the same bits however the prompt was chunked, cold or cached, or written by decode steps.
+# Accelerators keep the chunked form, whose matrix products they run far faster than a loop.
+DELTA_STEPS_ENV = "MASHBOX_DELTA_STEPS"             # "0" / "1": override (tests compare both forms)
+
+
+def delta_by_steps() -> bool:
+    """Whether prefill chunks run the delta rule token by token (read while tracing)."""
+    setting = os.environ.get(DELTA_STEPS_ENV)
+    return setting == "1" if setting in ("0", "1") else jax.default_backend() == "cpu"
+
 
 # Tokens per chunk of the chunked delta rule (the width of its triangular solve), as the reference
 # implementation uses; prefill chunks that are not a multiple of it are padded inside the layer.
@@ -326,18 +339,19 @@ def delta_replay(state, k, decay, written, zero):
 
 def _delta_steps(q, k, v, decay, beta, state, zero):
     """T tokens per row one at a time, as T decode steps run them (a verification of drafts,
-    engine.speculative): q, k [B, T, H, dk], v [B, T, H, dv], decay, beta [B, T, H].
-    Returns (out [B, T, H, dv], what each position wrote [B, T, H, dv]): with each position's key
-    and decay, the state after any of them follows from the one before them (delta_replay), so a
-    verification keeps T small vectors per head, not T states."""
+    engine.speculative; a prefill chunk on a CPU): q, k [B, T, H, dk], v [B, T, H, dv], decay, beta
+    [B, T, H]. Returns (out [B, T, H, dv], the state after the T tokens, what each position wrote
+    [B, T, H, dv]): with each position's key and decay, the state after any of them follows from
+    the one before them (delta_replay), so a verification keeps T small vectors per head, not T
+    states."""
     def step(state, xs):
         out, state, written = _delta_step(*xs, state, zero)
         return state, (out, written)
 
     # A loop, not T steps unrolled: XLA fused the unrolled steps into chains that computed each
     # state again for every later one (a verification of 8 cost 46 decode steps of the tiny model).
-    _, (outs, written) = lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, decay, beta)))
-    return jnp.moveaxis(outs, 0, 1), jnp.moveaxis(written, 0, 1)
+    state, (outs, written) = lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, decay, beta)))
+    return jnp.moveaxis(outs, 0, 1), state, jnp.moveaxis(written, 0, 1)
 
 
 def _delta_chunked(q, k, v, g, beta, state):
@@ -441,12 +455,14 @@ def _linear_attention(layer, state, x, slots, starts, lengths, valid, zero, *, c
     steps = None
     if verify:
         decay = _exp(g, zero)
-        out, written = _delta_steps(q, k, v, decay, beta, recurrent, zero)
+        out, _, written = _delta_steps(q, k, v, decay, beta, recurrent, zero)
         steps = {"conv": seq, "k": k, "decay": decay, "written": written}
     elif t == 1:
         out, recurrent, _ = _delta_step(q[:, 0], k[:, 0], v[:, 0], _exp(g[:, 0], zero), beta[:, 0], recurrent,
                                         zero)
         out = out[:, None]
+    elif delta_by_steps():
+        out, recurrent, _ = _delta_steps(q, k, v, _exp(g, zero), beta, recurrent, zero)
     else:
         out, recurrent = _delta_chunked(q, k, v, g, beta, recurrent)
     # Gated RMSNorm per value head: normalized, scaled, times silu of the z projection.
@@ -469,15 +485,17 @@ def _mlp(layer, x):
 
 def _shared_expert(x, shared, zero, cfg: ModelConfig):
     """Qwen3-Next's shared expert on rows x [N, hidden]: its SwiGLU times sigmoid(x . its gate). Its
-    matrices stay float (engine.weights); up to INT8_ROWS_MAX_ROWS rows on XLA:CPU each float product
-    sums in one fixed order (row_exact_matmul), so a row's numbers are those of a decode step
-    whatever runs beside it (a verification of drafts, engine.speculative), as routing's are. Not on
+    matrices stay float (engine.weights); on XLA:CPU each float product sums in one fixed order
+    (row_exact_matmul: any rows where the native kernel serves the model), so a row's numbers are
+    those of a decode step whatever runs beside it (a verification of drafts, engine.speculative; a
+    prefill chunk of any length), as routing's are. Not on
     a mesh: its tree sums over a split axis would move partial sums between devices at every level,
     and drafting, which needs them, runs on one device only (the native kernel's)."""
     def product(rows, w):
-        exact = (jax.default_backend() == "cpu" and rows.shape[0] <= INT8_ROWS_MAX_ROWS
-                 and cfg.devices == 1)
-        return row_exact_matmul(rows, w) if exact and weight_kind(w) == "float" else matmul(rows, w)
+        most = row_exact_rows(cfg.native)
+        exact = (most is None or rows.shape[0] <= most) and cfg.devices == 1
+        return (row_exact_matmul(rows, w, native_kernel=cfg.native) if exact and weight_kind(w) == "float"
+                else matmul(rows, w))
     out = product(gated(product(x, shared["gate_up"])), shared["down"])
     return _sigmoid(product(x, shared["gate"]), zero) * out
 
@@ -507,7 +525,7 @@ def _layer(layer, kv, x, slots, starts, lengths, positions, rope, valid, live, *
                                          verify=verify)
     elif kind in ("attention", "gated_attention"):
         h, kv = _attention(layer, kv, normed, slots, positions, rope, valid, live, cfg=cfg,
-                           gated=kind == "gated_attention", verify=verify)
+                           gated=kind == "gated_attention")
     else:
         raise ValueError(f"layer kind {kind!r} is not implemented")
     x = x + h

@@ -37,8 +37,8 @@ from jax import lax
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from engine.config import ROUTED_PATHS, ModelConfig
-from engine.products import (F32, INT8_ROWS_MAX_ROWS, fp8_values, gated, int8_values, matmul,
-                             row_exact_matmul, swiglu, tree_sum, weight_kind, wide_dtype)
+from engine.products import (F32, fp8_values, gated, int8_values, matmul, row_exact_matmul,
+                             row_exact_rows, swiglu, tree_sum, weight_kind, wide_dtype)
 from engine.sharding import MODEL_AXIS
 
 ROUTED_KINDS = ("kernel", "exact")
@@ -104,12 +104,14 @@ def _routed_path(cfg: ModelConfig) -> tuple[str, str | None]:
 
 def _route(x, router, cfg: ModelConfig):
     """x [N, hidden] -> (weights [N, k] float32, experts [N, k] int32), the top k by probability.
-    On XLA:CPU, up to INT8_ROWS_MAX_ROWS rows (decode steps, verifications of drafts), every sum is
-    in one fixed order (tree_sum), so a row is routed alike whatever rows run beside it: drafting
-    (engine.speculative) stays exact."""
-    exact = jax.default_backend() == "cpu" and x.shape[0] <= INT8_ROWS_MAX_ROWS
+    On XLA:CPU every sum is in one fixed order (products.row_exact_matmul, tree_sum) for any rows
+    where the native kernel serves the model, else up to INT8_ROWS_MAX_ROWS rows (decode steps,
+    verifications of drafts): a row is routed alike whatever rows run beside it, so drafting
+    (engine.speculative) stays exact and a prompt is routed alike in any chunks."""
+    most = row_exact_rows(cfg.native)
+    exact = most is None or x.shape[0] <= most
     total = tree_sum if exact else (lambda v: jnp.sum(v, axis=-1, keepdims=True))
-    scores = row_exact_matmul(x, router) if exact else matmul(x, router)
+    scores = row_exact_matmul(x, router, native_kernel=cfg.native) if exact else matmul(x, router)
     e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))            # the softmax
     weights, experts = lax.top_k(e / total(e), cfg.experts_per_token)
     if cfg.norm_topk_prob:

@@ -17,7 +17,8 @@
 //   scaled-level blocks              Iq4NlMatmul, Iq4XsMatmul, Iq3SMatmul, Q3KMatmul, Iq4NlWiden,
 //                                    Iq4XsWiden, Iq3SWiden, Q3KWiden: s_matmul, widen_s
 //                                    <- products._s_matmul
-//   decode attention                 Int8Attend: int8_attend <- attention.attend
+//   attention over the int8 cache    Int8Attend: int8_attend <- attention.attend
+//   float products in one order      RowDot: row_dot <- products.row_exact_matmul
 //   the greedy pick                  FirstMax: first_max <- sampler._first_max
 //   the sampling filters' cuts       FilterCuts: filter_cuts <- sampler.filter_cut
 // (tests/test_layout.py holds this list to the handlers, the titles and engine/native.py.)
@@ -2242,7 +2243,7 @@ ffi::Error Q3KWiden(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffe
   return SWidened<SForm::kQ3K>(pool, SArrays<SForm::kQ3K>(codes, &third, &sc, d, &w), w, out);
 }
 
-// ---- decode attention over the int8 cache -----------------------------------------------------
+// ---- attention over the int8 cache ---------------------------------------------------------
 
 // Both products run on vpdpwssd (int16 pairs into int32, exact): the query rows are rounded to int16
 // on their own scales, and per task each row's softmax weights (times the values' scales) on
@@ -2558,19 +2559,23 @@ constexpr ScoresFn kScores[kRows + 1] = {nullptr, Scores<1>, Scores<2>, Scores<3
 constexpr WeightedFn kWeighted[kRows + 1] = {nullptr, Weighted<1>, Weighted<2>, Weighted<3>, Weighted<4>};
 #endif
 
-// One task: query rows q [G, D] of one (row, KV head) over positions [begin, end) of its slot's keys
-// k and values v [D, C] (positions last) and their scales [C]. Leaves each query row's largest score,
-// its sum of e^(score - largest) and its weighted values [D] (not yet divided by the sum).
-void AttendSpan(const float* q, const int8_t* k, const int8_t* v, const float* ks, const float* vs,
-                int64_t G, int64_t D, int64_t C, int64_t begin, int64_t end, float* best,
-                float* total, float* acc) {
-  const int64_t n = end - begin, padded = (n + kStep - 1) / kStep * kStep, pairs = D / 2;
+// One task: the query rows of `tokens` consecutive tokens of one slot and KV head (token j's G rows
+// at q + j * stride, D floats each) over positions [begin, begin + n) of the slot's keys k and values
+// v [D, C] (positions last) and their scales [C], token j seeing the first seen[j] <= n of them.
+// Leaves each row's largest score, its sum of e^(score - largest) and its weighted values [D] (not
+// yet divided by the sum); a row that sees none gets -inf, 0 and zeros. A row's numbers do not
+// depend on the rows beside it: each pass multiplies up to kRows rows by the same keys and values,
+// but every sum is the row's own, and positions past its count add exact zeros.
+void AttendSpan(const float* q, int64_t stride, int64_t tokens, int64_t G, const int64_t* seen,
+                const int8_t* k, const int8_t* v, const float* ks, const float* vs, int64_t D, int64_t C,
+                int64_t begin, int64_t n, float* best, float* total, float* acc) {
+  const int64_t rows = tokens * G, padded = (n + kStep - 1) / kStep * kStep, pairs = D / 2;
   // The queries as int16 on each row's own scale, two dimensions to an int32.
-  std::vector<int32_t> qp(G * pairs);
-  std::vector<float> qs(G), unit(G);
+  std::vector<int32_t> qp(rows * pairs);
+  std::vector<float> qs(rows), unit(kRows);
   int16_t* levels = reinterpret_cast<int16_t*>(qp.data());
-  for (int64_t g = 0; g < G; g++) {
-    const float* row = q + g * D;
+  for (int64_t g = 0; g < rows; g++) {
+    const float* row = q + (g / G) * stride + (g % G) * D;
     const float peak = Peak(row, D);
     qs[g] = peak > 0.0f ? peak / kQueryLevels : 1.0f;
 #if MASHBOX_AVX512
@@ -2584,98 +2589,110 @@ void AttendSpan(const float* q, const int8_t* k, const int8_t* v, const float* k
     for (int64_t e = 0; e < D; e++) levels[g * D + e] = static_cast<int16_t>(std::nearbyint(row[e] / qs[g]));
 #endif
   }
-  // Scores, then weights, per row (every lane written before it is read: no zeroing).
-  std::unique_ptr<float[]> w(new float[G * padded]);
-  std::unique_ptr<int16_t[]> wq(new int16_t[G * padded]);
-  for (int64_t g = 0; g < G; g += kRows)
-    kScores[std::min<int64_t>(kRows, G - g)](&qp[g * pairs], &qs[g], k, ks, D, C, begin, n,
-                                             &w[g * padded], padded, g == 0 ? v : nullptr);
-  for (int64_t g = 0; g < G; g++) {
-    float* row = &w[g * padded];
+  // Per pass of up to kRows rows: scores, weights, weighted values (every lane written before it is
+  // read: no zeroing).
+  std::unique_ptr<float[]> w(new float[kRows * padded]);
+  std::unique_ptr<int16_t[]> wq(new int16_t[kRows * padded]);
+  for (int64_t first = 0; first < rows; first += kRows) {
+    const int64_t R = std::min<int64_t>(kRows, rows - first);
+    kScores[R](&qp[first * pairs], &qs[first], k, ks, D, C, begin, n, w.get(), padded, v);
+    for (int64_t i = 0; i < R; i++) {
+      const int64_t g = first + i, own = seen[g / G];
+      float* row = &w[i * padded];
+      if (own <= 0) {
+        best[g] = -INFINITY, total[g] = 0.0f, unit[i] = 0.0f;
+        std::fill(&wq[i * padded], &wq[(i + 1) * padded], int16_t{0});
+        continue;
+      }
 #if MASHBOX_AVX512
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int64_t p = 0; p < n; p += 16)
-      top = _mm512_mask_max_ps(top, Lanes(n - p), top, _mm512_loadu_ps(row + p));
-    const float peak = _mm512_reduce_max_ps(top);
-    __m512 sum = _mm512_setzero_ps(), largest = _mm512_setzero_ps();
-    for (int64_t p = 0; p < padded; p += 16) {
-      const __mmask16 m = Lanes(n - p);
-      const __m512 shifted = _mm512_sub_ps(_mm512_loadu_ps(row + p), _mm512_set1_ps(peak));
-      const __m512 e = _mm512_maskz_mov_ps(m, Exp(shifted));
-      sum = _mm512_add_ps(sum, e);
-      const __m512 weight = _mm512_mul_ps(e, _mm512_maskz_loadu_ps(m, vs + begin + p));
-      largest = _mm512_max_ps(largest, weight);
-      _mm512_storeu_ps(row + p, weight);
-    }
-    best[g] = peak;
-    total[g] = _mm512_reduce_add_ps(sum);
-    // The weights (e^(score - largest) times the values' scales) as int16 on the row's own scale.
-    const float top_weight = _mm512_reduce_max_ps(largest);
-    unit[g] = top_weight > 0.0f ? top_weight / kWeightLevels : 0.0f;
-    const __m512 levels = _mm512_set1_ps(top_weight > 0.0f ? kWeightLevels / top_weight : 0.0f);
-    for (int64_t p = 0; p < padded; p += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&wq[g * padded + p]),
-                          _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + p), levels))));
+      __m512 top = _mm512_set1_ps(-INFINITY);
+      for (int64_t p = 0; p < own; p += 16)
+        top = _mm512_mask_max_ps(top, Lanes(own - p), top, _mm512_loadu_ps(row + p));
+      const float peak = _mm512_reduce_max_ps(top);
+      __m512 sum = _mm512_setzero_ps(), largest = _mm512_setzero_ps();
+      for (int64_t p = 0; p < padded; p += 16) {
+        const __mmask16 m = Lanes(own - p);
+        const __m512 shifted = _mm512_sub_ps(_mm512_loadu_ps(row + p), _mm512_set1_ps(peak));
+        const __m512 e = _mm512_maskz_mov_ps(m, Exp(shifted));
+        sum = _mm512_add_ps(sum, e);
+        const __m512 weight = _mm512_mul_ps(e, _mm512_maskz_loadu_ps(m, vs + begin + p));
+        largest = _mm512_max_ps(largest, weight);
+        _mm512_storeu_ps(row + p, weight);
+      }
+      best[g] = peak;
+      total[g] = _mm512_reduce_add_ps(sum);
+      // The weights (e^(score - largest) times the values' scales) as int16 on the row's own scale.
+      const float top_weight = _mm512_reduce_max_ps(largest);
+      unit[i] = top_weight > 0.0f ? top_weight / kWeightLevels : 0.0f;
+      const __m512 levels = _mm512_set1_ps(top_weight > 0.0f ? kWeightLevels / top_weight : 0.0f);
+      for (int64_t p = 0; p < padded; p += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(&wq[i * padded + p]),
+                            _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + p), levels))));
 #elif MASHBOX_AVX2
-    __m256 top = _mm256_set1_ps(-INFINITY);
-    for (int64_t p = 0; p < n; p += 8) {
-      const __m256 m = _mm256_castsi256_ps(Lanes8(n - p));
-      top = _mm256_max_ps(top, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(row + p), m));
-    }
-    const float peak = ReduceMax(top);
-    __m256 sum = _mm256_setzero_ps(), largest = _mm256_setzero_ps();
-    for (int64_t p = 0; p < padded; p += 8) {
-      const __m256i mi = Lanes8(n - p);
-      const __m256 m = _mm256_castsi256_ps(mi);
-      const __m256 e = _mm256_and_ps(m, Exp(_mm256_sub_ps(_mm256_loadu_ps(row + p), _mm256_set1_ps(peak))));
-      sum = _mm256_add_ps(sum, e);
-      const __m256 weight = _mm256_mul_ps(e, _mm256_maskload_ps(vs + begin + p, mi));
-      largest = _mm256_max_ps(largest, weight);
-      _mm256_storeu_ps(row + p, weight);
-    }
-    best[g] = peak;
-    total[g] = ReduceAdd(sum);
-    const float top_weight = ReduceMax(largest);
-    unit[g] = top_weight > 0.0f ? top_weight / kWeightLevels : 0.0f;
-    const __m256 levels = _mm256_set1_ps(top_weight > 0.0f ? kWeightLevels / top_weight : 0.0f);
-    for (int64_t p = 0; p < padded; p += 16) {
-      const __m256i low = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + p), levels));
-      const __m256i high = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + p + 8), levels));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&wq[g * padded + p]),
-                          _mm256_permute4x64_epi64(_mm256_packs_epi32(low, high), 0xD8));
-    }
+      __m256 top = _mm256_set1_ps(-INFINITY);
+      for (int64_t p = 0; p < own; p += 8) {
+        const __m256 m = _mm256_castsi256_ps(Lanes8(own - p));
+        top = _mm256_max_ps(top, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(row + p), m));
+      }
+      const float peak = ReduceMax(top);
+      __m256 sum = _mm256_setzero_ps(), largest = _mm256_setzero_ps();
+      for (int64_t p = 0; p < padded; p += 8) {
+        const __m256i mi = Lanes8(own - p);
+        const __m256 m = _mm256_castsi256_ps(mi);
+        const __m256 e = _mm256_and_ps(m, Exp(_mm256_sub_ps(_mm256_loadu_ps(row + p), _mm256_set1_ps(peak))));
+        sum = _mm256_add_ps(sum, e);
+        const __m256 weight = _mm256_mul_ps(e, _mm256_maskload_ps(vs + begin + p, mi));
+        largest = _mm256_max_ps(largest, weight);
+        _mm256_storeu_ps(row + p, weight);
+      }
+      best[g] = peak;
+      total[g] = ReduceAdd(sum);
+      const float top_weight = ReduceMax(largest);
+      unit[i] = top_weight > 0.0f ? top_weight / kWeightLevels : 0.0f;
+      const __m256 levels = _mm256_set1_ps(top_weight > 0.0f ? kWeightLevels / top_weight : 0.0f);
+      for (int64_t p = 0; p < padded; p += 16) {
+        const __m256i low = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + p), levels));
+        const __m256i high = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + p + 8), levels));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(&wq[i * padded + p]),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(low, high), 0xD8));
+      }
 #else
-    float peak = -INFINITY;
-    for (int64_t p = 0; p < n; p++) peak = row[p] > peak ? row[p] : peak;
-    float32x4_t sum = vdupq_n_f32(0.0f), largest = vdupq_n_f32(0.0f);
-    for (int64_t p = 0; p < padded; p += 4) {          // past n: e and the weight 0 (the scores unset)
-      const float32x4_t shifted = vsubq_f32(vld1q_f32(row + p), vdupq_n_f32(peak));
-      const float32x4_t e = vreinterpretq_f32_u32(vandq_u32(Lanes4(n - p), vreinterpretq_u32_f32(Exp(shifted))));
-      sum = vaddq_f32(sum, e);
-      const float32x4_t weight = vmulq_f32(e, Load4(vs + begin + p, n - p));
-      largest = vmaxq_f32(largest, weight);
-      vst1q_f32(row + p, weight);
-    }
-    best[g] = peak;
-    total[g] = vaddvq_f32(sum);
-    const float top_weight = vmaxvq_f32(largest);
-    unit[g] = top_weight > 0.0f ? top_weight / kWeightLevels : 0.0f;
-    const float32x4_t levels = vdupq_n_f32(top_weight > 0.0f ? kWeightLevels / top_weight : 0.0f);
-    for (int64_t p = 0; p < padded; p += 4)             // nearest, ties to even, as cvtps_epi32
-      vst1_s16(&wq[g * padded + p], vqmovn_s32(vcvtnq_s32_f32(vmulq_f32(vld1q_f32(row + p), levels))));
+      float peak = -INFINITY;
+      for (int64_t p = 0; p < own; p++) peak = row[p] > peak ? row[p] : peak;
+      float32x4_t sum = vdupq_n_f32(0.0f), largest = vdupq_n_f32(0.0f);
+      for (int64_t p = 0; p < padded; p += 4) {        // past own: e and the weight 0
+        const float32x4_t shifted = vsubq_f32(vld1q_f32(row + p), vdupq_n_f32(peak));
+        const float32x4_t e = vreinterpretq_f32_u32(vandq_u32(Lanes4(own - p), vreinterpretq_u32_f32(Exp(shifted))));
+        sum = vaddq_f32(sum, e);
+        const float32x4_t weight = vmulq_f32(e, Load4(vs + begin + p, own - p));
+        largest = vmaxq_f32(largest, weight);
+        vst1q_f32(row + p, weight);
+      }
+      best[g] = peak;
+      total[g] = vaddvq_f32(sum);
+      const float top_weight = vmaxvq_f32(largest);
+      unit[i] = top_weight > 0.0f ? top_weight / kWeightLevels : 0.0f;
+      const float32x4_t levels = vdupq_n_f32(top_weight > 0.0f ? kWeightLevels / top_weight : 0.0f);
+      for (int64_t p = 0; p < padded; p += 4)           // nearest, ties to even, as cvtps_epi32
+        vst1_s16(&wq[i * padded + p], vqmovn_s32(vcvtnq_s32_f32(vmulq_f32(vld1q_f32(row + p), levels))));
 #endif
+    }
+    kWeighted[R](wq.get(), padded, v, D, C, begin, n, acc + first * D);
+    for (int64_t i = 0; i < R; i++)
+      for (int64_t e = 0; e < D; e++) acc[(first + i) * D + e] *= unit[i];
   }
-  for (int64_t g = 0; g < G; g += kRows)
-    kWeighted[std::min<int64_t>(kRows, G - g)](&wq[g * padded], padded, v, D, C, begin, n, acc + g * D);
-  for (int64_t g = 0; g < G; g++)
-    for (int64_t e = 0; e < D; e++) acc[g * D + e] *= unit[g];
 }
 
-// Decode attention (one token per row) over an int8 cache: q [B, KV, G, D] float32 (scaled, and
-// multiplied by the keys' smoothing), the cache's k, v [slots, KV, D, C] int8 and k_scale, v_scale
+// Tokens whose query rows share one task's passes over the keys: consecutive rows of the call with
+// the same slot (a prefill chunk's or a verification's tokens; each decode row stands alone).
+constexpr int64_t kBlockTokens = 16;
+
+// Attention over an int8 cache: q [B, KV, G, D] float32 (one token per row, scaled and multiplied
+// by the keys' smoothing), the cache's k, v [slots, KV, D, C] int8 and k_scale, v_scale
 // [slots, KV, C], each row's slot and position [B] -> out [B, KV, G, D]: row b's queries attend to
-// positions 0 .. position[b] of slot slots[b]. Tasks of (row, KV head, kSplit positions) run on the
-// pool; their partial softmaxes are merged in a fixed order.
+// positions 0 .. position[b] of slot slots[b]. Tasks of (block of rows, KV head, kSplit positions)
+// run on the pool; a row's partial softmaxes are merged in a fixed order. Each row gets the numbers
+// it gets alone: a decode step's, a verification's and a prefill chunk's rows agree to the bit.
 ffi::Error Int8Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k,
                       ffi::Buffer<ffi::S8> v, ffi::Buffer<ffi::F32> k_scale,
                       ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> slots,
@@ -2687,43 +2704,168 @@ ffi::Error Int8Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
     return ffi::Error::InvalidArgument("int8_attend: q [B, KV, G, D], cache [slots, KV, D, C], D even, at most 1024");
   const int64_t B = qd[0], KV = qd[1], G = qd[2], D = qd[3], S = kd[0], C = kd[3];
   const int32_t* slot = slots.typed_data();
-  const int32_t* position = positions.typed_data();
-  struct Task { int64_t b, h, begin, end; };
-  std::vector<Task> tasks;
+  std::vector<int64_t> last(B);                                // each row's last position read
+  struct Block { int64_t first, count, last; };
+  std::vector<Block> blocks;
   for (int64_t b = 0; b < B; b++) {
-    const int64_t last = std::min<int64_t>(std::max<int32_t>(position[b], 0), C - 1);
     if (slot[b] < 0 || slot[b] >= S) return ffi::Error::InvalidArgument("int8_attend: slot out of range");
-    for (int64_t h = 0; h < KV; h++)
-      for (int64_t begin = 0; begin <= last; begin += kSplit)
-        tasks.push_back({b, h, begin, std::min(begin + kSplit, last + 1)});
+    last[b] = std::min<int64_t>(std::max<int32_t>(positions.typed_data()[b], 0), C - 1);
+    if (blocks.empty() || slot[blocks.back().first] != slot[b] || blocks.back().count == kBlockTokens)
+      blocks.push_back({b, 0, 0});
+    blocks.back().count++;
+    blocks.back().last = std::max(blocks.back().last, last[b]);
   }
-  std::vector<float> best(tasks.size() * G), total(tasks.size() * G), acc(tasks.size() * G * D);
+  struct Task { int64_t block, h, begin, end, at; };          // at: its first row's index
+  std::vector<Task> tasks;
+  int64_t rows = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(blocks.size()); i++)
+    for (int64_t h = 0; h < KV; h++)
+      for (int64_t begin = 0; begin <= blocks[i].last; begin += kSplit) {
+        tasks.push_back({i, h, begin, std::min(begin + kSplit, blocks[i].last + 1), rows});
+        rows += blocks[i].count * G;
+      }
+  std::vector<float> best(rows), total(rows), acc(rows * D);
   const float* qp = q.typed_data();
   Parallel(pool, tasks.size(), [&](int64_t i) {
     const Task& t = tasks[i];
-    const int64_t cache = (slot[t.b] * KV + t.h);
-    AttendSpan(qp + (t.b * KV + t.h) * G * D, k.typed_data() + cache * D * C, v.typed_data() + cache * D * C,
-               k_scale.typed_data() + cache * C, v_scale.typed_data() + cache * C, G, D, C, t.begin,
-               t.end, &best[i * G], &total[i * G], &acc[i * G * D]);
+    const Block& block = blocks[t.block];
+    int64_t seen[kBlockTokens];
+    for (int64_t j = 0; j < block.count; j++) seen[j] = std::min(t.end, last[block.first + j] + 1) - t.begin;
+    const int64_t cache = (slot[block.first] * KV + t.h);
+    AttendSpan(qp + (block.first * KV + t.h) * G * D, KV * G * D, block.count, G, seen,
+               k.typed_data() + cache * D * C, v.typed_data() + cache * D * C, k_scale.typed_data() + cache * C,
+               v_scale.typed_data() + cache * C, D, C, t.begin, t.end - t.begin, &best[t.at], &total[t.at],
+               &acc[t.at * D]);
   });
   float* op = out->typed_data();
-  for (size_t i = 0; i < tasks.size();) {                    // a (row, KV head)'s tasks are adjacent
+  for (size_t i = 0; i < tasks.size();) {                    // a (block, KV head)'s tasks are adjacent
     size_t j = i;
-    while (j < tasks.size() && tasks[j].b == tasks[i].b && tasks[j].h == tasks[i].h) j++;
-    float* o = op + (tasks[i].b * KV + tasks[i].h) * G * D;
-    for (int64_t g = 0; g < G; g++) {
+    while (j < tasks.size() && tasks[j].block == tasks[i].block && tasks[j].h == tasks[i].h) j++;
+    const Block& block = blocks[tasks[i].block];
+    for (int64_t r = 0; r < block.count * G; r++) {
+      const int64_t b = block.first + r / G;
+      float* o = op + ((b * KV + tasks[i].h) * G + r % G) * D;
+      size_t end = i;                                         // the row's tasks: those from 0 to its last
+      while (end < j && tasks[end].begin <= last[b]) end++;
       float peak = -INFINITY, sum = 0.0f;
-      for (size_t t = i; t < j; t++) peak = std::max(peak, best[t * G + g]);
-      for (int64_t e = 0; e < D; e++) o[g * D + e] = 0.0f;
-      for (size_t t = i; t < j; t++) {
-        const float f = std::exp(best[t * G + g] - peak);
-        sum += total[t * G + g] * f;
-        for (int64_t e = 0; e < D; e++) o[g * D + e] += acc[(t * G + g) * D + e] * f;
+      for (size_t t = i; t < end; t++) peak = std::max(peak, best[tasks[t].at + r]);
+      for (int64_t e = 0; e < D; e++) o[e] = 0.0f;
+      for (size_t t = i; t < end; t++) {
+        const int64_t at = tasks[t].at + r;
+        const float f = std::exp(best[at] - peak);
+        sum += total[at] * f;
+        for (int64_t e = 0; e < D; e++) o[e] += acc[at * D + e] * f;
       }
-      for (int64_t e = 0; e < D; e++) o[g * D + e] /= sum;
+      for (int64_t e = 0; e < D; e++) o[e] /= sum;
     }
     i = j;
   }
+  return ffi::Error::Success();
+}
+
+// ---- float products in one order for every row count -----------------------------------------
+
+// A MoE router's scores and Qwen3-Next's shared expert run on float weights, whose product XLA sums
+// in an order it picks by the shape of the call: a token's experts could then differ between a
+// prefill chunk, a decode step and a verification. Here each output sums its K products (each
+// rounded, then added: no fused multiply-add) in 16 partial sums, partial j taking inputs j, j + 16,
+// j + 32, ... in turn, which a fixed tree adds at the end (8 + 8, 4 + 4, 2 + 2, 1 + 1). The same
+// bits for any rows beside it, and on every tier: AVX-512 holds the 16 partials in one register,
+// AVX2 in two, NEON in four.
+#if MASHBOX_AVX512
+struct Sum16 {
+  __m512 s = _mm512_setzero_ps();
+  static Sum16 Load(const float* at, int64_t left) { return {_mm512_maskz_loadu_ps(Lanes(left), at)}; }
+  void AddProduct(const Sum16& a, const Sum16& b) { s = _mm512_add_ps(s, _mm512_mul_ps(a.s, b.s)); }
+  void Store(float* out) const { _mm512_storeu_ps(out, s); }
+};
+constexpr int kDotRows = 4, kDotOuts = 4;  // a block's accumulators: 16 of the 32 registers
+#elif MASHBOX_AVX2
+struct Sum16 {
+  __m256 s[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  static Sum16 Load(const float* at, int64_t left) {
+    Sum16 x;
+    for (int h = 0; h < 2; h++) x.s[h] = _mm256_maskload_ps(at + 8 * h, Lanes8(left - 8 * h));
+    return x;
+  }
+  void AddProduct(const Sum16& a, const Sum16& b) {
+    for (int h = 0; h < 2; h++) s[h] = _mm256_add_ps(s[h], _mm256_mul_ps(a.s[h], b.s[h]));
+  }
+  void Store(float* out) const { for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + 8 * h, s[h]); }
+};
+constexpr int kDotRows = 2, kDotOuts = 2;  // 8 of the 16 registers
+#else
+struct Sum16 {
+  float32x4_t s[4] = {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)};
+  static Sum16 Load(const float* at, int64_t left) {
+    Sum16 x;
+    for (int h = 0; h < 4; h++) x.s[h] = Load4(at + 4 * h, left - 4 * h);
+    return x;
+  }
+  void AddProduct(const Sum16& a, const Sum16& b) {
+    for (int h = 0; h < 4; h++) s[h] = vaddq_f32(s[h], vmulq_f32(a.s[h], b.s[h]));
+  }
+  void Store(float* out) const { for (int h = 0; h < 4; h++) vst1q_f32(out + 4 * h, s[h]); }
+};
+constexpr int kDotRows = 2, kDotOuts = 2;  // 16 of the 32 registers
+#endif
+
+inline float Total16(const Sum16& sum) {
+  float part[16];
+  sum.Store(part);
+  for (int width = 8; width >= 1; width /= 2)
+    for (int j = 0; j < width; j++) part[j] += part[j + width];
+  return part[0];
+}
+
+// out[r, n] for R rows of x [., K] and NB outputs of w [., K] (out's row stride N).
+template <int R, int NB>
+void DotBlock(const float* x, const float* w, int64_t K, int64_t N, float* out) {
+  Sum16 acc[R][NB];
+  for (int64_t k = 0; k < K; k += 16) {
+    Sum16 xs[R], ws[NB];
+    for (int r = 0; r < R; r++) xs[r] = Sum16::Load(x + r * K + k, K - k);
+    for (int n = 0; n < NB; n++) ws[n] = Sum16::Load(w + n * K + k, K - k);
+    for (int r = 0; r < R; r++)
+      for (int n = 0; n < NB; n++) acc[r][n].AddProduct(xs[r], ws[n]);
+  }
+  for (int r = 0; r < R; r++)
+    for (int n = 0; n < NB; n++) out[r * N + n] = Total16(acc[r][n]);
+}
+
+// Rows and outputs per task of RowDot.
+constexpr int64_t kDotTaskRows = 32, kDotTaskOuts = 64;
+
+// x [R, K] float32 times w [N, K] float32 -> out [R, N], each output summed as above.
+ffi::Error RowDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                  ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
+    return ffi::Error::InvalidArgument("row_dot: x [R, K], w [N, K]");
+  const int64_t R = xd[0], K = xd[1], N = wd[0];
+  const int64_t row_tasks = (R + kDotTaskRows - 1) / kDotTaskRows, out_tasks = (N + kDotTaskOuts - 1) / kDotTaskOuts;
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* op = out->typed_data();
+  Parallel(pool, row_tasks * out_tasks, [&](int64_t task) {
+    const int64_t r0 = task / out_tasks * kDotTaskRows, n0 = task % out_tasks * kDotTaskOuts;
+    const int64_t r1 = std::min(R, r0 + kDotTaskRows), n1 = std::min(N, n0 + kDotTaskOuts);
+    for (int64_t r = r0; r < r1;) {
+      const bool rows = r + kDotRows <= r1;
+      for (int64_t n = n0; n < n1;) {
+        const bool outs = n + kDotOuts <= n1;
+        const float* xr = xp + r * K;
+        const float* wn = wp + n * K;
+        float* o = op + r * N + n;
+        if (rows && outs) DotBlock<kDotRows, kDotOuts>(xr, wn, K, N, o);
+        else if (rows) DotBlock<kDotRows, 1>(xr, wn, K, N, o);
+        else if (outs) DotBlock<1, kDotOuts>(xr, wn, K, N, o);
+        else DotBlock<1, 1>(xr, wn, K, N, o);
+        n += outs ? kDotOuts : 1;
+      }
+      r += rows ? kDotRows : 1;
+    }
+  });
   return ffi::Error::Success();
 }
 
@@ -3103,6 +3245,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxQ3KWiden, Q3KWiden,
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::BF16>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxRowDot, RowDot,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxFirstMax, FirstMax,
                               ffi::Ffi::Bind()

@@ -64,7 +64,8 @@ TARGETS = {"mashbox_int8_matmul": "MashboxInt8Matmul",
            "mashbox_iq4xs_matmul": "MashboxIq4XsMatmul", "mashbox_iq4xs_widen": "MashboxIq4XsWiden",
            "mashbox_iq3s_matmul": "MashboxIq3SMatmul", "mashbox_iq3s_widen": "MashboxIq3SWiden",
            "mashbox_q3k_matmul": "MashboxQ3KMatmul", "mashbox_q3k_widen": "MashboxQ3KWiden",
-           "mashbox_first_max": "MashboxFirstMax", "mashbox_filter_cuts": "MashboxFilterCuts"}
+           "mashbox_row_dot": "MashboxRowDot", "mashbox_first_max": "MashboxFirstMax",
+           "mashbox_filter_cuts": "MashboxFilterCuts"}
 ENV_SWITCH = "MASHBOX_NATIVE"                      # "0": never build or use the kernel
 TIER_ENV = "MASHBOX_NATIVE_TIER"                   # a tier's name: that tier, if the CPU has it
 # The kernel's tiers, the first whose instructions (/proc/cpuinfo flags; ARM's "Features") the CPU
@@ -619,6 +620,17 @@ def int8_attend(q, k, v, k_scale, v_scale, slots, positions):
     _require()
     return jax.ffi.ffi_call("mashbox_int8_attend", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q, k, v, k_scale, v_scale, slots, positions)
+
+
+def row_dot(x, w):
+    """float32 x [R, K] times float32 w [N, K] -> [R, N] (the kernel's RowDot): each output's K
+    products rounded one by one and added in 16 partial sums (partial j: inputs j, j + 16, ...),
+    which a fixed tree adds; a row's numbers whatever rows run beside it, on every tier."""
+    import jax
+    import jax.numpy as jnp
+
+    _require()
+    return jax.ffi.ffi_call("mashbox_row_dot", jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))(x, w)
 
 
 def first_max(logits):

@@ -255,7 +255,10 @@ def _widened_dot(flat, held: dict, widen):
 def _int8_matmul(flat, w):
     """flat [rows, in] float32 times int8 weights in the plain layout -> [rows, out]."""
     q, scale = w["q"], w["scale"]
-    if _xla_cpu() and flat.shape[0] <= INT8_ROWS_MAX_ROWS:
+    # Where the kernel takes every chunk (PREFILL_BY_KERNEL), a matrix it cannot pack (a shape not
+    # of whole lanes: only tiny models have them) keeps the integer products past
+    # INT8_ROWS_MAX_ROWS too, so its rows get the decode step's numbers as the packed ones do.
+    if _xla_cpu() and kernel_takes(flat.shape[0]):
         terms, scales = int8_terms(flat, ROW_TERMS)
         if q.dtype == jnp.uint8:
             products = offset_weights_product(q, terms)
@@ -425,11 +428,19 @@ def tree_sum(x):
     return x
 
 
-def row_exact_matmul(x, w):
-    """x [rows, in] times float w [out, in], each output summed in tree_sum's order: a row's numbers
-    whatever the rows beside it, as the integer products' are (a MoE router's scores in a decode step
-    and in a verification of drafts). Reads w once; up to INT8_ROWS_MAX_ROWS rows (its broadcast
-    product is rows x out x in floats)."""
+def row_exact_rows(native_kernel: bool) -> int | None:
+    """How many rows row_exact_matmul takes on XLA:CPU (None: any), and 0 elsewhere."""
+    return 0 if not _xla_cpu() else None if native_kernel else INT8_ROWS_MAX_ROWS
+
+
+def row_exact_matmul(x, w, *, native_kernel: bool):
+    """x [rows, in] times float w [out, in], a row's numbers whatever the rows beside it, as the
+    integer products' are (a MoE router's scores in a prefill chunk, a decode step and a
+    verification of drafts alike). native_kernel: engine.native's row_dot, any rows; else each
+    output summed in tree_sum's order, up to INT8_ROWS_MAX_ROWS rows (its broadcast product is
+    rows x out x in floats)."""
+    if native_kernel:
+        return native.row_dot(x.astype(F32), w.astype(F32))
     return tree_sum(w[None].astype(F32) * x[:, None, :].astype(F32))[..., 0]
 
 

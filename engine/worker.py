@@ -37,8 +37,9 @@ from engine.cache import (copy_prefix, has_state, host_block, init_cache, keep_s
                           read_slot, read_state, warm_host_copies, warm_state_copies, write_slot,
                           write_state)
 from engine.config import CHAT_FORMAT, check_weights_dtype, load_config
-from engine.attention import NATIVE_ATTENTION_MAX_TOKENS, integer_attention, kv_dtype_for
-from engine.model import dtype_for, jit_draft, jit_forward, layer_parameters, weights_dtype_for
+from engine.attention import kv_dtype_for
+from engine.model import (DELTA_STEPS_ENV, delta_by_steps, dtype_for, jit_draft, jit_forward, layer_parameters,
+                          weights_dtype_for)
 from engine.moe import routed_report
 from engine.protocol import (Cancel, Fault, Loading, ModelFacts, Note, Ready, Shutdown, Stats, Step,
                              Submit)
@@ -379,8 +380,7 @@ class Engine:
                ("--speculative mtp: the checkpoint has no MTP layer (mtp.* tensors)"
                 if args.speculative == "mtp" and not has_mtp else None))
         shapes = {} if why else {
-            rows: tuple(t for t in verify_tokens(cfg) if rows * t <= products.INT8_ROWS_MAX_ROWS
-                        and t <= NATIVE_ATTENTION_MAX_TOKENS and t < args.ctx)
+            rows: tuple(t for t in verify_tokens(cfg) if rows * t <= products.INT8_ROWS_MAX_ROWS and t < args.ctx)
             for rows in self.buckets.decode_rows if rows <= VERIFY_MAX_ROWS}
         shapes = {rows: ts for rows, ts in shapes.items() if ts}
         off = why or (None if shapes else "no verification fits the context")
@@ -408,22 +408,17 @@ class Engine:
         if apart:
             return (f"not guaranteed: {apart}, so a row's numbers can depend on the rows beside it and "
                     "on the chunks its prompt was read in")
-        cfg, group = self.cfg, self.cfg.num_heads // self.cfg.num_kv_heads
+        cfg = self.cfg
         chunks = ("prefill chunks past "
                   f"{products.INT8_ROWS_MAX_ROWS} rows are widened for XLA's bfloat16 dot on this CPU"
                   if not products.PREFILL_BY_KERNEL else
-                  "its shorter chunks' attention multiplies integers, its longer ones XLA's widened dot"
-                  if len({integer_attention(group * t) for t in self.buckets.chunks}) > 1 else
-                  "its Gated DeltaNet layers sum a chunk in sub-chunks set by its length"
-                  if "linear" in cfg.layer_kinds else
-                  f"its routers score a chunk past {products.INT8_ROWS_MAX_ROWS} rows with XLA's dot"
-                  if "moe" in cfg.mlp_kinds else None)
+                  f"its Gated DeltaNet layers sum a chunk in sub-chunks set by its length ({DELTA_STEPS_ENV}=0)"
+                  if "linear" in cfg.layer_kinds and not delta_by_steps() else None)
         rows = ("a row's numbers are the same whatever the rows beside it and with drafting on or off, "
                 "and a seeded draw depends on the seed and the position only")
         if chunks is None:
             return (f"guaranteed: {rows}; a prompt reads into the same cache in any of the server's chunks, "
-                    "cold or cached (positions a decode step wrote hold its numbers, which a cold read of "
-                    "the same text can differ from in the last bits)")
+                    "cold or cached, as the decode steps that wrote an earlier answer did")
         return (f"{rows}; a prompt's cached keys and values can differ in their last bits from a cold "
                 f"read in other chunks ({chunks}), so an answer can depend on what the cache held")
 

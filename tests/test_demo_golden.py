@@ -175,10 +175,11 @@ def test_demo_facts_name_the_gguf_its_bits_and_what_is_held(engine, engine_int8,
 
 
 def test_a_prompt_reads_into_the_same_cache_in_any_chunks(engine_int8):
-    """Guards products.PREFILL_BY_KERNEL: where the kernel multiplies every prefill chunk, a prompt's
-    keys, values and last logits are the same bits whether it is read whole, in chunks of 64 or 32
-    (the demo's shortest: every chunk's attention takes the same path, engine.attention), or split
-    unevenly (a prefix from the cache, then the rest): a cached prompt is a cold one."""
+    """Guards products.PREFILL_BY_KERNEL and the kernel's attention (one summation order per token,
+    engine.attention): a prompt's keys, values and last logits are the same bits whether it is read
+    whole, in chunks of 64, 32 or 16, split unevenly (a prefix from the cache, then the rest), or
+    its last tokens written one by one as decode steps write them: a cached prompt is a cold one,
+    and so is a conversation's earlier answer."""
     import jax
     from engine import products
     from engine.cache import init_cache
@@ -187,7 +188,7 @@ def test_a_prompt_reads_into_the_same_cache_in_any_chunks(engine_int8):
         pytest.skip("the kernel takes only short chunks on this CPU (products.PREFILL_BY_KERNEL)")
     tokens = np.random.default_rng(3).integers(0, 20_000, (1, 256)).astype(np.int32)
     read = {}
-    for chunks in ((256,), (64,) * 4, (32,) * 8, (100, 156)):
+    for chunks in ((256,), (64,) * 4, (32,) * 8, (16,) * 16, (100, 156), (240,) + (1,) * 16):
         cache = init_cache(engine_int8.cfg, 1, 256, engine_int8.kv_dtype)
         at = 0
         for n in chunks:

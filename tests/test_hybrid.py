@@ -456,7 +456,7 @@ def test_a_verifications_steps_replay_to_the_decode_steps_state_at_the_27bs_stat
     for i in range(t):
         _, s, _ = step(q[:, i], k[:, i], v[:, i], decay[:, i], beta[:, i], s, zero)
         reached.append(np.asarray(s))
-    _, written = jax.jit(_delta_steps)(q, k, v, decay, beta, state, zero)
+    _, _, written = jax.jit(_delta_steps)(q, k, v, decay, beta, state, zero)
 
     @jax.jit
     def replay(state, written, kept, zero):
@@ -465,3 +465,26 @@ def test_a_verifications_steps_replay_to_the_decode_steps_state_at_the_27bs_stat
         return state
     for kept in range(t):
         assert np.array_equal(np.asarray(replay(state, written, np.int32(kept), zero)), reached[kept]), kept
+
+
+@pytest.mark.parametrize("t", [7, DELTA_CHUNK, 100])
+def test_the_chunked_delta_rule_gives_the_token_by_token_outputs_and_state(t):
+    """Accelerators prefill with the chunked (WY) delta rule, CPUs token by token as decode steps do
+    (engine.model.delta_by_steps). Guards the chunked form against the recurrence it stands for:
+    outputs and state after t tokens (inside one chunk, one whole chunk, past it with padding) within
+    CHUNKING_ATOL, from a state already holding something."""
+    from engine.model import _delta_chunked, _delta_steps, _exp
+    rng = np.random.default_rng(t)
+    h, dk, dv = 3, 16, 8
+    unit = lambda *shape: (lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True))(  # noqa: E731
+        rng.standard_normal(shape)).astype(np.float32)
+    q, k = unit(1, t, h, dk) / np.sqrt(dk), unit(1, t, h, dk)
+    v = rng.standard_normal((1, t, h, dv)).astype(np.float32)
+    g = (-rng.random((1, t, h)) * 0.5).astype(np.float32)
+    beta = rng.random((1, t, h)).astype(np.float32)
+    state = (rng.standard_normal((1, h, dk, dv)) * 0.3).astype(np.float32)
+    zero = jnp.int32(0)
+    out, after = jax.jit(_delta_chunked)(q, k, v, g, beta, state)
+    want, want_after, _ = jax.jit(_delta_steps)(q, k, v, _exp(g, zero), beta, state, zero)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=CHUNKING_ATOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(after), np.asarray(want_after), atol=CHUNKING_ATOL, rtol=0)

@@ -432,13 +432,20 @@ def test_float16_kv_cache_stays_close_and_keeps_the_greedy_tokens(tiny):
     np.testing.assert_array_equal(got.argmax(-1), ref["logits"].argmax(-1))
 
 
-@pytest.mark.parametrize("integer_rows", [attention.INT8_ATTENTION_MAX_ROWS, 0])
-def test_int8_kv_cache_stays_close_to_float32(tiny, integer_rows, monkeypatch):
-    """Guards against the int8 cache (its scales, smoothed keys, integer products, and the blocks
-    widened to float32 when integer_rows is 0, as in a long prefill chunk) drifting from the float32
-    cache or changing its tokens beyond the rounding of 8-bit keys and values."""
+@pytest.mark.parametrize("path", ["kernel", "integer", "widened"])
+def test_int8_kv_cache_stays_close_to_float32(tiny, path, monkeypatch):
+    """Guards against the int8 cache (its scales, smoothed keys, and attention through the native
+    kernel, through XLA's integer products, or with the blocks widened to float32 as XLA's long
+    chunks do) drifting from the float32 cache or changing its tokens beyond the rounding of 8-bit
+    keys and values."""
+    import dataclasses
+    from engine import native
     cfg, params, ref = tiny
-    monkeypatch.setattr(attention, "INT8_ATTENTION_MAX_ROWS", integer_rows)
+    if path == "kernel":
+        if not native.available():
+            pytest.skip("the native kernel is not available here")
+        cfg = dataclasses.replace(cfg, native=True)
+    monkeypatch.setattr(attention, "INT8_ATTENTION_MAX_ROWS", 0 if path == "widened" else attention.INT8_ATTENTION_MAX_ROWS)
     # a fresh function, so jit traces it again with the patched constant
     forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
     got = _cached_logits(cfg, params, ref["tokens"], jnp.int8, forward)

@@ -107,6 +107,9 @@ class HarnessTier:
     def first_max(self, logits):
         return self._run("first_max", [logits], logits.shape[:1], "int32")
 
+    def row_dot(self, x, w):
+        return self._run("row_dot", [x, w], (x.shape[0], w.shape[0]), "float32")
+
     def filter_cuts(self, probs, top_k, top_p):
         return self._run("filter_cuts", [probs, top_k, top_p], (probs.shape[0], 2), "float32")
 
@@ -976,3 +979,55 @@ def test_prefill_widens_each_layers_weights_only_when_its_product_is_next(pack, 
     layer = params["layers"][0]
     wide_layer = 2 * sum(m["q"].size for m in (layer["qkv"], layer["o"], layer["gate_up"], layer["down"]))
     assert compiled.memory_analysis().temp_size_in_bytes < 3 * wide_layer < cfg.num_layers * wide_layer / 2
+
+
+@pytest.mark.parametrize("group", [1, 6])
+def test_int8_attend_gives_each_row_of_a_chunk_the_numbers_it_gets_alone(kernel, group):
+    """A prefill chunk's tokens are consecutive rows of one slot, which share the kernel's passes over
+    the keys (blocks of 16 rows). Guards against a row's numbers depending on its neighbours: a
+    row's sums running past its own position, a block's task boundary (every 2048 positions) that
+    an early row does not reach, or a block cut between slots."""
+    rng = np.random.default_rng(group)
+    slots, kv, d, ctx = 2, 2, 32, 4200
+    k = rng.integers(-127, 128, (slots, kv, d, ctx), dtype=np.int8)
+    v = rng.integers(-127, 128, (slots, kv, d, ctx), dtype=np.int8)
+    k_scale = (rng.random((slots, kv, ctx)) * 0.02).astype(np.float32)
+    v_scale = rng.random((slots, kv, ctx)).astype(np.float32)
+    chunk = list(range(2030, 2070))                      # 40 tokens across the boundary at 2048
+    positions = chunk[:20] + [5] + chunk[20:] + [4199, 0, 3]
+    rows = np.array([1] * 41 + [0, 0, 1], np.int32)
+    where = np.array(positions, np.int32)
+    q = (rng.standard_normal((len(positions), kv, group, d)) / 4).astype(np.float32)
+    whole = kernel.int8_attend(q, k, v, k_scale, v_scale, rows, where)
+    for b in range(len(positions)):
+        alone = kernel.int8_attend(q[b:b + 1], k, v, k_scale, v_scale, rows[b:b + 1], where[b:b + 1])
+        np.testing.assert_array_equal(whole[b], alone[0], err_msg=f"row {b} at position {positions[b]}")
+
+
+def _row_dot_definition(x, w):
+    """native.row_dot's sums in numpy float32: each output's products rounded one by one, added in
+    16 partial sums (partial j takes inputs j, j + 16, ...), then 8 + 8, 4 + 4, 2 + 2, 1 + 1."""
+    k = x.shape[1]
+    pad = -k % 16
+    x = np.pad(x, [(0, 0), (0, pad)]).reshape(x.shape[0], 1, -1, 16)
+    w = np.pad(w, [(0, 0), (0, pad)]).reshape(1, w.shape[0], -1, 16)
+    products = x * w                                            # [R, N, K/16, 16] float32
+    part = np.zeros(products.shape[:2] + (16,), np.float32)
+    for step in range(products.shape[2]):
+        part = part + products[:, :, step]
+    for width in (8, 4, 2, 1):
+        part = part[..., :width] + part[..., width:2 * width]
+    return part[..., 0]
+
+
+@pytest.mark.parametrize("rows, k, n", [(1, 2048, 128), (5, 40, 7), (70, 100, 66), (3, 16, 1)])
+def test_row_dot_sums_in_its_one_order_for_any_rows_beside_it(kernel, rows, k, n):
+    """Guards the float products a MoE router's scores take (products.row_exact_matmul): the bits of
+    the one summation order on every tier, whatever the row count (blocks of 4 or 2 rows and
+    outputs, their tails, a K tail shorter than 16), and each row alone the same as in the batch."""
+    rng = np.random.default_rng(rows * k + n)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    got = kernel.row_dot(x, w)
+    np.testing.assert_array_equal(got, _row_dot_definition(x, w))
+    np.testing.assert_array_equal(kernel.row_dot(x[-1:], w), got[-1:])

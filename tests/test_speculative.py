@@ -332,6 +332,41 @@ def test_a_verification_gives_each_position_the_logits_of_a_decode_step_bit_for_
     jax.block_until_ready(on.cache)
 
 
+# A prompt's reads as (tokens, the program's length) per call: whole; in the engine's chunks of 32 or
+# 8; split unevenly with chunks padded (a prefix from the cache, then the rest); its last 16 tokens
+# written one by one as decode steps write an answer.
+READS = {"whole": [(96, 96)], "32s": [(32, 32)] * 3, "8s": [(8, 8)] * 12,
+         "uneven": [(27, 32), (32, 32), (32, 32), (5, 8)], "decoded": [(32, 32), (32, 32), (16, 32)] + [(1, 1)] * 16}
+
+
+def test_a_prompt_reads_into_the_same_cache_in_any_chunks_and_as_decode_steps(engines):
+    """Guards the same answer for the same request (engine.worker's same-answer line): a prompt's
+    keys, values, linear-layer states and last logits are the same bits however it was read, so a
+    prompt served from the cache, or a conversation's earlier answer, is a cold read of its text.
+    Covers the products past 64 rows, attention, the Gated DeltaNet recurrence and the routers."""
+    import jax
+    from engine.model import jit_forward
+    on, _ = engines
+    tokens = np.random.default_rng(5).integers(5, 200, 96).astype(np.int32)
+    read = {}
+    for name, calls in READS.items():
+        at = 0
+        for n, length in calls:
+            part = np.zeros((1, length), np.int32)
+            part[0, :n] = tokens[at:at + n]
+            logits, on.cache = jit_forward(on.params, on.cache, part, np.zeros(1, np.int32), np.array([at], np.int32),
+                                           np.array([n], np.int32), cfg=on.cfg)
+            at += n
+        read[name] = [np.asarray(logits)[0]] + [
+            np.asarray(a)[0, ..., :96] if key in ("k", "v", "k_scale", "v_scale") else np.asarray(a)[0]
+            for layer in on.cache[:on.cfg.num_layers] for key, a in sorted(layer.items())]
+    jax.block_until_ready(on.cache)
+    whole = read.pop("whole")
+    for name, arrays in read.items():
+        for i, (got, want) in enumerate(zip(arrays, whole)):
+            np.testing.assert_array_equal(got, want, err_msg=f"{name}: array {i}")
+
+
 def test_a_rows_norm_is_the_same_whatever_rows_run_beside_it():
     """Guards against the norm's sum going back to XLA's reduce, which from 8 rows on vectorizes
     across rows and sums a row in another order (the demo's width, 896)."""

@@ -103,6 +103,7 @@ const std::map<std::string, ffi::Error (*)(std::vector<Operand>&)> kKernels = {
     {"iq3s_widen", [](std::vector<Operand>& o) { return Call(Iq3SWiden, o); }},
     {"q3k_matmul", [](std::vector<Operand>& o) { return Call(Q3KMatmul, o); }},
     {"q3k_widen", [](std::vector<Operand>& o) { return Call(Q3KWiden, o); }},
+    {"row_dot", [](std::vector<Operand>& o) { return Call(RowDot, o); }},
     {"first_max", [](std::vector<Operand>& o) { return Call(FirstMax, o); }},
     {"filter_cuts", [](std::vector<Operand>& o) { return Call(FilterCuts, o); }},
 };
