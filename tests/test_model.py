@@ -445,7 +445,8 @@ def test_int8_kv_cache_stays_close_to_float32(tiny, path, monkeypatch):
         if not native.available():
             pytest.skip("the native kernel is not available here")
         cfg = dataclasses.replace(cfg, native=True)
-    monkeypatch.setattr(attention, "INT8_ATTENTION_MAX_ROWS", 0 if path == "widened" else attention.INT8_ATTENTION_MAX_ROWS)
+    if path == "widened":
+        monkeypatch.setattr(attention, "INT8_ATTENTION_MAX_ROWS", 0)
     # a fresh function, so jit traces it again with the patched constant
     forward = jax.jit(lambda *a, **k: model.forward(*a, **k), static_argnames=("cfg", "all_logits"))
     got = _cached_logits(cfg, params, ref["tokens"], jnp.int8, forward)

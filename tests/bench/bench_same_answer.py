@@ -1,0 +1,117 @@
+"""A prompt's prefill as it runs now, every position's numbers the same in any chunks (the kernel's
+attention for every call, the Gated DeltaNet recurrence token by token, routers in one order),
+against the paths before (XLA's blocked attention for chunks, the chunked delta rule, routers
+through XLA's dot past 64 rows); run by hand, not in CI.
+
+    python tests/bench/bench_same_answer.py [--model demo|27b|30b-a3b] [--layers 4]
+                                            [--tokens 512,2048,8192] [--chunk 512] [--rounds 3]
+
+demo: the demo model as the server holds it; 27b: Qwen3.8-27B's layers at full width (`--layers`
+of its 64: 3 Gated DeltaNet layers to each attention layer), random Q4_K weights; 30b-a3b:
+Qwen3-30B-A3B's (`--layers` of its 48), random int8 weights. Each prompt is read from position 0 in
+chunks of --chunk tokens (the server's largest), one way then the other, --rounds times alternated,
+both compiled before; prints the median tokens/s of each way and their ratio. Results:
+docs/perf-log.md ("The same numbers in any chunks").
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from engine import attention, model, moe, native, products, registry, sharding  # noqa: E402
+from engine.cache import init_cache  # noqa: E402
+from engine.config import load_config  # noqa: E402
+from engine.weights import load_weights, packs_int8  # noqa: E402
+
+MODELS = {"27b": ("qwen3-8-27b", "q4_k"), "30b-a3b": ("qwen3-30b-a3b", "int8")}
+
+
+def load(which: str, layers: int):
+    if which in MODELS:
+        name, form = MODELS[which]
+        spec = registry.resolve(name, "random")
+        folder = str(registry.random_folder(spec, form, {"num_hidden_layers": layers}))
+    else:
+        folder = str(registry.prepare(registry.resolve(None)))
+    raw = load_config(folder)
+    layout = sharding.Layout.build(raw, 1)
+    cfg = layout.cfg
+    params = load_weights(folder, raw, "int8", float_dtype=np.float32, kv_heads=cfg.num_kv_heads,
+                          place=layout.place, pack=packs_int8("int8", cfg.native))
+    return cfg, params, layout
+
+
+def _attend_before(q, kv, slots, positions, live, *, native_kernel: bool):
+    """attention.attend as it was: the kernel for decode steps only, XLA's blocks for chunks."""
+    if native_kernel and q.shape[3] == 1 and kv["k"].dtype == jnp.int8:
+        return attention.attend(q, kv, slots, positions, live, native_kernel=True)
+    return attention._attend_blocks(q, kv, slots, positions, live)
+
+
+def traced(way: str):
+    """A forward traced the way given (fresh functions: jit traces them again with the paths set)."""
+    model.attend = attention.attend if way == "now" else _attend_before
+    os.environ[model.DELTA_STEPS_ENV] = "1" if way == "now" else "0"
+    moe.row_exact_rows = products.row_exact_rows if way == "now" else (lambda _: products.INT8_ROWS_MAX_ROWS)
+    layer = jax.jit(lambda *a, **k: model._layer(*a, **k), static_argnames=model.LAYER_STATIC_ARGNAMES)
+    forward = jax.jit(lambda *a, **k: model.forward(*a, **k), donate_argnames=("cache",),
+                      static_argnames=("cfg", "all_logits", "verify"))
+    return forward, layer
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=("demo", *MODELS), default="demo")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--tokens", default="512,2048,8192")
+    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args()
+    native.prepare()
+    if not native.available():
+        raise SystemExit("the native kernel does not run here")
+    cfg, params, layout = load(a.model, a.layers)
+    lengths = [int(n) for n in a.tokens.split(",")]
+    ctx = max(lengths)
+    tokens = np.random.default_rng(0).integers(0, 20_000, (1, ctx)).astype(np.int32)
+    ways = {}
+
+    def read(way: str, n: int) -> float:
+        forward, layer = ways[way]
+        model._jit_layer = layer
+        cache = init_cache(cfg, 1, ctx, np.int8, zeros=layout.cache_zeros)
+        t0 = time.perf_counter()
+        for at in range(0, n, a.chunk):
+            logits, cache = forward(params, cache, tokens[:, at:at + a.chunk], np.zeros(1, np.int32),
+                                    np.full(1, at, np.int32), np.full(1, a.chunk, np.int32), cfg=cfg)
+        jax.block_until_ready(logits)
+        return time.perf_counter() - t0
+
+    for way in ("now", "before"):
+        ways[way] = traced(way)
+        read(way, a.chunk)                                    # traced and compiled with the paths set
+    print(f"{a.model}{f' ({a.layers} layers)' if a.model in MODELS else ''}, chunks of {a.chunk}, "
+          f"medians of {a.rounds} alternated, tokens/s:")
+    for n in lengths:
+        times = {way: [] for way in ways}
+        for _ in range(a.rounds):
+            for way in ways:
+                times[way].append(read(way, n))
+        speed = {way: n / statistics.median(ts) for way, ts in times.items()}
+        print(f"  {n:6d} tokens: now {speed['now']:7.1f}, before {speed['before']:7.1f}, "
+              f"now / before {speed['now'] / speed['before']:.2f}x", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
