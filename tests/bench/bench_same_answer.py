@@ -5,12 +5,16 @@ through XLA's dot past 64 rows); run by hand, not in CI.
 
     python tests/bench/bench_same_answer.py [--model demo|27b|30b-a3b] [--layers 4]
                                             [--tokens 512,2048,8192] [--chunk 512] [--rounds 3]
+    python tests/bench/bench_same_answer.py --attention
 
 demo: the demo model as the server holds it; 27b: Qwen3.8-27B's layers at full width (`--layers`
 of its 64: 3 Gated DeltaNet layers to each attention layer), random Q4_K weights; 30b-a3b:
-Qwen3-30B-A3B's (`--layers` of its 48), random int8 weights. Each prompt is read from position 0 in
+Qwen3-30B-A3B's (`--layers` of its 48), random Q8_0 weights. Each prompt is read from position 0 in
 chunks of --chunk tokens (the server's largest), one way then the other, --rounds times alternated,
-both compiled before; prints the median tokens/s of each way and their ratio. Results:
+both compiled before; prints the median tokens/s of each way and their ratio. --attention: one
+call of attention alone over random int8 caches, the kernel against XLA's blocked loop, at the
+demo's, an 8-KV-head and the 27B's head shapes (a 512-token chunk at 512 / 2,048 / 8,192 positions,
+16 and 64 tokens at 2,048). Results:
 docs/perf-log.md ("The same numbers in any chunks").
 """
 from __future__ import annotations
@@ -33,7 +37,7 @@ from engine.cache import init_cache  # noqa: E402
 from engine.config import load_config  # noqa: E402
 from engine.weights import load_weights, packs_int8  # noqa: E402
 
-MODELS = {"27b": ("qwen3-8-27b", "q4_k"), "30b-a3b": ("qwen3-30b-a3b", "int8")}
+MODELS = {"27b": ("qwen3-8-27b", "q4_k"), "30b-a3b": ("qwen3-30b-a3b", "q8_0")}
 
 
 def load(which: str, layers: int):
@@ -69,6 +73,33 @@ def traced(way: str):
     return forward, layer
 
 
+def attention_alone(rounds: int) -> None:
+    """attention.attend through the kernel against XLA's blocked loop, one call's time (medians)."""
+    rng = np.random.default_rng(0)
+    for kv_heads, group, d in ((2, 7, 64), (8, 2, 128), (4, 6, 256)):
+        for t, live in ((512, 512), (512, 2048), (512, 8192), (16, 2048), (64, 2048)):
+            ctx = max(live, 1024)
+            kv = {"k": rng.integers(-127, 128, (1, kv_heads, d, ctx), dtype=np.int8),
+                  "v": rng.integers(-127, 128, (1, kv_heads, d, ctx), dtype=np.int8),
+                  "k_scale": (rng.random((1, kv_heads, ctx)) * 0.02).astype(np.float32),
+                  "v_scale": rng.random((1, kv_heads, ctx)).astype(np.float32)}
+            q = (rng.standard_normal((1, kv_heads, group, t, d)) / 4).astype(np.float32)
+            args = (q, kv, np.zeros(1, np.int32), (live - t + np.arange(t, dtype=np.int32))[None], np.int32(live))
+            ways = {"kernel": jax.jit(lambda *a: attention.attend(*a, native_kernel=True)),
+                    "xla": jax.jit(attention._attend_blocks)}
+            times = {way: [] for way in ways}
+            for way, f in ways.items():
+                jax.block_until_ready(f(*args))
+            for _ in range(rounds):
+                for way, f in ways.items():
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(f(*args))
+                    times[way].append(time.perf_counter() - t0)
+            ms = {way: statistics.median(ts) * 1e3 for way, ts in times.items()}
+            print(f"  KV {kv_heads} x {group} heads of {d}, {t:3d} tokens at {live:4d}: kernel {ms['kernel']:6.1f} ms, "
+                  f"XLA {ms['xla']:6.1f} ms, {ms['xla'] / ms['kernel']:.2f}x", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=("demo", *MODELS), default="demo")
@@ -76,10 +107,14 @@ def main() -> int:
     p.add_argument("--tokens", default="512,2048,8192")
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--attention", action="store_true", help="attention alone, kernel against XLA")
     a = p.parse_args()
     native.prepare()
     if not native.available():
         raise SystemExit("the native kernel does not run here")
+    if a.attention:
+        attention_alone(a.rounds)
+        return 0
     cfg, params, layout = load(a.model, a.layers)
     lengths = [int(n) for n in a.tokens.split(",")]
     ctx = max(lengths)
