@@ -196,10 +196,10 @@ def _attention_entries(layer, kv, x, slots, positions, rope, valid, *, cfg: Mode
 # boundary inside a prefill changes only the summation order (tests compare chunkings).
 
 # Where a prefill chunk runs the recurrence token by token as decode steps do (_delta_steps), not in
-# its chunked form: on a CPU, where it costs little more (a 512-token chunk at Qwen3.8-27B's 48
-# heads: 182 ms against 164, about 1.5% of the layer's prefill) and makes a position's state and
-# output the same bits however the prompt was chunked, cold or cached, or written by decode steps.
-# Accelerators keep the chunked form, whose matrix products they run far faster than a loop.
+# its chunked form: on a CPU, where it costs a few percent of a hybrid model's prefill (docs/perf-log.md,
+# "The same numbers in any chunks") and makes a position's state and output the same bits however the
+# prompt was chunked, cold or cached, or written by decode steps. Accelerators keep the chunked form,
+# whose matrix products they run far faster than a loop.
 DELTA_STEPS_ENV = "MASHBOX_DELTA_STEPS"             # "0" / "1": override (tests compare both forms)
 
 
@@ -488,9 +488,9 @@ def _shared_expert(x, shared, zero, cfg: ModelConfig):
     matrices stay float (engine.weights); on XLA:CPU each float product sums in one fixed order
     (row_exact_matmul: any rows where the native kernel serves the model), so a row's numbers are
     those of a decode step whatever runs beside it (a verification of drafts, engine.speculative; a
-    prefill chunk of any length), as routing's are. Not on
-    a mesh: its tree sums over a split axis would move partial sums between devices at every level,
-    and drafting, which needs them, runs on one device only (the native kernel's)."""
+    prefill chunk of any length), as routing's are. Not on a mesh: its tree sums over a split axis
+    would move partial sums between devices at every level, and drafting, which needs them, runs on
+    one device only (the native kernel's)."""
     def product(rows, w):
         most = row_exact_rows(cfg.native)
         exact = (most is None or rows.shape[0] <= most) and cfg.devices == 1

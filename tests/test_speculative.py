@@ -340,10 +340,11 @@ READS = {"whole": [(96, 96)], "32s": [(32, 32)] * 3, "8s": [(8, 8)] * 12,
 
 
 def test_a_prompt_reads_into_the_same_cache_in_any_chunks_and_as_decode_steps(engines):
-    """Guards the same answer for the same request (engine.worker's same-answer line): a prompt's
-    keys, values, linear-layer states and last logits are the same bits however it was read, so a
-    prompt served from the cache, or a conversation's earlier answer, is a cold read of its text.
-    Covers the products past 64 rows, attention, the Gated DeltaNet recurrence and the routers."""
+    """Guards the same answer for the same request (engine.worker's same-answer line, which says it is
+    guaranteed): a prompt's keys, values, linear-layer states and last logits are the same bits
+    however it was read, so a prompt served from the cache, or a conversation's earlier answer, is a
+    cold read of its text. Covers the products past 64 rows, attention, the Gated DeltaNet
+    recurrence and the routers."""
     import jax
     from engine.model import jit_forward
     on, _ = engines
@@ -367,6 +368,7 @@ def test_a_prompt_reads_into_the_same_cache_in_any_chunks_and_as_decode_steps(en
     for name, arrays in read.items():
         for i, (got, want) in enumerate(zip(arrays, whole)):
             np.testing.assert_array_equal(got, want, err_msg=f"{name}: array {i}")
+    assert on.facts.same_answer.startswith("guaranteed: "), on.facts.same_answer
 
 
 def test_a_rows_norm_is_the_same_whatever_rows_run_beside_it():
