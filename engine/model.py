@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from engine import cpu
+from engine import cpu, products
 from engine.attention import attend, write_kv
 from engine.config import ModelConfig
 from engine.moe import routed_experts
@@ -196,17 +196,18 @@ def _attention_entries(layer, kv, x, slots, positions, rope, valid, *, cfg: Mode
 # boundary inside a prefill changes only the summation order (tests compare chunkings).
 
 # Where a prefill chunk runs the recurrence token by token as decode steps do (_delta_steps), not in
-# its chunked form: on a CPU, where it costs a few percent of a hybrid model's prefill (docs/perf-log.md,
-# "The same numbers in any chunks") and makes a position's state and output the same bits however the
-# prompt was chunked, cold or cached, or written by decode steps. Accelerators keep the chunked form,
-# whose matrix products they run far faster than a loop.
+# its chunked form: where the native kernel serves the model and takes every chunk's products
+# (products.PREFILL_BY_KERNEL), so that a position's state and output are the same bits however the
+# prompt was chunked, cold or cached, or written by decode steps. There it costs a few percent of a
+# hybrid model's prefill (docs/perf-log.md, "The same numbers in any chunks"). Elsewhere the products
+# of long chunks differ anyway, and accelerators run the chunked form's matrix products far faster.
 DELTA_STEPS_ENV = "MASHBOX_DELTA_STEPS"             # "0" / "1": override (tests compare both forms)
 
 
-def delta_by_steps() -> bool:
+def delta_by_steps(cfg: ModelConfig) -> bool:
     """Whether prefill chunks run the delta rule token by token (read while tracing)."""
     setting = os.environ.get(DELTA_STEPS_ENV)
-    return setting == "1" if setting in ("0", "1") else jax.default_backend() == "cpu"
+    return setting == "1" if setting in ("0", "1") else cfg.native and products.PREFILL_BY_KERNEL
 
 
 # Tokens per chunk of the chunked delta rule (the width of its triangular solve), as the reference
@@ -461,7 +462,7 @@ def _linear_attention(layer, state, x, slots, starts, lengths, valid, zero, *, c
         out, recurrent, _ = _delta_step(q[:, 0], k[:, 0], v[:, 0], _exp(g[:, 0], zero), beta[:, 0], recurrent,
                                         zero)
         out = out[:, None]
-    elif delta_by_steps():
+    elif delta_by_steps(cfg):
         out, recurrent, _ = _delta_steps(q, k, v, _exp(g, zero), beta, recurrent, zero)
     else:
         out, recurrent = _delta_chunked(q, k, v, g, beta, recurrent)

@@ -413,7 +413,7 @@ class Engine:
                   f"{products.INT8_ROWS_MAX_ROWS} rows are widened for XLA's bfloat16 dot on this CPU"
                   if not products.PREFILL_BY_KERNEL else
                   f"its Gated DeltaNet layers sum a chunk in sub-chunks set by its length ({DELTA_STEPS_ENV}=0)"
-                  if "linear" in cfg.layer_kinds and not delta_by_steps() else None)
+                  if "linear" in cfg.layer_kinds and not delta_by_steps(cfg) else None)
         rows = ("a row's numbers are the same whatever the rows beside it and with drafting on or off, "
                 "and a seeded draw depends on the seed and the position only")
         if chunks is None:

@@ -469,7 +469,8 @@ def test_a_verifications_steps_replay_to_the_decode_steps_state_at_the_27bs_stat
 
 @pytest.mark.parametrize("t", [7, DELTA_CHUNK, 100])
 def test_the_chunked_delta_rule_gives_the_token_by_token_outputs_and_state(t):
-    """Accelerators prefill with the chunked (WY) delta rule, CPUs token by token as decode steps do
+    """Accelerators (and CPUs whose long chunks' products are widened) prefill with the chunked (WY)
+    delta rule; where the kernel takes every chunk, token by token as decode steps do
     (engine.model.delta_by_steps). Guards the chunked form against the recurrence it stands for:
     outputs and state after t tokens (inside one chunk, one whole chunk, past it with padding) within
     CHUNKING_ATOL, from a state already holding something."""
