@@ -847,12 +847,13 @@ def test_a_tier_the_compiler_cannot_build_gives_way_to_the_next(monkeypatch):
                     reason="this CPU's only tier is the one the suite runs")
 def test_the_avx2_tier_passes_the_kernel_tests_on_a_vnni_cpu():
     """Every tier is held to the same numpy definitions on one machine: the kernel's own tests again
-    (its products, widening, attention and sampling helpers; not the model-level ones, which add
-    nothing per tier), in a process whose kernel is built for AVX2 (MASHBOX_NATIVE_TIER)."""
+    (its products, widening, attention, float products and sampling helpers; not the model-level
+    ones, which add nothing per tier), in a process whose kernel is built for AVX2
+    (MASHBOX_NATIVE_TIER)."""
     import subprocess
     import sys
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "(matmul or widen or first_max or filter_cuts or attend) and not prefill "
+                           "(matmul or widen or first_max or filter_cuts or attend or row_dot) and not prefill "
                            "and not neon and not avx_vnni"],
                           env={**os.environ, native.TIER_ENV: "avx2"},
                           capture_output=True, text=True, timeout=1200)
