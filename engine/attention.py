@@ -43,16 +43,15 @@ def _kv_compute_dtype(kv_dtype):
 # batch's live length (a run-time value), so one compiled program serves every context length and a
 # step costs what the live context costs; a short context pays for at most one block past its length.
 ATTENTION_BLOCK = 512
-# Over the int8 cache a few query rows (decode) multiply integers, as int8 weights do: the queries
-# become QUERY_TERMS int8 terms, one exact int8 product per block reads the keys; the probabilities
-# times the values' scales (never negative) become one unsigned term of PROB_LEVELS levels per row.
-# Integer sums are exact, so a prompt served partly from the prompt cache gives the tokens a cold
-# run gives (float sums would follow the rows of the call).
+# XLA's loop over the int8 cache (where the kernel does not serve) multiplies a few query rows as
+# integers, as int8 weights do: the queries become QUERY_TERMS int8 terms, one exact int8 product per
+# block reads the keys; the probabilities times the values' scales (never negative) become one
+# unsigned term of PROB_LEVELS levels per row. Integer sums are exact, so a prompt served partly from
+# the prompt cache gives the tokens a cold run gives (float sums would follow the rows of the call).
 QUERY_TERMS = 2
-# 255 levels (all of uint8's); where the CPU has no unsigned x signed int8 kernels the levels are
-# shifted by PROB_SHIFT into int8 and the shift's product added back (exact: the same numbers). With
-# 127 levels there (half the step count), the kernel's decode attention and this prefill attention
-# differed enough on AVX2 for a prompt served partly from the prompt cache to flip a token.
+# 255 levels (all of uint8's; 127 were coarse enough to flip a token); where the CPU has no unsigned x
+# signed int8 kernels the levels are shifted by PROB_SHIFT into int8 and the shift's product added
+# back (exact: the same numbers).
 PROB_LEVELS = 255
 PROB_SHIFT = 128
 # Past this many query rows (a prefill chunk) quantizing the rows cost more than the integer products

@@ -30,10 +30,17 @@ from engine.config import load_config  # noqa: E402
 from engine.weights import load_weights, packs_int8  # noqa: E402
 
 
+# Models read as a cut of their layers, with random weights in the form given (else the demo).
+RANDOM_MODELS = {"27b": ("qwen3-8-27b", "q4_k"), "30b-a3b": ("qwen3-30b-a3b", "q8_0")}
+
+
 def load(which: str, layers: int):
-    if which == "27b":
-        spec = registry.resolve("qwen3-8-27b", "random")
-        folder = str(registry.random_folder(spec, "q4_k", {"num_hidden_layers": layers}))
+    """(cfg, params, layout) of the demo as the server holds it, or of `layers` of a RANDOM_MODELS
+    model's layers at full width."""
+    if which in RANDOM_MODELS:
+        name, form = RANDOM_MODELS[which]
+        spec = registry.resolve(name, "random")
+        folder = str(registry.random_folder(spec, form, {"num_hidden_layers": layers}))
     else:
         folder = str(registry.prepare(registry.resolve(None)))
     raw = load_config(folder)
@@ -93,14 +100,20 @@ def main() -> int:
     print(f"{a.model}{f' ({a.layers} layers)' if a.model == '27b' else ''}, chunks of {a.chunk}, "
           f"medians of {a.rounds} alternated, tokens/s:")
     for n in lengths:
-        times = {way: [] for way in ways}
-        for _ in range(a.rounds):
-            for way in ways:
-                times[way].append(read(way, n))
-        speed = {way: n / statistics.median(ts) for way, ts in times.items()}
+        speed = alternated(ways, n, a.rounds, read)
         print(f"  {n:6d} tokens: kernel {speed['kernel']:7.1f}, widened {speed['widened']:7.1f}, "
               f"kernel / widened {speed['kernel'] / speed['widened']:.2f}x", flush=True)
     return 0
+
+
+def alternated(ways, n: int, rounds: int, read) -> dict:
+    """Each way's median tokens/s reading an n-token prompt (read(way, n) -> seconds), the ways
+    taken in turn `rounds` times."""
+    times = {way: [] for way in ways}
+    for _ in range(rounds):
+        for way in ways:
+            times[way].append(read(way, n))
+    return {way: n / statistics.median(ts) for way, ts in times.items()}
 
 
 if __name__ == "__main__":

@@ -32,27 +32,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from engine import attention, model, moe, native, products, registry, sharding  # noqa: E402
+from bench_prefill_kernel import RANDOM_MODELS, alternated, load  # noqa: E402
+from engine import attention, model, moe, native, products  # noqa: E402
 from engine.cache import init_cache  # noqa: E402
-from engine.config import load_config  # noqa: E402
-from engine.weights import load_weights, packs_int8  # noqa: E402
-
-MODELS = {"27b": ("qwen3-8-27b", "q4_k"), "30b-a3b": ("qwen3-30b-a3b", "q8_0")}
-
-
-def load(which: str, layers: int):
-    if which in MODELS:
-        name, form = MODELS[which]
-        spec = registry.resolve(name, "random")
-        folder = str(registry.random_folder(spec, form, {"num_hidden_layers": layers}))
-    else:
-        folder = str(registry.prepare(registry.resolve(None)))
-    raw = load_config(folder)
-    layout = sharding.Layout.build(raw, 1)
-    cfg = layout.cfg
-    params = load_weights(folder, raw, "int8", float_dtype=np.float32, kv_heads=cfg.num_kv_heads,
-                          place=layout.place, pack=packs_int8("int8", cfg.native))
-    return cfg, params, layout
 
 
 def _attend_before(q, kv, slots, positions, live, *, native_kernel: bool):
@@ -102,7 +84,7 @@ def attention_alone(rounds: int) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=("demo", *MODELS), default="demo")
+    p.add_argument("--model", choices=("demo", *RANDOM_MODELS), default="demo")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tokens", default="512,2048,8192")
     p.add_argument("--chunk", type=int, default=512)
@@ -135,14 +117,10 @@ def main() -> int:
     for way in ("now", "before"):
         ways[way] = traced(way)
         read(way, a.chunk)                                    # traced and compiled with the paths set
-    print(f"{a.model}{f' ({a.layers} layers)' if a.model in MODELS else ''}, chunks of {a.chunk}, "
+    print(f"{a.model}{f' ({a.layers} layers)' if a.model in RANDOM_MODELS else ''}, chunks of {a.chunk}, "
           f"medians of {a.rounds} alternated, tokens/s:")
     for n in lengths:
-        times = {way: [] for way in ways}
-        for _ in range(a.rounds):
-            for way in ways:
-                times[way].append(read(way, n))
-        speed = {way: n / statistics.median(ts) for way, ts in times.items()}
+        speed = alternated(ways, n, a.rounds, read)
         print(f"  {n:6d} tokens: now {speed['now']:7.1f}, before {speed['before']:7.1f}, "
               f"now / before {speed['now'] / speed['before']:.2f}x", flush=True)
     return 0
