@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from engine import cpu, products
+from engine import cpu, native
 from engine.attention import attend, write_kv
 from engine.config import ModelConfig
 from engine.moe import routed_experts
@@ -188,26 +188,26 @@ def _attention_entries(layer, kv, x, slots, positions, rope, valid, *, cfg: Mode
 # Per value head h, a recurrent state S [key_dim, value_dim] maps keys to values. At each token, with
 # q and k L2-normalized (q also scaled by 1/sqrt(key_dim)), decay g <= 0 and strength beta in (0, 1):
 #     S <- exp(g) S;   S <- S + k (beta (v - S^T k))^T;   out = S^T q
-# (the delta rule: write only what S does not already predict for k). Decode runs this one step.
-# Prefill runs the same recurrence DELTA_CHUNK tokens at a time in its chunked (WY/UT) form: inside
-# a chunk, a unit lower-triangular solve turns the chunk's updates into matrix products, and a scan
-# over chunks carries S, so a prefill costs a few matrix products per chunk, not a loop per token.
+# (the delta rule: write only what S does not already predict for k). Decode runs this one step;
+# where the native kernel serves, so does a prefill chunk, token by token (delta_by_steps).
+# Elsewhere prefill runs the same recurrence DELTA_CHUNK tokens at a time in its chunked (WY/UT) form:
+# inside a chunk, a unit lower-triangular solve turns the chunk's updates into matrix products, and a
+# scan over chunks carries S, so a prefill costs a few matrix products per chunk, not a loop per token.
 # Tokens past a row's length get g = 0 and beta = 0, which leaves S exactly as it was; a chunk
 # boundary inside a prefill changes only the summation order (tests compare chunkings).
 
 # Where a prefill chunk runs the recurrence token by token as decode steps do (_delta_steps), not in
-# its chunked form: where the native kernel serves the model and takes every chunk's products
-# (products.PREFILL_BY_KERNEL), so that a position's state and output are the same bits however the
-# prompt was chunked, cold or cached, or written by decode steps. There it costs a few percent of a
-# hybrid model's prefill (docs/perf-log.md, "The same numbers in any chunks"). Elsewhere the products
-# of long chunks differ anyway, and accelerators run the chunked form's matrix products far faster.
+# its chunked form: wherever the native kernel serves the model, whose loop (native.delta_steps)
+# runs a chunk 2-3x faster than XLA's chunked form on a CPU and gives each position the decode step's
+# bits however the prompt was chunked, cold or cached, or written by decode steps (docs/perf-log.md,
+# "The delta rule in the kernel"). Accelerators run the chunked form's matrix products far faster.
 DELTA_STEPS_ENV = "MASHBOX_DELTA_STEPS"             # "0" / "1": override (tests compare both forms)
 
 
 def delta_by_steps(cfg: ModelConfig) -> bool:
     """Whether prefill chunks run the delta rule token by token (read while tracing)."""
     setting = os.environ.get(DELTA_STEPS_ENV)
-    return setting == "1" if setting in ("0", "1") else cfg.native and products.PREFILL_BY_KERNEL
+    return setting == "1" if setting in ("0", "1") else cfg.native
 
 
 # Tokens per chunk of the chunked delta rule (the width of its triangular solve), as the reference
@@ -338,13 +338,17 @@ def delta_replay(state, k, decay, written, zero):
     return _written_into(_decayed(state, decay, zero), k, written, zero)
 
 
-def _delta_steps(q, k, v, decay, beta, state, zero):
+def _delta_steps(q, k, v, decay, beta, state, zero, *, native_kernel: bool):
     """T tokens per row one at a time, as T decode steps run them (a verification of drafts,
     engine.speculative; a prefill chunk on a CPU): q, k [B, T, H, dk], v [B, T, H, dv], decay, beta
     [B, T, H]. Returns (out [B, T, H, dv], the state after the T tokens, what each position wrote
     [B, T, H, dv]): with each position's key and decay, the state after any of them follows from
     the one before them (delta_replay), so a verification keeps T small vectors per head, not T
-    states."""
+    states. native_kernel: engine.native's DeltaSteps runs the loop (the same bits, several times
+    faster than XLA's loop: docs/perf-log.md, "The delta rule in the kernel")."""
+    if native_kernel:
+        return native.delta_steps(q, k, v, decay, beta, state)
+
     def step(state, xs):
         out, state, written = _delta_step(*xs, state, zero)
         return state, (out, written)
@@ -456,14 +460,14 @@ def _linear_attention(layer, state, x, slots, starts, lengths, valid, zero, *, c
     steps = None
     if verify:
         decay = _exp(g, zero)
-        out, _, written = _delta_steps(q, k, v, decay, beta, recurrent, zero)
+        out, _, written = _delta_steps(q, k, v, decay, beta, recurrent, zero, native_kernel=cfg.native)
         steps = {"conv": seq, "k": k, "decay": decay, "written": written}
-    elif t == 1:
+    elif t == 1 and not cfg.native:
         out, recurrent, _ = _delta_step(q[:, 0], k[:, 0], v[:, 0], _exp(g[:, 0], zero), beta[:, 0], recurrent,
                                         zero)
         out = out[:, None]
-    elif delta_by_steps(cfg):
-        out, recurrent, _ = _delta_steps(q, k, v, _exp(g, zero), beta, recurrent, zero)
+    elif t == 1 or delta_by_steps(cfg):
+        out, recurrent, _ = _delta_steps(q, k, v, _exp(g, zero), beta, recurrent, zero, native_kernel=cfg.native)
     else:
         out, recurrent = _delta_chunked(q, k, v, g, beta, recurrent)
     # Gated RMSNorm per value head: normalized, scaled, times silu of the z projection.

@@ -19,6 +19,7 @@
 //                                    <- products._s_matmul
 //   attention over the int8 cache    Int8Attend: int8_attend <- attention.attend
 //   float products in one order      RowDot: row_dot <- products.row_exact_matmul
+//   the delta rule, token by token   DeltaSteps: delta_steps <- model._delta_steps
 //   the greedy pick                  FirstMax: first_max <- sampler._first_max
 //   the sampling filters' cuts       FilterCuts: filter_cuts <- sampler.filter_cut
 // (tests/test_layout.py holds this list to the handlers, the titles and engine/native.py.)
@@ -2869,6 +2870,105 @@ ffi::Error RowDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
+// ---- the delta rule, token by token ---------------------------------------------------------------
+
+// A Gated DeltaNet layer's recurrent state S [dk, dv] per value head, one token at a time, exactly
+// as engine/model.py: _delta_step writes it in XLA's operations: with d the token's decay and b its
+// strength, S <- d S; p = S^T k; w = (v - p) b; S <- S + k w^T; out = S^T q. Every product is
+// rounded before it is added (-ffp-contract=off) and both sums over the keys take _key_sum's order
+// (the keys padded with zeros to a power of two, then the second half added to the first until one
+// is left), so a token's output and state are the decode step's bits whether it runs here or there.
+// A call holds each head's state as blocks of kDeltaColumns value columns of every key row (8 KB
+// at dk = 128, contiguous: rows dv apart would share a few of L1's sets), and a token runs block by
+// block, the block and its products in L1. A block's row is whole registers of the tier's width
+// (GCC's vector types, lane by lane as the scalar operations: on AVX2 a 64-byte type went through
+// the stack, 6x slower).
+constexpr int64_t kDeltaColumns = 16;
+#if MASHBOX_AVX512
+#define MASHBOX_DELTA_VECTOR_BYTES 64
+#elif MASHBOX_AVX2
+#define MASHBOX_DELTA_VECTOR_BYTES 32
+#else
+#define MASHBOX_DELTA_VECTOR_BYTES 16
+#endif
+typedef float DeltaVector __attribute__((vector_size(MASHBOX_DELTA_VECTOR_BYTES)));
+constexpr int64_t kDeltaVectors = kDeltaColumns * sizeof(float) / sizeof(DeltaVector);
+struct DeltaRow {
+  DeltaVector v[kDeltaVectors];
+  float& operator[](int64_t j) { return reinterpret_cast<float*>(v)[j]; }
+};
+
+// p [size] summed over its rows (size a power of two), in place, into p[0].
+inline void KeySum(DeltaRow* p, int64_t size) {
+  for (int64_t half = size / 2; half >= 1; half /= 2)
+    for (int64_t i = 0; i < half; i++)
+      for (int64_t h = 0; h < kDeltaVectors; h++) p[i].v[h] += p[i + half].v[h];
+}
+
+// One token for one block s [dk] of a head's state, whose first `columns` columns are the state's
+// (the rest zero, never read back); p the products' scratch [size], its rows from dk on zero
+// (KeySum never writes them). v, out and written: the block's columns.
+void DeltaBlock(DeltaRow* s, int64_t dk, int64_t size, int64_t columns, const float* q, const float* k,
+                const float* v, float decay, float beta, DeltaRow* p, float* out, float* written) {
+  for (int64_t i = 0; i < dk; i++)
+    for (int64_t h = 0; h < kDeltaVectors; h++) {
+      const DeltaVector decayed = s[i].v[h] * decay;
+      s[i].v[h] = decayed;
+      p[i].v[h] = k[i] * decayed;
+    }
+  KeySum(p, size);
+  DeltaRow w = {};
+  for (int64_t j = 0; j < columns; j++) written[j] = w[j] = (v[j] - p[0][j]) * beta;
+  for (int64_t i = 0; i < dk; i++)
+    for (int64_t h = 0; h < kDeltaVectors; h++) {
+      const DeltaVector now = s[i].v[h] + k[i] * w.v[h];
+      s[i].v[h] = now;
+      p[i].v[h] = q[i] * now;
+    }
+  KeySum(p, size);
+  for (int64_t j = 0; j < columns; j++) out[j] = p[0][j];
+}
+
+// q, k [B, T, H, dk], v [B, T, H, dv], decay, beta [B, T, H], state [B, H, dk, dv] -> out [B, T, H,
+// dv], the state after the T tokens, what each token wrote (w) [B, T, H, dv]. One task per row's head.
+ffi::Error DeltaSteps(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                      ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> decay, ffi::Buffer<ffi::F32> beta,
+                      ffi::Buffer<ffi::F32> state, ffi::ResultBuffer<ffi::F32> out,
+                      ffi::ResultBuffer<ffi::F32> state_out, ffi::ResultBuffer<ffi::F32> written) {
+  const auto qd = q.dimensions(), vd = v.dimensions(), sd = state.dimensions();
+  if (qd.size() != 4 || vd.size() != 4 || sd.size() != 4 || k.element_count() != q.element_count() ||
+      vd[0] != qd[0] || vd[1] != qd[1] || vd[2] != qd[2] || sd[0] != qd[0] || sd[1] != qd[2] ||
+      sd[2] != qd[3] || sd[3] != vd[3] || decay.element_count() != qd[0] * qd[1] * qd[2] ||
+      beta.element_count() != decay.element_count())
+    return ffi::Error::InvalidArgument("delta_steps: q, k [B, T, H, dk], v [B, T, H, dv], decay, beta "
+                                       "[B, T, H], state [B, H, dk, dv]");
+  const int64_t B = qd[0], T = qd[1], H = qd[2], dk = qd[3], dv = vd[3];
+  const int64_t blocks = (dv + kDeltaColumns - 1) / kDeltaColumns;
+  int64_t size = 1;
+  while (size < dk) size *= 2;
+  Parallel(pool, B * H, [&](int64_t task) {
+    const int64_t b = task / H, h = task % H;
+    const float* from = state.typed_data() + task * dk * dv;
+    float* to = state_out->typed_data() + task * dk * dv;
+    std::vector<DeltaRow> s(blocks * dk, DeltaRow{}), p(size, DeltaRow{});
+    for (int64_t i = 0; i < dk; i++)
+      for (int64_t j = 0; j < dv; j++) s[j / kDeltaColumns * dk + i][j % kDeltaColumns] = from[i * dv + j];
+    for (int64_t t = 0; t < T; t++) {
+      const int64_t at = (b * T + t) * H + h;       // this token's head in the [B, T, H] inputs
+      const float d = decay.typed_data()[at], be = beta.typed_data()[at];
+      for (int64_t c = 0; c < blocks; c++) {
+        const int64_t j = c * kDeltaColumns;
+        DeltaBlock(s.data() + c * dk, dk, size, std::min(kDeltaColumns, dv - j), q.typed_data() + at * dk,
+                   k.typed_data() + at * dk, v.typed_data() + at * dv + j, d, be, p.data(),
+                   out->typed_data() + at * dv + j, written->typed_data() + at * dv + j);
+      }
+    }
+    for (int64_t i = 0; i < dk; i++)
+      for (int64_t j = 0; j < dv; j++) to[i * dv + j] = s[j / kDeltaColumns * dk + i][j % kDeltaColumns];
+  });
+  return ffi::Error::Success();
+}
+
 // ---- the greedy pick: each row's first largest logit ------------------------------------------
 
 // XLA:CPU's two reductions over a 152k vocabulary (engine/sampler.py: _first_max) take about 5x as
@@ -3251,6 +3351,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxRowDot, RowDot,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxDeltaSteps, DeltaSteps,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxFirstMax, FirstMax,

@@ -64,7 +64,8 @@ TARGETS = {"mashbox_int8_matmul": "MashboxInt8Matmul",
            "mashbox_iq4xs_matmul": "MashboxIq4XsMatmul", "mashbox_iq4xs_widen": "MashboxIq4XsWiden",
            "mashbox_iq3s_matmul": "MashboxIq3SMatmul", "mashbox_iq3s_widen": "MashboxIq3SWiden",
            "mashbox_q3k_matmul": "MashboxQ3KMatmul", "mashbox_q3k_widen": "MashboxQ3KWiden",
-           "mashbox_row_dot": "MashboxRowDot", "mashbox_first_max": "MashboxFirstMax",
+           "mashbox_row_dot": "MashboxRowDot", "mashbox_delta_steps": "MashboxDeltaSteps",
+           "mashbox_first_max": "MashboxFirstMax",
            "mashbox_filter_cuts": "MashboxFilterCuts"}
 ENV_SWITCH = "MASHBOX_NATIVE"                      # "0": never build or use the kernel
 TIER_ENV = "MASHBOX_NATIVE_TIER"                   # a tier's name: that tier, if the CPU has it
@@ -631,6 +632,20 @@ def row_dot(x, w):
 
     _require()
     return jax.ffi.ffi_call("mashbox_row_dot", jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))(x, w)
+
+
+def delta_steps(q, k, v, decay, beta, state):
+    """T tokens of a Gated DeltaNet layer's recurrence per row (the kernel's DeltaSteps): q, k
+    float32 [B, T, H, dk], v [B, T, H, dv], decay, beta [B, T, H], state [B, H, dk, dv] -> (out [B, T,
+    H, dv], the state after the T tokens, what each token wrote [B, T, H, dv]), bit for bit
+    engine.model._delta_step's, token after token."""
+    import jax
+    import jax.numpy as jnp
+
+    _require()
+    f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    return jax.ffi.ffi_call("mashbox_delta_steps", (f32(v.shape), f32(state.shape), f32(v.shape)))(
+        q, k, v, decay, beta, state)
 
 
 def first_max(logits):

@@ -59,11 +59,13 @@ SUMMED_PRODUCT_MAX_ROWS = 128
 CPU_HAS_BF16 = cpu.has_bf16_dot()
 INT8_ROWS_MAX_ROWS = 64 if CPU_HAS_BF16 else SUMMED_PRODUCT_MAX_ROWS
 # A prefill chunk past INT8_ROWS_MAX_ROWS rows through engine.native's kernel too, where its integer
-# products beat XLA's widened bfloat16 dot (and make smaller programs): the AVX-512 VNNI tier on a CPU
-# without AMX (measured on a Zen 4 EPYC: docs/perf-log.md, "Prefill through the kernel"). A row's
-# products are then the decode step's whatever the chunk holds. With AMX, XLA's bfloat16 dot runs on
-# its tiles, which the kernel does not use: there longer chunks stay widened.
-PREFILL_BY_KERNEL = native.tier() == "avx512_vnni" and not cpu.has_amx()
+# products beat XLA's widened dot (and make smaller programs): the AVX-512 VNNI tier on a CPU without
+# AMX, against XLA's bfloat16 dot (a Zen 4 EPYC: docs/perf-log.md, "Prefill through the kernel"), and
+# the AVX2 tiers, against its float32 dot (a Zen 3 EPYC, AVX2 alone: "Prefill through the kernel on
+# AVX2"; the AVX-VNNI tier does the same work in fewer instructions). A row's products are then the
+# decode step's whatever the chunk holds. With AMX, XLA's bfloat16 dot runs on its tiles, which the
+# kernel does not use, and the NEON tier is not measured: there longer chunks stay widened.
+PREFILL_BY_KERNEL = native.tier() in ("avx512_vnni", "avx_vnni", "avx2") and not cpu.has_amx()
 # Whether the integer products take the uint8 x int8 form, or (no VNNI) int8 x int8. Read while
 # tracing; tests compare both forms.
 UINT8_DOT = cpu.has_uint8_dot()

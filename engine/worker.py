@@ -410,7 +410,7 @@ class Engine:
                     "on the chunks its prompt was read in")
         cfg = self.cfg
         chunks = ("prefill chunks past "
-                  f"{products.INT8_ROWS_MAX_ROWS} rows are widened for XLA's bfloat16 dot on this CPU"
+                  f"{products.INT8_ROWS_MAX_ROWS} rows are widened for XLA's dot on this CPU"
                   if not products.PREFILL_BY_KERNEL else
                   f"its Gated DeltaNet layers sum a chunk in sub-chunks set by its length ({DELTA_STEPS_ENV}=0)"
                   if "linear" in cfg.layer_kinds and not delta_by_steps(cfg) else None)

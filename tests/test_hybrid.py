@@ -8,6 +8,7 @@ torch reference of the chunked delta rule, over 80 tokens (more than one 64-toke
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -438,12 +439,17 @@ def test_a_served_hybrid_model_answers_a_second_turn_from_the_prompt_cache(tmp_p
         server.stop()
 
 
-def test_a_verifications_steps_replay_to_the_decode_steps_state_at_the_27bs_state_shape():
+@pytest.mark.parametrize("native_kernel", [False, True], ids=["xla", "kernel"])
+def test_a_verifications_steps_replay_to_the_decode_steps_state_at_the_27bs_state_shape(native_kernel):
     """Guards engine.model.delta_replay, from which a verification's kept state is rebuilt
     (engine.cache.keep_steps): at Qwen3.8-27B's state shape (48 value heads of 128 x 128), the state
-    after each of 4 positions replayed from what the verification's steps wrote is the one 1 to 4
-    decode steps reach, bit for bit, in programs of their own (as the worker's are)."""
+    after each of 4 positions replayed from what the verification's steps wrote (XLA's loop, or the
+    native kernel's where it serves) is the one 1 to 4 decode steps reach, bit for bit, in programs
+    of their own (as the worker's are)."""
+    from engine import native
     from engine.model import _delta_step, _delta_steps, delta_replay
+    if native_kernel and not native.available():
+        pytest.skip("the native kernel does not run here")
     rng = np.random.default_rng(5)
     b, t, h, d = 1, 4, 48, 128
     q, k = (rng.standard_normal((b, t, h, d)).astype(np.float32) / np.sqrt(d) for _ in range(2))
@@ -456,7 +462,7 @@ def test_a_verifications_steps_replay_to_the_decode_steps_state_at_the_27bs_stat
     for i in range(t):
         _, s, _ = step(q[:, i], k[:, i], v[:, i], decay[:, i], beta[:, i], s, zero)
         reached.append(np.asarray(s))
-    _, _, written = jax.jit(_delta_steps)(q, k, v, decay, beta, state, zero)
+    _, _, written = jax.jit(partial(_delta_steps, native_kernel=native_kernel))(q, k, v, decay, beta, state, zero)
 
     @jax.jit
     def replay(state, written, kept, zero):
@@ -486,6 +492,7 @@ def test_the_chunked_delta_rule_gives_the_token_by_token_outputs_and_state(t):
     state = (rng.standard_normal((1, h, dk, dv)) * 0.3).astype(np.float32)
     zero = jnp.int32(0)
     out, after = jax.jit(_delta_chunked)(q, k, v, g, beta, state)
-    want, want_after, _ = jax.jit(_delta_steps)(q, k, v, _exp(g, zero), beta, state, zero)
+    want, want_after, _ = jax.jit(partial(_delta_steps, native_kernel=False))(q, k, v, _exp(g, zero), beta, state,
+                                                                              zero)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=CHUNKING_ATOL, rtol=0)
     np.testing.assert_allclose(np.asarray(after), np.asarray(want_after), atol=CHUNKING_ATOL, rtol=0)

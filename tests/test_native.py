@@ -34,7 +34,11 @@ class XlaTier:
 
     def __getattr__(self, name):
         call = jax.jit(getattr(native, name))
-        return lambda *args: np.asarray(call(*args))
+
+        def run(*args):
+            got = call(*args)
+            return [np.asarray(one) for one in got] if isinstance(got, (tuple, list)) else np.asarray(got)
+        return run
 
 
 class HarnessTier:
@@ -46,19 +50,24 @@ class HarnessTier:
         self.command = command
 
     def _run(self, name, operands, shape, dtype):
+        """The kernel's result of `shape`, or its results (a list of shapes), all of `dtype`."""
         import struct
         import subprocess
         import ml_dtypes
         dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
-        parts = [name.encode() + b"\n", struct.pack("<i", len(operands) + 1)]
-        for array in [*map(np.ascontiguousarray, operands), np.empty(shape, dtype)]:
+        shapes = shape if isinstance(shape, list) else [shape]
+        parts = [name.encode() + b"\n", struct.pack("<ii", len(operands) + len(shapes), len(shapes))]
+        for array in map(np.ascontiguousarray, operands):
             parts.append(struct.pack(f"<BB{array.ndim}q", HARNESS_TYPES.index(array.dtype.name), array.ndim,
                                      *array.shape))
             parts.append(array.tobytes())
-        parts[-1] = b""                                          # the result: its shape only
+        for one in shapes:                                       # the results: their shapes only
+            parts.append(struct.pack(f"<BB{len(one)}q", HARNESS_TYPES.index(dtype.name), len(one), *one))
         done = subprocess.run(self.command, input=b"".join(parts), capture_output=True, timeout=600)
         assert done.returncode == 0, done.stderr.decode()[-2000:]
-        return np.frombuffer(done.stdout, dtype).reshape(shape)
+        ends = np.cumsum([0] + [int(np.prod(one)) * dtype.itemsize for one in shapes])
+        got = [np.frombuffer(done.stdout[a:b], dtype).reshape(one) for a, b, one in zip(ends, ends[1:], shapes)]
+        return got if isinstance(shape, list) else got[0]
 
     def int8_matmul(self, x, q, scale):
         return self._run("int8_matmul", [x, q, scale], (x.shape[0], q.shape[0] * native.LANES), "float32")
@@ -109,6 +118,9 @@ class HarnessTier:
 
     def row_dot(self, x, w):
         return self._run("row_dot", [x, w], (x.shape[0], w.shape[0]), "float32")
+
+    def delta_steps(self, q, k, v, decay, beta, state):
+        return self._run("delta_steps", [q, k, v, decay, beta, state], [v.shape, state.shape, v.shape], "float32")
 
     def filter_cuts(self, probs, top_k, top_p):
         return self._run("filter_cuts", [probs, top_k, top_p], (probs.shape[0], 2), "float32")
@@ -853,7 +865,7 @@ def test_the_avx2_tier_passes_the_kernel_tests_on_a_vnni_cpu():
     import subprocess
     import sys
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "(matmul or widen or first_max or filter_cuts or attend or row_dot) and not prefill "
+                           "(matmul or widen or first_max or filter_cuts or attend or row_dot or delta_steps) and not prefill "
                            "and not neon and not avx_vnni"],
                           env={**os.environ, native.TIER_ENV: "avx2"},
                           capture_output=True, text=True, timeout=1200)
@@ -1032,3 +1044,50 @@ def test_row_dot_sums_in_its_one_order_for_any_rows_beside_it(kernel, rows, k, n
     got = kernel.row_dot(x, w)
     np.testing.assert_array_equal(got, _row_dot_definition(x, w))
     np.testing.assert_array_equal(kernel.row_dot(x[-1:], w), got[-1:])
+
+
+def _delta_definition(q, k, v, decay, beta, state):
+    """native.delta_steps in numpy float32, token after token (each operation rounded once, as numpy's
+    elementwise ones are): engine/model.py's _delta_step, its key sums padded to a power of two and
+    halved."""
+    def key_sum(x):                                             # [H, dk, dv] -> [H, dv]
+        size = 1 << max(x.shape[1] - 1, 0).bit_length()
+        x = np.pad(x, [(0, 0), (0, size - x.shape[1]), (0, 0)])
+        while x.shape[1] > 1:
+            x = x[:, :x.shape[1] // 2] + x[:, x.shape[1] // 2:]
+        return x[:, 0]
+
+    state = state.copy()
+    out, written = np.zeros_like(v), np.zeros_like(v)
+    for b in range(q.shape[0]):
+        for t in range(q.shape[1]):
+            decayed = state[b] * decay[b, t][:, None, None]
+            predicted = key_sum(k[b, t][:, :, None] * decayed)
+            written[b, t] = (v[b, t] - predicted) * beta[b, t][:, None]
+            state[b] = decayed + k[b, t][:, :, None] * written[b, t][:, None, :]
+            out[b, t] = key_sum(q[b, t][:, :, None] * state[b])
+    return out, state, written
+
+
+@pytest.mark.parametrize("rows, tokens, heads, dk, dv", [(2, 5, 3, 128, 128), (1, 1, 2, 24, 40), (3, 4, 1, 16, 16)])
+def test_delta_steps_are_the_decode_steps_bits(kernel, rows, tokens, heads, dk, dv):
+    """Guards the Gated DeltaNet recurrence a prefill chunk and a verification run in the kernel
+    (model._delta_steps): its outputs, final state and what each token wrote are the numpy
+    definition's bits on every tier (whole and tail column blocks, a key width padded to a power of
+    two), and on the tier XLA calls, the bits of XLA's own steps, which a decode step runs."""
+    rng = np.random.default_rng(rows * 100 + dk)
+    unit = lambda x: (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)  # noqa: E731
+    q = unit(rng.standard_normal((rows, tokens, heads, dk))) / np.float32(np.sqrt(dk))
+    k = unit(rng.standard_normal((rows, tokens, heads, dk)))
+    v = rng.standard_normal((rows, tokens, heads, dv)).astype(np.float32)
+    decay = rng.uniform(0.5, 1.0, (rows, tokens, heads)).astype(np.float32)
+    beta = rng.uniform(0.0, 1.0, (rows, tokens, heads)).astype(np.float32)
+    state = rng.standard_normal((rows, heads, dk, dv)).astype(np.float32)
+    got = kernel.delta_steps(q, k, v, decay, beta, state)
+    for name, a, b in zip(("out", "state", "written"), got, _delta_definition(q, k, v, decay, beta, state)):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    if isinstance(kernel, XlaTier):
+        steps = jax.jit(lambda *a: model._delta_steps(*a, native_kernel=False))    # zero: a run-time 0
+        for name, a, b in zip(("out", "state", "written"), got, steps(q, k, v, decay, beta, state, np.int32(0))):
+            np.testing.assert_array_equal(a, np.asarray(b), err_msg=name)
+

@@ -1,5 +1,5 @@
 """A prompt's prefill with every chunk through the native kernel against chunks past
-products.INT8_ROWS_MAX_ROWS widened for XLA's bfloat16 dot (run by hand, not in CI).
+products.INT8_ROWS_MAX_ROWS widened for XLA's dot (run by hand, not in CI).
 
     python tests/bench/bench_prefill_kernel.py [--model demo|27b] [--layers 4] [--tokens 512,2048,8192]
                                                [--chunk 512] [--rounds 3]

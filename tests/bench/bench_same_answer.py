@@ -5,7 +5,7 @@ through XLA's dot past 64 rows); run by hand, not in CI.
 
     python tests/bench/bench_same_answer.py [--model demo|27b|30b-a3b] [--layers 4]
                                             [--tokens 512,2048,8192] [--chunk 512] [--rounds 3]
-    python tests/bench/bench_same_answer.py --attention
+    python tests/bench/bench_same_answer.py --attention | --delta
 
 demo: the demo model as the server holds it; 27b: Qwen3.8-27B's layers at full width (`--layers`
 of its 64: 3 Gated DeltaNet layers to each attention layer), random Q4_K weights; 30b-a3b:
@@ -14,8 +14,9 @@ chunks of --chunk tokens (the server's largest), one way then the other, --round
 both compiled before; prints the median tokens/s of each way and their ratio. --attention: one
 call of attention alone over random int8 caches, the kernel against XLA's blocked loop, at the
 demo's, an 8-KV-head and the 27B's head shapes (a 512-token chunk at 512 / 2,048 / 8,192 positions,
-16 and 64 tokens at 2,048). Results:
-docs/perf-log.md ("The same numbers in any chunks").
+16 and 64 tokens at 2,048). --delta: one Gated DeltaNet layer's recurrence alone at the 27B's
+state shape, the kernel against XLA's loop and the chunked form (delta_alone). Results:
+docs/perf-log.md ("The same numbers in any chunks", "The delta rule in the kernel").
 """
 from __future__ import annotations
 
@@ -69,17 +70,44 @@ def attention_alone(rounds: int) -> None:
             args = (q, kv, np.zeros(1, np.int32), (live - t + np.arange(t, dtype=np.int32))[None], np.int32(live))
             ways = {"kernel": jax.jit(lambda *a: attention.attend(*a, native_kernel=True)),
                     "xla": jax.jit(attention._attend_blocks)}
-            times = {way: [] for way in ways}
-            for way, f in ways.items():
-                jax.block_until_ready(f(*args))
-            for _ in range(rounds):
-                for way, f in ways.items():
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(f(*args))
-                    times[way].append(time.perf_counter() - t0)
-            ms = {way: statistics.median(ts) * 1e3 for way, ts in times.items()}
+            ms = _call_medians(ways, args, rounds)
             print(f"  KV {kv_heads} x {group} heads of {d}, {t:3d} tokens at {live:4d}: kernel {ms['kernel']:6.1f} ms, "
                   f"XLA {ms['xla']:6.1f} ms, {ms['xla'] / ms['kernel']:.2f}x", flush=True)
+
+
+def _call_medians(ways, args, rounds: int) -> dict:
+    """Each way's median ms for one call f(*args), the ways alternated (each compiled first)."""
+    times = {way: [] for way in ways}
+    for way, f in ways.items():
+        jax.block_until_ready(f(*args))
+    for _ in range(rounds):
+        for way, f in ways.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times[way].append(time.perf_counter() - t0)
+    return {way: statistics.median(ts) * 1e3 for way, ts in times.items()}
+
+
+def delta_alone(rounds: int) -> None:
+    """The Gated DeltaNet recurrence of one layer alone at Qwen3.8-27B's state shape (48 value heads
+    of 128 x 128), T tokens of one row: the kernel's DeltaSteps against XLA's loop of the same steps
+    and (from 64 tokens) the chunked form (medians)."""
+    rng = np.random.default_rng(0)
+    h, d = 48, 128
+    for t in (1, 4, 64, 512):
+        q, k = (rng.standard_normal((1, t, h, d)).astype(np.float32) / np.sqrt(d) for _ in range(2))
+        v = rng.standard_normal((1, t, h, d)).astype(np.float32)
+        decay, beta = (rng.uniform(0.3, 1.0, (1, t, h)).astype(np.float32) for _ in range(2))
+        state = rng.standard_normal((1, h, d, d)).astype(np.float32) * 0.1
+        ways = {"kernel": jax.jit(lambda *a: model._delta_steps(*a, native_kernel=True)),
+                "xla": jax.jit(lambda *a: model._delta_steps(*a, native_kernel=False))}
+        if t >= model.DELTA_CHUNK:
+            ways["chunked"] = jax.jit(lambda q, k, v, decay, beta, state, zero:
+                                      model._delta_chunked(q, k, v, jnp.log(decay), beta, state))
+        ms = _call_medians(ways, (q, k, v, decay, beta, state, np.int32(0)), rounds)
+        print(f"  {t:3d} tokens: kernel {ms['kernel']:7.2f} ms, XLA's steps {ms['xla']:7.2f} ms "
+              f"({ms['xla'] / ms['kernel']:.2f}x)" + (f", chunked {ms['chunked']:7.2f} ms "
+              f"({ms['chunked'] / ms['kernel']:.2f}x)" if "chunked" in ms else ""), flush=True)
 
 
 def main() -> int:
@@ -90,12 +118,13 @@ def main() -> int:
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--attention", action="store_true", help="attention alone, kernel against XLA")
+    p.add_argument("--delta", action="store_true", help="the delta rule alone, kernel against XLA")
     a = p.parse_args()
     native.prepare()
     if not native.available():
         raise SystemExit("the native kernel does not run here")
-    if a.attention:
-        attention_alone(a.rounds)
+    if a.attention or a.delta:
+        (attention_alone if a.attention else delta_alone)(a.rounds)
         return 0
     cfg, params, layout = load(a.model, a.layers)
     lengths = [int(n) for n in a.tokens.split(",")]

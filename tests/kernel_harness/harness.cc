@@ -3,9 +3,10 @@
 // NEON tier: cross-compiled, run under qemu-user) and holds it to the same numpy definitions as the
 // tiers XLA calls. Built with -I tests/kernel_harness, whose xla/ffi/api/ffi.h stands in for XLA's.
 //
-// stdin: the name and a newline; int32 the number of operands, the result last; per operand uint8
-// its type (xla::ffi::DataType's order), uint8 its rank, int64 dims[rank], then (inputs only) its
-// bytes. stdout: the result's bytes. A kernel's error: its message on stderr, exit status 2.
+// stdin: the name and a newline; int32 the number of operands, int32 how many of them (the last)
+// are results; per operand uint8 its type (xla::ffi::DataType's order), uint8 its rank, int64
+// dims[rank], then (inputs only) its bytes. stdout: the results' bytes, one after another. A
+// kernel's error: its message on stderr, exit status 2.
 #include "../../engine/native.cc"
 
 #include <cstdio>
@@ -104,6 +105,7 @@ const std::map<std::string, ffi::Error (*)(std::vector<Operand>&)> kKernels = {
     {"q3k_matmul", [](std::vector<Operand>& o) { return Call(Q3KMatmul, o); }},
     {"q3k_widen", [](std::vector<Operand>& o) { return Call(Q3KWiden, o); }},
     {"row_dot", [](std::vector<Operand>& o) { return Call(RowDot, o); }},
+    {"delta_steps", [](std::vector<Operand>& o) { return Call(DeltaSteps, o); }},
     {"first_max", [](std::vector<Operand>& o) { return Call(FirstMax, o); }},
     {"filter_cuts", [](std::vector<Operand>& o) { return Call(FilterCuts, o); }},
 };
@@ -119,7 +121,8 @@ int main() {
   const auto kernel = kKernels.find(name);
   if (kernel == kKernels.end()) Fail("harness: no kernel " + name);
   std::vector<Operand> ops(ReadOne<int32_t>());
-  if (ops.empty()) Fail("harness: no result operand");
+  const size_t results = ReadOne<int32_t>();
+  if (results < 1 || results > ops.size()) Fail("harness: no result operand");
   for (size_t i = 0; i < ops.size(); i++) {
     Operand& o = ops[i];
     o.type = static_cast<ffi::DataType>(ReadOne<uint8_t>());
@@ -127,11 +130,13 @@ int main() {
     size_t n = ElementBytes(o.type);
     for (int64_t& d : o.dims) n *= static_cast<size_t>(d = ReadOne<int64_t>());
     o.bytes.resize(n);
-    if (i + 1 < ops.size()) Read(o.bytes.data(), n);
+    if (i + results < ops.size()) Read(o.bytes.data(), n);
   }
   const ffi::Error error = kernel->second(ops);
   if (error.failure()) Fail(error.message());
-  const std::vector<uint8_t>& out = ops.back().bytes;
-  if (std::fwrite(out.data(), 1, out.size(), stdout) != out.size()) Fail("harness: stdout closed");
+  for (size_t i = ops.size() - results; i < ops.size(); i++) {
+    const std::vector<uint8_t>& out = ops[i].bytes;
+    if (std::fwrite(out.data(), 1, out.size(), stdout) != out.size()) Fail("harness: stdout closed");
+  }
   return 0;
 }
