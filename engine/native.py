@@ -1,8 +1,9 @@
 """The engine's one native kernel (engine/native.cc), for CPUs where XLA:CPU's integer dot is
 compute-bound (engine.products, engine.attention, engine.sampler call it): int8 weights, and a GGUF's
 Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_S and Q3_K blocks, times a few rows (decode steps,
-small prefill chunks) at the memory's speed, decode attention over the int8 cache, every kind of
-weights widened for a prefill chunk's dot, and the sampler's greedy pick and filter cuts.
+prefill chunks) at the memory's speed, attention over the int8 cache, every kind of weights widened
+for a prefill chunk's dot where XLA's serves it, float products in one order (routers), a Gated
+DeltaNet layer's recurrence token by token, and the sampler's greedy pick and filter cuts.
 It is built on first use with the host's C++ compiler against jaxlib's FFI headers, kept under the
 cache root (rebuilt when the source, the compiler or jaxlib changes) and registered with XLA as
 custom calls.
