@@ -457,17 +457,22 @@ def _linear_attention(layer, state, x, slots, starts, lengths, valid, zero, *, c
     conv_state = jnp.where(fresh, 0.0, state["conv"][slots])              # [B, C, kernel - 1]
     recurrent = jnp.where(fresh[..., None], 0.0, state["state"][slots])    # [B, H, dk, dv]
     seq, q, k, v, z, g, beta = _delta_inputs(lin, x, conv_state, valid, zero, cfg)
-    steps = None
-    if verify:
+    steps, pool = None, None
+    if cfg.native and not verify and (t == 1 or delta_by_steps(cfg)):
+        # The kernel reads and writes each row's state in its slot (the gathered `recurrent` is
+        # then never used, and XLA drops it).
+        out, _, pool = native.delta_steps_in_place(q, k, v, _exp(g, zero), beta, state["state"], slots, starts,
+                                                   lengths)
+    elif verify:
         decay = _exp(g, zero)
         out, _, written = _delta_steps(q, k, v, decay, beta, recurrent, zero, native_kernel=cfg.native)
         steps = {"conv": seq, "k": k, "decay": decay, "written": written}
-    elif t == 1 and not cfg.native:          # XLA's one step; the kernel's loop takes any T
+    elif t == 1:
         out, recurrent, _ = _delta_step(q[:, 0], k[:, 0], v[:, 0], _exp(g[:, 0], zero), beta[:, 0], recurrent,
                                         zero)
         out = out[:, None]
-    elif t == 1 or delta_by_steps(cfg):
-        out, recurrent, _ = _delta_steps(q, k, v, _exp(g, zero), beta, recurrent, zero, native_kernel=cfg.native)
+    elif delta_by_steps(cfg):
+        out, recurrent, _ = _delta_steps(q, k, v, _exp(g, zero), beta, recurrent, zero, native_kernel=False)
     else:
         out, recurrent = _delta_chunked(q, k, v, g, beta, recurrent)
     # Gated RMSNorm per value head: normalized, scaled, times silu of the z projection.
@@ -481,7 +486,7 @@ def _linear_attention(layer, state, x, slots, starts, lengths, valid, zero, *, c
     new_conv = jax.vmap(lambda s, n: lax.dynamic_slice_in_dim(s, n, width, axis=0))(seq, lengths)
     where = jnp.where(lengths > 0, slots, state["state"].shape[0])
     return out, {"conv": state["conv"].at[where].set(jnp.swapaxes(new_conv, 1, 2), mode="drop"),
-                 "state": state["state"].at[where].set(recurrent, mode="drop")}, None
+                 "state": state["state"].at[where].set(recurrent, mode="drop") if pool is None else pool}, None
 
 
 def _mlp(layer, x):

@@ -19,7 +19,8 @@
 //                                    <- products._s_matmul
 //   attention over the int8 cache    Int8Attend: int8_attend <- attention.attend
 //   float products in one order      RowDot: row_dot <- products.row_exact_matmul
-//   the delta rule, token by token   DeltaSteps: delta_steps <- model._delta_steps
+//   the delta rule, token by token   DeltaSteps, DeltaStepsInPlace: delta_steps, delta_steps_in_place
+//                                    <- model._delta_steps, model._linear_attention
 //   the greedy pick                  FirstMax: first_max <- sampler._first_max
 //   the sampling filters' cuts       FilterCuts: filter_cuts <- sampler.filter_cut
 // (tests/test_layout.py holds this list to the handlers, the titles and engine/native.py.)
@@ -2929,42 +2930,104 @@ void DeltaBlock(DeltaRow* s, int64_t dk, int64_t size, int64_t columns, const fl
   for (int64_t j = 0; j < columns; j++) out[j] = p[0][j];
 }
 
-// q, k [B, T, H, dk], v [B, T, H, dv], decay, beta [B, T, H], state [B, H, dk, dv] -> out [B, T, H,
-// dv], the state after the T tokens, what each token wrote (w) [B, T, H, dv]. One task per row's head.
+// What a call's tokens and heads are: q, k [B, T, H, dk], v [B, T, H, dv], decay, beta [B, T, H].
+struct DeltaTokens {
+  const float *q, *k, *v, *decay, *beta;
+  int64_t B, T, H, dk, dv;
+};
+
+// The shapes both entry points check: q, k, v, decay and beta as DeltaTokens says, and the states'
+// last three dimensions [H, dk, dv].
+ffi::Error DeltaShapes(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v,
+                       ffi::Buffer<ffi::F32>& decay, ffi::Buffer<ffi::F32>& beta, ffi::Buffer<ffi::F32>& states,
+                       DeltaTokens& tokens) {
+  const auto qd = q.dimensions(), vd = v.dimensions(), sd = states.dimensions();
+  if (qd.size() != 4 || vd.size() != 4 || sd.size() != 4 || k.element_count() != q.element_count() ||
+      vd[0] != qd[0] || vd[1] != qd[1] || vd[2] != qd[2] || sd[1] != qd[2] || sd[2] != qd[3] ||
+      sd[3] != vd[3] || decay.element_count() != qd[0] * qd[1] * qd[2] ||
+      beta.element_count() != decay.element_count())
+    return ffi::Error::InvalidArgument("delta_steps: q, k [B, T, H, dk], v [B, T, H, dv], decay, beta "
+                                       "[B, T, H], states [., H, dk, dv]");
+  tokens = {q.typed_data(), k.typed_data(), v.typed_data(), decay.typed_data(), beta.typed_data(),
+            qd[0], qd[1], qd[2], qd[3], vd[3]};
+  return ffi::Error::Success();
+}
+
+// Row b's head h for its T tokens: the state from `from` (null: zero) into `to` (may be `from`),
+// each token's output and what it wrote into out and written [B, T, H, dv].
+void DeltaHead(const DeltaTokens& x, int64_t b, int64_t h, const float* from, float* to, float* out,
+               float* written) {
+  const int64_t dk = x.dk, dv = x.dv, blocks = (dv + kDeltaColumns - 1) / kDeltaColumns;
+  int64_t size = 1;
+  while (size < dk) size *= 2;
+  std::vector<DeltaRow> s(blocks * dk, DeltaRow{}), p(size, DeltaRow{});
+  if (from)
+    for (int64_t i = 0; i < dk; i++)
+      for (int64_t j = 0; j < dv; j++) s[j / kDeltaColumns * dk + i][j % kDeltaColumns] = from[i * dv + j];
+  for (int64_t t = 0; t < x.T; t++) {
+    const int64_t at = (b * x.T + t) * x.H + h;     // this token's head in the [B, T, H] inputs
+    for (int64_t c = 0; c < blocks; c++) {
+      const int64_t j = c * kDeltaColumns;
+      DeltaBlock(s.data() + c * dk, dk, size, std::min(kDeltaColumns, dv - j), x.q + at * dk, x.k + at * dk,
+                 x.v + at * dv + j, x.decay[at], x.beta[at], p.data(), out + at * dv + j, written + at * dv + j);
+    }
+  }
+  for (int64_t i = 0; i < dk; i++)
+    for (int64_t j = 0; j < dv; j++) to[i * dv + j] = s[j / kDeltaColumns * dk + i][j % kDeltaColumns];
+}
+
+// tokens, state [B, H, dk, dv] -> out [B, T, H, dv], the state after the T tokens, what each token
+// wrote (w) [B, T, H, dv]; a verification's (its pool left as it was). One task per row's head.
 ffi::Error DeltaSteps(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                       ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> decay, ffi::Buffer<ffi::F32> beta,
                       ffi::Buffer<ffi::F32> state, ffi::ResultBuffer<ffi::F32> out,
                       ffi::ResultBuffer<ffi::F32> state_out, ffi::ResultBuffer<ffi::F32> written) {
-  const auto qd = q.dimensions(), vd = v.dimensions(), sd = state.dimensions();
-  if (qd.size() != 4 || vd.size() != 4 || sd.size() != 4 || k.element_count() != q.element_count() ||
-      vd[0] != qd[0] || vd[1] != qd[1] || vd[2] != qd[2] || sd[0] != qd[0] || sd[1] != qd[2] ||
-      sd[2] != qd[3] || sd[3] != vd[3] || decay.element_count() != qd[0] * qd[1] * qd[2] ||
-      beta.element_count() != decay.element_count())
-    return ffi::Error::InvalidArgument("delta_steps: q, k [B, T, H, dk], v [B, T, H, dv], decay, beta "
-                                       "[B, T, H], state [B, H, dk, dv]");
-  const int64_t B = qd[0], T = qd[1], H = qd[2], dk = qd[3], dv = vd[3];
-  const int64_t blocks = (dv + kDeltaColumns - 1) / kDeltaColumns;
-  int64_t size = 1;
-  while (size < dk) size *= 2;
-  Parallel(pool, B * H, [&](int64_t task) {
-    const int64_t b = task / H, h = task % H;
-    const float* from = state.typed_data() + task * dk * dv;
-    float* to = state_out->typed_data() + task * dk * dv;
-    std::vector<DeltaRow> s(blocks * dk, DeltaRow{}), p(size, DeltaRow{});
-    for (int64_t i = 0; i < dk; i++)
-      for (int64_t j = 0; j < dv; j++) s[j / kDeltaColumns * dk + i][j % kDeltaColumns] = from[i * dv + j];
-    for (int64_t t = 0; t < T; t++) {
-      const int64_t at = (b * T + t) * H + h;       // this token's head in the [B, T, H] inputs
-      const float d = decay.typed_data()[at], be = beta.typed_data()[at];
-      for (int64_t c = 0; c < blocks; c++) {
-        const int64_t j = c * kDeltaColumns;
-        DeltaBlock(s.data() + c * dk, dk, size, std::min(kDeltaColumns, dv - j), q.typed_data() + at * dk,
-                   k.typed_data() + at * dk, v.typed_data() + at * dv + j, d, be, p.data(),
-                   out->typed_data() + at * dv + j, written->typed_data() + at * dv + j);
+  DeltaTokens x;
+  if (auto e = DeltaShapes(q, k, v, decay, beta, state, x); e.failure()) return e;
+  if (state.dimensions()[0] != x.B) return ffi::Error::InvalidArgument("delta_steps: a state per row");
+  const int64_t head = x.dk * x.dv;
+  Parallel(pool, x.B * x.H, [&](int64_t task) {
+    DeltaHead(x, task / x.H, task % x.H, state.typed_data() + task * head, state_out->typed_data() + task * head,
+              out->typed_data(), written->typed_data());
+  });
+  return ffi::Error::Success();
+}
+
+// As DeltaSteps, for a decode step or a prefill chunk: each row's state read from, and written back
+// into, its slot of the layer's pool [S, H, dk, dv], which XLA hands over as the result's buffer
+// (aliased), so a step passes each state through memory once each way where a gather and a scatter
+// around DeltaSteps passed it three times. A row starting at position 0 (starts) starts from zero;
+// a row with no tokens (lengths 0: an idle decode row, whose slot may be another row's) reads and
+// writes no state, its outputs zero.
+ffi::Error DeltaStepsInPlace(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                             ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> decay, ffi::Buffer<ffi::F32> beta,
+                             ffi::Buffer<ffi::F32> states, ffi::Buffer<ffi::S32> slots,
+                             ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> lengths,
+                             ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> written,
+                             ffi::ResultBuffer<ffi::F32> states_out) {
+  DeltaTokens x;
+  if (auto e = DeltaShapes(q, k, v, decay, beta, states, x); e.failure()) return e;
+  const int64_t S = states.dimensions()[0], head = x.dk * x.dv;
+  if (slots.element_count() != x.B || starts.element_count() != x.B || lengths.element_count() != x.B)
+    return ffi::Error::InvalidArgument("delta_steps_in_place: slots, starts, lengths [B]");
+  for (int64_t b = 0; b < x.B; b++)
+    if (lengths.typed_data()[b] > 0 && (slots.typed_data()[b] < 0 || slots.typed_data()[b] >= S))
+      return ffi::Error::InvalidArgument("delta_steps_in_place: a slot past the pool");
+  float* pool_out = states_out->typed_data();
+  if (pool_out != states.typed_data()) std::copy_n(states.typed_data(), S * x.H * head, pool_out);
+  Parallel(pool, x.B * x.H, [&](int64_t task) {
+    const int64_t b = task / x.H, h = task % x.H;
+    if (lengths.typed_data()[b] <= 0) {
+      for (int64_t t = 0; t < x.T; t++) {
+        const int64_t at = ((b * x.T + t) * x.H + h) * x.dv;
+        std::fill_n(out->typed_data() + at, x.dv, 0.0f);
+        std::fill_n(written->typed_data() + at, x.dv, 0.0f);
       }
+      return;
     }
-    for (int64_t i = 0; i < dk; i++)
-      for (int64_t j = 0; j < dv; j++) to[i * dv + j] = s[j / kDeltaColumns * dk + i][j % kDeltaColumns];
+    float* slot = pool_out + (slots.typed_data()[b] * x.H + h) * head;
+    DeltaHead(x, b, h, starts.typed_data()[b] == 0 ? nullptr : slot, slot, out->typed_data(),
+              written->typed_data());
   });
   return ffi::Error::Success();
 }
@@ -3362,6 +3425,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxDeltaSteps, DeltaSteps,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxDeltaStepsInPlace, DeltaStepsInPlace,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

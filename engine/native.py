@@ -66,7 +66,7 @@ TARGETS = {"mashbox_int8_matmul": "MashboxInt8Matmul",
            "mashbox_iq3s_matmul": "MashboxIq3SMatmul", "mashbox_iq3s_widen": "MashboxIq3SWiden",
            "mashbox_q3k_matmul": "MashboxQ3KMatmul", "mashbox_q3k_widen": "MashboxQ3KWiden",
            "mashbox_row_dot": "MashboxRowDot", "mashbox_delta_steps": "MashboxDeltaSteps",
-           "mashbox_first_max": "MashboxFirstMax",
+           "mashbox_delta_steps_in_place": "MashboxDeltaStepsInPlace", "mashbox_first_max": "MashboxFirstMax",
            "mashbox_filter_cuts": "MashboxFilterCuts"}
 ENV_SWITCH = "MASHBOX_NATIVE"                      # "0": never build or use the kernel
 TIER_ENV = "MASHBOX_NATIVE_TIER"                   # a tier's name: that tier, if the CPU has it
@@ -647,6 +647,22 @@ def delta_steps(q, k, v, decay, beta, state):
     f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     return jax.ffi.ffi_call("mashbox_delta_steps", (f32(v.shape), f32(state.shape), f32(v.shape)))(
         q, k, v, decay, beta, state)
+
+
+def delta_steps_in_place(q, k, v, decay, beta, states, slots, starts, lengths):
+    """delta_steps for rows whose states live in a layer's pool states [S, H, dk, dv] (the kernel's
+    DeltaStepsInPlace): row b starts from its slot slots[b] (from zero where starts[b] == 0) and its
+    state after the T tokens goes back there; a row with lengths[b] == 0 touches no state and gets
+    zeros. Returns (out [B, T, H, dv], what each token wrote [B, T, H, dv], the pool): the pool is the
+    given buffer updated in place (aliased)."""
+    import jax
+    import jax.numpy as jnp
+
+    _require()
+    f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    return jax.ffi.ffi_call("mashbox_delta_steps_in_place", (f32(v.shape), f32(v.shape), f32(states.shape)),
+                            input_output_aliases={5: 2})(
+        q, k, v, decay, beta, states, *(jnp.asarray(a, jnp.int32) for a in (slots, starts, lengths)))
 
 
 def first_max(logits):

@@ -122,6 +122,10 @@ class HarnessTier:
     def delta_steps(self, q, k, v, decay, beta, state):
         return self._run("delta_steps", [q, k, v, decay, beta, state], [v.shape, state.shape, v.shape], "float32")
 
+    def delta_steps_in_place(self, q, k, v, decay, beta, states, slots, starts, lengths):
+        return self._run("delta_steps_in_place", [q, k, v, decay, beta, states, slots, starts, lengths],
+                         [v.shape, v.shape, states.shape], "float32")
+
     def filter_cuts(self, probs, top_k, top_p):
         return self._run("filter_cuts", [probs, top_k, top_p], (probs.shape[0], 2), "float32")
 
@@ -1090,4 +1094,32 @@ def test_delta_steps_are_the_decode_steps_bits(kernel, rows, tokens, heads, dk, 
         steps = jax.jit(lambda *a: model._delta_steps(*a, native_kernel=False))    # zero: a run-time 0
         for name, a, b in zip(("out", "state", "written"), got, steps(q, k, v, decay, beta, state, np.int32(0))):
             np.testing.assert_array_equal(a, np.asarray(b), err_msg=name)
+
+
+def test_delta_steps_in_place_update_each_rows_slot_and_no_other(kernel):
+    """Guards the decode step's and prefill chunk's recurrence (model._linear_attention), which
+    reads and writes each row's state in its slot of the layer's pool: a row continuing from its
+    slot and a row starting at position 0 (from zero) get delta_steps's outputs and states in their
+    slots; an idle row (no tokens) whose slot is another row's changes nothing and gets zeros; the
+    other slots keep their bits."""
+    rng = np.random.default_rng(11)
+    rows, tokens, heads, dk, dv, slots_n = 3, 3, 2, 32, 48, 4
+    unit = lambda x: (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)  # noqa: E731
+    q = unit(rng.standard_normal((rows, tokens, heads, dk))) / np.float32(np.sqrt(dk))
+    k = unit(rng.standard_normal((rows, tokens, heads, dk)))
+    v = rng.standard_normal((rows, tokens, heads, dv)).astype(np.float32)
+    decay = rng.uniform(0.5, 1.0, (rows, tokens, heads)).astype(np.float32)
+    beta = rng.uniform(0.0, 1.0, (rows, tokens, heads)).astype(np.float32)
+    pool = rng.standard_normal((slots_n, heads, dk, dv)).astype(np.float32)
+    slots, starts, lengths = (np.array(a, np.int32) for a in ([2, 0, 2], [7, 0, 9], [3, 3, 0]))
+    out, written, after = kernel.delta_steps_in_place(q, k, v, decay, beta, pool.copy(), slots, starts, lengths)
+    begin = np.stack([pool[2], np.zeros_like(pool[0]), pool[2]])
+    want_out, want_state, want_written = _delta_definition(q, k, v, decay, beta, begin)
+    for b in (0, 1):
+        np.testing.assert_array_equal(out[b], want_out[b], err_msg=f"row {b}")
+        np.testing.assert_array_equal(written[b], want_written[b], err_msg=f"row {b}")
+    assert not out[2].any() and not written[2].any()
+    np.testing.assert_array_equal(after[2], want_state[0])
+    np.testing.assert_array_equal(after[0], want_state[1])
+    np.testing.assert_array_equal(after[[1, 3]], pool[[1, 3]])
 

@@ -106,6 +106,7 @@ const std::map<std::string, ffi::Error (*)(std::vector<Operand>&)> kKernels = {
     {"q3k_widen", [](std::vector<Operand>& o) { return Call(Q3KWiden, o); }},
     {"row_dot", [](std::vector<Operand>& o) { return Call(RowDot, o); }},
     {"delta_steps", [](std::vector<Operand>& o) { return Call(DeltaSteps, o); }},
+    {"delta_steps_in_place", [](std::vector<Operand>& o) { return Call(DeltaStepsInPlace, o); }},
     {"first_max", [](std::vector<Operand>& o) { return Call(FirstMax, o); }},
     {"filter_cuts", [](std::vector<Operand>& o) { return Call(FilterCuts, o); }},
 };
