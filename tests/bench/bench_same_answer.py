@@ -5,7 +5,7 @@ through XLA's dot past 64 rows); run by hand, not in CI.
 
     python tests/bench/bench_same_answer.py [--model demo|27b|30b-a3b] [--layers 4]
                                             [--tokens 512,2048,8192] [--chunk 512] [--rounds 3]
-    python tests/bench/bench_same_answer.py --attention | --delta
+    python tests/bench/bench_same_answer.py --attention | --delta | --decode [--layers 8] [--rounds 15]
 
 demo: the demo model as the server holds it; 27b: Qwen3.8-27B's layers at full width (`--layers`
 of its 64: 3 Gated DeltaNet layers to each attention layer), random Q4_K weights; 30b-a3b:
@@ -15,7 +15,9 @@ both compiled before; prints the median tokens/s of each way and their ratio. --
 call of attention alone over random int8 caches, the kernel against XLA's blocked loop, at the
 demo's, an 8-KV-head and the 27B's head shapes (a 512-token chunk at 512 / 2,048 / 8,192 positions,
 16 and 64 tokens at 2,048). --delta: one Gated DeltaNet layer's recurrence alone at the 27B's
-state shape, the kernel against XLA's loop and the chunked form (delta_alone). Results:
+state shape, the kernel against XLA's loop and the chunked form (delta_alone). --decode: a decode
+step of the 27B's layers, the recurrence's state in place in its slot against gathered and
+scattered (decode_in_place). Results:
 docs/perf-log.md ("The same numbers in any chunks", "The delta rule in the kernel").
 """
 from __future__ import annotations
@@ -110,6 +112,48 @@ def delta_alone(rounds: int) -> None:
               f"({ms['chunked'] / ms['kernel']:.2f}x)" if "chunked" in ms else ""), flush=True)
 
 
+def decode_in_place(layers: int, rounds: int) -> None:
+    """A decode step of the 27B's layers (random Q4_K, `layers` of its 64), the recurrence reading
+    and writing each row's state in its slot (native.delta_steps_in_place) against the state
+    gathered from the pool, run, and scattered back (as before), alternated (medians)."""
+    import types
+
+    def gathered(q, k, v, decay, beta, states, slots, starts, lengths):
+        state = jnp.where((starts == 0)[:, None, None, None], 0.0, states[slots])
+        out, new, written = native.delta_steps(q, k, v, decay, beta, state)
+        return out, written, states.at[jnp.where(lengths > 0, slots, states.shape[0])].set(new, mode="drop")
+
+    before = types.SimpleNamespace(**{**vars(native), "delta_steps_in_place": gathered})
+    cfg, params, layout = load("27b", layers)
+    ways, caches = {}, {}
+    token = np.array([[5]], np.int32)
+
+    def step(way: str, at: int) -> None:
+        model.native, (forward, layer) = (native if way == "in place" else before), ways[way]
+        model._jit_layer = layer
+        logits, caches[way] = forward(params, caches[way], token, np.zeros(1, np.int32), np.full(1, at, np.int32),
+                                      np.ones(1, np.int32), cfg=cfg)
+        jax.block_until_ready(logits)
+
+    for way in ("in place", "gathered"):
+        ways[way] = (jax.jit(lambda *a, **k: model.forward(*a, **k), donate_argnames=("cache",),
+                             static_argnames=("cfg", "all_logits", "verify")),
+                     jax.jit(lambda *a, **k: model._layer(*a, **k), static_argnames=model.LAYER_STATIC_ARGNAMES))
+        caches[way] = init_cache(cfg, 1, 4 * rounds + 8, np.int8, zeros=layout.cache_zeros)
+        step(way, 0)                                           # traced with its recurrence, compiled
+    times = {way: [] for way in ways}
+    for r in range(rounds):
+        for way in ways:
+            t0 = time.perf_counter()
+            for i in range(4):
+                step(way, 1 + 4 * r + i)
+            times[way].append((time.perf_counter() - t0) / 4)
+    model.native = native
+    ms = {way: statistics.median(ts) * 1e3 for way, ts in times.items()}
+    print(f"27b ({layers} layers), a decode step, medians of {rounds}: in place {ms['in place']:.2f} ms, "
+          f"gathered {ms['gathered']:.2f} ms, {ms['gathered'] / ms['in place']:.3f}x", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=("demo", *RANDOM_MODELS), default="demo")
@@ -119,12 +163,16 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--attention", action="store_true", help="attention alone, kernel against XLA")
     p.add_argument("--delta", action="store_true", help="the delta rule alone, kernel against XLA")
+    p.add_argument("--decode", action="store_true", help="the 27B's decode step, its state in place or gathered")
     a = p.parse_args()
     native.prepare()
     if not native.available():
         raise SystemExit("the native kernel does not run here")
     if a.attention or a.delta:
         (attention_alone if a.attention else delta_alone)(a.rounds)
+        return 0
+    if a.decode:
+        decode_in_place(a.layers, a.rounds)
         return 0
     cfg, params, layout = load(a.model, a.layers)
     lengths = [int(n) for n in a.tokens.split(",")]
