@@ -198,7 +198,7 @@ def _attention_entries(layer, kv, x, slots, positions, rope, valid, *, cfg: Mode
 
 # Where a prefill chunk runs the recurrence token by token as decode steps do (_delta_steps), not in
 # its chunked form: wherever the native kernel serves the model, whose loop (native.delta_steps)
-# runs a chunk 2-3x faster than XLA's chunked form on a CPU and gives each position the decode step's
+# runs a chunk faster than XLA's chunked form on a CPU and gives each position the decode step's
 # bits however the prompt was chunked, cold or cached, or written by decode steps (docs/perf-log.md,
 # "The delta rule in the kernel"). Accelerators run the chunked form's matrix products far faster.
 DELTA_STEPS_ENV = "MASHBOX_DELTA_STEPS"             # "0" / "1": override (tests compare both forms)
@@ -344,8 +344,8 @@ def _delta_steps(q, k, v, decay, beta, state, zero, *, native_kernel: bool):
     [B, T, H]. Returns (out [B, T, H, dv], the state after the T tokens, what each position wrote
     [B, T, H, dv]): with each position's key and decay, the state after any of them follows from
     the one before them (delta_replay), so a verification keeps T small vectors per head, not T
-    states. native_kernel: engine.native's DeltaSteps runs the loop (the same bits; a 512-token
-    chunk 3x as fast as XLA's loop: docs/perf-log.md, "The delta rule in the kernel")."""
+    states. native_kernel: engine.native's DeltaSteps runs the loop (the same bits, several times
+    as fast as XLA's loop on a chunk: docs/perf-log.md, "The delta rule in the kernel")."""
     if native_kernel:
         return native.delta_steps(q, k, v, decay, beta, state)
 

@@ -2882,8 +2882,8 @@ ffi::Error RowDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 // A call holds each head's state as blocks of kDeltaColumns value columns of every key row (8 KB
 // at dk = 128, contiguous: rows dv apart would share a few of L1's sets), and a token runs block by
 // block, the block and its products in L1. A block's row is whole registers of the tier's width
-// (GCC's vector types, lane by lane as the scalar operations: on AVX2 a 64-byte type went through
-// the stack, 6x slower).
+// (GCC's vector types, lane by lane as the scalar operations; a type wider than the registers went
+// through the stack: docs/perf-log.md, "The delta rule in the kernel").
 constexpr int64_t kDeltaColumns = 16;
 #if MASHBOX_AVX512
 #define MASHBOX_DELTA_VECTOR_BYTES 64

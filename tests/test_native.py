@@ -1073,6 +1073,18 @@ def _delta_definition(q, k, v, decay, beta, state):
     return out, state, written
 
 
+def _delta_tokens(rng, rows, tokens, heads, dk, dv):
+    """Random q, k [rows, tokens, heads, dk] (L2-normalized, q scaled by 1/sqrt(dk), as the layer
+    makes them), v [..., dv], decay in [0.5, 1) and beta in [0, 1) [rows, tokens, heads], float32."""
+    unit = lambda x: (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)  # noqa: E731
+    q = unit(rng.standard_normal((rows, tokens, heads, dk))) / np.float32(np.sqrt(dk))
+    k = unit(rng.standard_normal((rows, tokens, heads, dk)))
+    v = rng.standard_normal((rows, tokens, heads, dv)).astype(np.float32)
+    decay = rng.uniform(0.5, 1.0, (rows, tokens, heads)).astype(np.float32)
+    beta = rng.uniform(0.0, 1.0, (rows, tokens, heads)).astype(np.float32)
+    return q, k, v, decay, beta
+
+
 @pytest.mark.parametrize("rows, tokens, heads, dk, dv", [(2, 5, 3, 128, 128), (1, 1, 2, 24, 40), (3, 4, 1, 16, 16)])
 def test_delta_steps_are_the_decode_steps_bits(kernel, rows, tokens, heads, dk, dv):
     """Guards the Gated DeltaNet recurrence a prefill chunk and a verification run in the kernel
@@ -1080,12 +1092,7 @@ def test_delta_steps_are_the_decode_steps_bits(kernel, rows, tokens, heads, dk, 
     definition's bits on every tier (whole and tail column blocks, a key width padded to a power of
     two), and on the tier XLA calls, the bits of XLA's own steps, which a decode step runs."""
     rng = np.random.default_rng(rows * 100 + dk)
-    unit = lambda x: (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)  # noqa: E731
-    q = unit(rng.standard_normal((rows, tokens, heads, dk))) / np.float32(np.sqrt(dk))
-    k = unit(rng.standard_normal((rows, tokens, heads, dk)))
-    v = rng.standard_normal((rows, tokens, heads, dv)).astype(np.float32)
-    decay = rng.uniform(0.5, 1.0, (rows, tokens, heads)).astype(np.float32)
-    beta = rng.uniform(0.0, 1.0, (rows, tokens, heads)).astype(np.float32)
+    q, k, v, decay, beta = _delta_tokens(rng, rows, tokens, heads, dk, dv)
     state = rng.standard_normal((rows, heads, dk, dv)).astype(np.float32)
     got = kernel.delta_steps(q, k, v, decay, beta, state)
     for name, a, b in zip(("out", "state", "written"), got, _delta_definition(q, k, v, decay, beta, state)):
@@ -1104,12 +1111,7 @@ def test_delta_steps_in_place_update_each_rows_slot_and_no_other(kernel):
     other slots keep their bits."""
     rng = np.random.default_rng(11)
     rows, tokens, heads, dk, dv, slots_n = 3, 3, 2, 32, 48, 4
-    unit = lambda x: (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)  # noqa: E731
-    q = unit(rng.standard_normal((rows, tokens, heads, dk))) / np.float32(np.sqrt(dk))
-    k = unit(rng.standard_normal((rows, tokens, heads, dk)))
-    v = rng.standard_normal((rows, tokens, heads, dv)).astype(np.float32)
-    decay = rng.uniform(0.5, 1.0, (rows, tokens, heads)).astype(np.float32)
-    beta = rng.uniform(0.0, 1.0, (rows, tokens, heads)).astype(np.float32)
+    q, k, v, decay, beta = _delta_tokens(rng, rows, tokens, heads, dk, dv)
     pool = rng.standard_normal((slots_n, heads, dk, dv)).astype(np.float32)
     slots, starts, lengths = (np.array(a, np.int32) for a in ([2, 0, 2], [7, 0, 9], [3, 3, 0]))
     out, written, after = kernel.delta_steps_in_place(q, k, v, decay, beta, pool.copy(), slots, starts, lengths)
