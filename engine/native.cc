@@ -2883,8 +2883,12 @@ ffi::Error RowDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 // at dk = 128, contiguous: rows dv apart would share a few of L1's sets), and a token runs block by
 // block, the block and its products in L1. A block's row is whole registers of the tier's width
 // (GCC's vector types, lane by lane as the scalar operations; a type wider than the registers went
-// through the stack: docs/perf-log.md, "The delta rule in the kernel").
+// through the stack: docs/perf-log.md, "The delta rule in the kernel"). A call of at most
+// kDeltaDirectTokens tokens (a decode step, a verification) takes each block where the state holds
+// it instead, its rows dv apart: each block is read a few times only, and copying the state into
+// blocks and back cost more than the misses (docs/perf-log.md, "The decode step's state where it is").
 constexpr int64_t kDeltaColumns = 16;
+constexpr int64_t kDeltaDirectTokens = 4;
 #if MASHBOX_AVX512
 #define MASHBOX_DELTA_VECTOR_BYTES 64
 #elif MASHBOX_AVX2
@@ -2892,7 +2896,8 @@ constexpr int64_t kDeltaColumns = 16;
 #else
 #define MASHBOX_DELTA_VECTOR_BYTES 16
 #endif
-typedef float DeltaVector __attribute__((vector_size(MASHBOX_DELTA_VECTOR_BYTES)));
+// Aligned as a float: a block taken where the state holds it starts wherever the buffer puts it.
+typedef float DeltaVector __attribute__((vector_size(MASHBOX_DELTA_VECTOR_BYTES), aligned(4)));
 constexpr int64_t kDeltaVectors = kDeltaColumns * sizeof(float) / sizeof(DeltaVector);
 struct DeltaRow {
   DeltaVector v[kDeltaVectors];
@@ -2906,15 +2911,15 @@ inline void KeySum(DeltaRow* p, int64_t size) {
       for (int64_t h = 0; h < kDeltaVectors; h++) p[i].v[h] += p[i + half].v[h];
 }
 
-// One token for one block s [dk] of a head's state, whose first `columns` columns are the state's
-// (the rest zero, never read back); p the products' scratch [size], its rows from dk on zero
-// (KeySum never writes them). v, out and written: the block's columns.
-void DeltaBlock(DeltaRow* s, int64_t dk, int64_t size, int64_t columns, const float* q, const float* k,
-                const float* v, float decay, float beta, DeltaRow* p, float* out, float* written) {
+// One token for one block of a head's state, key row i at s[i * stride], whose first `columns`
+// columns are the state's (the rest zero, never read back); p the products' scratch [size], its
+// rows from dk on zero (KeySum never writes them). v, out and written: the block's columns.
+void DeltaBlock(DeltaRow* s, int64_t stride, int64_t dk, int64_t size, int64_t columns, const float* q,
+                const float* k, const float* v, float decay, float beta, DeltaRow* p, float* out, float* written) {
   for (int64_t i = 0; i < dk; i++)
     for (int64_t h = 0; h < kDeltaVectors; h++) {
-      const DeltaVector decayed = s[i].v[h] * decay;
-      s[i].v[h] = decayed;
+      const DeltaVector decayed = s[i * stride].v[h] * decay;
+      s[i * stride].v[h] = decayed;
       p[i].v[h] = k[i] * decayed;
     }
   KeySum(p, size);
@@ -2922,8 +2927,8 @@ void DeltaBlock(DeltaRow* s, int64_t dk, int64_t size, int64_t columns, const fl
   for (int64_t j = 0; j < columns; j++) written[j] = w[j] = (v[j] - p[0][j]) * beta;
   for (int64_t i = 0; i < dk; i++)
     for (int64_t h = 0; h < kDeltaVectors; h++) {
-      const DeltaVector now = s[i].v[h] + k[i] * w.v[h];
-      s[i].v[h] = now;
+      const DeltaVector now = s[i * stride].v[h] + k[i] * w.v[h];
+      s[i * stride].v[h] = now;
       p[i].v[h] = q[i] * now;
     }
   KeySum(p, size);
@@ -2960,20 +2965,30 @@ void DeltaHead(const DeltaTokens& x, int64_t b, int64_t h, const float* from, fl
   const int64_t dk = x.dk, dv = x.dv, blocks = (dv + kDeltaColumns - 1) / kDeltaColumns;
   int64_t size = 1;
   while (size < dk) size *= 2;
-  std::vector<DeltaRow> s(blocks * dk, DeltaRow{}), p(size, DeltaRow{});
-  if (from)
+  std::vector<DeltaRow> p(size, DeltaRow{});
+  const bool direct = x.T <= kDeltaDirectTokens && dv % kDeltaColumns == 0;
+  std::vector<DeltaRow> s(direct ? 0 : blocks * dk, DeltaRow{});
+  if (direct) {                                     // block c is column block c of `to`'s rows
+    if (!from) std::fill_n(to, dk * dv, 0.0f);
+    else if (from != to) std::copy_n(from, dk * dv, to);
+  } else if (from) {
     for (int64_t i = 0; i < dk; i++)
       for (int64_t j = 0; j < dv; j++) s[j / kDeltaColumns * dk + i][j % kDeltaColumns] = from[i * dv + j];
+  }
+  DeltaRow* rows = direct ? reinterpret_cast<DeltaRow*>(to) : s.data();
+  const int64_t stride = direct ? blocks : 1, step = direct ? 1 : dk;
   for (int64_t t = 0; t < x.T; t++) {
     const int64_t at = (b * x.T + t) * x.H + h;     // this token's head in the [B, T, H] inputs
     for (int64_t c = 0; c < blocks; c++) {
       const int64_t j = c * kDeltaColumns;
-      DeltaBlock(s.data() + c * dk, dk, size, std::min(kDeltaColumns, dv - j), x.q + at * dk, x.k + at * dk,
-                 x.v + at * dv + j, x.decay[at], x.beta[at], p.data(), out + at * dv + j, written + at * dv + j);
+      DeltaBlock(rows + c * step, stride, dk, size, std::min(kDeltaColumns, dv - j), x.q + at * dk,
+                 x.k + at * dk, x.v + at * dv + j, x.decay[at], x.beta[at], p.data(), out + at * dv + j,
+                 written + at * dv + j);
     }
   }
-  for (int64_t i = 0; i < dk; i++)
-    for (int64_t j = 0; j < dv; j++) to[i * dv + j] = s[j / kDeltaColumns * dk + i][j % kDeltaColumns];
+  if (!direct)
+    for (int64_t i = 0; i < dk; i++)
+      for (int64_t j = 0; j < dv; j++) to[i * dv + j] = s[j / kDeltaColumns * dk + i][j % kDeltaColumns];
 }
 
 // tokens, state [B, H, dk, dv] -> out [B, T, H, dv], the state after the T tokens, what each token

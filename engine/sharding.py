@@ -252,11 +252,16 @@ class Layout:
 
     def place(self, path: str, tree):
         """A subtree of numpy arrays (engine.weights's `place`) as jax arrays, each device given
-        only its own shard: no device ever holds a whole split tensor."""
+        only its own shard: no device ever holds a whole split tensor. On one device each is placed
+        whole (engine.weights.on_device: a CPU's large weights in huge pages)."""
         import jax
+
+        from engine.weights import on_device
 
         def one(key_path, array):
             name = ".".join([path] + [str(k.key) for k in key_path])
+            if self.devices == 1:
+                return jax.device_put(on_device(array), self.param_sharding(name))
             return jax.make_array_from_callback(array.shape, self.param_sharding(name),
                                                 lambda index: array[index])
         return jax.tree_util.tree_map_with_path(one, tree)

@@ -101,7 +101,7 @@ import ml_dtypes
 import numpy as np
 
 from engine import cpu, native
-from engine.memory import release_free_heap
+from engine.memory import HUGE_MIN_BYTES, HugePageArena, release_free_heap
 from engine.checkpoint import FP8, MTP_TENSOR, Checkpoint, WeightsError
 from engine.config import MIXER_KINDS, ModelConfig
 
@@ -315,7 +315,20 @@ def group_by_key_head(parts: list[np.ndarray], key_heads: int) -> np.ndarray:
 def place_on_default_device(path: str, tree):
     """Every numpy leaf of a subtree as a jax array on the default device (no mesh)."""
     import jax
-    return jax.tree_util.tree_map(jax.numpy.asarray, tree)
+    return jax.tree_util.tree_map(on_device, tree)
+
+
+_huge_pages = HugePageArena()
+
+
+def on_device(array: np.ndarray):
+    """A weight as a jax array on the default device. On a CPU a large one is copied into huge pages
+    (engine.memory.HugePageArena) and XLA reads it there; elsewhere, small ones, and dtypes DLPack
+    cannot name (bfloat16, float8), jax copies it."""
+    import jax
+    if jax.default_backend() != "cpu" or array.nbytes < HUGE_MIN_BYTES or array.dtype.kind not in "iuf":
+        return jax.numpy.asarray(array)
+    return jax.dlpack.from_dlpack(_huge_pages.copy(np.asarray(array)))
 
 
 def load_weights(folder: str, cfg: ModelConfig, dtype, float_dtype=None, *, kv_heads: int | None = None,

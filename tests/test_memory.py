@@ -197,3 +197,78 @@ def test_the_demos_defaults_plan_its_worker_under_its_target_with_a_full_host_ca
                        default_cache_ram_mib=spec.cache_ram_mib, available=100 * GIB, on_host=True)
     assert (plan.slots, plan.ctx, plan.shrunk) == (4, 32768, False)
     assert plan.total <= DEMO_WORKER_TARGET_BYTES, plan.describe()
+
+
+def _huge_pages_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "absent"
+    return text[text.index("[") + 1:text.index("]")]
+
+
+def _anon_huge_bytes(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) << 10
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_huge_page_arena_lays_arrays_end_to_end_from_a_huge_pages_start():
+    """Guards against weights copied wrong or misaligned (XLA then copies them back into its own
+    4 KB pages), and against one mapping per array (its unused tail resident for every weight)."""
+    arena = memory.HugePageArena(arena_bytes=8 << 20)
+    rng = np.random.default_rng(0)
+    first = rng.integers(-128, 127, size=(100, 33), dtype=np.int8)
+    second = rng.standard_normal((7, 5)).astype(np.float32)
+    a, b = arena.copy(first), arena.copy(second)
+    np.testing.assert_array_equal(a, first)
+    np.testing.assert_array_equal(b, second)
+    assert a.ctypes.data % memory.HUGE_PAGE == 0
+    assert b.ctypes.data == a.ctypes.data + -(-first.nbytes // memory.HUGE_ALIGN) * memory.HUGE_ALIGN
+    large = arena.copy(np.ones(9 << 20, np.uint8))             # larger than a mapping: its own
+    assert large.ctypes.data % memory.HUGE_PAGE == 0 and int(large.sum()) == 9 << 20
+    after = arena.copy(second)                                  # and the next one goes on after it
+    assert after.ctypes.data == large.ctypes.data + (9 << 20)
+
+
+@pytest.mark.skipif(_huge_pages_mode() not in ("always", "madvise") or not Path("/proc/self/smaps").exists(),
+                    reason="transparent huge pages are off here")
+def test_huge_page_arena_memory_is_in_huge_pages():
+    """Guards against the advice not reaching the mapping (the kernel then maps 4 KB pages and a
+    decode step's weight stream pays a translation miss every 4 KB)."""
+    arena = memory.HugePageArena(arena_bytes=16 << 20)
+    a = arena.copy(np.ones(8 << 20, np.uint8))
+    assert _anon_huge_bytes(a.ctypes.data) >= memory.HUGE_PAGE
+
+
+def test_a_large_weight_on_a_cpu_device_is_read_where_the_arena_holds_it(monkeypatch):
+    """Guards against jax copying the weight back into its own heap (the huge pages then unused and
+    the weight's bytes held twice while it loads), and against the weight's memory unmapped under a
+    live array once the loader and the arena drop their references."""
+    import gc
+
+    import jax
+
+    from engine import weights
+    if jax.default_backend() != "cpu":
+        pytest.skip("the arena serves a CPU device")
+    arena = memory.HugePageArena(arena_bytes=4 << 20)
+    monkeypatch.setattr(weights, "_huge_pages", arena)
+    source = np.arange(memory.HUGE_MIN_BYTES // 4 + 3, dtype=np.float32)
+    placed = weights.on_device(source)
+    follower = arena.copy(np.zeros(1, np.uint8))                # the arena's next bytes
+    assert follower.ctypes.data - placed.unsafe_buffer_pointer() == \
+        -(-source.nbytes // memory.HUGE_ALIGN) * memory.HUGE_ALIGN
+    monkeypatch.setattr(weights, "_huge_pages", memory.HugePageArena())
+    del follower, arena
+    gc.collect()
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda w: w * 2)(placed)), source * 2)
+    small = weights.on_device(np.ones(16, np.float32))          # stays in XLA's heap
+    assert float(small.sum()) == 16

