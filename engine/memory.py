@@ -424,14 +424,14 @@ def limit_heap_arenas(arenas: int) -> None:
 # ---- a CPU device's weights in huge pages ---------------------------------------------------------
 #
 # A decode step streams every weight once, and a 4 KB page's translation is one more miss every 4 KB
-# of that stream (the hardware prefetchers stop at each page's end). In 2 MB pages the native
-# kernel's K-quant product read 1.09x faster (docs/perf-log.md, "Weights in huge pages"). XLA's host
+# of that stream (the hardware prefetchers stop at each page's end): from 2 MB pages the native
+# kernel's products read faster (docs/perf-log.md, "Weights in huge pages"). XLA's host
 # allocator maps its buffers in 4 KB pages wherever transparent huge pages are only on request (the
 # usual "madvise" setting), so a CPU device's large weights live here instead, asked for huge pages,
 # and XLA reads them in place (engine.weights.on_device).
 
 HUGE_PAGE = 2 << 20
-# Bytes mapped at a time: arrays are laid end to end in it (each ALIGN-aligned), so the only pages
+# Bytes mapped at a time: arrays are laid end to end in it (each HUGE_ALIGN-aligned), so the only pages
 # not used are those after the last array, which are never touched and so never resident.
 HUGE_ARENA_BYTES = 1 << 30
 # Arrays smaller than this stay in XLA's own heap: norms and scales are not streamed at any length.

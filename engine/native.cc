@@ -2886,7 +2886,8 @@ ffi::Error RowDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 // through the stack: docs/perf-log.md, "The delta rule in the kernel"). A call of at most
 // kDeltaDirectTokens tokens (a decode step, a verification) takes each block where the state holds
 // it instead, its rows dv apart: each block is read a few times only, and copying the state into
-// blocks and back cost more than the misses (docs/perf-log.md, "The decode step's state where it is").
+// blocks and back cost more than the misses (docs/perf-log.md, "Weights in huge pages": the delta
+// rule's few tokens).
 constexpr int64_t kDeltaColumns = 16;
 constexpr int64_t kDeltaDirectTokens = 4;
 #if MASHBOX_AVX512

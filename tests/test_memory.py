@@ -263,12 +263,14 @@ def test_a_large_weight_on_a_cpu_device_is_read_where_the_arena_holds_it(monkeyp
     monkeypatch.setattr(weights, "_huge_pages", arena)
     source = np.arange(memory.HUGE_MIN_BYTES // 4 + 3, dtype=np.float32)
     placed = weights.on_device(source)
-    follower = arena.copy(np.zeros(1, np.uint8))                # the arena's next bytes
-    assert follower.ctypes.data - placed.unsafe_buffer_pointer() == \
-        -(-source.nbytes // memory.HUGE_ALIGN) * memory.HUGE_ALIGN
+    second = weights.on_device(source[::-1].copy())             # at the next HUGE_ALIGN boundary
+    step = -(-source.nbytes // memory.HUGE_ALIGN) * memory.HUGE_ALIGN
+    assert placed.unsafe_buffer_pointer() % memory.HUGE_PAGE == 0
+    assert second.unsafe_buffer_pointer() - placed.unsafe_buffer_pointer() == step
     monkeypatch.setattr(weights, "_huge_pages", memory.HugePageArena())
-    del follower, arena
+    del arena
     gc.collect()
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda w: w * 2)(placed)), source * 2)
+    np.testing.assert_array_equal(np.asarray(second), source[::-1])
     small = weights.on_device(np.ones(16, np.float32))          # stays in XLA's heap
     assert float(small.sum()) == 16
