@@ -274,3 +274,22 @@ def test_a_large_weight_on_a_cpu_device_is_read_where_the_arena_holds_it(monkeyp
     np.testing.assert_array_equal(np.asarray(second), source[::-1])
     small = weights.on_device(np.ones(16, np.float32))          # stays in XLA's heap
     assert float(small.sum()) == 16
+
+
+def test_the_workers_placement_on_one_cpu_device_keeps_the_weight_in_the_arena(monkeypatch):
+    """Guards against the worker's placement (engine.sharding.Layout.place, which gives each weight
+    its mesh sharding) copying an arena's weight back into XLA's heap: the decode step would then
+    read 4 KB pages again, and the weight's bytes would be held twice while it loads."""
+    import jax
+
+    from engine import sharding, weights
+    from engine.config import load_config
+    if jax.default_backend() != "cpu":
+        pytest.skip("the arena serves a CPU device")
+    arena = memory.HugePageArena(arena_bytes=8 << 20)
+    monkeypatch.setattr(weights, "_huge_pages", arena)
+    source = np.arange(2 << 20, dtype=np.int32).astype(np.int8).reshape(2048, 1024)
+    placed = sharding.Layout.build(load_config(TINY), 1).place("layers.0.qkv", source)
+    after = arena.copy(np.zeros(1, np.uint8))
+    assert after.ctypes.data - placed.unsafe_buffer_pointer() == source.nbytes
+    np.testing.assert_array_equal(np.asarray(placed), source)
