@@ -446,8 +446,9 @@ _MADV_HUGEPAGE = 14
 class HugePageArena:
     """Host memory asked for transparent huge pages, handed out as numpy arrays laid end to end.
     Each array keeps its mapping alive (numpy holds the buffer), so a mapping is returned to the
-    system when the last array in it is freed. Where the system has no transparent huge pages, or
-    not on request, the memory is ordinary pages: nothing is lost but the gain."""
+    system when the last array in it is freed and the arena has moved on to another; freed space is
+    not reused (a worker's weights live as long as it does). Where the system has no transparent huge
+    pages, or not on request, the memory is ordinary pages: nothing is lost but the gain."""
 
     def __init__(self, arena_bytes: int = HUGE_ARENA_BYTES):
         self.arena_bytes = arena_bytes
