@@ -850,9 +850,13 @@ def test_hostile_tool_sets_compile_fast_or_fall_back(grammars, tok, tools, form)
     """Guards against a tool set that would take the compile minutes, or break it, leaving the
     request unconstrained or stuck: each compiles within the wait, and names stay constrained."""
     c = constraint(tools=tools, form=form)
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), time.thread_time()
     pristine, _ = grammars._compiled(c)
-    assert time.monotonic() - t0 < grammar.COMPILE_WAIT_S
+    print(f"compile: {time.thread_time() - cpu0:.3f} s of this thread's CPU, {time.monotonic() - t0:.3f} s")
+    # Its work within the wait, counted in CPU time (other tests' processes on the cores stretch the
+    # wall clock: 2.2 s once in the suite for 0.3-0.5 s alone); the wall clock within the trial's.
+    assert time.thread_time() - cpu0 < grammar.COMPILE_WAIT_S
+    assert time.monotonic() - t0 < grammar.COMPILE_WALL_S
     assert pristine is not None
     name = tools[-1].name
     assert not accepts(grammars, tok, c, '{"name": "nobody", "arguments": {}}')
