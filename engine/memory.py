@@ -438,9 +438,6 @@ HUGE_ARENA_BYTES = 1 << 30
 HUGE_MIN_BYTES = 1 << 20
 # Each array's start: XLA:CPU reads a buffer it did not allocate only at this alignment (else copies).
 HUGE_ALIGN = 64
-# madvise's advice for transparent huge pages (Linux, <sys/mman.h>; Python's mmap names it from 3.8
-# where the platform has it).
-_MADV_HUGEPAGE = 14
 
 
 class HugePageArena:
@@ -469,9 +466,10 @@ class HugePageArena:
         import mmap
         length = max(self.arena_bytes, size + HUGE_PAGE)
         self._map = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        try:
-            self._map.madvise(getattr(mmap, "MADV_HUGEPAGE", _MADV_HUGEPAGE))
-        except (OSError, AttributeError):        # not Linux, or huge pages off: ordinary pages
-            pass
+        if hasattr(mmap, "MADV_HUGEPAGE"):       # Linux; elsewhere ordinary pages
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:                      # huge pages off: ordinary pages
+                pass
         start = np.frombuffer(self._map, np.uint8, count=1).ctypes.data
         self._used = -start % HUGE_PAGE          # the first array at a huge page's start

@@ -14,9 +14,7 @@ huge pages. Results: docs/perf-log.md ("Weights in huge pages").
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -25,7 +23,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_prefill_kernel import load  # noqa: E402
+from bench_prefill_kernel import decode_medians, load  # noqa: E402
 from engine import model, native  # noqa: E402
 from engine.cache import init_cache  # noqa: E402
 
@@ -66,14 +64,7 @@ def main() -> int:
 
     for way in ways:
         step(way, 0)                                       # compiled (one program for both)
-    times = {way: [] for way in ways}
-    for r in range(a.rounds):
-        for way in ways:
-            t0 = time.perf_counter()
-            for i in range(4):
-                step(way, 1 + 4 * r + i)
-            times[way].append((time.perf_counter() - t0) / 4)
-    ms = {way: statistics.median(ts) * 1e3 for way, ts in times.items()}
+    ms = decode_medians(ways, step, a.rounds)
     print(f"27b ({a.layers} layers, {weights / 1e9:.2f} GB of layer weights), a decode step, medians of "
           f"{a.rounds}: " + ", ".join(f"{way} {t:.1f} ms ({weights / t / 1e6:.1f} GB/s)" for way, t in ms.items())
           + f"; {ms[heap_way] / ms['huge pages']:.3f}x", flush=True)

@@ -116,5 +116,18 @@ def alternated(ways, n: int, rounds: int, read) -> dict:
     return {way: n / statistics.median(ts) for way, ts in times.items()}
 
 
+def decode_medians(ways, step, rounds: int, steps: int = 4) -> dict:
+    """Each way's median ms per decode step: `steps` steps a round (step(way, position) runs one),
+    the ways taken in turn `rounds` times, each at the next positions of its own cache."""
+    times = {way: [] for way in ways}
+    for r in range(rounds):
+        for way in ways:
+            t0 = time.perf_counter()
+            for i in range(steps):
+                step(way, 1 + steps * r + i)
+            times[way].append((time.perf_counter() - t0) / steps)
+    return {way: statistics.median(ts) * 1e3 for way, ts in times.items()}
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -35,7 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_prefill_kernel import RANDOM_MODELS, alternated, load  # noqa: E402
+from bench_prefill_kernel import RANDOM_MODELS, alternated, decode_medians, load  # noqa: E402
 from engine import attention, model, moe, native, products  # noqa: E402
 from engine.cache import init_cache  # noqa: E402
 
@@ -141,15 +141,8 @@ def decode_in_place(layers: int, rounds: int) -> None:
                      jax.jit(lambda *a, **k: model._layer(*a, **k), static_argnames=model.LAYER_STATIC_ARGNAMES))
         caches[way] = init_cache(cfg, 1, 4 * rounds + 8, np.int8, zeros=layout.cache_zeros)
         step(way, 0)                                           # traced with its recurrence, compiled
-    times = {way: [] for way in ways}
-    for r in range(rounds):
-        for way in ways:
-            t0 = time.perf_counter()
-            for i in range(4):
-                step(way, 1 + 4 * r + i)
-            times[way].append((time.perf_counter() - t0) / 4)
+    ms = decode_medians(ways, step, rounds)
     model.native = native
-    ms = {way: statistics.median(ts) * 1e3 for way, ts in times.items()}
     print(f"27b ({layers} layers), a decode step, medians of {rounds}: in place {ms['in place']:.2f} ms, "
           f"gathered {ms['gathered']:.2f} ms, {ms['gathered'] / ms['in place']:.3f}x", flush=True)
 
