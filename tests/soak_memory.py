@@ -9,7 +9,8 @@ unless --url names a running one, then for --minutes sends rounds of (Traffic.ro
             ../shared/fixtures/clients), each turn adding an answer and a ~1k-token file excerpt,
             back to the recorded start past AGENT_MAX_CHARS: growing conversations that come back
   sweeps    one-off Chat prompts of 2k-8k tokens (this repository's source), never repeated
-  replays   every recorded generation request of every client, resent as it was (cache hits)
+  replays   every recorded generation request of every client, resent as it was (cache hits); one
+            asking for structured output (Codex's thread title) must get the spec's 400
   batches   4 short Chat requests with a tool at once (the 4-row decode batch), two of them forced
             calls (tool_choice required and named: the call grammar)
   cancels   an 18,859-token stream closed mid-prefill, and a stream closed mid-decode
@@ -164,6 +165,14 @@ def recorded_requests(clients: Path) -> dict[str, list[dict]]:
     return found
 
 
+def asks_structured_output(body: dict) -> bool:
+    """Whether a request asks for structured output, which the spec answers with 400 on every API
+    (Chat's response_format, Responses' text.format, Messages' output_config.format)."""
+    formats = [(body.get("response_format") or {}).get("type"),
+               ((body.get("text") or {}).get("format") or {}).get("type")]
+    return any(f not in (None, "text") for f in formats) or "format" in (body.get("output_config") or {})
+
+
 def grown(request: dict, k: int, excerpt: str) -> dict:
     """The next turn of an agent's session: an answer and a user turn with a file excerpt appended,
     in the request's own API shape."""
@@ -193,9 +202,10 @@ class Traffic:
         return self.text[at:at + chars]
 
     def send(self, kind: str, path: str, body: dict, headers=(), cut_after: float | None = None,
-             cut_events: int | None = None) -> None:
+             cut_events: int | None = None, expect: int = 200) -> None:
         """One request, streamed when the body says so; cut_after seconds from the first byte of the
-        answer's head, or after cut_events stream events, the connection is closed (a cancel)."""
+        answer's head, or after cut_events stream events, the connection is closed (a cancel). Any
+        status but `expect` counts as an error; an expected refusal is read and counted as done."""
         from tests.bench.bench_sessions import DROP_HEADERS, usage_of
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=REQUEST_TIMEOUT_S)
         key = id(conn)
@@ -209,8 +219,8 @@ class Traffic:
             hdrs["content-type"] = "application/json"
             conn.request("POST", path, json.dumps(body).encode(), hdrs)
             resp = conn.getresponse()
-            if resp.status != 200:
-                error = 1
+            if resp.status != 200 or expect != 200:
+                error = int(resp.status != expect)
                 resp.read()
                 return
             if not body.get("stream"):
@@ -248,7 +258,8 @@ class Traffic:
         query = r.get("query") or ""
         if isinstance(query, dict):
             query = "&".join(f"{k}={v}" for k, v in query.items())
-        self.send(kind, r["path"] + ("?" + query.lstrip("?") if query else ""), r["body"], r["headers"])
+        self.send(kind, r["path"] + ("?" + query.lstrip("?") if query else ""), r["body"], r["headers"],
+                  expect=400 if asks_structured_output(r["body"]) else 200)
 
     # -- the rounds --------------------------------------------------------------------------------
 
