@@ -83,11 +83,13 @@ def write_kv(kv, k, v, slots, where):
     return out
 
 
-def attend(q, kv, slots, positions, live, *, native_kernel: bool):
+def attend(q, kv, slots, positions, live, *, native_kernel: bool, valid=None):
     """Causal attention of q [B, KV, G, T, D] (float32, already scaled) over positions [0, live) of
     each row's slot: a query at position p sees keys 0..p. kv: the layer's cache, already holding
-    this call's keys and values. native_kernel: engine.native's kernel serves the model. Returns
-    [B, KV, G, T, D] float32."""
+    this call's keys and values. native_kernel: engine.native's kernel serves the model. valid [B, T]
+    (optional): the positions that are a prompt's or an answer's, not padding; the kernel reads no
+    keys for the others, whose outputs are then zero (elsewhere they read up to the live length).
+    Returns [B, KV, G, T, D] float32."""
     b, kv_heads, group, t, d = q.shape
     if native_kernel and kv["k"].dtype == jnp.int8:
         # The kernel's attention: exact integer products of the int8 keys and values with the
@@ -95,10 +97,14 @@ def attend(q, kv, slots, positions, live, *, native_kernel: bool):
         # own (engine/native.cc: Int8Attend). Every token is a query row of its own, which gets
         # the numbers it gets alone: a prompt's keys and values are the same read in any chunks,
         # cold or cached, by a decode step or in a verification of drafts. A chunk's tokens share
-        # the kernel's passes over the keys. Padding tokens read up to the live length, never used.
+        # the kernel's passes over the keys. Padding tokens read nothing (position -1): at a long
+        # context a short prompt's padded chunk would otherwise read it all once per padded token.
         flat = q.transpose(0, 3, 1, 2, 4).reshape(b * t, kv_heads, group, d)
+        read = jnp.minimum(positions, live - 1)
+        if valid is not None:
+            read = jnp.where(valid, read, -1)
         out = native.int8_attend(flat, kv["k"], kv["v"], kv["k_scale"], kv["v_scale"],
-                                 jnp.repeat(slots, t), jnp.minimum(positions, live - 1).reshape(b * t))
+                                 jnp.repeat(slots, t), read.reshape(b * t))
         return out.reshape(b, t, kv_heads, group, d).transpose(0, 2, 3, 1, 4)
     return _attend_blocks(q, kv, slots, positions, live)
 

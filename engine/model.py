@@ -71,6 +71,17 @@ def _rms_norm(x, weight, eps):
     return x * lax.rsqrt(tree_sum(x * x) / x.shape[-1] + eps) * weight.astype(F32)
 
 
+def _padding_zeroed(x, valid, cfg: ModelConfig):
+    """x [B, T, ...] with its padded positions (a prompt chunk's tail, an idle decode row: not valid)
+    zero, where the native kernel serves: it does not compute a product's trailing zero rows
+    (engine/native.cc: LiveRows), so a short prompt in a longer chunk pays for its own tokens' products
+    only. Padded positions' numbers are never read (their keys aim past the cache, their state updates
+    are none), and a valid position's are unchanged."""
+    if not cfg.native:
+        return x
+    return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x, 0.0)
+
+
 def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     """Inverse frequencies [head_dim/2] and the factor cos/sin are scaled by (1 unless YaRN).
     Computed with numpy from the static config, so they are constants in the compiled program."""
@@ -138,11 +149,11 @@ def _attention(layer, kv, x, slots, positions, rope, valid, live, *, cfg: ModelC
     q, gate, cache = _attention_entries(layer, kv, x, slots, positions, rope, valid, cfg=cfg, gated=gated)
     q = q.reshape(b, t, cfg.num_kv_heads, group, d).transpose(0, 2, 3, 1, 4)   # [B, KV, G, T, D]
     q = q * (1.0 / np.sqrt(d))
-    out = attend(q, cache, slots, positions, live, native_kernel=cfg.native)
+    out = attend(q, cache, slots, positions, live, native_kernel=cfg.native, valid=valid)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.q_size)
     if gated:
         out = out * jax.nn.sigmoid(gate)
-    return matmul(out, layer["o"]), cache
+    return matmul(_padding_zeroed(out, valid, cfg), layer["o"]), cache
 
 
 def _attention_entries(layer, kv, x, slots, positions, rope, valid, *, cfg: ModelConfig, gated: bool):
@@ -477,7 +488,7 @@ def _linear_attention(layer, state, x, slots, starts, lengths, valid, zero, *, c
         out, recurrent = _delta_chunked(q, k, v, g, beta, recurrent)
     # Gated RMSNorm per value head: normalized, scaled, times silu of the z projection.
     out = _rms_norm(out, lin["norm"], cfg.rms_norm_eps) * _silu(z, zero)
-    out = matmul(out.reshape(b, t, -1), lin["out"])
+    out = matmul(_padding_zeroed(out.reshape(b, t, -1), valid, cfg), lin["out"])
     if verify:
         return out, state, steps
     # The new conv state is the last kernel - 1 inputs of the row's real tokens. Rows with no
@@ -528,7 +539,7 @@ def _layer(layer, kv, x, slots, starts, lengths, positions, rope, valid, live, *
            kind: str, mlp: str, site: int | None, verify: bool = False):
     """One decoder layer on the residual stream x [B, T, hidden]: (x after it, its updated cache,
     a linear layer's state after each position in a verification or else None)."""
-    normed = _rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+    normed = _padding_zeroed(_rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps), valid, cfg)
     steps, zero = None, _zero(lengths)
     if kind == "linear":
         h, kv, steps = _linear_attention(layer, kv, normed, slots, starts, lengths, valid, zero, cfg=cfg,
@@ -539,7 +550,7 @@ def _layer(layer, kv, x, slots, starts, lengths, positions, rope, valid, live, *
     else:
         raise ValueError(f"layer kind {kind!r} is not implemented")
     x = x + h
-    normed = _rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+    normed = _padding_zeroed(_rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps), valid, cfg)
     mixed = _moe(layer, normed, valid, zero, cfg, site) if mlp == "moe" else _mlp(layer, normed)
     return x + mixed, kv, steps
 

@@ -312,6 +312,18 @@ void Parallel(ffi::ThreadPool& pool, int64_t chunks, std::function<void(int64_t)
   while (shared->done.load(std::memory_order_acquire) < chunks) Pause();
 }
 
+// The rows of x [R, K] a product computes: up to the last row with a value other than zero. The
+// trailing rows are a prompt chunk's padding, which the model zeroes before each product
+// (engine/model.py: _padding_zeroed): a 6-token prompt in a 32-token chunk pays for 6 rows'
+// arithmetic, not 32. Their outputs are written zero, what their all-zero terms would sum to.
+int64_t LiveRows(const float* x, int64_t R, int64_t K) {
+  while (R > 0 && std::all_of(x + (R - 1) * K, x + R * K, [](float v) { return v == 0.0f; })) R--;
+  return R;
+}
+
+// out [R, N] past the first `live` rows: zero (LiveRows).
+void ZeroRowsFrom(float* out, int64_t live, int64_t R, int64_t N) { std::fill(out + live * N, out + R * N, 0.0f); }
+
 bool Packed(const ffi::Span<const int64_t>& d) {
   return d.size() == 4 && d[2] == kLanes && d[3] == kGroup;
 }
@@ -531,7 +543,8 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (!Packed(wd) || xd.size() != 2 || xd[1] != wd[1] * kGroup ||
       scale.element_count() != wd[0] * kLanes)
     return ffi::Error::InvalidArgument("int8_matmul: x [R, K], weights [N/16, K/4, 16, 4], scale [N]");
-  const int64_t blocks = wd[0], K = xd[1], N = blocks * kLanes, R = xd[0], T = 2 * R;
+  const int64_t blocks = wd[0], K = xd[1], N = blocks * kLanes, R = LiveRows(x.typed_data(), xd[0], K), T = 2 * R;
+  ZeroRowsFrom(out->typed_data(), R, xd[0], N);
   std::vector<int8_t> terms(T * K);                         // row r's terms at 2r, 2r + 1
   std::vector<float> term_scales(T);
   std::vector<int32_t> offsets(T);
@@ -926,9 +939,10 @@ constexpr Block5Fn kBlocks5[kMaxTerms + 1] = {nullptr, Block5<1>, Block5<2>, Blo
 // outputs, n <= kMaxTerms rows at a time (terms [n, K]; sums, term_scales [n, K/32]; out [n, N]).
 constexpr int kTermBlock = 32;           // inputs per row scale
 template <typename Block>
-void PerBlockProduct(ffi::ThreadPool& pool, const float* x, int64_t R, int64_t K, int64_t blocks, float* out,
+void PerBlockProduct(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t K, int64_t blocks, float* out,
                      Block block) {
-  const int64_t N = blocks * kLanes, blocks32 = K / kTermBlock;
+  const int64_t N = blocks * kLanes, blocks32 = K / kTermBlock, R = LiveRows(x, rows, K);
+  ZeroRowsFrom(out, R, rows, N);
   std::vector<int8_t> terms(R * K);
   std::vector<float> term_scales(R * blocks32);             // per row and 32 inputs
   std::vector<int32_t> sums(R * blocks32, 0);               // the terms' sum per row and 32 inputs
@@ -1511,9 +1525,10 @@ constexpr BlockKFn kBlocksK[kKRows + 1] = {nullptr, BlockK<1, F>, BlockK<2, F>, 
 // x float32 [R, K] times K-quant blocks -> float32 [R, N]: each row rounded to int8 per 256 inputs,
 // then the blocks' exact integer sums, their scales and mins (BlockK).
 template <KForm F>
-void KMatmul(ffi::ThreadPool& pool, const float* x, int64_t R, const KBlocks& w, float* out) {
+void KMatmul(ffi::ThreadPool& pool, const float* x, int64_t rows, const KBlocks& w, float* out) {
   constexpr int sub = kSub<F>;
-  const int64_t K = w.K, N = w.blocks * kLanes, supers = K / kSuper, subs = K / sub;
+  const int64_t K = w.K, N = w.blocks * kLanes, supers = K / kSuper, subs = K / sub, R = LiveRows(x, rows, K);
+  ZeroRowsFrom(out, R, rows, N);
   std::vector<int8_t> terms(R * K);
   std::vector<float> term_scales(R * supers), sub_sums(R * subs);
   for (int64_t r = 0; r < R; r++) {
@@ -2047,9 +2062,10 @@ constexpr BlockSFn kBlocksS[kSRows + 1] = {nullptr, BlockS<1, F>, BlockS<2, F>, 
 // x float32 [R, K] times scaled-level blocks -> float32 [R, N]: each row rounded to int8 per span,
 // the terms' sums per sub-block, then BlockS, kSRows rows per pass over each chunk.
 template <SForm F>
-void SMatmul(ffi::ThreadPool& pool, const float* x, int64_t R, const SBlocks& w, float* out) {
+void SMatmul(ffi::ThreadPool& pool, const float* x, int64_t rows, const SBlocks& w, float* out) {
   constexpr int span = kSSpan<F>, sub = kSSub<F>;
-  const int64_t K = w.K, N = w.blocks * kLanes, spans = K / span, subs = K / sub;
+  const int64_t K = w.K, N = w.blocks * kLanes, spans = K / span, subs = K / sub, R = LiveRows(x, rows, K);
+  ZeroRowsFrom(out, R, rows, N);
   std::vector<int8_t> terms(R * K);
   std::vector<float> term_scales(R * spans);
   std::vector<int32_t> sub_sums(R * subs);
@@ -2692,7 +2708,8 @@ constexpr int64_t kBlockTokens = 16;
 // Attention over an int8 cache: q [B, KV, G, D] float32 (one token per row, scaled and multiplied
 // by the keys' smoothing), the cache's k, v [slots, KV, D, C] int8 and k_scale, v_scale
 // [slots, KV, C], each row's slot and position [B] -> out [B, KV, G, D]: row b's queries attend to
-// positions 0 .. position[b] of slot slots[b]. Tasks of (block of rows, KV head, kSplit positions)
+// positions 0 .. position[b] of slot slots[b]; a row at a negative position (padding) reads nothing
+// and its outputs are zero. Tasks of (block of rows, KV head, kSplit positions)
 // run on the pool; a row's partial softmaxes are merged in a fixed order. Each row gets the numbers
 // it gets alone: a decode step's, a verification's and a prefill chunk's rows agree to the bit.
 ffi::Error Int8Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k,
@@ -2711,8 +2728,11 @@ ffi::Error Int8Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
   std::vector<Block> blocks;
   for (int64_t b = 0; b < B; b++) {
     if (slot[b] < 0 || slot[b] >= S) return ffi::Error::InvalidArgument("int8_attend: slot out of range");
-    last[b] = std::min<int64_t>(std::max<int32_t>(positions.typed_data()[b], 0), C - 1);
-    if (blocks.empty() || slot[blocks.back().first] != slot[b] || blocks.back().count == kBlockTokens)
+    last[b] = std::min<int64_t>(positions.typed_data()[b], C - 1);
+    if (last[b] < 0) continue;                                 // padding: in no block
+    const Block* before = blocks.empty() ? nullptr : &blocks.back();
+    if (!before || slot[before->first] != slot[b] || before->count == kBlockTokens ||
+        before->first + before->count != b)                    // a block's rows are adjacent
       blocks.push_back({b, 0, 0});
     blocks.back().count++;
     blocks.back().last = std::max(blocks.back().last, last[b]);
@@ -2740,6 +2760,8 @@ ffi::Error Int8Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
                &acc[t.at * D]);
   });
   float* op = out->typed_data();
+  for (int64_t b = 0; b < B; b++)
+    if (last[b] < 0) std::fill_n(op + b * KV * G * D, KV * G * D, 0.0f);
   for (size_t i = 0; i < tasks.size();) {                    // a (block, KV head)'s tasks are adjacent
     size_t j = i;
     while (j < tasks.size() && tasks[j].block == tasks[i].block && tasks[j].h == tasks[i].h) j++;

@@ -615,7 +615,7 @@ def int8_attend(q, k, v, k_scale, v_scale, slots, positions):
     Int8Attend): q [B, KV, G, D] float32 (one token per row, scaled and smoothed; D even, at most
     1024), k, v int8 [slots, KV, D, ctx], k_scale, v_scale float32 [slots, KV, ctx], slots,
     positions int32 [B] -> [B, KV, G, D]: row b attends to positions 0 .. positions[b] of slot
-    slots[b]."""
+    slots[b]; a row at a negative position (padding) reads nothing, its outputs zero."""
     import jax
     import jax.numpy as jnp
 

@@ -688,6 +688,39 @@ def test_a_prefill_chunk_widens_a_large_matrix_in_parts_with_the_same_products(f
     np.testing.assert_array_equal(parts.view(np.uint32), whole.view(np.uint32))
 
 
+def _product(form: str, rng, n: int, k: int):
+    """(engine.native's product call, its weights after x) of a random [n, k] matrix in `form`."""
+    from engine.checkpoint import k_quant_parts
+    if form == "int8":
+        return "int8_matmul", (native.pack(_offset_weights(rng, n, k)), rng.random(n).astype(np.float32))
+    if form == "Q5_0":
+        return "int5_matmul", (native.pack5(*_q5_0(rng, n, k)),)
+    if form == "Q8_0":
+        return "q8_matmul", (native.pack8(*_q8_0(rng, n, k)),)
+    if form in native.K_SUB:
+        return "k_matmul", (native.pack_k(form, **k_quant_parts(form, random_k_blocks(rng, form, n, k))),)
+    return "s_matmul", (native.pack_s(form, **s_block_parts(form, random_s_blocks(rng, form, n, k))),)
+
+
+@pytest.mark.parametrize("form", ["int8", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS", "Q3_K"])
+def test_a_products_trailing_zero_rows_answer_zero_and_leave_the_rows_before_them_alone(kernel, form):
+    """A prompt chunk's padding reaches a product as trailing zero rows (engine/model.py:
+    _padding_zeroed), which the kernel does not compute (LiveRows). Guards against the rows before
+    them getting other numbers than they get alone (a pass of rows cut at the wrong row), a zero row
+    inside the live ones being dropped, the padding's outputs being anything but zero, or a call of
+    padding only (an idle decode batch) going wrong."""
+    rng = np.random.default_rng(len(form))
+    call, w = _product(form, rng, 48, 512)
+    call = getattr(kernel, call)
+    x = rng.standard_normal((11, 512)).astype(np.float32)
+    x[2] = 0                                           # a zero row among the live ones
+    x[6:] = 0                                          # the padding
+    got = call(x, *w)
+    np.testing.assert_array_equal(got[:6], call(x[:6], *w))
+    assert got[:6].any() and not got[2].any() and not got[6:].any()
+    assert not call(np.zeros((5, 512), np.float32), *w).any()
+
+
 def test_packed_layout_round_trips_and_reads_rows():
     """Guards against pack, unpack and packed_rows disagreeing about where element [n, k] lives."""
     q = _offset_weights(np.random.default_rng(0), 48, 20)
@@ -727,6 +760,42 @@ def test_packed_weights_give_the_plain_layouts_logits(name, int8_max_rows, monke
     got, want = _logits(cfg, packed, tokens, forward), _logits(cfg, plain, tokens, forward)
     np.testing.assert_allclose(got, want, atol=0.02, rtol=0)
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["qwen3-8", "qwen2"])
+def test_a_chunks_padding_reaches_every_product_as_zero_rows(name, monkeypatch):
+    """The kernel skips a product's trailing zero rows (LiveRows): guards against a product of a
+    layer (the projections, the attention's or the linear attention's output, the MLP; Qwen2's
+    biased qkv) getting a padded position's row as anything but zero, and against the zeroing
+    changing a real position's numbers (the same logits as the prompt in a chunk of its own length)."""
+    from dataclasses import replace
+    from safetensors.numpy import load_file
+    folder = os.path.join(TINY, name)
+    cfg = replace(load_config(folder), native=True)
+    params = load_weights(folder, cfg, "int8", pack=True)
+    tokens = np.asarray(load_file(os.path.join(folder, "reference.safetensors"))["tokens"])[:6]
+    padded_rows, matmul = [], products.matmul
+
+    def watched(x, w):
+        flat = np.asarray(x).reshape(-1, x.shape[-1])
+        if flat.shape[0] == 32:                           # the chunk's rows (the head reads one)
+            padded_rows.append(np.abs(flat[6:]).max())
+        return matmul(x, w)
+    monkeypatch.setattr(model, "matmul", watched)
+    monkeypatch.setattr(products, "matmul", watched)      # the MLP's (products.swiglu)
+    i32 = lambda *v: jnp.asarray(v, jnp.int32)  # noqa: E731
+
+    def last_logits(chunk):
+        cache = init_cache(cfg, 1, 64, jnp.int8)
+        padded = jnp.asarray(np.pad(tokens, (0, chunk - len(tokens)))[None], jnp.int32)
+        with jax.disable_jit():
+            logits, _ = model.forward(params, cache, padded, i32(0), i32(0), i32(len(tokens)), cfg=cfg)
+        return np.asarray(logits)
+    alone = last_logits(6)
+    assert not padded_rows
+    np.testing.assert_array_equal(last_logits(32), alone)
+    assert len(padded_rows) == 4 * cfg.num_layers and max(padded_rows) == 0
 
 
 @needs_kernel
@@ -1019,6 +1088,27 @@ def test_int8_attend_gives_each_row_of_a_chunk_the_numbers_it_gets_alone(kernel,
     for b in range(len(positions)):
         alone = kernel.int8_attend(q[b:b + 1], k, v, k_scale, v_scale, rows[b:b + 1], where[b:b + 1])
         np.testing.assert_array_equal(whole[b], alone[0], err_msg=f"row {b} at position {positions[b]}")
+
+
+def test_int8_attend_reads_nothing_for_a_padding_row(kernel):
+    """A padded token of a prompt chunk comes at position -1 (engine.attention.attend with valid):
+    guards against it reading keys (its output must be zero), its neighbours' numbers changing with
+    it (the rows after it, of its slot, are a block of their own), or a call of padding only."""
+    rng = np.random.default_rng(5)
+    slots, kv, group, d, ctx = 2, 2, 3, 32, 300
+    k = rng.integers(-127, 128, (slots, kv, d, ctx), dtype=np.int8)
+    v = rng.integers(-127, 128, (slots, kv, d, ctx), dtype=np.int8)
+    k_scale = (rng.random((slots, kv, ctx)) * 0.02).astype(np.float32)
+    v_scale = rng.random((slots, kv, ctx)).astype(np.float32)
+    where = np.array([100, 101, -1, 102, 250, -1, -1], np.int32)
+    rows = np.array([1, 1, 1, 1, 0, 0, 1], np.int32)
+    q = (rng.standard_normal((len(where), kv, group, d)) / 4).astype(np.float32)
+    got = kernel.int8_attend(q, k, v, k_scale, v_scale, rows, where)
+    for b in np.flatnonzero(where >= 0):
+        alone = kernel.int8_attend(q[b:b + 1], k, v, k_scale, v_scale, rows[b:b + 1], where[b:b + 1])
+        np.testing.assert_array_equal(got[b], alone[0], err_msg=f"row {b}")
+    assert got[where >= 0].any(axis=(1, 2, 3)).all() and not got[where < 0].any()
+    assert not kernel.int8_attend(q[:2], k, v, k_scale, v_scale, rows[:2], np.full(2, -1, np.int32)).any()
 
 
 def _row_dot_definition(x, w):
