@@ -791,9 +791,9 @@ def test_a_chunks_padding_reaches_every_product_as_zero_rows(name, monkeypatch):
     i32 = lambda *v: jnp.asarray(v, jnp.int32)  # noqa: E731
 
     def last_logits(chunk):
-        cache = init_cache(cfg, 1, 64, jnp.int8)
+        kv = init_cache(cfg, 1, 64, jnp.int8)
         padded = jnp.asarray(np.pad(tokens, (0, chunk - len(tokens)))[None], jnp.int32)
-        logits, _ = forward(params, cache, padded, i32(0), i32(0), i32(len(tokens)), cfg=cfg)
+        logits, _ = forward(params, kv, padded, i32(0), i32(0), i32(len(tokens)), cfg=cfg)
         jax.effects_barrier()
         return np.asarray(logits)
     alone = last_logits(6)
