@@ -53,6 +53,20 @@ def qwen35_tok(qwen35_folder):
     return chat.Tokenizer.from_folder(qwen35_folder)
 
 
+@pytest.fixture(scope="module")
+def heap_as_in_a_server_process():
+    """For a module whose bounds on time hold for a server process: this process's heap holds what
+    every earlier test module left (jax, models, fixtures, large parametrized tool sets), millions of
+    objects a server process would not hold, which Python's full collections walk (about 0.4 s each on
+    the CI machine; a 0.1 s grammar compile took 2.1 s of its thread once in the suite). They are
+    frozen out of the collector while the module runs."""
+    import gc
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
 # Every compiled XLA:CPU program keeps a few memory mappings of its own code for as long as jit's
 # caches hold it. Programs pile up over a whole suite in one process, and past the kernel's limit on
 # a process's mappings (vm.max_map_count, 65,530 by default) LLVM cannot map a new one: the next

@@ -7,7 +7,6 @@ Every attack runs against a real server (the fake engine) while /health and a no
 timed beside it: the server must answer them promptly meanwhile, not only after."""
 from __future__ import annotations
 
-import gc
 import json
 import socket
 import threading
@@ -96,17 +95,8 @@ class Bystanders:
         assert max(self.normal, default=0) < NORMAL_BOUND_S, f"a normal request took {max(self.normal):.2f} s"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _heap_frozen_as_in_a_server_process():
-    """The servers here run in the test process (tests/harness.py), whose heap holds what every earlier
-    test module left (jax, models, fixtures) and this module's hostile tool sets: millions of objects
-    a server process of its own would not hold, which its full garbage collections would walk (about
-    0.4 s each on the CI machine, counted against the bystanders' bounds). They are frozen out of the
-    collector for this module."""
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
+# The servers here run in the test process: its heap is frozen out of the collector (conftest.py).
+pytestmark = pytest.mark.usefixtures("heap_as_in_a_server_process")
 
 
 @pytest.fixture(scope="module")

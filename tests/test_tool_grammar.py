@@ -26,6 +26,8 @@ from engine.protocol import Constraint
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
+# Compiles here are held to a server's bounds on time (CPU seconds), so the heap is a server's too.
+pytestmark = pytest.mark.usefixtures("heap_as_in_a_server_process")
 
 VOCAB = 151936                      # the Qwen3 models' logits (the tokenizer's ids, padded)
 VOCAB35 = 248320                    # the Qwen3.5 models' logits
