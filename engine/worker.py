@@ -51,6 +51,7 @@ from engine.weights import held_key, held_note, load_mtp, load_weights, packs_in
 # Every program goes to the persistent compile cache, however quick its compile: a restarted worker
 # then loads all of them and compiles none (dozens of quick compiles still add up to seconds).
 COMPILE_CACHE_MIN_SECONDS = 0.0
+_compile_cache_folder: str | None = None     # the process's persistent compile cache (_use_compile_cache)
 # Exit status of an injected fault (MASHBOX_FAULT): distinct from a crash's usual 1.
 FAULT_EXIT_CODE = 70
 # While busy, Stats go out at most this often unless the number of rows or waiting requests changed.
@@ -204,8 +205,14 @@ def device_call(method):
 
 
 def _use_compile_cache(folder: str | None) -> None:
-    """Every program goes to the persistent compile cache in `folder` (None: no persistent cache)."""
-    if folder:
+    """Every program goes to the persistent compile cache in `folder` (None: no persistent cache).
+    jax opens its cache once per process, in the folder set at its first compile, yet hashes the
+    folder set at each compile into the program's key (the GPU autotuning folder it derives from it):
+    a second folder in the same process (a test's, a bench's engines) would write every program under
+    a key no later run finds again. So the first folder stays for the process."""
+    global _compile_cache_folder
+    if folder and _compile_cache_folder is None:
+        _compile_cache_folder = folder
         os.makedirs(folder, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", folder)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", COMPILE_CACHE_MIN_SECONDS)

@@ -18,6 +18,12 @@ if ROOT not in sys.path:
 
 from engine import registry  # noqa: E402  (needs ROOT on sys.path)
 
+# Every program the tests compile that takes a second or more (jax's default threshold; engines cache
+# all of theirs) goes to the persistent compile cache a server uses by default, in this process and
+# the processes it starts: a second run of the suite loads the tiny models' programs instead of
+# compiling them again (minutes). Set before jax is imported, which reads it then.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(registry.cache_root() / "jax"))
+
 
 def demo_spec() -> registry.ModelSpec:
     """The demo model's spec with its cache folder, whatever $MASHBOX_WEIGHTS says."""
@@ -51,6 +57,14 @@ def qwen35_folder(tmp_path_factory) -> str:
 def qwen35_tok(qwen35_folder):
     from engine import chat
     return chat.Tokenizer.from_folder(qwen35_folder)
+
+
+@pytest.fixture(scope="session")
+def compile_cache() -> str:
+    """The persistent compile cache of the tests' engines (above). A folder of each test's own would
+    not do: jax hashes the folder into every program's key (engine.worker._use_compile_cache). Tests
+    of a cold cache make their own, in a process of its own."""
+    return os.environ["JAX_COMPILATION_CACHE_DIR"]
 
 
 @pytest.fixture(scope="module")

@@ -358,13 +358,13 @@ def test_a_stuck_worker_is_replaced_and_its_request_retried(tmp_path):
         assert any("no progress for 0.8 s" in line for line in server.logs), server.logs
 
 
-def test_the_real_worker_dying_in_prefill_is_replaced_and_serves_the_retry(tmp_path, monkeypatch):
+def test_the_real_worker_dying_in_prefill_is_replaced_and_serves_the_retry(compile_cache, monkeypatch):
     """Guards against supervision that only works with the fake: engine/worker.py on a tiny checkpoint
     exits in its first prefill (MASHBOX_FAULT), the bridge logs its exit code, starts a clean one, and
     the request sent again is answered."""
     pytest.importorskip("jax")
     args = {"model_id": "tiny", "weights_folder": str(ROOT / "tests" / "fixtures" / "tiny" / "qwen3"),
-            "slots": 2, "ctx": 128, "prefill_chunks": [32], "compile_cache": str(tmp_path / "jax"),
+            "slots": 2, "ctx": 128, "prefill_chunks": [32], "compile_cache": compile_cache,
             "speculative": "off"}     # fewer programs to compile: drafting is not what this tests
     monkeypatch.setenv("MASHBOX_FAULT", "prefill")
     logs: list[str] = []

@@ -389,7 +389,7 @@ def served_folder(tmp_path) -> str:
     return str(folder)
 
 
-def test_a_served_hybrid_model_answers_a_second_turn_from_the_prompt_cache(tmp_path):
+def test_a_served_hybrid_model_answers_a_second_turn_from_the_prompt_cache(compile_cache, tmp_path):
     """Guards against a hybrid model that is refused or whose prompt cache never hits: a real server
     on a real socket, one slot, a conversation whose slot another request took in between; its
     second turn is served from a snapshot, and /health and /metrics report the same snapshot bytes."""
@@ -400,7 +400,7 @@ def test_a_served_hybrid_model_answers_a_second_turn_from_the_prompt_cache(tmp_p
     from tests.harness import HOST, Server
     folder = served_folder(tmp_path)
     args = {"model_id": "tiny-next", "weights_folder": folder, "slots": 1, "ctx": 512,
-            "prefill_chunks": [32], "cache_ram_mib": 16, "compile_cache": str(tmp_path / "jax"),
+            "prefill_chunks": [32], "cache_ram_mib": 16, "compile_cache": compile_cache,
             "speculative": "off"}     # fewer programs to compile: drafting is not what this tests
     bridge = mashbox.Bridge(args, log=lambda m: None)
     app = mashbox.App(mashbox.ServeConfig(host=HOST, port=0, model="tiny-next"), bridge=bridge)

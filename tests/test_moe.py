@@ -360,7 +360,7 @@ def test_moe_turns_loaded_from_the_host_cache_equal_a_cold_run():
 
 # ---- a running server --------------------------------------------------------------------------
 
-def test_health_and_metrics_of_a_running_tiny_moe_server(tmp_path):
+def test_health_and_metrics_of_a_running_tiny_moe_server(compile_cache, tmp_path):
     """Guards against routed_experts lost between the worker and /health: a real server on a real
     socket with the real worker on the tiny MoE checkpoint."""
     from tests.fake_worker import tokenizer_folder
@@ -374,7 +374,7 @@ def test_health_and_metrics_of_a_running_tiny_moe_server(tmp_path):
     for name in os.listdir(words):
         shutil.copy(os.path.join(words, name), folder)
     args = {"model_id": "tiny-moe", "weights_folder": str(folder), "slots": 2, "ctx": 128,
-            "prefill_chunks": [32], "compile_cache": str(tmp_path / "jax"),
+            "prefill_chunks": [32], "compile_cache": compile_cache,
             "speculative": "off"}     # fewer programs to compile: drafting is not what this tests
     bridge = mashbox.Bridge(args, log=lambda m: None)
     app = mashbox.App(mashbox.ServeConfig(host=HOST, port=0, model="tiny-moe"), bridge=bridge)

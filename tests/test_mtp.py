@@ -99,11 +99,6 @@ def test_the_mode_and_the_checkpoint_decide_which_drafter_runs_and_the_log_says_
 # ---- drafting with the MTP layer in the engine ----------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("compile-cache"))
-
-
-@pytest.fixture(scope="module")
 def engines(compile_cache):
     """qwen3-8 drafting by its MTP layer alone, with two slots and a host cache (three conversations
     take turns in them, reloading their starts and snapshots), and drafting off without any cache."""

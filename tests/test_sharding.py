@@ -311,11 +311,6 @@ def test_each_device_reads_only_the_experts_the_rows_picked_among_its_own(rows):
 
 # ---- a worker and a server on 4 devices ----------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("jax"))
-
-
 def _recv(conn, kind, timeout=600):
     while True:
         assert conn.poll(timeout), f"no {kind.__name__} from the worker"

@@ -183,13 +183,6 @@ HYBRID = MODELS[2:]
 LAYERED = "qwen3-8 layered"
 
 
-@pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    """One persistent compile cache for this file's engines: drafting on and off share their prefill
-    and decode programs, and a restarted worker loads its programs from it."""
-    return str(tmp_path_factory.mktemp("compile-cache"))
-
-
 def _engine(speculative: str, folder: str = "qwen3", slots: int = 4, compile_cache=None, **more):
     """A tiny int8 engine (drafting needs the native kernel's int8 products and cache); a folder
     named with " layered" runs one program per layer."""

@@ -214,11 +214,11 @@ def _recv_until(conn, kind, timeout=300):
             return messages
 
 
-def test_worker_process_round_trip(tmp_path):
+def test_worker_process_round_trip(compile_cache):
     """Guards against the pipe protocol breaking: Loading, Ready, Submit -> Steps -> finish, Stats."""
     # as a dict of WorkerArgs's fields, the way the server (which never imports jax) sends them
     args = {"model_id": "tiny", "weights_folder": str(TINY / "qwen3"), "slots": 2, "ctx": 128,
-            "prefill_chunks": [32], "compile_cache": str(tmp_path / "jax")}
+            "prefill_chunks": [32], "compile_cache": compile_cache}
     process, conn = spawn_worker(WORKER_ENTRY, args)
     try:
         start = _recv_until(conn, Ready)
