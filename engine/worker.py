@@ -51,7 +51,6 @@ from engine.weights import held_key, held_note, load_mtp, load_weights, packs_in
 # Every program goes to the persistent compile cache, however quick its compile: a restarted worker
 # then loads all of them and compiles none (dozens of quick compiles still add up to seconds).
 COMPILE_CACHE_MIN_SECONDS = 0.0
-_compile_cache_folder: str | None = None     # the process's persistent compile cache (_use_compile_cache)
 # Exit status of an injected fault (MASHBOX_FAULT): distinct from a crash's usual 1.
 FAULT_EXIT_CODE = 70
 # While busy, Stats go out at most this often unless the number of rows or waiting requests changed.
@@ -202,6 +201,9 @@ def device_call(method):
         finally:
             self._in_call = outer
     return call
+
+
+_compile_cache_folder: str | None = None     # the process's persistent compile cache, once set
 
 
 def _use_compile_cache(folder: str | None) -> None:
