@@ -71,9 +71,8 @@ def compile_cache() -> str:
 def heap_as_in_a_server_process():
     """For a module whose bounds on time hold for a server process: this process's heap holds what
     every earlier test module left (jax, models, fixtures, large parametrized tool sets), millions of
-    objects a server process would not hold, which Python's full collections walk (about 0.4 s each on
-    the CI machine; a 0.1 s grammar compile took 2.1 s of its thread once in the suite). They are
-    frozen out of the collector while the module runs."""
+    objects a server process would not hold, which Python's full collections walk, each long enough
+    to break such a bound. They are frozen out of the collector while the module runs."""
     import gc
     gc.collect()
     gc.freeze()
