@@ -51,6 +51,10 @@ from engine.weights import held_key, held_note, load_mtp, load_weights, packs_in
 # Every program goes to the persistent compile cache, however quick its compile: a restarted worker
 # then loads all of them and compiles none (dozens of quick compiles still add up to seconds).
 COMPILE_CACHE_MIN_SECONDS = 0.0
+# A program the cache has not handed out for this long is deleted when a worker starts: each upgrade,
+# flag or model change writes a new set (tens of MB) and jax bounds the folder only with a package we
+# do not ship. A month outlasts any schedule of restarts; a program deleted too soon compiles again.
+COMPILE_CACHE_KEEP_DAYS = 30
 # Exit status of an injected fault (MASHBOX_FAULT): distinct from a crash's usual 1.
 FAULT_EXIT_CODE = 70
 # While busy, Stats go out at most this often unless the number of rows or waiting requests changed.
@@ -206,18 +210,40 @@ def device_call(method):
 _compile_cache_folder: str | None = None     # the process's persistent compile cache, once set
 
 
-def _use_compile_cache(folder: str | None) -> None:
+def _use_compile_cache(folder: str | None) -> tuple[int, int]:
     """Every program goes to the persistent compile cache in `folder` (None: no persistent cache).
     jax opens its cache once per process, in the folder set at its first compile, yet hashes the
     folder set at each compile into the program's key (the GPU autotuning folder it derives from it):
     a second folder in the same process (a test's, a bench's engines) would write every program under
-    a key no later run finds again. So the first folder stays for the process."""
+    a key no later run finds again. So the first folder stays for the process. Returns what
+    forget_unused_programs deleted there (nothing after the first call)."""
     global _compile_cache_folder
-    if folder and _compile_cache_folder is None:
-        _compile_cache_folder = folder
-        os.makedirs(folder, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", folder)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", COMPILE_CACHE_MIN_SECONDS)
+    if not folder or _compile_cache_folder is not None:
+        return 0, 0
+    _compile_cache_folder = folder
+    os.makedirs(folder, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", COMPILE_CACHE_MIN_SECONDS)
+    return forget_unused_programs(folder)
+
+
+def forget_unused_programs(folder: str, keep_days: float = COMPILE_CACHE_KEEP_DAYS) -> tuple[int, int]:
+    """Delete the compile cache's programs last read or written more than `keep_days` ago; returns
+    (files, bytes) deleted. A read is the file's access time, which Linux's default mount option
+    (relatime) moves at least once a day; where access times are off, a program in use is deleted
+    once a month and compiled again. Only whole, old files go: jax writes a program once and then
+    only reads it, and a reader that has one open keeps it to the end."""
+    cutoff, files, size = time.time() - keep_days * 86400, 0, 0
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            try:
+                stat = entry.stat(follow_symlinks=False)
+                if entry.is_file(follow_symlinks=False) and max(stat.st_atime, stat.st_mtime) < cutoff:
+                    os.unlink(entry.path)
+                    files, size = files + 1, size + stat.st_size
+            except OSError:
+                pass            # gone already (another server's worker), or not ours to delete
+    return files, size
 
 
 # ---- the engine --------------------------------------------------------------------------------
@@ -236,7 +262,10 @@ class Engine:
         self.mirror: mirror.Leader | None = None
         self._in_call = False
         self.start_notes: list[str] = []          # for the server's log, once (take_notes)
-        _use_compile_cache(args.compile_cache)
+        files, size = _use_compile_cache(args.compile_cache)
+        if files:
+            self.start_notes.append(f"deleted {files} compiled programs ({size / 1e6:.0f} MB) unused for "
+                                    f"{COMPILE_CACHE_KEEP_DAYS} days from {args.compile_cache}")
         native.prepare()                  # a first start builds the int8 kernel beside what follows
         self._lay_out()
         if jax.process_count() > 1 and not follower:     # before the weights: followers load theirs meanwhile

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ast
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -282,6 +283,23 @@ def test_a_restarted_worker_loads_every_program_from_the_persistent_cache(tmp_pa
         for _ in range(2)]
     assert runs[0]["misses"] > 0 and runs[0]["hits"] == 0
     assert runs[1] == {"hits": runs[0]["misses"], "misses": 0}
+
+
+def test_the_compile_cache_forgets_programs_unused_for_a_month(tmp_path):
+    """Guards against the compile cache growing by a set of programs with every upgrade or flag change
+    for as long as the host runs: a program neither read nor written for COMPILE_CACHE_KEEP_DAYS goes
+    at a worker's start; one read lately (its access time) stays, however old it is."""
+    from engine.worker import COMPILE_CACHE_KEEP_DAYS, forget_unused_programs
+    day, now = 86400, time.time()
+    ages = {"stale": (COMPILE_CACHE_KEEP_DAYS + 1, COMPILE_CACHE_KEEP_DAYS + 1),   # (since read, since written)
+            "read-lately": (1, 400), "written-lately": (COMPILE_CACHE_KEEP_DAYS + 5, 2)}
+    for name, (read, written) in ages.items():
+        (tmp_path / f"{name}-cache").write_bytes(b"x" * 1000)
+        os.utime(tmp_path / f"{name}-cache", (now - read * day, now - written * day))
+    (tmp_path / "a-folder").mkdir()
+    os.utime(tmp_path / "a-folder", (now - 400 * day, now - 400 * day))
+    assert forget_unused_programs(str(tmp_path)) == (1, 1000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-folder", "read-lately-cache", "written-lately-cache"]
 
 
 def test_fault_injection_exits_the_process(tmp_path, monkeypatch):
