@@ -1510,7 +1510,7 @@ async def handle_count_tokens(app, req, out, fmt: "ApiFormat") -> None:
                        headers=(("Retry-After", str(RETRY_AFTER_BUSY_S)),))
     counting[tenant] = counting.get(tenant, 0) + 1
     try:
-        job = await parse_body(req, fmt)
+        job = await parse_body(req, fmt, COUNTED_FIELDS)
         await out.json(200, {"input_tokens": await render_prompt(app, job, fmt, count_only=True)})
     finally:
         counting[tenant] -= 1
@@ -1577,11 +1577,15 @@ def _place(link: Any, most: int = MAX_JSON_DEPTH) -> str:
 PARSE_IN_THREAD_BYTES = 64 * 1024
 
 
-async def parse_body(req, fmt: "ApiFormat") -> Job:
-    """The request's Job (fmt.parse of its JSON body), off the event loop when the body is large."""
+async def parse_body(req, fmt: "ApiFormat", fields: frozenset[str] | None = None) -> Job:
+    """The request's Job (fmt.parse of its JSON body; of its `fields` alone when given, the others
+    ignored unread), off the event loop when the body is large."""
+    def parse():
+        body = json_body(req)
+        return fmt.parse(body if fields is None else {k: v for k, v in body.items() if k in fields})
     if len(req.body) > PARSE_IN_THREAD_BYTES:
-        return await asyncio.to_thread(lambda: fmt.parse(json_body(req)))
-    return fmt.parse(json_body(req))
+        return await asyncio.to_thread(parse)
+    return parse()
 
 
 def json_body(req) -> dict:
@@ -2590,6 +2594,11 @@ API_ROUTES = (
     ("/v1/responses", "responses"),
 )
 COUNT_TOKENS_ROUTE = ("/v1/messages/count_tokens", "messages")
+# What count_tokens reads of a Messages body: the fields the spec lists for it, and context_management,
+# which changes the prompt Messages would prefill. The rest (max_tokens, sampling, stream,
+# output_config) are ignored unread, as the spec has it for fields a route does not list.
+COUNTED_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking",
+                            "context_management"})
 
 
 def api_route(fmt_name: str, count_tokens: bool = False) -> Handler:

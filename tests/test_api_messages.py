@@ -766,6 +766,18 @@ def test_limit_and_refusals_through_the_server(served):
                                      tools=[{"type": "web_search_20250305", "name": "web_search"}])
 
 
+def test_count_tokens_ignores_the_fields_it_does_not_list(served):
+    """Guards against count_tokens refusing a body for a field it does not read: the spec accepts and
+    ignores the fields a route does not list, and Messages' checks of max_tokens, sampling, stream
+    and output_config are not count_tokens'."""
+    client = server_client(served)
+    ask = dict(model="m", messages=[{"role": "user", "content": "echo: hi"}])
+    plain = client.messages.count_tokens(**ask).input_tokens
+    for extra in ({"max_tokens": 0}, {"temperature": 9}, {"stream": "yes"}, {"n": 2},
+                  {"output_config": {"format": {"type": "json_schema"}}}):
+        assert client.messages.count_tokens(**ask, extra_body=extra).input_tokens == plain, extra
+
+
 def test_every_recorded_claude_code_request_is_answered(served):
     """Guards against any recorded Claude Code, Pi or SDK request (headers and body as sent) getting
     anything but a 200 and, when streamed, a complete event stream."""
