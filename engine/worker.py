@@ -55,6 +55,7 @@ COMPILE_CACHE_MIN_SECONDS = 0.0
 # flag or model change writes a new set (tens of MB) and jax bounds the folder only with a package we
 # do not ship. A month outlasts any schedule of restarts; a program deleted too soon compiles again.
 COMPILE_CACHE_KEEP_DAYS = 30
+JAX_CACHE_SUFFIX = "-cache"       # how jax names a program's file: nothing else in the folder is deleted
 # Exit status of an injected fault (MASHBOX_FAULT): distinct from a crash's usual 1.
 FAULT_EXIT_CODE = 70
 # While busy, Stats go out at most this often unless the number of rows or waiting requests changed.
@@ -84,9 +85,10 @@ class WorkerArgs:
     # Devices the model is split over (engine.sharding: tensor parallel), or "all" of the platform's.
     devices: int | str = 1
     prefill_chunks: tuple[int, ...] = PREFILL_CHUNKS
-    # Where compiled programs are kept between runs (a compile per shape costs seconds on CPU);
-    # None: off.
-    compile_cache: str | None = field(default_factory=lambda: str(cache_root() / "jax"))
+    # Where compiled programs are kept between runs (a compile per shape costs seconds on CPU): jax's
+    # own JAX_COMPILATION_CACHE_DIR where it is set, else beside the other caches; None: off.
+    compile_cache: str | None = field(
+        default_factory=lambda: os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(cache_root() / "jax"))
     # int8 weights as they are held, so a restart or the next start does not quantize again
     # (engine.weights.HeldWeights); None: quantize at every start
     weights_cache: str | None = field(default_factory=lambda: str(cache_root() / "weights"))
@@ -228,17 +230,18 @@ def _use_compile_cache(folder: str | None) -> tuple[int, int]:
 
 
 def forget_unused_programs(folder: str, keep_days: float = COMPILE_CACHE_KEEP_DAYS) -> tuple[int, int]:
-    """Delete the compile cache's programs last read or written more than `keep_days` ago; returns
-    (files, bytes) deleted. A read is the file's access time, which Linux's default mount option
-    (relatime) moves at least once a day; where access times are off, a program in use is deleted
-    once a month and compiled again. Only whole, old files go: jax writes a program once and then
-    only reads it, and a reader that has one open keeps it to the end."""
+    """Delete the compile cache's programs (jax's files, named *-cache) last read or written more
+    than `keep_days` ago; returns (files, bytes) deleted. A read is the file's access time, which
+    Linux's default mount option (relatime) moves at least once a day; where access times are off, a
+    program in use is deleted once a month and compiled again. Only whole, old files go: jax writes a
+    program once and then only reads it, and a reader that has one open keeps it to the end."""
     cutoff, files, size = time.time() - keep_days * 86400, 0, 0
     with os.scandir(folder) as entries:
         for entry in entries:
             try:
                 stat = entry.stat(follow_symlinks=False)
-                if entry.is_file(follow_symlinks=False) and max(stat.st_atime, stat.st_mtime) < cutoff:
+                if (entry.name.endswith(JAX_CACHE_SUFFIX) and entry.is_file(follow_symlinks=False)
+                        and max(stat.st_atime, stat.st_mtime) < cutoff):
                     os.unlink(entry.path)
                     files, size = files + 1, size + stat.st_size
             except OSError:
@@ -266,7 +269,8 @@ class Engine:
         if files:
             self.start_notes.append(f"deleted {files} compiled programs ({size / 1e6:.0f} MB) unused for "
                                     f"{COMPILE_CACHE_KEEP_DAYS} days from {args.compile_cache}")
-        native.prepare()                  # a first start builds the int8 kernel beside what follows
+        if args.devices == 1:             # the kernel is not split over a mesh (native.serves)
+            native.prepare()              # a first start builds it beside what follows
         self._lay_out()
         if jax.process_count() > 1 and not follower:     # before the weights: followers load theirs meanwhile
             self._gather_followers(on_lost)
@@ -526,7 +530,7 @@ class Engine:
             "sources": [identity.file_sha256(m.__file__) for m in (sampler, prefix, sharding)]
             + [identity.file_sha256(init_cache.__code__.co_filename)]
             # the int8 kernel the programs call by name
-            + ([identity.file_sha256(str(native.SOURCE)), native.tier()] if native.available() else [])})
+            + ([identity.file_sha256(str(native.SOURCE)), native.tier()] if self.cfg.native else [])})
 
     @device_call
     def _warm_up(self, host_copies: bool, state_copies: bool) -> None:

@@ -229,6 +229,20 @@ def servable(fixture: Path, into: Path) -> Path:
     return into
 
 
+def own_cache_root(folder: Path) -> str:
+    """A cache root of a test's own ($MASHBOX_CACHE), so that what a server builds from a test's
+    files (a GGUF's conversion, held weights) stays out of the user's, sharing the user's build of
+    the native kernel: it depends on the source alone and takes its compiler ~40 s. (The compiled
+    programs are shared already: tests/conftest.py.)"""
+    from engine import registry
+    shared = registry.cache_root() / "native"
+    shared.mkdir(parents=True, exist_ok=True)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    if not (Path(folder) / "native").exists():
+        (Path(folder) / "native").symlink_to(shared, target_is_directory=True)
+    return str(folder)
+
+
 class CliServer:
     """`python -m mashbox run` on a free port, serving the fake engine (MASHBOX_WORKER_ENTRY) with
     `fake` (FakeArgs fields), or the real one when `fake` is None (it compiles: give it a longer wait_s);

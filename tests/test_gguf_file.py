@@ -432,14 +432,14 @@ def test_a_models_json_entry_s_own_file_keeps_its_id(cache):
 def test_a_gguf_file_is_served_under_its_name(cache):
     """Guards the served path end to end: `mashbox run FILE.gguf` with the real worker, the id the
     file's stem, bits per weight the file's own (its tensor bytes over its weights), a chat answered."""
-    from tests.harness import CliServer
+    from tests.harness import CliServer, own_cache_root
     path = write_gguf("qwen3", cache / "Tiny-Qwen3-Q8_0.gguf", gguf.GGMLQuantizationType.Q8_0)
     tensors = gguf.GGUFReader(str(path)).tensors
     want_bpw = round(8 * sum(int(t.n_bytes) for t in tensors) / sum(int(t.n_elements) for t in tensors), 2)
     # drafting off: its verification programs would add to the compile and are not what this tests
     server = CliServer(None, ("--ctx", "128", "--slots", "2", "--cache-ram", "0", "--speculative", "off"),
                        model=str(path),
-                       env={registry.ENV_CACHE: str(cache / "cache")}, wait_s=180)   # ~25 s: compiling
+                       env={registry.ENV_CACHE: own_cache_root(cache / "cache")}, wait_s=180)   # ~25 s: compiling
     try:
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
         conn.request("GET", "/v1/models")

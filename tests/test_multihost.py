@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.fake_worker import tokenizer_folder
-from tests.harness import HOST, until
+from tests.harness import HOST, own_cache_root, until
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "fixtures" / "tiny" / "qwen3"
@@ -155,7 +155,7 @@ def group(tmp_path_factory):
     for source in (TINY, Path(words)):
         for name in os.listdir(source):
             shutil.copy(source / name, folder)
-    cache = tmp_path_factory.mktemp("cache")
+    cache = own_cache_root(tmp_path_factory.mktemp("cache"))
     coordinator = ["--coordinator", f"{HOST}:{_free_port()}", "--num-processes", "2", "--devices", "2"]
     # The one-device server computes as the mesh does, with XLA's products and attention: the native
     # kernel is not split over a mesh, and its decode attention over an int8 cache rounds the queries

@@ -569,14 +569,14 @@ def test_a_qwen38_gguf_is_served_under_its_name(cache):
     (int8, matrices of mixed types held per part), the file's bits per weight on /v1/models, a chat
     answered in the qwen3.8 format."""
     import http.client
-    from tests.harness import CliServer
+    from tests.harness import CliServer, own_cache_root
     path = write_qwen35_gguf("qwen3-8", cache / "Tiny-Qwen3.8-Mixed.gguf", mixed_types)
     tensors = gguf.GGUFReader(str(path)).tensors
     want_bpw = round(8 * sum(int(t.n_bytes) for t in tensors) / sum(int(t.n_elements) for t in tensors), 2)
     # drafting off: its verification programs would add to the compile and are not what this tests
     server = CliServer(None, ("--ctx", "128", "--slots", "1", "--cache-ram", "0", "--speculative", "off"),
                        model=str(path),
-                       env={registry.ENV_CACHE: str(cache / "cache")}, wait_s=300)
+                       env={registry.ENV_CACHE: own_cache_root(cache / "cache")}, wait_s=300)
     try:
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
         conn.request("GET", "/v1/models")

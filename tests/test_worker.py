@@ -296,10 +296,23 @@ def test_the_compile_cache_forgets_programs_unused_for_a_month(tmp_path):
     for name, (read, written) in ages.items():
         (tmp_path / f"{name}-cache").write_bytes(b"x" * 1000)
         os.utime(tmp_path / f"{name}-cache", (now - read * day, now - written * day))
-    (tmp_path / "a-folder").mkdir()
-    os.utime(tmp_path / "a-folder", (now - 400 * day, now - 400 * day))
+    (tmp_path / "a-folder-cache").mkdir()
+    (tmp_path / "notes.txt").write_text("x")
+    for other in ("a-folder-cache", "notes.txt"):        # not programs of jax's: never deleted
+        os.utime(tmp_path / other, (now - 400 * day, now - 400 * day))
     assert forget_unused_programs(str(tmp_path)) == (1, 1000)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-folder", "read-lately-cache", "written-lately-cache"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "a-folder-cache", "notes.txt", "read-lately-cache", "written-lately-cache"]
+
+
+def test_a_worker_keeps_its_programs_where_jax_is_told_to(monkeypatch, tmp_path):
+    """Guards against an operator's JAX_COMPILATION_CACHE_DIR being overridden by the server's own
+    folder (and against the tests' servers with a cache root of their own compiling cold each run)."""
+    monkeypatch.setenv("MASHBOX_CACHE", str(tmp_path / "root"))
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))
+    assert WorkerArgs("tiny", str(TINY / "qwen3")).compile_cache == str(tmp_path / "jax")
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    assert WorkerArgs("tiny", str(TINY / "qwen3")).compile_cache == str(tmp_path / "root" / "jax")
 
 
 def test_fault_injection_exits_the_process(tmp_path, monkeypatch):
