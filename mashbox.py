@@ -2537,11 +2537,13 @@ class Router:
 # ---- the simple routes ---------------------------------------------------------------------------
 
 async def route_health(req: Request, out: Responder) -> None:
+    """200 while the server takes requests: not while it loads, nor while it shuts down (its body's
+    status is still the model's, ok), so a prober on a kept-alive connection stops sending."""
     app = out.app
     doc = app.health()
     if app.guard is not None and not app.guard.keyed(req):
         doc.pop("worker_pid", None)     # a process id is for the operator, not for any prober
-    await out.json(200 if app.ready else 503, doc)
+    await out.json(200 if app.ready and not app.bridge.closing else 503, doc)
 
 
 async def route_ui(req: Request, out: Responder) -> None:

@@ -400,7 +400,8 @@ def test_the_real_worker_dying_in_prefill_is_replaced_and_serves_the_retry(compi
 def test_shutdown_ends_what_outlives_the_grace_period_with_the_routes_error():
     """Guards against a shutdown that cuts a stream without a word or waits forever: once the grace
     period is over, a long stream ends with its error event, a request waiting for a slot gets 503, a
-    new request is refused, and the worker is stopped."""
+    new request is refused, health on a kept-alive connection says 503 (a prober stops sending), and
+    the worker is stopped."""
     worker = FakeArgs(delay_s=0.05, slots=1)
     bridge = mashbox.Bridge(worker, entry="tests.fake_worker:main", log=lambda m: None)
     app = App(ServeConfig(host=HOST, port=0, model=MODEL_ID), bridge=bridge)
@@ -414,8 +415,12 @@ def test_shutdown_ends_what_outlives_the_grace_period_with_the_routes_error():
             "POST", "/v1/chat/completions", BODIES["chat"][1]("echo: later"))))
         t.start()
         until(lambda: app.admission.waiting == 1, "a request waiting for the slot")
+        prober = http.client.HTTPConnection(HOST, server.port, timeout=WAIT_S)
+        assert _health(prober) == (200, "ok")
         future = asyncio.run_coroutine_threadsafe(mashbox.shutdown(app, 0.5), server.loop)
         until(lambda: app.bridge.closing, "the shutdown to begin")
+        assert _health(prober) == (503, "ok")         # the model is loaded; the server takes no requests
+        prober.close()
         status, _, raw = _try_request(server)
         assert status is None or status == 503, raw      # no new work: refused or not accepted
         rest = stream.rest()
@@ -430,6 +435,12 @@ def test_shutdown_ends_what_outlives_the_grace_period_with_the_routes_error():
         assert not _alive(worker_pid)
     finally:
         server.stop()
+
+
+def _health(conn: http.client.HTTPConnection) -> tuple[int, str]:
+    conn.request("GET", "/health")
+    answer = conn.getresponse()
+    return answer.status, json.loads(answer.read())["status"]
 
 
 def _try_request(server: Server):
