@@ -3743,7 +3743,7 @@ def _chat_thinking(body: dict, job: Job) -> None:
 def parse_chat(body: dict) -> Job:
     """A Chat Completions request -> Job (400 naming the field for anything this server cannot do)."""
     job = parse_common(body, Job(), ("max_tokens", "max_completion_tokens"))
-    if body.get("logprobs"):
+    if _boolean(body, "logprobs"):            # false is what asking for none says
         raise bad_field("logprobs", "log probabilities are not supported")
     if body.get("top_logprobs") is not None:
         raise bad_field("top_logprobs", "log probabilities are not supported")
@@ -3885,7 +3885,7 @@ def parse_completion(body: dict) -> Job:
         raise bad_field("echo", "echoing the prompt is not supported")
     if body.get("suffix"):
         raise bad_field("suffix", "a suffix (fill in the middle) is not supported")
-    if body.get("best_of") not in (None, 1):
+    if body.get("best_of") not in (None, 1) or isinstance(body.get("best_of"), bool):
         raise bad_field("best_of", f"must be 1, got {body.get('best_of')!r}")
     return job
 

@@ -293,7 +293,7 @@ def test_max_completion_tokens_wins_over_max_tokens():
 
 
 @pytest.mark.parametrize("fields, field", [
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": True}, "logprobs"), ({"logprobs": 0}, "logprobs"), ({"logprobs": {}}, "logprobs"),
     ({"top_logprobs": 0}, "top_logprobs"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
@@ -349,7 +349,8 @@ def test_completion_prompts_that_cannot_be_served_are_refused(prompt):
 
 @pytest.mark.parametrize("fields, field", [
     ({"logprobs": 0}, "logprobs"), ({"echo": True}, "echo"), ({"suffix": "end"}, "suffix"),
-    ({"best_of": 2}, "best_of"), ({"n": 3}, "n"), ({"temperature": 9}, "temperature"),
+    ({"best_of": 2}, "best_of"), ({"best_of": True}, "best_of"), ({"n": 3}, "n"),
+    ({"temperature": 9}, "temperature"),
 ])
 def test_completion_unsupported_fields_are_refused(fields, field):
     """Guards against silently ignoring a Completions feature the answer would lack."""
