@@ -1415,7 +1415,7 @@ async def handle_generation(app, req, out, fmt: "ApiFormat", tenant: str) -> Non
         job.session = job.session or req.header("x-session-id")
         await admit_and_run(app, req, out, fmt, job, tenant, outcome, t0)
     except ApiError as e:
-        outcome.status, outcome.finish = e.status, outcome.finish or "error"
+        outcome.status, outcome.finish, outcome.error = e.status, outcome.finish or "error", e.message
         raise
     except ClientGone:
         outcome.status, outcome.finish = 499, "abort"   # 499: nginx's "client closed request"
@@ -1793,6 +1793,7 @@ class Outcome:
     prompt_tokens: int = 0             # the rendered prompt's length, once rendered
     constrained: str | None = None     # the Constraint mode its tool calls ran under (engine.grammar)
     mask_s: float = 0.0                # host time its token masks took
+    error: str | None = None           # the message its error answer gave the client
 
 
 def cache_tenant_label(req) -> str:
@@ -3223,6 +3224,9 @@ def health_document(bridge: "Bridge", admission: "Admission | None", namespace: 
 # characters, printable and without spaces, so a request stays one line that splits on spaces and a
 # client cannot write fake lines into the log.
 MAX_LOG_TAG = 64
+# An error's message ends its request's line (why=..., the rest of the line): it can quote client
+# text (a model name, a field's value), so it is kept printable, on one line, and this long at most.
+MAX_LOG_WHY = 300
 
 
 def log_tag(value: str | None) -> str | None:
@@ -3236,7 +3240,8 @@ def log_tag(value: str | None) -> str | None:
 def request_log_line(method: str, path: str, outcome: "Outcome", prompt_tokens: int, queue_s: float,
                      total_s: float, session: str | None, ttft_s: float | None = None) -> str:
     """The one line logged when a generation request ends. Never the key, the tenant or the prompt.
-    ttft_ms is the time to the first new token ("-" when none came)."""
+    ttft_ms is the time to the first new token ("-" when none came); a request answered with an
+    error ends with why= and the message the client got."""
     u = outcome.usage
     tag = log_tag(session)
     ttft = "-" if ttft_s is None else f"{ttft_s * 1000:.0f}"
@@ -3245,7 +3250,13 @@ def request_log_line(method: str, path: str, outcome: "Outcome", prompt_tokens: 
             f"generated={u.completion_tokens if u else 0} queue_ms={queue_s * 1000:.0f} "
             f"ttft_ms={ttft} total_ms={total_s * 1000:.0f}" + _drafts_text(outcome.timings)
             + (" retried=1" if outcome.retried else "")
-            + (f" session={tag}" if tag else ""))
+            + (f" session={tag}" if tag else "")
+            + (f" why={_log_text(outcome.error, MAX_LOG_WHY)}" if outcome.error else ""))
+
+
+def _log_text(value: str, most: int) -> str:
+    """Text for the log, on one line: printable characters, each run of white space one space."""
+    return " ".join("".join(c if c.isprintable() else " " for c in value).split())[:most]
 
 
 def _drafts_text(timings: dict | None) -> str:

@@ -413,6 +413,19 @@ def test_one_log_line_per_request_with_its_numbers(server, caplog):
                                   headers={"Authorization": ALICE})
     line, = request_lines(caplog)
     assert status == 400 and line.startswith("POST /v1/chat/completions 400 finish=error")
+    assert line.split(" why=", 1)[1].startswith("messages: ")       # what the client was told
+
+
+def test_an_errors_message_ends_its_line_and_cannot_forge_lines(server, caplog):
+    """Guards against an operator left to guess why a request failed, and against a client whose text
+    an error quotes (here the model name) writing fake lines into the log."""
+    caplog.set_level(logging.INFO, logger="mashbox")
+    status, _, _ = server.request("POST", "/v1/chat/completions", {
+        "model": "evil\nPOST /v1/chat/completions 200\tx", "messages": [{"role": "user", "content": "hi"}]},
+        headers={"Authorization": ALICE})
+    line, = request_lines(caplog)
+    assert status == 404 and "\n" not in line and "\t" not in line
+    assert line.split(" why=", 1)[1].startswith("model: 'evil POST /v1/chat/completions 200 x' is not served")
 
 
 def test_a_session_tag_cannot_forge_log_lines(server, caplog):
