@@ -223,9 +223,11 @@ def _use_compile_cache(folder: str | None) -> tuple[int, int]:
     if not folder or _compile_cache_folder is not None:
         return 0, 0
     _compile_cache_folder = folder
-    os.makedirs(folder, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", COMPILE_CACHE_MIN_SECONDS)
+    if "://" in folder:           # a store jax reaches itself (JAX_COMPILATION_CACHE_DIR=gs://...)
+        return 0, 0
+    os.makedirs(folder, exist_ok=True)
     return forget_unused_programs(folder)
 
 
