@@ -3522,11 +3522,18 @@ def _boolean(body: dict, name: str, default: bool = False) -> bool:
     return value
 
 
-def parse_common(body: dict, job: Job, max_tokens_names: tuple[str, ...] = ("max_tokens",)) -> Job:
+# Fields a route lists as accepted and ignored, and their type: a wrong type is a client bug worth
+# hearing about. A field a route does not list is ignored unread (the spec), whatever its type.
+IGNORED_TYPES = {"merge": bool, "store": bool, "metadata": dict, "client_metadata": dict}
+
+
+def parse_common(body: dict, job: Job, max_tokens_names: tuple[str, ...] = ("max_tokens",),
+                 ignored: tuple[str, ...] = ()) -> Job:
     """The fields every generation API shares: sampling, max tokens, stop strings, stream, n.
 
     max_tokens_names lists the API's names for the token limit, weakest first: a later one wins
     (Chat: max_tokens then max_completion_tokens). None of them set = up to the end of the context.
+    ignored: the fields of IGNORED_TYPES the route lists, type-checked and otherwise ignored.
     """
     s = job.sampling
     s.temperature = _number(body, "temperature", 0.0, 0.0, 4.0)
@@ -3550,12 +3557,8 @@ def parse_common(body: dict, job: Job, max_tokens_names: tuple[str, ...] = ("max
     job.stream = _boolean(body, "stream")
     job.model = _string(body, "model")
     job.session = _string(body, "prompt_cache_key")
-    # Accepted and ignored, but still typed: a wrong type is a client bug worth hearing about.
-    for name in ("merge", "store"):
-        _boolean(body, name)
-    for name in ("metadata", "client_metadata"):
-        if body.get(name) is not None and not isinstance(body[name], dict):
-            raise bad_field(name, f"must be an object, got {type(body[name]).__name__}")
+    for name in ignored:
+        _typed(body, name, IGNORED_TYPES[name], name)
     return job
 
 
@@ -3753,7 +3756,7 @@ def _chat_thinking(body: dict, job: Job) -> None:
 
 def parse_chat(body: dict) -> Job:
     """A Chat Completions request -> Job (400 naming the field for anything this server cannot do)."""
-    job = parse_common(body, Job(), ("max_tokens", "max_completion_tokens"))
+    job = parse_common(body, Job(), ("max_tokens", "max_completion_tokens"), ignored=("merge", "store"))
     if _boolean(body, "logprobs"):            # false is what asking for none says
         raise bad_field("logprobs", "log probabilities are not supported")
     if body.get("top_logprobs") is not None:
@@ -3880,7 +3883,7 @@ COMPLETION_FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 
 def parse_completion(body: dict) -> Job:
     """A Completions request -> Job with the raw prompt (no chat template)."""
-    job = parse_common(body, Job(), ("max_tokens", "max_completion_tokens"))
+    job = parse_common(body, Job(), ("max_tokens", "max_completion_tokens"), ignored=("merge",))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
@@ -4223,7 +4226,7 @@ def _keeps_all_thinking(value: Any) -> bool | None:
 def parse_messages(body: dict) -> Job:
     """A Messages (or count_tokens) request -> Job. Fields not named here (metadata, safeguards,
     service_tier, container, mcp_servers, cache_control on any block...) are accepted and ignored."""
-    job = parse_common(body, Job(), ("max_tokens", "max_completion_tokens"))
+    job = parse_common(body, Job(), ("max_tokens", "max_completion_tokens"), ignored=("metadata",))
     job.tools, found = _messages_tools(body.get("tools"))
     deferred = DeferredTools(found)
     _messages_tool_choice(body.get("tool_choice"), job, deferred)
@@ -4663,7 +4666,8 @@ class _ResponsesHistory:
 
 def parse_responses(body: dict) -> Job:
     """A Responses request -> Job (400 naming the field for anything this server cannot do)."""
-    job = parse_common(body, ResponsesJob(), ("max_tokens", "max_completion_tokens", "max_output_tokens"))
+    job = parse_common(body, ResponsesJob(), ("max_tokens", "max_completion_tokens", "max_output_tokens"),
+                       ignored=("store", "client_metadata"))
     for name in RESPONSES_STATEFUL:
         if body.get(name) is not None:
             raise bad_field(name, "this server stores no responses, conversations or prompts: "

@@ -313,6 +313,20 @@ def test_harmless_and_unknown_fields_are_accepted():
     assert job.session == "session-1"
 
 
+def test_a_listed_ignored_field_is_typed_and_an_unlisted_one_is_not_read():
+    """Guards against a 400 for a field the route does not list (the spec accepts and ignores those,
+    whatever their type), and against a wrong type of one it lists passing unheard of."""
+    from mashbox import parse_messages, parse_responses
+    refused(parse_chat, chat_body(store="yes"), "store")
+    refused(parse_completion, {"prompt": "x", "merge": 1}, "merge")
+    refused(parse_messages, {"messages": [USER], "metadata": "m"}, "metadata")
+    refused(parse_responses, {"input": "x", "client_metadata": []}, "client_metadata")
+    parse_chat(chat_body(metadata="m"))
+    parse_completion({"prompt": "x", "store": "yes", "metadata": 1})
+    parse_messages({"messages": [USER], "store": 1, "merge": "x"})
+    parse_responses({"input": "x", "metadata": "m", "merge": 2})
+
+
 def test_every_recorded_chat_request_parses():
     """Guards against refusing a real client's request (Pi, the OpenAI SDK)."""
     for where, body in recorded("/v1/chat/completions"):
