@@ -439,7 +439,7 @@ def test_a_gguf_file_is_served_under_its_name(cache):
     # drafting off: its verification programs would add to the compile and are not what this tests
     server = CliServer(None, ("--ctx", "128", "--slots", "2", "--cache-ram", "0", "--speculative", "off"),
                        model=str(path),
-                       env={registry.ENV_CACHE: own_cache_root(cache / "cache")}, wait_s=180)   # ~25 s: compiling
+                       env={registry.ENV_CACHE: own_cache_root(cache / "cache")}, wait_s=180)   # a cold cache compiles
     try:
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
         conn.request("GET", "/v1/models")
