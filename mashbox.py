@@ -4224,8 +4224,9 @@ def _keeps_all_thinking(value: Any) -> bool | None:
 
 
 def parse_messages(body: dict) -> Job:
-    """A Messages (or count_tokens) request -> Job. Fields not named here (metadata, safeguards,
-    service_tier, container, mcp_servers, cache_control on any block...) are accepted and ignored."""
+    """A Messages (or count_tokens) request -> Job. metadata is typed and ignored; fields not named
+    here (safeguards, service_tier, container, mcp_servers, cache_control on any block...) are
+    accepted and ignored unread."""
     job = parse_common(body, Job(), ("max_tokens", "max_completion_tokens"), ignored=("metadata",))
     job.tools, found = _messages_tools(body.get("tools"))
     deferred = DeferredTools(found)
