@@ -40,8 +40,10 @@
 // Tiers. Exactly one of MASHBOX_AVX512 (AVX-512 VNNI), MASHBOX_AVX2 (AVX2 with FMA and F16C) and
 // MASHBOX_NEON (AArch64 with dot products) is 1, as the compiler flags choose (engine/native.py:
 // TIERS); MASHBOX_AVXVNNI is 1 within the AVX2 tier where AVX-VNNI is there too (Alder Lake and later
-// Intel cores without AVX-512). Each step that differs by tier is written once per tier, side by
-// side, as ScaledBlock (one block of 16 outputs of the int8 product) is:
+// Intel cores without AVX-512), and MASHBOX_AMX within the AVX-512 tier where the build has Intel's
+// matrix units (a long chunk's int8 products on their tiles: TilePass). Each step that differs by
+// tier is written once per tier, side by side, as ScaledBlock (one block of 16 outputs of the int8
+// product) is:
 //   #if MASHBOX_AVX512    16 outputs in one 512-bit register; vpdpbusd on the offset weights
 //   #elif MASHBOX_AVX2    two 8-lane halves; vpmaddubsw into int16 pairs, vpmaddwd into int32, on
 //                         the weights' signed values (below); under MASHBOX_AVXVNNI one vpdpbusd on
@@ -100,6 +102,21 @@ namespace ffi = xla::ffi;
 #define MASHBOX_AVXVNNI 1
 #else
 #define MASHBOX_AVXVNNI 0
+#endif
+// Intel's matrix units (AMX) within the AVX-512 tier, where the build has them (-mamx-tile -mamx-int8:
+// engine/native.py), or emulated for the tests (MASHBOX_AMX_EMULATED): a long chunk's int8 products
+// on tiles (TilePass).
+#if MASHBOX_AVX512 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define MASHBOX_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define MASHBOX_AMX 0
+#endif
+#if MASHBOX_AMX || defined(MASHBOX_AMX_EMULATED)
+#define MASHBOX_TILES 1
+#else
+#define MASHBOX_TILES 0
 #endif
 
 namespace {
@@ -391,8 +408,8 @@ float QuantizeRow(const float* x, int8_t* q, int64_t K, int32_t* sum) {
   return scale;
 }
 
-// As the AVX-512 tier's, but for the offsets where these tiers multiply the weights' signed values
-// (AVX2 without VNNI, NEON): none.
+// As the AVX-512 tier's (the offsets too: the tiers that multiply the weights' signed values, AVX2
+// without VNNI and NEON, leave them unread, the tiles' pass reads them).
 void MakeTerms(const float* x, int64_t R, int64_t K, int8_t* terms, float* term_scales, int32_t* offsets) {
   std::vector<float> rest(K);
   for (int64_t r = 0; r < R; r++) {
@@ -401,9 +418,8 @@ void MakeTerms(const float* x, int64_t R, int64_t K, int8_t* terms, float* term_
     const float s0 = term_scales[2 * r] = QuantizeRow(row, q0, K, &offsets[2 * r]);
     for (int64_t k = 0; k < K; k++) rest[k] = row[k] - static_cast<float>(q0[k]) * s0;
     term_scales[2 * r + 1] = QuantizeRow(rest.data(), q0 + K, K, &offsets[2 * r + 1]);
-    const int32_t offset = MASHBOX_AVXVNNI ? 128 : 0;
-    offsets[2 * r] *= offset;
-    offsets[2 * r + 1] *= offset;
+    offsets[2 * r] *= 128;
+    offsets[2 * r + 1] *= 128;
   }
 }
 #endif
@@ -452,7 +468,7 @@ __attribute__((always_inline)) inline void ScaledBlock(const uint8_t* w, const i
                                                        int64_t N, int64_t block) {
   constexpr int T = 2 * R;
   __m256i acc[T][2];                     // outputs 0-7 and 8-15
-  for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_set1_epi32(-offsets[t]);
+  for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_set1_epi32(MASHBOX_AVXVNNI ? -offsets[t] : 0);
   const uint8_t* wb = w + block * kLanes * K;
   for (int64_t k = 0; k < K; k += kGroup) {
     const uint8_t* at = wb + k * kLanes;
@@ -531,6 +547,193 @@ constexpr ScaledPassFn kScaledPasses[kMaxRows + 1] = {nullptr, ScaledPass<1>, Sc
 constexpr ScaledPassFn kScaledPasses[kMaxRows + 1] = {nullptr, ScaledPass<1>, ScaledPass<2>};
 #endif
 
+// Blocks b0 .. b1 of the product for R float rows: 4 rows per pass over the blocks (AVX2: 2).
+void RowPasses(const uint8_t* w, const int8_t* terms, const float* term_scales, const int32_t* offsets,
+               const float* scale, float* out, int64_t K, int64_t N, int64_t R, int64_t b0, int64_t b1) {
+  for (int64_t r0 = 0; r0 < R; r0 += kMaxRows) {
+    const int64_t n = std::min<int64_t>(kMaxRows, R - r0);
+    kScaledPasses[n](w, terms + 2 * r0 * K, term_scales + 2 * r0, offsets + 2 * r0, scale, out + r0 * N, K, N,
+                     b0, b1);
+  }
+}
+
+// A long chunk's products on Intel's matrix units (AMX: Sapphire Rapids and later Xeons). Built with
+// -mamx-tile -mamx-int8 (MASHBOX_AMX: engine/native.py adds them on such a CPU), tdpbsud multiplies a
+// tile of 16 term rows x 64 inputs (signed bytes) by a tile of 64 inputs x 16 outputs (unsigned
+// bytes, 4 inputs of an output side by side): the packed offset weights as they are, a block's 16
+// groups of 4 inputs being a tile's 16 rows of 64 bytes. Its int32 sums are the ones the row passes
+// make, exactly, and each output leaves them through the same float operations in the same order
+// (TileOutputs), so a row's numbers are the decode step's in a chunk of any length, at the matrix
+// units' speed. Linux hands a process the tiles' state only when asked (arch_prctl); refused, or with
+// K not a whole number of tiles, the row passes serve. MASHBOX_AMX_EMULATED (the tests' harness,
+// tests/test_native.py) runs each tile instruction in plain C++ as Intel's manual defines it, so the
+// tiling itself runs, and is held to the same definitions, on any CPU.
+#if MASHBOX_TILES
+constexpr int kTileRows = 16;            // a tile's rows: term rows of a row tile, input groups of a
+                                         // weight tile, term rows of a sum tile
+constexpr int64_t kTileInputs = 64;      // inputs per tdpbsud: a row tile's 64 bytes
+constexpr int64_t kTilePanel = 2 * kTileRows;  // term rows per pass: two row tiles, each against two
+                                               // weight tiles, into four sum tiles (8 tiles in all)
+// Float rows from which a chunk takes the tiles: a full panel (fewer would multiply padding rows).
+// Below it the row passes read the weights once for all rows, as a decode step does.
+constexpr int64_t kTileMinRows = kTilePanel / 2;
+// Blocks of 16 outputs a thread claims at a time on the tiles: each panel of terms is read once per
+// claim, so claims are larger than the row passes' (256 outputs x K bytes of weights, 1.2 MB at
+// K = 4864, stay in a Sapphire Rapids core's 2 MB of L2 while every panel passes over them).
+constexpr int64_t kTileChunkBlocks = 16;
+
+#if MASHBOX_AMX
+// Tiles t (0-7) as the instructions name them: tmm<t>.
+#define TILE_ZERO(t) _tile_zero(t)
+#define TILE_LOAD(t, at, stride) _tile_loadd(t, at, stride)
+#define TILE_STORE(t, at, stride) _tile_stored(t, at, stride)
+#define TILE_DOT(sums, rows, weights) _tile_dpbsud(sums, rows, weights)
+
+// Whether this process may use the tiles: Linux (5.16 on) grants their state on request
+// (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), once for every thread.
+bool TilesGranted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                      18 /* XFEATURE_XTILEDATA */) == 0;
+  return granted;
+}
+#else
+// Each tile instruction as Intel's manual defines it, on this thread's 8 tiles of 16 rows x 64 bytes.
+thread_local uint8_t emulated_tiles[8][kTileRows][64];
+#define TILE_ZERO(t) std::fill(&emulated_tiles[t][0][0], &emulated_tiles[t][0][0] + kTileRows * 64, 0)
+#define TILE_LOAD(t, at, stride) EmulatedLoad(t, at, stride)
+#define TILE_STORE(t, at, stride) EmulatedStore(t, at, stride)
+#define TILE_DOT(sums, rows, weights) EmulatedDot(sums, rows, weights)
+
+inline void EmulatedLoad(int t, const void* at, int64_t stride) {
+  for (int r = 0; r < kTileRows; r++)
+    __builtin_memcpy(emulated_tiles[t][r], static_cast<const uint8_t*>(at) + r * stride, 64);
+}
+
+inline void EmulatedStore(int t, void* at, int64_t stride) {
+  for (int r = 0; r < kTileRows; r++)
+    __builtin_memcpy(static_cast<uint8_t*>(at) + r * stride, emulated_tiles[t][r], 64);
+}
+
+// tdpbsud: sums[m][n] += sum over j < 16, i < 4 of signed rows[m][4j + i] x unsigned weights[j][4n + i].
+inline void EmulatedDot(int sums, int rows, int weights) {
+  for (int m = 0; m < kTileRows; m++)
+    for (int n = 0; n < 16; n++) {
+      int32_t total;
+      __builtin_memcpy(&total, &emulated_tiles[sums][m][4 * n], 4);
+      for (int j = 0; j < 16; j++)
+        for (int i = 0; i < 4; i++)
+          total += static_cast<int8_t>(emulated_tiles[rows][m][4 * j + i]) *
+                   emulated_tiles[weights][j][4 * n + i];
+      __builtin_memcpy(&emulated_tiles[sums][m][4 * n], &total, 4);
+    }
+}
+
+bool TilesGranted() { return true; }
+#endif
+
+#if MASHBOX_AMX
+// ldtilecfg's operand: palette 1, tiles 0-7 each 16 rows x 64 bytes. A constant in the binary, not a
+// local: GCC's _tile_loadconfig tells the compiler it reads 8 bytes, so a local's other stores could go.
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t bytes[16];
+  uint8_t rows[16];
+};
+constexpr TileConfig kTileConfig = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+#endif
+
+// This thread's tiles configured while it lives, and released after (a configured thread's switches
+// save 8 KB more state). The compiler's barrier: tileloadd's asm names no memory it reads, so every
+// store before (the terms) is made before the first load.
+struct TileScope {
+  TileScope() {
+#if MASHBOX_AMX
+    _tile_loadconfig(&kTileConfig);
+#endif
+    asm volatile("" ::: "memory");
+  }
+  ~TileScope() {
+#if MASHBOX_AMX
+    _tile_release();
+#endif
+  }
+};
+
+// sums [32 term rows][32 outputs] of a panel (term rows t0 ..) and two blocks (b, b + 1; `Blocks` of
+// them) -> the outputs of its float rows below R, as ScaledBlock makes them: p0 s0 + p1 s1, times the
+// output's scale, each operation rounded once (plain C++: the build contracts nothing into an FMA).
+template <int Blocks>
+void TileOutputs(const int32_t (*sums)[32], const float* term_scales, const int32_t* offsets, const float* scale,
+                 float* out, int64_t N, int64_t R, int64_t t0, int64_t b) {
+  for (int64_t r = t0 / 2; r < std::min(R, (t0 + kTilePanel) / 2); r++) {
+    const int32_t* a0 = sums[2 * r - t0];
+    const int32_t* a1 = sums[2 * r + 1 - t0];
+    const float s0 = term_scales[2 * r], s1 = term_scales[2 * r + 1];
+    for (int n = 0; n < Blocks * kLanes; n++) {
+      const float p0 = static_cast<float>(a0[n] - offsets[2 * r]) * s0;
+      const float p1 = static_cast<float>(a1[n] - offsets[2 * r + 1]) * s1;
+      out[r * N + b * kLanes + n] = (p0 + p1) * scale[b * kLanes + n];
+    }
+  }
+}
+
+// Blocks b0 .. b1 of the product for the R float rows whose terms [T, K] (padded with zero rows to
+// whole panels) are given: per panel, per pair of blocks, row tiles 4-5 times weight tiles 6-7 into
+// sum tiles 0-3 over K, then out. The weights (kTileChunkBlocks blocks) stay in L2 across panels.
+void TilePass(const uint8_t* w, const int8_t* terms, const float* term_scales, const int32_t* offsets,
+              const float* scale, float* out, int64_t K, int64_t N, int64_t R, int64_t b0, int64_t b1) {
+  const TileScope scope;
+  alignas(64) int32_t sums[kTilePanel][32];
+  for (int64_t t0 = 0; t0 < 2 * R; t0 += kTilePanel) {
+    const int8_t* rows = terms + t0 * K;
+    for (int64_t b = b0; b < b1; b += 2) {
+      const uint8_t* wb = w + b * kLanes * K;          // block b's groups, 64 bytes each
+      TILE_ZERO(0);
+      TILE_ZERO(1);
+      TILE_ZERO(2);
+      TILE_ZERO(3);
+      if (b + 1 < b1) {
+        for (int64_t k = 0; k < K; k += kTileInputs) {
+          TILE_LOAD(4, rows + k, K);
+          TILE_LOAD(5, rows + kTileRows * K + k, K);
+          TILE_LOAD(6, wb + k * kLanes, 64);
+          TILE_LOAD(7, wb + kLanes * K + k * kLanes, 64);
+          TILE_DOT(0, 4, 6);
+          TILE_DOT(1, 4, 7);
+          TILE_DOT(2, 5, 6);
+          TILE_DOT(3, 5, 7);
+        }
+      } else {                                         // the claim's last block alone
+        for (int64_t k = 0; k < K; k += kTileInputs) {
+          TILE_LOAD(4, rows + k, K);
+          TILE_LOAD(5, rows + kTileRows * K + k, K);
+          TILE_LOAD(6, wb + k * kLanes, 64);
+          TILE_DOT(0, 4, 6);
+          TILE_DOT(2, 5, 6);
+        }
+      }
+      TILE_STORE(0, &sums[0][0], sizeof sums[0]);
+      TILE_STORE(1, &sums[0][16], sizeof sums[0]);
+      TILE_STORE(2, &sums[kTileRows][0], sizeof sums[0]);
+      TILE_STORE(3, &sums[kTileRows][16], sizeof sums[0]);
+      if (b + 1 < b1)
+        TileOutputs<2>(sums, term_scales, offsets, scale, out, N, R, t0, b);
+      else
+        TileOutputs<1>(sums, term_scales, offsets, scale, out, N, R, t0, b);
+    }
+  }
+}
+
+// Whether a chunk of R float rows by K inputs takes the tiles.
+bool TakesTiles(int64_t R, int64_t K) { return R >= kTileMinRows && K % kTileInputs == 0 && TilesGranted(); }
+
+// T term rows and the zero rows after them up to a whole panel.
+int64_t PanelRows(int64_t T) { return (T + kTilePanel - 1) / kTilePanel * kTilePanel; }
+#else
+bool TakesTiles(int64_t, int64_t) { return false; }
+int64_t PanelRows(int64_t T) { return T; }
+#endif
+
 // x float32 [R, K] times the packed offset weights, each output times its channel's scale ->
 // float32 [R, N]. Each row becomes two int8 terms (the row, then what its rounding left, on its own
 // scale) as engine/products.py's int8_terms makes them, and y = (p0 s0 + p1 s1) * scale in float32, in
@@ -545,19 +748,29 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::InvalidArgument("int8_matmul: x [R, K], weights [N/16, K/4, 16, 4], scale [N]");
   const int64_t blocks = wd[0], K = xd[1], N = blocks * kLanes, R = LiveRows(x.typed_data(), xd[0], K), T = 2 * R;
   ZeroRowsFrom(out->typed_data(), R, xd[0], N);
-  std::vector<int8_t> terms(T * K);                         // row r's terms at 2r, 2r + 1
+  const bool tiles = TakesTiles(R, K);
+  // Row r's terms at 2r, 2r + 1; on the tiles, zero rows after them up to a whole panel.
+  std::vector<int8_t> terms((tiles ? PanelRows(T) : T) * K);
   std::vector<float> term_scales(T);
   std::vector<int32_t> offsets(T);
   MakeTerms(x.typed_data(), R, K, terms.data(), term_scales.data(), offsets.data());
   const float* sp = scale.typed_data();
   float* op = out->typed_data();
+#if MASHBOX_TILES
+  if (tiles) {
+    const int64_t claims = (blocks + kTileChunkBlocks - 1) / kTileChunkBlocks;
+    Parallel(pool, claims, [&](int64_t c) {
+      const int64_t b0 = c * kTileChunkBlocks;
+      TilePass(w.typed_data(), terms.data(), term_scales.data(), offsets.data(), sp, op, K, N, R, b0,
+               std::min(b0 + kTileChunkBlocks, blocks));
+    });
+    return ffi::Error::Success();
+  }
+#endif
   Parallel(pool, Chunks(blocks), [&](int64_t c) {
-    const int64_t b0 = c * kChunkBlocks, b1 = std::min(b0 + kChunkBlocks, blocks);
-    for (int64_t r0 = 0; r0 < R; r0 += kMaxRows) {         // 4 rows per pass over the chunk (AVX2: 2)
-      const int64_t n = std::min<int64_t>(kMaxRows, R - r0);
-      kScaledPasses[n](w.typed_data(), terms.data() + 2 * r0 * K, term_scales.data() + 2 * r0,
-                       offsets.data() + 2 * r0, sp, op + r0 * N, K, N, b0, b1);
-    }
+    const int64_t b0 = c * kChunkBlocks;
+    RowPasses(w.typed_data(), terms.data(), term_scales.data(), offsets.data(), sp, op, K, N, R, b0,
+              std::min(b0 + kChunkBlocks, blocks));
   });
   return ffi::Error::Success();
 }
@@ -3247,6 +3460,35 @@ ffi::Error FilterCuts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> probs, ffi::Bu
 }
 
 }  // namespace
+
+// Whether the tiles' pass serves this process: 0 when Linux grants the tiles and a product on them
+// equals the row passes' bit for bit, 1 when Linux refuses them, 2 when the two differ, 3 when the
+// build has no tiles. engine/native.py runs it in a process of its own before the kernel serves, so
+// that no fault of the tiles can take a worker down.
+extern "C" int mashbox_tiles_check() {
+#if MASHBOX_TILES
+  if (!TilesGranted()) return 1;
+  constexpr int64_t R = kTileMinRows + 3, K = 3 * kTileInputs, blocks = 3, N = blocks * kLanes;
+  uint32_t seed = 1;
+  auto next = [&seed] { return (seed = seed * 1664525u + 1013904223u) >> 8; };
+  std::vector<float> x(R * K), scale(N), by_tiles(R * N), by_rows(R * N);
+  std::vector<uint8_t> w(N * K);
+  for (float& v : x) v = static_cast<float>(next() % 20001) / 1000.0f - 10.0f;
+  for (uint8_t& v : w) v = static_cast<uint8_t>(1 + next() % 255);
+  for (float& v : scale) v = static_cast<float>(1 + next() % 1000) / 1000.0f;
+  std::vector<int8_t> terms(PanelRows(2 * R) * K);
+  std::vector<float> term_scales(2 * R);
+  std::vector<int32_t> offsets(2 * R);
+  MakeTerms(x.data(), R, K, terms.data(), term_scales.data(), offsets.data());
+  TilePass(w.data(), terms.data(), term_scales.data(), offsets.data(), scale.data(), by_tiles.data(), K, N, R, 0,
+           blocks);
+  RowPasses(w.data(), terms.data(), term_scales.data(), offsets.data(), scale.data(), by_rows.data(), K, N, R, 0,
+            blocks);
+  return by_tiles == by_rows ? 0 : 2;
+#else
+  return 3;
+#endif
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MashboxInt8Matmul, Int8Matmul,
                               ffi::Ffi::Bind()

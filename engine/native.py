@@ -11,8 +11,10 @@ custom calls.
 It comes in tiers, chosen by the CPU's flags (TIERS): AVX-512 VNNI, else AVX2 with FMA and F16C
 and AVX-VNNI's 256-bit dot products (Alder Lake and later cores without AVX-512), else AVX2 alone
 (the same products from vpmaddubsw and vpmaddwd, bit for bit), and on ARM NEON with dot products
-(sdot); MASHBOX_NATIVE_TIER=avx2 forces a lower tier on a CPU that has several. tests/test_native.py
-runs every tier the CPU has, and the NEON tier cross-compiled under qemu-user.
+(sdot); MASHBOX_NATIVE_TIER=avx2 forces a lower tier on a CPU that has several. On a CPU with AMX the
+AVX-512 tier is built with its tiles too (TILE_FLAGS), which take a long chunk's int8 products once
+the library's own check passes (tiles()). tests/test_native.py runs every tier the CPU has, the NEON
+tier cross-compiled under qemu-user, and the tiles' pass with each tile instruction emulated.
 
 It is optional: without a tier's instructions, without a compiler, on several devices (the
 weights split over them: a custom call is not partitioned), or with MASHBOX_NATIVE=0, the weights
@@ -84,6 +86,18 @@ TIERS = {
 }
 # No contraction into fused multiply-adds: int8_matmul rounds each operation once, as defined.
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
+# Intel's matrix units (AMX): the AVX-512 tier built with them where the CPU has them multiplies a
+# long chunk's int8 rows on its tiles (native.cc: TilePass), bit for bit the row passes' numbers, so a
+# prefill chunk of any length takes the kernel's products there too (engine.products.kernel_takes).
+# TILES_ENV=0 builds without them. Not yet timed on such a CPU (tests/bench/bench_tiles.py).
+TILE_FLAGS = (frozenset({"amx_tile", "amx_int8"}), ("-mamx-tile", "-mamx-int8"))
+TILES_ENV = "MASHBOX_AMX"
+# The library's own check of its tiles (mashbox_tiles_check), run in a process of its own: its exit
+# status -> why the tiles cannot serve (0: they can).
+TILES_REFUSED = {1: "Linux did not grant the tiles' state (arch_prctl; Linux 5.16 or later grants it)",
+                 2: "a product on the tiles differed from the row passes' (a fault of the tiles' pass)",
+                 3: "the library was built without them"}
+TILES_CHECK_TIMEOUT_S = 60
 BUILD_TIMEOUT_S = 300                              # about 5 s on 2 cores; a stuck compiler is given up
 LANES, GROUP = 16, 4                               # the packed block: 16 outputs x 4 inputs
 NIBBLE_GROUP, Q5_BLOCK = 8, 32                     # 5-bit: 8 inputs per load, a scale per 32
@@ -126,7 +140,40 @@ def tier() -> str | None:
 
 
 def compile_flags() -> tuple[str, ...]:
-    return BASE_FLAGS + TIERS[tier()][1]
+    return BASE_FLAGS + TIERS[tier()][1] + (TILE_FLAGS[1] if tiles_wanted() else ())
+
+
+# Why the tiles do not serve in this process (their build or check failed), or None.
+_tiles_refused: str | None = None
+_tiles = False                          # whether the registered kernel multiplies long chunks on tiles
+
+
+def tiles_wanted() -> bool:
+    """Whether the kernel is built with AMX tiles: the AVX-512 tier on a CPU with them, unless
+    switched off (TILES_ENV=0) or refused in this process."""
+    return (tier() == "avx512_vnni" and TILE_FLAGS[0] <= cpu.flags() and os.environ.get(TILES_ENV, "1") != "0"
+            and _tiles_refused is None)
+
+
+def tiles() -> bool:
+    """Whether the registered kernel multiplies a long chunk's int8 rows on AMX tiles (read while
+    tracing: the kernel is registered by then)."""
+    return _tiles
+
+
+def _check_tiles(library: Path) -> str | None:
+    """Why the library's tiles cannot serve (None: they can), from its own check in a process of its
+    own, so that a fault there cannot take this one down."""
+    import sys
+    code = "import ctypes, sys; sys.exit(ctypes.CDLL(sys.argv[1]).mashbox_tiles_check())"
+    try:
+        done = subprocess.run([sys.executable, "-c", code, str(library)], capture_output=True,
+                              timeout=TILES_CHECK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"its check ran past {TILES_CHECK_TIMEOUT_S} s"
+    if done.returncode == 0:
+        return None
+    return TILES_REFUSED.get(done.returncode, f"its check ended with status {done.returncode}")
 
 
 def _build(compiler: str) -> Path:
@@ -198,16 +245,37 @@ def serves(devices: int) -> bool:
 
 def _build_best(compiler: str) -> Path:
     """The library of the best tier the CPU has that the compiler builds (_build's errors if none)."""
+    global _tiles_refused
     while True:
         try:
             return _build(compiler)
-        except RuntimeError as e:             # the compiler refused this tier's flags: the next one
-            failed = tier()
+        except RuntimeError as e:
+            if tiles_wanted():                # the compiler refused the tiles' flags: the tier without
+                _tiles_refused = f"the compiler did not build them: {str(e)[-300:]}"
+                log.warning("int8 kernel: AMX tiles unused (%s)", _tiles_refused)
+                continue
+            failed = tier()                   # the compiler refused this tier's flags: the next one
             _unbuildable.add(failed)
             if tier() is None:
                 raise
             log.warning("int8 kernel: the %s tier did not build (%s); building the %s tier",
                         failed, str(e)[-300:], tier())
+
+
+def _build_checked(compiler: str) -> Path:
+    """_build_best's library, with AMX tiles where they are wanted and pass their check; where they
+    fail it, the same tier's library without them."""
+    global _tiles, _tiles_refused
+    library = _build_best(compiler)
+    if tiles_wanted():
+        why = _check_tiles(library)
+        if why is not None:
+            _tiles_refused = why
+            log.warning("int8 kernel: AMX tiles unused (%s); a long prefill chunk is widened for XLA's dot",
+                        why)
+            library = _build_best(compiler)
+    _tiles = tiles_wanted()
+    return library
 
 
 def _build_and_register() -> bool:
@@ -222,7 +290,7 @@ def _build_and_register() -> bool:
     try:
         import jax.ffi
 
-        library = ctypes.cdll.LoadLibrary(str(_build_best(compiler)))
+        library = ctypes.cdll.LoadLibrary(str(_build_checked(compiler)))
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
                                         platform="cpu")

@@ -63,9 +63,13 @@ INT8_ROWS_MAX_ROWS = 64 if CPU_HAS_BF16 else SUMMED_PRODUCT_MAX_ROWS
 # AMX, against XLA's bfloat16 dot (a Zen 4 EPYC: docs/perf-log.md, "Prefill through the kernel"), and
 # the AVX2 tiers, against its float32 dot (a Zen 3 EPYC, AVX2 alone: "Prefill through the kernel on
 # AVX2"; the AVX-VNNI tier does the same work in fewer instructions). A row's products are then the
-# decode step's whatever the chunk holds. With AMX, XLA's bfloat16 dot runs on its tiles, which the
-# kernel does not use, and the NEON tier is not measured: there longer chunks stay widened.
+# decode step's whatever the chunk holds. With AMX, XLA's bfloat16 dot runs on the tiles: there the
+# kernel's int8 product takes long chunks only where it multiplies them on the tiles itself
+# (native.tiles(): TILE_KINDS), and the block forms' long chunks stay widened, as the NEON tier's
+# (not measured) do.
 PREFILL_BY_KERNEL = native.tier() in ("avx512_vnni", "avx_vnni", "avx2") and not cpu.has_amx()
+# The weight kinds (weight_kind) whose long chunks the kernel multiplies on AMX tiles.
+TILE_KINDS = frozenset({"int8", "int8_packed"})
 # Whether the integer products take the uint8 x int8 form, or (no VNNI) int8 x int8. Read while
 # tracing; tests compare both forms.
 UINT8_DOT = cpu.has_uint8_dot()
@@ -260,7 +264,7 @@ def _int8_matmul(flat, w):
     # Where the kernel takes every chunk (PREFILL_BY_KERNEL), a matrix it cannot pack (a shape not
     # of whole lanes: only tiny models have them) keeps the integer products past
     # INT8_ROWS_MAX_ROWS too, so its rows get the decode step's numbers as the packed ones do.
-    if _xla_cpu() and kernel_takes(flat.shape[0]):
+    if _xla_cpu() and kernel_takes(flat.shape[0], "int8"):
         terms, scales = int8_terms(flat, ROW_TERMS)
         if q.dtype == jnp.uint8:
             products = offset_weights_product(q, terms)
@@ -279,9 +283,27 @@ def _int8_matmul(flat, w):
     return _wide_dot(flat, int8_values(q)) * scale
 
 
-def kernel_takes(rows: int) -> bool:
-    """Whether the kernel's own product serves this many rows (else widened for XLA's dot)."""
-    return PREFILL_BY_KERNEL or rows <= INT8_ROWS_MAX_ROWS
+def kernel_takes(rows: int, kind: str) -> bool:
+    """Whether the kernel's own product serves this many rows of weights of `kind` (weight_kind), else
+    widened for XLA's dot: always where it takes every chunk (PREFILL_BY_KERNEL) or where it
+    multiplies the kind's long chunks on AMX tiles (TILE_KINDS)."""
+    return PREFILL_BY_KERNEL or rows <= INT8_ROWS_MAX_ROWS or (kind in TILE_KINDS and native.tiles())
+
+
+def _is_held(x) -> bool:
+    """Whether x is a quantized matrix's dict (weight_kind other than "float"), not a layer's."""
+    return isinstance(x, dict) and (("q" in x and "scale" in x) or PER_PART in x or "f8" in x
+                                    or native.is_int5(x) or native.is_q8(x) or bool(native.k_kind(x) or native.s_kind(x)))
+
+
+def widened_kinds(params) -> set[str]:
+    """The weight kinds of params' quantized matrices whose long prefill chunks are widened for XLA's
+    dot (kernel_takes), as the start-up log names them: there a row's numbers depend on its chunk."""
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=_is_held)
+    kinds = {weight_kind(leaf) for leaf in leaves if _is_held(leaf)}
+    names = {"int8_packed": "int8", "fp8": "FP8", "parts": "mixed-type"}
+    return {names.get(kind, kind if kind == "int8" else kind.upper())
+            for kind in kinds if not kernel_takes(INT8_ROWS_MAX_ROWS + 1, kind)}
 
 
 def _int8_packed_matmul(flat, w):
@@ -291,7 +313,7 @@ def _int8_packed_matmul(flat, w):
     pass (XLA's transpose of the packed layout was slower), which reads the input first for the same
     reason as _int8_matmul's zero."""
     q, scale = w["q"], w["scale"]
-    if kernel_takes(flat.shape[0]):
+    if kernel_takes(flat.shape[0], "int8_packed"):
         return native.int8_matmul(flat, q, scale)
     return _widened_dot(flat, {"q": q}, lambda part, after: native.widen(part["q"], after=after)) * scale
 
@@ -299,21 +321,21 @@ def _int8_packed_matmul(flat, w):
 def _q5_0_matmul(flat, w):
     """The kernel's own product (kernel_takes), else the blocks' values (scales applied) widened for
     XLA's dot."""
-    if kernel_takes(flat.shape[0]):
+    if kernel_takes(flat.shape[0], "q5_0"):
         return native.int5_matmul(flat, w)
     return _widened_dot(flat, w, lambda part, after: native.widen5(part, after=after))
 
 
 def _q8_0_matmul(flat, w):
     """As _q5_0_matmul, for Q8_0 blocks."""
-    if kernel_takes(flat.shape[0]):
+    if kernel_takes(flat.shape[0], "q8_0"):
         return native.q8_matmul(flat, w)
     return _widened_dot(flat, w, lambda part, after: native.widen8(part, after=after))
 
 
 def _k_matmul(flat, w):
     """As _q5_0_matmul, for K-quant blocks."""
-    if kernel_takes(flat.shape[0]):
+    if kernel_takes(flat.shape[0], weight_kind(w)):
         return native.k_matmul(flat, w)
     return _widened_dot(flat, w, lambda part, after: native.widen_k(part, after=after))
 
@@ -323,7 +345,7 @@ _S_KINDS = ("iq4_nl", "iq4_xs", "iq3_s", "q3_k")          # engine.native.pack_s
 
 def _s_matmul(flat, w):
     """As _q5_0_matmul, for scaled-level blocks (IQ4_NL, IQ4_XS, IQ3_S, Q3_K)."""
-    if kernel_takes(flat.shape[0]):
+    if kernel_takes(flat.shape[0], weight_kind(w)):
         return native.s_matmul(flat, w)
     return _widened_dot(flat, w, lambda part, after: native.widen_s(part, after=after))
 

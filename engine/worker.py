@@ -453,9 +453,10 @@ class Engine:
             return (f"not guaranteed: {apart}, so a row's numbers can depend on the rows beside it and "
                     "on the chunks its prompt was read in")
         cfg = self.cfg
-        chunks = ("prefill chunks past "
-                  f"{products.INT8_ROWS_MAX_ROWS} rows are widened for XLA's dot on this CPU"
-                  if not products.PREFILL_BY_KERNEL else
+        widened = products.widened_kinds(self.params)
+        chunks = (f"prefill chunks past {products.INT8_ROWS_MAX_ROWS} rows of its "
+                  f"{', '.join(sorted(widened))} weights are widened for XLA's dot on this CPU"
+                  if widened else
                   f"its Gated DeltaNet layers sum a chunk in sub-chunks set by its length ({DELTA_STEPS_ENV}=0)"
                   if "linear" in cfg.layer_kinds and not delta_by_steps(cfg) else None)
         rows = ("a row's numbers are the same whatever the rows beside it and with drafting on or off, "

@@ -224,10 +224,76 @@ def test_int8_matmul_is_the_two_terms_products_and_scales_rounded_once_each(kern
     x = (rng.standard_normal((rows, k)) * rng.choice([1e-3, 1, 50], (rows, 1))).astype(np.float32)
     x[0, :] = 0                                        # a padding row
     got = kernel.int8_matmul(x, native.pack(q), scale)
+    np.testing.assert_array_equal(got, _int8_product(x, q, scale))
+    assert not got[0].any()
+
+
+def _int8_product(x, q, scale):
+    """The int8 product's definition: each row's two terms' exact products with the offset weights'
+    values, each times its scale, summed, times the output's scale, each rounded to float32 once."""
     values = q.astype(np.int64) - 128
     want = sum((term.astype(np.int64) @ values.T).astype(np.float32) * s for term, s in _terms(x))
-    np.testing.assert_array_equal(got, (want * scale).astype(np.float32))
+    return (want * scale).astype(np.float32)
+
+
+@pytest.fixture(scope="session")
+def emulated_tiles_harness(tmp_path_factory):
+    """The harness with the AMX tiles' pass, each tile instruction emulated in plain C++
+    (MASHBOX_AMX_EMULATED), at this x86 CPU's tier: the tiling held to the definitions on any CPU."""
+    if native.tier() in (None, "neon_dotprod") or native._compiler() is None:
+        pytest.skip("the emulated tiles build on an x86 tier, with a C++ compiler")
+    return HarnessTier([_harness(tmp_path_factory, native._compiler(), native.tier(), ("-DMASHBOX_AMX_EMULATED",))])
+
+
+@pytest.fixture(params=["xla", "emulated"])
+def tiles(request):
+    """The kernel's tiles' pass: on this CPU's tiles through XLA where it has AMX (native.tiles()),
+    and emulated everywhere."""
+    if request.param == "emulated":
+        return request.getfixturevalue("emulated_tiles_harness")
+    if not (native.available() and native.tiles()):
+        pytest.skip("this CPU's kernel has no AMX tiles (native.tiles())")
+    return XlaTier()
+
+
+@pytest.mark.parametrize("n, k", [(16, 64), (48, 192), (1152, 896), (80, 4864), (64, 900)])
+@pytest.mark.parametrize("rows", [16, 17, 40])
+def test_int8_matmul_on_tiles_is_the_two_terms_products_and_scales_rounded_once_each(tiles, n, k, rows):
+    """Guards the AMX tiles' pass (a chunk of 16 rows or more, K a multiple of 64): a panel's last
+    rows (17, 40: not whole panels of 16), a claim's lone last block (16, 48 outputs: an odd number
+    of blocks; 1152: claims of 16 blocks and 8), the offsets' correction, the float operations' order
+    after the sums, and K = 900 (not whole tiles: the row passes serve). The same numbers numpy
+    computes, as for the row passes."""
+    rng = np.random.default_rng(n * 1000 + k + rows)
+    q = _offset_weights(rng, n, k)
+    scale = rng.random(n).astype(np.float32)
+    x = (rng.standard_normal((rows, k)) * rng.choice([1e-3, 1, 50], (rows, 1))).astype(np.float32)
+    x[0, :] = 0                                        # a zero row among the live ones
+    got = tiles.int8_matmul(x, native.pack(q), scale)
+    np.testing.assert_array_equal(got, _int8_product(x, q, scale))
     assert not got[0].any()
+
+
+def test_a_rows_numbers_on_the_tiles_are_its_numbers_alone(tiles):
+    """The same-answer guarantee on an AMX CPU: a row of a long chunk (the tiles) gets the bits it gets
+    alone (a decode step: the row passes), and the chunk's padding rows stay zero."""
+    rng = np.random.default_rng(7)
+    q = _offset_weights(rng, 96, 256)
+    scale = rng.random(96).astype(np.float32)
+    x = rng.standard_normal((48, 256)).astype(np.float32)
+    x[37:] = 0                                          # the chunk's padding
+    got = tiles.int8_matmul(x, native.pack(q), scale)
+    alone = np.concatenate([tiles.int8_matmul(x[i:i + 1], native.pack(q), scale) for i in range(37)])
+    np.testing.assert_array_equal(got[:37], alone)
+    assert not got[37:].any()
+
+
+def test_the_tiles_check_passes_on_the_emulated_tiles(emulated_tiles_harness):
+    """mashbox_tiles_check (what engine.native runs before the tiles serve) finds the tiles' pass and
+    the row passes equal: its exit status 0."""
+    import subprocess
+    done = subprocess.run(emulated_tiles_harness.command, input=b"tiles_check\n", capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.parametrize("vocab", [1, 15, 16, 17, 16384, 40000])
@@ -930,6 +996,72 @@ def test_a_tier_the_compiler_cannot_build_gives_way_to_the_next(monkeypatch):
     library = native._build_best(native._compiler())
     assert native.tier() == own and library.name.startswith(f"native-{own}-") and library.exists()
     assert native._unbuildable == {"unbuildable"}
+
+
+AMX_CPU = native.TIERS["avx512_vnni"][0] | native.TIERS["avx2"][0] | native.TILE_FLAGS[0]
+
+
+def test_the_kernel_takes_amx_tiles_only_on_the_avx512_tier_of_a_cpu_with_them(monkeypatch):
+    """Guards native.tiles_wanted: the tiles' flags only where the AVX-512 tier runs on a CPU with AMX
+    (a build with them elsewhere would fault), not when switched off (MASHBOX_AMX=0), not once refused,
+    and never the tiles' long chunks for the block forms (engine.products.kernel_takes)."""
+    from engine import products
+    for flags, env, want in ((AMX_CPU, {}, True), (AMX_CPU, {native.TILES_ENV: "0"}, False),
+                             (AMX_CPU, {native.TIER_ENV: "avx2"}, False),
+                             (native.TIERS["avx512_vnni"][0], {}, False), (native.TIERS["avx2"][0], {}, False)):
+        with monkeypatch.context() as m:
+            m.setattr(native.cpu, "flags", lambda: flags)
+            for key in (native.TIER_ENV, native.ENV_SWITCH, native.TILES_ENV):
+                m.delenv(key, raising=False)
+            for key, value in env.items():
+                m.setenv(key, value)
+            m.setattr(native, "_tiles_refused", None)
+            assert native.tiles_wanted() == want, (sorted(flags), env)
+            assert (native.TILE_FLAGS[1][0] in native.compile_flags()) == want
+            m.setattr(native, "_tiles_refused", "refused")
+            assert not native.tiles_wanted()
+    with monkeypatch.context() as m:
+        m.setattr(products, "PREFILL_BY_KERNEL", False)
+        m.setattr(native, "_tiles", True)
+        rows = products.INT8_ROWS_MAX_ROWS + 1
+        assert products.kernel_takes(rows, "int8_packed") and products.kernel_takes(rows, "int8")
+        assert not products.kernel_takes(rows, "q4_k") and products.kernel_takes(rows - 1, "q4_k")
+        held = {"layers": [{"o": {"q": np.zeros((1, 1, 16, 4), np.uint8), "scale": np.ones(16, np.float32)},
+                            "down": {"knib": np.zeros(1, np.uint8)}, "attn_norm": np.ones(4, np.float32)}]}
+        assert products.widened_kinds(held) == {"Q4_K"}
+        m.setattr(native, "_tiles", False)
+        assert products.widened_kinds(held) == {"Q4_K", "int8"}
+
+
+@pytest.mark.parametrize("verdict", [0, 1, 2, 3, -11])
+def test_tiles_that_fail_their_check_give_way_to_the_same_tier_without_them(verdict, monkeypatch, tmp_path, caplog):
+    """Guards native._build_checked: the library built with the tiles serves only when its own check
+    (run in a process of its own: a fault there, -11, cannot take the worker down) says 0; otherwise
+    the log says why and the same tier's library without them serves, its long chunks widened."""
+    import logging
+    import subprocess
+    if native._compiler() is None:
+        pytest.skip("no C++ compiler")
+    libraries = {}
+    for tiled, code in ((True, verdict), (False, 3)):
+        body = f"int mashbox_tiles_check(void) {{ {'raise(SIGSEGV); ' if code < 0 else ''}return {max(code, 0)}; }}"
+        path = libraries[tiled] = tmp_path / f"tiled-{tiled}.so"
+        subprocess.run([native._compiler(), "-x", "c", "-shared", "-fPIC", "-o", str(path), "-"],
+                       input=f"#include <signal.h>\n{body}\n", text=True, check=True)
+    monkeypatch.setattr(native.cpu, "flags", lambda: AMX_CPU)
+    for key in (native.TIER_ENV, native.ENV_SWITCH, native.TILES_ENV):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(native, "_tiles_refused", None)
+    monkeypatch.setattr(native, "_tiles", False)
+    monkeypatch.setattr(native, "_build", lambda compiler: libraries[native.TILE_FLAGS[1][0] in native.compile_flags()])
+    with caplog.at_level(logging.WARNING, logger="mashbox.engine"):
+        library = native._build_checked("c++")
+    assert (library, native.tiles()) == ((libraries[True], True) if verdict == 0 else (libraries[False], False))
+    if verdict:
+        why = native.TILES_REFUSED.get(verdict, f"its check ended with status {verdict}")
+        assert native._tiles_refused == why and f"AMX tiles unused ({why})" in caplog.text
+    else:
+        assert native._tiles_refused is None and not caplog.text
 
 
 @pytest.mark.skipif(native.tier() not in ("avx512_vnni", "avx_vnni"),

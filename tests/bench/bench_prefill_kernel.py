@@ -1,12 +1,13 @@
 """A prompt's prefill with every chunk through the native kernel against chunks past
 products.INT8_ROWS_MAX_ROWS widened for XLA's dot (run by hand, not in CI).
 
-    python tests/bench/bench_prefill_kernel.py [--model demo|27b] [--layers 4] [--tokens 512,2048,8192]
+    python tests/bench/bench_prefill_kernel.py [--model demo|8b|27b] [--layers 4] [--tokens 512,2048,8192]
                                                [--chunk 512] [--rounds 3]
 
 demo: the demo model as the server holds it (int8, its GGUF blocks where the kernel serves them);
-27b: Qwen3.8-27B's layers at full width, random Q4_K weights (`--layers` of its 64; its embedding and
-head whole). Each prompt is read from position 0 in chunks of --chunk tokens (the server's largest
+8b: Qwen3-8B's layers at full width, random int8 weights (on an AMX CPU the kernel's way multiplies
+them on its tiles: native.tiles()); 27b: Qwen3.8-27B's layers at full width, random Q4_K weights
+(`--layers` of their 36 or 64; the embedding and head whole). Each prompt is read from position 0 in chunks of --chunk tokens (the server's largest
 chunk), one way then the other, --rounds times alternated, both programs compiled before; prints the
 median tokens/s of each way, their ratio, and the temporaries XLA asks for one chunk
 (`memory_analysis`). Results: docs/perf-log.md ("Prefill through the kernel").
@@ -31,7 +32,7 @@ from engine.weights import load_weights, packs_int8  # noqa: E402
 
 
 # Models read as a cut of their layers, with random weights in the form given (else the demo).
-RANDOM_MODELS = {"27b": ("qwen3-8-27b", "q4_k"), "30b-a3b": ("qwen3-30b-a3b", "q8_0")}
+RANDOM_MODELS = {"27b": ("qwen3-8-27b", "q4_k"), "30b-a3b": ("qwen3-30b-a3b", "q8_0"), "8b": ("qwen3-8b", "bf16")}
 
 
 def load(which: str, layers: int):
@@ -54,6 +55,7 @@ def load(which: str, layers: int):
 def traced(by_kernel: bool):
     """A forward traced with PREFILL_BY_KERNEL as given (fresh functions: jit traces them again)."""
     products.PREFILL_BY_KERNEL = by_kernel
+    native._tiles = by_kernel and native.tiles_wanted()          # AMX tiles, where built with them
     layer = jax.jit(lambda *a, **k: model._layer(*a, **k), static_argnames=model.LAYER_STATIC_ARGNAMES)
     forward = jax.jit(lambda *a, **k: model.forward(*a, **k), donate_argnames=("cache",),
                       static_argnames=("cfg", "all_logits", "verify"))
@@ -62,7 +64,7 @@ def traced(by_kernel: bool):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=("demo", "27b"), default="demo")
+    p.add_argument("--model", choices=("demo", "8b", "27b"), default="demo")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tokens", default="512,2048,8192")
     p.add_argument("--chunk", type=int, default=512)

@@ -3,6 +3,7 @@
 // NEON tier: cross-compiled, run under qemu-user) and holds it to the same numpy definitions as the
 // tiers XLA calls. Built with -I tests/kernel_harness, whose xla/ffi/api/ffi.h stands in for XLA's.
 //
+// "tiles_check" and a newline on stdin: mashbox_tiles_check's verdict as the exit status. Otherwise,
 // stdin: the name and a newline; int32 the number of operands, int32 how many of them (the last)
 // are results; per operand uint8 its type (xla::ffi::DataType's order), uint8 its rank, int64
 // dims[rank], then (inputs only) its bytes. stdout: the results' bytes, one after another. A
@@ -119,6 +120,7 @@ int main() {
     if (c == EOF) Fail("harness: no kernel name");
     name.push_back(static_cast<char>(c));
   }
+  if (name == "tiles_check") return mashbox_tiles_check();   // its verdict as the exit status
   const auto kernel = kKernels.find(name);
   if (kernel == kKernels.end()) Fail("harness: no kernel " + name);
   std::vector<Operand> ops(ReadOne<int32_t>());

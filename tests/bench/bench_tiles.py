@@ -1,0 +1,99 @@
+"""The int8 product of a long prefill chunk three ways, side by side in one process (run by hand, not
+in CI): the kernel's (on AMX tiles where native.tiles(), else its row passes), XLA's own int8 dot
+on the same two terms per row (the matrix units' reference), and the weights widened for XLA's
+bfloat16 dot (what an AMX CPU ran before the tiles).
+
+    python tests/bench/bench_tiles.py [--rows 64,512] [--rounds 7]
+
+Shapes: the demo's products (896 wide, 4,864 inner) and Qwen3.8-27B's (5,120 wide, 17,408 inner).
+Prints, per shape and row count, the median ms of each way, the kernel's int8 operations per second
+(two terms per row: 4 R N K) and its ratios to the other two. On an AMX CPU the issue's target is
+the kernel at >= 70% of XLA's int8 dot; elsewhere the kernel's row passes run, and the line says so.
+MASHBOX_AMX=0 builds the kernel without the tiles (its row passes then) for a run beside this one.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+
+from engine import cpu, native, products  # noqa: E402
+
+# (name, outputs N, inputs K) of the products a prefill chunk runs.
+SHAPES = [("demo qkv", 1152, 896), ("demo gate_up", 9728, 896), ("demo down", 896, 4864),
+          ("27b attn", 5120, 5120), ("27b gate_up", 34816, 5120), ("27b down", 5120, 17408)]
+
+
+def timed(fn, *args, rounds: int) -> float:
+    """Median ms of fn(*args) over `rounds` calls, after one call to compile."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def ways(q_packed, q_plain, scale):
+    """The three products of rows x by the weights, each a jitted function of x."""
+    tiles_now = native.tiles()
+    kernel = jax.jit(lambda x: native.int8_matmul(x, q_packed, scale))
+
+    def widened(x):
+        native._tiles = False                                    # traced as the widened dot
+        try:
+            return products._int8_packed_matmul(x, {"q": q_packed, "scale": scale})
+        finally:
+            native._tiles = tiles_now
+    values = q_plain.astype(jnp.int32) - 128
+
+    def xla_int8(terms):
+        return lax.dot_general(terms, values.astype(jnp.int8), (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.int32)
+    return kernel, jax.jit(widened), jax.jit(xla_int8)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="64,512", help="rows per chunk, comma-separated")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    if not native.available():
+        sys.exit("the native kernel does not run on this CPU")
+    saved = products.PREFILL_BY_KERNEL
+    products.PREFILL_BY_KERNEL = False                           # the widened way must widen
+    print(f"tier {native.tier()}, AMX {'yes' if cpu.has_amx() else 'no'}, kernel on tiles: "
+          f"{'yes' if native.tiles() else 'no (its row passes)'}")
+    print(f"{'shape':14} {'rows':>5} {'kernel ms':>10} {'int8 TOPS':>10} {'XLA int8 ms':>12} "
+          f"{'x XLA int8':>10} {'widened ms':>11} {'x widened':>10}")
+    rng = np.random.default_rng(0)
+    for name, n, k in SHAPES:
+        q = rng.integers(1, 256, (n, k), dtype=np.uint8)
+        q_packed, q_plain = jnp.asarray(native.pack(q)), jnp.asarray(q)
+        scale = jnp.asarray(rng.random(n).astype(np.float32))
+        kernel, widened, xla_int8 = ways(q_packed, q_plain, scale)
+        for rows in map(int, args.rows.split(",")):
+            x = jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32))
+            terms, _ = products.int8_terms(x, products.ROW_TERMS)
+            ms = timed(kernel, x, rounds=args.rounds)
+            ms_int8 = timed(xla_int8, terms, rounds=args.rounds)
+            ms_wide = timed(widened, x, rounds=args.rounds)
+            tops = 2 * products.ROW_TERMS * rows * n * k / ms / 1e9
+            print(f"{name:14} {rows:5d} {ms:10.2f} {tops:10.2f} {ms_int8:12.2f} {ms_int8 / ms:10.2f} "
+                  f"{ms_wide:11.2f} {ms_wide / ms:10.2f}", flush=True)
+        del q_packed, q_plain
+    products.PREFILL_BY_KERNEL = saved
+
+
+if __name__ == "__main__":
+    main()
