@@ -292,17 +292,18 @@ def kernel_takes(rows: int, kind: str) -> bool:
 
 def _is_held(x) -> bool:
     """Whether x is a quantized matrix's dict (weight_kind other than "float"), not a layer's."""
-    return isinstance(x, dict) and (("q" in x and "scale" in x) or PER_PART in x or "f8" in x
-                                    or native.is_int5(x) or native.is_q8(x) or bool(native.k_kind(x) or native.s_kind(x)))
+    return isinstance(x, dict) and (("q" in x and "scale" in x) or PER_PART in x or "f8" in x or native.is_int5(x)
+                                    or native.is_q8(x) or bool(native.k_kind(x) or native.s_kind(x)))
 
 
 def widened_kinds(params) -> set[str]:
-    """The weight kinds of params' quantized matrices whose long prefill chunks are widened for XLA's
-    dot (kernel_takes), as the start-up log names them: there a row's numbers depend on its chunk."""
-    leaves = jax.tree_util.tree_leaves(params, is_leaf=_is_held)
-    kinds = {weight_kind(leaf) for leaf in leaves if _is_held(leaf)}
-    names = {"int8_packed": "int8", "fp8": "FP8", "parts": "mixed-type"}
-    return {names.get(kind, kind if kind == "int8" else kind.upper())
+    """The weight kinds of params' quantized matrices (a mixed matrix's, of its parts) whose long
+    prefill chunks are widened for XLA's dot (kernel_takes), as the start-up log names them: there a
+    row's numbers depend on its chunk."""
+    held = [leaf for leaf in jax.tree_util.tree_leaves(params, is_leaf=_is_held) if _is_held(leaf)]
+    parts = [part for leaf in held for part in (leaf[PER_PART].values() if PER_PART in leaf else [leaf])]
+    kinds = {weight_kind(part) for part in parts if _is_held(part)}
+    return {"int8" if kind.startswith("int8") else kind.upper()
             for kind in kinds if not kernel_takes(INT8_ROWS_MAX_ROWS + 1, kind)}
 
 

@@ -1027,10 +1027,11 @@ def test_the_kernel_takes_amx_tiles_only_on_the_avx512_tier_of_a_cpu_with_them(m
         assert products.kernel_takes(rows, "int8_packed") and products.kernel_takes(rows, "int8")
         assert not products.kernel_takes(rows, "q4_k") and products.kernel_takes(rows - 1, "q4_k")
         held = {"layers": [{"o": {"q": np.zeros((1, 1, 16, 4), np.uint8), "scale": np.ones(16, np.float32)},
-                            "down": {"knib": np.zeros(1, np.uint8)}, "attn_norm": np.ones(4, np.float32)}]}
-        assert products.widened_kinds(held) == {"Q4_K"}
+                            "down": {"knib": np.zeros(1, np.uint8)}, "attn_norm": np.ones(4, np.float32),
+                            "linear": {"parts": {"0": {"q8": np.zeros(1, np.uint8)}, "1": np.ones((16, 4))}}}]}
+        assert products.widened_kinds(held) == {"Q4_K", "Q8_0"}
         m.setattr(native, "_tiles", False)
-        assert products.widened_kinds(held) == {"Q4_K", "int8"}
+        assert products.widened_kinds(held) == {"Q4_K", "Q8_0", "int8"}
 
 
 @pytest.mark.parametrize("verdict", [0, 1, 2, 3, -11])
