@@ -9,12 +9,16 @@ Shapes: the demo's products (896 wide, 4,864 inner) and Qwen3.8-27B's (5,120 wid
 Prints, per shape and row count, the median ms of each way, the kernel's int8 operations per second
 (two terms per row: 4 R N K) and its ratios to the other two. On an AMX CPU the issue's target is
 the kernel at >= 70% of XLA's int8 dot; elsewhere the kernel's row passes run, and the line says so.
-MASHBOX_AMX=0 builds the kernel without the tiles (its row passes then) for a run beside this one.
+Where the kernel has tiles, a second process built without them (MASHBOX_AMX=0) times the row
+passes on the same shapes right after each shape, for the tiles' ratio to them.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -63,25 +67,48 @@ def ways(q_packed, q_plain, scale):
     return kernel, jax.jit(widened), jax.jit(xla_int8)
 
 
+def row_passes_ms(name: str, rows: str, rounds: int) -> dict[str, float]:
+    """The kernel's ms per row count for one shape, in a process whose kernel has no tiles."""
+    done = subprocess.run([sys.executable, __file__, "--kernel-only", name, "--rows", rows, "--rounds",
+                           str(rounds)], env={**os.environ, native.TILES_ENV: "0"}, capture_output=True,
+                          text=True, check=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def kernel_only(name: str, rows: str, rounds: int) -> None:
+    """Prints {rows: the kernel's ms} for one shape as one JSON line (row_passes_ms's child)."""
+    _, n, k = next(shape for shape in SHAPES if shape[0] == name)
+    rng = np.random.default_rng(0)
+    q = rng.integers(1, 256, (n, k), dtype=np.uint8)
+    kernel = ways(jnp.asarray(native.pack(q)), jnp.asarray(q), jnp.asarray(rng.random(n).astype(np.float32)))[0]
+    print(json.dumps({r: timed(kernel, jnp.asarray(rng.standard_normal((int(r), k)).astype(np.float32)),
+                               rounds=rounds) for r in rows.split(",")}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="64,512", help="rows per chunk, comma-separated")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--kernel-only", metavar="SHAPE", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not native.available():
         sys.exit("the native kernel does not run on this CPU")
+    if args.kernel_only:
+        return kernel_only(args.kernel_only, args.rows, args.rounds)
     saved = products.PREFILL_BY_KERNEL
     products.PREFILL_BY_KERNEL = False                           # the widened way must widen
     print(f"tier {native.tier()}, AMX {'yes' if cpu.has_amx() else 'no'}, kernel on tiles: "
           f"{'yes' if native.tiles() else 'no (its row passes)'}")
+    tiled = native.tiles()
     print(f"{'shape':14} {'rows':>5} {'kernel ms':>10} {'int8 TOPS':>10} {'XLA int8 ms':>12} "
-          f"{'x XLA int8':>10} {'widened ms':>11} {'x widened':>10}")
+          f"{'x XLA int8':>10} {'widened ms':>11} {'x widened':>10}" + (f" {'x row passes':>13}" if tiled else ""))
     rng = np.random.default_rng(0)
     for name, n, k in SHAPES:
         q = rng.integers(1, 256, (n, k), dtype=np.uint8)
         q_packed, q_plain = jnp.asarray(native.pack(q)), jnp.asarray(q)
         scale = jnp.asarray(rng.random(n).astype(np.float32))
         kernel, widened, xla_int8 = ways(q_packed, q_plain, scale)
+        passes = row_passes_ms(name, args.rows, args.rounds) if tiled else {}
         for rows in map(int, args.rows.split(",")):
             x = jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32))
             terms, _ = products.int8_terms(x, products.ROW_TERMS)
@@ -90,7 +117,8 @@ def main() -> None:
             ms_wide = timed(widened, x, rounds=args.rounds)
             tops = 2 * products.ROW_TERMS * rows * n * k / ms / 1e9
             print(f"{name:14} {rows:5d} {ms:10.2f} {tops:10.2f} {ms_int8:12.2f} {ms_int8 / ms:10.2f} "
-                  f"{ms_wide:11.2f} {ms_wide / ms:10.2f}", flush=True)
+                  f"{ms_wide:11.2f} {ms_wide / ms:10.2f}"
+                  + (f" {passes[str(rows)] / ms:13.2f}" if tiled else ""), flush=True)
         del q_packed, q_plain
     products.PREFILL_BY_KERNEL = saved
 
