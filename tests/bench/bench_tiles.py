@@ -54,11 +54,13 @@ def ways(q_packed, q_plain, scale):
     kernel = jax.jit(lambda x: native.int8_matmul(x, q_packed, scale))
 
     def widened(x):
-        native._tiles = False                                    # traced as the widened dot
+        # Traced as the widened dot at any row count: no tiles, no short chunks through the kernel.
+        native._tiles, short = False, products.INT8_ROWS_MAX_ROWS
+        products.INT8_ROWS_MAX_ROWS = 0
         try:
             return products._int8_packed_matmul(x, {"q": q_packed, "scale": scale})
         finally:
-            native._tiles = tiles_now
+            native._tiles, products.INT8_ROWS_MAX_ROWS = tiles_now, short
     values = q_plain.astype(jnp.int32) - 128
 
     def xla_int8(terms):
