@@ -932,8 +932,8 @@ def test_a_tool_set_past_the_compile_budget_is_constrained_by_name_within_it(gra
     names (any arguments)."""
     c = Constraint("auto", tools)
     grammars._tokenizer.result()               # the token trie, built once per worker
-    # Each killed trial's CPU seconds from when it was ready (the budget's start: a loaded host's
-    # imports took 1-1.7 s before it) to its kill.
+    # Each killed trial's CPU seconds from when it was ready (where the budget starts: its imports
+    # before, slow on a loaded host, are not the compile's) to its kill.
     killed_at, ready_at, close, ready = [], {}, grammar._Trial.close, grammar._Trial.ready
 
     def readied(trial):
