@@ -578,9 +578,15 @@ constexpr int64_t kTilePanel = 2 * kTileRows;  // term rows per pass: two row ti
 // Below it the row passes read the weights once for all rows, as a decode step does.
 constexpr int64_t kTileMinRows = kTilePanel / 2;
 // Blocks of 16 outputs a thread claims at a time on the tiles: each panel of terms is read once per
-// claim, so claims are larger than the row passes' (256 outputs x K bytes of weights, 1.2 MB at
-// K = 4864, stay in a Sapphire Rapids core's 2 MB of L2 while every panel passes over them).
+// claim, so claims are larger than the row passes', up to 16 blocks and as many as keep the claim's
+// weights (16 x K bytes a block, as int8 or as a block form's levels) within kTileClaimBytes, which
+// stay in a Sapphire Rapids core's 2 MB of L2 while every panel passes over them (16 blocks at
+// K = 4864, 1.2 MB; 4 at a 27B's K = 17408). Even, so that claims pair their blocks.
 constexpr int64_t kTileChunkBlocks = 16;
+constexpr int64_t kTileClaimBytes = 1280 * 1024;
+int64_t TileClaim(int64_t K) {
+  return std::clamp<int64_t>(kTileClaimBytes / (kLanes * K) / 2 * 2, 2, kTileChunkBlocks);
+}
 
 #if MASHBOX_AMX
 // Tiles t (0-7) as the instructions name them: tmm<t>.
@@ -597,30 +603,33 @@ bool TilesGranted() {
   return granted;
 }
 #else
-// Each tile instruction as Intel's manual defines it, on this thread's 8 tiles of 16 rows x 64 bytes.
+// Each tile instruction as Intel's manual defines it, on this thread's 8 tiles (up to 16 rows x 64
+// bytes) in the shapes the thread's configuration gives them (TileShapes).
 thread_local uint8_t emulated_tiles[8][kTileRows][64];
+thread_local int emulated_rows[8], emulated_bytes[8];
 #define TILE_ZERO(t) std::fill(&emulated_tiles[t][0][0], &emulated_tiles[t][0][0] + kTileRows * 64, 0)
 #define TILE_LOAD(t, at, stride) EmulatedLoad(t, at, stride)
 #define TILE_STORE(t, at, stride) EmulatedStore(t, at, stride)
 #define TILE_DOT(sums, rows, weights) EmulatedDot(sums, rows, weights)
 
 inline void EmulatedLoad(int t, const void* at, int64_t stride) {
-  for (int r = 0; r < kTileRows; r++)
-    __builtin_memcpy(emulated_tiles[t][r], static_cast<const uint8_t*>(at) + r * stride, 64);
+  for (int r = 0; r < emulated_rows[t]; r++)
+    __builtin_memcpy(emulated_tiles[t][r], static_cast<const uint8_t*>(at) + r * stride, emulated_bytes[t]);
 }
 
 inline void EmulatedStore(int t, void* at, int64_t stride) {
-  for (int r = 0; r < kTileRows; r++)
-    __builtin_memcpy(static_cast<uint8_t*>(at) + r * stride, emulated_tiles[t][r], 64);
+  for (int r = 0; r < emulated_rows[t]; r++)
+    __builtin_memcpy(static_cast<uint8_t*>(at) + r * stride, emulated_tiles[t][r], emulated_bytes[t]);
 }
 
-// tdpbsud: sums[m][n] += sum over j < 16, i < 4 of signed rows[m][4j + i] x unsigned weights[j][4n + i].
+// tdpbsud: sums[m][n] += sum over j < K/4, i < 4 of signed rows[m][4j + i] x unsigned weights[j][4n + i],
+// with the weight tile's rows the row tile's groups of 4 bytes (K/4).
 inline void EmulatedDot(int sums, int rows, int weights) {
-  for (int m = 0; m < kTileRows; m++)
-    for (int n = 0; n < 16; n++) {
+  for (int m = 0; m < emulated_rows[sums]; m++)
+    for (int n = 0; n < emulated_bytes[sums] / 4; n++) {
       int32_t total;
       __builtin_memcpy(&total, &emulated_tiles[sums][m][4 * n], 4);
-      for (int j = 0; j < 16; j++)
+      for (int j = 0; j < emulated_rows[weights]; j++)
         for (int i = 0; i < 4; i++)
           total += static_cast<int8_t>(emulated_tiles[rows][m][4 * j + i]) *
                    emulated_tiles[weights][j][4 * n + i];
@@ -631,24 +640,36 @@ inline void EmulatedDot(int sums, int rows, int weights) {
 bool TilesGranted() { return true; }
 #endif
 
+// The tiles' shapes for a pass that sums `step` inputs per tdpbsud (64: whole tiles; 32 and 16: a
+// block form's sub-block, whose sums leave the tiles before the next one's): sum tiles 0-3 are 16
+// rows x 16 int32, row tiles 4-5 16 rows x `step` bytes, weight tiles 6-7 step / 4 groups x 64 bytes.
 #if MASHBOX_AMX
-// ldtilecfg's operand: palette 1, tiles 0-7 each 16 rows x 64 bytes. A constant in the binary, not a
-// local: GCC's _tile_loadconfig tells the compiler it reads 8 bytes, so a local's other stores could go.
+// ldtilecfg's operand, palette 1. Constants in the binary, not locals: GCC's _tile_loadconfig tells
+// the compiler it reads 8 bytes, so a local's other stores could go.
 struct alignas(64) TileConfig {
   uint8_t palette, start_row, reserved[14];
   uint16_t bytes[16];
   uint8_t rows[16];
 };
-constexpr TileConfig kTileConfig = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+constexpr TileConfig TileShapes(int step) {
+  return {1, 0, {}, {64, 64, 64, 64, static_cast<uint16_t>(step), static_cast<uint16_t>(step), 64, 64},
+          {16, 16, 16, 16, 16, 16, static_cast<uint8_t>(step / 4), static_cast<uint8_t>(step / 4)}};
+}
+constexpr TileConfig kTileConfigs[3] = {TileShapes(64), TileShapes(32), TileShapes(16)};
 #endif
 
-// This thread's tiles configured while it lives, and released after (a configured thread's switches
-// save 8 KB more state). The compiler's barrier: tileloadd's asm names no memory it reads, so every
-// store before (the terms) is made before the first load.
+// This thread's tiles configured for `step` while it lives, and released after (a configured
+// thread's switches save 8 KB more state). The compiler's barrier: tileloadd's asm names no memory it
+// reads, so every store before (the terms, a claim's levels) is made before the first load.
 struct TileScope {
-  TileScope() {
+  explicit TileScope(int step) {
 #if MASHBOX_AMX
-    _tile_loadconfig(&kTileConfig);
+    _tile_loadconfig(&kTileConfigs[step == 64 ? 0 : step == 32 ? 1 : 2]);
+#else
+    for (int t = 0; t < 8; t++) {
+      emulated_rows[t] = t < 6 ? kTileRows : step / 4;
+      emulated_bytes[t] = t == 4 || t == 5 ? step : 64;
+    }
 #endif
     asm volatile("" ::: "memory");
   }
@@ -682,7 +703,7 @@ void TileOutputs(const int32_t (*sums)[32], const float* term_scales, const int3
 // sum tiles 0-3 over K, then out. The weights (kTileChunkBlocks blocks) stay in L2 across panels.
 void TilePass(const uint8_t* w, const int8_t* terms, const float* term_scales, const int32_t* offsets,
               const float* scale, float* out, int64_t K, int64_t N, int64_t R, int64_t b0, int64_t b1) {
-  const TileScope scope;
+  const TileScope scope(kTileInputs);
   alignas(64) int32_t sums[kTilePanel][32];
   for (int64_t t0 = 0; t0 < 2 * R; t0 += kTilePanel) {
     const int8_t* rows = terms + t0 * K;
@@ -724,13 +745,92 @@ void TilePass(const uint8_t* w, const int8_t* terms, const float* term_scales, c
   }
 }
 
-// Whether a chunk of R float rows by K inputs takes the tiles.
-bool TakesTiles(int64_t R, int64_t K) { return R >= kTileMinRows && K % kTileInputs == 0 && TilesGranted(); }
+// Whether a chunk of R float rows by K inputs takes the tiles, `step` inputs per tdpbsud.
+bool TakesTiles(int64_t R, int64_t K, int64_t step = kTileInputs) {
+  return R >= kTileMinRows && K % step == 0 && TilesGranted();
+}
 
 // T term rows and the zero rows after them up to a whole panel.
 int64_t PanelRows(int64_t T) { return (T + kTilePanel - 1) / kTilePanel * kTilePanel; }
+
+// A block form's product on the tiles (Q5_0, Q8_0, Q4_K, Q5_K, Q6_K: BlockTilePass's Form). Its
+// scales change every sub-block of Form::kStep inputs (32; Q6_K 16), so each tdpbsud sums one
+// sub-block, and its exact int32 sums per row and output leave the tiles for the form's Step, which
+// takes them through the row passes' own integer and float operations in their order (one term per
+// row here: the block forms round a row per 32 or 256 inputs, not in two terms). The form gives:
+//   kStep                           inputs per sub-block
+//   TileLevels(b, buffer)           block b's levels (unsigned bytes) as weight tiles' rows, 4 inputs
+//                                   of its 16 outputs in each 64 bytes: unpacked into buffer (16 x K
+//                                   bytes) or, where held so (Q8_0), in place
+//   Step(j, sums, total, whole, r0, live, b, blocks)
+//                                   sub-block j's sums [row][output] for rows r0 .. r0 + live and
+//                                   blocks b .. b + blocks -> the float outputs total (and whole, an
+//                                   int32 sum per row and output the form may carry between steps;
+//                                   both zero at the start)
+// A panel's rows past R are zero terms, their outputs never written.
+template <typename Form>
+void BlockTilePass(const Form& form, const int8_t* terms, float* out, int64_t K, int64_t N, int64_t R, int64_t b0,
+                   int64_t b1) {
+  constexpr int64_t step = Form::kStep;
+  thread_local std::vector<uint8_t> buffer;
+  buffer.resize((b1 - b0) * kLanes * K);
+  const uint8_t* levels[kTileChunkBlocks];
+  for (int64_t b = b0; b < b1; b++) levels[b - b0] = form.TileLevels(b, buffer.data() + (b - b0) * kLanes * K);
+  const TileScope scope(step);                        // after the levels' stores (its barrier)
+  alignas(64) int32_t sums[kTilePanel][32];
+  alignas(64) float total[kTilePanel][32];
+  alignas(64) int32_t whole[kTilePanel][32];
+  for (int64_t t0 = 0; t0 < R; t0 += kTilePanel) {
+    const int8_t* rows = terms + t0 * K;
+    const int64_t live = std::min(kTilePanel, R - t0);
+    for (int64_t b = b0; b < b1; b += 2) {
+      const bool pair = b + 1 < b1;                   // else the claim's last block alone
+      const uint8_t* w0 = levels[b - b0];
+      const uint8_t* w1 = pair ? levels[b + 1 - b0] : nullptr;
+      std::fill(&total[0][0], &total[0][0] + kTilePanel * 32, 0.0f);
+      std::fill(&whole[0][0], &whole[0][0] + kTilePanel * 32, 0);
+      for (int64_t k = 0; k < K; k += step) {
+        TILE_ZERO(0);
+        TILE_ZERO(2);
+        TILE_LOAD(4, rows + k, K);
+        TILE_LOAD(5, rows + kTileRows * K + k, K);
+        TILE_LOAD(6, w0 + k * kLanes, 64);
+        TILE_DOT(0, 4, 6);
+        TILE_DOT(2, 5, 6);
+        TILE_STORE(0, &sums[0][0], sizeof sums[0]);
+        TILE_STORE(2, &sums[kTileRows][0], sizeof sums[0]);
+        if (pair) {
+          TILE_ZERO(1);
+          TILE_ZERO(3);
+          TILE_LOAD(7, w1 + k * kLanes, 64);
+          TILE_DOT(1, 4, 7);
+          TILE_DOT(3, 5, 7);
+          TILE_STORE(1, &sums[0][16], sizeof sums[0]);
+          TILE_STORE(3, &sums[kTileRows][16], sizeof sums[0]);
+        }
+        form.Step(k / step, sums, total, whole, t0, live, b, pair ? 2 : 1);
+      }
+      for (int64_t r = 0; r < live; r++)
+        std::copy(total[r], total[r] + (pair ? 2 : 1) * kLanes, out + (t0 + r) * N + b * kLanes);
+    }
+  }
+}
+
+// Each of a claim's blocks b0 .. b1 on one of the pool's threads (BlockTilePass), K a whole number
+// of the form's steps and the terms padded to whole panels.
+template <typename Form>
+void BlockTiles(ffi::ThreadPool& pool, const Form& form, const int8_t* terms, float* out, int64_t K, int64_t N,
+                int64_t R, int64_t blocks) {
+  const int64_t claim = TileClaim(K);
+  Parallel(pool, (blocks + claim - 1) / claim, [&](int64_t c) {
+    BlockTilePass(form, terms, out, K, N, R, c * claim, std::min((c + 1) * claim, blocks));
+  });
+}
+
+// A half (float16's bits) as float, exactly (the row passes' vcvtph2ps).
+inline float HalfFloat(uint16_t h) { return _cvtsh_ss(h); }
 #else
-bool TakesTiles(int64_t, int64_t) { return false; }
+bool TakesTiles(int64_t, int64_t, int64_t = 0) { return false; }
 int64_t PanelRows(int64_t T) { return T; }
 #endif
 
@@ -758,11 +858,10 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   float* op = out->typed_data();
 #if MASHBOX_TILES
   if (tiles) {
-    const int64_t claims = (blocks + kTileChunkBlocks - 1) / kTileChunkBlocks;
-    Parallel(pool, claims, [&](int64_t c) {
-      const int64_t b0 = c * kTileChunkBlocks;
-      TilePass(w.typed_data(), terms.data(), term_scales.data(), offsets.data(), sp, op, K, N, R, b0,
-               std::min(b0 + kTileChunkBlocks, blocks));
+    const int64_t claim = TileClaim(K);
+    Parallel(pool, (blocks + claim - 1) / claim, [&](int64_t c) {
+      TilePass(w.typed_data(), terms.data(), term_scales.data(), offsets.data(), sp, op, K, N, R, c * claim,
+               std::min((c + 1) * claim, blocks));
     });
     return ffi::Error::Success();
   }
@@ -1148,22 +1247,91 @@ constexpr Block5Fn kBlocks5[kMaxTerms + 1] = {nullptr, Block5<1>, Block5<2>, Blo
 
 // The products whose weights change scale every 32 inputs (Q5_0's and Q8_0's blocks): rows x [R, K]
 // rounded to int8 per 32 inputs on each block's own scale (one term, where the int8 product's
-// per-row scales need two), then block(n, terms, sums, term_scales, out, b) for each block b of 16
-// outputs, n <= kMaxTerms rows at a time (terms [n, K]; sums, term_scales [n, K/32]; out [n, N]).
+// per-row scales need two: BlockTerms), then block(n, terms, sums, term_scales, out, b) for each
+// block b of 16 outputs, n <= kMaxTerms rows at a time (terms [n, K]; sums, term_scales [n, K/32];
+// out [n, N]), or a long chunk on the tiles (tiled: BlockTilePass).
 constexpr int kTermBlock = 32;           // inputs per row scale
-template <typename Block>
-void PerBlockProduct(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t K, int64_t blocks, float* out,
-                     Block block) {
-  const int64_t N = blocks * kLanes, blocks32 = K / kTermBlock, R = LiveRows(x, rows, K);
-  ZeroRowsFrom(out, R, rows, N);
-  std::vector<int8_t> terms(R * K);
-  std::vector<float> term_scales(R * blocks32);             // per row and 32 inputs
-  std::vector<int32_t> sums(R * blocks32, 0);               // the terms' sum per row and 32 inputs
+
+// Rows x [R, K] -> their int8 terms [R, K] per 32 inputs, each block's scale and the terms' sum
+// [R, K/32].
+void BlockTerms(const float* x, int64_t R, int64_t K, int8_t* terms, float* term_scales, int32_t* sums) {
+  const int64_t blocks32 = K / kTermBlock;
   for (int64_t r = 0; r < R; r++)
     for (int64_t j = 0; j < blocks32; j++) {
       const int64_t at = r * K + j * kTermBlock;
-      term_scales[r * blocks32 + j] = QuantizeRow(x + at, terms.data() + at, kTermBlock, &sums[r * blocks32 + j]);
+      term_scales[r * blocks32 + j] = QuantizeRow(x + at, terms + at, kTermBlock, &sums[r * blocks32 + j]);
     }
+}
+
+// A Q5_0 or Q8_0 matrix as the tiles take it (BlockTilePass's form): per 32 inputs, the levels'
+// exact sum less the offset times the terms' sum, then AddBlock32's float operations.
+struct Tiles32 {
+  static constexpr int kStep = kTermBlock;
+  const uint8_t* nib;                    // Q5_0's nibbles and fifth bits (pack5), or null
+  const uint64_t* fifth;
+  const uint8_t* held;                   // Q8_0's levels + 128 (pack8): weight tiles' rows as held
+  const uint16_t* d;                     // [N/16, K/32, 16]
+  int32_t offset;                        // what the held levels add: 16 or 128
+  int64_t K;
+  const int32_t* sums = nullptr;         // the call's terms' sums and scales [R, K/32] (BlockTerms)
+  const float* term_scales = nullptr;
+#if MASHBOX_TILES
+  const uint8_t* TileLevels(int64_t b, uint8_t* buffer) const {
+    if (held) return held + b * kLanes * K;
+    const int64_t groups = K / kNibbleGroup;
+    for (int64_t g = 0; g < groups; g++) {           // rows 2g and 2g + 1: inputs 8g .. 8g+3, 8g+4 .. 8g+7
+      uint8_t* row = buffer + g * 2 * 64;
+#if MASHBOX_AVX512
+      __m512i low, high;
+      Levels(nib + (b * groups + g) * 64, fifth + (b * groups + g) * 2, &low, &high);
+      _mm512_storeu_si512(row, low);
+      _mm512_storeu_si512(row + 64, high);
+#else
+      __m256i low[2], high[2];
+      Levels(nib + (b * groups + g) * 64, fifth + (b * groups + g) * 2, low, high);
+      for (int h = 0; h < 2; h++) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 32 * h), low[h]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 64 + 32 * h), high[h]);
+      }
+#endif
+    }
+    return buffer;
+  }
+
+  void Step(int64_t j, const int32_t (*c)[32], float (*total)[32], int32_t (*)[32], int64_t r0, int64_t live,
+            int64_t b, int blocks) const {
+    const int64_t blocks32 = K / kTermBlock;
+    float scale[32];
+    for (int n = 0; n < blocks * kLanes; n++)
+      scale[n] = HalfFloat(d[((b + n / kLanes) * blocks32 + j) * kLanes + n % kLanes]);
+    for (int64_t r = 0; r < live; r++) {
+      const float ts = term_scales[(r0 + r) * blocks32 + j];
+      const int32_t less = offset * sums[(r0 + r) * blocks32 + j];
+      for (int n = 0; n < blocks * kLanes; n++)
+        total[r][n] = std::fma(static_cast<float>(c[r][n] - less), scale[n] * ts, total[r][n]);
+    }
+  }
+#endif
+};
+
+template <typename Block>
+void PerBlockProduct(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t K, int64_t blocks, float* out,
+                     Block block, Tiles32 tiled) {
+  const int64_t N = blocks * kLanes, blocks32 = K / kTermBlock, R = LiveRows(x, rows, K);
+  ZeroRowsFrom(out, R, rows, N);
+  const bool tiles = TakesTiles(R, K, kTermBlock);
+  std::vector<int8_t> terms((tiles ? PanelRows(R) : R) * K);   // on the tiles, zero rows to a whole panel
+  std::vector<float> term_scales(R * blocks32);             // per row and 32 inputs
+  std::vector<int32_t> sums(R * blocks32, 0);               // the terms' sum per row and 32 inputs
+  BlockTerms(x, R, K, terms.data(), term_scales.data(), sums.data());
+#if MASHBOX_TILES
+  if (tiles) {
+    tiled.sums = sums.data();
+    tiled.term_scales = term_scales.data();
+    BlockTiles(pool, tiled, terms.data(), out, K, N, R, blocks);
+    return;
+  }
+#endif
   Parallel(pool, Chunks(blocks), [&](int64_t c) {
     const int64_t b0 = c * kChunkBlocks, b1 = std::min(b0 + kChunkBlocks, blocks);
     for (int64_t r0 = 0; r0 < R; r0 += kMaxTerms) {        // 8 rows per pass over the chunk (AVX2, NEON: 4)
@@ -1192,7 +1360,8 @@ ffi::Error Int5Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.typed_data());
   PerBlockProduct(pool, x.typed_data(), xd[0], K, blocks, out->typed_data(),
                   [&](int64_t n, const int8_t* terms, const int32_t* sums, const float* term_scales, float* o,
-                      int64_t b) { kBlocks5[n](np_, fp, dp, terms, sums, term_scales, o, K, N, b); });
+                      int64_t b) { kBlocks5[n](np_, fp, dp, terms, sums, term_scales, o, K, N, b); },
+                  Tiles32{np_, fp, nullptr, dp, kQ5Offset, K});
   return ffi::Error::Success();
 }
 
@@ -1423,7 +1592,8 @@ ffi::Error Q8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.typed_data());
   PerBlockProduct(pool, x.typed_data(), xd[0], K, blocks, out->typed_data(),
                   [&](int64_t n, const int8_t* terms, const int32_t* sums, const float* term_scales, float* o,
-                      int64_t b) { kBlocks8[n](qp, dp, terms, sums, term_scales, o, K, N, b); });
+                      int64_t b) { kBlocks8[n](qp, dp, terms, sums, term_scales, o, K, N, b); },
+                  Tiles32{nullptr, nullptr, qp, dp, kQ8Offset, K});
   return ffi::Error::Success();
 }
 
@@ -1735,20 +1905,16 @@ using BlockKFn = void (*)(const KBlocks&, const int8_t*, const float*, const flo
 template <KForm F>
 constexpr BlockKFn kBlocksK[kKRows + 1] = {nullptr, BlockK<1, F>, BlockK<2, F>, BlockK<3, F>, BlockK<4, F>};
 
-// x float32 [R, K] times K-quant blocks -> float32 [R, N]: each row rounded to int8 per 256 inputs,
-// then the blocks' exact integer sums, their scales and mins (BlockK).
+// Rows x [R, K] -> their int8 terms [R, K] per 256 inputs, each super-block's scale [R, K/256] and
+// the terms' sums per sub-block as floats [R, K/sub].
 template <KForm F>
-void KMatmul(ffi::ThreadPool& pool, const float* x, int64_t rows, const KBlocks& w, float* out) {
+void KTerms(const float* x, int64_t R, int64_t K, int8_t* terms, float* term_scales, float* sub_sums) {
   constexpr int sub = kSub<F>;
-  const int64_t K = w.K, N = w.blocks * kLanes, supers = K / kSuper, subs = K / sub, R = LiveRows(x, rows, K);
-  ZeroRowsFrom(out, R, rows, N);
-  std::vector<int8_t> terms(R * K);
-  std::vector<float> term_scales(R * supers), sub_sums(R * subs);
+  const int64_t supers = K / kSuper, subs = K / sub;
   for (int64_t r = 0; r < R; r++) {
     for (int64_t s = 0; s < supers; s++) {
       int32_t unused;
-      term_scales[r * supers + s] = QuantizeRow(x + r * K + s * kSuper, terms.data() + r * K + s * kSuper,
-                                                kSuper, &unused);
+      term_scales[r * supers + s] = QuantizeRow(x + r * K + s * kSuper, terms + r * K + s * kSuper, kSuper, &unused);
     }
     for (int64_t j = 0; j < subs; j++) {
       int32_t sum = 0;
@@ -1756,6 +1922,88 @@ void KMatmul(ffi::ThreadPool& pool, const float* x, int64_t rows, const KBlocks&
       sub_sums[r * subs + j] = static_cast<float>(sum);
     }
   }
+}
+
+#if MASHBOX_TILES
+// A K-quant matrix as the tiles take it (BlockTilePass's form): per sub-block, BlockK's mins' part,
+// and its levels' exact sum times the lane's sub-block scale into the super-block's integer sum
+// (whole), which after the super-block's last sub-block leaves as BlockK's does.
+template <KForm F>
+struct TilesK {
+  static constexpr int kStep = kSub<F>;
+  const KBlocks& w;
+  const float* sub_sums;                 // the call's [R, K/sub] and [R, K/256] (KTerms)
+  const float* term_scales;
+
+  const uint8_t* TileLevels(int64_t b, uint8_t* buffer) const {
+    const int64_t groups = w.K / kNibbleGroup;
+    for (int64_t g = 0; g < groups; g++) {           // rows 2g and 2g + 1: inputs 8g .. 8g+3, 8g+4 .. 8g+7
+      const int64_t at = b * groups + g;
+      __m256i low[2], high[2];
+      KLevels<F>(w.nib + at * 64, F == KForm::kQ6 ? w.hi + at * 32 : nullptr,
+                 F == KForm::kQ5 ? w.fifth + at * 2 : nullptr, low, high);
+      uint8_t* row = buffer + g * 2 * 64;
+      for (int h = 0; h < 2; h++) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 32 * h), low[h]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 64 + 32 * h), high[h]);
+      }
+    }
+    return buffer;
+  }
+
+  void Step(int64_t j, const int32_t (*c)[32], float (*total)[32], int32_t (*whole)[32], int64_t r0, int64_t live,
+            int64_t b, int blocks) const {
+    constexpr bool kSix = F == KForm::kQ6;
+    constexpr int per = kSuper / kSub<F>;            // sub-blocks per super-block
+    const int64_t K = w.K, supers = K / kSuper, subs = K / kSub<F>, s = j / per;
+    const int outputs = blocks * kLanes;
+    float mins[32];
+    int32_t scales[32];
+    for (int n = 0; n < outputs; n++) {
+      const int64_t lane = n % kLanes, bb = b + n / kLanes, sup = (bb * supers + s) * kLanes + lane;
+      scales[n] = w.sc[(bb * subs + j) * kLanes + lane];
+      const float dm = kSix ? HalfFloat(w.d[sup]) * static_cast<float>(kQ6Offset) : HalfFloat(w.dmin[sup]);
+      const int32_t m = kSix ? scales[n] : w.mins[(bb * (K / 32) + j) * kLanes + lane];
+      mins[n] = dm * static_cast<float>(m);
+    }
+    for (int64_t r = 0; r < live; r++) {
+      const float part = term_scales[(r0 + r) * supers + s] * sub_sums[(r0 + r) * subs + j];
+      for (int n = 0; n < outputs; n++) {
+        total[r][n] = std::fma(-mins[n], part, total[r][n]);
+        whole[r][n] += scales[n] * c[r][n];
+      }
+    }
+    if (j % per != per - 1) return;
+    float d[32];
+    for (int n = 0; n < outputs; n++) d[n] = HalfFloat(w.d[((b + n / kLanes) * supers + s) * kLanes + n % kLanes]);
+    for (int64_t r = 0; r < live; r++) {
+      const float ts = term_scales[(r0 + r) * supers + s];
+      for (int n = 0; n < outputs; n++) {
+        total[r][n] = std::fma(static_cast<float>(whole[r][n]), d[n] * ts, total[r][n]);
+        whole[r][n] = 0;
+      }
+    }
+  }
+};
+#endif
+
+// x float32 [R, K] times K-quant blocks -> float32 [R, N]: each row rounded to int8 per 256 inputs,
+// then the blocks' exact integer sums, their scales and mins (BlockK; a long chunk's on the tiles).
+template <KForm F>
+void KMatmul(ffi::ThreadPool& pool, const float* x, int64_t rows, const KBlocks& w, float* out) {
+  constexpr int sub = kSub<F>;
+  const int64_t K = w.K, N = w.blocks * kLanes, supers = K / kSuper, subs = K / sub, R = LiveRows(x, rows, K);
+  ZeroRowsFrom(out, R, rows, N);
+  const bool tiles = TakesTiles(R, K, sub);
+  std::vector<int8_t> terms((tiles ? PanelRows(R) : R) * K);   // on the tiles, zero rows to a whole panel
+  std::vector<float> term_scales(R * supers), sub_sums(R * subs);
+  KTerms<F>(x, R, K, terms.data(), term_scales.data(), sub_sums.data());
+#if MASHBOX_TILES
+  if (tiles) {
+    BlockTiles(pool, TilesK<F>{w, sub_sums.data(), term_scales.data()}, terms.data(), out, K, N, R, w.blocks);
+    return;
+  }
+#endif
   Parallel(pool, Chunks(w.blocks), [&](int64_t c) {
     const int64_t b0 = c * kChunkBlocks, b1 = std::min(b0 + kChunkBlocks, w.blocks);
     for (int64_t r0 = 0; r0 < R; r0 += kKRows) {
@@ -3461,30 +3709,87 @@ ffi::Error FilterCuts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> probs, ffi::Bu
 
 }  // namespace
 
-// Whether the tiles' pass serves this process: 0 when Linux grants the tiles and a product on them
-// equals the row passes' bit for bit, 1 when Linux refuses them, 2 when the two differ, 3 when the
-// build has no tiles. engine/native.py runs it in a process of its own before the kernel serves, so
+// Whether the tiles' passes serve this process: 0 when Linux grants the tiles and a product on them
+// equals the row passes' bit for bit (int8's TilePass; BlockTilePass at 32 and 16 inputs a step, as
+// Q5_0 and Q6_K), 1 when Linux refuses them, 2 when the two differ, 3 when the build has no tiles. engine/native.py runs it in a process of its own before the kernel serves, so
 // that no fault of the tiles can take a worker down.
 extern "C" int mashbox_tiles_check() {
 #if MASHBOX_TILES
   if (!TilesGranted()) return 1;
-  constexpr int64_t R = kTileMinRows + 3, K = 3 * kTileInputs, blocks = 3, N = blocks * kLanes;
   uint32_t seed = 1;
   auto next = [&seed] { return (seed = seed * 1664525u + 1013904223u) >> 8; };
-  std::vector<float> x(R * K), scale(N), by_tiles(R * N), by_rows(R * N);
-  std::vector<uint8_t> w(N * K);
+  auto bytes = [&next](int64_t n, int low, int span) {
+    std::vector<uint8_t> v(n);
+    for (uint8_t& b : v) b = static_cast<uint8_t>(low + next() % span);
+    return v;
+  };
+  // Float16 scales between 2^-9 and 2^-8 (0x1800 .. 0x1BFF), some negative.
+  auto halves = [&next](int64_t n) {
+    std::vector<uint16_t> v(n);
+    for (uint16_t& h : v) h = static_cast<uint16_t>(0x1800 + next() % 0x400 + (next() % 2) * 0x8000);
+    return v;
+  };
+  constexpr int64_t R = kTileMinRows + 3, blocks = 3, N = blocks * kLanes;
+  std::vector<float> x(R * 512), by_tiles(R * N), by_rows(R * N);
   for (float& v : x) v = static_cast<float>(next() % 20001) / 1000.0f - 10.0f;
-  for (uint8_t& v : w) v = static_cast<uint8_t>(1 + next() % 255);
-  for (float& v : scale) v = static_cast<float>(1 + next() % 1000) / 1000.0f;
-  std::vector<int8_t> terms(PanelRows(2 * R) * K);
-  std::vector<float> term_scales(2 * R);
-  std::vector<int32_t> offsets(2 * R);
-  MakeTerms(x.data(), R, K, terms.data(), term_scales.data(), offsets.data());
-  TilePass(w.data(), terms.data(), term_scales.data(), offsets.data(), scale.data(), by_tiles.data(), K, N, R, 0,
-           blocks);
-  RowPasses(w.data(), terms.data(), term_scales.data(), offsets.data(), scale.data(), by_rows.data(), K, N, R, 0,
-            blocks);
-  return by_tiles == by_rows ? 0 : 2;
+  // The int8 product: whole tiles.
+  {
+    constexpr int64_t K = 3 * kTileInputs;
+    const std::vector<uint8_t> w = bytes(N * K, 1, 255);
+    std::vector<float> scale(N);
+    for (float& v : scale) v = static_cast<float>(1 + next() % 1000) / 1000.0f;
+    std::vector<int8_t> terms(PanelRows(2 * R) * K);
+    std::vector<float> term_scales(2 * R);
+    std::vector<int32_t> offsets(2 * R);
+    MakeTerms(x.data(), R, K, terms.data(), term_scales.data(), offsets.data());
+    TilePass(w.data(), terms.data(), term_scales.data(), offsets.data(), scale.data(), by_tiles.data(), K, N, R, 0,
+             blocks);
+    RowPasses(w.data(), terms.data(), term_scales.data(), offsets.data(), scale.data(), by_rows.data(), K, N, R, 0,
+              blocks);
+    if (by_tiles != by_rows) return 2;
+  }
+  // Q5_0: 32 inputs per tdpbsud.
+  {
+    constexpr int64_t K = 128;
+    const std::vector<uint8_t> nib = bytes(blocks * K / kNibbleGroup * 64, 0, 256);
+    std::vector<uint64_t> fifth(blocks * K / kNibbleGroup * 2);
+    for (uint64_t& v : fifth) v = (uint64_t{next()} << 40) ^ (uint64_t{next()} << 16) ^ next();
+    const std::vector<uint16_t> d = halves(blocks * K / kQ5Block * kLanes);
+    std::vector<int8_t> terms(PanelRows(R) * K);
+    std::vector<float> term_scales(R * K / kTermBlock);
+    std::vector<int32_t> sums(R * K / kTermBlock);
+    BlockTerms(x.data(), R, K, terms.data(), term_scales.data(), sums.data());
+    Tiles32 form{nib.data(), fifth.data(), nullptr, d.data(), kQ5Offset, K, sums.data(), term_scales.data()};
+    BlockTilePass(form, terms.data(), by_tiles.data(), K, N, R, 0, blocks);
+    for (int64_t r0 = 0; r0 < R; r0 += kMaxTerms)
+      for (int64_t b = 0; b < blocks; b++)
+        kBlocks5[std::min<int64_t>(kMaxTerms, R - r0)](
+            nib.data(), fifth.data(), d.data(), terms.data() + r0 * K, sums.data() + r0 * K / kTermBlock,
+            term_scales.data() + r0 * K / kTermBlock, by_rows.data() + r0 * N, K, N, b);
+    if (by_tiles != by_rows) return 2;
+  }
+  // Q6_K: 16 inputs per tdpbsud, a super-block's integer sum across them.
+  {
+    constexpr int64_t K = 2 * kSuper;
+    const std::vector<uint8_t> nib = bytes(blocks * K / kNibbleGroup * 64, 0, 256);
+    const std::vector<uint8_t> hi = bytes(blocks * K / kNibbleGroup * 32, 0, 256);
+    const std::vector<uint8_t> sc = bytes(blocks * K / 16 * kLanes, 0, 256);
+    const std::vector<uint16_t> d = halves(blocks * K / kSuper * kLanes);
+    const KBlocks w{nib.data(), hi.data(), nullptr, reinterpret_cast<const int8_t*>(sc.data()), nullptr, d.data(),
+                    nullptr, blocks, K};
+    std::vector<int8_t> terms(PanelRows(R) * K);
+    std::vector<float> term_scales(R * K / kSuper), sub_sums(R * K / 16);
+    KTerms<KForm::kQ6>(x.data(), R, K, terms.data(), term_scales.data(), sub_sums.data());
+    BlockTilePass(TilesK<KForm::kQ6>{w, sub_sums.data(), term_scales.data()}, terms.data(), by_tiles.data(), K, N, R,
+                  0, blocks);
+    for (int64_t r0 = 0; r0 < R; r0 += kKRows)
+      for (int64_t b = 0; b < blocks; b++)
+        kBlocksK<KForm::kQ6>[std::min<int64_t>(kKRows, R - r0)](
+            w, terms.data() + r0 * K, sub_sums.data() + r0 * K / 16, term_scales.data() + r0 * K / kSuper,
+            by_rows.data() + r0 * N, N, b);
+    if (by_tiles != by_rows) return 2;
+  }
+  return 0;
 #else
   return 3;
 #endif

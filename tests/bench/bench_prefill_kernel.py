@@ -5,13 +5,13 @@ products.INT8_ROWS_MAX_ROWS widened for XLA's dot (run by hand, not in CI).
                                                [--chunk 512] [--rounds 3]
 
 demo: the demo model as the server holds it (int8, its GGUF blocks where the kernel serves them);
-8b: Qwen3-8B's layers at full width, random int8 weights (on an AMX CPU the kernel's way multiplies
-them on its tiles: native.tiles()); 27b: Qwen3.8-27B's layers at full width, random Q4_K weights
-(`--layers` of their 36 or 64; the embedding and head whole). Each prompt is read from position 0 in
-chunks of --chunk tokens (the server's largest chunk), one way then the other, --rounds times
-alternated, both programs compiled before; prints the median tokens/s of each way, their ratio, and
-the temporaries XLA asks for one chunk (`memory_analysis`). Results: docs/perf-log.md ("Prefill
-through the kernel").
+8b: Qwen3-8B's layers at full width, random int8 weights; 27b: Qwen3.8-27B's layers at full width,
+random Q4_K weights (`--layers` of their 36 or 64; the embedding and head whole). On an AMX CPU the
+kernel's way multiplies each model's long chunks on its tiles (native.tiles(), products.TILE_KINDS).
+Each prompt is read from position 0 in chunks of --chunk tokens (the server's largest chunk), one way
+then the other, --rounds times alternated, both programs compiled before; prints the median tokens/s
+of each way, their ratio, and the temporaries XLA asks for one chunk (`memory_analysis`). Results:
+docs/perf-log.md ("Prefill through the kernel").
 """
 from __future__ import annotations
 
