@@ -753,11 +753,12 @@ bool TakesTiles(int64_t R, int64_t K, int64_t step = kTileInputs) {
 // T term rows and the zero rows after them up to a whole panel.
 int64_t PanelRows(int64_t T) { return (T + kTilePanel - 1) / kTilePanel * kTilePanel; }
 
-// A block form's product on the tiles (Q5_0, Q8_0, Q4_K, Q5_K, Q6_K: BlockTilePass's Form). Its
-// scales change every sub-block of Form::kStep inputs (32; Q6_K 16), so each tdpbsud sums one
-// sub-block, and its exact int32 sums per row and output leave the tiles for the form's Step, which
-// takes them through the row passes' own integer and float operations in their order (one term per
-// row here: the block forms round a row per 32 or 256 inputs, not in two terms). The form gives:
+// A block form's product on the tiles (Q5_0 and Q8_0: Tiles32; the K-quants: TilesK; the scaled-level
+// forms: TilesS). Its scales change every sub-block of Form::kStep inputs (32; Q6_K's and Q3_K's 16),
+// so each tdpbsud sums one sub-block, and its exact int32 sums per row and output leave the tiles for
+// the form's Step, which takes them through the row passes' own integer and float operations in
+// their order (one term per row here: the block forms round a row per 32 or 256 inputs, not in two
+// terms). The form gives:
 //   kStep                           inputs per sub-block
 //   TileLevels(b, buffer)           block b's levels (unsigned bytes) as weight tiles' rows, 4 inputs
 //                                   of its 16 outputs in each 64 bytes: unpacked into buffer (16 x K
@@ -2520,14 +2521,73 @@ template <SForm F>
 constexpr BlockSFn kBlocksS[kSRows + 1] = {nullptr, BlockS<1, F>, BlockS<2, F>, BlockS<3, F>, BlockS<4, F>};
 #endif
 
+#if MASHBOX_TILES
+// A scaled-level matrix as the tiles take it (BlockTilePass's form): the table forms' levels + 128 on
+// every tier (tdpbsud's unsigned operand; the AVX2 tiers' row passes hold them signed), Q3_K's codes
+// as they are; per sub-block BlockS's exact S_j (the offset times the terms' sum taken off) times sc_j
+// into the span's integer sum (whole), which after the span's last sub-block leaves as AddBlock32
+// takes it.
+template <SForm F>
+struct TilesS {
+  static constexpr int kStep = kSSub<F>;
+  static constexpr int kOffset = kTabled<F> ? 128 : kSOffset<F>;
+  const SBlocks& w;
+  const int32_t* sub_sums;               // the call's [R, K/sub] and [R, K/span]
+  const float* term_scales;
+
+  const uint8_t* TileLevels(int64_t b, uint8_t* buffer) const {
+    alignas(16) uint8_t held[16];
+    for (int c = 0; c < 16; c++) held[c] = static_cast<uint8_t>(kSTable<F>.held[c] - kTableOffset + 128);
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(held)));
+    const int64_t groups = w.K / kNibbleGroup;
+    for (int64_t g = 0; g < groups; g++) {           // rows 2g and 2g + 1: inputs 8g .. 8g+3, 8g+4 .. 8g+7
+      __m256i low[2], high[2];
+      SLevels<F>(w, b * groups + g, table, low, high);
+      uint8_t* row = buffer + g * 2 * 64;
+      for (int h = 0; h < 2; h++) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 32 * h), low[h]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 64 + 32 * h), high[h]);
+      }
+    }
+    return buffer;
+  }
+
+  void Step(int64_t j, const int32_t (*c)[32], float (*total)[32], int32_t (*whole)[32], int64_t r0, int64_t live,
+            int64_t b, int blocks) const {
+    constexpr int per = kSSpan<F> / kSSub<F>;        // sub-blocks per span
+    const int64_t K = w.K, spans = K / kSSpan<F>, subs = K / kSSub<F>, s = j / per;
+    const int outputs = blocks * kLanes;
+    int32_t scales[32];
+    for (int n = 0; n < outputs; n++)
+      scales[n] = kScaled<F> ? w.sc[((b + n / kLanes) * subs + j) * kLanes + n % kLanes] : 1;
+    for (int64_t r = 0; r < live; r++) {
+      const int32_t less = kOffset * sub_sums[(r0 + r) * subs + j];
+      for (int n = 0; n < outputs; n++) whole[r][n] += (c[r][n] - less) * scales[n];
+    }
+    if (j % per != per - 1) return;
+    float d[32];
+    for (int n = 0; n < outputs; n++) d[n] = HalfFloat(w.d[((b + n / kLanes) * spans + s) * kLanes + n % kLanes]);
+    for (int64_t r = 0; r < live; r++) {
+      const float ts = term_scales[(r0 + r) * spans + s];
+      for (int n = 0; n < outputs; n++) {
+        total[r][n] = std::fma(static_cast<float>(whole[r][n]), d[n] * ts, total[r][n]);
+        whole[r][n] = 0;
+      }
+    }
+  }
+};
+#endif
+
 // x float32 [R, K] times scaled-level blocks -> float32 [R, N]: each row rounded to int8 per span,
-// the terms' sums per sub-block, then BlockS, kSRows rows per pass over each chunk.
+// the terms' sums per sub-block, then BlockS, kSRows rows per pass over each chunk (a long chunk's on
+// the tiles).
 template <SForm F>
 void SMatmul(ffi::ThreadPool& pool, const float* x, int64_t rows, const SBlocks& w, float* out) {
   constexpr int span = kSSpan<F>, sub = kSSub<F>;
   const int64_t K = w.K, N = w.blocks * kLanes, spans = K / span, subs = K / sub, R = LiveRows(x, rows, K);
   ZeroRowsFrom(out, R, rows, N);
-  std::vector<int8_t> terms(R * K);
+  const bool tiles = TakesTiles(R, K, sub);
+  std::vector<int8_t> terms((tiles ? PanelRows(R) : R) * K);   // on the tiles, zero rows to a whole panel
   std::vector<float> term_scales(R * spans);
   std::vector<int32_t> sub_sums(R * subs);
   for (int64_t r = 0; r < R; r++) {
@@ -2541,6 +2601,12 @@ void SMatmul(ffi::ThreadPool& pool, const float* x, int64_t rows, const SBlocks&
       sub_sums[r * subs + j] = sum;
     }
   }
+#if MASHBOX_TILES
+  if (tiles) {
+    BlockTiles(pool, TilesS<F>{w, sub_sums.data(), term_scales.data()}, terms.data(), out, K, N, R, w.blocks);
+    return;
+  }
+#endif
   Parallel(pool, Chunks(w.blocks), [&](int64_t c) {
     const int64_t b0 = c * kChunkBlocks, b1 = std::min(b0 + kChunkBlocks, w.blocks);
     for (int64_t r0 = 0; r0 < R; r0 += kSRows) {

@@ -13,7 +13,7 @@ and AVX-VNNI's 256-bit dot products (Alder Lake and later cores without AVX-512)
 (the same products from vpmaddubsw and vpmaddwd, bit for bit), and on ARM NEON with dot products
 (sdot); MASHBOX_NATIVE_TIER=avx2 forces a lower tier on a CPU that has several. On a CPU with AMX the
 AVX-512 tier is built with its tiles too (TILE_FLAGS), which take a long chunk's products (int8 and
-the GGUF block forms but the scaled-level ones) once the library's own check passes (tiles()). tests/test_native.py runs every tier the CPU has, the NEON
+every GGUF block form) once the library's own check passes (tiles()). tests/test_native.py runs every tier the CPU has, the NEON
 tier cross-compiled under qemu-user, and the tiles' pass with each tile instruction emulated.
 
 It is optional: without a tier's instructions, without a compiler, on several devices (the
@@ -87,9 +87,9 @@ TIERS = {
 # No contraction into fused multiply-adds: int8_matmul rounds each operation once, as defined.
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
 # Intel's matrix units (AMX): the AVX-512 tier built with them where the CPU has them multiplies a
-# long chunk's rows on its tiles (native.cc: TilePass for int8, BlockTilePass for Q5_0, Q8_0 and the
-# K-quants), bit for bit the row passes' numbers, so a prefill chunk of any length takes the kernel's
-# products there too (engine.products.kernel_takes: TILE_KINDS).
+# long chunk's rows on its tiles (native.cc: TilePass for int8, BlockTilePass for the block forms),
+# bit for bit the row passes' numbers, so a prefill chunk of any length takes the kernel's products
+# there too (engine.products.kernel_takes: TILE_KINDS).
 # TILES_ENV=0 builds without them. Not yet timed on such a CPU (tests/bench/bench_tiles.py).
 TILE_FLAGS = (frozenset({"amx_tile", "amx_int8"}), ("-mamx-tile", "-mamx-int8"))
 TILES_ENV = "MASHBOX_AMX"

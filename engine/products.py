@@ -65,12 +65,11 @@ INT8_ROWS_MAX_ROWS = 64 if CPU_HAS_BF16 else SUMMED_PRODUCT_MAX_ROWS
 # AVX2"; the AVX-VNNI tier does the same work in fewer instructions). A row's products are then the
 # decode step's whatever the chunk holds. With AMX, XLA's bfloat16 dot runs on the tiles: there the
 # kernel takes long chunks only where it multiplies them on the tiles itself (native.tiles():
-# TILE_KINDS), and the scaled-level forms' (IQ4_NL, IQ4_XS, IQ3_S, Q3_K) stay widened, as every long
-# chunk on the NEON tier (not measured) does.
+# TILE_KINDS); every long chunk on the NEON tier (not measured) stays widened.
 PREFILL_BY_KERNEL = native.tier() in ("avx512_vnni", "avx_vnni", "avx2") and not cpu.has_amx()
-# The weight kinds (weight_kind) whose long chunks the kernel multiplies on AMX tiles: int8, and the
-# block forms a Q4_K_M or Q5_0 GGUF holds (the demo's, the 27B's).
-TILE_KINDS = frozenset({"int8", "int8_packed", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k"})
+# The weight kinds (weight_kind) whose long chunks the kernel multiplies on AMX tiles: every kind it
+# holds (fp8 is an accelerator's form; a mixed matrix's parts go their own kinds' ways).
+TILE_KINDS = frozenset(WEIGHT_KINDS) - {"float", "fp8", "parts"}
 # Whether the integer products take the uint8 x int8 form, or (no VNNI) int8 x int8. Read while
 # tracing; tests compare both forms.
 UINT8_DOT = cpu.has_uint8_dot()

@@ -294,20 +294,24 @@ def _block_form(form, rng, n, k):
         return native.pack5(*_q5_0(rng, n, k)), "int5_matmul"
     if form == "Q8_0":
         return native.pack8(*_q8_0(rng, n, k)), "q8_matmul"
+    if form in S_KINDS:
+        return _s_held(form, random_s_blocks(rng, form, n, k)), "s_matmul"
     return _k_held(form, random_k_blocks(rng, form, n, k)), "k_matmul"
 
 
 @pytest.mark.parametrize("form, n, k", [("Q5_0", 48, 96), ("Q5_0", 896, 896), ("Q8_0", 16, 64), ("Q8_0", 80, 4864),
                                         ("Q4_K", 48, 512), ("Q4_K", 1152, 256), ("Q5_K", 48, 512),
-                                        ("Q6_K", 48, 512), ("Q6_K", 80, 1280)])
+                                        ("Q6_K", 48, 512), ("Q6_K", 80, 1280), ("IQ4_NL", 48, 256),
+                                        ("IQ4_XS", 80, 512), ("IQ3_S", 48, 512), ("Q3_K", 48, 768)])
 @pytest.mark.parametrize("rows", [16, 40])
 def test_a_block_forms_rows_on_the_tiles_get_their_numbers_alone(tiles, form, n, k, rows):
-    """Guards the block forms' tiles' pass (BlockTilePass: a sub-block of 32 inputs, Q6_K's of 16, per
-    tdpbsud): each row of a long chunk gets the bits the row passes give it, which are its numbers
-    alone (a decode step's), over a panel's last rows (40), a claim's lone last block (48 and 80
-    outputs), claims of 16 blocks and fewer (1152 outputs; K = 4864: claims within the tiles' L2
-    budget), the levels unpacked per claim (Q5_0's fifth bits, Q5_K's, Q6_K's top bits) or read as
-    held (Q8_0), the offsets, mins and sub-block scales, and a zero row and zero block among the live."""
+    """Guards the block forms' tiles' pass (BlockTilePass: a sub-block of 32 inputs, Q6_K's and Q3_K's
+    of 16, per tdpbsud): each row of a long chunk gets the bits the row passes give it, which are its
+    numbers alone (a decode step's), over a panel's last rows (40), a claim's lone last block (48 and
+    80 outputs), claims of 16 blocks and fewer (1152 outputs; K = 4864: claims within the tiles' L2
+    budget), the levels unpacked per claim (Q5_0's fifth bits, Q5_K's, Q6_K's top bits, the table
+    forms' levels + 128, Q3_K's bit planes) or read as held (Q8_0), the offsets, mins and sub-block
+    scales, and a zero row and zero block among the live."""
     rng = np.random.default_rng(n + k + rows)
     w, product = _block_form(form, rng, n, k)
     x = (rng.standard_normal((rows, k)) * rng.choice([1e-3, 1, 50], (rows, 1))).astype(np.float32)
@@ -1036,7 +1040,7 @@ AMX_CPU = native.TIERS["avx512_vnni"][0] | native.TIERS["avx2"][0] | native.TILE
 def test_the_kernel_takes_amx_tiles_only_on_the_avx512_tier_of_a_cpu_with_them(monkeypatch):
     """Guards native.tiles_wanted: the tiles' flags only where the AVX-512 tier runs on a CPU with AMX
     (a build with them elsewhere would fault), not when switched off (MASHBOX_AMX=0), not once refused,
-    and the tiles' long chunks for int8 and the block forms they take, never for the scaled-level forms
+    and the tiles' long chunks for every kind the kernel holds, none once the tiles are refused
     (engine.products.kernel_takes)."""
     from engine import products
     for flags, env, want in ((AMX_CPU, {}, True), (AMX_CPU, {native.TILES_ENV: "0"}, False),
@@ -1057,15 +1061,16 @@ def test_the_kernel_takes_amx_tiles_only_on_the_avx512_tier_of_a_cpu_with_them(m
         m.setattr(products, "PREFILL_BY_KERNEL", False)
         m.setattr(native, "_tiles", True)
         rows = products.INT8_ROWS_MAX_ROWS + 1
-        for kind in ("int8_packed", "int8", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k"):
+        for kind in ("int8_packed", "int8", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs", "iq3_s",
+                     "q3_k"):
             assert products.kernel_takes(rows, kind), kind
-        assert not products.kernel_takes(rows, "iq4_xs") and products.kernel_takes(rows - 1, "iq4_xs")
         held = {"layers": [{"o": {"q": np.zeros((1, 1, 16, 4), np.uint8), "scale": np.ones(16, np.float32)},
                             "down": {"knib": np.zeros(1, np.uint8)}, "attn_norm": np.ones(4, np.float32),
                             "linear": {"parts": {"0": {"q8": np.zeros(1, np.uint8)}, "1": np.ones((16, 4)),
                                                  "2": {"iq4xs": np.zeros(1, np.uint8)}}}}]}
-        assert products.widened_kinds(held) == {"IQ4_XS"}
+        assert products.widened_kinds(held) == set()
         m.setattr(native, "_tiles", False)
+        assert not products.kernel_takes(rows, "q4_k") and products.kernel_takes(rows - 1, "q4_k")
         assert products.widened_kinds(held) == {"Q4_K", "Q8_0", "IQ4_XS", "int8"}
 
 

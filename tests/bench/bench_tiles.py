@@ -1,16 +1,18 @@
-"""The int8 product of a long prefill chunk three ways, side by side in one process (run by hand, not
-in CI): the kernel's (on AMX tiles where native.tiles(), else its row passes), XLA's own int8 dot
-on the same two terms per row (the matrix units' reference), and the weights widened for XLA's
-bfloat16 dot (what an AMX CPU ran before the tiles).
+"""A long prefill chunk's product three ways, side by side in one process (run by hand, not in CI):
+the kernel's (on AMX tiles where native.tiles(), else its row passes), XLA's own int8 dot on as many
+int8 terms per row (the matrix units' reference), and the weights widened for XLA's bfloat16 dot
+(what an AMX CPU ran before the tiles).
 
-    python tests/bench/bench_tiles.py [--rows 64,512] [--rounds 7]
+    python tests/bench/bench_tiles.py [--form int8|q4_k|q6_k|q5_0|...] [--rows 64,512] [--rounds 7]
 
-Shapes: the demo's products (896 wide, 4,864 inner) and Qwen3.8-27B's (5,120 wide, 17,408 inner).
-Prints, per shape and row count, the median ms of each way, the kernel's int8 operations per second
-(two terms per row: 4 R N K) and its ratios to the other two. On an AMX CPU the issue's target is
-the kernel at >= 70% of XLA's int8 dot; elsewhere the kernel's row passes run, and the line says so.
-Where the kernel has tiles, a second process built without them (MASHBOX_AMX=0) times the row
-passes on the same shapes right after each shape, for the tiles' ratio to them.
+--form: the weights' kind (engine.products.TILE_KINDS; random weights): int8 (two terms per row), or
+a GGUF block form (one term per row, on each block's scale). Shapes: the demo's products (896 wide,
+4,864 inner) and Qwen3.8-27B's (5,120 wide, 17,408 inner), those the form's blocks fit. Prints, per
+shape and row count, the median ms of each way, the kernel's int8 operations per second (2 R N K per
+term) and its ratios to the other two. On an AMX CPU the issue's target is the kernel at >= 70% of
+XLA's int8 dot; elsewhere the kernel's row passes run, and the line says so. Where the kernel has
+tiles, a second process built without them (MASHBOX_AMX=0) times the row passes on the same shapes
+right after each shape, for the tiles' ratio to them.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
-from engine import cpu, native, products  # noqa: E402
+from engine import checkpoint, cpu, native, products  # noqa: E402
 
 # (name, outputs N, inputs K) of the products a prefill chunk runs.
 SHAPES = [("demo qkv", 1152, 896), ("demo gate_up", 9728, 896), ("demo down", 896, 4864),
@@ -48,47 +50,79 @@ def timed(fn, *args, rounds: int) -> float:
     return statistics.median(times)
 
 
-def ways(q_packed, q_plain, scale):
-    """The three products of rows x by the weights, each a jitted function of x."""
+def held(form: str, rng, n: int, k: int) -> dict:
+    """Random weights of an [n, k] matrix as the engine holds them in `form`."""
+    if form == "int8":
+        return {"q": native.pack(rng.integers(1, 256, (n, k), dtype=np.uint8)),
+                "scale": rng.random(n).astype(np.float32)}
+    scales = lambda blocks: (rng.standard_normal((n, blocks)) * 3e-4).astype(np.float16)  # noqa: E731
+    if form == "q5_0":
+        return native.pack5(rng.integers(0, 32, (n, k)).astype(np.uint8), scales(k // 32))
+    if form == "q8_0":
+        return native.pack8(rng.integers(-127, 128, (n, k)).astype(np.int8), scales(k // 32))
+    kind = form.upper()
+    if kind in checkpoint.K_BYTES:
+        raw = rng.integers(0, 256, (n, k // 256, checkpoint.K_BYTES[kind]), dtype=np.uint8)
+        raw[..., 0:4] = np.abs(scales(2 * (k // 256))).view(np.uint8).reshape(n, -1, 4)   # d, dmin
+        if kind == "Q6_K":
+            raw[..., 208:210] = scales(k // 256).view(np.uint8).reshape(n, -1, 2)
+        return native.pack_k(kind, **checkpoint.k_quant_parts(kind, raw))
+    span = native.S_SPAN[kind]
+    raw = rng.integers(0, 256, (n, k // span, native.S_BYTES[kind]), dtype=np.uint8)
+    at = 108 if kind == "Q3_K" else 0
+    raw[..., at:at + 2] = scales(k // span).view(np.uint8).reshape(n, -1, 2)
+    return native.pack_s(kind, **checkpoint.s_block_parts(kind, raw))
+
+
+def fits(form: str, k: int) -> bool:
+    """Whether the form's blocks (256 inputs for the K-quants and the 256-wide scaled-level forms)
+    tile an inner dimension of k."""
+    kind = form.upper()
+    block = 256 if kind in checkpoint.K_BYTES else native.S_SPAN.get(kind, 32)
+    return k % block == 0
+
+
+def ways(w: dict, n: int, k: int):
+    """The three products of rows x by the weights w, each a jitted function (the third of the rows'
+    int8 terms)."""
     tiles_now = native.tiles()
-    kernel = jax.jit(lambda x: native.int8_matmul(x, q_packed, scale))
+    kernel = jax.jit(lambda x: products.matmul(x, w))
 
     def widened(x):
         # Traced as the widened dot at any row count: no tiles, no short chunks through the kernel.
         native._tiles, short = False, products.INT8_ROWS_MAX_ROWS
         products.INT8_ROWS_MAX_ROWS = 0
         try:
-            return products._int8_packed_matmul(x, {"q": q_packed, "scale": scale})
+            return products.matmul(x, w)
         finally:
             native._tiles, products.INT8_ROWS_MAX_ROWS = tiles_now, short
-    values = q_plain.astype(jnp.int32) - 128
+    values = jnp.asarray(np.random.default_rng(1).integers(-127, 128, (n, k), dtype=np.int8))
 
     def xla_int8(terms):
-        return lax.dot_general(terms, values.astype(jnp.int8), (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.int32)
+        return lax.dot_general(terms, values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
     return kernel, jax.jit(widened), jax.jit(xla_int8)
 
 
-def row_passes_ms(name: str, rows: str, rounds: int) -> dict[str, float]:
+def row_passes_ms(form: str, name: str, rows: str, rounds: int) -> dict[str, float]:
     """The kernel's ms per row count for one shape, in a process whose kernel has no tiles."""
-    done = subprocess.run([sys.executable, __file__, "--kernel-only", name, "--rows", rows, "--rounds",
-                           str(rounds)], env={**os.environ, native.TILES_ENV: "0"}, capture_output=True,
+    done = subprocess.run([sys.executable, __file__, "--form", form, "--kernel-only", name, "--rows", rows,
+                           "--rounds", str(rounds)], env={**os.environ, native.TILES_ENV: "0"}, capture_output=True,
                           text=True, check=True)
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def kernel_only(name: str, rows: str, rounds: int) -> None:
+def kernel_only(form: str, name: str, rows: str, rounds: int) -> None:
     """Prints {rows: the kernel's ms} for one shape as one JSON line (row_passes_ms's child)."""
     _, n, k = next(shape for shape in SHAPES if shape[0] == name)
     rng = np.random.default_rng(0)
-    q = rng.integers(1, 256, (n, k), dtype=np.uint8)
-    kernel = ways(jnp.asarray(native.pack(q)), jnp.asarray(q), jnp.asarray(rng.random(n).astype(np.float32)))[0]
+    kernel = ways(held(form, rng, n, k), n, k)[0]
     print(json.dumps({r: timed(kernel, jnp.asarray(rng.standard_normal((int(r), k)).astype(np.float32)),
                                rounds=rounds) for r in rows.split(",")}))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--form", default="int8", choices=sorted(products.TILE_KINDS - {"int8_packed"}))
     parser.add_argument("--rows", default="64,512", help="rows per chunk, comma-separated")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--kernel-only", metavar="SHAPE", help=argparse.SUPPRESS)
@@ -96,32 +130,34 @@ def main() -> None:
     if not native.available():
         sys.exit("the native kernel does not run on this CPU")
     if args.kernel_only:
-        return kernel_only(args.kernel_only, args.rows, args.rounds)
+        return kernel_only(args.form, args.kernel_only, args.rows, args.rounds)
     saved = products.PREFILL_BY_KERNEL
     products.PREFILL_BY_KERNEL = False                           # the widened way must widen
-    print(f"tier {native.tier()}, AMX {'yes' if cpu.has_amx() else 'no'}, kernel on tiles: "
+    print(f"{args.form} weights, tier {native.tier()}, AMX {'yes' if cpu.has_amx() else 'no'}, kernel on tiles: "
           f"{'yes' if native.tiles() else 'no (its row passes)'}")
+    terms_per_row = products.ROW_TERMS if args.form == "int8" else 1
     tiled = native.tiles()
     print(f"{'shape':14} {'rows':>5} {'kernel ms':>10} {'int8 TOPS':>10} {'XLA int8 ms':>12} "
           f"{'x XLA int8':>10} {'widened ms':>11} {'x widened':>10}" + (f" {'x row passes':>13}" if tiled else ""))
     rng = np.random.default_rng(0)
     for name, n, k in SHAPES:
-        q = rng.integers(1, 256, (n, k), dtype=np.uint8)
-        q_packed, q_plain = jnp.asarray(native.pack(q)), jnp.asarray(q)
-        scale = jnp.asarray(rng.random(n).astype(np.float32))
-        kernel, widened, xla_int8 = ways(q_packed, q_plain, scale)
-        passes = row_passes_ms(name, args.rows, args.rounds) if tiled else {}
+        if not fits(args.form, k):
+            print(f"{name:14} (K = {k} is not whole {args.form} blocks)")
+            continue
+        w = jax.tree_util.tree_map(jnp.asarray, held(args.form, rng, n, k))
+        kernel, widened, xla_int8 = ways(w, n, k)
+        passes = row_passes_ms(args.form, name, args.rows, args.rounds) if tiled else {}
         for rows in map(int, args.rows.split(",")):
             x = jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32))
-            terms, _ = products.int8_terms(x, products.ROW_TERMS)
+            terms, _ = products.int8_terms(x, terms_per_row)
             ms = timed(kernel, x, rounds=args.rounds)
             ms_int8 = timed(xla_int8, terms, rounds=args.rounds)
             ms_wide = timed(widened, x, rounds=args.rounds)
-            tops = 2 * products.ROW_TERMS * rows * n * k / ms / 1e9
+            tops = 2 * terms_per_row * rows * n * k / ms / 1e9
             print(f"{name:14} {rows:5d} {ms:10.2f} {tops:10.2f} {ms_int8:12.2f} {ms_int8 / ms:10.2f} "
                   f"{ms_wide:11.2f} {ms_wide / ms:10.2f}"
                   + (f" {passes[str(rows)] / ms:13.2f}" if tiled else ""), flush=True)
-        del q_packed, q_plain
+        del w
     products.PREFILL_BY_KERNEL = saved
 
 
