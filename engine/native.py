@@ -13,8 +13,9 @@ and AVX-VNNI's 256-bit dot products (Alder Lake and later cores without AVX-512)
 (the same products from vpmaddubsw and vpmaddwd, bit for bit), and on ARM NEON with dot products
 (sdot); MASHBOX_NATIVE_TIER=avx2 forces a lower tier on a CPU that has several. On a CPU with AMX the
 AVX-512 tier is built with its tiles too (TILE_FLAGS), which take a long chunk's products (int8 and
-every GGUF block form) once the library's own check passes (tiles()). tests/test_native.py runs every tier the CPU has, the NEON
-tier cross-compiled under qemu-user, and the tiles' pass with each tile instruction emulated.
+every GGUF block form) once the library's own check passes (tiles()). tests/test_native.py runs
+every tier the CPU has, the NEON tier cross-compiled under qemu-user, and the tiles' passes with each
+tile instruction emulated.
 
 It is optional: without a tier's instructions, without a compiler, on several devices (the
 weights split over them: a custom call is not partitioned), or with MASHBOX_NATIVE=0, the weights
