@@ -3777,8 +3777,9 @@ ffi::Error FilterCuts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> probs, ffi::Bu
 
 // Whether the tiles' passes serve this process: 0 when Linux grants the tiles and a product on them
 // equals the row passes' bit for bit (int8's TilePass; BlockTilePass at 32 and 16 inputs a step, as
-// Q5_0 and Q6_K), 1 when Linux refuses them, 2 when the two differ, 3 when the build has no tiles. engine/native.py runs it in a process of its own before the kernel serves, so
-// that no fault of the tiles can take a worker down.
+// Q5_0 and Q6_K), 1 when Linux refuses them, 2 when the two differ, 3 when the build has no tiles.
+// engine/native.py runs it in a process of its own before the kernel serves, so that no fault of the
+// tiles can take a worker down.
 extern "C" int mashbox_tiles_check() {
 #if MASHBOX_TILES
   if (!TilesGranted()) return 1;

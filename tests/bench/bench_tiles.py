@@ -82,32 +82,38 @@ def fits(form: str, k: int) -> bool:
     return k % block == 0
 
 
-def ways(w: dict, n: int, k: int):
-    """The three products of rows x by the weights w, each a jitted function (the third of the rows'
-    int8 terms)."""
-    tiles_now = native.tiles()
-    kernel = jax.jit(lambda x: products.matmul(x, w))
-
-    def widened(x):
-        # Traced as the widened dot at any row count: no tiles, no short chunks through the kernel.
-        native._tiles, short = False, products.INT8_ROWS_MAX_ROWS
-        products.INT8_ROWS_MAX_ROWS = 0
+def traced(by_kernel: bool):
+    """products.matmul as traced with the kernel taking every row count (its tiles where it has them),
+    or with none (the widened dot at any row count)."""
+    def product(x, w):
+        saved = native._tiles, products.INT8_ROWS_MAX_ROWS, products.PREFILL_BY_KERNEL
+        native._tiles = native._tiles and by_kernel
+        products.INT8_ROWS_MAX_ROWS = products.INT8_ROWS_MAX_ROWS if by_kernel else 0
+        products.PREFILL_BY_KERNEL = by_kernel
         try:
             return products.matmul(x, w)
         finally:
-            native._tiles, products.INT8_ROWS_MAX_ROWS = tiles_now, short
+            native._tiles, products.INT8_ROWS_MAX_ROWS, products.PREFILL_BY_KERNEL = saved
+    return product
+
+
+def ways(w: dict, n: int, k: int):
+    """The three products, each a jitted function: the kernel's and the widened dot's of rows x by the
+    weights w, and XLA's int8 dot of the rows' int8 terms by int8 weights of the same shape."""
+    kernel, widened = traced(True), traced(False)
     values = jnp.asarray(np.random.default_rng(1).integers(-127, 128, (n, k), dtype=np.int8))
 
     def xla_int8(terms):
         return lax.dot_general(terms, values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
-    return kernel, jax.jit(widened), jax.jit(xla_int8)
+    return jax.jit(lambda x: kernel(x, w)), jax.jit(lambda x: widened(x, w)), jax.jit(xla_int8)
 
 
 def row_passes_ms(form: str, name: str, rows: str, rounds: int) -> dict[str, float]:
     """The kernel's ms per row count for one shape, in a process whose kernel has no tiles."""
-    done = subprocess.run([sys.executable, __file__, "--form", form, "--kernel-only", name, "--rows", rows,
-                           "--rounds", str(rounds)], env={**os.environ, native.TILES_ENV: "0"}, capture_output=True,
-                          text=True, check=True)
+    command = [sys.executable, __file__, "--form", form, "--kernel-only", name, "--rows", rows, "--rounds",
+               str(rounds)]
+    done = subprocess.run(command, env={**os.environ, native.TILES_ENV: "0"}, capture_output=True, text=True,
+                          check=True)
     return json.loads(done.stdout.splitlines()[-1])
 
 
@@ -131,8 +137,6 @@ def main() -> None:
         sys.exit("the native kernel does not run on this CPU")
     if args.kernel_only:
         return kernel_only(args.form, args.kernel_only, args.rows, args.rounds)
-    saved = products.PREFILL_BY_KERNEL
-    products.PREFILL_BY_KERNEL = False                           # the widened way must widen
     print(f"{args.form} weights, tier {native.tier()}, AMX {'yes' if cpu.has_amx() else 'no'}, kernel on tiles: "
           f"{'yes' if native.tiles() else 'no (its row passes)'}")
     terms_per_row = products.ROW_TERMS if args.form == "int8" else 1
@@ -158,7 +162,6 @@ def main() -> None:
                   f"{ms_wide:11.2f} {ms_wide / ms:10.2f}"
                   + (f" {passes[str(rows)] / ms:13.2f}" if tiled else ""), flush=True)
         del w
-    products.PREFILL_BY_KERNEL = saved
 
 
 if __name__ == "__main__":
