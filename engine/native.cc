@@ -753,14 +753,14 @@ bool TakesTiles(int64_t R, int64_t K, int64_t step = kTileInputs) {
 // T term rows and the zero rows after them up to a whole panel.
 int64_t PanelRows(int64_t T) { return (T + kTilePanel - 1) / kTilePanel * kTilePanel; }
 
-// A block form's product on the tiles (Q5_0 and Q8_0: Tiles32; the K-quants: TilesK; the scaled-level
+// A block form's product on the tiles (Q5_0 and Q8_0: Blocks32; the K-quants: TilesK; the scaled-level
 // forms: TilesS). Its scales change every sub-block of Form::kStep inputs (32; Q6_K's and Q3_K's 16),
 // so each tdpbsud sums one sub-block, and its exact int32 sums per row and output leave the tiles for
 // the form's Step, which takes them through the row passes' own integer and float operations in
 // their order (one term per row here: the block forms round a row per 32 or 256 inputs, not in two
 // terms). The form gives:
 //   kStep                           inputs per sub-block
-//   TileLevels(b, buffer)           block b's levels (unsigned bytes) as weight tiles' rows, 4 inputs
+//   BlockLevels(b, buffer)           block b's levels (unsigned bytes) as weight tiles' rows, 4 inputs
 //                                   of its 16 outputs in each 64 bytes: unpacked into buffer (16 x K
 //                                   bytes) or, where held so (Q8_0), in place
 //   Step(j, sums, total, whole, r0, live, b, blocks)
@@ -776,7 +776,7 @@ void BlockTilePass(const Form& form, const int8_t* terms, float* out, int64_t K,
   thread_local std::vector<uint8_t> buffer;
   buffer.resize((b1 - b0) * kLanes * K);
   const uint8_t* levels[kTileChunkBlocks];
-  for (int64_t b = b0; b < b1; b++) levels[b - b0] = form.TileLevels(b, buffer.data() + (b - b0) * kLanes * K);
+  for (int64_t b = b0; b < b1; b++) levels[b - b0] = form.BlockLevels(b, buffer.data() + (b - b0) * kLanes * K);
   const TileScope scope(step);                        // after the levels' stores (its barrier)
   alignas(64) int32_t sums[kTilePanel][32];
   alignas(64) float total[kTilePanel][32];
@@ -1068,6 +1068,55 @@ inline void Levels(const uint8_t* nib, const uint64_t* fifth, uint8x16_t* low, u
 }
 #endif
 
+// Block b's levels decoded once (DecodeLevels5) as 64-byte rows of 4 inputs of its 16 outputs, group
+// g's low nibbles' at row 2g and high nibbles' at 2g + 1: the weight tiles' rows (BlockTilePass), and
+// what a long chunk's row passes read instead of decoding each group again for every few rows
+// (Block5<R, true>): the same levels, so the same sums.
+void DecodeLevels5(const uint8_t* nib, const uint64_t* fifth, int64_t K, int64_t b, uint8_t* out) {
+  const int64_t groups = K / kNibbleGroup;
+  for (int64_t g = 0; g < groups; g++) {
+    uint8_t* row = out + g * 2 * 64;
+#if MASHBOX_AVX512
+    __m512i low, high;
+    Levels(nib + (b * groups + g) * 64, fifth + (b * groups + g) * 2, &low, &high);
+    _mm512_storeu_si512(row, low);
+    _mm512_storeu_si512(row + 64, high);
+#elif MASHBOX_AVX2
+    __m256i low[2], high[2];
+    Levels(nib + (b * groups + g) * 64, fifth + (b * groups + g) * 2, low, high);
+    for (int h = 0; h < 2; h++) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 32 * h), low[h]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 64 + 32 * h), high[h]);
+    }
+#else
+    uint8x16_t low[4], high[4];
+    Levels(nib + (b * groups + g) * 64, fifth + (b * groups + g) * 2, low, high);
+    for (int h = 0; h < 4; h++) {
+      vst1q_u8(row + 16 * h, low[h]);
+      vst1q_u8(row + 64 + 16 * h, high[h]);
+    }
+#endif
+  }
+}
+
+// Group g's levels for Block5: decoded before (kDecoded: the block's DecodeLevels5 rows), or from
+// the nibbles and fifth bits.
+template <bool kDecoded, typename V>
+__attribute__((always_inline)) inline void GroupLevels(const uint8_t* nb, const uint64_t* fb, const uint8_t* decoded,
+                                                       int64_t g, V* low, V* high) {
+  if constexpr (kDecoded) {
+    constexpr int kBytes = sizeof(V);
+    for (int h = 0; h < 64 / kBytes; h++) {
+      __builtin_memcpy(&low[h], decoded + g * 128 + kBytes * h, kBytes);
+      __builtin_memcpy(&high[h], decoded + g * 128 + 64 + kBytes * h, kBytes);
+    }
+  } else {
+    Prefetch(nb + g * 64 + kPrefetch);
+    PrefetchL2(nb + g * 64 + kPrefetchL2);
+    Levels(nb + g * 64, fb + g * 2, low, high);
+  }
+}
+
 // A per-block product's step (Block5, Block8): total[r] += float(acc[r]) * (the 16 outputs' float16
 // scales d16 times row r's scale ts[r * stride]), each operation rounded once (the multiply-add fused).
 #if MASHBOX_AVX512
@@ -1109,10 +1158,10 @@ __attribute__((always_inline)) inline void AddBlock32(float32x4_t (*total)[4], c
 // q t exactly, take 16 times the terms' sum off (the level is q - 16), and add it times the weights'
 // and the row's scales in float32.
 #if MASHBOX_AVX512
-template <int R>
-void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const int8_t* terms,
-            const int32_t* sums, const float* term_scales, float* out, int64_t K, int64_t N,
-            int64_t b) {
+template <int R, bool kDecoded>
+void Block5(const uint8_t* nib, const uint64_t* fifth, const uint8_t* decoded, const uint16_t* d,
+            const int8_t* terms, const int32_t* sums, const float* term_scales, float* out, int64_t K,
+            int64_t N, int64_t b) {
   const int64_t groups = K / kNibbleGroup, blocks32 = K / kQ5Block;
   const uint8_t* nb = nib + b * groups * 64;
   const uint64_t* fb = fifth + b * groups * 2;
@@ -1124,14 +1173,12 @@ void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const 
     for (int r = 0; r < R; r++) acc[r] = _mm512_set1_epi32(-kQ5Offset * sums[r * blocks32 + g32]);
     for (int i = 0; i < kQ5Block / kNibbleGroup; i++) {
       const int64_t g = g32 * (kQ5Block / kNibbleGroup) + i;
-      Prefetch(nb + g * 64 + kPrefetch);
-      PrefetchL2(nb + g * 64 + kPrefetchL2);
       if (i == 0) {                 // the fifth bits and scales of the same weights, once per 32 inputs
-        PrefetchL2(fb + (g + kPrefetchL2 / 64) * 2);
+        if (!kDecoded) PrefetchL2(fb + (g + kPrefetchL2 / 64) * 2);
         PrefetchL2(db + (g32 + kPrefetchL2 / 256) * kLanes);
       }
       __m512i low, high;
-      Levels(nb + g * 64, fb + g * 2, &low, &high);
+      GroupLevels<kDecoded>(nb, fb, decoded, g, &low, &high);
       for (int r = 0; r < R; r++) {
         int32_t first, second;                             // terms[r, 8g .. 8g+3], [8g+4 .. 8g+7]
         __builtin_memcpy(&first, terms + r * K + g * kNibbleGroup, sizeof first);
@@ -1145,10 +1192,10 @@ void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const 
   for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * N + b * kLanes, total[r]);
 }
 #elif MASHBOX_AVX2
-template <int R>
-void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const int8_t* terms,
-            const int32_t* sums, const float* term_scales, float* out, int64_t K, int64_t N,
-            int64_t b) {
+template <int R, bool kDecoded>
+void Block5(const uint8_t* nib, const uint64_t* fifth, const uint8_t* decoded, const uint16_t* d,
+            const int8_t* terms, const int32_t* sums, const float* term_scales, float* out, int64_t K,
+            int64_t N, int64_t b) {
   const int64_t groups = K / kNibbleGroup, blocks32 = K / kQ5Block;
   const uint8_t* nb = nib + b * groups * 64;
   const uint64_t* fb = fifth + b * groups * 2;
@@ -1163,17 +1210,13 @@ void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const 
     // instructions per row than widening each group's pairs.
     for (int i = 0; i < kQ5Block / kNibbleGroup; i += 2) {
       const int64_t g = g32 * (kQ5Block / kNibbleGroup) + i;
-      for (int j = 0; j < 2; j++) {
-        Prefetch(nb + (g + j) * 64 + kPrefetch);
-        PrefetchL2(nb + (g + j) * 64 + kPrefetchL2);
-      }
       if (i == 0) {
-        PrefetchL2(fb + (g + kPrefetchL2 / 64) * 2);
+        if (!kDecoded) PrefetchL2(fb + (g + kPrefetchL2 / 64) * 2);
         PrefetchL2(db + (g32 + kPrefetchL2 / 256) * kLanes);
       }
       __m256i low[2][2], high[2][2];                       // [group][half]
-      Levels(nb + g * 64, fb + g * 2, low[0], high[0]);
-      Levels(nb + (g + 1) * 64, fb + (g + 1) * 2, low[1], high[1]);
+      GroupLevels<kDecoded>(nb, fb, decoded, g, low[0], high[0]);
+      GroupLevels<kDecoded>(nb, fb, decoded, g + 1, low[1], high[1]);
       for (int r = 0; r < R; r++) {
         int32_t four[4];                                   // terms[r, 8g .. 8g+15], 4 at a time
         __builtin_memcpy(four, terms + r * K + g * kNibbleGroup, sizeof four);
@@ -1194,10 +1237,10 @@ void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const 
 }
 #else
 // NEON: the levels (0..31) are sdot's signed operand as they are.
-template <int R>
-void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const int8_t* terms,
-            const int32_t* sums, const float* term_scales, float* out, int64_t K, int64_t N,
-            int64_t b) {
+template <int R, bool kDecoded>
+void Block5(const uint8_t* nib, const uint64_t* fifth, const uint8_t* decoded, const uint16_t* d,
+            const int8_t* terms, const int32_t* sums, const float* term_scales, float* out, int64_t K,
+            int64_t N, int64_t b) {
   const int64_t groups = K / kNibbleGroup, blocks32 = K / kQ5Block;
   const uint8_t* nb = nib + b * groups * 64;
   const uint64_t* fb = fifth + b * groups * 2;
@@ -1211,14 +1254,12 @@ void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const 
       for (int q = 0; q < 4; q++) acc[r][q] = vdupq_n_s32(-kQ5Offset * sums[r * blocks32 + g32]);
     for (int i = 0; i < kQ5Block / kNibbleGroup; i++) {
       const int64_t g = g32 * (kQ5Block / kNibbleGroup) + i;
-      Prefetch(nb + g * 64 + kPrefetch);
-      PrefetchL2(nb + g * 64 + kPrefetchL2);
       if (i == 0) {
-        PrefetchL2(fb + (g + kPrefetchL2 / 64) * 2);
+        if (!kDecoded) PrefetchL2(fb + (g + kPrefetchL2 / 64) * 2);
         PrefetchL2(db + (g32 + kPrefetchL2 / 256) * kLanes);
       }
       uint8x16_t low[4], high[4];
-      Levels(nb + g * 64, fb + g * 2, low, high);
+      GroupLevels<kDecoded>(nb, fb, decoded, g, low, high);
       for (int r = 0; r < R; r++) {
         int32_t first, second;                             // terms[r, 8g .. 8g+3], [8g+4 .. 8g+7]
         __builtin_memcpy(&first, terms + r * K + g * kNibbleGroup, sizeof first);
@@ -1237,20 +1278,26 @@ void Block5(const uint8_t* nib, const uint64_t* fifth, const uint16_t* d, const 
 }
 #endif
 
-using Block5Fn = void (*)(const uint8_t*, const uint64_t*, const uint16_t*, const int8_t*, const int32_t*,
-                          const float*, float*, int64_t, int64_t, int64_t);
+using Block5Fn = void (*)(const uint8_t*, const uint64_t*, const uint8_t*, const uint16_t*, const int8_t*,
+                          const int32_t*, const float*, float*, int64_t, int64_t, int64_t);
+// [decoded][rows]: Block5 from the nibbles and fifth bits, or from a block's decoded levels.
 #if MASHBOX_AVX512
-constexpr Block5Fn kBlocks5[kMaxTerms + 1] = {nullptr, Block5<1>, Block5<2>, Block5<3>, Block5<4>,
-                                              Block5<5>, Block5<6>, Block5<7>, Block5<8>};
+constexpr Block5Fn kBlocks5[2][kMaxTerms + 1] = {
+    {nullptr, Block5<1, false>, Block5<2, false>, Block5<3, false>, Block5<4, false>, Block5<5, false>,
+     Block5<6, false>, Block5<7, false>, Block5<8, false>},
+    {nullptr, Block5<1, true>, Block5<2, true>, Block5<3, true>, Block5<4, true>, Block5<5, true>,
+     Block5<6, true>, Block5<7, true>, Block5<8, true>}};
 #else
-constexpr Block5Fn kBlocks5[kMaxTerms + 1] = {nullptr, Block5<1>, Block5<2>, Block5<3>, Block5<4>};
+constexpr Block5Fn kBlocks5[2][kMaxTerms + 1] = {
+    {nullptr, Block5<1, false>, Block5<2, false>, Block5<3, false>, Block5<4, false>},
+    {nullptr, Block5<1, true>, Block5<2, true>, Block5<3, true>, Block5<4, true>}};
 #endif
 
 // The products whose weights change scale every 32 inputs (Q5_0's and Q8_0's blocks): rows x [R, K]
 // rounded to int8 per 32 inputs on each block's own scale (one term, where the int8 product's
-// per-row scales need two: BlockTerms), then block(n, terms, sums, term_scales, out, b) for each
-// block b of 16 outputs, n <= kMaxTerms rows at a time (terms [n, K]; sums, term_scales [n, K/32];
-// out [n, N]), or a long chunk on the tiles (tiled: BlockTilePass).
+// per-row scales need two: BlockTerms), then block(n, decoded, terms, sums, term_scales, out, b) for
+// each block b of 16 outputs, n <= kMaxTerms rows at a time (terms [n, K]; sums, term_scales
+// [n, K/32]; out [n, N]), or a long chunk on the tiles (the form's BlockTilePass).
 constexpr int kTermBlock = 32;           // inputs per row scale
 
 // Rows x [R, K] -> their int8 terms [R, K] per 32 inputs, each block's scale and the terms' sum
@@ -1264,9 +1311,11 @@ void BlockTerms(const float* x, int64_t R, int64_t K, int8_t* terms, float* term
     }
 }
 
-// A Q5_0 or Q8_0 matrix as the tiles take it (BlockTilePass's form): per 32 inputs, the levels'
-// exact sum less the offset times the terms' sum, then AddBlock32's float operations.
-struct Tiles32 {
+// A Q5_0 or Q8_0 matrix: its levels as 64-byte rows of 4 inputs (Q5_0's decoded, Q8_0's as held),
+// which a long chunk's row passes read, and as the tiles take it (BlockTilePass's form): per 32
+// inputs, the levels' exact sum less the offset times the terms' sum, then AddBlock32's float
+// operations.
+struct Blocks32 {
   static constexpr int kStep = kTermBlock;
   const uint8_t* nib;                    // Q5_0's nibbles and fifth bits (pack5), or null
   const uint64_t* fifth;
@@ -1276,28 +1325,14 @@ struct Tiles32 {
   int64_t K;
   const int32_t* sums = nullptr;         // the call's terms' sums and scales [R, K/32] (BlockTerms)
   const float* term_scales = nullptr;
-#if MASHBOX_TILES
-  const uint8_t* TileLevels(int64_t b, uint8_t* buffer) const {
+
+  // Block b's levels: decoded into buffer (16 x K bytes), or as held.
+  const uint8_t* BlockLevels(int64_t b, uint8_t* buffer) const {
     if (held) return held + b * kLanes * K;
-    const int64_t groups = K / kNibbleGroup;
-    for (int64_t g = 0; g < groups; g++) {           // rows 2g and 2g + 1: inputs 8g .. 8g+3, 8g+4 .. 8g+7
-      uint8_t* row = buffer + g * 2 * 64;
-#if MASHBOX_AVX512
-      __m512i low, high;
-      Levels(nib + (b * groups + g) * 64, fifth + (b * groups + g) * 2, &low, &high);
-      _mm512_storeu_si512(row, low);
-      _mm512_storeu_si512(row + 64, high);
-#else
-      __m256i low[2], high[2];
-      Levels(nib + (b * groups + g) * 64, fifth + (b * groups + g) * 2, low, high);
-      for (int h = 0; h < 2; h++) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 32 * h), low[h]);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 64 + 32 * h), high[h]);
-      }
-#endif
-    }
+    DecodeLevels5(nib, fifth, K, b, buffer);
     return buffer;
   }
+#if MASHBOX_TILES
 
   void Step(int64_t j, const int32_t (*c)[32], float (*total)[32], int32_t (*)[32], int64_t r0, int64_t live,
             int64_t b, int blocks) const {
@@ -1315,9 +1350,13 @@ struct Tiles32 {
 #endif
 };
 
+// A chunk's rows pass over each block R / kMaxTerms times: past one pass, Q5_0's blocks are decoded
+// once per chunk of blocks (Blocks32::BlockLevels, into the thread's buffer: 64 outputs x K bytes,
+// within L2), and every pass reads the levels decoded (block's `decoded`; null: from the nibbles).
+// Q8_0's held levels need no decoding.
 template <typename Block>
 void PerBlockProduct(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t K, int64_t blocks, float* out,
-                     Block block, Tiles32 tiled) {
+                     Block block, Blocks32 form) {
   const int64_t N = blocks * kLanes, blocks32 = K / kTermBlock, R = LiveRows(x, rows, K);
   ZeroRowsFrom(out, R, rows, N);
   const bool tiles = TakesTiles(R, K, kTermBlock);
@@ -1327,19 +1366,25 @@ void PerBlockProduct(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_
   BlockTerms(x, R, K, terms.data(), term_scales.data(), sums.data());
 #if MASHBOX_TILES
   if (tiles) {
-    tiled.sums = sums.data();
-    tiled.term_scales = term_scales.data();
-    BlockTiles(pool, tiled, terms.data(), out, K, N, R, blocks);
+    form.sums = sums.data();
+    form.term_scales = term_scales.data();
+    BlockTiles(pool, form, terms.data(), out, K, N, R, blocks);
     return;
   }
 #endif
+  const bool decode = form.nib != nullptr && R > kMaxTerms;
   Parallel(pool, Chunks(blocks), [&](int64_t c) {
     const int64_t b0 = c * kChunkBlocks, b1 = std::min(b0 + kChunkBlocks, blocks);
+    thread_local std::vector<uint8_t> decoded;
+    if (decode) {
+      decoded.resize((b1 - b0) * kLanes * K);
+      for (int64_t b = b0; b < b1; b++) form.BlockLevels(b, decoded.data() + (b - b0) * kLanes * K);
+    }
     for (int64_t r0 = 0; r0 < R; r0 += kMaxTerms) {        // 8 rows per pass over the chunk (AVX2, NEON: 4)
       const int64_t n = std::min<int64_t>(kMaxTerms, R - r0);
       for (int64_t b = b0; b < b1; b++)
-        block(n, terms.data() + r0 * K, sums.data() + r0 * blocks32, term_scales.data() + r0 * blocks32,
-              out + r0 * N, b);
+        block(n, decode ? decoded.data() + (b - b0) * kLanes * K : nullptr, terms.data() + r0 * K,
+              sums.data() + r0 * blocks32, term_scales.data() + r0 * blocks32, out + r0 * N, b);
     }
   });
 }
@@ -1360,9 +1405,11 @@ ffi::Error Int5Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const uint64_t* fp = reinterpret_cast<const uint64_t*>(fifth.typed_data());
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.typed_data());
   PerBlockProduct(pool, x.typed_data(), xd[0], K, blocks, out->typed_data(),
-                  [&](int64_t n, const int8_t* terms, const int32_t* sums, const float* term_scales, float* o,
-                      int64_t b) { kBlocks5[n](np_, fp, dp, terms, sums, term_scales, o, K, N, b); },
-                  Tiles32{np_, fp, nullptr, dp, kQ5Offset, K});
+                  [&](int64_t n, const uint8_t* decoded, const int8_t* terms, const int32_t* sums,
+                      const float* term_scales, float* o, int64_t b) {
+                    kBlocks5[decoded != nullptr][n](np_, fp, decoded, dp, terms, sums, term_scales, o, K, N, b);
+                  },
+                  Blocks32{np_, fp, nullptr, dp, kQ5Offset, K});
   return ffi::Error::Success();
 }
 
@@ -1592,9 +1639,9 @@ ffi::Error Q8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const uint8_t* qp = q.typed_data();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.typed_data());
   PerBlockProduct(pool, x.typed_data(), xd[0], K, blocks, out->typed_data(),
-                  [&](int64_t n, const int8_t* terms, const int32_t* sums, const float* term_scales, float* o,
-                      int64_t b) { kBlocks8[n](qp, dp, terms, sums, term_scales, o, K, N, b); },
-                  Tiles32{nullptr, nullptr, qp, dp, kQ8Offset, K});
+                  [&](int64_t n, const uint8_t*, const int8_t* terms, const int32_t* sums, const float* term_scales,
+                      float* o, int64_t b) { kBlocks8[n](qp, dp, terms, sums, term_scales, o, K, N, b); },
+                  Blocks32{nullptr, nullptr, qp, dp, kQ8Offset, K});
   return ffi::Error::Success();
 }
 
@@ -1936,7 +1983,7 @@ struct TilesK {
   const float* sub_sums;                 // the call's [R, K/sub] and [R, K/256] (KTerms)
   const float* term_scales;
 
-  const uint8_t* TileLevels(int64_t b, uint8_t* buffer) const {
+  const uint8_t* BlockLevels(int64_t b, uint8_t* buffer) const {
     const int64_t groups = w.K / kNibbleGroup;
     for (int64_t g = 0; g < groups; g++) {           // rows 2g and 2g + 1: inputs 8g .. 8g+3, 8g+4 .. 8g+7
       const int64_t at = b * groups + g;
@@ -2535,7 +2582,7 @@ struct TilesS {
   const int32_t* sub_sums;               // the call's [R, K/sub] and [R, K/span]
   const float* term_scales;
 
-  const uint8_t* TileLevels(int64_t b, uint8_t* buffer) const {
+  const uint8_t* BlockLevels(int64_t b, uint8_t* buffer) const {
     alignas(16) uint8_t held[16];
     for (int c = 0; c < 16; c++) held[c] = static_cast<uint8_t>(kSTable<F>.held[c] - kTableOffset + 128);
     const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(held)));
@@ -3826,12 +3873,12 @@ extern "C" int mashbox_tiles_check() {
     std::vector<float> term_scales(R * K / kTermBlock);
     std::vector<int32_t> sums(R * K / kTermBlock);
     BlockTerms(x.data(), R, K, terms.data(), term_scales.data(), sums.data());
-    Tiles32 form{nib.data(), fifth.data(), nullptr, d.data(), kQ5Offset, K, sums.data(), term_scales.data()};
+    Blocks32 form{nib.data(), fifth.data(), nullptr, d.data(), kQ5Offset, K, sums.data(), term_scales.data()};
     BlockTilePass(form, terms.data(), by_tiles.data(), K, N, R, 0, blocks);
     for (int64_t r0 = 0; r0 < R; r0 += kMaxTerms)
       for (int64_t b = 0; b < blocks; b++)
-        kBlocks5[std::min<int64_t>(kMaxTerms, R - r0)](
-            nib.data(), fifth.data(), d.data(), terms.data() + r0 * K, sums.data() + r0 * K / kTermBlock,
+        kBlocks5[0][std::min<int64_t>(kMaxTerms, R - r0)](
+            nib.data(), fifth.data(), nullptr, d.data(), terms.data() + r0 * K, sums.data() + r0 * K / kTermBlock,
             term_scales.data() + r0 * K / kTermBlock, by_rows.data() + r0 * N, K, N, b);
     if (by_tiles != by_rows) return 2;
   }
