@@ -1801,14 +1801,64 @@ inline __m256i ScalePairs(const int8_t* sc) {
 }
 #endif
 
+// Block b's levels decoded once as DecodeLevels5's rows (group g's low nibbles' at 2g, high at
+// 2g + 1): the weight tiles' rows (TilesK), and what a long chunk's row passes read (BlockK<R, F,
+// true>) instead of decoding each group again for every few rows.
+template <KForm F>
+void DecodeLevelsK(const KBlocks& w, int64_t b, uint8_t* out) {
+  const int64_t groups = w.K / kNibbleGroup;
+  for (int64_t g = 0; g < groups; g++) {
+    const int64_t at = b * groups + g;
+    uint8_t* row = out + g * 2 * 64;
+#if MASHBOX_NEON
+    uint8x16_t low[4], high[4];
+    KLevels<F>(w.nib + at * 64, F == KForm::kQ6 ? w.hi + at * 32 : nullptr, F == KForm::kQ5 ? w.fifth + at * 2 : nullptr,
+               low, high);
+    for (int h = 0; h < 4; h++) {
+      vst1q_u8(row + 16 * h, low[h]);
+      vst1q_u8(row + 64 + 16 * h, high[h]);
+    }
+#else
+    __m256i low[2], high[2];
+    KLevels<F>(w.nib + at * 64, F == KForm::kQ6 ? w.hi + at * 32 : nullptr, F == KForm::kQ5 ? w.fifth + at * 2 : nullptr,
+               low, high);
+    for (int h = 0; h < 2; h++) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 32 * h), low[h]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 64 + 32 * h), high[h]);
+    }
+#endif
+  }
+}
+
+// Group g of block b's levels for BlockK (nb, hb, fb: the block's nibbles, top bits, fifth bits):
+// decoded before (kDecoded: the block's DecodeLevelsK rows), or decoded here.
+template <KForm F, bool kDecoded, typename V>
+__attribute__((always_inline)) inline void KGroupLevels(const uint8_t* nb, const uint8_t* hb, const uint64_t* fb,
+                                                        const uint8_t* decoded, int64_t g, V* low, V* high) {
+  if constexpr (kDecoded) {
+    constexpr int kBytes = sizeof(V);
+    for (int h = 0; h < 64 / kBytes; h++) {
+      __builtin_memcpy(&low[h], decoded + g * 128 + kBytes * h, kBytes);
+      __builtin_memcpy(&high[h], decoded + g * 128 + 64 + kBytes * h, kBytes);
+    }
+  } else {
+    Prefetch(nb + g * 64 + kPrefetch);
+    PrefetchL2(nb + g * 64 + kPrefetchL2);
+    if (F == KForm::kQ6) PrefetchL2(hb + g * 32 + kPrefetchL2 / 2);
+    if (F == KForm::kQ5) PrefetchL2(fb + (g + kPrefetchL2 / 64) * 2);
+    KLevels<F>(nb + g * 64, F == KForm::kQ6 ? hb + g * 32 : nullptr, F == KForm::kQ5 ? fb + g * 2 : nullptr, low,
+               high);
+  }
+}
+
 // One block of 16 outputs for R rows (terms per 256 inputs: term_scales [R, K/256], sub_sums [R,
 // K/sub] the terms' sums per sub-block as floats). Per sub-block j of super-block s, first the mins'
 // part: total -= (dmin m_j) (scale_s sum_j) (Q6_K: (32 d) sc_j); after the super-block, total +=
 // float(A) (d scale_s). Each operation rounded once, in that order (tests/test_native.py).
 #if MASHBOX_NEON
-template <int R, KForm F>
-void BlockK(const KBlocks& w, const int8_t* terms, const float* sub_sums, const float* term_scales,
-            float* out, int64_t N, int64_t b) {
+template <int R, KForm F, bool kDecoded>
+void BlockK(const KBlocks& w, const uint8_t* decoded, const int8_t* terms, const float* sub_sums,
+            const float* term_scales, float* out, int64_t N, int64_t b) {
   constexpr bool kSix = F == KForm::kQ6;
   constexpr int sub = kSub<F>;
   const int64_t K = w.K, groups = K / kNibbleGroup, supers = K / kSuper, subs = K / sub;
@@ -1847,12 +1897,8 @@ void BlockK(const KBlocks& w, const int8_t* terms, const float* sub_sums, const 
       for (int r = 0; r < R; r++)
         for (int q = 0; q < 4; q++) sums[r][q] = vdupq_n_s32(0);
       for (int64_t g = j * (sub / kNibbleGroup); g < (j + 1) * (sub / kNibbleGroup); g++) {
-        Prefetch(nb + g * 64 + kPrefetch);
-        PrefetchL2(nb + g * 64 + kPrefetchL2);
-        if (kSix) PrefetchL2(hb + g * 32 + kPrefetchL2 / 2);
-        if (F == KForm::kQ5) PrefetchL2(fb + (g + kPrefetchL2 / 64) * 2);
         uint8x16_t low[4], high[4];
-        KLevels<F>(nb + g * 64, kSix ? hb + g * 32 : nullptr, fb ? fb + g * 2 : nullptr, low, high);
+        KGroupLevels<F, kDecoded>(nb, hb, fb, decoded, g, low, high);
         for (int r = 0; r < R; r++) {
           int32_t first, second;                           // terms[r, 8g .. 8g+3], [8g+4 .. 8g+7]
           __builtin_memcpy(&first, terms + r * K + g * kNibbleGroup, sizeof first);
@@ -1877,9 +1923,9 @@ void BlockK(const KBlocks& w, const int8_t* terms, const float* sub_sums, const 
     for (int q = 0; q < 4; q++) vst1q_f32(out + r * N + b * kLanes + 4 * q, total[r][q]);
 }
 #else
-template <int R, KForm F>
-void BlockK(const KBlocks& w, const int8_t* terms, const float* sub_sums, const float* term_scales,
-            float* out, int64_t N, int64_t b) {
+template <int R, KForm F, bool kDecoded>
+void BlockK(const KBlocks& w, const uint8_t* decoded, const int8_t* terms, const float* sub_sums,
+            const float* term_scales, float* out, int64_t N, int64_t b) {
   constexpr bool kSix = F == KForm::kQ6;
   constexpr int sub = kSub<F>;
   const int64_t K = w.K, groups = K / kNibbleGroup, supers = K / kSuper, subs = K / sub;
@@ -1917,12 +1963,7 @@ void BlockK(const KBlocks& w, const int8_t* terms, const float* sub_sums, const 
       for (int64_t g0 = j * (sub / kNibbleGroup); g0 < (j + 1) * (sub / kNibbleGroup); g0 += kKSummed<F>) {
         __m256i low[kKSummed<F>][2], high[kKSummed<F>][2];   // [group][half]
         for (int i = 0; i < kKSummed<F>; i++) {
-          const int64_t g = g0 + i;
-          Prefetch(nb + g * 64 + kPrefetch);
-          PrefetchL2(nb + g * 64 + kPrefetchL2);
-          if (kSix) PrefetchL2(hb + g * 32 + kPrefetchL2 / 2);
-          if (F == KForm::kQ5) PrefetchL2(fb + (g + kPrefetchL2 / 64) * 2);
-          KLevels<F>(nb + g * 64, kSix ? hb + g * 32 : nullptr, fb ? fb + g * 2 : nullptr, low[i], high[i]);
+          KGroupLevels<F, kDecoded>(nb, hb, fb, decoded, g0 + i, low[i], high[i]);
         }
         for (int r = 0; r < R; r++) {
           int32_t four[2 * kKSummed<F>];                 // terms[r, 8g0 ..], 4 at a time
@@ -1949,9 +1990,13 @@ void BlockK(const KBlocks& w, const int8_t* terms, const float* sub_sums, const 
 }
 #endif
 
-using BlockKFn = void (*)(const KBlocks&, const int8_t*, const float*, const float*, float*, int64_t, int64_t);
+using BlockKFn = void (*)(const KBlocks&, const uint8_t*, const int8_t*, const float*, const float*, float*, int64_t,
+                          int64_t);
+// [decoded][rows]: BlockK from the packed levels, or from a block's decoded levels.
 template <KForm F>
-constexpr BlockKFn kBlocksK[kKRows + 1] = {nullptr, BlockK<1, F>, BlockK<2, F>, BlockK<3, F>, BlockK<4, F>};
+constexpr BlockKFn kBlocksK[2][kKRows + 1] = {
+    {nullptr, BlockK<1, F, false>, BlockK<2, F, false>, BlockK<3, F, false>, BlockK<4, F, false>},
+    {nullptr, BlockK<1, F, true>, BlockK<2, F, true>, BlockK<3, F, true>, BlockK<4, F, true>}};
 
 // Rows x [R, K] -> their int8 terms [R, K] per 256 inputs, each super-block's scale [R, K/256] and
 // the terms' sums per sub-block as floats [R, K/sub].
@@ -1984,18 +2029,7 @@ struct TilesK {
   const float* term_scales;
 
   const uint8_t* BlockLevels(int64_t b, uint8_t* buffer) const {
-    const int64_t groups = w.K / kNibbleGroup;
-    for (int64_t g = 0; g < groups; g++) {           // rows 2g and 2g + 1: inputs 8g .. 8g+3, 8g+4 .. 8g+7
-      const int64_t at = b * groups + g;
-      __m256i low[2], high[2];
-      KLevels<F>(w.nib + at * 64, F == KForm::kQ6 ? w.hi + at * 32 : nullptr,
-                 F == KForm::kQ5 ? w.fifth + at * 2 : nullptr, low, high);
-      uint8_t* row = buffer + g * 2 * 64;
-      for (int h = 0; h < 2; h++) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 32 * h), low[h]);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 64 + 32 * h), high[h]);
-      }
-    }
+    DecodeLevelsK<F>(w, b, buffer);
     return buffer;
   }
 
@@ -2052,13 +2086,22 @@ void KMatmul(ffi::ThreadPool& pool, const float* x, int64_t rows, const KBlocks&
     return;
   }
 #endif
+  // Past one pass of rows, Q6_K's blocks decoded once per chunk for every pass (PerBlockProduct's
+  // way): its products at 512 rows 1.3-1.7x as fast on Zen 3. Q4_K's and Q5_K's ran 1.05-2x slower
+  // so (their levels' bytes read back cost more than decoding them again), and decode per pass.
+  const bool decode = F == KForm::kQ6 && R > kKRows;
   Parallel(pool, Chunks(w.blocks), [&](int64_t c) {
     const int64_t b0 = c * kChunkBlocks, b1 = std::min(b0 + kChunkBlocks, w.blocks);
+    thread_local std::vector<uint8_t> decoded;
+    if (decode) {
+      decoded.resize((b1 - b0) * kLanes * K);
+      for (int64_t b = b0; b < b1; b++) DecodeLevelsK<F>(w, b, decoded.data() + (b - b0) * kLanes * K);
+    }
     for (int64_t r0 = 0; r0 < R; r0 += kKRows) {
       const int64_t n = std::min<int64_t>(kKRows, R - r0);
       for (int64_t b = b0; b < b1; b++)
-        kBlocksK<F>[n](w, terms.data() + r0 * K, sub_sums.data() + r0 * subs,
-                          term_scales.data() + r0 * supers, out + r0 * N, N, b);
+        kBlocksK<F>[decode][n](w, decode ? decoded.data() + (b - b0) * kLanes * K : nullptr, terms.data() + r0 * K,
+                               sub_sums.data() + r0 * subs, term_scales.data() + r0 * supers, out + r0 * N, N, b);
     }
   });
 }
@@ -3898,8 +3941,8 @@ extern "C" int mashbox_tiles_check() {
                   0, blocks);
     for (int64_t r0 = 0; r0 < R; r0 += kKRows)
       for (int64_t b = 0; b < blocks; b++)
-        kBlocksK<KForm::kQ6>[std::min<int64_t>(kKRows, R - r0)](
-            w, terms.data() + r0 * K, sub_sums.data() + r0 * K / 16, term_scales.data() + r0 * K / kSuper,
+        kBlocksK<KForm::kQ6>[0][std::min<int64_t>(kKRows, R - r0)](
+            w, nullptr, terms.data() + r0 * K, sub_sums.data() + r0 * K / 16, term_scales.data() + r0 * K / kSuper,
             by_rows.data() + r0 * N, N, b);
     if (by_tiles != by_rows) return 2;
   }

@@ -324,7 +324,7 @@ def test_a_block_forms_rows_on_the_tiles_get_their_numbers_alone(tiles, form, n,
     assert got[1:].any(axis=1).all() and not got[0].any()
 
 
-@pytest.mark.parametrize("form, n, k", [("Q5_0", 48, 896), ("Q8_0", 48, 96), ("Q4_K", 48, 512), ("Q6_K", 32, 256),
+@pytest.mark.parametrize("form, n, k", [("Q5_0", 48, 896), ("Q8_0", 48, 96), ("Q4_K", 48, 512), ("Q5_K", 32, 256), ("Q6_K", 32, 256),
                                         ("IQ4_XS", 32, 256)])
 def test_a_long_chunks_rows_get_their_numbers_alone_on_every_tier(kernel, form, n, k):
     """The same-answer guarantee on the row passes: a row of a chunk of 12 (more rows than one pass
