@@ -2087,8 +2087,8 @@ void KMatmul(ffi::ThreadPool& pool, const float* x, int64_t rows, const KBlocks&
   }
 #endif
   // Past one pass of rows, Q6_K's blocks decoded once per chunk for every pass (PerBlockProduct's
-  // way): its products at 512 rows 1.3-1.7x as fast on Zen 3. Q4_K's and Q5_K's ran 1.05-2x slower
-  // so (their levels' bytes read back cost more than decoding them again), and decode per pass.
+  // way). Q4_K's and Q5_K's measured slower so (their levels' bytes read back cost more than
+  // decoding them again: docs/perf-log.md), and decode per pass.
   const bool decode = F == KForm::kQ6 && R > kKRows;
   Parallel(pool, Chunks(w.blocks), [&](int64_t c) {
     const int64_t b0 = c * kChunkBlocks, b1 = std::min(b0 + kChunkBlocks, w.blocks);
