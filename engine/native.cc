@@ -760,7 +760,7 @@ int64_t PanelRows(int64_t T) { return (T + kTilePanel - 1) / kTilePanel * kTileP
 // their order (one term per row here: the block forms round a row per 32 or 256 inputs, not in two
 // terms). The form gives:
 //   kStep                           inputs per sub-block
-//   BlockLevels(b, buffer)           block b's levels (unsigned bytes) as weight tiles' rows, 4 inputs
+//   BlockLevels(b, buffer)          block b's levels (unsigned bytes) as weight tiles' rows, 4 inputs
 //                                   of its 16 outputs in each 64 bytes: unpacked into buffer (16 x K
 //                                   bytes) or, where held so (Q8_0), in place
 //   Step(j, sums, total, whole, r0, live, b, blocks)
@@ -1099,17 +1099,23 @@ void DecodeLevels5(const uint8_t* nib, const uint64_t* fifth, int64_t K, int64_t
   }
 }
 
+// Group g's levels from a block's decoded rows (DecodeLevels5, DecodeLevelsK), as the tier's vectors.
+template <typename V>
+__attribute__((always_inline)) inline void DecodedGroup(const uint8_t* decoded, int64_t g, V* low, V* high) {
+  constexpr int kBytes = sizeof(V);
+  for (int h = 0; h < 64 / kBytes; h++) {
+    __builtin_memcpy(&low[h], decoded + g * 128 + kBytes * h, kBytes);
+    __builtin_memcpy(&high[h], decoded + g * 128 + 64 + kBytes * h, kBytes);
+  }
+}
+
 // Group g's levels for Block5: decoded before (kDecoded: the block's DecodeLevels5 rows), or from
 // the nibbles and fifth bits.
 template <bool kDecoded, typename V>
 __attribute__((always_inline)) inline void GroupLevels(const uint8_t* nb, const uint64_t* fb, const uint8_t* decoded,
                                                        int64_t g, V* low, V* high) {
   if constexpr (kDecoded) {
-    constexpr int kBytes = sizeof(V);
-    for (int h = 0; h < 64 / kBytes; h++) {
-      __builtin_memcpy(&low[h], decoded + g * 128 + kBytes * h, kBytes);
-      __builtin_memcpy(&high[h], decoded + g * 128 + 64 + kBytes * h, kBytes);
-    }
+    DecodedGroup(decoded, g, low, high);
   } else {
     Prefetch(nb + g * 64 + kPrefetch);
     PrefetchL2(nb + g * 64 + kPrefetchL2);
@@ -1836,11 +1842,7 @@ template <KForm F, bool kDecoded, typename V>
 __attribute__((always_inline)) inline void KGroupLevels(const uint8_t* nb, const uint8_t* hb, const uint64_t* fb,
                                                         const uint8_t* decoded, int64_t g, V* low, V* high) {
   if constexpr (kDecoded) {
-    constexpr int kBytes = sizeof(V);
-    for (int h = 0; h < 64 / kBytes; h++) {
-      __builtin_memcpy(&low[h], decoded + g * 128 + kBytes * h, kBytes);
-      __builtin_memcpy(&high[h], decoded + g * 128 + 64 + kBytes * h, kBytes);
-    }
+    DecodedGroup(decoded, g, low, high);
   } else {
     Prefetch(nb + g * 64 + kPrefetch);
     PrefetchL2(nb + g * 64 + kPrefetchL2);
