@@ -1994,11 +1994,17 @@ void BlockK(const KBlocks& w, const uint8_t* decoded, const int8_t* terms, const
 
 using BlockKFn = void (*)(const KBlocks&, const uint8_t*, const int8_t*, const float*, const float*, float*, int64_t,
                           int64_t);
+// BlockK for R rows of a block's decoded levels: Q6_K's only (KMatmul decodes no other form).
+template <int R, KForm F>
+constexpr BlockKFn DecodedBlockK() {
+  if constexpr (F == KForm::kQ6) return BlockK<R, F, true>;
+  else return nullptr;
+}
 // [decoded][rows]: BlockK from the packed levels, or from a block's decoded levels.
 template <KForm F>
 constexpr BlockKFn kBlocksK[2][kKRows + 1] = {
     {nullptr, BlockK<1, F, false>, BlockK<2, F, false>, BlockK<3, F, false>, BlockK<4, F, false>},
-    {nullptr, BlockK<1, F, true>, BlockK<2, F, true>, BlockK<3, F, true>, BlockK<4, F, true>}};
+    {nullptr, DecodedBlockK<1, F>(), DecodedBlockK<2, F>(), DecodedBlockK<3, F>(), DecodedBlockK<4, F>()}};
 
 // Rows x [R, K] -> their int8 terms [R, K] per 256 inputs, each super-block's scale [R, K/256] and
 // the terms' sums per sub-block as floats [R, K/sub].
