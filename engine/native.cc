@@ -830,6 +830,23 @@ void BlockTiles(ffi::ThreadPool& pool, const Form& form, const int8_t* terms, fl
 
 // A half (float16's bits) as float, exactly (the row passes' vcvtph2ps).
 inline float HalfFloat(uint16_t h) { return _cvtsh_ss(h); }
+
+// A block form's step after its super-block (span) s: each row's and output's int32 sum `whole`
+// leaves as AddBlock32 adds it, times d (float16 [N/16, spans, 16]) times the row's scale in one
+// fused multiply-add, and starts again at zero (TilesK, TilesS).
+inline void LeaveWhole(const uint16_t* d, int64_t spans, int64_t s, const float* term_scales, int64_t r0,
+                       int64_t live, int64_t b, int blocks, int32_t (*whole)[32], float (*total)[32]) {
+  float scale[32];
+  for (int n = 0; n < blocks * kLanes; n++)
+    scale[n] = HalfFloat(d[((b + n / kLanes) * spans + s) * kLanes + n % kLanes]);
+  for (int64_t r = 0; r < live; r++) {
+    const float ts = term_scales[(r0 + r) * spans + s];
+    for (int n = 0; n < blocks * kLanes; n++) {
+      total[r][n] = std::fma(static_cast<float>(whole[r][n]), scale[n] * ts, total[r][n]);
+      whole[r][n] = 0;
+    }
+  }
+}
 #else
 bool TakesTiles(int64_t, int64_t, int64_t = 0) { return false; }
 int64_t PanelRows(int64_t T) { return T; }
@@ -1068,6 +1085,26 @@ inline void Levels(const uint8_t* nib, const uint64_t* fifth, uint8x16_t* low, u
 }
 #endif
 
+// A group's decoded levels (64 bytes low, 64 high, as the tier's vectors V) stored as a block's rows
+// 2g and 2g + 1, and read back (DecodedGroup).
+template <typename V>
+__attribute__((always_inline)) inline void StoreGroup(uint8_t* decoded, int64_t g, const V* low, const V* high) {
+  constexpr int kBytes = sizeof(V);
+  for (int h = 0; h < 64 / kBytes; h++) {
+    __builtin_memcpy(decoded + g * 128 + kBytes * h, &low[h], kBytes);
+    __builtin_memcpy(decoded + g * 128 + 64 + kBytes * h, &high[h], kBytes);
+  }
+}
+
+template <typename V>
+__attribute__((always_inline)) inline void DecodedGroup(const uint8_t* decoded, int64_t g, V* low, V* high) {
+  constexpr int kBytes = sizeof(V);
+  for (int h = 0; h < 64 / kBytes; h++) {
+    __builtin_memcpy(&low[h], decoded + g * 128 + kBytes * h, kBytes);
+    __builtin_memcpy(&high[h], decoded + g * 128 + 64 + kBytes * h, kBytes);
+  }
+}
+
 // Block b's levels decoded once (DecodeLevels5) as 64-byte rows of 4 inputs of its 16 outputs, group
 // g's low nibbles' at row 2g and high nibbles' at 2g + 1: the weight tiles' rows (BlockTilePass), and
 // what a long chunk's row passes read instead of decoding each group again for every few rows
@@ -1075,37 +1112,15 @@ inline void Levels(const uint8_t* nib, const uint64_t* fifth, uint8x16_t* low, u
 void DecodeLevels5(const uint8_t* nib, const uint64_t* fifth, int64_t K, int64_t b, uint8_t* out) {
   const int64_t groups = K / kNibbleGroup;
   for (int64_t g = 0; g < groups; g++) {
-    uint8_t* row = out + g * 2 * 64;
 #if MASHBOX_AVX512
-    __m512i low, high;
-    Levels(nib + (b * groups + g) * 64, fifth + (b * groups + g) * 2, &low, &high);
-    _mm512_storeu_si512(row, low);
-    _mm512_storeu_si512(row + 64, high);
+    __m512i low[1], high[1];
 #elif MASHBOX_AVX2
     __m256i low[2], high[2];
-    Levels(nib + (b * groups + g) * 64, fifth + (b * groups + g) * 2, low, high);
-    for (int h = 0; h < 2; h++) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 32 * h), low[h]);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 64 + 32 * h), high[h]);
-    }
 #else
     uint8x16_t low[4], high[4];
-    Levels(nib + (b * groups + g) * 64, fifth + (b * groups + g) * 2, low, high);
-    for (int h = 0; h < 4; h++) {
-      vst1q_u8(row + 16 * h, low[h]);
-      vst1q_u8(row + 64 + 16 * h, high[h]);
-    }
 #endif
-  }
-}
-
-// Group g's levels from a block's decoded rows (DecodeLevels5, DecodeLevelsK), as the tier's vectors.
-template <typename V>
-__attribute__((always_inline)) inline void DecodedGroup(const uint8_t* decoded, int64_t g, V* low, V* high) {
-  constexpr int kBytes = sizeof(V);
-  for (int h = 0; h < 64 / kBytes; h++) {
-    __builtin_memcpy(&low[h], decoded + g * 128 + kBytes * h, kBytes);
-    __builtin_memcpy(&high[h], decoded + g * 128 + 64 + kBytes * h, kBytes);
+    Levels(nib + (b * groups + g) * 64, fifth + (b * groups + g) * 2, low, high);
+    StoreGroup(out, g, low, high);
   }
 }
 
@@ -1815,24 +1830,14 @@ void DecodeLevelsK(const KBlocks& w, int64_t b, uint8_t* out) {
   const int64_t groups = w.K / kNibbleGroup;
   for (int64_t g = 0; g < groups; g++) {
     const int64_t at = b * groups + g;
-    uint8_t* row = out + g * 2 * 64;
 #if MASHBOX_NEON
     uint8x16_t low[4], high[4];
-    KLevels<F>(w.nib + at * 64, F == KForm::kQ6 ? w.hi + at * 32 : nullptr, F == KForm::kQ5 ? w.fifth + at * 2 : nullptr,
-               low, high);
-    for (int h = 0; h < 4; h++) {
-      vst1q_u8(row + 16 * h, low[h]);
-      vst1q_u8(row + 64 + 16 * h, high[h]);
-    }
 #else
     __m256i low[2], high[2];
+#endif
     KLevels<F>(w.nib + at * 64, F == KForm::kQ6 ? w.hi + at * 32 : nullptr, F == KForm::kQ5 ? w.fifth + at * 2 : nullptr,
                low, high);
-    for (int h = 0; h < 2; h++) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 32 * h), low[h]);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 64 + 32 * h), high[h]);
-    }
-#endif
+    StoreGroup(out, g, low, high);
   }
 }
 
@@ -2063,16 +2068,7 @@ struct TilesK {
         whole[r][n] += scales[n] * c[r][n];
       }
     }
-    if (j % per != per - 1) return;
-    float d[32];
-    for (int n = 0; n < outputs; n++) d[n] = HalfFloat(w.d[((b + n / kLanes) * supers + s) * kLanes + n % kLanes]);
-    for (int64_t r = 0; r < live; r++) {
-      const float ts = term_scales[(r0 + r) * supers + s];
-      for (int n = 0; n < outputs; n++) {
-        total[r][n] = std::fma(static_cast<float>(whole[r][n]), d[n] * ts, total[r][n]);
-        whole[r][n] = 0;
-      }
-    }
+    if (j % per == per - 1) LeaveWhole(w.d, supers, s, term_scales, r0, live, b, blocks, whole, total);
   }
 };
 #endif
@@ -2641,11 +2637,7 @@ struct TilesS {
     for (int64_t g = 0; g < groups; g++) {           // rows 2g and 2g + 1: inputs 8g .. 8g+3, 8g+4 .. 8g+7
       __m256i low[2], high[2];
       SLevels<F>(w, b * groups + g, table, low, high);
-      uint8_t* row = buffer + g * 2 * 64;
-      for (int h = 0; h < 2; h++) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 32 * h), low[h]);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 64 + 32 * h), high[h]);
-      }
+      StoreGroup(buffer, g, low, high);
     }
     return buffer;
   }
@@ -2662,16 +2654,7 @@ struct TilesS {
       const int32_t less = kOffset * sub_sums[(r0 + r) * subs + j];
       for (int n = 0; n < outputs; n++) whole[r][n] += (c[r][n] - less) * scales[n];
     }
-    if (j % per != per - 1) return;
-    float d[32];
-    for (int n = 0; n < outputs; n++) d[n] = HalfFloat(w.d[((b + n / kLanes) * spans + s) * kLanes + n % kLanes]);
-    for (int64_t r = 0; r < live; r++) {
-      const float ts = term_scales[(r0 + r) * spans + s];
-      for (int n = 0; n < outputs; n++) {
-        total[r][n] = std::fma(static_cast<float>(whole[r][n]), d[n] * ts, total[r][n]);
-        whole[r][n] = 0;
-      }
-    }
+    if (j % per == per - 1) LeaveWhole(w.d, spans, s, term_scales, r0, live, b, blocks, whole, total);
   }
 };
 #endif
